@@ -1,0 +1,1 @@
+"""Backends that serve requests: the in-process engine adapter and llama-server."""

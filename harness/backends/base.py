@@ -1,0 +1,71 @@
+"""What every backend offers: serve one model in one mode and turn Requests into Results."""
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional, Protocol
+
+from harness import MODES
+from harness.errors import HarnessError
+from harness.request import Request
+from harness.result import Result
+
+
+def default_threads() -> int:
+    """Half the cores (at least one): spin barriers make all-core decoding slow on a busy 2-core box."""
+    return max(1, (os.cpu_count() or 2) // 2)
+
+
+@dataclass
+class ServeConfig:
+    """How to serve a model; fields use llama.cpp's parameter names (n_ctx is llama-server's `-c`, ...)."""
+
+    model: Path
+    mode: str = "seq"
+    parallel: int = 4
+    n_ctx: int = 4096
+    n_batch: int = 2048
+    n_ubatch: int = 512
+    flash_attn: str = "off"
+    cache_type_k: str = "f16"
+    cache_type_v: str = "f16"
+    threads: int = field(default_factory=default_threads)
+    seed: int = 42
+    draft_model: Optional[Path] = None
+    spec: dict = field(default_factory=dict)
+    """Speculative options under llama-server's names without the leading dashes (`spec-type`, ...)."""
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise HarnessError(f"unknown mode '{self.mode}' (use one of: {', '.join(MODES)})")
+        if self.flash_attn not in ("on", "off", "auto"):
+            raise HarnessError(f"flash_attn must be on, off or auto, not '{self.flash_attn}'")
+
+    @property
+    def n_slots(self) -> int:
+        """`seq` serves one slot; `par` and `no-kv-unified` serve `parallel` slots."""
+        return 1 if self.mode == "seq" else self.parallel
+
+    @property
+    def kv_unified(self) -> bool:
+        """`par` shares one KV stream between slots; `no-kv-unified` gives each slot its own."""
+        return self.mode == "par"
+
+
+class Session(Protocol):
+    """A model being served in one mode."""
+
+    def run(self, requests: list[Request]) -> list[Result]:
+        """Serve `requests` (one after another in `seq`, concurrently otherwise); one Result each, in order."""
+
+    def close(self) -> None:
+        """Free the model / stop the process."""
+
+
+class Backend(Protocol):
+    """A named way of serving models (`inproc`, `server`)."""
+
+    name: str
+
+    def open(self, config: ServeConfig) -> Session:
+        """Start serving `config.model`; raises HarnessError with a one-line reason when that fails."""

@@ -1,0 +1,420 @@
+"""Build llama-server (and llama-quantize) from a llama.cpp source tree, cached by source identity.
+
+A build lives in `cache_dir()/builds/<key>/` with `bin/llama-server`, `bin/llama-quantize`,
+`build-info.json` and `build.log`; the key hashes (source identity, backend, CMake arguments).
+Builds happen in a temporary sibling directory that is renamed into place only when complete.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.metadata
+import json
+import os
+import platform
+import re
+import shutil
+import subprocess
+import sys
+import tarfile
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Optional
+
+from harness.errors import HarnessError
+from harness.paths import cache_dir
+
+BACKENDS = ("cpu", "cuda", "metal")
+TARGETS = ("llama-server", "llama-quantize")
+SOURCE_SUFFIXES = frozenset(
+    ".c .cc .cpp .cxx .h .hh .hpp .inc .cu .cuh .m .mm .metal .comp .glsl .wgsl .cl .cmake .in .s .S".split()
+)
+SKIP_DIRS = frozenset({".git", "models", "node_modules", "__pycache__"})
+SOURCE_MARKER = ".specharness-source.json"
+"""Written into a tree extracted from the llama-cpp-python sdist: records the vendored llama.cpp commit."""
+LOG_TAIL_LINES = 40
+
+
+@dataclass
+class BuildInfo:
+    """A usable llama-server binary and where it came from (the content of `build-info.json`)."""
+
+    server_bin: Path
+    quantize_bin: Optional[Path]
+    commit: str
+    dirty: bool
+    backend: str
+    cmake_args: list[str]
+    compiler: str
+    built_at: str
+    source: str
+    source_identity: str
+    build_seconds: float = 0.0
+    cached: bool = False
+    """True when this call reused an existing build (not stored in build-info.json)."""
+
+    def to_json(self) -> dict:
+        data = asdict(self)
+        data.pop("cached")
+        data["server_bin"] = str(self.server_bin)
+        data["quantize_bin"] = str(self.quantize_bin) if self.quantize_bin else None
+        return data
+
+    @classmethod
+    def from_json(cls, data: dict, root: Path) -> "BuildInfo":
+        """Load `build-info.json` of the build in `root`; binary paths are resolved inside `root`."""
+        data = dict(data, cached=True)
+        data["server_bin"] = root / "bin" / "llama-server"
+        data["quantize_bin"] = root / "bin" / "llama-quantize"
+        return cls(**data)
+
+
+def cmake_options(backend: str, extra: list[str] = ()) -> list[str]:
+    """The CMake cache options for `backend` (cpu, cuda, metal) followed by the user's `extra` ones.
+
+    Self-contained Release binary, no network access at configure or build time (no curl, no openssl,
+    no web UI download), no tests or examples. `extra` comes last so it can override anything.
+    """
+    if backend not in BACKENDS:
+        raise HarnessError(f"unknown build backend '{backend}' (use one of: {', '.join(BACKENDS)})")
+    return [
+        "-DCMAKE_BUILD_TYPE=Release",
+        "-DBUILD_SHARED_LIBS=OFF",
+        f"-DGGML_CUDA={'ON' if backend == 'cuda' else 'OFF'}",
+        f"-DGGML_METAL={'ON' if backend == 'metal' else 'OFF'}",
+        "-DLLAMA_CURL=OFF",
+        "-DLLAMA_OPENSSL=OFF",
+        "-DLLAMA_BUILD_UI=OFF",
+        "-DLLAMA_USE_PREBUILT_UI=OFF",
+        "-DLLAMA_BUILD_TESTS=OFF",
+        "-DLLAMA_BUILD_EXAMPLES=OFF",
+        "-DLLAMA_BUILD_TOOLS=ON",
+        "-DLLAMA_BUILD_SERVER=ON",
+        *extra,
+    ]
+
+
+def check_platform(backend: str, system: Optional[str] = None) -> None:
+    """Refuse backends that cannot be built on `system` (default: this one); Metal needs macOS."""
+    system = system or platform.system()
+    if backend == "metal" and system != "Darwin":
+        raise HarnessError(f"the metal backend needs macOS, this is {system}; use --backend cpu or cuda")
+
+
+# ---------------------------------------------------------------------------------------- sources
+
+
+def vendored_source() -> Path:
+    """The llama.cpp tree vendored in the installed llama-cpp-python, fetched and extracted once.
+
+    Downloads the matching sdist with pip into the cache and extracts only `vendor/llama.cpp` into
+    `cache_dir()/src/llama.cpp-<version>/`, recording the submodule commit the sdist carries.
+    """
+    try:
+        version = importlib.metadata.version("llama-cpp-python")
+    except importlib.metadata.PackageNotFoundError:
+        raise HarnessError("llama-cpp-python is not installed; install it or pass --source DIR") from None
+    dest = cache_dir() / "src" / f"llama.cpp-{version}"
+    if (dest / SOURCE_MARKER).is_file():
+        return dest
+    sdist = _download_sdist(version)
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=dest.parent, prefix=".extract-") as tmp:
+        tree = Path(tmp) / "llama.cpp"
+        commit = _extract_vendored(sdist, tree)
+        (tree / SOURCE_MARKER).write_text(
+            json.dumps({"commit": commit, "origin": f"llama-cpp-python {version} sdist"}) + "\n"
+        )
+        try:
+            tree.rename(dest)
+        except OSError:
+            if not (dest / SOURCE_MARKER).is_file():  # not a concurrent extraction that won the race
+                raise
+    return dest
+
+
+def _download_sdist(version: str) -> Path:
+    """The llama-cpp-python sdist of `version` in `cache_dir()/downloads`, fetched with pip if missing."""
+    downloads = cache_dir() / "downloads"
+    name = f"llama_cpp_python-{version}.tar.gz"
+    if not (downloads / name).is_file():
+        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
+               "--dest", str(downloads), f"llama-cpp-python=={version}"]
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        if proc.returncode != 0 or not (downloads / name).is_file():
+            last = (proc.stderr.strip().splitlines() or ["no output"])[-1]
+            raise HarnessError(f"could not download the llama-cpp-python {version} sdist with pip: {last}")
+    return downloads / name
+
+
+def _extract_vendored(sdist: Path, tree: Path) -> str:
+    """Extract `<top>/vendor/llama.cpp/` of `sdist` into `tree`; return the submodule commit or 'unknown'."""
+    commit = "unknown"
+    with tarfile.open(sdist) as tar:
+        for member in tar:
+            top, _, rest = member.name.partition("/")
+            if rest == ".git/modules/vendor/llama.cpp/HEAD":
+                commit = tar.extractfile(member).read().decode().strip() or commit
+            elif rest.startswith("vendor/llama.cpp/") and rest != "vendor/llama.cpp/.git":
+                # the `.git` gitlink points into the sdist's own .git, which is not extracted
+                member.name = rest[len("vendor/llama.cpp/"):]
+                tar.extract(member, tree, filter="data")
+    if not (tree / "CMakeLists.txt").is_file():
+        raise HarnessError(f"{sdist.name} has no vendor/llama.cpp tree")
+    return commit
+
+
+@dataclass(frozen=True)
+class SourceIdentity:
+    """What a source tree is: its commit (or 'unknown') and a digest that changes with any edit."""
+
+    commit: str
+    dirty: bool
+    digest: str
+
+    def __str__(self) -> str:
+        return f"{self.commit}+{self.digest[:12]}" if self.dirty or self.commit == "unknown" else self.commit
+
+
+def source_identity(source: Path) -> SourceIdentity:
+    """Identity of a llama.cpp tree: git commit + hash of uncommitted changes, or a content hash.
+
+    A git checkout (the tree is the top of its own repository) is identified by HEAD plus a sha256
+    of `git diff HEAD` and of untracked source files. A plain tree is identified by a sha256 over
+    its source-like files (see `tree_digest`); its commit is read from the extraction marker.
+    """
+    if not (source / "CMakeLists.txt").is_file():
+        raise HarnessError(f"{source} is not a llama.cpp source tree (no CMakeLists.txt)")
+    head = _git(source, "rev-parse", "--show-toplevel", "HEAD")
+    if head and Path(head.splitlines()[0]).resolve() == source.resolve():
+        return _git_identity(source, head.splitlines()[1])
+    marker = source / SOURCE_MARKER
+    commit = json.loads(marker.read_text()).get("commit", "unknown") if marker.is_file() else "unknown"
+    return SourceIdentity(commit=commit, dirty=False, digest=tree_digest(source))
+
+
+def _git(source: Path, *args: str) -> Optional[str]:
+    """Output of `git -C source args...`, or None when git is missing or the command fails."""
+    try:
+        proc = subprocess.run(["git", "-C", str(source), *args], capture_output=True, timeout=60)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return proc.stdout.decode(errors="replace").strip() if proc.returncode == 0 else None
+
+
+def _git_identity(source: Path, commit: str) -> SourceIdentity:
+    digest = hashlib.sha256()
+    diff = subprocess.run(["git", "-C", str(source), "diff", "--binary", "HEAD"], capture_output=True, check=True)
+    digest.update(diff.stdout)
+    untracked = _git(source, "ls-files", "--others", "--exclude-standard", "-z") or ""
+    paths = sorted(p for p in untracked.split("\0") if p and _is_source(p))
+    for rel in paths:
+        digest.update(rel.encode() + b"\0" + (source / rel).read_bytes())
+    return SourceIdentity(commit=commit, dirty=bool(diff.stdout or paths), digest=digest.hexdigest())
+
+
+def _is_source(name: str) -> bool:
+    base = os.path.basename(name)
+    return base == "CMakeLists.txt" or os.path.splitext(base)[1] in SOURCE_SUFFIXES
+
+
+def tree_digest(source: Path) -> str:
+    """sha256 over the relative path and bytes of every source-like file under `source`.
+
+    Skips `.git`, `models/`, `node_modules/`, `build*` directories and hidden directories.
+    """
+    files: list[str] = []
+    stack = [""]
+    while stack:
+        rel = stack.pop()
+        with os.scandir(source / rel) as entries:
+            for entry in entries:
+                path = f"{rel}/{entry.name}" if rel else entry.name
+                if entry.is_dir(follow_symlinks=False):
+                    if entry.name not in SKIP_DIRS and not entry.name.startswith((".", "build")):
+                        stack.append(path)
+                elif entry.is_file() and _is_source(entry.name):
+                    files.append(path)
+    digest = hashlib.sha256()
+    for rel in sorted(files):
+        digest.update(rel.encode() + b"\0" + (source / rel).read_bytes() + b"\0")
+    return digest.hexdigest()
+
+
+# ------------------------------------------------------------------------------------------ builds
+
+
+def build_key(identity: SourceIdentity, backend: str, args: list[str]) -> str:
+    """The cache directory name of a build: backend, short commit and a hash of everything that matters."""
+    blob = json.dumps({"source": [identity.commit, identity.digest], "backend": backend, "cmake": args})
+    return f"{backend}-{identity.commit[:8]}-{hashlib.sha256(blob.encode()).hexdigest()[:16]}"
+
+
+def ensure_server(
+    source: Optional[Path] = None,
+    backend: str = "cpu",
+    cmake_args: Optional[list[str]] = None,
+    jobs: Optional[int] = None,
+    server_bin: Optional[Path] = None,
+) -> BuildInfo:
+    """A llama-server for (source, backend, extra CMake args): cached if built before, else built now.
+
+    `source` None means the tree vendored in the installed llama-cpp-python; `cmake_args` are
+    appended to `cmake_options(backend)`; `jobs` None uses every core. `server_bin` skips building
+    and only validates that binary. Raises HarnessError with a one-line reason (a failed build also
+    carries the last lines of its log).
+    """
+    if server_bin is not None:
+        return prebuilt_server(server_bin)
+    check_platform(backend)
+    args = cmake_options(backend, list(cmake_args or []))
+    source = (source or vendored_source()).resolve()
+    identity = source_identity(source)
+    builds = cache_dir() / "builds"
+    root = builds / build_key(identity, backend, args)
+    info_file = root / "build-info.json"
+    if info_file.is_file() and (root / "bin" / "llama-server").is_file():
+        return BuildInfo.from_json(json.loads(info_file.read_text()), root)
+    return _build(source, identity, backend, args, root, jobs or os.cpu_count() or 1)
+
+
+def prebuilt_server(server_bin: Path) -> BuildInfo:
+    """BuildInfo for an existing llama-server binary (commit from `--version`); validates it runs."""
+    server_bin = require_executable(Path(server_bin).expanduser().resolve())
+    try:
+        proc = subprocess.run([str(server_bin), "--version"], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired) as err:
+        raise HarnessError(f"{server_bin} does not run: {err}") from None
+    found = re.search(r"version: \S+ \((\w+)\)", proc.stdout + proc.stderr)
+    if proc.returncode != 0 or not found:
+        raise HarnessError(f"{server_bin} does not look like llama-server (`--version` printed no version)")
+    quantize = server_bin.with_name("llama-quantize")
+    return BuildInfo(
+        server_bin=server_bin, quantize_bin=quantize if quantize.is_file() else None, commit=found.group(1),
+        dirty=False, backend="unknown", cmake_args=[], compiler="unknown", built_at="unknown",
+        source="unknown", source_identity=found.group(1), cached=True,
+    )
+
+
+def require_executable(path: Path) -> Path:
+    """`path` if it is an executable file, else HarnessError."""
+    if not Path(path).is_file() or not os.access(path, os.X_OK):
+        raise HarnessError(f"llama-server binary {path} does not exist or is not executable")
+    return path
+
+
+def _build(source: Path, identity: SourceIdentity, backend: str, args: list[str], root: Path, jobs: int) -> BuildInfo:
+    """Configure and build into `<root>.tmp-<pid>`, keep bin/ + info + log, rename to `root`."""
+    root.parent.mkdir(parents=True, exist_ok=True)
+    _remove_stale_temps(root)
+    tmp = root.with_name(f"{root.name}.tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        info = _build_into(tmp, source, identity, backend, args, root, jobs)
+        tmp.rename(root)
+    except OSError:
+        if not (root / "build-info.json").is_file():
+            raise
+        info = BuildInfo.from_json(json.loads((root / "build-info.json").read_text()), root)  # a concurrent build won
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return info
+
+
+def _build_into(tmp: Path, source: Path, identity: SourceIdentity, backend: str, args: list[str], root: Path,
+                jobs: int) -> BuildInfo:
+    cmake_dir = tmp / "cmake"
+    log_path = tmp / "build.log"
+    cmake_dir.mkdir(parents=True)
+    started = time.monotonic()
+    print(f"building llama-server {identity} ({backend}) with {jobs} jobs; log: {log_path}", file=sys.stderr)
+    with open(log_path, "w") as log:
+        for step, cmd in (
+            ("configure", ["cmake", "-S", str(source), "-B", str(cmake_dir), *_toolchain_args(backend), *args]),
+            ("build", ["cmake", "--build", str(cmake_dir), "-j", str(jobs), "--target", *TARGETS]),
+        ):
+            log.write("$ " + " ".join(cmd) + "\n")
+            log.flush()
+            if _run_logged(cmd, log) != 0:
+                _fail(root, log_path, step)
+    (tmp / "bin").mkdir()
+    for target in TARGETS:
+        (cmake_dir / "bin" / target).rename(tmp / "bin" / target)
+    info = BuildInfo(
+        server_bin=root / "bin" / "llama-server", quantize_bin=root / "bin" / "llama-quantize",
+        commit=identity.commit, dirty=identity.dirty, backend=backend, cmake_args=args,
+        compiler=_compiler(cmake_dir), built_at=time.strftime("%Y-%m-%dT%H:%M:%S%z"), source=str(source),
+        source_identity=str(identity), build_seconds=round(time.monotonic() - started, 1),
+    )
+    (tmp / "build-info.json").write_text(json.dumps(info.to_json(), indent=2) + "\n")
+    shutil.rmtree(cmake_dir)
+    return info
+
+
+def _toolchain_args(backend: str) -> list[str]:
+    """Generator and compiler launcher options that do not change the binary (not part of the key)."""
+    args = ["-G", "Ninja"] if shutil.which("ninja") else []
+    if shutil.which("ccache"):
+        langs = ("C", "CXX", "CUDA") if backend == "cuda" else ("C", "CXX")
+        args += [f"-DCMAKE_{lang}_COMPILER_LAUNCHER=ccache" for lang in langs]
+    return args
+
+
+def _run_logged(cmd: list[str], log) -> int:
+    """Run `cmd` with stdout and stderr appended to `log`; kills it (and re-raises) on Ctrl-C."""
+    try:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+    except OSError as err:
+        raise HarnessError(f"cannot run {cmd[0]}: {err}") from None
+    try:
+        return proc.wait()
+    except BaseException:
+        proc.kill()
+        proc.wait()
+        raise
+
+
+def _fail(root: Path, log_path: Path, step: str) -> None:
+    """Keep the log as `<root>.failed.log` and raise with its last lines."""
+    kept = root.with_name(f"{root.name}.failed.log")
+    log_path.replace(kept)
+    tail = "\n".join(kept.read_text(errors="replace").splitlines()[-LOG_TAIL_LINES:])
+    raise HarnessError(f"llama.cpp {step} failed (full log: {kept}); last lines:\n{tail}")
+
+
+def _remove_stale_temps(root: Path) -> None:
+    """Delete `<root>.tmp-<pid>` trees left by builds whose process no longer runs."""
+    for tmp in root.parent.glob(f"{root.name}.tmp-*"):
+        pid = tmp.name.rsplit("-", 1)[1]
+        if pid.isdigit() and not _pid_alive(int(pid)):
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _compiler(cmake_dir: Path) -> str:
+    """'<id> <version> (<path>)' of the C++ (and CUDA) compiler, read from the CMake cache/files."""
+    cache = (cmake_dir / "CMakeCache.txt").read_text(errors="replace")
+    parts = []
+    for lang in ("CXX", "CUDA"):
+        path = re.search(rf"^CMAKE_{lang}_COMPILER:\w+=(.+)$", cache, re.M)
+        if not path or path.group(1).endswith("NOTFOUND"):
+            continue
+        desc = path.group(1)
+        for spec in cmake_dir.glob(f"CMakeFiles/*/CMake{lang}Compiler.cmake"):
+            text = spec.read_text(errors="replace")
+            cid = re.search(rf'set\(CMAKE_{lang}_COMPILER_ID "([^"]*)"\)', text)
+            ver = re.search(rf'set\(CMAKE_{lang}_COMPILER_VERSION "([^"]*)"\)', text)
+            desc = f"{cid.group(1) if cid else '?'} {ver.group(1) if ver else '?'} ({desc})"
+        parts.append(desc)
+    return "; ".join(parts) or "unknown"

@@ -1,0 +1,37 @@
+"""`specharness build`: build (or find in the cache) llama-server for a source tree and backend."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+from harness.backends.build import BACKENDS, ensure_server
+
+
+def cmd_build(args: argparse.Namespace) -> int:
+    """Build or reuse llama-server and print where it is (`--json`: the whole BuildInfo)."""
+    started = time.monotonic()
+    info = ensure_server(args.source, args.backend, args.cmake_arg, args.jobs, server_bin=args.server_bin)
+    if args.json:
+        print(json.dumps(dict(info.to_json(), cached=info.cached), indent=1))
+        return 0
+    how = "cached" if info.cached else f"built in {info.build_seconds:.0f} s"
+    print(f"llama-server  {info.server_bin}")
+    print(f"commit        {info.source_identity} ({info.backend}, {how}, {time.monotonic() - started:.1f} s)")
+    return 0
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    """Register `specharness build`."""
+    p = sub.add_parser("build", help="build llama-server from llama.cpp sources (cached by source identity)")
+    p.add_argument("--source", type=Path, metavar="DIR",
+                   help="llama.cpp checkout or plain tree (default: the tree vendored in the installed llama-cpp-python)")
+    p.add_argument("--backend", choices=BACKENDS, default="cpu", help="GPU backend to compile in (default cpu)")
+    p.add_argument("--cmake-arg", action="append", default=[], metavar="ARG",
+                   help="extra CMake argument, e.g. -DGGML_NATIVE=OFF (repeatable; part of the cache key)")
+    p.add_argument("--jobs", type=int, metavar="N", help="parallel compile jobs (default: all cores)")
+    p.add_argument("--server-bin", type=Path, metavar="PATH", help="use this llama-server binary instead of building")
+    p.add_argument("--json", action="store_true", help="print the build info as JSON")
+    p.set_defaults(func=cmd_build)

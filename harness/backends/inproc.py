@@ -1,0 +1,44 @@
+"""The in-process backend: our own engine on llama-cpp-python, behind the Backend protocol."""
+
+from harness.backends.base import ServeConfig
+from harness.engine import ContextParams, Engine
+from harness.request import Request
+from harness.result import Result
+
+
+def context_params(config: ServeConfig) -> ContextParams:
+    """The engine's context options for a serve config (`seq` = 1 slot; `par` = unified KV)."""
+    return ContextParams(
+        n_ctx=config.n_ctx,
+        n_batch=config.n_batch,
+        n_ubatch=config.n_ubatch,
+        parallel=config.n_slots,
+        kv_unified=config.kv_unified,
+        flash_attn=config.flash_attn,
+        cache_type_k=config.cache_type_k,
+        cache_type_v=config.cache_type_v,
+        threads=config.threads,
+        seed=config.seed,
+    )
+
+
+class InprocSession:
+    """An Engine serving one model in one mode."""
+
+    def __init__(self, config: ServeConfig):
+        self.engine = Engine(config.model, context_params(config))
+
+    def run(self, requests: list[Request]) -> list[Result]:
+        return self.engine.run(requests)
+
+    def close(self) -> None:
+        self.engine.close()
+
+
+class InprocBackend:
+    """`--backend inproc`."""
+
+    name = "inproc"
+
+    def open(self, config: ServeConfig) -> InprocSession:
+        return InprocSession(config)

@@ -1,0 +1,266 @@
+"""One llama-server process: flags mapped one to one from fields, loopback only, its own log file.
+
+Modelled on llama.cpp's tools/server/tests/utils.py: start, wait on /health, stop. The process gets
+its own process group so stop() can SIGTERM then SIGKILL everything it started; stop() also runs
+on context-manager exit (exceptions, Ctrl-C) and at interpreter exit.
+"""
+
+from __future__ import annotations
+
+import atexit
+import functools
+import os
+import signal
+import socket
+import subprocess
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+import requests
+
+from harness.backends.base import ServeConfig, default_threads
+from harness.backends.build import require_executable
+from harness.errors import HarnessError
+
+HOST = "127.0.0.1"
+STOP_GRACE_S = 5.0
+LOG_TAIL_LINES = 20
+_RUNNING: set["LlamaServer"] = set()
+
+
+@dataclass(eq=False)
+class LlamaServer:
+    """A llama-server process; each field below the binary maps onto one command-line flag."""
+
+    server_bin: Path
+    model: Path  # -m
+    draft_model: Optional[Path] = None  # -md
+    ctx_size: int = 4096  # -c
+    batch_size: int = 2048  # -b
+    ubatch_size: int = 512  # -ub
+    parallel: int = 1  # -np
+    kv_unified: bool = False  # --kv-unified / --no-kv-unified
+    flash_attn: str = "off"  # -fa
+    cache_type_k: str = "f16"  # -ctk
+    cache_type_v: str = "f16"  # -ctv
+    threads: int = field(default_factory=default_threads)  # -t
+    seed: int = 42  # -s
+    spec: dict = field(default_factory=dict)  # --<key> <value> for every speculative option
+    cache_prompt: bool = True  # --no-cache-prompt when False
+    slot_save_path: Optional[Path] = None  # --slot-save-path
+    metrics: bool = False  # --metrics
+    warmup: bool = True  # --no-warmup when False
+    port: Optional[int] = None  # --port; None picks a free loopback port
+    log_path: Optional[Path] = None  # stdout + stderr; None = a file in a new temp dir
+    start_timeout: float = 60.0  # seconds for /health to answer 200
+
+    process: Optional[subprocess.Popen] = field(default=None, init=False, repr=False)
+
+    @classmethod
+    def from_config(cls, config: ServeConfig, server_bin: Path, **options) -> "LlamaServer":
+        """The server for a ServeConfig: `seq` = one slot, `par` = N slots sharing one KV stream,
+        `no-kv-unified` = N slots with a KV stream each. `options` sets the remaining fields."""
+        return cls(
+            server_bin=server_bin, model=config.model, draft_model=config.draft_model,
+            ctx_size=config.ctx_size, batch_size=config.batch_size, ubatch_size=config.ubatch_size,
+            parallel=config.n_slots, kv_unified=config.kv_unified, flash_attn=config.flash_attn,
+            cache_type_k=config.cache_type_k, cache_type_v=config.cache_type_v, threads=config.threads,
+            seed=config.seed, spec=dict(config.spec), **options,
+        )
+
+    @property
+    def url(self) -> str:
+        return f"http://{HOST}:{self.port}"
+
+    def command(self) -> list[str]:
+        """The llama-server command line for the current fields (port must be set)."""
+        cmd = [
+            str(self.server_bin), "--host", HOST, "--port", str(self.port), "-m", str(self.model),
+            "-c", str(self.ctx_size), "-b", str(self.batch_size), "-ub", str(self.ubatch_size),
+            "-np", str(self.parallel), "--kv-unified" if self.kv_unified else "--no-kv-unified",
+            "-fa", self.flash_attn, "-ctk", self.cache_type_k, "-ctv", self.cache_type_v,
+            "-t", str(self.threads), "-s", str(self.seed),
+        ]
+        if self.draft_model:
+            cmd += ["-md", str(self.draft_model)]
+        for key, value in self.spec.items():
+            cmd += _spec_flag(key, value)
+        if not self.cache_prompt:
+            cmd.append("--no-cache-prompt")
+        if self.slot_save_path:
+            cmd += ["--slot-save-path", str(self.slot_save_path)]
+        if self.metrics:
+            cmd.append("--metrics")
+        if not self.warmup:
+            cmd.append("--no-warmup")
+        if "-fit" in server_flags(self.server_bin):
+            cmd += ["-fit", "off"]  # otherwise -c may be shrunk to fit free device memory
+        return cmd
+
+    # ------------------------------------------------------------------------------ life cycle
+
+    def start(self) -> "LlamaServer":
+        """Start the process and wait until /health says ok; HarnessError (one line) otherwise."""
+        require_executable(self.server_bin)
+        if not Path(self.model).is_file():
+            raise HarnessError(f"model file {self.model} does not exist")
+        if self.port is None:
+            self.port = free_port()
+        elif not port_is_free(self.port):
+            raise HarnessError(f"port {self.port} on {HOST} is already in use")
+        if self.log_path is None:
+            self.log_path = Path(tempfile.mkdtemp(prefix="specharness-server-")) / "llama-server.log"
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        cmd = self.command()
+        env = {k: v for k, v in os.environ.items() if not k.startswith("LLAMA_ARG_")}  # flags only
+        with open(self.log_path, "w") as log:
+            log.write("$ " + " ".join(cmd) + "\n")
+            log.flush()
+            self.process = subprocess.Popen(
+                cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, env=env,
+                start_new_session=True,
+            )
+        _RUNNING.add(self)
+        try:
+            self._wait_healthy()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def _wait_healthy(self) -> None:
+        deadline = time.monotonic() + self.start_timeout
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise HarnessError(self._startup_failure())
+            try:
+                if requests.get(f"{self.url}/health", timeout=2).status_code == 200:
+                    return
+            except requests.RequestException:
+                pass  # not listening yet
+            time.sleep(0.1)
+        raise HarnessError(f"llama-server was not ready within {self.start_timeout:.0f} s (log: {self.log_path})")
+
+    def _startup_failure(self) -> str:
+        """One line saying why the process exited before becoming healthy."""
+        tail = self.log_tail()
+        if "failed to load model" in tail or "error loading model" in tail:
+            reason = _first_line_with(tail, ("error loading model", "failed to load model"))
+            return f"llama-server could not load model {self.model}: {reason} (log: {self.log_path})"
+        last = (tail.strip().splitlines() or ["no output"])[-1].strip()
+        return f"llama-server {describe_exit(self.process.returncode)} during start-up: {last} (log: {self.log_path})"
+
+    def stop(self) -> None:
+        """SIGTERM the process group, SIGKILL it after a grace period; safe to call repeatedly."""
+        _RUNNING.discard(self)
+        if self.process is None or self.process.returncode is not None:
+            return
+        for sig in (signal.SIGTERM, signal.SIGKILL):
+            try:
+                os.killpg(self.process.pid, sig)
+            except ProcessLookupError:
+                pass
+            try:
+                self.process.wait(timeout=STOP_GRACE_S)
+                return
+            except subprocess.TimeoutExpired:
+                continue
+
+    def __enter__(self) -> "LlamaServer":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    # ------------------------------------------------------------------------------ inspection
+
+    @property
+    def alive(self) -> bool:
+        return self.process is not None and self.process.poll() is None
+
+    def wait_exit(self, timeout: float) -> Optional[int]:
+        """The exit status once the process has ended within `timeout` seconds, else None."""
+        try:
+            return self.process.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            return None
+
+    def log_tail(self, lines: int = LOG_TAIL_LINES) -> str:
+        """The last `lines` lines of the server log."""
+        try:
+            text = Path(self.log_path).read_text(errors="replace")
+        except OSError:
+            return ""
+        return "\n".join(text.splitlines()[-lines:])
+
+    def crash_report(self) -> str:
+        """How the process ended plus the end of its log (for a Result's `error`)."""
+        return f"llama-server {describe_exit(self.process.returncode)}; log {self.log_path} ends with:\n{self.log_tail()}"
+
+
+def _spec_flag(key: str, value) -> list[str]:
+    """`--key value` for a speculative option; True = bare flag, False/None = left out, lists comma-joined."""
+    flag = "--" + key.lstrip("-")
+    if value is True:
+        return [flag]
+    if value is False or value is None:
+        return []
+    if isinstance(value, (list, tuple)):
+        value = ",".join(str(v) for v in value)
+    return [flag, str(value)]
+
+
+def _first_line_with(text: str, needles: tuple[str, ...]) -> str:
+    for line in text.splitlines():
+        if any(n in line for n in needles):
+            return line.strip()
+    return ""
+
+
+def describe_exit(returncode: Optional[int]) -> str:
+    """'exited with code 1' / 'was killed by SIGABRT' / 'is still running'."""
+    if returncode is None:
+        return "is still running"
+    if returncode < 0:
+        try:
+            return f"was killed by {signal.Signals(-returncode).name}"
+        except ValueError:
+            return f"was killed by signal {-returncode}"
+    return f"exited with code {returncode}"
+
+
+def free_port() -> int:
+    """A TCP port on the loopback interface that nothing listens on right now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((HOST, 0))
+        return sock.getsockname()[1]
+
+
+def port_is_free(port: int) -> bool:
+    """Whether a server could bind `port` on the loopback interface (SO_REUSEADDR, as llama-server)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((HOST, port))
+        except OSError:
+            return False
+    return True
+
+
+@functools.lru_cache(maxsize=None)
+def server_flags(server_bin: Path) -> frozenset[str]:
+    """The flags a llama-server binary accepts, parsed once from its `--help`."""
+    try:
+        proc = subprocess.run([str(server_bin), "--help"], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired) as err:
+        raise HarnessError(f"cannot run {server_bin} --help: {err}") from None
+    return frozenset(word.rstrip(",") for word in (proc.stdout + proc.stderr).split() if word.startswith("-"))
+
+
+@atexit.register
+def _stop_all() -> None:
+    for server in list(_RUNNING):
+        server.stop()

@@ -1,0 +1,153 @@
+"""The `server` backend: serve a ServeConfig with a llama-server process, Requests → Results.
+
+    with ServerBackend().open(ServeConfig(model=path, mode="par")) as session:
+        results = session.run(requests)
+
+A server that dies during a request (assert → SIGABRT, segfault, SIGKILL, fatal decode error)
+turns that request into a Result with `stop_reason="crashed"`; the session starts a fresh server
+and goes on with the next request.
+"""
+
+from __future__ import annotations
+
+import itertools
+import tempfile
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any, Optional
+
+from harness.backends.base import ServeConfig
+from harness.backends.build import BuildInfo, ensure_server
+from harness.backends.client import ConnectionLost, LlamaClient, RequestTimedOut, ServerError
+from harness.backends.server import LlamaServer
+from harness.request import Request
+from harness.result import Result
+
+CRASH_GRACE_S = 5.0
+"""How long a dropped connection or 5xx may take to show up as a process exit."""
+
+
+class ServerBackend:
+    """Serves models with llama-server; `build` None means the default CPU build of the vendored tree.
+
+    `run_dir` receives one log file per server start (a temp dir when None). `fields` are extra
+    /completion fields for every request (see client.COMPLETION_FIELDS). `server_options` set the
+    LlamaServer fields a ServeConfig has no say on (`cache_prompt`, `metrics`, `slot_save_path`,
+    `warmup`, `start_timeout`).
+    """
+
+    name = "server"
+
+    def __init__(
+        self,
+        build: Optional[BuildInfo] = None,
+        run_dir: Optional[Path] = None,
+        request_timeout: float = 300.0,
+        fields: Optional[dict[str, Any]] = None,
+        **server_options: Any,
+    ):
+        self.build = build
+        self.run_dir = run_dir
+        self.request_timeout = request_timeout
+        self.fields = dict(fields or {})
+        self.server_options = server_options
+
+    def open(self, config: ServeConfig) -> "ServerSession":
+        """Start llama-server for `config` and wait until it is healthy."""
+        self.build = self.build or ensure_server()
+        run_dir = Path(self.run_dir) if self.run_dir else Path(tempfile.mkdtemp(prefix="specharness-server-"))
+        session = ServerSession(config, self.build, run_dir, self.request_timeout, self.fields, self.server_options)
+        session.start()
+        return session
+
+
+class ServerSession:
+    """A model served by llama-server in one mode; restarts the server after a crash."""
+
+    def __init__(self, config: ServeConfig, build: BuildInfo, run_dir: Path, request_timeout: float,
+                 fields: dict[str, Any], server_options: dict[str, Any]):
+        self.config = config
+        self.build = build
+        self.run_dir = run_dir
+        self.request_timeout = request_timeout
+        self.fields = fields
+        self.server_options = server_options
+        self.server: Optional[LlamaServer] = None
+        self.starts = 0
+        self._lock = threading.Lock()
+        self._closed = False
+
+    def start(self) -> None:
+        """(Re)start the server with a fresh port and a new log file in run_dir."""
+        self.starts += 1
+        log = _free_log_name(self.run_dir, f"llama-server-{self.config.mode}")
+        self.server = LlamaServer.from_config(
+            self.config, self.build.server_bin, log_path=log, **self.server_options
+        ).start()
+
+    def run(self, requests: list[Request]) -> list[Result]:
+        """One Result per request, in order: one at a time in `seq`, n_slots at a time otherwise."""
+        if self.config.n_slots == 1:
+            return [self._serve(r) for r in requests]
+        pool = ThreadPoolExecutor(max_workers=self.config.n_slots, thread_name_prefix="llama-client")
+        try:
+            return list(pool.map(self._serve, requests))
+        except BaseException:
+            self.close()  # in-flight requests fail fast instead of running to completion
+            raise
+        finally:
+            pool.shutdown(wait=True, cancel_futures=True)
+
+    def _serve(self, request: Request) -> Result:
+        with self._lock:
+            if not self.server.alive:  # it died after its last answer
+                self._restart(self.server)
+            server = self.server
+        try:
+            return LlamaClient(server.url, self.request_timeout).complete(request, self.fields)
+        except (ConnectionLost, ServerError) as err:
+            return self._failed(server, err)
+        except RequestTimedOut as err:
+            with self._lock:
+                self._restart(server)
+            return Result(stop_reason="error", error=f"{err}; llama-server was restarted")
+
+    def _failed(self, server: LlamaServer, err: Exception) -> Result:
+        """A dropped connection or a 5xx: `crashed` if the process ended, else a plain error."""
+        with self._lock:
+            if server.wait_exit(CRASH_GRACE_S) is None:
+                return Result(stop_reason="error", error=str(err))
+            report = server.crash_report()
+            self._restart(server)
+        return Result(stop_reason="crashed", error=report)
+
+    def _restart(self, server: LlamaServer) -> None:
+        """Replace `server` (stopped if still running) unless another thread already did or we are closed."""
+        server.stop()
+        if server is self.server and not self._closed:
+            self.start()
+
+    def close(self) -> None:
+        """Stop the server; the session cannot be used afterwards."""
+        self._closed = True
+        if self.server is not None:
+            self.server.stop()
+
+    def __enter__(self) -> "ServerSession":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _free_log_name(run_dir: Path, stem: str) -> Path:
+    """Claim `run_dir/<stem>-<n>.log` for the smallest n not taken yet."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    for n in itertools.count(1):
+        path = run_dir / f"{stem}-{n}.log"
+        try:
+            path.open("x").close()
+            return path
+        except FileExistsError:
+            continue

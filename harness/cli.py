@@ -1,0 +1,49 @@
+"""The `specharness` command line: thin, each subcommand delegates to the module of its concern."""
+
+import argparse
+import sys
+
+from harness import __version__
+from harness.errors import HarnessError
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser with one subcommand per concern (each module adds its own)."""
+    from harness import kvscan, runner
+    from harness.backends import build_cli
+    from harness.models import cli as models_cli
+
+    parser = argparse.ArgumentParser(
+        prog="specharness",
+        description="Determinism and regression harness for speculative decoding in llama.cpp.",
+    )
+    parser.add_argument("--version", action="version", version=f"specharness {__version__}")
+    parser.add_argument("--verbose", action="store_true", help="show llama.cpp's own log output")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for module in (runner, models_cli, kvscan, build_cli):
+        module.add_parser(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the console script (no command = `run`); returns the process exit status."""
+    argv = sys.argv[1:] if argv is None else argv
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command is None:
+        args = parser.parse_args([*argv, "run"])
+    from harness.engine.logging import set_llama_verbose
+
+    set_llama_verbose(args.verbose)
+    try:
+        return int(args.func(args) or 0)
+    except HarnessError as err:
+        print(f"specharness: error: {err}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("specharness: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

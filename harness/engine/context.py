@@ -1,0 +1,112 @@
+"""A llama context on a loaded model: creation options, decode, logits, memory and state calls."""
+
+import ctypes
+from dataclasses import dataclass, field
+
+import numpy as np
+import llama_cpp
+
+from harness.backends.base import default_threads
+from harness.engine.batch import Batch
+from harness.engine.model import Model
+from harness.errors import HarnessError
+
+CACHE_TYPES = {"f32": 0, "f16": 1, "q4_0": 2, "q4_1": 3, "q5_0": 6, "q5_1": 7, "q8_0": 8, "bf16": 30}
+"""llama-server's `-ctk/-ctv` names → ggml_type ids."""
+FLASH_ATTN = {"auto": -1, "off": 0, "on": 1}
+
+
+@dataclass
+class ContextParams:
+    """Context creation options, named like llama.cpp's parameters behind llama-server's flags."""
+
+    n_ctx: int = 4096
+    n_batch: int = 2048
+    n_ubatch: int = 512
+    parallel: int = 1
+    kv_unified: bool = False
+    flash_attn: str = "off"
+    cache_type_k: str = "f16"
+    cache_type_v: str = "f16"
+    threads: int = field(default_factory=default_threads)
+    seed: int = 42
+    n_rs_seq: int = 0
+
+    def to_llama(self) -> llama_cpp.llama_context_params:
+        """The C struct for `llama_init_from_model`."""
+        for name, value in (("cache_type_k", self.cache_type_k), ("cache_type_v", self.cache_type_v)):
+            if value not in CACHE_TYPES:
+                raise HarnessError(f"unknown {name} '{value}' (use one of: {', '.join(CACHE_TYPES)})")
+        if self.flash_attn not in FLASH_ATTN:
+            raise HarnessError(f"flash_attn must be on, off or auto, not '{self.flash_attn}'")
+        p = llama_cpp.llama_context_default_params()
+        p.n_ctx = self.n_ctx
+        p.n_batch = self.n_batch
+        p.n_ubatch = self.n_ubatch
+        p.n_seq_max = self.parallel
+        p.n_rs_seq = self.n_rs_seq
+        p.kv_unified = self.kv_unified
+        p.flash_attn_type = FLASH_ATTN[self.flash_attn]
+        p.type_k = CACHE_TYPES[self.cache_type_k]
+        p.type_v = CACHE_TYPES[self.cache_type_v]
+        p.n_threads = p.n_threads_batch = self.threads
+        p.no_perf = True
+        return p
+
+
+class Context:
+    """One llama_context: the slots' sequences live in its memory (seq id = slot id)."""
+
+    def __init__(self, model: Model, params: ContextParams):
+        self.model = model
+        self.params = params
+        self.ptr = llama_cpp.llama_init_from_model(model.ptr, params.to_llama())
+        if not self.ptr:
+            raise HarnessError(
+                f"llama.cpp could not create a context for {model.path.name} with {params} (see --verbose)"
+            )
+        self.memory = llama_cpp.llama_get_memory(self.ptr)
+        self.n_ctx_seq = llama_cpp.llama_n_ctx_seq(self.ptr)
+        self.n_batch = llama_cpp.llama_n_batch(self.ptr)
+        self.n_rs_seq = llama_cpp.llama_n_rs_seq(self.ptr)
+
+    def new_batch(self) -> Batch:
+        """A batch as large as the context accepts in one decode."""
+        return Batch(self.n_batch)
+
+    def decode(self, batch: Batch) -> int:
+        """llama_decode's status: 0 ok, 1 no KV slot, 2 aborted, -1 invalid batch, < -1 compute error."""
+        return llama_cpp.llama_decode(self.ptr, batch.struct)
+
+    def logits(self, index: int) -> np.ndarray:
+        """The logits of output row `index` of the last decode (a view, valid until the next decode)."""
+        ptr = llama_cpp.llama_get_logits_ith(self.ptr, index)
+        if not ptr:
+            raise RuntimeError(f"batch row {index} has no logits")
+        return np.ctypeslib.as_array(ptr, shape=(self.model.n_vocab,))
+
+    def seq_rm(self, seq_id: int, p0: int = -1, p1: int = -1) -> bool:
+        """Remove positions [p0, p1) of a sequence (-1 = open end); False when the memory refuses."""
+        return bool(llama_cpp.llama_memory_seq_rm(self.memory, seq_id, p0, p1))
+
+    def seq_pos_max(self, seq_id: int) -> int:
+        """The last cached position of a sequence, -1 when empty."""
+        return llama_cpp.llama_memory_seq_pos_max(self.memory, seq_id)
+
+    def state_seq(self, seq_id: int, flags: int = 0) -> bytes:
+        """The serialized state of one sequence (`llama_state_seq_get_data_ext`)."""
+        size = llama_cpp.llama_state_seq_get_size_ext(self.ptr, seq_id, flags)
+        buf = (ctypes.c_uint8 * size)()
+        n = llama_cpp.llama_state_seq_get_data_ext(self.ptr, buf, size, seq_id, flags)
+        return bytes(buf[:n])
+
+    def set_state_seq(self, seq_id: int, data: bytes, flags: int = 0) -> bool:
+        """Restore one sequence from `state_seq` bytes; False (and an empty sequence) on failure."""
+        buf = (ctypes.c_uint8 * len(data)).from_buffer_copy(data)
+        return llama_cpp.llama_state_seq_set_data_ext(self.ptr, buf, len(data), seq_id, flags) > 0
+
+    def close(self) -> None:
+        """Free the context (the model stays loaded)."""
+        if self.ptr:
+            llama_cpp.llama_free(self.ptr)
+            self.ptr = None

@@ -1,0 +1,48 @@
+"""The interface every drafter implements, mirroring llama.cpp's `common_speculative_impl`."""
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+
+@dataclass
+class DraftRequest:
+    """What a drafter sees for one slot at one step.
+
+    `history` holds every token decoded into the target for this slot (prompt, then accepted output),
+    at positions 0..len(history)-1; `id_last` is the last sampled token, not yet decoded, which will sit
+    at position len(history); `n_max` caps this step's draft.
+    """
+
+    seq_id: int
+    history: list[int]
+    id_last: int
+    n_max: int
+
+
+class Drafter(ABC):
+    """One drafter. The engine calls `begin` once per request after the prompt, `draft` at each step,
+    `accept` after each verification of a step that had a draft (`is_other`: another drafter of the
+    chain produced it), `process` after every target decode, `truncate` after every rollback and `end`
+    when the request ends (only draft models need the last three)."""
+
+    name: str = ""
+
+    @abstractmethod
+    def begin(self, seq_id: int, prompt: list[int]) -> None:
+        """A request starts on `seq_id` with this prompt."""
+
+    @abstractmethod
+    def draft(self, req: DraftRequest) -> list[int]:
+        """Proposed tokens to follow `req.id_last` (may be empty: no draft this step)."""
+
+    def accept(self, seq_id: int, n_accepted: int, is_other: bool) -> None:
+        """The target accepted `n_accepted` tokens of the last draft of `seq_id`."""
+
+    def process(self, entries: list[tuple[int, int, int, bool]]) -> None:
+        """The target decoded these (token, pos, seq_id, logits) entries."""
+
+    def truncate(self, seq_id: int, n_keep: int) -> None:
+        """The target rolled `seq_id` back to its first `n_keep` positions."""
+
+    def end(self, seq_id: int) -> None:
+        """The request on `seq_id` ended; its positions are gone from the target."""

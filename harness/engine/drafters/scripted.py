@@ -1,0 +1,70 @@
+"""A deterministic drafter for tests: proposes tokens from a script of the target's expected output."""
+
+from collections.abc import Callable
+
+from harness.engine.drafters.base import DraftRequest, Drafter
+
+WrongAt = set[int] | Callable[[int, int, int], bool]
+
+
+class Scripted(Drafter):
+    """Propose the next tokens of a script, optionally corrupted at chosen places.
+
+    `continuation` is what the target is expected to generate after the prompt (output token 0 is the first
+    sampled token): one list for every sequence, or a dict seq_id → list; None never drafts. With
+    o = len(history) - len(prompt) output tokens decoded so far, `id_last` is output token o and the draft
+    is continuation[o+1 : o+1+n_draft] (capped at `req.n_max`, shorter or empty at the end of the script).
+
+    A proposed token is replaced by a wrong one — t+1, or (t+1) % n_vocab when n_vocab is given — when
+    `wrong_at` says so: a set of output offsets (indices into the continuation), or a callable
+    (seq_id, output offset, draft position) → bool. `reject_all=True` makes every draft's first token
+    wrong. So: no corruption → every draft is accepted in full (if the target follows the script);
+    `wrong_at=lambda s, j, k: k == 2` → each draft is rejected at its position 2; `reject_all` → nothing
+    is ever accepted.
+    """
+
+    name = "scripted"
+
+    def __init__(
+        self,
+        continuation: dict[int, list[int]] | list[int] | None = None,
+        n_draft: int = 4,
+        wrong_at: WrongAt | None = None,
+        reject_all: bool = False,
+        n_vocab: int | None = None,
+    ):
+        self.continuation = continuation
+        self.n_draft = n_draft
+        self.wrong_at = wrong_at
+        self.reject_all = reject_all
+        self.n_vocab = n_vocab
+        self._prompt_len: dict[int, int] = {}
+
+    def begin(self, seq_id: int, prompt: list[int]) -> None:
+        """Remember where the output of `seq_id` starts."""
+        self._prompt_len[seq_id] = len(prompt)
+
+    def _script(self, seq_id: int) -> list[int]:
+        if isinstance(self.continuation, dict):
+            return self.continuation.get(seq_id, [])
+        return self.continuation or []
+
+    def _is_wrong(self, seq_id: int, offset: int, pos: int) -> bool:
+        if self.reject_all and pos == 0:
+            return True
+        if callable(self.wrong_at):
+            return self.wrong_at(seq_id, offset, pos)
+        return self.wrong_at is not None and offset in self.wrong_at
+
+    def wrong(self, token: int) -> int:
+        """The deterministic wrong token planted instead of `token`."""
+        return (token + 1) % self.n_vocab if self.n_vocab else token + 1
+
+    def draft(self, req: DraftRequest) -> list[int]:
+        """The next scripted tokens after `req.id_last`, corrupted where asked."""
+        start = len(req.history) - self._prompt_len[req.seq_id] + 1
+        stop = start + max(min(self.n_draft, req.n_max), 0)
+        return [
+            self.wrong(t) if self._is_wrong(req.seq_id, start + k, k) else t
+            for k, t in enumerate(self._script(req.seq_id)[start:stop])
+        ]

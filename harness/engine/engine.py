@@ -1,0 +1,50 @@
+"""The in-process engine: one model, one context, N slots behind a continuous-batching scheduler."""
+
+from dataclasses import replace
+from pathlib import Path
+from typing import Optional
+
+from harness.engine.context import Context, ContextParams
+from harness.engine.model import Model
+from harness.engine.scheduler import Scheduler
+from harness.engine.speculative import SpecConfig
+from harness.request import Request
+from harness.result import Result
+
+
+class Engine:
+    """Loads `model_path`, creates a context with `params` and serves requests on its slots,
+    speculating when `spec` enables a drafter."""
+
+    def __init__(self, model_path: Path, params: ContextParams, spec: Optional[SpecConfig] = None):
+        if spec is not None and spec.enabled and spec.rollback == "partial":
+            params = replace(params, n_rs_seq=spec.max_draft())
+        self.model = Model(model_path)
+        self.ctx = None
+        try:
+            self.ctx = Context(self.model, params)
+            self.scheduler = Scheduler(self.ctx, spec)
+        except BaseException:
+            self.close()
+            raise
+
+    def run(self, requests: list[Request]) -> list[Result]:
+        """Serve the requests on the slots (concurrently when there are several); Results in order."""
+        return self.scheduler.run(requests)
+
+    def close(self) -> None:
+        """Free the drafters, the batch, the context and the model."""
+        scheduler = getattr(self, "scheduler", None)
+        if scheduler is not None:
+            if scheduler.spec:
+                scheduler.spec.close()
+            scheduler.batch.free()
+        if self.ctx is not None:
+            self.ctx.close()
+        self.model.close()
+
+    def __enter__(self) -> "Engine":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

@@ -1,0 +1,28 @@
+"""Fault switches: each one re-creates, on purpose, a bug class seen in llama.cpp's speculative path,
+so that the harness can prove it catches it. All are off by default."""
+
+from harness.errors import HarnessError
+
+FAULTS = {
+    "skip-seq-rm-after-restore":
+        "after a checkpoint restore, leave the rejected drafts' attention cells in place "
+        "(duplicate (seq_id, pos) cells pile up)",
+    "no-sampler-restore":
+        "after a checkpoint restore, keep the sampler that already accepted the rejected step "
+        "(ghost tokens in grammar / penalty / RNG state)",
+    "keep-drafts-on-decode-failure":
+        "when a speculative step's decode fails, keep the drafts in the slot's bookkeeping "
+        "(stale positions: the next decode is invalid)",
+    "rollback-off-by-one":
+        "remove one rejected position too few after a partial acceptance",
+    "partial-checkpoint-only":
+        "on a partial acceptance restore only the PARTIAL_ONLY checkpoint: no attention trim, no sampler "
+        "restore, no re-decode (the recurrent state falls behind the attention cells)",
+}
+
+
+def check_fault(name: str | None) -> str | None:
+    """Validate a fault name (None = no fault)."""
+    if name is not None and name not in FAULTS:
+        raise HarnessError(f"unknown fault '{name}' (known: {', '.join(FAULTS)})")
+    return name

@@ -1,0 +1,54 @@
+"""How a sequence's memory goes back to an earlier position after rejected drafts.
+
+- `seq-rm`: remove the rejected positions (`llama_memory_seq_rm`): attention KV caches.
+- `checkpoint`: save the sequence state before verifying (`llama_state_seq_get_data_ext`, PARTIAL_ONLY
+  by default), restore it on a partial acceptance, trim the attention cells past it, replay.
+- `partial`: hybrid models created with `n_rs_seq` recurrent snapshots roll back with `seq_rm` inside
+  the snapshot window (no replay).
+"""
+
+import llama_cpp
+
+from harness.engine.context import Context
+from harness.errors import HarnessError
+
+STRATEGIES = ("auto", "seq-rm", "checkpoint", "partial")
+CHECKPOINT_FLAGS = {"partial": llama_cpp.LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY, "full": 0}
+
+
+def choose_strategy(requested: str, kind: str, arch: str) -> str:
+    """The strategy for a target of this model kind; refuses combinations that would give wrong output."""
+    if requested not in STRATEGIES:
+        raise HarnessError(f"unknown rollback '{requested}' (use one of: {', '.join(STRATEGIES)})")
+    if requested == "auto":
+        return "seq-rm" if kind == "dense" else "checkpoint"
+    if requested == "seq-rm" and kind != "dense":
+        raise HarnessError(
+            f"rollback seq-rm cannot roll back the recurrent state of a {kind} model ({arch}); "
+            "use --rollback checkpoint (what llama-server does) or auto"
+        )
+    if requested == "partial" and kind != "hybrid":
+        raise HarnessError(f"rollback partial needs a hybrid model with recurrent snapshots, not a {kind} model ({arch})")
+    return requested
+
+
+def check_partial(ctx: Context) -> None:
+    """`partial` needs llama.cpp to have given the context recurrent snapshots (it silently clamps to 0)."""
+    if ctx.n_rs_seq <= 0:
+        raise HarnessError(
+            f"rollback partial: llama.cpp gives {ctx.model.arch} no recurrent-state snapshots "
+            "(llama_n_rs_seq = 0); use --rollback checkpoint"
+        )
+
+
+def can_seq_rm(ctx: Context) -> bool:
+    """True when removing a suffix of a sequence is exact (attention KV only)."""
+    return ctx.model.kind == "dense"
+
+
+def restore(ctx: Context, seq_id: int, state: bytes, flags: int, n_keep: int, trim: bool = True) -> None:
+    """Restore a checkpoint, then (restore first: the hybrid order) drop attention cells from `n_keep` on."""
+    if not ctx.set_state_seq(seq_id, state, flags):
+        raise RuntimeError(f"llama.cpp refused to restore the checkpoint of sequence {seq_id}")
+    if trim and not ctx.seq_rm(seq_id, n_keep, -1):
+        raise RuntimeError(f"llama.cpp refused to trim sequence {seq_id} at {n_keep} after a restore")

@@ -1,0 +1,42 @@
+"""A slot's sampler chain, built from a request's Sampling the way llama-server orders its samplers."""
+
+import llama_cpp
+
+from harness.engine.context import Context
+from harness.request import Sampling
+
+
+class Sampler:
+    """One llama_sampler chain per request; `clone` lets a rollback restore it."""
+
+    def __init__(self, ptr):
+        self.ptr = ptr
+
+    @classmethod
+    def for_request(cls, sampling: Sampling, default_seed: int) -> "Sampler":
+        """greedy when temperature <= 0, else top_k → top_p → min_p → temperature → dist(seed)."""
+        seed = default_seed if sampling.seed is None else sampling.seed
+        chain = llama_cpp.llama_sampler_chain_init(llama_cpp.llama_sampler_chain_default_params())
+        if sampling.greedy:
+            llama_cpp.llama_sampler_chain_add(chain, llama_cpp.llama_sampler_init_greedy())
+        else:
+            llama_cpp.llama_sampler_chain_add(chain, llama_cpp.llama_sampler_init_top_k(sampling.top_k))
+            llama_cpp.llama_sampler_chain_add(chain, llama_cpp.llama_sampler_init_top_p(sampling.top_p, 1))
+            llama_cpp.llama_sampler_chain_add(chain, llama_cpp.llama_sampler_init_min_p(sampling.min_p, 1))
+            llama_cpp.llama_sampler_chain_add(chain, llama_cpp.llama_sampler_init_temp(sampling.temperature))
+            llama_cpp.llama_sampler_chain_add(chain, llama_cpp.llama_sampler_init_dist(seed & 0xFFFFFFFF))
+        return cls(chain)
+
+    def sample(self, ctx: Context, index: int) -> int:
+        """Sample from output row `index` of the last decode and accept the token into the chain."""
+        return llama_cpp.llama_sampler_sample(self.ptr, ctx.ptr, index)
+
+    def clone(self) -> "Sampler":
+        """A deep copy (RNG state included)."""
+        return Sampler(llama_cpp.llama_sampler_clone(self.ptr))
+
+    def free(self) -> None:
+        """Release the chain."""
+        if self.ptr:
+            llama_cpp.llama_sampler_free(self.ptr)
+            self.ptr = None

@@ -1,0 +1,161 @@
+"""Continuous batching over N slots: every step is ONE llama_batch and ONE llama_decode.
+
+A step holds each generating slot's pending token (plus its draft when speculating) and then as many
+prompt tokens of the slots still reading their prompt as fit (llama-server's order). The step is
+planned first and committed to the slots only after a successful decode, so a failed decode can be
+retried with another plan. Requests wait in a FIFO queue for a free slot.
+"""
+
+from collections import deque
+from dataclasses import dataclass
+from typing import Optional
+
+from harness.engine.context import Context
+from harness.engine.slot import Phase, Slot
+from harness.engine.speculative import SpecConfig, Speculation, StepPlan
+from harness.request import Request
+from harness.result import Result
+
+DECODE_ERRORS = {
+    1: "context_full: no free KV cells for this step (raise n_ctx or lower parallel)",
+    2: "the decode was aborted",
+    -1: "llama.cpp rejected the batch as invalid (inconsistent sequence positions)",
+}
+
+
+def decode_error(status: int) -> str:
+    """A one-line reason for a non-zero llama_decode status."""
+    return DECODE_ERRORS.get(status, f"llama_decode failed with status {status} (compute error)")
+
+
+@dataclass
+class Part:
+    """One slot's tokens in a step: a prompt chunk, or a generation step (`spec` set when speculating)."""
+
+    slot: Slot
+    tokens: list[int]
+    pos0: int
+    outputs: list[bool]
+    spec: Optional[StepPlan] = None
+
+
+class Scheduler:
+    """Runs requests on `ctx` with `ctx.params.parallel` slots, speculating when `spec` is enabled."""
+
+    def __init__(self, ctx: Context, spec: Optional[SpecConfig] = None):
+        self.ctx = ctx
+        self.slots = [Slot(i, ctx.model, ctx.n_ctx_seq, ctx.params.seed) for i in range(ctx.params.parallel)]
+        self.batch = ctx.new_batch()
+        self.spec = Speculation(spec, ctx) if spec is not None and spec.enabled else None
+
+    def run(self, requests: list[Request]) -> list[Result]:
+        """Serve all requests (concurrently up to the number of slots); Results in request order."""
+        results: list[Result | None] = [None] * len(requests)
+        queue = deque(enumerate(requests))
+        while queue or self._active():
+            for slot in self.slots:
+                while slot.phase is Phase.IDLE and queue:
+                    index, request = queue.popleft()
+                    failed = slot.start(index, request)
+                    if failed is not None:
+                        results[index] = failed
+            for slot, result in self.step():
+                results[slot.request_index] = result
+                if self.spec:
+                    self.spec.end(slot)
+                self.ctx.seq_rm(slot.id)
+        return results
+
+    def _active(self) -> list[Slot]:
+        return [s for s in self.slots if s.phase is not Phase.IDLE]
+
+    def _plan(self, speculate: bool) -> list[Part]:
+        parts: list[Part] = []
+        room = self.batch.capacity
+        for slot in self._active():
+            if slot.phase is Phase.GENERATE:
+                if speculate and self.spec:
+                    plan = self.spec.plan(slot, room)
+                    tokens = plan.tokens
+                else:
+                    plan, tokens = None, [slot.pending]
+                parts.append(Part(slot, tokens, slot.n_past, [True] * len(tokens), plan))
+                room -= len(tokens)
+        for slot in self._active():
+            if slot.phase is Phase.PROMPT and room > 0:
+                chunk = slot.prompt_chunk(room)
+                last = len(chunk) == slot.prompt_left
+                parts.append(Part(slot, chunk, slot.n_past, [last and i == len(chunk) - 1 for i in range(len(chunk))]))
+                room -= len(chunk)
+        return parts
+
+    def _decode(self, parts: list[Part]) -> tuple[int, list[list[int]]]:
+        """Fill the batch with `parts` and decode; returns the status and each part's output rows."""
+        self.batch.clear()
+        rows = []
+        for part in parts:
+            part_rows = []
+            for i, (token, output) in enumerate(zip(part.tokens, part.outputs)):
+                row = self.batch.add(token, part.pos0 + i, part.slot.id, output)
+                if output:
+                    part_rows.append(row)
+            rows.append(part_rows)
+        return self.ctx.decode(self.batch), rows
+
+    def step(self) -> list[tuple[Slot, Result]]:
+        """Plan, decode, sample / verify; returns the slots that finished with their Results."""
+        parts = self._plan(speculate=True)
+        if not parts:
+            return []
+        status, rows = self._decode(parts)
+        if status == 1 and any(p.spec and len(p.tokens) > 1 for p in parts):
+            parts = self._drop_drafts(parts)
+            status, rows = self._decode(parts)
+        if status == 1 and len(parts) > 1:
+            return self._evict_until_fit(parts)
+        if status != 0:
+            return [(p.slot, p.slot.fail(decode_error(status))) for p in parts]
+        return self._finish_step(parts, rows)
+
+    def _drop_drafts(self, parts: list[Part]) -> list[Part]:
+        """A speculative step did not fit: forget its drafts and plan a plain step instead."""
+        for part in parts:
+            if part.spec:
+                self.spec.drop(part.slot, part.spec)
+                if self.spec.fault == "keep-drafts-on-decode-failure":
+                    part.slot.n_past = part.pos0 + len(part.tokens)
+        return self._plan(speculate=False)
+
+    def _evict_until_fit(self, parts: list[Part]) -> list[tuple[Slot, Result]]:
+        """The KV cache has no room for the step: end the last part's request (a prompt still being read,
+        else the highest slot) with a context_full error, free its cells, and retry with the rest."""
+        finished = []
+        while True:
+            victim = parts.pop()
+            finished.append((victim.slot, victim.slot.fail(decode_error(1))))
+            self.ctx.seq_rm(victim.slot.id)
+            status, rows = self._decode(parts)
+            if status == 0:
+                return finished + self._finish_step(parts, rows)
+            if status != 1 or len(parts) == 1:
+                return finished + [(p.slot, p.slot.fail(decode_error(status))) for p in parts]
+
+    def _finish_step(self, parts: list[Part], rows: list[list[int]]) -> list[tuple[Slot, Result]]:
+        if self.spec:
+            self.spec.processed(self.batch.entries)
+        finished = []
+        for part, part_rows in zip(parts, rows):
+            slot = part.slot
+            if part.spec is not None and len(part.tokens) > 1:
+                done = self.spec.verify(slot, part.spec, part_rows)
+            else:
+                slot.n_past = part.pos0 + len(part.tokens)
+                if not part_rows:
+                    continue
+                was_prompt = slot.phase is Phase.PROMPT
+                done = slot.emit(slot.sampler.sample(self.ctx, part_rows[0]))
+                if was_prompt and self.spec and not done:
+                    self.spec.begin(slot)
+            if done:
+                finished.append((slot, slot.result))
+        return finished

@@ -1,0 +1,126 @@
+"""One slot: a request's tokens, its position in the slot's sequence, stop rules and its Result."""
+
+import time
+from enum import Enum
+
+from harness.engine.model import Model
+from harness.engine.sampler import Sampler
+from harness.request import Request
+from harness.result import Result
+
+
+class Phase(Enum):
+    IDLE = "idle"
+    PROMPT = "prompt"
+    GENERATE = "generate"
+
+
+class Slot:
+    """A slot serves one request at a time in its own sequence (seq id = slot id).
+
+    Invariant: the slot's sequence holds exactly `n_past` positions `0..n_past-1`; `pending` is the
+    last sampled token, not yet decoded (llama-server's `sampled`).
+    """
+
+    def __init__(self, slot_id: int, model: Model, n_ctx_seq: int, seed: int):
+        self.id = slot_id
+        self.seed = seed
+        self.model = model
+        self.n_ctx_seq = n_ctx_seq
+        self.phase = Phase.IDLE
+        self.request_index = -1
+
+    def start(self, request_index: int, request: Request) -> Result | None:
+        """Take a request; returns an error Result at once when it cannot be served."""
+        self.request = request
+        self.request_index = request_index
+        self.result = Result(slot_id=self.id)
+        self.text_bytes = bytearray()
+        self.sampler: Sampler | None = None
+        self.t_start = time.perf_counter()
+        prompt = request.prompt if request.messages is None else self.model.render_chat(request.messages)
+        tokens = self.model.tokenize(prompt) if isinstance(prompt, str) else list(prompt)
+        self.result.prompt_tokens = tokens
+        self.result.timings.prompt_n = len(tokens)
+        if not tokens:
+            return self._fail("the prompt is empty")
+        if len(tokens) >= self.n_ctx_seq:
+            return self._fail(
+                f"the prompt has {len(tokens)} tokens but a slot holds {self.n_ctx_seq} (raise n_ctx)"
+            )
+        self.prompt = tokens
+        self.n_past = 0
+        self.pending = -1
+        self.sampler = Sampler.for_request(request.sampling, self.seed)
+        self.phase = Phase.PROMPT
+        return None
+
+    @property
+    def prompt_left(self) -> int:
+        """Prompt tokens not yet decoded."""
+        return len(self.prompt) - self.n_past
+
+    def prompt_chunk(self, n: int) -> list[int]:
+        """The next up to `n` prompt tokens (they start at position `n_past`)."""
+        return self.prompt[self.n_past : self.n_past + n]
+
+    @property
+    def history(self) -> list[int]:
+        """Every token decoded into the sequence, positions 0..n_past-1 (prompt, then output)."""
+        return self.prompt + self.result.tokens[: self.n_past - len(self.prompt)]
+
+    def emit_all(self, tokens: list[int]) -> bool:
+        """Emit tokens in order until the request is done; the rest are discarded."""
+        return any(self.emit(t) for t in tokens)
+
+    def emit(self, token: int) -> bool:
+        """Record a sampled token and apply the stop rules; returns True when the request is done."""
+        now = time.perf_counter()
+        if self.phase is Phase.PROMPT:
+            self.phase = Phase.GENERATE
+            self.t_first = now
+            self.result.timings.prompt_ms = 1000.0 * (now - self.t_start)
+        sampling = self.request.sampling
+        if self.model.is_eog(token):
+            return self._finish("eos")
+        self.result.tokens.append(token)
+        self.pending = token
+        self.text_bytes += self.model.piece(token)
+        if sampling.stop:
+            text = self.text_bytes.decode("utf-8", errors="ignore")
+            hits = [i for i in (text.find(s) for s in sampling.stop) if i >= 0]
+            if hits:
+                self.text_bytes = bytearray(text[: min(hits)].encode())
+                return self._finish("word")
+        if len(self.result.tokens) >= sampling.n_predict:
+            return self._finish("limit")
+        if self.n_past >= self.n_ctx_seq:
+            return self._finish("limit")
+        return False
+
+    def fail(self, message: str) -> Result:
+        """End the request with an error (a failed decode); the caller clears the sequence."""
+        return self._fail(message)
+
+    def _fail(self, message: str) -> Result:
+        self.result.error = message
+        self.result.stop_reason = "error"
+        self._close()
+        return self.result
+
+    def _finish(self, stop_reason: str) -> bool:
+        self.result.stop_reason = stop_reason
+        self._close()
+        return True
+
+    def _close(self) -> None:
+        now = time.perf_counter()
+        timings = self.result.timings
+        if self.phase is Phase.GENERATE:
+            timings.predicted_ms = 1000.0 * (now - self.t_first)
+        timings.predicted_n = len(self.result.tokens)
+        self.result.text = self.text_bytes.decode("utf-8", errors="replace")
+        if self.sampler is not None:
+            self.sampler.free()
+            self.sampler = None
+        self.phase = Phase.IDLE

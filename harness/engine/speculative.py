@@ -1,0 +1,286 @@
+"""Speculative decoding for the scheduler: the drafter chain, match verification and rollback.
+
+Semantics follow llama.cpp's `common/speculative.cpp` and llama-server: one verification batch per
+step holds each slot's last sampled token plus its draft, every row an output; the slot's own sampler
+samples each row and accepts its sample while it equals the draft token, then adds the bonus token.
+"""
+
+import time
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any, Optional
+
+from harness.engine import rollback
+from harness.engine.context import Context
+from harness.engine.drafters.base import Drafter, DraftRequest
+from harness.engine.faults import check_fault
+from harness.errors import HarnessError
+
+SPEC_TYPES = ("none", "draft-simple", "ngram-simple", "ngram-map-k", "ngram-map-k4v", "ngram-mod")
+"""`--spec-type` values, in llama.cpp's priority order after `none` (the first drafter with a draft wins)."""
+
+
+@dataclass
+class SpecConfig:
+    """Speculative options. Fields starting with `spec_` are llama-server's `--spec-*` flags with `_`
+    for `-`; `rollback`, `checkpoint_flags`, `checkpoint_attempts` and `fault` exist only in-process."""
+
+    spec_type: tuple[str, ...] = ()
+    spec_draft_model: Optional[Path] = None
+    spec_draft_n_max: int = 3
+    spec_draft_n_min: int = 0
+    spec_draft_p_min: float = 0.0
+    spec_ngram_simple_size_n: int = 12
+    spec_ngram_simple_size_m: int = 48
+    spec_ngram_map_k_size_n: int = 12
+    spec_ngram_map_k_size_m: int = 48
+    spec_ngram_map_k_min_hits: int = 1
+    spec_ngram_map_k4v_size_n: int = 12
+    spec_ngram_map_k4v_size_m: int = 48
+    spec_ngram_map_k4v_min_hits: int = 1
+    spec_ngram_mod_n_match: int = 24
+    spec_ngram_mod_n_min: int = 48
+    spec_ngram_mod_n_max: int = 64
+    rollback: str = "auto"
+    checkpoint_flags: str = "partial"
+    checkpoint_attempts: int = 3
+    fault: Optional[str] = None
+    drafters: list[Drafter] = field(default_factory=list)
+    """Extra drafters tried before the `spec_type` ones (tests use the scripted drafter here)."""
+
+    def __post_init__(self) -> None:
+        types = tuple(t for t in self.spec_type if t != "none")
+        unknown = [t for t in types if t not in SPEC_TYPES]
+        if unknown:
+            raise HarnessError(f"unknown spec type '{unknown[0]}' (use: {', '.join(SPEC_TYPES)})")
+        if "none" in self.spec_type:
+            types = ()
+        if "draft-simple" in types and self.spec_draft_model is None:
+            raise HarnessError("spec type draft-simple needs a draft model (--spec-draft-model NAME|PATH)")
+        if self.checkpoint_flags not in rollback.CHECKPOINT_FLAGS:
+            raise HarnessError(f"checkpoint_flags must be partial or full, not '{self.checkpoint_flags}'")
+        self.spec_type = types
+        check_fault(self.fault)
+
+    @classmethod
+    def from_options(cls, options: dict[str, Any]) -> "SpecConfig":
+        """Build from llama-server style names (`spec-type`, `spec-draft-n-max`, ...)."""
+        known = {f.name for f in fields(cls)}
+        kwargs = {}
+        for key, value in options.items():
+            name = key.lstrip("-").replace("-", "_")
+            if name not in known or name == "drafters":
+                raise HarnessError(f"unknown speculative option '{key}'")
+            kwargs[name] = value
+        if isinstance(kwargs.get("spec_type"), str):
+            kwargs["spec_type"] = tuple(kwargs["spec_type"].split(","))
+        return cls(**kwargs)
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.spec_type or self.drafters)
+
+    def max_draft(self) -> int:
+        """The longest draft any configured drafter may propose (sizes `n_rs_seq` for `partial`)."""
+        sizes = {
+            "draft-simple": self.spec_draft_n_max,
+            "ngram-simple": self.spec_ngram_simple_size_m,
+            "ngram-map-k": self.spec_ngram_map_k_size_m,
+            "ngram-map-k4v": self.spec_ngram_map_k4v_size_m,
+            "ngram-mod": self.spec_ngram_mod_n_max,
+        }
+        return max([sizes[t] for t in self.spec_type] + [getattr(d, "n_max", 16) for d in self.drafters])
+
+
+def build_drafters(config: SpecConfig, target: Context) -> list[Drafter]:
+    """The drafter chain in llama.cpp's priority order."""
+    from harness.engine.drafters.draft_model import DraftSimple
+    from harness.engine.drafters.ngram_map import NgramMapK, NgramMapK4V
+    from harness.engine.drafters.ngram_mod import NgramMod
+    from harness.engine.drafters.ngram_simple import NgramSimple
+
+    c = config
+    make = {
+        "ngram-simple": lambda: NgramSimple(c.spec_ngram_simple_size_n, c.spec_ngram_simple_size_m),
+        "ngram-map-k": lambda: NgramMapK(c.spec_ngram_map_k_size_n, c.spec_ngram_map_k_size_m,
+                                         c.spec_ngram_map_k_min_hits),
+        "ngram-map-k4v": lambda: NgramMapK4V(c.spec_ngram_map_k4v_size_n, c.spec_ngram_map_k4v_size_m,
+                                             c.spec_ngram_map_k4v_min_hits),
+        "ngram-mod": lambda: NgramMod(c.spec_ngram_mod_n_match, c.spec_ngram_mod_n_min, c.spec_ngram_mod_n_max),
+        "draft-simple": lambda: DraftSimple(c.spec_draft_model, target, c.spec_draft_n_max,
+                                            c.spec_draft_n_min, c.spec_draft_p_min),
+    }
+    return list(c.drafters) + [make[t]() for t in SPEC_TYPES if t in c.spec_type]
+
+
+@dataclass
+class StepPlan:
+    """A generating slot's part of one verification batch."""
+
+    base: int
+    """Position of the slot's pending token (the first row)."""
+    tokens: list[int]
+    """[pending] + draft (or + replay)."""
+    replay: bool = False
+    checkpoint: Optional[bytes] = None
+    sampler_backup: Any = None
+
+    @property
+    def draft(self) -> list[int]:
+        return self.tokens[1:]
+
+
+COUNTERS = ("draft_n", "draft_n_accepted", "spec_cycles", "spec_empty", "spec_skip",
+            "ckpt_created", "ckpt_restored", "n_redecoded", "draft_ms")
+
+
+class Speculation:
+    """Drafts, verifies and rolls back for every generating slot of one target context."""
+
+    def __init__(self, config: SpecConfig, target: Context):
+        self.config = config
+        self.ctx = target
+        self.strategy = rollback.choose_strategy(config.rollback, target.model.kind, target.model.arch)
+        if self.strategy == "partial":
+            rollback.check_partial(target)
+        self.flags = rollback.CHECKPOINT_FLAGS[config.checkpoint_flags]
+        self.fault = config.fault
+        self.drafters = build_drafters(config, target)
+        self.replays: dict[int, list[int]] = {}
+        self.attempts: dict[int, int] = {}
+        self.producer: dict[int, int] = {}
+
+    def begin(self, slot) -> None:
+        """A slot finished its prompt: drafters index it; counters start at zero."""
+        slot.result.spec_stats = {name: 0 for name in COUNTERS}
+        slot.result.spec_stats["draft_ms"] = 0.0
+        self.replays.pop(slot.id, None)
+        self.attempts[slot.id] = 0
+        for d in self.drafters:
+            d.begin(slot.id, list(slot.prompt))
+
+    def end(self, slot) -> None:
+        """The slot's request ended."""
+        self.replays.pop(slot.id, None)
+        for d in self.drafters:
+            d.end(slot.id)
+        stats = slot.result.spec_stats
+        if "draft_ms" in stats:
+            stats["draft_ms"] = round(stats["draft_ms"], 3)
+
+    def plan(self, slot, room: int) -> StepPlan:
+        """The slot's tokens for this step: pending + replay, or pending + a fresh draft (maybe empty)."""
+        base = slot.n_past
+        replay = self.replays.pop(slot.id, None)
+        if replay is not None and self.attempts[slot.id] <= self.config.checkpoint_attempts:
+            return self._guard(slot, StepPlan(base, [slot.pending] + replay[: room - 1], replay=True))
+        n_max = min(room - 1, slot.n_ctx_seq - base - 2, slot.request.sampling.n_predict - len(slot.result.tokens) - 1)
+        if self.strategy == "partial":
+            n_max = min(n_max, self.ctx.n_rs_seq)
+        draft: list[int] = []
+        if n_max > 0 and self.attempts[slot.id] <= self.config.checkpoint_attempts:
+            t0 = time.perf_counter()
+            req = DraftRequest(slot.id, slot.history, slot.pending, n_max)
+            for index, drafter in enumerate(self.drafters):
+                draft = drafter.draft(req)[:n_max]
+                if draft:
+                    self.producer[slot.id] = index
+                    break
+            stats = slot.result.spec_stats
+            stats["draft_ms"] += 1000.0 * (time.perf_counter() - t0)
+            if not draft:
+                stats["spec_empty"] += 1
+        return self._guard(slot, StepPlan(base, [slot.pending] + draft))
+
+    def _guard(self, slot, plan: StepPlan) -> StepPlan:
+        """Take a checkpoint (state + sampler) before a multi-token verification when rolling back by checkpoint."""
+        if len(plan.tokens) > 1 and self.strategy == "checkpoint":
+            plan.checkpoint = self.ctx.state_seq(slot.id, self.flags)
+            plan.sampler_backup = slot.sampler.clone()
+            slot.result.spec_stats["ckpt_created"] += 1
+        return plan
+
+    def drop(self, slot, plan: StepPlan) -> None:
+        """A failed decode: forget the plan's draft (the memory holds none of it)."""
+        if plan.sampler_backup is not None:
+            plan.sampler_backup.free()
+        if plan.replay:
+            self.replays[slot.id] = plan.draft
+
+    def processed(self, entries: list[tuple[int, int, int, bool]]) -> None:
+        """The target decoded a batch: draft models mirror it."""
+        for d in self.drafters:
+            d.process(entries)
+
+    def verify(self, slot, plan: StepPlan, rows: list[int]) -> bool:
+        """Sample every row, accept while the sample equals the draft, roll back the rest.
+
+        Returns True when the request is done."""
+        stats = slot.result.spec_stats
+        sampled: list[int] = []
+        draft = plan.draft
+        for i, row in enumerate(rows):
+            token = slot.sampler.sample(self.ctx, row)
+            sampled.append(token)
+            if i == len(draft) or token != draft[i] or slot.model.is_eog(token):
+                break
+        n_match = 0
+        while n_match < min(len(sampled), len(draft)) and sampled[n_match] == draft[n_match]:
+            n_match += 1
+        k = len(draft)
+        if not plan.replay:
+            stats["spec_cycles"] += 1
+            stats["draft_n"] += k
+            stats["draft_n_accepted"] += n_match
+            stats["spec_skip"] += n_match == 0
+            for index, d in enumerate(self.drafters):
+                d.accept(slot.id, n_match, index != self.producer.get(slot.id))
+        else:
+            stats["n_redecoded"] += len(draft)
+        if n_match == k:
+            self.attempts[slot.id] = 0
+            return self._commit(slot, plan, sampled, n_match)
+        return self._roll_back(slot, plan, sampled, n_match)
+
+    def _commit(self, slot, plan: StepPlan, sampled: list[int], n_match: int) -> bool:
+        if plan.sampler_backup is not None:
+            plan.sampler_backup.free()
+        slot.n_past = plan.base + 1 + n_match
+        return slot.emit_all(sampled)
+
+    def _roll_back(self, slot, plan: StepPlan, sampled: list[int], n_match: int) -> bool:
+        base, keep = plan.base, plan.base + 1 + n_match
+        off_by_one = 1 if self.fault == "rollback-off-by-one" else 0
+        if self.strategy in ("seq-rm", "partial"):
+            if not self.ctx.seq_rm(slot.id, keep + off_by_one, -1):
+                raise RuntimeError(f"llama.cpp refused to remove positions {keep}.. of sequence {slot.id}")
+            self._truncate_drafters(slot.id, keep)
+            return self._commit(slot, plan, sampled, n_match)
+        slot.result.spec_stats["ckpt_restored"] += 1
+        if self.fault == "partial-checkpoint-only":
+            rollback.restore(self.ctx, slot.id, plan.checkpoint, self.flags, base, trim=False)
+            self._truncate_drafters(slot.id, keep)
+            return self._commit(slot, plan, sampled, n_match)
+        rollback.restore(self.ctx, slot.id, plan.checkpoint, self.flags, base + off_by_one,
+                         trim=self.fault != "skip-seq-rm-after-restore")
+        self._truncate_drafters(slot.id, base)
+        if self.fault == "no-sampler-restore":
+            plan.sampler_backup.free()
+        else:
+            slot.sampler.free()
+            slot.sampler = plan.sampler_backup
+        slot.n_past = base
+        self.replays[slot.id] = sampled
+        self.attempts[slot.id] += 1
+        return False
+
+    def _truncate_drafters(self, seq_id: int, n_keep: int) -> None:
+        for d in self.drafters:
+            d.truncate(seq_id, n_keep)
+
+    def close(self) -> None:
+        """Free drafter resources (draft contexts)."""
+        for d in self.drafters:
+            close = getattr(d, "close", None)
+            if close:
+                close()

@@ -1,0 +1,274 @@
+"""Tiny random-weight GGUF models for llama.cpp, written byte-identically from a table of recipes.
+
+The layouts, key sets and weight scales follow the measured recipe in the project's tiny-gguf notes:
+f32 everywhere, matmul weights N(0,1)/sqrt(fan_in), norms 1, an untied `output.weight`.
+A draft is its target's weights plus seeded noise N(0, (noise * std(W))^2) on every matmul weight.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import hashlib
+import importlib.metadata
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import gguf
+import numpy as np
+
+GENERATOR_VERSION = 1
+"""Bump whenever the bytes written for an unchanged recipe change (layout, keys, value scales)."""
+
+
+@dataclass(frozen=True)
+class Hparams:
+    """Model hyperparameters; each arch writer reads the fields it needs (0 = unused by that arch)."""
+
+    n_layer: int
+    n_embd: int = 128
+    n_ctx: int = 4096
+    n_ff: int = 0
+    n_head: int = 0
+    n_head_kv: int = 0
+    ssm_conv: int = 0
+    ssm_state: int = 0
+    ssm_inner: int = 0  # mamba2 only: qwen35 derives it as ssm_state * ssm_dt_rank, as llama.cpp requires
+    ssm_dt_rank: int = 0
+    ssm_group: int = 0
+    full_attention_interval: int = 0
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """One generated model. A draft (draft_of set) reuses its target's arch, shapes and weights."""
+
+    name: str
+    arch: str
+    hparams: Hparams
+    seed: int  # weight seed; for a draft, the seed of its noise
+    draft_of: str | None = None
+    noise: float = 0.0  # draft only: noise std as a fraction of each matmul weight's std
+
+
+def _draft(target: Recipe, noise: float, seed: int) -> Recipe:
+    return dataclasses.replace(target, name=f"{target.name}-draft", seed=seed, draft_of=target.name, noise=noise)
+
+
+_DENSE = Recipe("tiny-dense", "llama", Hparams(n_layer=2, n_ff=256, n_head=4, n_head_kv=2), seed=1)
+_HYBRID = Recipe(
+    "tiny-hybrid",
+    "qwen35",
+    Hparams(
+        n_layer=4, n_ff=256, n_head=4, n_head_kv=2, ssm_conv=4, ssm_state=32, ssm_dt_rank=4, ssm_group=2,
+        full_attention_interval=4,
+    ),
+    seed=2,
+)
+_RECURRENT = Recipe(
+    "tiny-recurrent",
+    "mamba2",
+    Hparams(n_layer=2, ssm_conv=4, ssm_state=16, ssm_inner=256, ssm_dt_rank=8, ssm_group=1),
+    seed=3,
+)
+
+# Draft noise: teacher-forced greedy agreement with the target, measured with
+# harness.models.agreement (4 prompts x 64 tokens = 256 positions):
+RECIPES: dict[str, Recipe] = {
+    r.name: r
+    for r in (
+        _DENSE,
+        _draft(_DENSE, noise=0.04, seed=7),  # agreement MEASURE
+        _HYBRID,
+        _draft(_HYBRID, noise=0.025, seed=7),  # agreement MEASURE
+        _RECURRENT,
+        _draft(_RECURRENT, noise=0.04, seed=7),  # agreement MEASURE
+    )
+}
+
+_VOCAB = Path(__file__).resolve().parents[1] / "data" / "ggml-vocab-llama-spm.gguf"
+"""Package data: the llama SPM vocab (32000 tokens) whose `tokenizer.*` keys every generated model carries."""
+
+
+@functools.cache
+def _tokenizer_fields() -> tuple[tuple[str, Any, gguf.GGUFValueType, gguf.GGUFValueType | None], ...]:
+    """The vocab file's `tokenizer.*` keys as (key, value, type, array sub-type) tuples, read once."""
+    reader = gguf.GGUFReader(_VOCAB)
+    return tuple(
+        (key, field.contents(), field.types[0], field.types[-1] if field.types[0] == gguf.GGUFValueType.ARRAY else None)
+        for key, field in reader.fields.items()
+        if key.startswith("tokenizer.")
+    )
+
+
+def _vocab_size() -> int:
+    return next(len(value) for key, value, _, _ in _tokenizer_fields() if key == "tokenizer.ggml.tokens")
+
+
+def fingerprint(recipe: Recipe) -> str:
+    """Hex sha256 of everything that determines the bytes `write_model(recipe)` writes."""
+    spec = {
+        "generator": GENERATOR_VERSION,
+        "recipe": dataclasses.asdict(recipe),
+        "target": dataclasses.asdict(RECIPES[recipe.draft_of]) if recipe.draft_of else None,
+        "vocab": hashlib.sha256(_VOCAB.read_bytes()).hexdigest(),
+        "versions": {pkg: importlib.metadata.version(pkg) for pkg in ("gguf", "numpy")},
+    }
+    return hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()
+
+
+class _Tensors:
+    """A model's tensors in writing order, drawn from one rng; remembers which are matmul weights."""
+
+    def __init__(self, rng: np.random.Generator) -> None:
+        self.rng = rng
+        self.arrays: dict[str, np.ndarray] = {}
+        self.matmul: list[str] = []
+
+    def weight(self, name: str, ne0: int, ne1: int, std: float | None = None) -> None:
+        """A matmul weight of GGUF shape [ne0, ne1] (numpy (ne1, ne0)), N(0, std^2), std = 1/sqrt(ne0) by default."""
+        scale = np.float32(1 / np.sqrt(ne0) if std is None else std)
+        self.arrays[name] = self.rng.standard_normal((ne1, ne0), dtype=np.float32) * scale
+        self.matmul.append(name)
+
+    def vector(self, name: str, values: Any) -> None:
+        """A non-matmul f32 tensor (norm, conv, ssm parameter); numpy shape as given."""
+        self.arrays[name] = np.ascontiguousarray(values, dtype=np.float32)
+
+    def ones(self, name: str, *shape: int) -> None:
+        self.vector(name, np.ones(shape))
+
+    def add_noise(self, noise: float, rng: np.random.Generator) -> None:
+        """Add N(0, (noise * std(W))^2) to every matmul weight W, in writing order."""
+        for name in self.matmul:
+            w = self.arrays[name]
+            w += rng.standard_normal(w.shape, dtype=np.float32) * np.float32(noise * w.std())
+
+
+def _ffn(t: _Tensors, blk: str, hp: Hparams) -> None:
+    t.weight(f"{blk}.ffn_gate.weight", hp.n_embd, hp.n_ff)
+    t.weight(f"{blk}.ffn_up.weight", hp.n_embd, hp.n_ff)
+    t.weight(f"{blk}.ffn_down.weight", hp.n_ff, hp.n_embd)
+
+
+def _llama(hp: Hparams, w: gguf.GGUFWriter, t: _Tensors) -> None:
+    head_dim = hp.n_embd // hp.n_head
+    w.add_feed_forward_length(hp.n_ff)
+    w.add_head_count(hp.n_head)
+    w.add_head_count_kv(hp.n_head_kv)
+    w.add_layer_norm_rms_eps(1e-6)
+    w.add_rope_dimension_count(head_dim)
+    for i in range(hp.n_layer):
+        blk = f"blk.{i}"
+        t.ones(f"{blk}.attn_norm.weight", hp.n_embd)
+        t.weight(f"{blk}.attn_q.weight", hp.n_embd, hp.n_head * head_dim)
+        t.weight(f"{blk}.attn_k.weight", hp.n_embd, hp.n_head_kv * head_dim)
+        t.weight(f"{blk}.attn_v.weight", hp.n_embd, hp.n_head_kv * head_dim)
+        t.weight(f"{blk}.attn_output.weight", hp.n_head * head_dim, hp.n_embd)
+        t.ones(f"{blk}.ffn_norm.weight", hp.n_embd)
+        _ffn(t, blk, hp)
+
+
+def _qwen35(hp: Hparams, w: gguf.GGUFWriter, t: _Tensors) -> None:
+    head_dim = hp.n_embd // hp.n_head
+    key_dim = hp.ssm_state * hp.ssm_group
+    value_dim = hp.ssm_state * hp.ssm_dt_rank
+    conv_dim = 2 * key_dim + value_dim
+    w.add_feed_forward_length(hp.n_ff)
+    w.add_head_count(hp.n_head)
+    w.add_head_count_kv(hp.n_head_kv)
+    w.add_key_length(head_dim)
+    w.add_value_length(head_dim)
+    w.add_layer_norm_rms_eps(1e-6)
+    w.add_rope_dimension_count(head_dim // 4)  # partial rotary; the sections below sum to n_rot / 2
+    w.add_rope_dimension_sections([2, 1, 1, 0])
+    w.add_full_attention_interval(hp.full_attention_interval)
+    w.add_ssm_conv_kernel(hp.ssm_conv)
+    w.add_ssm_state_size(hp.ssm_state)
+    w.add_ssm_group_count(hp.ssm_group)
+    w.add_ssm_time_step_rank(hp.ssm_dt_rank)
+    w.add_ssm_inner_size(value_dim)
+    for i in range(hp.n_layer):
+        blk = f"blk.{i}"
+        t.ones(f"{blk}.attn_norm.weight", hp.n_embd)
+        if (i + 1) % hp.full_attention_interval:  # GatedDeltaNet layer
+            t.weight(f"{blk}.attn_qkv.weight", hp.n_embd, conv_dim)
+            t.weight(f"{blk}.attn_gate.weight", hp.n_embd, value_dim)
+            t.vector(f"{blk}.ssm_conv1d.weight", t.rng.standard_normal((conv_dim, hp.ssm_conv)) / np.sqrt(hp.ssm_conv))
+            t.vector(f"{blk}.ssm_dt.bias", np.full(hp.ssm_dt_rank, -2.0))
+            t.vector(f"{blk}.ssm_a", -t.rng.uniform(0.1, 1.0, hp.ssm_dt_rank))
+            t.weight(f"{blk}.ssm_beta.weight", hp.n_embd, hp.ssm_dt_rank)
+            t.weight(f"{blk}.ssm_alpha.weight", hp.n_embd, hp.ssm_dt_rank)
+            t.ones(f"{blk}.ssm_norm.weight", hp.ssm_state)
+            t.weight(f"{blk}.ssm_out.weight", value_dim, hp.n_embd)
+        else:  # gated full attention: attn_q holds [query, gate] interleaved per head
+            t.weight(f"{blk}.attn_q.weight", hp.n_embd, 2 * hp.n_head * head_dim)
+            t.weight(f"{blk}.attn_k.weight", hp.n_embd, hp.n_head_kv * head_dim)
+            t.weight(f"{blk}.attn_v.weight", hp.n_embd, hp.n_head_kv * head_dim)
+            t.weight(f"{blk}.attn_output.weight", hp.n_head * head_dim, hp.n_embd)
+            t.ones(f"{blk}.attn_q_norm.weight", head_dim)
+            t.ones(f"{blk}.attn_k_norm.weight", head_dim)
+        t.ones(f"{blk}.post_attention_norm.weight", hp.n_embd)
+        _ffn(t, blk, hp)
+
+
+def _mamba2(hp: Hparams, w: gguf.GGUFWriter, t: _Tensors) -> None:
+    bc_dim = 2 * hp.ssm_group * hp.ssm_state
+    conv_dim = hp.ssm_inner + bc_dim
+    n_heads = hp.ssm_dt_rank
+    w.add_layer_norm_rms_eps(1e-5)
+    w.add_ssm_conv_kernel(hp.ssm_conv)
+    w.add_ssm_inner_size(hp.ssm_inner)
+    w.add_ssm_state_size(hp.ssm_state)
+    w.add_ssm_time_step_rank(n_heads)
+    w.add_ssm_group_count(hp.ssm_group)
+    for i in range(hp.n_layer):
+        blk = f"blk.{i}"
+        dt = np.exp(t.rng.uniform(np.log(1e-3), np.log(1e-1), n_heads))
+        t.ones(f"{blk}.attn_norm.weight", hp.n_embd)
+        t.weight(f"{blk}.ssm_in.weight", hp.n_embd, hp.ssm_inner + conv_dim + n_heads)  # z | xBC | dt
+        t.vector(f"{blk}.ssm_conv1d.weight", t.rng.standard_normal((conv_dim, hp.ssm_conv)) / np.sqrt(hp.ssm_conv))
+        t.vector(f"{blk}.ssm_conv1d.bias", np.zeros(conv_dim))
+        t.vector(f"{blk}.ssm_dt.bias", dt + np.log(-np.expm1(-dt)))  # inverse softplus
+        t.vector(f"{blk}.ssm_a", -t.rng.uniform(1.0, 16.0, (n_heads, 1)))
+        t.ones(f"{blk}.ssm_d", n_heads, 1)
+        t.ones(f"{blk}.ssm_norm.weight", hp.ssm_group, hp.ssm_inner // hp.ssm_group)
+        t.weight(f"{blk}.ssm_out.weight", hp.ssm_inner, hp.n_embd)
+
+
+_ARCH_WRITERS: dict[str, Callable[[Hparams, gguf.GGUFWriter, _Tensors], None]] = {
+    "llama": _llama,
+    "qwen35": _qwen35,
+    "mamba2": _mamba2,
+}
+
+
+def write_model(recipe: Recipe, path: Path) -> None:
+    """Write `recipe` as a GGUF file at `path`; the same recipe always gives the same bytes."""
+    base = RECIPES[recipe.draft_of] if recipe.draft_of else recipe
+    hp = base.hparams
+    tensors = _Tensors(np.random.default_rng(base.seed))
+    writer = gguf.GGUFWriter(path, base.arch)
+    try:
+        writer.add_name(recipe.name)
+        writer.add_file_type(gguf.LlamaFileType.ALL_F32)
+        writer.add_context_length(hp.n_ctx)
+        writer.add_embedding_length(hp.n_embd)
+        writer.add_block_count(hp.n_layer)
+        for key, value, vtype, sub_type in _tokenizer_fields():
+            writer.add_key_value(key, value, vtype, sub_type=sub_type)
+        tensors.weight("token_embd.weight", hp.n_embd, _vocab_size(), std=1.0)
+        _ARCH_WRITERS[base.arch](hp, writer, tensors)
+        tensors.ones("output_norm.weight", hp.n_embd)
+        tensors.weight("output.weight", hp.n_embd, _vocab_size(), std=2 / np.sqrt(hp.n_embd))  # logit std ~2
+        if recipe.draft_of:
+            tensors.add_noise(recipe.noise, np.random.default_rng(recipe.seed))
+        for name, array in tensors.arrays.items():
+            writer.add_tensor(name, array)
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_tensors_to_file()
+    finally:
+        writer.close()

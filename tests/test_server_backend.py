@@ -1,0 +1,316 @@
+"""The llama-server backend, with a real build of the vendored llama.cpp and the real tiny models.
+
+The first run builds llama-server from source (many minutes on a small machine); later runs reuse
+the cached build.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import requests
+
+from harness.backends.base import ServeConfig
+from harness.backends.build import (
+    build_key, check_platform, cmake_options, ensure_server, prebuilt_server, source_identity, tree_digest,
+    vendored_source,
+)
+from harness.backends.server import LlamaServer
+from harness.backends.server_backend import ServerBackend
+from harness.errors import HarnessError
+from harness.models import resolve
+from harness.request import Request, Sampling
+
+PROMPT = "Write a quicksort demo in {lang}. Please, write just code. Do not write any extra comments."
+LANGS = ("C", "Java", "Python")
+MODES = ("seq", "par", "no-kv-unified")
+REPEATS = 3
+
+
+@pytest.fixture(scope="session")
+def build():
+    return ensure_server(None, "cpu", [], jobs=None)
+
+
+@pytest.fixture(scope="session")
+def model(tiny_models) -> Path:
+    return tiny_models["tiny-dense"].path
+
+
+def quicksort_requests() -> list[Request]:
+    return [Request(prompt=PROMPT.format(lang=lang), sampling=Sampling(temperature=0.0, n_predict=128), tag=lang)
+            for lang in LANGS]
+
+
+def config(model: Path, mode: str, **kw) -> ServeConfig:
+    return ServeConfig(model=model, mode=mode, parallel=len(LANGS), flash_attn="off", **kw)
+
+
+@pytest.fixture(scope="module")
+def mode_results(build, model, tmp_path_factory):
+    """{mode: [results of the three prompts] * REPEATS}, each mode served by one session."""
+    out = {}
+    for mode in MODES:
+        backend = ServerBackend(build, run_dir=tmp_path_factory.mktemp(mode))
+        with backend.open(config(model, mode)) as session:
+            out[mode] = [session.run(quicksort_requests()) for _ in range(REPEATS)]
+    return out
+
+
+# ------------------------------------------------------------------------------------ modes
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_mode_returns_complete_greedy_results(mode_results, mode):
+    for result in mode_results[mode][0]:
+        assert result.ok, result.error
+        assert result.prompt_tokens and result.tokens and result.text
+        assert result.timings.predicted_n == len(result.tokens)
+        assert result.timings.prompt_n > 0
+        assert (result.stop_reason, len(result.tokens)) == ("limit", 128) or result.stop_reason == "eos"
+        assert 0 <= result.slot_id < (1 if mode == "seq" else len(LANGS))
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_greedy_output_identical_over_repeats(mode_results, mode):
+    first = [r.tokens for r in mode_results[mode][0]]
+    for repeat in mode_results[mode][1:]:
+        assert [r.tokens for r in repeat] == first
+
+
+def test_seq_equals_no_kv_unified_without_flash_attention(mode_results):
+    assert [r.tokens for r in mode_results["seq"][0]] == [r.tokens for r in mode_results["no-kv-unified"][0]]
+
+
+def test_chat_request_yields_token_ids(build, model, tmp_path):
+    chat = Request(messages=[{"role": "user", "content": "Say hi."}], sampling=Sampling(n_predict=16))
+    with ServerBackend(build, run_dir=tmp_path).open(config(model, "seq")) as session:
+        [result] = session.run([chat])
+    assert result.ok, result.error
+    assert result.prompt_tokens and len(result.tokens) == result.timings.predicted_n > 0
+
+
+def test_speculative_counters_and_lossless_output(build, model, tmp_path):
+    draft = resolve("tiny-dense-draft").path
+    spec = {"spec-type": "draft-simple", "spec-draft-n-max": 4}
+    reqs = quicksort_requests()[:1]
+    with ServerBackend(build, run_dir=tmp_path).open(config(model, "seq")) as session:
+        [plain] = session.run(reqs)
+    with ServerBackend(build, run_dir=tmp_path).open(config(model, "seq", draft_model=draft, spec=spec)) as session:
+        [specced] = session.run(reqs)
+    assert plain.spec_stats["draft_n"] == 0
+    assert specced.spec_stats["draft_n"] > 0 and 0 <= specced.spec_stats["draft_n_accepted"] <= specced.spec_stats["draft_n"]
+    assert "draft-simple" in specced.spec_stats["types"]
+    assert specced.tokens == plain.tokens
+
+
+# ------------------------------------------------------------------------------------ crashes
+
+
+def _kill_when_busy(server: LlamaServer, sig: int, done: threading.Event) -> None:
+    """Send `sig` to the server process as soon as one of its slots is processing."""
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and not done.is_set():
+        try:
+            if any(slot["is_processing"] for slot in requests.get(f"{server.url}/slots", timeout=5).json()):
+                os.kill(server.process.pid, sig)
+                return
+        except requests.RequestException:
+            pass
+        time.sleep(0.005)
+
+
+def test_killed_server_turns_case_into_crash_and_next_case_completes(build, model, tmp_path):
+    long_case = Request(prompt=PROMPT.format(lang="C"), sampling=Sampling(n_predict=4000))
+    with ServerBackend(build, run_dir=tmp_path).open(config(model, "seq", ctx_size=8192)) as session:
+        done = threading.Event()
+        killer = threading.Thread(target=_kill_when_busy, args=(session.server, signal.SIGKILL, done))
+        killer.start()
+        try:
+            crashed = session.run([long_case])[0]
+        finally:
+            done.set()
+            killer.join()
+        after = session.run(quicksort_requests()[:1])[0]
+        assert session.starts == 2
+    assert crashed.stop_reason == "crashed"
+    assert "SIGKILL" in crashed.error and "llama-server" in crashed.error
+    assert after.ok and after.stop_reason in ("limit", "eos") and after.tokens
+
+
+# ------------------------------------------------------------------------------------ build cache
+
+
+def test_second_ensure_server_is_a_cache_hit(build):
+    started = time.monotonic()
+    again = ensure_server(None, "cpu", [], jobs=None)
+    elapsed = time.monotonic() - started
+    assert again.cached and again.server_bin == build.server_bin
+    assert elapsed < 2.0, f"cache hit took {elapsed:.2f} s"
+    assert os.access(again.server_bin, os.X_OK) and again.quantize_bin.is_file()
+
+
+def test_vendored_tree_hashes_fast_and_stably():
+    tree = vendored_source()
+    started = time.monotonic()
+    digest = tree_digest(tree)
+    elapsed = time.monotonic() - started
+    assert elapsed < 2.0, f"hashing the vendored tree took {elapsed:.2f} s"
+    assert tree_digest(tree) == digest
+
+
+def _write(path: Path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+
+
+@pytest.fixture
+def plain_tree(tmp_path) -> Path:
+    tree = tmp_path / "llama.cpp"
+    _write(tree / "CMakeLists.txt", "project(x)\n")
+    _write(tree / "src" / "llama.cpp", "int x = 1;\n")
+    _write(tree / "README.md", "readme\n")
+    _write(tree / "models" / "ggml-vocab.gguf", "weights\n")
+    _write(tree / "build" / "obj.cpp", "generated\n")
+    return tree
+
+
+def test_plain_tree_identity_follows_source_files_only(plain_tree):
+    before = source_identity(plain_tree)
+    assert before.commit == "unknown"
+    _write(plain_tree / "README.md", "edited\n")
+    _write(plain_tree / "models" / "ggml-vocab.gguf", "other weights\n")
+    _write(plain_tree / "build" / "obj.cpp", "regenerated\n")
+    assert source_identity(plain_tree) == before
+    _write(plain_tree / "src" / "llama.cpp", "int x = 2;\n")
+    after = source_identity(plain_tree)
+    assert after.digest != before.digest
+    args = cmake_options("cpu")
+    assert build_key(after, "cpu", args) != build_key(before, "cpu", args)
+
+
+def test_git_checkout_identity_is_commit_plus_uncommitted_changes(plain_tree):
+    def git(*args):
+        subprocess.run(["git", "-C", str(plain_tree), *args], check=True, capture_output=True)
+
+    git("init", "-q")
+    git("add", "CMakeLists.txt", "src")
+    git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-q", "-m", "init")
+    head = subprocess.run(["git", "-C", str(plain_tree), "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
+    clean = source_identity(plain_tree)
+    assert (clean.commit, clean.dirty, str(clean)) == (head, False, head)
+    _write(plain_tree / "src" / "new.cpp", "int y;\n")  # untracked source file
+    untracked = source_identity(plain_tree)
+    assert untracked.dirty and untracked.digest != clean.digest
+    _write(plain_tree / "src" / "llama.cpp", "int x = 3;\n")
+    modified = source_identity(plain_tree)
+    assert modified.dirty and modified.digest not in (clean.digest, untracked.digest)
+    assert str(modified).startswith(head + "+")
+
+
+@pytest.mark.parametrize("backend, on, off", [
+    ("cpu", (), ("-DGGML_CUDA=OFF", "-DGGML_METAL=OFF")),
+    ("cuda", ("-DGGML_CUDA=ON",), ("-DGGML_METAL=OFF",)),
+    ("metal", ("-DGGML_METAL=ON",), ("-DGGML_CUDA=OFF",)),
+])
+def test_cmake_args_per_backend(backend, on, off):
+    args = cmake_options(backend, ["-DGGML_NATIVE=OFF"])
+    assert set(on) | set(off) <= set(args)
+    assert {"-DCMAKE_BUILD_TYPE=Release", "-DBUILD_SHARED_LIBS=OFF", "-DLLAMA_CURL=OFF", "-DLLAMA_OPENSSL=OFF",
+            "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF"} <= set(args)
+    assert args[-1] == "-DGGML_NATIVE=OFF"  # user arguments come last, so they win
+
+
+def test_unknown_backend_and_metal_off_macos_are_refused():
+    with pytest.raises(HarnessError, match="unknown build backend"):
+        cmake_options("vulkan")
+    with pytest.raises(HarnessError, match="macOS"):
+        check_platform("metal", "Linux")
+    check_platform("metal", "Darwin")
+    check_platform("cuda", "Linux")
+
+
+@pytest.mark.skipif(os.uname().sysname == "Darwin", reason="Metal builds are allowed on macOS")
+def test_ensure_server_refuses_metal_here():
+    with pytest.raises(HarnessError, match="macOS"):
+        ensure_server(None, "metal", [], jobs=1)
+
+
+# ------------------------------------------------------------------------------------ bad input
+
+
+def _one_line_error(excinfo) -> str:
+    message = str(excinfo.value)
+    assert "\n" not in message and message
+    return message
+
+
+def test_missing_or_non_executable_binary(tmp_path, model):
+    missing = tmp_path / "llama-server"
+    with pytest.raises(HarnessError, match="does not exist or is not executable") as excinfo:
+        prebuilt_server(missing)
+    _one_line_error(excinfo)
+    missing.write_text("#!/bin/sh\n")
+    with pytest.raises(HarnessError, match="not executable") as excinfo:
+        LlamaServer(server_bin=missing, model=model).start()
+    _one_line_error(excinfo)
+
+
+def test_prebuilt_server_reads_the_binary_version(build):
+    info = prebuilt_server(build.server_bin)
+    assert info.server_bin == build.server_bin and info.commit
+
+
+def test_bad_model_file_is_refused(build, tmp_path):
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(b"GGUF" + os.urandom(256))
+    server = LlamaServer(server_bin=build.server_bin, model=bad, log_path=tmp_path / "server.log")
+    with pytest.raises(HarnessError, match="could not load model") as excinfo:
+        server.start()
+    _one_line_error(excinfo)
+    assert not server.alive
+
+
+def test_port_in_use(build, model, tmp_path):
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        server = LlamaServer(server_bin=build.server_bin, model=model, port=port, log_path=tmp_path / "server.log")
+        with pytest.raises(HarnessError, match=f"port {port} .* in use") as excinfo:
+            server.start()
+    _one_line_error(excinfo)
+    assert not server.alive
+
+
+def test_health_timeout_stops_the_process(build, model, tmp_path):
+    server = LlamaServer(server_bin=build.server_bin, model=model, start_timeout=0.05, log_path=tmp_path / "server.log")
+    started = time.monotonic()
+    with pytest.raises(HarnessError, match="not ready within") as excinfo:
+        server.start()
+    _one_line_error(excinfo)
+    assert not server.alive and time.monotonic() - started < 15
+
+
+def test_command_maps_config_one_to_one(build, model):
+    par = LlamaServer.from_config(
+        config(model, "par", spec={"spec-type": "ngram-simple", "spec-draft-n-max": 8}), build.server_bin,
+        cache_prompt=False, metrics=True, warmup=False,
+    )
+    par.port = 1234
+    cmd = par.command()
+    pairs = {cmd[i]: cmd[i + 1] for i in range(1, len(cmd) - 1)}
+    assert pairs["-np"] == "3" and "--kv-unified" in cmd and "--no-kv-unified" not in cmd
+    assert pairs["--spec-type"] == "ngram-simple" and pairs["--spec-draft-n-max"] == "8"
+    assert pairs["--host"] == "127.0.0.1" and pairs["-fa"] == "off" and pairs["-fit"] == "off"
+    assert {"--no-cache-prompt", "--metrics", "--no-warmup"} <= set(cmd)
+    seq = LlamaServer.from_config(config(model, "seq"), build.server_bin)
+    seq.port = 1234
+    assert "--no-kv-unified" in seq.command() and seq.command()[seq.command().index("-np") + 1] == "1"
