@@ -16,6 +16,10 @@ class Sampling:
     """None: the backend's `seed` option (llama-server's `-s`)."""
     n_predict: int = 128
     stop: list[str] = field(default_factory=list)
+    grammar: Optional[str] = None
+    """A GBNF grammar constraining the output (llama.cpp's grammar sampler)."""
+    json_schema: Optional[dict] = None
+    """A JSON schema constraining the output (turned into a grammar; ignored when `grammar` is set)."""
 
     @property
     def greedy(self) -> bool:

@@ -1,11 +1,10 @@
 """The n-gram drafters and the scripted test drafter, on small hand-checkable token lists."""
 
-import numpy as np
 import pytest
 
 from harness.engine.drafters.base import DraftRequest
-from harness.engine.drafters.ngram_map import LCG_FACTOR, NgramMapK, NgramMapK4V, lcg_buckets
-from harness.engine.drafters.ngram_mod import MULT, TABLE_SIZE, NgramMod, mod_hashes
+from harness.engine.drafters.ngram_map import LCG_FACTOR, NgramMapK, NgramMapK4V, poly_hashes
+from harness.engine.drafters.ngram_mod import MULT, TABLE_SIZE, NgramMod
 from harness.engine.drafters.ngram_simple import NgramSimple
 from harness.engine.drafters.scripted import Scripted
 
@@ -47,12 +46,12 @@ def test_simple_ignores_position_0_and_a_match_too_close_to_the_end():
 PROMPT = [0, 1, 2, 3, 4, 5, 6, 7, 1]  # key [1, 2] (last token + id_last 2) occurs at index 1
 
 
-def test_lcg_buckets_match_the_32_bit_hash():
+def test_map_hash_is_the_32_bit_lcg_hash_mod_2_18():
     tokens = [5, 262144 + 7, 123456, 0, 99]
     ref = 0
     for t in tokens[1:4]:
         ref = (ref * LCG_FACTOR + t) % 2**32
-    assert int(lcg_buckets(tokens, np.array([1]), 3)[0]) == ref % 2**18
+    assert list(poly_hashes(tokens, 1, 3, 3, LCG_FACTOR, 18))[0] == ref % 2**18
 
 
 def test_map_k_drafts_the_tokens_after_the_key():
@@ -70,7 +69,7 @@ def test_map_k_shortens_a_key_to_its_last_accepted_length(n_accepted, is_other, 
     assert d.draft(req(PROMPT, 2)) == [3, 4]
     d.accept(0, n_accepted, is_other)
     assert d.draft(req(PROMPT + [2, 9, 1], 2)) == expected
-    assert d.draft(req(PROMPT + [2, 9, 1, 2, 8, 1], 2)) == expected  # stays so: no own draft, no new accept
+    assert d.draft(req(PROMPT + [2, 9, 1, 2, 8, 1], 2)) == expected  # unchanged until the next accept
 
 
 def test_map_k_keeps_the_first_indexed_occurrence():
@@ -82,6 +81,17 @@ def test_map_k_keeps_the_first_indexed_occurrence():
     history = PROMPT + [2, 3, 4, 1, 2, 8, 8, 5, 5, 5, 5, 5, 1]
     assert d.draft(req(history, 2)) == [3, 4]
     assert NgramSimple(size_n=2, size_m=2).draft(req(history, 2)) == [8, 8]
+    d.accept(0, 2, False)
+    assert d.draft(req(history + [2, 8, 8, 7, 7, 7, 7, 1], 2)) == [3, 4]  # index 12 was hashed: bucket taken
+
+
+def test_map_k_hashes_the_prompt_from_its_end():
+    d = NgramMapK(size_n=2, size_m=2)
+    prompt = [0, 1, 2, 1, 2, 5, 6, 7, 8, 9, 1]  # [1, 2] at indices 1 and 3: the bucket gets 3
+    d.begin(0, prompt)
+    assert d.draft(req(prompt, 2)) == [5, 6]
+    d.accept(0, 2, False)
+    assert d.draft(req(prompt + [2, 9, 1], 2)) == [5, 6]
 
 
 def test_map_k_begin_forgets_keys_of_a_removed_history_part():
@@ -114,6 +124,15 @@ def test_map_k4v_copies_from_the_found_occurrence_not_the_dominant_value():
     assert d.draft(req(history, 2)) == [5, 6]
 
 
+def test_map_k4v_counts_the_found_occurrence_again_on_each_hit():
+    d = NgramMapK4V(size_n=2, size_m=2)
+    history = [0, 1, 2, 5, 6, 1, 2, 3, 4, 9, 9, 1]  # [1, 2] → [5, 6] once, [3, 4] once (found at index 5)
+    d.begin(0, history)
+    assert d.draft(req(history, 2)) == []
+    # hit again at index 5: llama.cpp recounts from there, [3, 4] now counts 2 against 1
+    assert d.draft(req(history + [2, 9, 1], 2)) == [3, 4]
+
+
 def test_map_k4v_min_hits():
     d = NgramMapK4V(size_n=2, size_m=2, min_hits=2)
     d.begin(0, PROMPT)
@@ -134,12 +153,15 @@ def test_map_state_is_per_sequence():
 # ngram-mod
 
 
-def test_mod_hashes_match_the_64_bit_hash():
+def test_mod_hash_is_the_64_bit_polynomial_hash_mod_table_size():
     tokens = [3, 150000, -1, 7, 2**31 - 1]
-    ref = 0
-    for t in tokens[1:5]:
-        ref = (ref * MULT + t) % 2**64
-    assert int(mod_hashes(tokens, 1, 2, 4)[0]) == ref % TABLE_SIZE
+    refs = []
+    for start in (0, 1):
+        ref = 0
+        for t in tokens[start : start + 4]:
+            ref = (ref * MULT + t) % 2**64
+        refs.append(ref % TABLE_SIZE)
+    assert list(poly_hashes(tokens, 0, 2, 4, MULT, 22)) == refs
 
 
 def test_mod_chains_lookups_with_a_rolling_hash():
@@ -169,17 +191,17 @@ def test_mod_short_history_and_pending_chunk():
     d = NgramMod(n_match=3, n_min=1, n_max=4)
     d.begin(0, [1, 2])  # shorter than n_match: nothing inserted
     assert d.draft(req([1], 2)) == []
-    history = [9] * 20 + [1, 2, 3, 4] + [8] * 6  # 30 tokens, n-grams pending from index 0
-    assert d.draft(req(history + [1], 2)) == []  # 31 tokens: not more than 32 pending yet
-    assert d.draft(req(history + [8, 8, 1], 2)) == [3, 4]  # 33 tokens: inserted
+    base = list(range(100, 120)) + [9, 1, 2, 3, 4] + list(range(200, 204))  # n-grams pending from index 0
+    assert d.draft(req(base + [5, 9, 1], 2)) == []  # 32 tokens: not more than 32 pending yet
+    assert d.draft(req(base + [5, 6, 9, 1], 2)) == [3, 4, 200, 201]  # 33 tokens: inserted first
 
 
 def test_mod_resets_after_5_low_acceptance_drafts():
     d = NgramMod(n_match=2, n_min=1, n_max=4)
     d.begin(0, [1, 2, 3, 4, 5])
-    for i in range(9):
+    for i in range(8):
         assert d.draft(req([7, 1], 2)) == [3, 4, 5]
-        d.accept(1, 0, True)  # another drafter's draft on another sequence: ignored
+        d.accept(0, 0, True)  # another drafter's draft: ignored
         d.accept(0, 0 if i != 3 else 1, False)  # 0/3 is low; 1/3 is not and restarts the streak
     assert d.draft(req([7, 1], 2)) == [3, 4, 5]
     d.accept(0, 0, False)  # 5th low draft in a row
@@ -217,7 +239,7 @@ def run_scripted(drafter, seq_id=0):
 
 
 def test_scripted_proposes_the_continuation():
-    d = Scripted(CONT, n_draft=4)
+    d = Scripted(CONT, n_max=4)
     d.begin(0, PROMPT_S)
     assert d.draft(req(PROMPT_S, 10)) == [11, 12, 13, 14]
     assert d.draft(req(PROMPT_S, 10, n_max=2)) == [11, 12]
@@ -226,18 +248,20 @@ def test_scripted_proposes_the_continuation():
 
 
 def test_scripted_wrong_tokens():
-    d = Scripted(CONT, n_draft=4, wrong_at={12}, n_vocab=13)
+    d = Scripted(CONT, n_max=4, wrong_at={2}, n_vocab=13)  # output offset 2 is token 12
     d.begin(0, PROMPT_S)
     assert d.draft(req(PROMPT_S, 10)) == [11, 0, 13, 14]
-    assert run_scripted(Scripted(CONT, n_draft=4, wrong_at=lambda s, j, k: k == 2)) == [2, 2, 2]
-    assert run_scripted(Scripted(CONT, n_draft=4, reject_all=True)) == [0] * 8
+    assert run_scripted(Scripted(CONT, n_max=4, wrong_at=lambda s, j, k: k == 2)) == [2, 2, 2]
+    assert run_scripted(Scripted(CONT, n_max=4, reject_all=True)) == [0] * 8
 
 
 def test_scripted_per_sequence_scripts():
-    d = Scripted({0: CONT, 1: [20, 21, 22]}, n_draft=2)
+    d = Scripted({0: CONT, 1: [20, 21, 22]}, n_max=2)
     d.begin(0, PROMPT_S)
     d.begin(1, [5])
     assert d.draft(req(PROMPT_S, 10, seq_id=0)) == [11, 12]
     assert d.draft(req([5], 20, seq_id=1)) == [21, 22]
-    assert d.draft(req([5], 20, seq_id=2)) == [] if 2 in d._prompt_len else True
-    assert Scripted(None).draft(req([1], 2)) == [] if Scripted(None).begin(0, [1]) is None else True
+    assert d.draft(req([5, 20], 21, seq_id=1)) == [22]
+    none = Scripted(None)
+    none.begin(0, PROMPT_S)
+    assert none.draft(req(PROMPT_S, 10)) == []

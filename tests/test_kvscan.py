@@ -14,6 +14,7 @@ from harness.kvscan import Layout, layout_from_model, scan_bytes, scan_file
 from harness.models import resolve
 
 PARTIAL_ONLY = llama_cpp.LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY
+ON_DEVICE = llama_cpp.LLAMA_STATE_SEQ_FLAGS_ON_DEVICE
 FLASH_OFF, FLASH_AUTO = 0, -1
 
 
@@ -222,6 +223,16 @@ def test_hybrid_seq_blobs_and_whole_context(blobs, tmp_path):
     assert r.recurrent_cells_per_seq == {1: 1} and seqs(r.parts[0]) == {1: (4, 0, 3)}
 
 
+@pytest.mark.parametrize("name", ("tiny-dense", "tiny-hybrid"))
+def test_on_device_blob_lists_the_same_cells_without_tensor_data(blobs, name):
+    b = blobs(name)
+    b.decode(0, range(6))
+    host, device = scan_bytes(b.seq_state(0)), scan_bytes(b.seq_state(0, ON_DEVICE))
+    assert (host.layout.on_device, device.layout.on_device) == (False, True)
+    assert [seqs(p) for p in device.parts] == [seqs(p) for p in host.parts]
+    assert device.size < host.size
+
+
 def test_recurrent_state_only(blobs, tmp_path):
     b = blobs("tiny-recurrent")
     b.decode(0, range(6))
@@ -238,18 +249,19 @@ def test_recurrent_state_only(blobs, tmp_path):
     assert r.recurrent_cells_per_seq == {-1: 1}  # a ggsq file does not store its sequence id
 
 
-def test_gemma3_iswa(blobs):
-    b = blobs("gemma3-270m", n_seq=1, n_ctx=128)
+def test_gemma3_iswa_seq_blob_lists_only_the_window(blobs):
+    b = blobs("gemma3-270m", n_seq=1, n_ctx=640)
     hint = layout_from_model(b.path)
     assert hint.memory == "iswa"
-    b.decode(0, range(40))
-    r = scan_bytes(b.seq_state(0), layout=hint)
+    b.decode(0, range(600))  # n_swa is 512: a seq blob skips SWA-masked cells (§1.5)
+    r = scan_bytes(b.seq_state(0), layout=hint, expected_len={0: 600})
     assert [p.name for p in r.parts] == ["kv-base", "kv-swa"] and r.healthy
-    assert seqs(r.parts[0]) == {0: (40, 0, 39)}
+    assert seqs(r.parts[0]) == {0: (600, 0, 599)} and seqs(r.parts[1]) == {0: (512, 88, 599)}
     assert scan_bytes(b.seq_state(0)).layout.memory == "iswa"
     partial = scan_bytes(b.seq_state(0, PARTIAL_ONLY), layout=hint)
-    assert [p.name for p in partial.parts] == ["kv-swa"]
-    assert seqs(partial.parts[0]) == seqs(r.parts[1])
+    assert [p.name for p in partial.parts] == ["kv-swa"] and seqs(partial.parts[0]) == {0: (512, 88, 599)}
+    whole = scan_bytes(b.state(), layout=hint)
+    assert [seqs(p) for p in whole.parts] == [{0: (600, 0, 599)}] * 2  # swa_full keeps every cell
 
 
 def test_bad_magic_and_truncation_are_one_line_errors(blobs):

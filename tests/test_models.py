@@ -4,6 +4,7 @@ import dataclasses
 import hashlib
 import json
 
+import gguf
 import llama_cpp
 import pytest
 
@@ -18,14 +19,14 @@ KIND = {"tiny-dense": "dense", "tiny-hybrid": "hybrid", "tiny-recurrent": "recur
 FLAGS = {"dense": (False, False), "hybrid": (False, True), "recurrent": (True, False)}  # (is_recurrent, is_hybrid)
 
 
+_QUIET = llama_cpp.llama_log_callback(lambda level, text, user_data: None)  # referenced for the process lifetime
+
+
 @pytest.fixture(scope="session", autouse=True)
 def quiet_llama():
-    """Silence llama.cpp's log for the session (the callback object must stay referenced)."""
-    callback = llama_cpp.ggml_log_callback(lambda level, text, user_data: None)
-    llama_cpp.llama_log_set(callback, None)
+    """Silence llama.cpp's log output for these tests."""
+    llama_cpp.llama_log_set(_QUIET, None)
     llama_cpp.llama_backend_init()
-    yield
-    llama_cpp.llama_log_set(None, None)
 
 
 @pytest.fixture(scope="session")
@@ -91,6 +92,21 @@ def test_draft_agrees_with_target_in_band(built, target):
 def test_gguf_path_reads_arch_from_header(built):
     info = resolve(str(built["tiny-hybrid"].path))
     assert (info.arch, info.kind, info.sha256) == ("qwen35", "hybrid", built["tiny-hybrid"].sha256)
+
+
+def test_arch_found_after_other_header_keys(tmp_path):
+    path = tmp_path / "late-arch.gguf"
+    writer = gguf.GGUFWriter(path, "mamba")
+    writer.remove_key("general.architecture")
+    writer.add_array("test.strings", ["a", "bc", "def"])
+    writer.add_array("test.ints", [1, 2, 3])
+    writer.add_uint32("test.scalar", 7)
+    writer.add_string("test.string", "x")
+    writer.add_architecture()
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.close()
+    assert (resolve(str(path)).arch, resolve(str(path)).kind) == ("mamba", "recurrent")
 
 
 def test_gemma_reads_arch_from_header():

@@ -1,9 +1,21 @@
 """A slot's sampler chain, built from a request's Sampling the way llama-server orders its samplers."""
 
+import json
+
 import llama_cpp
+from llama_cpp.llama_grammar import json_schema_to_gbnf
 
 from harness.engine.context import Context
 from harness.request import Sampling
+
+
+def grammar_text(sampling: Sampling) -> str | None:
+    """The GBNF grammar of a request: its `grammar`, else its `json_schema` converted, else None."""
+    if sampling.grammar is not None:
+        return sampling.grammar
+    if sampling.json_schema is not None:
+        return json_schema_to_gbnf(json.dumps(sampling.json_schema))
+    return None
 
 
 class Sampler:
@@ -13,10 +25,17 @@ class Sampler:
         self.ptr = ptr
 
     @classmethod
-    def for_request(cls, sampling: Sampling, default_seed: int) -> "Sampler":
-        """greedy when temperature <= 0, else top_k → top_p → min_p → temperature → dist(seed)."""
+    def for_request(cls, sampling: Sampling, default_seed: int, vocab) -> "Sampler":
+        """[grammar →] greedy when temperature <= 0, else top_k → top_p → min_p → temperature → dist(seed)."""
         seed = default_seed if sampling.seed is None else sampling.seed
         chain = llama_cpp.llama_sampler_chain_init(llama_cpp.llama_sampler_chain_default_params())
+        grammar = grammar_text(sampling)
+        if grammar is not None:
+            constraint = llama_cpp.llama_sampler_init_grammar(vocab, grammar.encode(), b"root")
+            if not constraint:
+                llama_cpp.llama_sampler_free(chain)
+                raise ValueError("llama.cpp could not parse the grammar")
+            llama_cpp.llama_sampler_chain_add(chain, constraint)
         if sampling.greedy:
             llama_cpp.llama_sampler_chain_add(chain, llama_cpp.llama_sampler_init_greedy())
         else:

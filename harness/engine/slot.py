@@ -48,10 +48,13 @@ class Slot:
             return self._fail(
                 f"the prompt has {len(tokens)} tokens but a slot holds {self.n_ctx_seq} (raise n_ctx)"
             )
+        try:
+            self.sampler = Sampler.for_request(request.sampling, self.seed, self.model.vocab)
+        except ValueError as err:
+            return self._fail(str(err))
         self.prompt = tokens
         self.n_past = 0
         self.pending = -1
-        self.sampler = Sampler.for_request(request.sampling, self.seed)
         self.phase = Phase.PROMPT
         return None
 

@@ -89,7 +89,7 @@ class SpecConfig:
             "ngram-map-k4v": self.spec_ngram_map_k4v_size_m,
             "ngram-mod": self.spec_ngram_mod_n_max,
         }
-        return max([sizes[t] for t in self.spec_type] + [getattr(d, "n_max", 16) for d in self.drafters])
+        return max([sizes[t] for t in self.spec_type] + [d.n_max for d in self.drafters])
 
 
 def build_drafters(config: SpecConfig, target: Context) -> list[Drafter]:
@@ -228,15 +228,18 @@ class Speculation:
         while n_match < min(len(sampled), len(draft)) and sampled[n_match] == draft[n_match]:
             n_match += 1
         k = len(draft)
-        if not plan.replay:
+        if plan.replay:
+            stats["n_redecoded"] += k
+        else:
             stats["spec_cycles"] += 1
             stats["draft_n"] += k
             stats["draft_n_accepted"] += n_match
             stats["spec_skip"] += n_match == 0
+        replaying = n_match < k and self.strategy == "checkpoint"
+        if not replaying:
+            # llama-server tells the drafters after the replay, not before it (counting the replayed tokens)
             for index, d in enumerate(self.drafters):
                 d.accept(slot.id, n_match, index != self.producer.get(slot.id))
-        else:
-            stats["n_redecoded"] += len(draft)
         if n_match == k:
             self.attempts[slot.id] = 0
             return self._commit(slot, plan, sampled, n_match)

@@ -26,6 +26,8 @@ class Drafter(ABC):
     when the request ends (only draft models need the last three)."""
 
     name: str = ""
+    n_max: int = 16
+    """The longest draft this drafter proposes (sizes recurrent snapshots for `--rollback partial`)."""
 
     @abstractmethod
     def begin(self, seq_id: int, prompt: list[int]) -> None:

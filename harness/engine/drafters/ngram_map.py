@@ -8,6 +8,7 @@ is found, exactly as there.
 """
 
 from dataclasses import dataclass, field
+from functools import cache
 
 import numpy as np
 
@@ -20,20 +21,19 @@ HASH_BITS = 18  # COMMON_NGRAM_HASH_MAP_SIZE = 2^18
 LCG_FACTOR = 2654435761
 
 
-def lcg_buckets(tokens: list[int], starts: np.ndarray, n: int) -> np.ndarray:
-    """key_map bucket of the n-gram at each start: llama.cpp's 32-bit LCG hash mod 2^18 (uint64 array).
+@cache
+def _weights(n: int, mult: int, bits: int) -> np.ndarray:
+    return np.array([pow(mult, n - 1 - i, 1 << bits) for i in range(n)], dtype=np.int64)
 
-    2^18 divides 2^32, so the hash is computed mod 2^18 directly."""
-    if len(starts) == 0:
-        return np.zeros(0, dtype=np.uint64)
-    lo = int(starts.min())
-    window = np.asarray(tokens[lo : int(starts.max()) + n], dtype=np.int64).astype(np.uint64)
-    offs = starts - lo
-    mask = np.uint64((1 << HASH_BITS) - 1)
-    h = np.zeros(len(starts), dtype=np.uint64)
-    for i in range(n):
-        h = (h * np.uint64(LCG_FACTOR) + window[offs + i]) & mask
-    return h
+
+def poly_hashes(tokens: list[int], lo: int, hi: int, n: int, mult: int, bits: int) -> np.ndarray:
+    """(((t0 * mult + t1) * mult + t2) ...) mod 2^bits for the n-gram starting at each index in [lo, hi)
+    (int64 array). Equals llama.cpp's hashes with 32- or 64-bit wrap followed by "mod 2^bits"."""
+    if hi <= lo:
+        return np.zeros(0, dtype=np.int64)
+    mask = (1 << bits) - 1
+    window = np.asarray(tokens[lo : hi + n - 1], dtype=np.int64) & mask
+    return np.correlate(window, _weights(n, mult, bits), mode="valid") & mask
 
 
 @dataclass(slots=True)
@@ -68,12 +68,14 @@ class _NgramMap(Drafter):
 
     def __init__(self, size_n: int = 12, size_m: int = 48, min_hits: int = 1):
         self.size_n = size_n
-        self.size_m = size_m
+        self.size_m = self.n_max = size_m
         self.min_hits = min_hits
         self._seqs: dict[int, _SeqMap] = {}
 
     def _state(self, seq_id: int) -> _SeqMap:
-        return self._seqs.setdefault(seq_id, _SeqMap())
+        if seq_id not in self._seqs:
+            self._seqs[seq_id] = _SeqMap()
+        return self._seqs[seq_id]
 
     def begin(self, seq_id: int, prompt: list[int]) -> None:
         """`common_ngram_map_begin`: if the history shrank since the last draft (e.g. a reasoning block was
@@ -121,7 +123,7 @@ class _NgramMap(Drafter):
         tail = (max(st.size_last_begin, st.key_map_last_idx) + 1, cur_len - n - m - 1)
 
         match_pos = 0
-        idx_key = int(st.key_map[int(lcg_buckets(key, np.zeros(1, dtype=np.int64), n)[0])])
+        idx_key = int(st.key_map[poly_hashes(key, 0, 1, n, LCG_FACTOR, HASH_BITS)[0]])
         if idx_key != 0 and idx_key < cur_len - n - m - 1 and inp[idx_key : idx_key + n] == key:
             match_pos = idx_key
         if match_pos == 0:
@@ -130,8 +132,11 @@ class _NgramMap(Drafter):
             match_pos = rfind_ngram(inp, key, *tail)
 
         # Hash the new n-grams, same order as the scans (descending in each range), only into empty buckets.
-        starts = np.concatenate([np.arange(hi, lo - 1, -1, dtype=np.int64) for lo, hi in (head, tail)])
-        buckets, first = np.unique(lcg_buckets(inp, starts, n), return_index=True)
+        starts = np.concatenate([np.arange(hi, lo - 1, -1) for lo, hi in (head, tail)])
+        hashes = np.concatenate(
+            [poly_hashes(inp, lo, hi + 1, n, LCG_FACTOR, HASH_BITS)[::-1] for lo, hi in (head, tail)]
+        )
+        buckets, first = np.unique(hashes, return_index=True)
         empty = st.key_map[buckets] == 0
         st.key_map[buckets[empty]] = starts[first[empty]]
         st.key_map_last_idx = max(cur_len - n - m - 1, st.key_map_last_idx)

@@ -6,8 +6,10 @@ from dataclasses import dataclass
 import numpy as np
 
 from harness.engine.drafters.base import DraftRequest, Drafter
+from harness.engine.drafters.ngram_map import poly_hashes
 
-TABLE_SIZE = 4 * 1024 * 1024  # slots; a power of two, so "mod size" keeps the low 22 bits
+HASH_BITS = 22
+TABLE_SIZE = 1 << HASH_BITS  # 4,194,304 slots; "hash mod size" keeps the low 22 bits of the 64-bit hash
 MULT = 6364136223846793005
 EMPTY = -1
 MAX_OCCUPANCY = 0.25  # begin() resets the table above this
@@ -16,17 +18,6 @@ LOW_ACCEPT = 0.25  # accept(): a draft with a smaller accepted fraction counts a
 LOW_STREAK = 5  # consecutive low drafts that reset the table
 
 _MASK = TABLE_SIZE - 1
-
-
-def mod_hashes(tokens: list[int], lo: int, hi: int, n: int) -> np.ndarray:
-    """Slot of the n-gram starting at each index in [lo, hi): llama.cpp's polynomial hash (64-bit wrap) mod
-    TABLE_SIZE, computed mod TABLE_SIZE throughout (which divides 2^64). int64 array."""
-    window = np.asarray(tokens[lo : hi + n - 1], dtype=np.int64)
-    count = max(hi - lo, 0)
-    h = np.zeros(count, dtype=np.int64)
-    for i in range(n):
-        h = (h * (MULT & _MASK) + window[i : i + count]) & _MASK
-    return h
 
 
 @dataclass
@@ -64,7 +55,7 @@ class NgramMod(Drafter):
         """`common_ngram_mod::add` for the n-grams starting at lo..hi-1, in order (the last writer wins)."""
         if hi <= lo:
             return
-        slots = mod_hashes(tokens, lo, hi, self.n_match)[::-1]
+        slots = poly_hashes(tokens, lo, hi, self.n_match, MULT, HASH_BITS)[::-1]
         nxt = np.asarray(tokens[lo + self.n_match : hi + self.n_match], dtype=np.int32)[::-1]
         slots, last = np.unique(slots, return_index=True)  # first in reversed order = last writer
         self.used += int(np.count_nonzero(self.table[slots] == EMPTY))
@@ -96,7 +87,7 @@ class NgramMod(Drafter):
             info.i_last = cur_len - n
 
         window = tokens[cur_len - n + 1 :] + [req.id_last]
-        h = int(mod_hashes(window, 0, 1, n)[0])
+        h = int(poly_hashes(window, 0, 1, n, MULT, HASH_BITS)[0])
         result: list[int] = []
         for i in range(self.n_max):
             token = int(self.table[h])

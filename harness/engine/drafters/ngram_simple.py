@@ -42,7 +42,7 @@ class NgramSimple(Drafter):
 
     def __init__(self, size_n: int = 12, size_m: int = 48):
         self.size_n = size_n
-        self.size_m = size_m
+        self.size_m = self.n_max = size_m
 
     def begin(self, seq_id: int, prompt: list[int]) -> None:
         """No state: nothing to do."""

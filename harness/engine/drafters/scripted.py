@@ -13,7 +13,7 @@ class Scripted(Drafter):
     `continuation` is what the target is expected to generate after the prompt (output token 0 is the first
     sampled token): one list for every sequence, or a dict seq_id → list; None never drafts. With
     o = len(history) - len(prompt) output tokens decoded so far, `id_last` is output token o and the draft
-    is continuation[o+1 : o+1+n_draft] (capped at `req.n_max`, shorter or empty at the end of the script).
+    is continuation[o+1 : o+1+n_max] (capped at `req.n_max`, shorter or empty at the end of the script).
 
     A proposed token is replaced by a wrong one — t+1, or (t+1) % n_vocab when n_vocab is given — when
     `wrong_at` says so: a set of output offsets (indices into the continuation), or a callable
@@ -28,13 +28,13 @@ class Scripted(Drafter):
     def __init__(
         self,
         continuation: dict[int, list[int]] | list[int] | None = None,
-        n_draft: int = 4,
+        n_max: int = 4,
         wrong_at: WrongAt | None = None,
         reject_all: bool = False,
         n_vocab: int | None = None,
     ):
         self.continuation = continuation
-        self.n_draft = n_draft
+        self.n_max = n_max
         self.wrong_at = wrong_at
         self.reject_all = reject_all
         self.n_vocab = n_vocab
@@ -63,7 +63,7 @@ class Scripted(Drafter):
     def draft(self, req: DraftRequest) -> list[int]:
         """The next scripted tokens after `req.id_last`, corrupted where asked."""
         start = len(req.history) - self._prompt_len[req.seq_id] + 1
-        stop = start + max(min(self.n_draft, req.n_max), 0)
+        stop = start + max(min(self.n_max, req.n_max), 0)
         return [
             self.wrong(t) if self._is_wrong(req.seq_id, start + k, k) else t
             for k, t in enumerate(self._script(req.seq_id)[start:stop])

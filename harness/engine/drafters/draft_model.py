@@ -1,0 +1,140 @@
+"""`draft-simple`: a separate draft model with its own context mirroring the target's positions."""
+
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import numpy as np
+
+from harness.engine import rollback
+from harness.engine.context import Context
+from harness.engine.drafters.base import Drafter, DraftRequest
+from harness.engine.model import Model
+from harness.errors import HarnessError
+
+PARTIAL_ONLY = rollback.CHECKPOINT_FLAGS["partial"]
+
+
+def top10_best(logits: np.ndarray) -> tuple[int, float]:
+    """The argmax token and its probability renormalised over the 10 best candidates (llama.cpp's p_min rule)."""
+    top = np.argpartition(logits, -10)[-10:]
+    best = int(top[np.argmax(logits[top])])
+    values = logits[top].astype(np.float64)
+    p = 1.0 / float(np.exp(values - logits[best]).sum())
+    return best, p
+
+
+@dataclass
+class _Mirrored:
+    """What the draft context last took in for one sequence, so it can roll back to any position in it."""
+
+    pos0: int
+    tokens: list[int]
+    state: bytes
+
+
+class DraftSimple(Drafter):
+    """Greedy drafting with a small model: decode `id_last`, then take the argmax while its top-10
+    probability stays at or above `p_min`, up to `n_max` tokens; drafts shorter than `n_min` are dropped."""
+
+    name = "draft-simple"
+
+    def __init__(self, model_path: Path, target: Context, n_max: int = 3, n_min: int = 0, p_min: float = 0.0):
+        self.n_max, self.n_min, self.p_min = n_max, n_min, p_min
+        self.model = Model(model_path)
+        self.ctx = None
+        try:
+            self._check_vocab(target.model)
+            self.ctx = Context(self.model, replace(target.params, n_rs_seq=0, cache_type_k="f16", cache_type_v="f16"))
+        except BaseException:
+            self.close()
+            raise
+        self.batch = self.ctx.new_batch()
+        self.exact_rm = rollback.can_seq_rm(self.ctx)
+        self.mirrored: dict[int, _Mirrored] = {}
+        self.broken: set[int] = set()
+
+    def _check_vocab(self, target: Model) -> None:
+        if abs(self.model.n_vocab - target.n_vocab) > 128 or any(
+            self.model.piece(t) != target.piece(t) for t in range(5, min(self.model.n_vocab, target.n_vocab), 997)
+        ):
+            raise HarnessError(
+                f"draft model {self.model.path.name} does not share the vocabulary of {target.path.name}"
+            )
+
+    def begin(self, seq_id: int, prompt: list[int]) -> None:
+        """The draft context already holds the prompt (it mirrored every prompt batch)."""
+
+    def _decode(self, entries: list[tuple[int, int, int, bool]]) -> int:
+        self.batch.clear()
+        for token, pos, seq_id, logits in entries:
+            self.batch.add(token, pos, seq_id, logits)
+        return self.ctx.decode(self.batch)
+
+    def process(self, entries: list[tuple[int, int, int, bool]]) -> None:
+        """Decode the target's batch into the draft context (checkpointing first where seq_rm is not exact)."""
+        entries = [e for e in entries if e[2] not in self.broken]
+        if not entries:
+            return
+        if not self.exact_rm:
+            for seq_id in {e[2] for e in entries}:
+                mine = [e for e in entries if e[2] == seq_id]
+                state = self.ctx.state_seq(seq_id, PARTIAL_ONLY)
+                self.mirrored[seq_id] = _Mirrored(mine[0][1], [e[0] for e in mine], state)
+        last = len(entries) - 1
+        if self._decode([(t, p, s, i == last) for i, (t, p, s, _) in enumerate(entries)]) != 0:
+            self.broken |= {e[2] for e in entries}
+
+    def draft(self, req: DraftRequest) -> list[int]:
+        """Argmax drafting in the draft context; the drafted positions are removed again afterwards."""
+        if req.seq_id in self.broken:
+            return []
+        seq, pos0 = req.seq_id, len(req.history)
+        state = None if self.exact_rm else self.ctx.state_seq(seq, PARTIAL_ONLY)
+        out: list[int] = []
+        token = req.id_last
+        while True:
+            if self._decode([(token, pos0 + len(out), seq, True)]) != 0:
+                break
+            token, p = top10_best(self.ctx.logits(0))
+            if p < self.p_min:
+                break
+            out.append(token)
+            if len(out) >= min(self.n_max, req.n_max):
+                break
+        if state is None:
+            self.ctx.seq_rm(seq, pos0, -1)
+        else:
+            rollback.restore(self.ctx, seq, state, PARTIAL_ONLY, pos0)
+        return out if len(out) >= self.n_min else []
+
+    def truncate(self, seq_id: int, n_keep: int) -> None:
+        """Drop the draft context's positions from `n_keep` on (restore and re-decode where seq_rm is not exact)."""
+        if seq_id in self.broken:
+            return
+        if self.exact_rm:
+            self.ctx.seq_rm(seq_id, n_keep, -1)
+            return
+        m = self.mirrored.get(seq_id)
+        if m is None or n_keep >= m.pos0 + len(m.tokens):
+            return
+        rollback.restore(self.ctx, seq_id, m.state, PARTIAL_ONLY, m.pos0)
+        redo = m.tokens[: max(0, n_keep - m.pos0)]
+        if redo and self._decode([(t, m.pos0 + i, seq_id, i == len(redo) - 1) for i, t in enumerate(redo)]) != 0:
+            self.broken.add(seq_id)
+
+    def end(self, seq_id: int) -> None:
+        """Clear the sequence from the draft context."""
+        if self.ctx is not None:
+            self.ctx.seq_rm(seq_id)
+        self.mirrored.pop(seq_id, None)
+        self.broken.discard(seq_id)
+
+    def close(self) -> None:
+        """Free the draft context and model."""
+        if getattr(self, "batch", None) is not None:
+            self.batch.free()
+            self.batch = None
+        if self.ctx is not None:
+            self.ctx.close()
+            self.ctx = None
+        self.model.close()
