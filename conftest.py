@@ -1,8 +1,17 @@
 """Repository-wide pytest fixtures: the tiny models, built once per cache and shared by all tests."""
 
+import llama_cpp
 import pytest
 
+from harness.engine.logging import set_llama_verbose
 from harness.models import DEFAULT_MODELS, resolve
+
+
+@pytest.fixture(scope="session", autouse=True)
+def quiet_llama_cpp():
+    """llama.cpp's own log stays silent in tests (`specharness --verbose` shows it)."""
+    set_llama_verbose(False)
+    llama_cpp.llama_backend_init()
 
 
 @pytest.fixture(scope="session")

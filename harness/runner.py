@@ -5,7 +5,7 @@ import json
 import os
 import secrets
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from rich.console import Console
@@ -16,13 +16,18 @@ from harness import MODES
 from harness.backends.base import Backend, ServeConfig
 from harness.backends.inproc import InprocBackend
 from harness.errors import HarnessError
-from harness.models import DEFAULT_MODELS, resolve
+from harness.engine.faults import FAULTS
+from harness.engine.rollback import STRATEGIES
+from harness.engine.speculative import SPEC_TYPES, SpecConfig
+from harness.models import DEFAULT_MODELS, draft_for, resolve
 from harness.paths import reports_dir
 from harness.result import Result
 from harness.suites import DEFAULT_SUITE, Suite, load_suite
 
 BACKENDS = {"inproc": InprocBackend}
-SPEC_TYPES = ("none",)
+SPEC_PARAMS = [f for f in SpecConfig.__dataclass_fields__.values()
+               if f.name.startswith("spec_") and f.name not in ("spec_type", "spec_draft_model")]
+"""The `--spec-*` numeric options, named exactly like llama-server's flags."""
 
 
 @dataclass
@@ -34,7 +39,27 @@ class RunPlan:
     modes: list[str]
     backend: Backend
     spec: str = "none"
+    spec_options: dict = field(default_factory=dict)
+    """Explicit `--spec-*` options under llama-server's flag names (without dashes)."""
+    draft_model: str | None = None
+    """Draft model name or path; default `<model>-draft` when draft-simple is asked for."""
+    rollback: str = "auto"
+    fault: str | None = None
     parallel: int = 4
+
+    def serve_config(self, model_name: str, mode: str) -> ServeConfig:
+        """The ServeConfig of one model × mode cell (resolving models may raise HarnessError)."""
+        spec = {}
+        draft = None
+        if self.spec != "none":
+            spec = {"spec-type": self.spec, **self.spec_options}
+            if "draft-simple" in self.spec:
+                name = self.draft_model or draft_for(model_name)
+                if name is None:
+                    raise HarnessError(f"draft-simple needs --draft-model: {model_name} has no registered draft")
+                draft = resolve(name).path
+        return ServeConfig(model=resolve(model_name).path, mode=mode, parallel=self.parallel, draft_model=draft,
+                           spec=spec, rollback=self.rollback, fault=self.fault)
 
 
 def _record(plan: RunPlan, case: str, model: str, mode: str, repeat: int, result: Result) -> dict:
@@ -67,8 +92,7 @@ def run_plan(plan: RunPlan, progress: Progress | None = None) -> list[dict]:
             if progress:
                 progress.update(task, description=f"{model_name} · {mode}")
             try:
-                config = ServeConfig(model=resolve(model_name).path, mode=mode, parallel=plan.parallel)
-                session = plan.backend.open(config)
+                session = plan.backend.open(plan.serve_config(model_name, mode))
             except HarnessError as err:
                 results = [Result(stop_reason="error", error=str(err)) for _ in jobs]
             else:
@@ -142,15 +166,21 @@ def cmd_run(args: argparse.Namespace) -> int:
         raise HarnessError("--parallel must be at least 1")
     out = Path(args.out) if args.out else new_run_dir(reports_dir())
     _check_out(out)
+    spec_options = {f.name.replace("_", "-"): getattr(args, f.name) for f in SPEC_PARAMS
+                    if getattr(args, f.name) is not None}
     plan = RunPlan(
         suite=load_suite(args.suite),
         models=args.model or list(DEFAULT_MODELS),
         modes=modes,
         backend=BACKENDS[args.backend](),
-        spec=",".join(spec),
+        spec="none" if "none" in spec else ",".join(spec),
+        spec_options=spec_options,
+        draft_model=args.draft_model,
+        rollback=args.rollback,
+        fault=args.fault,
         parallel=args.parallel,
     )
-    console = Console(stderr=True)
+    console = Console(stderr=True, soft_wrap=True)
     with Progress(console=console, transient=True) as progress:
         records = run_plan(plan, progress)
     Console().print(summary_table(records))
@@ -170,7 +200,14 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="registry name or .gguf path, repeatable (default: the tiny dense, hybrid and recurrent models)")
     p.add_argument("--mode", default=",".join(MODES), help="comma-separated: seq,par,no-kv-unified (default: all)")
     p.add_argument("--backend", default="inproc", choices=sorted(BACKENDS), help="inference backend")
-    p.add_argument("--spec", default="none", help="speculative decoding type (default none)")
+    p.add_argument("--spec", default="none", metavar="TYPE[,TYPE...]",
+                   help=f"speculative decoding types, as llama-server's --spec-type: {', '.join(SPEC_TYPES)} (default none)")
+    p.add_argument("--draft-model", metavar="NAME|PATH", help="draft model for draft-simple (default <model>-draft)")
+    p.add_argument("--rollback", default="auto", choices=STRATEGIES, help="in-process rollback strategy (default auto)")
+    p.add_argument("--fault", choices=sorted(FAULTS), help="switch on one fault of the in-process speculative engine")
+    for f in SPEC_PARAMS:
+        p.add_argument("--" + f.name.replace("_", "-"), dest=f.name, type=type(f.default), metavar="N",
+                       help=f"as llama-server (default {f.default})")
     p.add_argument("--parallel", type=int, default=4, help="slots in par and no-kv-unified modes (default 4)")
     p.add_argument("--out", metavar="DIR", help="run directory (default reports/<run-id>)")
     p.set_defaults(func=cmd_run)

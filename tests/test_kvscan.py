@@ -21,7 +21,8 @@ FLASH_OFF, FLASH_AUTO = 0, -1
 class Blobs:
     """A raw llama.cpp context on a model: decodes hand-positioned batches and returns real state blobs."""
 
-    def __init__(self, model, n_seq=2, unified=True, flash=FLASH_AUTO, n_ctx=256):
+    def __init__(self, model, path, n_seq=2, unified=True, flash=FLASH_AUTO, n_ctx=256):
+        self.path = path
         params = llama_cpp.llama_context_default_params()
         params.n_ctx = params.n_batch = params.n_ubatch = n_ctx
         params.n_seq_max = n_seq
@@ -91,9 +92,7 @@ def blobs(load):
     made = []
 
     def make(name, **kw):
-        model, path = load(name)
-        made.append(Blobs(model, **kw))
-        made[-1].path = path
+        made.append(Blobs(*load(name), **kw))
         return made[-1]
 
     yield make
@@ -121,13 +120,15 @@ def test_dense_whole_context_two_sequences(blobs, unified, flash, v_trans):
         assert r.totals["cells"] == 17 and r.healthy
 
 
-def test_dense_seq_blob_and_ggsq_file(blobs, tmp_path):
-    b = blobs("tiny-dense")
+@pytest.mark.parametrize("unified", (True, False))
+def test_dense_seq_blob_and_ggsq_file(blobs, tmp_path, unified):
+    b = blobs("tiny-dense", unified=unified)
     b.decode(0, range(4))
     b.decode(1, range(7))
     r = scan_bytes(b.seq_state(1), layout=layout_from_model(b.path))
     assert (r.framing, r.seq_id, r.layout.memory, r.layout.cell_ext) == ("seq", 1, "kv", False)
     assert seqs(r.parts[0]) == {1: (7, 0, 6)} and r.healthy
+    assert (r.parts[0].n_stream, set(r.parts[0].stream.tolist())) == ((1, {0}) if unified else (2, {1}))
     path = b.save_seq_file(tmp_path / "s1.ggsq", 1, [10 + i for i in range(7)])
     r = scan_file(path, model=b.path, expected_len={1: 7})
     assert (r.framing, r.tokens, r.seq_id) == ("ggsq", 7, None)
@@ -191,8 +192,8 @@ def test_orphans_and_holes(blobs, tmp_path, capsys):
     path.write_bytes(b.seq_state(0))
     r = scan_file(path, expected_len={0: 8})
     assert r.orphans == [("kv", 0, 0, 8), ("kv", 0, 0, 9)] and not r.healthy
-    assert cli.main(["scan", str(path), "--expect", "0=8"]) == 1
-    capsys.readouterr()
+    assert cli.main(["scan", str(path), "--expect", "0=8", "--model", "tiny-dense"]) == 1
+    assert "orphan: kv stream 0 seq 0 pos 9 (expected < 8)" in capsys.readouterr().out
     assert cli.main(["scan", str(path), "--expect", "0=10", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["healthy"]
     assert cli.main(["scan", str(path), "--expect", "zero=8"]) == 2
@@ -249,6 +250,19 @@ def test_recurrent_state_only(blobs, tmp_path):
     assert r.recurrent_cells_per_seq == {-1: 1}  # a ggsq file does not store its sequence id
 
 
+def test_duplicate_recurrent_tail_in_a_patched_real_blob(blobs):
+    b = blobs("tiny-recurrent")
+    b.decode(0, range(3))
+    b.decode(1, range(2))
+    data = bytearray(b.state())
+    first = 4 + len("mamba2") + 4 + 8  # arch string, cell count, pos and n_seq_id of cell 0 → its seq id
+    seq0, seq1 = struct.unpack_from("<i", data, first)[0], struct.unpack_from("<i", data, first + 12)[0]
+    assert {seq0, seq1} == {0, 1}
+    struct.pack_into("<i", data, first + 12, seq0)  # both recurrent cells now claim the same sequence
+    r = scan_bytes(bytes(data))
+    assert r.recurrent_cells_per_seq == {seq0: 2} and r.duplicate_tails == {seq0: 2} and not r.healthy
+
+
 def test_gemma3_iswa_seq_blob_lists_only_the_window(blobs):
     b = blobs("gemma3-270m", n_seq=1, n_ctx=640)
     hint = layout_from_model(b.path)
@@ -282,3 +296,7 @@ def test_bad_magic_and_truncation_are_one_line_errors(blobs):
         assert message in str(err.value) and str(err.value).startswith("x.bin: ") and "\n" not in str(err.value)
     with pytest.raises(HarnessError, match="expected a context state, found a seq state"):
         scan_bytes(good, kind="context")
+    with pytest.raises(HarnessError, match="no seq layout with memory=recurrent consumes exactly"):
+        scan_bytes(good, layout=Layout(memory="recurrent"))
+    with pytest.raises(HarnessError, match="unknown memory class 'paged'"):
+        Layout(memory="paged")

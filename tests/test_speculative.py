@@ -208,3 +208,26 @@ def test_rollback_faults_change_the_output(tiny_models, fault, name):
     spec = SpecConfig(drafters=[Scripted(reference.tokens, wrong_at=lambda s, j, k: k == 1)], fault=fault)
     faulty = run(model, [quicksort("C", n_predict=128)], spec=spec)[0]
     assert not faulty.ok or faulty.tokens != reference.tokens
+
+
+NGRAM_TYPES = ("ngram-simple", "ngram-map-k", "ngram-map-k4v", "ngram-mod")
+SMALL_NGRAMS = dict(spec_ngram_simple_size_n=3, spec_ngram_simple_size_m=8, spec_ngram_map_k_size_n=3,
+                    spec_ngram_map_k_size_m=8, spec_ngram_map_k4v_size_n=3, spec_ngram_map_k4v_size_m=8,
+                    spec_ngram_mod_n_match=3, spec_ngram_mod_n_min=1, spec_ngram_mod_n_max=8)
+
+
+@pytest.fixture(scope="module")
+def loop_reference():
+    """Greedy non-speculative output of the `-loop` models (they repeat themselves, so n-grams match)."""
+    return {name: solo(resolve(f"{name}-loop"), [quicksort(lang, n_predict=128) for lang in LANGS]) for name in ARCHS}
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("name", ARCHS)
+@pytest.mark.parametrize("spec_type", NGRAM_TYPES)
+def test_ngram_speculation_is_lossless(loop_reference, spec_type, name, mode):
+    spec = SpecConfig(spec_type=(spec_type,), **SMALL_NGRAMS)
+    results = run(resolve(f"{name}-loop"), [quicksort(lang, n_predict=128) for lang in LANGS], mode, spec)
+    assert_lossless(loop_reference[name], results)
+    t = totals(results)
+    assert t["draft_n_accepted"] > 0 and t["draft_n"] > t["draft_n_accepted"], t

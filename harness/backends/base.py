@@ -34,6 +34,10 @@ class ServeConfig:
     draft_model: Optional[Path] = None
     spec: dict = field(default_factory=dict)
     """Speculative options under llama-server's names without the leading dashes (`spec-type`, ...)."""
+    rollback: str = "auto"
+    """In-process only: how rejected drafts are rolled back (auto, seq-rm, checkpoint, partial)."""
+    fault: Optional[str] = None
+    """In-process only: a fault switch of the speculative engine (see harness.engine.faults)."""
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:

@@ -2,6 +2,7 @@
 
 from harness.backends.base import ServeConfig
 from harness.engine import ContextParams, Engine
+from harness.engine.speculative import SpecConfig
 from harness.request import Request
 from harness.result import Result
 
@@ -22,11 +23,18 @@ def context_params(config: ServeConfig) -> ContextParams:
     )
 
 
+def spec_config(config: ServeConfig) -> SpecConfig:
+    """The engine's speculative options from llama-server style names plus the in-process extras."""
+    return SpecConfig.from_options(
+        {**config.spec, "spec-draft-model": config.draft_model, "rollback": config.rollback, "fault": config.fault}
+    )
+
+
 class InprocSession:
     """An Engine serving one model in one mode."""
 
     def __init__(self, config: ServeConfig):
-        self.engine = Engine(config.model, context_params(config))
+        self.engine = Engine(config.model, context_params(config), spec_config(config))
 
     def run(self, requests: list[Request]) -> list[Result]:
         return self.engine.run(requests)

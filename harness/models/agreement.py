@@ -6,7 +6,6 @@ Only used to calibrate and test the draft recipes; harness.engine is the real in
 from __future__ import annotations
 
 import contextlib
-import ctypes
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 

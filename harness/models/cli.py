@@ -6,7 +6,7 @@ import argparse
 import json
 
 from rich.console import Console
-from rich.table import Table
+from rich.table import Column, Table
 
 from harness.models.registry import list_models, make
 
@@ -21,7 +21,7 @@ def cmd_list(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps([m.to_dict() for m in models], indent=1))
         return 0
-    table = Table("name", "arch", "kind", "size", "sha256", "path")
+    table = Table("name", "arch", "kind", "size", "sha256", Column("path", overflow="fold"))
     for m in models:
         table.add_row(m.name, m.arch, m.kind, _size(m.size), m.sha256[:12] or "-", str(m.path))
     Console().print(table)

@@ -201,7 +201,8 @@ def resolve(name_or_path: str, make: bool = True) -> ModelInfo:
                 "(pass a registry name from `specharness models list` or an existing .gguf)"
             )
         return _file_info(path.stem, path.resolve())
-    raise HarnessError(f"unknown model '{name_or_path}': valid names are {', '.join([*generator.RECIPES, GEMMA])}, or a path to a .gguf")
+    valid = ", ".join([*generator.RECIPES, GEMMA])
+    raise HarnessError(f"unknown model '{name_or_path}': valid names are {valid}, or a path to a .gguf")
 
 
 def make(names: list[str] | None = None) -> list[ModelInfo]:
