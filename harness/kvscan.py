@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-import mmap
 import re
 import struct
 from dataclasses import asdict, dataclass, field, fields, replace
@@ -30,6 +29,7 @@ from typing import Iterator, Optional
 import numpy as np
 
 from harness.errors import HarnessError
+from harness.models.gguf_header import read_metadata
 
 SEQ_MAGIC = 0xAF143CD8
 GGSQ_MAGIC, GGSQ_VERSION = 0x67677371, 3
@@ -57,8 +57,6 @@ _SWA_ARCHS = {
     "granite-swa", "mellum", "mimo2", "smallthinker", "maple", "spark2-5", "muse-glimmer",
 }
 _RECURRENT_INTERVAL_ARCHS = {"qwen3next", "qwen35", "qwen35moe"}
-_GGUF_SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
-_GGUF_STRING, _GGUF_ARRAY = 8, 9
 
 _MAX_SEQ = 256  # LLAMA_MAX_SEQ
 _MAX_LAYERS = 4096
@@ -573,9 +571,8 @@ def layout_from_model(model: Path) -> Layout:
     from harness.models import kind_of_arch
 
     try:
-        with open(model, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
-            meta = _gguf_metadata(buf)
-    except (OSError, ValueError, struct.error) as err:
+        meta = read_metadata(model)
+    except (OSError, ValueError) as err:
         raise HarnessError(f"{model}: cannot read GGUF metadata ({err})") from None
     get = meta.get
     arch = get("general.architecture")
@@ -605,47 +602,6 @@ def layout_from_model(model: Path) -> Layout:
     else:
         memory = "iswa" if swa else "kv"
     return Layout(memory=memory, cell_ext=cell_ext, mla=mla, n_recurrent_layers=n_recurrent)
-
-
-def _gguf_metadata(buf) -> dict:
-    """A GGUF header's key/values: scalars, strings and short numeric arrays; long or string arrays are skipped.
-
-    gguf.GGUFReader builds Python objects for every vocabulary entry (seconds per model, tens of seconds for
-    Gemma 3's 262k tokens); this walks the header only (milliseconds).
-    """
-    if bytes(buf[:4]) != b"GGUF":
-        raise ValueError("no GGUF magic")
-    n_kv = struct.unpack_from("<Q", buf, 16)[0]
-    off, out = 24, {}
-    for _ in range(n_kv):
-        key, off = _gguf_value(buf, off, _GGUF_STRING)
-        vtype = _U32.unpack_from(buf, off)[0]
-        out[key], off = _gguf_value(buf, off + 4, vtype)
-    return out
-
-
-def _gguf_value(buf, off: int, vtype: int):
-    """(value or None when skipped, end offset) of one GGUF value of type `vtype` at `off`."""
-    if vtype in _GGUF_SCALARS:
-        code = struct.Struct("<" + _GGUF_SCALARS[vtype])
-        return code.unpack_from(buf, off)[0], off + code.size
-    if vtype == _GGUF_STRING:
-        length = struct.unpack_from("<Q", buf, off)[0]
-        return bytes(buf[off + 8:off + 8 + length]).decode("utf-8", "replace"), off + 8 + length
-    if vtype != _GGUF_ARRAY:
-        raise ValueError(f"unknown GGUF value type {vtype} at byte {off}")
-    etype, count = struct.unpack_from("<IQ", buf, off)
-    off += 12
-    if etype in _GGUF_SCALARS:
-        code = _GGUF_SCALARS[etype]
-        end = off + count * struct.calcsize(code)
-        return (list(struct.unpack_from(f"<{count}{code}", buf, off)) if count <= 4096 else None), end
-    for _ in range(count):
-        if etype == _GGUF_STRING:
-            off += 8 + struct.unpack_from("<Q", buf, off)[0]
-        else:
-            off = _gguf_value(buf, off, etype)[1]
-    return None, off
 
 
 def add_parser(subparsers) -> None:

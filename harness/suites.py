@@ -1,6 +1,6 @@
 """Prompt suites: named sets of cases. Built in for now; YAML suite files come with the suite system."""
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from harness.errors import HarnessError
 from harness.request import Request, Sampling

@@ -1,0 +1,60 @@
+"""Read a GGUF file's metadata without loading tensors or building the vocabulary in Python.
+
+gguf.GGUFReader turns every vocabulary entry into Python objects (seconds per tiny model, tens of
+seconds for Gemma 3's 262k tokens); this walks the key/value header of a memory-mapped file only.
+"""
+
+import mmap
+import struct
+from pathlib import Path
+
+_GGUF_SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
+_GGUF_STRING, _GGUF_ARRAY = 8, 9
+_U32 = struct.Struct("<I")
+
+
+def read_metadata(path: Path) -> dict:
+    """A GGUF file's key/values: scalars, strings and short numeric arrays (long or string arrays are None).
+
+    Raises ValueError for a file that is not GGUF or whose header is cut short."""
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
+        try:
+            return _metadata(buf)
+        except struct.error as err:
+            raise ValueError(f"truncated GGUF header ({err})") from err
+
+
+def _metadata(buf) -> dict:
+    if bytes(buf[:4]) != b"GGUF":
+        raise ValueError("no GGUF magic")
+    n_kv = struct.unpack_from("<Q", buf, 16)[0]
+    off, out = 24, {}
+    for _ in range(n_kv):
+        key, off = _value(buf, off, _GGUF_STRING)
+        vtype = _U32.unpack_from(buf, off)[0]
+        out[key], off = _value(buf, off + 4, vtype)
+    return out
+
+
+def _value(buf, off: int, vtype: int):
+    """(value or None when skipped, end offset) of one GGUF value of type `vtype` at `off`."""
+    if vtype in _GGUF_SCALARS:
+        code = struct.Struct("<" + _GGUF_SCALARS[vtype])
+        return code.unpack_from(buf, off)[0], off + code.size
+    if vtype == _GGUF_STRING:
+        length = struct.unpack_from("<Q", buf, off)[0]
+        return bytes(buf[off + 8:off + 8 + length]).decode("utf-8", "replace"), off + 8 + length
+    if vtype != _GGUF_ARRAY:
+        raise ValueError(f"unknown GGUF value type {vtype} at byte {off}")
+    etype, count = struct.unpack_from("<IQ", buf, off)
+    off += 12
+    if etype in _GGUF_SCALARS:
+        code = _GGUF_SCALARS[etype]
+        end = off + count * struct.calcsize(code)
+        return (list(struct.unpack_from(f"<{count}{code}", buf, off)) if count <= 4096 else None), end
+    for _ in range(count):
+        if etype == _GGUF_STRING:
+            off += 8 + struct.unpack_from("<Q", buf, off)[0]
+        else:
+            off = _value(buf, off, etype)[1]
+    return None, off
