@@ -1,7 +1,9 @@
 """The `Result` record: one per request, filled the same way by every backend."""
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any, Optional
+
+from harness.logits import PositionLogits
 
 
 @dataclass
@@ -43,12 +45,9 @@ class Result:
     slot_id: int = -1
     timings: Timings = field(default_factory=Timings)
     spec_stats: dict[str, Any] = field(default_factory=dict)
+    logits: list[PositionLogits] = field(default_factory=list)
+    """One entry per generated token when logit logging is on (`logit_top_k` > 0), else empty."""
 
     @property
     def ok(self) -> bool:
         return self.error is None
-
-    def to_dict(self) -> dict:
-        data = asdict(self)
-        data["timings"] = self.timings.to_dict()
-        return data

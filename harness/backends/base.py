@@ -34,6 +34,8 @@ class ServeConfig:
     draft_model: Optional[Path] = None
     spec: dict = field(default_factory=dict)
     """Speculative options under llama-server's names without the leading dashes (`spec-type`, ...)."""
+    logit_top_k: int = 0
+    """Log the top-k candidates of every generated position (0 = off; llama-server's `n_probs`)."""
     rollback: str = "auto"
     """In-process only: how rejected drafts are rolled back (auto, seq-rm, checkpoint, partial)."""
     fault: Optional[str] = None

@@ -40,11 +40,12 @@ class Part:
 
 
 class Scheduler:
-    """Runs requests on `ctx` with `ctx.params.parallel` slots, speculating when `spec` is enabled."""
+    """Runs requests on `ctx` with `ctx.params.parallel` slots, speculating when `spec` is enabled and
+    logging the top `logit_top_k` logits of every generated position when it is > 0."""
 
-    def __init__(self, ctx: Context, spec: Optional[SpecConfig] = None):
+    def __init__(self, ctx: Context, spec: Optional[SpecConfig] = None, logit_top_k: int = 0):
         self.ctx = ctx
-        self.slots = [Slot(i, ctx.model, ctx.n_ctx_seq, ctx.params.seed) for i in range(ctx.params.parallel)]
+        self.slots = [Slot(i, ctx.model, ctx.n_ctx_seq, ctx.params.seed, logit_top_k) for i in range(ctx.params.parallel)]
         self.batch = ctx.new_batch()
         self.spec = Speculation(spec, ctx) if spec is not None and spec.enabled else None
 
@@ -153,7 +154,7 @@ class Scheduler:
                 if not part_rows:
                     continue
                 was_prompt = slot.phase is Phase.PROMPT
-                done = slot.emit(slot.sampler.sample(self.ctx, part_rows[0]))
+                done = slot.emit(*slot.sample(self.ctx, part_rows[0]))
                 if was_prompt and self.spec and not done:
                     self.spec.begin(slot)
             if done:

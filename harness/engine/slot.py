@@ -3,8 +3,10 @@
 import time
 from enum import Enum
 
+from harness.engine.context import Context
 from harness.engine.model import Model
 from harness.engine.sampler import Sampler
+from harness.logits import PositionLogits, capture
 from harness.request import Request
 from harness.result import Result
 
@@ -22,9 +24,10 @@ class Slot:
     last sampled token, not yet decoded (llama-server's `sampled`).
     """
 
-    def __init__(self, slot_id: int, model: Model, n_ctx_seq: int, seed: int):
+    def __init__(self, slot_id: int, model: Model, n_ctx_seq: int, seed: int, logit_top_k: int = 0):
         self.id = slot_id
         self.seed = seed
+        self.logit_top_k = logit_top_k
         self.model = model
         self.n_ctx_seq = n_ctx_seq
         self.phase = Phase.IDLE
@@ -72,12 +75,17 @@ class Slot:
         """Every token decoded into the sequence, positions 0..n_past-1 (prompt, then output)."""
         return self.prompt + self.result.tokens[: self.n_past - len(self.prompt)]
 
-    def emit_all(self, tokens: list[int]) -> bool:
-        """Emit tokens in order until the request is done; the rest are discarded."""
-        return any(self.emit(t) for t in tokens)
+    def sample(self, ctx: Context, row: int) -> tuple[int, PositionLogits | None]:
+        """Sample output row `row` with the slot's sampler; its top-k logits too when logging is on."""
+        token = self.sampler.sample(ctx, row)
+        return token, (capture(ctx.logits(row), self.logit_top_k) if self.logit_top_k else None)
 
-    def emit(self, token: int) -> bool:
-        """Record a sampled token and apply the stop rules; returns True when the request is done."""
+    def emit_all(self, tokens: list[int], logits: list[PositionLogits | None]) -> bool:
+        """Emit tokens in order until the request is done; the rest are discarded."""
+        return any(self.emit(t, lg) for t, lg in zip(tokens, logits))
+
+    def emit(self, token: int, logits: PositionLogits | None = None) -> bool:
+        """Record a sampled token (and its logits) and apply the stop rules; True when the request is done."""
         now = time.perf_counter()
         if self.phase is Phase.PROMPT:
             self.phase = Phase.GENERATE
@@ -87,6 +95,8 @@ class Slot:
         if self.model.is_eog(token):
             return self._finish("eos")
         self.result.tokens.append(token)
+        if logits is not None:
+            self.result.logits.append(logits)
         self.pending = token
         self.text_bytes += self.model.piece(token)
         if sampling.stop:

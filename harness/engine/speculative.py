@@ -218,10 +218,12 @@ class Speculation:
         Returns True when the request is done."""
         stats = slot.result.spec_stats
         sampled: list[int] = []
+        logits = []
         draft = plan.draft
         for i, row in enumerate(rows):
-            token = slot.sampler.sample(self.ctx, row)
+            token, row_logits = slot.sample(self.ctx, row)
             sampled.append(token)
+            logits.append(row_logits)
             if i == len(draft) or token != draft[i] or slot.model.is_eog(token):
                 break
         n_match = 0
@@ -242,28 +244,28 @@ class Speculation:
                 d.accept(slot.id, n_match, index != self.producer.get(slot.id))
         if n_match == k:
             self.attempts[slot.id] = 0
-            return self._commit(slot, plan, sampled, n_match)
-        return self._roll_back(slot, plan, sampled, n_match)
+            return self._commit(slot, plan, sampled, logits, n_match)
+        return self._roll_back(slot, plan, sampled, logits, n_match)
 
-    def _commit(self, slot, plan: StepPlan, sampled: list[int], n_match: int) -> bool:
+    def _commit(self, slot, plan: StepPlan, sampled: list[int], logits: list, n_match: int) -> bool:
         if plan.sampler_backup is not None:
             plan.sampler_backup.free()
         slot.n_past = plan.base + 1 + n_match
-        return slot.emit_all(sampled)
+        return slot.emit_all(sampled, logits)
 
-    def _roll_back(self, slot, plan: StepPlan, sampled: list[int], n_match: int) -> bool:
+    def _roll_back(self, slot, plan: StepPlan, sampled: list[int], logits: list, n_match: int) -> bool:
         base, keep = plan.base, plan.base + 1 + n_match
         off_by_one = 1 if self.fault == "rollback-off-by-one" else 0
         if self.strategy in ("seq-rm", "partial"):
             if not self.ctx.seq_rm(slot.id, keep + off_by_one, -1):
                 raise RuntimeError(f"llama.cpp refused to remove positions {keep}.. of sequence {slot.id}")
             self._truncate_drafters(slot.id, keep)
-            return self._commit(slot, plan, sampled, n_match)
+            return self._commit(slot, plan, sampled, logits, n_match)
         slot.result.spec_stats["ckpt_restored"] += 1
         if self.fault == "partial-checkpoint-only":
             rollback.restore(self.ctx, slot.id, plan.checkpoint, self.flags, base, trim=False)
             self._truncate_drafters(slot.id, keep)
-            return self._commit(slot, plan, sampled, n_match)
+            return self._commit(slot, plan, sampled, logits, n_match)
         rollback.restore(self.ctx, slot.id, plan.checkpoint, self.flags, base + off_by_one,
                          trim=self.fault != "skip-seq-rm-after-restore")
         self._truncate_drafters(slot.id, base)
