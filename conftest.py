@@ -1,10 +1,12 @@
-"""Repository-wide pytest fixtures: the tiny models, built once per cache and shared by all tests."""
+"""Repository-wide pytest setup: the suite plugin (`pytest suites/`) and the tiny-model fixtures."""
 
 import llama_cpp
 import pytest
 
 from harness.engine.logging import set_llama_verbose
 from harness.models import DEFAULT_MODELS, resolve
+
+pytest_plugins = ["harness.pytest_plugin"]
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -1,14 +1,21 @@
-"""Logit logging: what the model thought at every generated position.
+"""Logit logging: what the model thought at every generated position, and how two runs' thoughts differ.
 
 For each emitted token the in-process engine records the top-k candidates of the row it was sampled
-from (ids and raw logits, float32), plus a digest of the full logit vector and its first and last
-three values, so two runs can be compared without storing whole vocabularies.
+from (ids and raw logits, float32), the row's log-normaliser (so the values convert to log-probabilities),
+a digest of the full logit vector and its first and last three values. llama-server's `n_probs` output
+converts to the same record (`from_server_probs`). Records go to Parquet (`save_parquet`) and are
+compared position by position (`compare`, `check`).
 """
 
 import hashlib
+import math
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
+import pandas as pd
+import pyarrow as pa
+import pyarrow.parquet as pq
 
 
 @dataclass
@@ -16,24 +23,254 @@ class PositionLogits:
     """The logits behind one generated token."""
 
     top_ids: np.ndarray
-    """int32[k], best first."""
+    """int32[k], best first (empty for a token llama-server accepted through speculation)."""
     top_logits: np.ndarray
     """float32[k], best first (raw logits in-process; log-probabilities from llama-server)."""
     digest: str = ""
     """sha1 of the full float32 logit vector ("" when not known, e.g. from llama-server)."""
     head: tuple[float, ...] = ()
     tail: tuple[float, ...] = ()
+    log_z: float = 0.0
+    """log Σ exp(row) over the whole vocabulary: `top_logits − log_z` are log-probabilities
+    (0 when `top_logits` already are, as llama-server's are)."""
+
+    def logprobs(self) -> np.ndarray:
+        """The top-k values as float64 log-probabilities."""
+        return self.top_logits.astype(np.float64) - self.log_z
+
+    @property
+    def margin(self) -> float | None:
+        """top1 − top2 (nats), None with fewer than two candidates. llama-server's log-probabilities give
+        the same number as raw logits: both rows differ by the constant log-normaliser."""
+        return float(self.top_logits[0]) - float(self.top_logits[1]) if len(self.top_logits) >= 2 else None
 
 
 def capture(row: np.ndarray, k: int) -> PositionLogits:
-    """Top-k of one logit row (a view into llama.cpp's buffer; copied here) with its digest."""
+    """Top-k of one logit row (a view into llama.cpp's buffer; copied here) with its digest and log-normaliser."""
     k = min(k, row.shape[0])
     top = np.argpartition(row, -k)[-k:]
     order = top[np.lexsort((top, -row[top]))]
+    peak = float(row[order[0]])
     return PositionLogits(
         top_ids=order.astype(np.int32),
         top_logits=row[order].astype(np.float32),
         digest=hashlib.sha1(row.tobytes()).hexdigest(),
         head=tuple(float(x) for x in row[:3]),
         tail=tuple(float(x) for x in row[-3:]),
+        log_z=peak + math.log(float(np.exp(row.astype(np.float64) - peak).sum())),
     )
+
+
+# --- llama-server -------------------------------------------------------------------------------------
+
+def from_server_probs(completion_probabilities: list[dict]) -> list[PositionLogits]:
+    """llama-server's `completion_probabilities` (request field `n_probs`) → one record per token.
+
+    Reads `top_logprobs`/`logprob`, or `top_probs`/`prob` (with `post_sampling_probs`, converted to logs;
+    a zero probability becomes float32's lowest value, as the server reports a zero logprob). Tokens the
+    server accepted through speculation carry an empty top list: they become records with empty arrays,
+    which `compare` skips.
+    """
+    out = []
+    for entry in completion_probabilities:
+        if "top_logprobs" in entry:
+            top = [(c["id"], c["logprob"]) for c in entry["top_logprobs"]]
+        else:
+            lowest = float(np.finfo(np.float32).min)
+            top = [(c["id"], math.log(c["prob"]) if c["prob"] > 0 else lowest) for c in entry.get("top_probs", [])]
+        top.sort(key=lambda c: (-c[1], c[0]))
+        out.append(PositionLogits(
+            top_ids=np.array([i for i, _ in top], dtype=np.int32),
+            top_logits=np.array([v for _, v in top], dtype=np.float32),
+        ))
+    return out
+
+
+# --- Parquet --------------------------------------------------------------------------------------------
+
+SCHEMA = pa.schema([
+    ("case", pa.string()),
+    ("position", pa.int32()),
+    ("top_ids", pa.list_(pa.int32())),
+    ("top_logits", pa.list_(pa.float32())),
+    ("log_z", pa.float64()),
+    ("digest", pa.string()),
+    ("head", pa.list_(pa.float32())),
+    ("tail", pa.list_(pa.float32())),
+])
+"""One row per generated position; `case` names the case (and request) the position belongs to."""
+
+
+def to_frame(logits: list[PositionLogits]) -> pd.DataFrame:
+    """One row per position: `position`, list columns `top_ids` (int32) / `top_logits` (float32),
+    `log_z`, `digest`, and `head` / `tail` (float32 lists)."""
+    return pd.DataFrame({
+        "position": np.arange(len(logits), dtype=np.int32),
+        "top_ids": [np.asarray(p.top_ids, dtype=np.int32) for p in logits],
+        "top_logits": [np.asarray(p.top_logits, dtype=np.float32) for p in logits],
+        "log_z": np.array([p.log_z for p in logits], dtype=np.float64),
+        "digest": [p.digest for p in logits],
+        "head": [np.array(p.head, dtype=np.float32) for p in logits],
+        "tail": [np.array(p.tail, dtype=np.float32) for p in logits],
+    })
+
+
+def from_frame(df: pd.DataFrame) -> list[PositionLogits]:
+    """The records of a `to_frame` / `load_parquet` frame, in position order."""
+    return [
+        PositionLogits(
+            top_ids=np.asarray(row.top_ids, dtype=np.int32),
+            top_logits=np.asarray(row.top_logits, dtype=np.float32),
+            digest=row.digest,
+            head=tuple(float(x) for x in row.head),
+            tail=tuple(float(x) for x in row.tail),
+            log_z=float(row.log_z),
+        )
+        for row in df.sort_values("position").itertuples(index=False)
+    ]
+
+
+FLOAT_COLUMNS = ("top_logits.list.element", "log_z", "head.list.element", "tail.list.element")
+
+
+def save_parquet(path: Path, frames_by_case: dict[str, pd.DataFrame]) -> None:
+    """Write the frames of a run into one Parquet file with a `case` column (zstd; floats byte-stream-split,
+    which compresses them where dictionaries would grow them: about 16 kB per 128 positions at k = 10)."""
+    frames = [frame.assign(case=case) for case, frame in frames_by_case.items() if len(frame)]
+    table = (pa.Table.from_pandas(pd.concat(frames, ignore_index=True)[SCHEMA.names], schema=SCHEMA,
+                                  preserve_index=False) if frames else SCHEMA.empty_table())
+    pq.write_table(table.replace_schema_metadata(None), Path(path), compression="zstd", use_dictionary=["case"],
+                   column_encoding=dict.fromkeys(FLOAT_COLUMNS, "BYTE_STREAM_SPLIT"))
+
+
+def load_parquet(path: Path) -> dict[str, pd.DataFrame]:
+    """case → frame (as `to_frame` made it) from a `save_parquet` file, cases in file order (a case
+    without positions has no rows, so it is absent)."""
+    df = pq.read_table(Path(path), schema=SCHEMA).to_pandas()
+    return {case: group.drop(columns="case").reset_index(drop=True)
+            for case, group in df.groupby("case", sort=False)}
+
+
+# --- comparison -------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Tolerances:
+    """How close two runs' logits must be. `top1_agreement` is a rate over the compared positions; the
+    others bound every single position (log-probabilities, nats).
+
+    On the tiny models over 128 tokens, switching flash attention on moves logits by |Δ| ≤ 0.035 (mostly
+    < 0.005), NMSE ≤ 4e-6, KL ≤ 5e-5; a q8_0 K cache by |Δ| 0.025–0.1, NMSE ≤ 7e-5, KL ≤ 7e-4.
+    """
+
+    top1_agreement: float = 1.0
+    max_abs: float = 0.025
+    """Half of triage's default near-tie margin: noise within it can flip only margins called near-ties."""
+    nmse: float = 1e-5
+    kl: float = 1e-4
+
+
+@dataclass
+class LogitsComparison:
+    """Per-position differences between a reference `a` and another run `b`, and their aggregates."""
+
+    per_position: pd.DataFrame
+    """One row per compared position: `position`, `a_top1`, `b_top1`, `top1_agree`, `max_abs`,
+    `max_abs_id` (the token id behind `max_abs`), `nmse`, `kl`."""
+    n_a: int
+    n_b: int
+    n_skipped: int
+    """Positions of the common length where a side has no candidates (llama-server's speculated tokens)."""
+    top1_agreement: float
+    max_abs: float
+    nmse: float
+    """Pooled over all compared positions: Σ(a−b)² / Σa²."""
+    kl_mean: float
+    kl_max: float
+
+    @property
+    def n_compared(self) -> int:
+        return len(self.per_position)
+
+
+def _position_diff(a: PositionLogits, b: PositionLogits, k: int) -> dict:
+    """The metrics of one position (see `compare`) plus the NMSE sums that pool over positions."""
+    la, lb = a.logprobs()[:k], b.logprobs()[:k]
+    ia, ib = a.top_ids[:k], b.top_ids[:k]
+    va, vb = dict(zip(ia.tolist(), la)), dict(zip(ib.tolist(), lb))
+    shared = [i for i in va if i in vb]
+    # an id in one side's top-k only: the other side's value is at most its k-th, so |Δ| ≥ value − k-th
+    deltas = {i: abs(va[i] - vb[i]) for i in shared}
+    deltas.update({i: max(0.0, va[i] - lb[-1]) for i in va if i not in vb})
+    deltas.update({i: max(0.0, vb[i] - la[-1]) for i in vb if i not in va})
+    worst = max(deltas, key=lambda i: (deltas[i], -i))
+    xa, xb = np.array([va[i] for i in shared]), np.array([vb[i] for i in shared])
+    err, ref = float(np.sum((xa - xb) ** 2)), float(np.sum(xa ** 2))
+    # KL over the shared ids plus one bucket holding each side's remaining mass
+    p_a, p_b = np.exp(xa), np.exp(xb)
+    p_a = np.append(p_a, max(1.0 - p_a.sum(), 0.0))
+    p_b = np.maximum(np.append(p_b, max(1.0 - p_b.sum(), 0.0)), 1e-12)
+    kl = float(np.sum(np.where(p_a > 0, p_a * np.log(np.maximum(p_a, 1e-300) / p_b), 0.0)))
+    return {
+        "a_top1": int(ia[0]), "b_top1": int(ib[0]), "top1_agree": bool(ia[0] == ib[0]),
+        "max_abs": float(deltas[worst]), "max_abs_id": int(worst),
+        "nmse": err / ref if ref > 0 else (0.0 if err == 0 else math.inf), "kl": max(kl, 0.0),
+        "_err": err, "_ref": ref,
+    }
+
+
+def compare(a: list[PositionLogits], b: list[PositionLogits], k: int = 10) -> LogitsComparison:
+    """Compare two runs position by position over their common length, on log-probabilities.
+
+    Positions where either side has no candidates are skipped. Per position, over each side's top-k:
+    top-1 agreement; max |Δ| over the union of both id sets, where an id in only one side's top-k counts
+    as (its value − the other side's k-th value, floored at 0), a lower bound of the true difference;
+    NMSE Σ(a−b)²/Σa² (llama.cpp's test-backend-ops metric) over the ids in both top-k sets; and
+    KL(a‖b) over the shared ids plus one "rest" bucket with each side's remaining probability mass, a
+    lower bound of the full-vocabulary KL (data-processing inequality). So where the top-k sets differ,
+    max |Δ| and KL understate rather than overstate: a breach of their tolerance is real.
+    Compare only positions whose contexts agree (before the token streams diverge, see `harness.triage`),
+    and llama-server's post-sampling probabilities only with their own kind (they are not the model's).
+    """
+    rows = []
+    n_skipped = 0
+    for pos, (x, y) in enumerate(zip(a, b)):
+        if len(x.top_ids) == 0 or len(y.top_ids) == 0:
+            n_skipped += 1
+            continue
+        rows.append({"position": pos, **_position_diff(x, y, k)})
+    columns = ["position", "a_top1", "b_top1", "top1_agree", "max_abs", "max_abs_id", "nmse", "kl"]
+    df = pd.DataFrame(rows, columns=columns + ["_err", "_ref"])
+    err, ref = float(df["_err"].sum()), float(df["_ref"].sum())
+    empty = df.empty
+    return LogitsComparison(
+        per_position=df[columns].reset_index(drop=True),
+        n_a=len(a), n_b=len(b), n_skipped=n_skipped,
+        top1_agreement=1.0 if empty else float(df["top1_agree"].mean()),
+        max_abs=0.0 if empty else float(df["max_abs"].max()),
+        nmse=err / ref if ref > 0 else (0.0 if err == 0 else math.inf),
+        kl_mean=0.0 if empty else float(df["kl"].mean()),
+        kl_max=0.0 if empty else float(df["kl"].max()),
+    )
+
+
+def check(comparison: LogitsComparison, tol: Tolerances) -> tuple[bool, str]:
+    """Whether the comparison is within `tol`, and a one-line message naming the worst position(s)."""
+    c, df = comparison, comparison.per_position
+    scope = f"{c.n_compared} positions ({c.n_skipped} skipped; lengths {c.n_a}/{c.n_b})"
+    if df.empty:
+        return False, f"no position has logits on both sides: {scope}"
+    problems = []
+    if c.top1_agreement < tol.top1_agreement:
+        first = df[~df["top1_agree"]].iloc[0]
+        problems.append(f"top-1 agreement {c.top1_agreement:.4f} < {tol.top1_agreement} (first disagreement at "
+                        f"position {int(first.position)}: id {int(first.a_top1)} vs {int(first.b_top1)})")
+    for metric, limit in (("max_abs", tol.max_abs), ("nmse", tol.nmse), ("kl", tol.kl)):
+        worst = df.loc[df[metric].idxmax()]
+        if worst[metric] > limit:
+            where = f" on id {int(worst.max_abs_id)}" if metric == "max_abs" else ""
+            problems.append(f"{metric} {worst[metric]:.3g} > {limit:g} at position {int(worst.position)}{where}")
+    if problems:
+        return False, f"logits differ over {scope}: " + "; ".join(problems)
+    worst = df.loc[df["max_abs"].idxmax()]
+    return True, (f"logits close over {scope}: top-1 agreement {c.top1_agreement:.4f}, max |Δ| {c.max_abs:.3g} "
+                  f"at position {int(worst.position)}, NMSE {c.nmse:.3g}, KL mean {c.kl_mean:.3g} max {c.kl_max:.3g}")

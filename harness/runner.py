@@ -1,11 +1,12 @@
-"""`specharness run`: replay a suite on a backend for every model × mode and write results.json."""
+"""`specharness run`: the suites and checks of `pytest suites/`, outside pytest, with a summary table.
+
+Exit status: 0 every check passed, 1 a check failed, 2 usage or configuration error, 3 an
+infrastructure error (a backend that could not be started or built).
+"""
 
 import argparse
-import json
-import os
 import secrets
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
 from rich.console import Console
@@ -13,201 +14,165 @@ from rich.progress import Progress
 from rich.table import Table
 
 from harness import MODES
-from harness.backends.base import Backend, ServeConfig
-from harness.backends.inproc import InprocBackend
-from harness.errors import HarnessError
+from harness.backends.choose import BACKEND_NAMES, backend_factories
+from harness.baselines import BaselineStore, default_root
+from harness.checks import CHECKS, evaluate
+from harness.checks.base import CheckContext
+from harness.detok import detokenizer
 from harness.engine.faults import FAULTS
 from harness.engine.rollback import STRATEGIES
-from harness.engine.speculative import SPEC_TYPES, SpecConfig
-from harness.models import DEFAULT_MODELS, draft_for, resolve
+from harness.engine.speculative import SpecConfig
+from harness.errors import HarnessError
+from harness.execute import CellRun, ExecOptions, Executor, case_keys
+from harness.matrix import SPEC_PRESETS, cells
+from harness.models import resolve
 from harness.paths import reports_dir
-from harness.result import Result
-from harness.suites import DEFAULT_SUITE, Suite, load_suite
+from harness.report import frame, records, write_run
+from harness.suites import Suite, load_suite
 
-BACKENDS = {"inproc": InprocBackend}
+DEFAULT_SUITE = "quicksort"
 SPEC_PARAMS = [f for f in SpecConfig.__dataclass_fields__.values()
                if f.name.startswith("spec_") and f.name not in ("spec_type", "spec_draft_model")]
 """The `--spec-*` numeric options, named exactly like llama-server's flags."""
-
-
-@dataclass
-class RunPlan:
-    """What one `specharness run` does."""
-
-    suite: Suite
-    models: list[str]
-    modes: list[str]
-    backend: Backend
-    spec: str = "none"
-    spec_options: dict = field(default_factory=dict)
-    """Explicit `--spec-*` options under llama-server's flag names (without dashes)."""
-    draft_model: str | None = None
-    """Draft model name or path; default `<model>-draft` when draft-simple is asked for."""
-    rollback: str = "auto"
-    fault: str | None = None
-    parallel: int = 4
-
-    def serve_config(self, model_name: str, mode: str) -> ServeConfig:
-        """The ServeConfig of one model × mode cell (resolving models may raise HarnessError)."""
-        spec = {}
-        draft = None
-        if self.spec != "none":
-            spec = {"spec-type": self.spec, **self.spec_options}
-            if "draft-simple" in self.spec:
-                name = self.draft_model or draft_for(model_name)
-                if name is None:
-                    raise HarnessError(f"draft-simple needs --draft-model: {model_name} has no registered draft")
-                draft = resolve(name).path
-        return ServeConfig(model=resolve(model_name).path, mode=mode, parallel=self.parallel, draft_model=draft,
-                           spec=spec, rollback=self.rollback, fault=self.fault)
-
-
-def _record(plan: RunPlan, case: str, model: str, mode: str, repeat: int, result: Result) -> dict:
-    return {
-        "suite": plan.suite.name,
-        "case": case,
-        "model": model,
-        "backend": plan.backend.name,
-        "mode": mode,
-        "spec": plan.spec,
-        "repeat": repeat,
-        "tokens": result.tokens,
-        "text": result.text,
-        "stop_reason": result.stop_reason,
-        "error": result.error,
-        "slot_id": result.slot_id,
-        "prompt_n": len(result.prompt_tokens),
-        "timings": result.timings.to_dict(),
-        "spec_stats": result.spec_stats,
-    }
-
-
-def run_plan(plan: RunPlan, progress: Progress | None = None) -> list[dict]:
-    """Run every model × mode × case × repeat; a model that cannot be served yields error records."""
-    jobs = [(c, r) for r in range(plan.suite.repeats) for c in plan.suite.cases]
-    records: list[dict] = []
-    task = progress.add_task("run", total=len(plan.models) * len(plan.modes) * len(jobs)) if progress else None
-    for model_name in plan.models:
-        for mode in plan.modes:
-            if progress:
-                progress.update(task, description=f"{model_name} · {mode}")
-            try:
-                session = plan.backend.open(plan.serve_config(model_name, mode))
-            except HarnessError as err:
-                results = [Result(stop_reason="error", error=str(err)) for _ in jobs]
-            else:
-                try:
-                    results = session.run([case.request for case, _ in jobs])
-                finally:
-                    session.close()
-            records += [_record(plan, c.name, model_name, mode, r, res) for (c, r), res in zip(jobs, results)]
-            if progress:
-                progress.advance(task, len(jobs))
-    return records
-
-
-def summary_table(records: list[dict]) -> Table:
-    """Per model × mode: requests, errors, tokens, speed, and how many outputs equal the `seq` ones."""
-    seq = {(r["model"], r["case"], r["repeat"]): r["tokens"] for r in records if r["mode"] == "seq"}
-    table = Table(title="specharness run")
-    for column in ("model", "mode", "requests", "errors", "tokens", "tok/s", "= seq"):
-        table.add_column(column, justify="left" if column in ("model", "mode") else "right")
-    cells: dict[tuple[str, str], list[dict]] = {}
-    for r in records:
-        cells.setdefault((r["model"], r["mode"]), []).append(r)
-    for (model, mode), rows in cells.items():
-        ok = [r for r in rows if r["error"] is None]
-        ms = sum(r["timings"]["predicted_ms"] for r in ok)
-        n = sum(r["timings"]["predicted_n"] for r in ok)
-        same = sum(1 for r in ok if seq.get((model, r["case"], r["repeat"])) == r["tokens"])
-        errors = len(rows) - len(ok)
-        table.add_row(
-            model, mode, str(len(rows)), f"[red]{errors}[/]" if errors else "0", str(n),
-            f"{1000.0 * n / ms:.0f}" if ms else "-", f"{same}/{len(ok)}" if seq else "-",
-        )
-    return table
+EXIT_FAILED, EXIT_INFRA = 1, 3
 
 
 def new_run_dir(parent: Path) -> Path:
     """A fresh run directory `<parent>/<UTC time>-<random>`."""
-    run_id = time.strftime("%Y%m%d-%H%M%S", time.gmtime()) + "-" + secrets.token_hex(3)
-    return parent / run_id
+    return parent / (time.strftime("%Y%m%d-%H%M%S", time.gmtime()) + "-" + secrets.token_hex(3))
 
 
-def write_results(out: Path, records: list[dict]) -> Path:
-    """Write `results.json` into `out` atomically; an existing results.json is never overwritten."""
-    out.mkdir(parents=True, exist_ok=True)
-    _check_out(out)
-    target = out / "results.json"
-    tmp = out / ".results.json.tmp"
-    tmp.write_text(json.dumps(records, indent=1) + "\n")
-    os.replace(tmp, target)
-    return target
-
-
-def _csv(value: str, allowed: tuple[str, ...], what: str) -> list[str]:
+def _csv(value: str | None, allowed: tuple[str, ...] | None, what: str) -> list[str] | None:
+    if value is None:
+        return None
     items = [v.strip() for v in value.split(",") if v.strip()]
-    bad = [v for v in items if v not in allowed]
+    bad = [v for v in items if allowed is not None and v not in allowed]
     if bad or not items:
-        raise HarnessError(f"unknown {what} '{','.join(bad) or value}' (use: {', '.join(allowed)})")
+        raise HarnessError(f"unknown {what} '{','.join(bad) or value}' (use: {', '.join(allowed or ())})")
     return items
 
 
-def _check_out(out: Path) -> None:
-    if (out / "results.json").exists():
-        raise HarnessError(f"{out / 'results.json'} already exists (choose another --out; results are never overwritten)")
+def check_suite(suite: Suite) -> None:
+    """Names a suite uses must exist: checks here, spec configs when the matrix is expanded."""
+    unknown = [c for c in suite.checks if c not in CHECKS]
+    if unknown:
+        raise HarnessError(f"{suite.path}: checks: unknown check '{unknown[0]}' (known: {', '.join(CHECKS)})")
+
+
+def run_suites(suites: list[Suite], only: dict, executor: Executor, baselines: BaselineStore,
+               progress: Progress | None = None) -> list:
+    """Run every cell of every suite and evaluate its checks; returns (suite, case, cell, CheckResult) tuples."""
+    plan = [(suite, cell) for suite in suites for cell in cells(suite.matrix, only)]
+    total = sum(len(s.rounds) * sum(len(case_keys(c)) for c in s.cases) for s, _ in plan)
+    task = progress.add_task("run", total=total) if progress else None
+    verdicts = []
+    for suite, cell in plan:
+        if progress:
+            progress.update(task, description=f"{suite.name} · {cell.id}")
+        run = executor.run(suite, cell, on_request=(lambda: progress.advance(task)) if progress else None)
+        detok = detokenizer(resolve(cell.model).path) if run.error is None else str
+        for case in suite.cases:
+            for key in case_keys(case):
+                repro = (f"specharness run --suite {suite.name} --backend {cell.backend} --mode {cell.mode} "
+                         f"--spec {cell.spec} --model {cell.model}")
+                ctx = CheckContext(run, key, executor, baselines, detok, repro)
+                verdicts += [(suite.name, key, cell, r) for r in evaluate(ctx, suite.checks)]
+    return verdicts
+
+
+def summary_table(runs: list[CellRun], verdicts: list) -> Table:
+    """Per cell: requests, errors, speed, draft acceptance and check verdicts (pandas underneath)."""
+    df = frame(records(runs))
+    table = Table(title="specharness run")
+    for column in ("suite", "model", "mode", "spec", "backend", "requests", "errors", "tok/s", "accepted", "checks"):
+        table.add_column(column, justify="right" if column in ("requests", "errors", "tok/s", "accepted") else "left")
+    keys = ["suite", "model", "mode", "spec", "backend"]
+    for (suite, model, mode, spec, backend), rows in df.groupby(keys, sort=False):
+        ok = rows[rows["error"].isna()]
+        ms, n = ok["timings.predicted_ms"].sum(), ok["timings.predicted_n"].sum()
+        drafted, accepted = _total(ok, "spec_stats.draft_n"), _total(ok, "spec_stats.draft_n_accepted")
+        mine = [r for s, _, c, r in verdicts if (s, c.model, c.mode, c.spec, c.backend) == (suite, model, mode, spec, backend)]
+        failed = sorted({r.name for r in mine if not r.passed})
+        errors = len(rows) - len(ok)
+        table.add_row(
+            suite, model, mode, spec, backend, str(len(rows)), f"[red]{errors}[/]" if errors else "0",
+            f"{1000.0 * n / ms:.0f}" if ms else "-", f"{accepted}/{drafted}" if drafted else "-",
+            f"[red]failed: {', '.join(failed)}[/]" if failed else f"[green]{len(mine)} passed[/]",
+        )
+    return table
+
+
+def _total(df, column: str) -> int:
+    """Sum of a column that only exists when some record has it (speculative counters)."""
+    return int(df[column].fillna(0).sum()) if column in df else 0
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    """`specharness run`: returns 1 when any request ended with an error."""
-    modes = _csv(args.mode, MODES, "mode")
-    spec = _csv(args.spec, SPEC_TYPES, "spec type")
+    """`specharness run`."""
+    only = {
+        "modes": _csv(args.mode, MODES, "mode"),
+        "specs": _csv(args.spec, None, "spec"),
+        "models": args.model,
+        "backends": _csv(args.backend, BACKEND_NAMES, "backend"),
+    }
     if args.parallel < 1:
         raise HarnessError("--parallel must be at least 1")
     out = Path(args.out) if args.out else new_run_dir(reports_dir())
-    _check_out(out)
-    spec_options = {f.name.replace("_", "-"): getattr(args, f.name) for f in SPEC_PARAMS
-                    if getattr(args, f.name) is not None}
-    plan = RunPlan(
-        suite=load_suite(args.suite),
-        models=args.model or list(DEFAULT_MODELS),
-        modes=modes,
-        backend=BACKENDS[args.backend](),
-        spec="none" if "none" in spec else ",".join(spec),
-        spec_options=spec_options,
-        draft_model=args.draft_model,
-        rollback=args.rollback,
-        fault=args.fault,
-        parallel=args.parallel,
-    )
+    if (out / "results.json").exists():
+        raise HarnessError(f"{out / 'results.json'} already exists (choose another --out; results are never overwritten)")
+    suites = [load_suite(name) for name in (args.suite or [DEFAULT_SUITE])]
+    for suite in suites:
+        check_suite(suite)
+        cells(suite.matrix, only)
+        if args.repeat:
+            suite.rounds = suite.rounds * args.repeat
+    spec_overrides = {f.name.replace("_", "-"): getattr(args, f.name) for f in SPEC_PARAMS
+                      if getattr(args, f.name) is not None}
+    executor = Executor(ExecOptions(
+        backends=backend_factories(args.server_bin, args.source, out / "server-logs"), parallel=args.parallel,
+        draft_model=args.draft_model, spec_overrides=spec_overrides, rollback=args.rollback, fault=args.fault,
+    ))
+    baselines = BaselineStore(default_root(), update=args.update_baselines,
+                              update_command="specharness run --suite {suite} --update-baselines")
     console = Console(stderr=True, soft_wrap=True)
     with Progress(console=console, transient=True) as progress:
-        records = run_plan(plan, progress)
-    Console().print(summary_table(records))
-    for r in records:
-        if r["error"]:
-            console.print(f"[red]error[/] {r['model']} {r['mode']} {r['case']}: {r['error']}")
-    path = write_results(out, records)
-    console.print(f"results: {path}")
-    return 1 if any(r["error"] for r in records) else 0
+        verdicts = run_suites(suites, only, executor, baselines, progress)
+    runs = executor.runs()
+    Console(soft_wrap=True).print(summary_table(runs, verdicts))
+    for suite, key, cell, r in verdicts:
+        if not r.passed:
+            console.print(f"[red]FAIL[/] {suite}[{key}-{cell.id}] [{r.name}] {r.message}", markup=False, highlight=False)
+    for run in runs:
+        if run.error:
+            console.print(f"error: {run.suite.name} {run.cell.id}: {run.error}", markup=False, highlight=False)
+    for path in baselines.written:
+        console.print(f"baseline written: {path}", markup=False)
+    console.print(f"results: {write_run(out, runs, verdicts)}", markup=False)
+    if any(run.error for run in runs):
+        return EXIT_INFRA
+    return EXIT_FAILED if any(not r.passed for *_, r in verdicts) else 0
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     """Register `specharness run`."""
-    p = sub.add_parser("run", help="replay a suite on a backend in seq / par / no-kv-unified modes")
-    p.add_argument("--suite", default=DEFAULT_SUITE, help=f"suite name (default {DEFAULT_SUITE})")
+    p = sub.add_parser("run", help="run suites on a backend in seq / par / no-kv-unified modes and check them")
+    p.add_argument("--suite", action="append", metavar="NAME", help=f"suite name, repeatable (default {DEFAULT_SUITE})")
     p.add_argument("--model", action="append", metavar="NAME|PATH",
-                   help="registry name or .gguf path, repeatable (default: the tiny dense, hybrid and recurrent models)")
-    p.add_argument("--mode", default=",".join(MODES), help="comma-separated: seq,par,no-kv-unified (default: all)")
-    p.add_argument("--backend", default="inproc", choices=sorted(BACKENDS), help="inference backend")
-    p.add_argument("--spec", default="none", metavar="TYPE[,TYPE...]",
-                   help=f"speculative decoding types, as llama-server's --spec-type: {', '.join(SPEC_TYPES)} (default none)")
+                   help="registry name or .gguf path, repeatable (default: the suite's models)")
+    p.add_argument("--mode", help="comma-separated: seq,par,no-kv-unified (default: the suite's modes)")
+    p.add_argument("--backend", help="comma-separated: inproc,server (default: the suite's backends)")
+    p.add_argument("--spec", metavar="CONFIG[,CONFIG...]",
+                   help=f"speculative configs, each one of {', '.join(SPEC_PRESETS)} or `a+b` chained (default: the suite's)")
     p.add_argument("--draft-model", metavar="NAME|PATH", help="draft model for draft-simple (default <model>-draft)")
     p.add_argument("--rollback", default="auto", choices=STRATEGIES, help="in-process rollback strategy (default auto)")
     p.add_argument("--fault", choices=sorted(FAULTS), help="switch on one fault of the in-process speculative engine")
     for f in SPEC_PARAMS:
         p.add_argument("--" + f.name.replace("_", "-"), dest=f.name, type=type(f.default), metavar="N",
                        help=f"as llama-server (default {f.default})")
+    p.add_argument("--server-bin", type=Path, metavar="PATH", help="llama-server binary to use instead of building one")
+    p.add_argument("--source", type=Path, metavar="DIR", help="llama.cpp tree to build llama-server from")
     p.add_argument("--parallel", type=int, default=4, help="slots in par and no-kv-unified modes (default 4)")
+    p.add_argument("--repeat", type=int, help="run every suite's rounds this many times")
+    p.add_argument("--update-baselines", action="store_true", help="write baselines from this run")
     p.add_argument("--out", metavar="DIR", help="run directory (default reports/<run-id>)")
     p.set_defaults(func=cmd_run)

@@ -1,49 +1,184 @@
-"""Prompt suites: named sets of cases. Built in for now; YAML suite files come with the suite system."""
+"""Prompt suites: YAML files in `suites/`, validated on load (errors name file, line and field).
 
-from dataclasses import dataclass
+A suite declares its cases (completion prompts, multi-turn chats, grammar or JSON schema, sampling
+parameters, repeats), its default matrix (backends × modes × speculative configs × models) and the
+checks that apply. See `suites/README.md` for the format.
+"""
 
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+import jsonschema
+import yaml
+
+import harness
+from harness import MODES
 from harness.errors import HarnessError
 from harness.request import Request, Sampling
+
+SAMPLING_FIELDS = {"temperature": "number", "top_k": "integer", "top_p": "number", "min_p": "number",
+                   "seed": "integer", "n_predict": "integer"}
+SERVE_FIELDS = {"n_ctx": "integer", "n_batch": "integer", "n_ubatch": "integer", "parallel": "integer"}
+
+_SAMPLING = {
+    "type": "object", "additionalProperties": False,
+    "properties": {**{k: {"type": t} for k, t in SAMPLING_FIELDS.items()},
+                   "stop": {"type": "array", "items": {"type": "string"}}},
+}
+_NAMES = {"type": "array", "items": {"type": "string"}, "minItems": 1}
+_CASE = {
+    "type": "object", "additionalProperties": False, "required": ["name"],
+    "properties": {
+        "name": {"type": "string", "pattern": r"^[A-Za-z0-9_.+]+$"},
+        "prompt": {"type": "string"},
+        "vars": {"type": "object", "additionalProperties": {"type": ["string", "number"]}},
+        "chat": {"type": "array", "items": {"type": "string"}, "minItems": 1},
+        "json_schema": {"type": "object"},
+        "grammar": {"type": "string"},
+        "sampling": _SAMPLING,
+    },
+    "oneOf": [{"required": ["prompt"]}, {"required": ["chat"]}],
+}
+SUITE_SCHEMA = {
+    "type": "object", "additionalProperties": False, "required": ["suite", "cases"],
+    "properties": {
+        "suite": {"type": "string", "pattern": r"^[a-z0-9-]+$"},
+        "description": {"type": "string"},
+        "matrix": {
+            "type": "object", "additionalProperties": False,
+            "properties": {"backends": _NAMES, "modes": {"type": "array", "items": {"enum": list(MODES)}, "minItems": 1},
+                           "specs": _NAMES, "models": _NAMES},
+        },
+        "sampling": _SAMPLING,
+        "serve": {"type": "object", "additionalProperties": False,
+                  "properties": {k: {"type": t, "minimum": 1} for k, t in SERVE_FIELDS.items()}},
+        "repeats": {"type": "integer", "minimum": 1},
+        "run_order": {"type": "array", "items": {"enum": ["seq", "par"]}, "minItems": 1},
+        "checks": _NAMES,
+        "allow_errors": {"type": "array", "items": {"enum": ["context_full"]}},
+        "cases": {"type": "array", "items": _CASE, "minItems": 1},
+    },
+}
+
+DEFAULT_MATRIX = {"backends": ["inproc"], "modes": list(MODES), "specs": ["none"], "models": ["tiny-dense", "tiny-hybrid", "tiny-recurrent"]}
+DEFAULT_CHECKS = ["no-crash", "repeat-identical", "lossless", "mode-invariant", "baseline", "spec-ran"]
 
 
 @dataclass
 class Case:
-    """One named request of a suite."""
+    """One named case: a completion prompt, or a chat whose turns are sent one after another."""
 
     name: str
-    request: Request
+    sampling: Sampling
+    prompt: Optional[str] = None
+    turns: list[str] = field(default_factory=list)
+
+    @property
+    def is_chat(self) -> bool:
+        return bool(self.turns)
+
+    def request(self) -> Request:
+        """The completion request (chats are built turn by turn by the runner)."""
+        return Request(prompt=self.prompt, sampling=self.sampling, tag=self.name)
 
 
 @dataclass
 class Suite:
-    """A named list of cases, each sent `repeats` times."""
+    """A validated suite file."""
 
     name: str
+    path: Optional[Path]
     cases: list[Case]
-    repeats: int = 1
+    matrix: dict[str, list[str]]
+    checks: list[str]
+    serve: dict[str, int] = field(default_factory=dict)
+    rounds: list[str] = field(default_factory=lambda: ["par"])
+    """How each round sends the cases to the one session of a cell: `seq` one request at a time,
+    `par` all at once (in `seq` mode the one slot still serves them one after another)."""
+    allow_errors: list[str] = field(default_factory=list)
     description: str = ""
 
 
-QUICKSORT_PROMPT = "Write a quicksort demo in {lang}. Please, write just code. Do not write any extra comments."
+def suites_dir() -> Path:
+    """`./suites` when run from a checkout, else the `suites/` beside the installed package."""
+    here = Path.cwd() / "suites"
+    return here if here.is_dir() else Path(harness.__file__).resolve().parents[1] / "suites"
 
 
-def _quicksort() -> Suite:
+def suite_files(directory: Optional[Path] = None) -> list[Path]:
+    """Every suite file, sorted by name."""
+    return sorted((directory or suites_dir()).glob("*.yaml"))
+
+
+def load_suite(name_or_path: str, directory: Optional[Path] = None) -> Suite:
+    """A suite by name (`suites/<name>.yaml`) or by path; an unknown name lists the known ones."""
+    path = Path(name_or_path)
+    if path.suffix not in (".yaml", ".yml"):
+        path = (directory or suites_dir()) / f"{name_or_path}.yaml"
+    if not path.is_file():
+        known = ", ".join(p.stem for p in suite_files(directory)) or "none"
+        raise HarnessError(f"unknown suite '{name_or_path}' (known: {known})")
+    return parse_suite(path.read_text(), path)
+
+
+def _line_of(node: yaml.Node, path: list) -> int:
+    """The 1-based line of the YAML node at a JSON path (the deepest node that exists)."""
+    for key in path:
+        if isinstance(node, yaml.MappingNode):
+            found = next((v for k, v in node.value if k.value == key), None)
+        elif isinstance(node, yaml.SequenceNode) and isinstance(key, int) and key < len(node.value):
+            found = node.value[key]
+        else:
+            found = None
+        if found is None:
+            break
+        node = found
+    return node.start_mark.line + 1
+
+
+def parse_suite(text: str, path: Optional[Path] = None) -> Suite:
+    """Parse and validate suite YAML; any problem is a one-line HarnessError naming file, line and field."""
+    where = str(path) if path else "<suite>"
+    try:
+        root = yaml.compose(text)
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None)
+        line = f":{mark.line + 1}" if mark else ""
+        raise HarnessError(f"{where}{line}: not valid YAML ({getattr(err, 'problem', err)})") from None
+    if root is None or not isinstance(data, dict):
+        raise HarnessError(f"{where}:1: a suite file must be a mapping with `suite` and `cases`")
+    error = jsonschema.exceptions.best_match(jsonschema.Draft202012Validator(SUITE_SCHEMA).iter_errors(data))
+    if error is not None:
+        field_path = ".".join(str(p) for p in error.absolute_path) or "(top level)"
+        raise HarnessError(f"{where}:{_line_of(root, list(error.absolute_path))}: {field_path}: {error.message}")
+    if path is not None and data["suite"] != path.stem:
+        raise HarnessError(f"{where}:{_line_of(root, ['suite'])}: suite: '{data['suite']}' must match the file name '{path.stem}'")
+    names = [c["name"] for c in data["cases"]]
+    dupes = sorted({n for n in names if names.count(n) > 1})
+    if dupes:
+        raise HarnessError(f"{where}:{_line_of(root, ['cases'])}: cases: duplicate case name '{dupes[0]}'")
+    base = data.get("sampling", {})
+    cases = [_case(c, base, path) for c in data["cases"]]
     return Suite(
-        name="quicksort",
-        description="the quicksort prompt of the field reports, greedy, 128 tokens, for C, Java and Python",
-        cases=[
-            Case(lang, Request(prompt=QUICKSORT_PROMPT.format(lang=lang), sampling=Sampling(n_predict=128)))
-            for lang in ("C", "Java", "Python")
-        ],
+        name=data["suite"], path=path, cases=cases,
+        matrix={**DEFAULT_MATRIX, **data.get("matrix", {})},
+        checks=data.get("checks", DEFAULT_CHECKS), serve=data.get("serve", {}),
+        rounds=data.get("run_order", ["par"]) * data.get("repeats", 1), allow_errors=data.get("allow_errors", []),
+        description=data.get("description", ""),
     )
 
 
-BUILTIN_SUITES = {"quicksort": _quicksort}
-DEFAULT_SUITE = "quicksort"
-
-
-def load_suite(name: str) -> Suite:
-    """A suite by name; an unknown name is a one-line error listing the known ones."""
-    if name not in BUILTIN_SUITES:
-        raise HarnessError(f"unknown suite '{name}' (known: {', '.join(sorted(BUILTIN_SUITES))})")
-    return BUILTIN_SUITES[name]()
+def _case(raw: dict[str, Any], base: dict, path: Optional[Path]) -> Case:
+    sampling = Sampling(**{**base, **raw.get("sampling", {})})
+    sampling.json_schema = raw.get("json_schema")
+    if "grammar" in raw:
+        grammar_path = (path.parent if path else Path.cwd()) / raw["grammar"]
+        if not grammar_path.is_file():
+            raise HarnessError(f"{path}: case {raw['name']}: grammar file not found: {grammar_path}")
+        sampling.grammar = grammar_path.read_text()
+    prompt = raw.get("prompt")
+    if prompt is not None and raw.get("vars"):
+        prompt = prompt.format(**raw["vars"])
+    return Case(name=raw["name"], sampling=sampling, prompt=prompt, turns=raw.get("chat", []))

@@ -6,11 +6,10 @@ from harness.backends.base import ServeConfig
 from harness.backends.inproc import InprocBackend
 from harness.engine.model import Model
 from harness.request import Request, Sampling
-from harness.suites import QUICKSORT_PROMPT
+from helpers import LANGS, first_divergence, quicksort
 
 ARCHS = ("tiny-dense", "tiny-hybrid", "tiny-recurrent")
 KINDS = {"tiny-dense": "dense", "tiny-hybrid": "hybrid", "tiny-recurrent": "recurrent"}
-LANGS = ("C", "Java", "Python", "Rust")
 
 
 def serve(model, mode, requests, **config):
@@ -21,12 +20,6 @@ def serve(model, mode, requests, **config):
         session.close()
 
 
-def quicksort(lang, n_predict=64, **sampling):
-    return Request(prompt=QUICKSORT_PROMPT.format(lang=lang), sampling=Sampling(n_predict=n_predict, **sampling))
-
-
-def first_divergence(a, b):
-    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
 
 @pytest.mark.parametrize("name", ARCHS)

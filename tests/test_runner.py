@@ -1,42 +1,90 @@
-"""`specharness run` end to end on the in-process engine, and its handling of bad input."""
+"""`specharness run` end to end on the in-process engine: suites, checks, baselines and exit codes."""
 
 import json
+import shutil
+from pathlib import Path
 
+import pandas as pd
 import pytest
 
-from harness.backends.inproc import InprocBackend
 from harness.cli import main
-from harness.runner import RunPlan, run_plan
-from harness.suites import load_suite
 
+REPO = Path(__file__).resolve().parents[1]
 RECORD_KEYS = {"suite", "case", "model", "backend", "mode", "spec", "repeat", "tokens", "text",
                "stop_reason", "error", "timings", "spec_stats"}
+
+
+@pytest.fixture
+def checkout(tmp_path, monkeypatch):
+    """A scratch copy of the suites and baselines, as the working directory (the real ones stay untouched)."""
+    shutil.copytree(REPO / "suites", tmp_path / "suites")
+    shutil.copytree(REPO / "fixtures", tmp_path / "fixtures")
+    monkeypatch.chdir(tmp_path)
+    return tmp_path
 
 
 def test_default_run_writes_every_language_mode_and_model(tmp_path, tiny_models, capsys):
     out = tmp_path / "run"
     assert main(["run", "--out", str(out)]) == 0
     records = json.loads((out / "results.json").read_text())
-    assert len(records) == 3 * 3 * 3
-    assert {(r["model"], r["mode"], r["case"]) for r in records} == {
-        (m, mode, lang) for m in tiny_models for mode in ("seq", "par", "no-kv-unified")
-        for lang in ("C", "Java", "Python")
-    }
+    cells = {(r["model"], r["mode"], r["spec"]) for r in records}
+    assert cells == {(m, mode, spec) for m in tiny_models for mode in ("seq", "par", "no-kv-unified")
+                     for spec in ("none", "draft-simple")}
+    assert {r["case"] for r in records} == {"C", "Java", "Python"}
+    assert len(records) == len(cells) * 3 * 3  # three rounds: seq, seq, par
     for r in records:
         assert RECORD_KEYS <= set(r) and r["error"] is None and len(r["tokens"]) == 128
         assert set(r["timings"]) >= {"prompt_ms", "predicted_ms", "predicted_per_second"}
+    assert len(pd.read_parquet(out / "results.parquet")) == len(records)
+    checks = json.loads((out / "checks.json").read_text())
+    assert checks and all(c["passed"] for c in checks)
+    assert {"lossless", "baseline", "mode-invariant", "repeat-identical", "spec-ran"} <= {c["check"] for c in checks}
     assert "specharness run" in capsys.readouterr().out
 
 
-def test_missing_model_path_gives_error_records_while_other_models_run(tmp_path, tiny_models):
+def test_hand_edited_baseline_fails_exactly_that_case_and_update_restores_it(checkout, capsys):
+    edited = checkout / "fixtures/baselines/quicksort/Java--tiny-dense--inproc--cpu.json"
+    data = json.loads(edited.read_text())
+    data["tokens"][17] += 1
+    edited.write_text(json.dumps(data))
+    before = {p: p.read_bytes() for p in (checkout / "fixtures/baselines").rglob("*.json") if p != edited}
+    argv = ["run", "--suite", "quicksort", "--model", "tiny-dense", "--mode", "seq", "--spec", "none"]
+    assert main(argv + ["--out", "r1"]) == 1
+    failures = [c for c in json.loads((checkout / "r1/checks.json").read_text()) if not c["passed"]]
+    assert {(c["case"], c["check"]) for c in failures} == {("Java", "baseline")}
+    assert "at token 17" in failures[0]["message"]
+    assert main(argv + ["--update-baselines", "--out", "r2"]) == 0
+    assert json.loads(edited.read_text())["tokens"][17] == data["tokens"][17] - 1
+    assert all(p.read_bytes() == content for p, content in before.items())
+
+
+def test_missing_baseline_says_how_to_create_it(checkout):
+    (checkout / "fixtures/baselines/quicksort/C--tiny-dense--inproc--cpu.json").unlink()
+    assert main(["run", "--model", "tiny-dense", "--mode", "seq", "--spec", "none", "--out", "r"]) == 1
+    failure = next(c for c in json.loads((checkout / "r/checks.json").read_text()) if not c["passed"])
+    assert "specharness run --suite quicksort --update-baselines" in failure["message"]
+
+
+def test_corrupt_baseline_is_an_error_and_is_not_replaced(checkout):
+    corrupt = checkout / "fixtures/baselines/quicksort/C--tiny-dense--inproc--cpu.json"
+    corrupt.write_text("{not json")
+    argv = ["run", "--model", "tiny-dense", "--mode", "seq", "--spec", "none", "--update-baselines", "--out", "r"]
+    assert main(argv) == 1
+    failure = next(c for c in json.loads((checkout / "r/checks.json").read_text()) if not c["passed"])
+    assert failure["message"].startswith(f"corrupt baseline file {corrupt.relative_to(checkout)}") or str(corrupt) in failure["message"]
+    assert corrupt.read_text() == "{not json"
+
+
+def test_missing_model_is_an_infrastructure_error_while_other_models_run(tmp_path, tiny_models):
     missing = str(tmp_path / "nowhere.gguf")
-    plan = RunPlan(suite=load_suite("quicksort"), models=[missing, "tiny-dense"], modes=["seq"],
-                   backend=InprocBackend())
-    records = run_plan(plan)
+    out = tmp_path / "run"
+    assert main(["run", "--model", missing, "--model", "tiny-dense", "--mode", "seq", "--spec", "none",
+                 "--out", str(out)]) == 3
+    records = json.loads((out / "results.json").read_text())
     bad = [r for r in records if r["model"] == missing]
     good = [r for r in records if r["model"] == "tiny-dense"]
-    assert len(bad) == 3 and all("not found" in r["error"] and r["stop_reason"] == "error" for r in bad)
-    assert len(good) == 3 and all(r["error"] is None and r["tokens"] for r in good)
+    assert bad and all("not found" in r["error"] and r["stop_reason"] == "error" for r in bad)
+    assert good and all(r["error"] is None and r["tokens"] for r in good)
 
 
 def test_existing_results_are_never_overwritten(tmp_path, capsys):
@@ -51,7 +99,7 @@ def test_existing_results_are_never_overwritten(tmp_path, capsys):
 @pytest.mark.parametrize("argv, message", [
     (["run", "--mode", "sequential"], "unknown mode 'sequential'"),
     (["run", "--suite", "nope"], "unknown suite 'nope'"),
-    (["run", "--spec", "magic"], "unknown spec type 'magic'"),
+    (["run", "--spec", "magic"], "unknown spec config 'magic'"),
 ])
 def test_bad_options_are_one_line_errors(argv, message, capsys):
     assert main(argv) == 2

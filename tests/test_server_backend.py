@@ -6,6 +6,7 @@ the cached build.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -19,7 +20,13 @@ import requests
 
 from harness.backends.base import ServeConfig
 from harness.backends.build import (
-    build_key, check_platform, cmake_options, ensure_server, prebuilt_server, source_identity, tree_digest,
+    build_key,
+    check_platform,
+    cmake_options,
+    ensure_server,
+    prebuilt_server,
+    source_identity,
+    tree_digest,
     vendored_source,
 )
 from harness.backends.server import LlamaServer
@@ -27,8 +34,8 @@ from harness.backends.server_backend import ServerBackend
 from harness.errors import HarnessError
 from harness.models import resolve
 from harness.request import Request, Sampling
+from helpers import quicksort
 
-PROMPT = "Write a quicksort demo in {lang}. Please, write just code. Do not write any extra comments."
 LANGS = ("C", "Java", "Python")
 MODES = ("seq", "par", "no-kv-unified")
 REPEATS = 3
@@ -45,8 +52,7 @@ def model(tiny_models) -> Path:
 
 
 def quicksort_requests() -> list[Request]:
-    return [Request(prompt=PROMPT.format(lang=lang), sampling=Sampling(temperature=0.0, n_predict=128), tag=lang)
-            for lang in LANGS]
+    return [quicksort(lang, n_predict=128) for lang in LANGS]
 
 
 def config(model: Path, mode: str, **kw) -> ServeConfig:
@@ -106,9 +112,19 @@ def test_speculative_counters_and_lossless_output(build, model, tmp_path):
     with ServerBackend(build, run_dir=tmp_path).open(config(model, "seq", draft_model=draft, spec=spec)) as session:
         [specced] = session.run(reqs)
     assert plain.spec_stats["draft_n"] == 0
-    assert specced.spec_stats["draft_n"] > 0 and 0 <= specced.spec_stats["draft_n_accepted"] <= specced.spec_stats["draft_n"]
-    assert "draft-simple" in specced.spec_stats["types"]
+    stats = specced.spec_stats
+    assert stats["draft_n"] > 0 and 0 <= stats["draft_n_accepted"] <= stats["draft_n"]
+    assert "draft-simple" in stats["types"]
     assert specced.tokens == plain.tokens
+
+
+def test_logit_top_k_fills_log_probabilities(build, model, tmp_path):
+    with ServerBackend(build, run_dir=tmp_path).open(config(model, "seq", logit_top_k=3)) as session:
+        [result] = session.run(quicksort_requests()[:1])
+    assert len(result.logits) == len(result.tokens)
+    for token, position in zip(result.tokens, result.logits, strict=True):
+        assert len(position.top_ids) == 3 and position.top_ids[0] == token  # greedy picks the top candidate
+        assert position.top_logits[0] >= position.top_logits[1] >= position.top_logits[2]
 
 
 # ------------------------------------------------------------------------------------ crashes
@@ -128,8 +144,8 @@ def _kill_when_busy(server: LlamaServer, sig: int, done: threading.Event) -> Non
 
 
 def test_killed_server_turns_case_into_crash_and_next_case_completes(build, model, tmp_path):
-    long_case = Request(prompt=PROMPT.format(lang="C"), sampling=Sampling(n_predict=4000))
-    with ServerBackend(build, run_dir=tmp_path).open(config(model, "seq", ctx_size=8192)) as session:
+    long_case = quicksort("C", n_predict=4000)
+    with ServerBackend(build, run_dir=tmp_path).open(config(model, "seq", n_ctx=4096)) as session:
         done = threading.Event()
         killer = threading.Thread(target=_kill_when_busy, args=(session.server, signal.SIGKILL, done))
         killer.start()
@@ -143,6 +159,22 @@ def test_killed_server_turns_case_into_crash_and_next_case_completes(build, mode
     assert crashed.stop_reason == "crashed"
     assert "SIGKILL" in crashed.error and "llama-server" in crashed.error
     assert after.ok and after.stop_reason in ("limit", "eos") and after.tokens
+
+
+def test_abort_in_par_mode_fails_in_flight_cases_and_restarts_once(build, model, tmp_path):
+    long_cases = [quicksort(lang, n_predict=3000) for lang in LANGS]
+    with ServerBackend(build, run_dir=tmp_path).open(config(model, "par")) as session:
+        done = threading.Event()
+        killer = threading.Thread(target=_kill_when_busy, args=(session.server, signal.SIGABRT, done))
+        killer.start()
+        try:
+            results = session.run(long_cases + quicksort_requests())
+        finally:
+            done.set()
+            killer.join()
+        assert session.starts == 2
+    assert any(r.stop_reason == "crashed" and "SIGABRT" in r.error for r in results[:3])
+    assert all(r.ok and r.stop_reason == "limit" for r in results[3:])
 
 
 # ------------------------------------------------------------------------------------ build cache
@@ -197,13 +229,13 @@ def test_plain_tree_identity_follows_source_files_only(plain_tree):
 
 
 def test_git_checkout_identity_is_commit_plus_uncommitted_changes(plain_tree):
-    def git(*args):
-        subprocess.run(["git", "-C", str(plain_tree), *args], check=True, capture_output=True)
+    def git(*args) -> str:
+        return subprocess.run(["git", "-C", str(plain_tree), *args], check=True, capture_output=True, text=True).stdout
 
     git("init", "-q")
     git("add", "CMakeLists.txt", "src")
     git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-q", "-m", "init")
-    head = subprocess.run(["git", "-C", str(plain_tree), "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
+    head = git("rev-parse", "HEAD").strip()
     clean = source_identity(plain_tree)
     assert (clean.commit, clean.dirty, str(clean)) == (head, False, head)
     _write(plain_tree / "src" / "new.cpp", "int y;\n")  # untracked source file
@@ -213,6 +245,47 @@ def test_git_checkout_identity_is_commit_plus_uncommitted_changes(plain_tree):
     modified = source_identity(plain_tree)
     assert modified.dirty and modified.digest not in (clean.digest, untracked.digest)
     assert str(modified).startswith(head + "+")
+
+
+FAKE_CMAKE = """cmake_minimum_required(VERSION 3.14)
+project(fake C)
+set(CMAKE_RUNTIME_OUTPUT_DIRECTORY ${CMAKE_BINARY_DIR}/bin)
+add_executable(llama-server main.c)
+add_executable(llama-quantize main.c)
+"""
+
+
+@pytest.fixture
+def fake_tree(tmp_path, monkeypatch) -> Path:
+    """A two-target CMake project standing in for llama.cpp, with the cache in tmp_path."""
+    monkeypatch.setenv("SPECHARNESS_CACHE", str(tmp_path / "cache"))
+    tree = tmp_path / "fake"
+    _write(tree / "CMakeLists.txt", FAKE_CMAKE)
+    _write(tree / "main.c", "int main(void) { return 0; }\n")
+    return tree
+
+
+def test_build_is_cached_and_rebuilt_when_a_source_changes(fake_tree, tmp_path):
+    first = ensure_server(fake_tree, "cpu", [], jobs=2)
+    assert not first.cached and os.access(first.server_bin, os.X_OK) and first.quantize_bin.is_file()
+    root = first.server_bin.parent.parent
+    assert json.loads((root / "build-info.json").read_text())["cmake_args"] == cmake_options("cpu")
+    assert (root / "build.log").is_file() and not (root / "cmake").exists()
+    assert ensure_server(fake_tree, "cpu", [], jobs=2).cached
+    _write(fake_tree / "main.c", "int main(void) { return 1; }\n")
+    second = ensure_server(fake_tree, "cpu", [], jobs=2)
+    assert not second.cached and second.server_bin != first.server_bin
+    entries = sorted(p.name for p in (tmp_path / "cache" / "builds").iterdir())
+    assert entries == sorted([root.name, second.server_bin.parent.parent.name])  # nothing half-built left
+
+
+def test_failed_build_leaves_no_cache_entry(fake_tree, tmp_path):
+    _write(fake_tree / "CMakeLists.txt", FAKE_CMAKE + 'message(FATAL_ERROR "boom")\n')
+    with pytest.raises(HarnessError, match="configure failed") as excinfo:
+        ensure_server(fake_tree, "cpu", [], jobs=2)
+    assert "boom" in str(excinfo.value)
+    [log] = (tmp_path / "cache" / "builds").iterdir()
+    assert log.name.endswith(".failed.log")
 
 
 @pytest.mark.parametrize("backend, on, off", [
@@ -263,9 +336,20 @@ def test_missing_or_non_executable_binary(tmp_path, model):
     _one_line_error(excinfo)
 
 
-def test_prebuilt_server_reads_the_binary_version(build):
+def test_prebuilt_server_reads_version_and_device(build):
     info = prebuilt_server(build.server_bin)
-    assert info.server_bin == build.server_bin and info.commit
+    assert info.server_bin == build.server_bin and info.commit and info.source_identity.startswith("0.")
+    assert info.backend == "cpu"  # --list-devices shows no GPU in a CPU build
+
+
+def test_environment_names_device_and_commit(build):
+    env = ServerBackend(build).environment()
+    assert env["device"] == "cpu" and env["llama_cpp_commit"] == build.commit and env["compiler"] != "unknown"
+
+
+def test_unknown_completion_fields_are_refused(build):
+    with pytest.raises(HarnessError, match="unsupported /completion fields"):
+        ServerBackend(build, fields={"cache_promt": False})
 
 
 def test_bad_model_file_is_refused(build, tmp_path):

@@ -11,11 +11,10 @@ from harness.engine.speculative import SpecConfig
 from harness.errors import HarnessError
 from harness.models import resolve
 from harness.request import Request, Sampling
-from harness.suites import QUICKSORT_PROMPT
+from helpers import LANGS, first_divergence, quicksort
 
 ARCHS = ("tiny-dense", "tiny-hybrid", "tiny-recurrent")
 MODES = {"seq": (1, False), "par": (4, True), "no-kv-unified": (4, False)}
-LANGS = ("C", "Java", "Python", "Rust")
 SCHEMA = {
     "type": "object",
     "properties": {"lang": {"enum": ["C", "Java", "Python"]}, "stable": {"type": "boolean"},
@@ -23,9 +22,6 @@ SCHEMA = {
     "required": ["lang", "stable", "n"],
 }
 
-
-def quicksort(lang, n_predict=64, **sampling):
-    return Request(prompt=QUICKSORT_PROMPT.format(lang=lang), sampling=Sampling(n_predict=n_predict, **sampling))
 
 
 def run(model, requests, mode="seq", spec=None, **params):
@@ -43,9 +39,6 @@ def totals(results):
     keys = ("draft_n", "draft_n_accepted", "spec_skip", "ckpt_restored")
     return {k: sum(r.spec_stats.get(k, 0) for r in results) for k in keys}
 
-
-def first_divergence(a, b):
-    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
 
 def assert_lossless(reference, results):

@@ -40,6 +40,8 @@ class ServeConfig:
     """In-process only: how rejected drafts are rolled back (auto, seq-rm, checkpoint, partial)."""
     fault: Optional[str] = None
     """In-process only: a fault switch of the speculative engine (see harness.engine.faults)."""
+    drafters: list = field(default_factory=list)
+    """In-process only: extra drafter objects tried first (the scripted forced-rejection configs)."""
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -75,3 +77,6 @@ class Backend(Protocol):
 
     def open(self, config: ServeConfig) -> Session:
         """Start serving `config.model`; raises HarnessError with a one-line reason when that fails."""
+
+    def environment(self) -> dict:
+        """Facts about what produces the outputs; `device` (cpu, cuda, metal, gpu) is part of baseline keys."""

@@ -56,6 +56,7 @@ class BuildInfo:
     """True when this call reused an existing build (not stored in build-info.json)."""
 
     def to_json(self) -> dict:
+        """The `build-info.json` content (paths as strings, without `cached`)."""
         data = asdict(self)
         data.pop("cached")
         data["server_bin"] = str(self.server_bin)
@@ -154,7 +155,7 @@ def _extract_vendored(sdist: Path, tree: Path) -> str:
     commit = "unknown"
     with tarfile.open(sdist) as tar:
         for member in tar:
-            top, _, rest = member.name.partition("/")
+            rest = member.name.partition("/")[2]
             if rest == ".git/modules/vendor/llama.cpp/HEAD":
                 commit = tar.extractfile(member).read().decode().strip() or commit
             elif rest.startswith("vendor/llama.cpp/") and rest != "vendor/llama.cpp/.git":
@@ -215,8 +216,16 @@ def _git_identity(source: Path, commit: str) -> SourceIdentity:
     return SourceIdentity(commit=commit, dirty=bool(diff.stdout or paths), digest=digest.hexdigest())
 
 
-def _is_source(name: str) -> bool:
-    base = os.path.basename(name)
+def _skip_dir(name: str) -> bool:
+    """Directories that hold no build input: VCS data, models, build outputs, hidden directories."""
+    return name in SKIP_DIRS or name.startswith((".", "build"))
+
+
+def _is_source(rel: str) -> bool:
+    """Whether the file at relative path `rel` is a build input (by name, outside skipped directories)."""
+    *dirs, base = rel.split("/")
+    if any(_skip_dir(d) for d in dirs):
+        return False
     return base == "CMakeLists.txt" or os.path.splitext(base)[1] in SOURCE_SUFFIXES
 
 
@@ -233,7 +242,7 @@ def tree_digest(source: Path) -> str:
             for entry in entries:
                 path = f"{rel}/{entry.name}" if rel else entry.name
                 if entry.is_dir(follow_symlinks=False):
-                    if entry.name not in SKIP_DIRS and not entry.name.startswith((".", "build")):
+                    if not _skip_dir(entry.name):
                         stack.append(path)
                 elif entry.is_file() and _is_source(entry.name):
                     files.append(path)
@@ -287,15 +296,28 @@ def prebuilt_server(server_bin: Path) -> BuildInfo:
         proc = subprocess.run([str(server_bin), "--version"], capture_output=True, text=True, timeout=30)
     except (OSError, subprocess.TimeoutExpired) as err:
         raise HarnessError(f"{server_bin} does not run: {err}") from None
-    found = re.search(r"version: \S+ \((\w+)\)", proc.stdout + proc.stderr)
-    if proc.returncode != 0 or not found:
+    version = re.search(r"^version: (.+)$", proc.stdout + proc.stderr, re.M)
+    if proc.returncode != 0 or not version:
         raise HarnessError(f"{server_bin} does not look like llama-server (`--version` printed no version)")
+    commit = re.search(r"(?:commit |\()(\w+)\)", version.group(1))  # "(build N, commit X)" or "(X)"
     quantize = server_bin.with_name("llama-quantize")
     return BuildInfo(
-        server_bin=server_bin, quantize_bin=quantize if quantize.is_file() else None, commit=found.group(1),
-        dirty=False, backend="unknown", cmake_args=[], compiler="unknown", built_at="unknown",
-        source="unknown", source_identity=found.group(1), cached=True,
+        server_bin=server_bin, quantize_bin=quantize if quantize.is_file() else None,
+        commit=commit.group(1) if commit else "unknown", dirty=False, backend=_device_kind(server_bin), cmake_args=[],
+        compiler="unknown", built_at="unknown", source="unknown", source_identity=version.group(1), cached=True,
     )
+
+
+def _device_kind(server_bin: Path) -> str:
+    """cpu, cuda, metal or gpu: the first device `--list-devices` shows (none = cpu)."""
+    try:
+        out = subprocess.run([str(server_bin), "--list-devices"], capture_output=True, text=True, timeout=60).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return "unknown"
+    devices = [line.strip() for line in out.splitlines()[1:] if line.strip() and line.strip() != "(none)"]
+    if not devices:
+        return "cpu"
+    return next((kind for prefix, kind in (("CUDA", "cuda"), ("MTL", "metal")) if devices[0].startswith(prefix)), "gpu")
 
 
 def require_executable(path: Path) -> Path:

@@ -27,10 +27,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     """Register `specharness build`."""
     p = sub.add_parser("build", help="build llama-server from llama.cpp sources (cached by source identity)")
     p.add_argument("--source", type=Path, metavar="DIR",
-                   help="llama.cpp checkout or plain tree (default: the tree vendored in the installed llama-cpp-python)")
+                   help="llama.cpp checkout or plain tree (default: the tree vendored in llama-cpp-python)")
     p.add_argument("--backend", choices=BACKENDS, default="cpu", help="GPU backend to compile in (default cpu)")
     p.add_argument("--cmake-arg", action="append", default=[], metavar="ARG",
-                   help="extra CMake argument, e.g. -DGGML_NATIVE=OFF (repeatable; part of the cache key)")
+                   help="extra CMake argument as --cmake-arg=-DX=Y (repeatable; part of the cache key)")
     p.add_argument("--jobs", type=int, metavar="N", help="parallel compile jobs (default: all cores)")
     p.add_argument("--server-bin", type=Path, metavar="PATH", help="use this llama-server binary instead of building")
     p.add_argument("--json", action="store_true", help="print the build info as JSON")

@@ -12,11 +12,12 @@ from typing import Any, Optional
 
 import requests
 
+from harness.logits import from_server_probs
 from harness.request import Request
 from harness.result import Result, Timings
 
 CONNECT_TIMEOUT_S = 10.0
-COMPLETION_FIELDS = frozenset({"cache_prompt", "id_slot", "n_probs", "samplers", "grammar", "json_schema"})
+COMPLETION_FIELDS = frozenset({"cache_prompt", "id_slot", "samplers"})
 """Extra /completion fields a caller may add to every request (see `LlamaClient.complete`)."""
 
 
@@ -70,19 +71,16 @@ class LlamaClient:
         """POST /completion (non-streaming) and return the final response object."""
         return self._post("/completion", payload)
 
-    def complete(self, request: Request, fields: Optional[dict[str, Any]] = None) -> Result:
+    def complete(self, request: Request, n_probs: int = 0, fields: Optional[dict[str, Any]] = None) -> Result:
         """Serve one Request through /completion and fill a Result with prompt and output token ids.
 
         Chats are rendered with /apply-template (the same template code /v1/chat/completions runs),
         tokenized, and sent to /completion: /v1/chat/completions returns no token ids at all (only
         `logprobs` entries, without the prompt's ids), while this path yields both id lists. The
         prompt is always sent as token ids, so `prompt_tokens` is exactly what the server evaluated.
+        `n_probs` > 0 fills `Result.logits` with the top-`n_probs` log-probabilities per token.
         `fields` adds /completion fields from COMPLETION_FIELDS (e.g. `cache_prompt`, `id_slot`).
         """
-        fields = dict(fields or {})
-        unknown = set(fields) - COMPLETION_FIELDS
-        if unknown:
-            raise ValueError(f"unsupported /completion fields: {sorted(unknown)}")
         prompt_tokens: list[int] = []
         try:
             if isinstance(request.prompt, list):
@@ -90,17 +88,23 @@ class LlamaClient:
             else:
                 text = request.prompt if request.messages is None else self.apply_template(request.messages)
                 prompt_tokens = self.tokenize(text)
-            s = request.sampling
-            data = self.completion({
-                "prompt": prompt_tokens, "n_predict": s.n_predict, "temperature": s.temperature,
-                "top_k": s.top_k, "top_p": s.top_p, "min_p": s.min_p, "seed": s.seed, "stop": s.stop,
-                "return_tokens": True, **fields,
-            })
+            data = self.completion({"prompt": prompt_tokens, **_sampling_fields(request), "n_probs": n_probs,
+                                    "return_tokens": True, **(fields or {})})
         except ServerError as err:
             if err.status >= 500:
                 raise
             return Result(prompt_tokens=prompt_tokens, stop_reason="error", error=str(err))
         return _result(prompt_tokens, data)
+
+
+def _sampling_fields(request: Request) -> dict[str, Any]:
+    """/completion fields of a Request's Sampling; unset seed/grammar/schema are left to the server."""
+    s = request.sampling
+    out = {"n_predict": s.n_predict, "temperature": s.temperature, "top_k": s.top_k, "top_p": s.top_p,
+           "min_p": s.min_p, "stop": s.stop}
+    optional = {"seed": s.seed, "grammar": s.grammar, "json_schema": s.json_schema}
+    out.update({k: v for k, v in optional.items() if v is not None})
+    return out
 
 
 def _result(prompt_tokens: list[int], data: dict) -> Result:
@@ -120,4 +124,5 @@ def _result(prompt_tokens: list[int], data: dict) -> Result:
             predicted_n=timings.get("predicted_n", 0), predicted_ms=timings.get("predicted_ms", 0.0),
         ),
         spec_stats=spec_stats,
+        logits=from_server_probs(data.get("completion_probabilities", [])),
     )

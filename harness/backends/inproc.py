@@ -25,9 +25,11 @@ def context_params(config: ServeConfig) -> ContextParams:
 
 def spec_config(config: ServeConfig) -> SpecConfig:
     """The engine's speculative options from llama-server style names plus the in-process extras."""
-    return SpecConfig.from_options(
+    spec = SpecConfig.from_options(
         {**config.spec, "spec-draft-model": config.draft_model, "rollback": config.rollback, "fault": config.fault}
     )
+    spec.drafters = list(config.drafters)
+    return spec
 
 
 class InprocSession:
@@ -47,6 +49,17 @@ class InprocBackend:
     """`--backend inproc`."""
 
     name = "inproc"
+
+    def environment(self) -> dict:
+        """llama-cpp-python's version and whether its build offloads to a GPU."""
+        import importlib.metadata
+
+        import llama_cpp
+
+        return {
+            "device": "gpu" if llama_cpp.llama_supports_gpu_offload() else "cpu",
+            "llama_cpp_python": importlib.metadata.version("llama-cpp-python"),
+        }
 
     def open(self, config: ServeConfig) -> InprocSession:
         return InprocSession(config)

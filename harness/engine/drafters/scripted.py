@@ -11,7 +11,8 @@ class Scripted(Drafter):
     """Propose the next tokens of a script, optionally corrupted at chosen places.
 
     `continuation` is what the target is expected to generate after the prompt (output token 0 is the first
-    sampled token): one list for every sequence, or a dict seq_id → list; None never drafts. With
+    sampled token): one list for every sequence, a dict seq_id → list, or a function of the request's
+    prompt tokens (called at `begin`) returning the list; None never drafts. With
     o = len(history) - len(prompt) output tokens decoded so far, `id_last` is output token o and the draft
     is continuation[o+1 : o+1+n_max] (capped at `req.n_max`, shorter or empty at the end of the script).
 
@@ -27,7 +28,7 @@ class Scripted(Drafter):
 
     def __init__(
         self,
-        continuation: dict[int, list[int]] | list[int] | None = None,
+        continuation: dict[int, list[int]] | list[int] | Callable[[list[int]], list[int]] | None = None,
         n_max: int = 4,
         wrong_at: WrongAt | None = None,
         reject_all: bool = False,
@@ -39,12 +40,17 @@ class Scripted(Drafter):
         self.reject_all = reject_all
         self.n_vocab = n_vocab
         self._prompt_len: dict[int, int] = {}
+        self._by_prompt: dict[int, list[int]] = {}
 
     def begin(self, seq_id: int, prompt: list[int]) -> None:
-        """Remember where the output of `seq_id` starts."""
+        """Remember where the output of `seq_id` starts (and look its script up when keyed by prompt)."""
         self._prompt_len[seq_id] = len(prompt)
+        if callable(self.continuation):
+            self._by_prompt[seq_id] = self.continuation(prompt)
 
     def _script(self, seq_id: int) -> list[int]:
+        if callable(self.continuation):
+            return self._by_prompt.get(seq_id, [])
         if isinstance(self.continuation, dict):
             return self.continuation.get(seq_id, [])
         return self.continuation or []

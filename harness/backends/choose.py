@@ -1,0 +1,22 @@
+"""The backends a run can use, by name, with the options that pick a llama-server build."""
+
+from pathlib import Path
+from typing import Callable, Optional
+
+from harness.backends.base import Backend
+from harness.backends.inproc import InprocBackend
+
+BACKEND_NAMES = ("inproc", "server")
+
+
+def backend_factories(server_bin: Optional[Path] = None, source: Optional[Path] = None,
+                      run_dir: Optional[Path] = None) -> dict[str, Callable[[], Backend]]:
+    """name → factory; `server` builds (or reuses) llama-server from `source` unless `server_bin` is given."""
+
+    def server() -> Backend:
+        from harness.backends.build import ensure_server
+        from harness.backends.server_backend import ServerBackend
+
+        return ServerBackend(build=ensure_server(source=source, server_bin=server_bin), run_dir=run_dir)
+
+    return {"inproc": InprocBackend, "server": server}

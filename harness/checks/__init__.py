@@ -1,0 +1,129 @@
+"""Named checks: each a small function of a CheckContext returning pass/fail plus evidence.
+
+A check that does not apply to a case (e.g. `lossless` without speculation) returns None.
+"""
+
+import json
+from typing import Callable, Optional
+
+import jsonschema
+
+from harness.checks.base import CheckContext, CheckResult
+from harness.checks.compare import compare_outcome
+from harness.matrix import spec_preset
+
+Check = Callable[[CheckContext], Optional[CheckResult]]
+
+
+def no_crash(ctx: CheckContext) -> CheckResult:
+    """Every request ended with output, or with an error the suite allows (never a crash)."""
+    bad = [o for o in ctx.outcomes if not o.result.ok and not ctx.allowed(o)]
+    crashed = [o for o in ctx.outcomes if o.result.stop_reason == "crashed"]
+    evidence = {"requests": len(ctx.outcomes), "errors": len(bad), "crashed": len(crashed),
+                "allowed_errors": sum(1 for o in ctx.outcomes if not o.result.ok and ctx.allowed(o))}
+    if not bad and not crashed:
+        return CheckResult("no-crash", True, evidence=evidence)
+    first = (crashed or bad)[0]
+    return CheckResult("no-crash", False, f"{len(bad)} of {len(ctx.outcomes)} requests failed; round {first.round}: "
+                       f"{first.result.error}", evidence)
+
+
+def repeat_identical(ctx: CheckContext) -> Optional[CheckResult]:
+    """All rounds of the case produced the same tokens (count of unique outputs must be 1)."""
+    done = ctx.completed()
+    if len(ctx.run.suite.rounds) < 2 or len(done) < 2:
+        return None
+    unique = len({tuple(o.result.tokens) for o in done})
+    passed, message, evidence = compare_outcome(ctx, done[0], f"output of round {done[0].round}")
+    evidence["unique_outputs"] = unique
+    evidence["runs"] = len(done)
+    if not passed:
+        message = f"{unique} unique outputs over {len(done)} runs; " + message
+    return CheckResult("repeat-identical", passed, message, evidence)
+
+
+def lossless(ctx: CheckContext) -> Optional[CheckResult]:
+    """Greedy speculative output equals greedy non-speculative output."""
+    if not spec_preset(ctx.cell.spec).speculative or not ctx.case_def.sampling.greedy:
+        return None
+    passed, message, evidence = compare_outcome(ctx, ctx.reference_outcome(ctx.cell.reference(spec="none")),
+                                            "non-speculative output")
+    return CheckResult("lossless", passed, message, evidence)
+
+
+def mode_invariant(ctx: CheckContext) -> Optional[CheckResult]:
+    """`no-kv-unified` equals `seq`; `par` is compared with `seq` and reported without failing."""
+    if ctx.cell.mode == "seq":
+        return None
+    passed, message, evidence = compare_outcome(ctx, ctx.reference_outcome(ctx.cell.reference(mode="seq")), "seq output")
+    if ctx.cell.mode == "par":
+        evidence["reported_only"] = True
+        return CheckResult("mode-invariant", True, message, evidence)
+    return CheckResult("mode-invariant", passed, message, evidence)
+
+
+def baseline(ctx: CheckContext) -> Optional[CheckResult]:
+    """Tokens equal the stored baseline of (suite, case, model, backend, device)."""
+    return ctx.baselines.check(ctx)
+
+
+def spec_ran(ctx: CheckContext) -> Optional[CheckResult]:
+    """Drafts were generated (and some accepted, where the config expects it) over the cell."""
+    preset = spec_preset(ctx.cell.spec)
+    if not preset.speculative:
+        return None
+    stats = [o.result.spec_stats for o in ctx.run.outcomes if o.result.ok]
+    drafted = sum(s.get("draft_n", 0) for s in stats)
+    accepted = sum(s.get("draft_n_accepted", 0) for s in stats)
+    evidence = {"draft_n": drafted, "draft_n_accepted": accepted,
+                "acceptance": round(accepted / drafted, 3) if drafted else 0.0}
+    if drafted == 0:
+        return CheckResult("spec-ran", False, f"no drafts at all over the cell ({len(stats)} requests)", evidence)
+    if preset.expect_accepts and accepted == 0:
+        return CheckResult("spec-ran", False, f"{drafted} tokens drafted, none accepted", evidence)
+    return CheckResult("spec-ran", True, evidence=evidence)
+
+
+def grammar_valid(ctx: CheckContext) -> Optional[CheckResult]:
+    """The output parses as JSON and satisfies the case's schema."""
+    schema = ctx.case_def.sampling.json_schema
+    if schema is None:
+        return None
+    problems = []
+    for o in ctx.completed():
+        try:
+            jsonschema.validate(json.loads(o.result.text), schema)
+        except (ValueError, jsonschema.ValidationError) as err:
+            problems.append(f"round {o.round}: {str(err).splitlines()[0]} in {o.result.text[:80]!r}")
+    evidence = {"outputs": len(ctx.completed()), "invalid": len(problems)}
+    if problems:
+        return CheckResult("grammar-valid", False, f"{len(problems)} invalid outputs; " + problems[0], evidence)
+    return CheckResult("grammar-valid", True, evidence=evidence)
+
+
+CHECKS: dict[str, Check] = {
+    "no-crash": no_crash,
+    "repeat-identical": repeat_identical,
+    "lossless": lossless,
+    "mode-invariant": mode_invariant,
+    "baseline": baseline,
+    "spec-ran": spec_ran,
+    "grammar-valid": grammar_valid,
+}
+
+
+def evaluate(ctx: CheckContext, names: list[str]) -> list[CheckResult]:
+    """Run the named checks that apply; a failing one's message ends with how to reproduce it.
+
+    A cell that could not be served at all (no model, no server) fails `no-crash` and nothing else."""
+    if ctx.run.error is not None:
+        return [CheckResult("no-crash", False, f"the cell could not be served: {ctx.run.error}\n  reproduce: {ctx.repro}")]
+    results = []
+    for name in names:
+        result = CHECKS[name](ctx)
+        if result is None:
+            continue
+        if not result.passed:
+            result.message += f"\n  reproduce: {ctx.repro}"
+        results.append(result)
+    return results

@@ -1,0 +1,37 @@
+"""Comparing two outputs of the same case: match, or the first divergence with its triage."""
+
+from typing import Optional
+
+from harness.checks.base import CheckContext
+from harness.execute import Outcome
+from harness.triage import Divergence, triage
+
+
+def divergence(ctx: CheckContext, ref_tokens: list[int], ref_logits: list, other: Outcome) -> Optional[Divergence]:
+    """None when `other` produced exactly `ref_tokens`, else the triaged first divergence."""
+    if ref_tokens == other.result.tokens:
+        return None
+    return triage(ref_tokens, other.result.tokens, ref_logits or None, other.result.logits or None,
+                  detokenize=ctx.detokenize)
+
+
+def compare_outcome(ctx: CheckContext, reference: Optional[Outcome], label: str) -> tuple[bool, str, dict]:
+    """Compare every completed outcome of this case with another outcome; (passed, message, evidence)."""
+    if reference is None or not reference.result.ok:
+        why = "missing" if reference is None else f"failed: {reference.result.error}"
+        return (ctx.allowed(reference) if reference else False), f"{label} reference {why}", {}
+    return compare_tokens(ctx, reference.result.tokens, reference.result.logits, label)
+
+
+def compare_tokens(ctx: CheckContext, ref_tokens: list[int], ref_logits: list, label: str) -> tuple[bool, str, dict]:
+    """Compare every completed outcome of this case with reference tokens; (passed, message, evidence)."""
+    mine = ctx.completed()
+    diffs = [(o, d) for o in mine if (d := divergence(ctx, ref_tokens, ref_logits, o)) is not None]
+    evidence = {"compared": len(mine), "matching": len(mine) - len(diffs)}
+    if not diffs:
+        return True, "", evidence
+    outcome, first = diffs[0]
+    evidence["first_divergence"] = {"round": outcome.round, "index": first.index, "kind": first.kind}
+    message = (f"{len(diffs)} of {len(mine)} outputs differ from the {label}; round {outcome.round}: "
+               f"{first.describe()}")
+    return False, message, evidence

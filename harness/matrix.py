@@ -1,0 +1,90 @@
+"""The run matrix: which backend × mode × speculative config × model cells a suite runs in.
+
+Speculative configs are named presets; each preset is a `--spec-type` value of llama-server with
+parameters sized for the tiny models, plus in-process-only scripted ones that force rejections.
+"""
+
+from dataclasses import dataclass
+from typing import Optional
+
+from harness.errors import HarnessError
+
+
+@dataclass(frozen=True)
+class SpecPreset:
+    """A named speculative configuration."""
+
+    options: dict
+    """llama-server flag names (without dashes) → values; empty for `none`."""
+    scripted: Optional[str] = None
+    """In-process only: `reject-all` or `wrong-at-2` drafts from the case's own greedy output."""
+    expect_accepts: bool = True
+    """Whether `spec-ran` expects some drafts accepted (a forced-rejection config does not)."""
+
+    @property
+    def speculative(self) -> bool:
+        return bool(self.options) or self.scripted is not None
+
+
+_NGRAM_SMALL = {
+    "ngram-simple": {"spec-ngram-simple-size-n": 3, "spec-ngram-simple-size-m": 8},
+    "ngram-map-k": {"spec-ngram-map-k-size-n": 3, "spec-ngram-map-k-size-m": 8},
+    "ngram-map-k4v": {"spec-ngram-map-k4v-size-n": 3, "spec-ngram-map-k4v-size-m": 8},
+    "ngram-mod": {"spec-ngram-mod-n-match": 3, "spec-ngram-mod-n-min": 1, "spec-ngram-mod-n-max": 8},
+}
+SPEC_PRESETS: dict[str, SpecPreset] = {
+    "none": SpecPreset({}),
+    "draft-simple": SpecPreset({"spec-type": "draft-simple", "spec-draft-n-max": 4}),
+    **{name: SpecPreset({"spec-type": name, **opts}) for name, opts in _NGRAM_SMALL.items()},
+    "scripted-reject": SpecPreset({}, scripted="reject-all", expect_accepts=False),
+    "scripted-wrong-at-2": SpecPreset({}, scripted="wrong-at-2"),
+}
+
+
+def spec_preset(name: str) -> SpecPreset:
+    """A preset by name; `a+b` chains the drafters of several `--spec-type` presets (first draft wins)."""
+    parts = [p for p in name.split("+") if p]
+    unknown = [p for p in parts if p not in SPEC_PRESETS]
+    if unknown or not parts:
+        raise HarnessError(f"unknown spec config '{name}' (known: {', '.join(SPEC_PRESETS)})")
+    if len(parts) == 1:
+        return SPEC_PRESETS[parts[0]]
+    if any(SPEC_PRESETS[p].scripted or p == "none" for p in parts):
+        raise HarnessError(f"spec config '{name}': only --spec-type presets combine")
+    options: dict = {}
+    for p in parts:
+        options.update({k: v for k, v in SPEC_PRESETS[p].options.items() if k != "spec-type"})
+    return SpecPreset({"spec-type": ",".join(parts), **options})
+
+
+@dataclass(frozen=True, order=True)
+class Cell:
+    """One point of the matrix; its id reads `<mode>-<spec>-<model>-<backend>`."""
+
+    backend: str
+    mode: str
+    spec: str
+    model: str
+
+    @property
+    def id(self) -> str:
+        return f"{self.mode}-{self.spec}-{self.model}-{self.backend}"
+
+    def reference(self, **changes) -> "Cell":
+        """The same cell with some coordinates changed (e.g. spec='none' for the lossless reference)."""
+        return Cell(**{**self.__dict__, **changes})
+
+
+def cells(matrix: dict[str, list[str]], only: dict[str, Optional[list[str]]] | None = None) -> list[Cell]:
+    """Every cell of a suite's matrix, narrowed or replaced by explicit choices (`only[axis]`).
+
+    In-process-only spec configs are left out of llama-server cells."""
+    axes = {axis: (only or {}).get(axis) or matrix[axis] for axis in ("backends", "modes", "specs", "models")}
+    for spec in axes["specs"]:
+        spec_preset(spec)
+    return [
+        Cell(backend, mode, spec, model)
+        for backend in axes["backends"] for mode in axes["modes"]
+        for spec in axes["specs"] for model in axes["models"]
+        if not (backend == "server" and spec_preset(spec).scripted)
+    ]

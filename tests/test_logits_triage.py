@@ -1,0 +1,255 @@
+"""Logit records (capture, llama-server conversion, Parquet), their comparison, and first-divergence
+triage: pure logic on hand-made arrays, then real tiny-model runs that diverge for a logic bug (a rollback
+fault) and for a numerical near-tie (flash attention on vs off)."""
+
+import math
+
+import numpy as np
+import pytest
+
+from harness.engine import ContextParams, Engine
+from harness.engine.drafters.scripted import Scripted
+from harness.engine.model import Model
+from harness.engine.speculative import SpecConfig
+from harness.logits import (
+    PositionLogits, Tolerances, capture, check, compare, from_frame, from_server_probs, load_parquet, save_parquet,
+    to_frame,
+)
+from harness.request import Request, Sampling
+from harness.triage import NEAR_TIE, triage
+
+QUICKSORT_C = "Write a quicksort demo in C. Please, write just code. Do not write any extra comments."
+
+
+def lp(ids, logprobs):
+    """A record whose values are log-probabilities."""
+    return PositionLogits(np.array(ids, dtype=np.int32), np.array(logprobs, dtype=np.float32))
+
+
+def same(n, ids=(1, 2, 3), values=(-1.0, -2.0, -3.0)):
+    return [lp(ids, values) for _ in range(n)]
+
+
+# --- records ---------------------------------------------------------------------------------------------
+
+def test_capture_records_the_normaliser_of_the_whole_row():
+    row = np.array([0.5, 3.0, -1.0, 2.0, 2.0], dtype=np.float32)
+    rec = capture(row, 3)
+    assert rec.top_ids.tolist() == [1, 3, 4]  # ties broken by id
+    logsoftmax = row - np.log(np.exp(row.astype(np.float64)).sum())
+    np.testing.assert_allclose(rec.logprobs(), logsoftmax[[1, 3, 4]], rtol=0, atol=1e-6)
+    assert rec.margin == pytest.approx(1.0)
+
+
+def test_server_logprobs_convert_sorted_with_empty_speculative_entries():
+    probs = [
+        {"id": 7, "logprob": -0.4, "top_logprobs": [{"id": 9, "logprob": -2.5}, {"id": 7, "logprob": -0.4},
+                                                    {"id": 4, "logprob": -2.5}]},
+        {"id": 5, "logprob": 0.0, "top_logprobs": []},  # accepted through speculation
+    ]
+    first, spec = from_server_probs(probs)
+    assert first.top_ids.tolist() == [7, 4, 9] and first.top_ids.dtype == np.int32
+    assert first.top_logits.dtype == np.float32 and first.top_logits[0] == np.float32(-0.4)
+    assert first.digest == "" and first.log_z == 0.0 and first.margin == pytest.approx(2.1)
+    assert len(spec.top_ids) == 0 and len(spec.top_logits) == 0 and spec.margin is None
+
+
+def test_server_post_sampling_probs_become_logs_and_zero_becomes_float_lowest():
+    (rec,) = from_server_probs([{"id": 3, "prob": 0.6, "top_probs": [{"id": 3, "prob": 0.6}, {"id": 8, "prob": 0.0},
+                                                                    {"id": 2, "prob": 0.3}]}])
+    assert rec.top_ids.tolist() == [3, 2, 8]
+    assert rec.top_logits[:2] == pytest.approx([math.log(0.6), math.log(0.3)])
+    assert rec.top_logits[2] == np.finfo(np.float32).min
+
+
+def test_server_margin_equals_the_raw_logit_margin():
+    row = np.array([1.25, 4.0, 3.5, -2.0], dtype=np.float32)
+    raw = capture(row, 3)
+    logprobs = raw.logprobs()
+    server = from_server_probs([{"top_logprobs": [{"id": int(i), "logprob": float(v)}
+                                                  for i, v in zip(raw.top_ids, logprobs)]}])[0]
+    assert server.margin == pytest.approx(raw.margin, abs=1e-6)
+
+
+def test_parquet_round_trip_keeps_dtypes_and_exact_values(tmp_path):
+    rng = np.random.default_rng(0)
+    run = [capture(rng.normal(0, 2, 500).astype(np.float32), 10) for _ in range(128)]
+    served = from_server_probs([{"top_logprobs": [{"id": 1, "logprob": -0.5}]}, {"top_logprobs": []}])
+    path = tmp_path / "logits.parquet"
+    save_parquet(path, {"dense/C": to_frame(run), "silent/C": to_frame([]), "server/C": to_frame(served)})
+    loaded = load_parquet(path)
+    assert list(loaded) == ["dense/C", "server/C"]  # a case without positions has no rows
+    for original, frame in ((run, loaded["dense/C"]), (served, loaded["server/C"])):
+        back = from_frame(frame)
+        assert len(back) == len(original)
+        for x, y in zip(original, back):
+            assert y.top_ids.dtype == np.int32 and y.top_logits.dtype == np.float32
+            assert np.array_equal(x.top_ids, y.top_ids) and np.array_equal(x.top_logits, y.top_logits)
+            assert (x.digest, x.head, x.tail, x.log_z) == (y.digest, y.head, y.tail, y.log_z)
+    assert len(from_frame(loaded["server/C"])[1].top_ids) == 0
+    # 128 positions × k = 10 plus both runs' digests: a baseline stays small (real tiny-model logits: ~16.6 kB)
+    assert path.stat().st_size < 20_000
+
+
+# --- comparison -------------------------------------------------------------------------------------------
+
+def test_compare_metrics_on_hand_computed_numbers():
+    half, quarter = math.log(0.5), math.log(0.25)
+    a, b = [lp([1, 2], [half, quarter])], [lp([2, 1], [half, quarter])]
+    c = compare(a, b)
+    assert c.max_abs == pytest.approx(math.log(2))
+    # Σ(a−b)²/Σa² = 2 ln²2 / (ln²2 + 4 ln²2)
+    assert c.nmse == pytest.approx(0.4)
+    # both leave 0.25 for the rest bucket: 0.5 ln(0.5/0.25) + 0.25 ln(0.25/0.5) + 0.25 ln 1
+    assert c.kl_max == pytest.approx(0.25 * math.log(2))
+    assert c.top1_agreement == 0.0
+
+
+def test_compare_bounds_ids_in_one_top_k_by_the_other_sides_kth_value():
+    a = [lp([1, 2, 3], [-1.0, -2.0, -3.0])]
+    b = [lp([1, 4, 2], [-1.5, -1.8, -2.5])]
+    row = compare(a, b).per_position.iloc[0]
+    # shared: |Δ1| = |Δ2| = 0.5; id 3 (a only): −3 − (−2.5) < 0 → 0; id 4 (b only): −1.8 − (−3) = 1.2
+    assert row.max_abs == pytest.approx(1.2) and row.max_abs_id == 4
+    assert bool(row.top1_agree)
+
+
+def test_compare_skips_empty_positions_and_uses_the_common_length():
+    a = same(4)
+    b = same(3)
+    b[1] = lp([], [])
+    c = compare(a, b)
+    assert (c.n_compared, c.n_skipped, c.n_a, c.n_b) == (2, 1, 4, 3)
+    assert c.per_position.position.tolist() == [0, 2] and c.max_abs == 0.0 and c.kl_max == 0.0
+
+
+def test_check_names_the_worst_position_and_fails_without_positions():
+    a = same(5)
+    b = same(5)
+    b[3] = lp([1, 2, 3], [-1.0, -2.3, -3.0])
+    b[4] = lp([1, 2, 3], [-1.0, -2.01, -3.0])
+    assert check(compare(a, b), Tolerances(max_abs=0.5, nmse=1, kl=1))[0]
+    ok, message = check(compare(a, b), Tolerances())
+    assert not ok and "max_abs 0.3 > 0.025 at position 3 on id 2" in message
+    ok, message = check(compare(a, [lp([2, 1, 3], [-1.0, -1.01, -3.0])] + b[1:]), Tolerances(max_abs=1, nmse=1, kl=1))
+    assert not ok and "top-1 agreement 0.8000" in message and "position 0: id 1 vs 2" in message
+    ok, message = check(compare(a, [lp([], [])] * 5), Tolerances())
+    assert not ok and "no position has logits on both sides" in message
+
+
+# --- triage -----------------------------------------------------------------------------------------------
+
+def test_equal_streams_have_no_divergence():
+    assert triage([1, 2, 3], [1, 2, 3], same(3), same(3)) is None
+
+
+def test_near_tie_when_logits_agree_and_the_margin_is_small():
+    ref = same(4)
+    ref[2] = lp([5, 6], [-0.70, -0.72])
+    other = same(4)
+    other[2] = lp([6, 5], [-0.70, -0.71])
+    d = triage([9, 9, 5, 9], [9, 9, 6, 9], ref, other, detokenize=lambda ts: "".join(f"<{t}>" for t in ts))
+    assert (d.index, d.kind, d.ref_token, d.other_token) == (2, "near-tie", 5, 6)
+    assert d.margin == pytest.approx(0.02, abs=1e-6) and d.before == "<9><9>"
+    assert list(d.margins) == [0, 1, 2]
+    text = d.describe()
+    assert "token 2" in text and "'<5>' (id 5)" in text and "'<6>' (id 6)" in text and "0.02 nats" in text
+
+
+def test_drift_when_logits_differ_before_the_divergence_even_at_a_near_tie():
+    ref = same(4)
+    ref[3] = lp([5, 6], [-0.70, -0.72])
+    other = same(4)
+    other[1] = lp([1, 2, 3], [-1.0, -2.4, -3.0])
+    d = triage([9, 9, 9, 5], [9, 9, 9, 6], ref, other)
+    assert d.kind == "drift" and "position 1" in d.reason and "max_abs 0.4" in d.reason
+
+
+def test_hard_when_logits_agree_and_the_margin_is_large():
+    d = triage([9, 9, 5], [9, 9, 6], same(3), same(3), context=1)
+    assert d.kind == "hard" and d.margins == {1: 1.0, 2: 1.0}
+    assert "margin there 1 nats" in d.describe() and "logic bug" in d.describe()
+
+
+def test_unknown_without_logits_or_with_a_speculated_entry_at_the_divergence():
+    assert triage([1, 2], [1, 3]).kind == "unknown"
+    assert triage([1, 2], [1, 3], same(2)).kind == "unknown"  # large margin, nothing to rule out drift
+    server = from_server_probs([{"top_logprobs": [{"id": 1, "logprob": -1.0}, {"id": 2, "logprob": -2.0}]},
+                                {"top_logprobs": []}])
+    d = triage([1, 2], [1, 3], server, same(2))
+    assert d.kind == "unknown" and d.margin is None and "margin there unknown (positions 0–0: 1)" in d.describe()
+
+
+def test_prefix_divergence_is_at_the_shorter_length():
+    d = triage([1, 2, 3, 4], [1, 2], same(4), same(2))
+    assert (d.index, d.ref_token, d.other_token) == (2, 3, None)
+    assert "other stream ended" in d.describe() and d.kind == "hard"
+    assert triage([1, 2], [1, 2, 3]).index == 2
+
+
+# --- real tiny models -------------------------------------------------------------------------------------
+
+def generate(model, prompt, n_predict, spec=None, **params):
+    with Engine(model.path, ContextParams(n_ctx=512, **params), spec, logit_top_k=10) as engine:
+        result = engine.run([Request(prompt=prompt, sampling=Sampling(n_predict=n_predict))])[0]
+    assert result.ok and len(result.logits) == len(result.tokens), result.error
+    return result
+
+
+@pytest.fixture
+def detokenizer():
+    """model info → its detokenize function (models stay loaded until the test ends)."""
+    loaded = []
+
+    def load(info):
+        loaded.append(Model(info.path))
+        return loaded[-1].detokenize
+
+    yield load
+    for model in loaded:
+        model.close()
+
+
+def test_rollback_fault_divergence_is_hard(tiny_models, detokenizer):
+    model = tiny_models["tiny-hybrid"]
+    reference = generate(model, QUICKSORT_C, 64)
+    spec = SpecConfig(drafters=[Scripted(reference.tokens, wrong_at=lambda s, j, k: k == 1)],
+                      fault="partial-checkpoint-only")
+    faulty = generate(model, QUICKSORT_C, 64, spec)
+    d = triage(reference.tokens, faulty.tokens, reference.logits, faulty.logits, detokenizer(model))
+    # Measured: divergence at token 3, reference margin 0.854 nats; before it the two runs' logits differ
+    # by ~1e-6 (verification batches vs single-token decodes), far inside tolerance. The fault corrupts
+    # the recurrent state at the first partial acceptance, so the step's logits jump with nothing
+    # leading up to it: not drift, not a near-tie, a logic bug → `hard`.
+    assert d is not None and d.kind == "hard", d.describe()
+    assert compare(reference.logits[:d.index], faulty.logits[:d.index]).max_abs < 1e-4
+    assert d.margin > NEAR_TIE
+    text = d.describe()
+    assert f"token {d.index}" in text and f"{d.margin:.4g} nats" in text
+    assert repr(d.ref_text) in text and repr(d.other_text) in text and d.ref_text
+
+
+def test_flash_attention_flips_a_near_tie(tiny_models, detokenizer):
+    # Found by generating 128 tokens for 8 prompts on the 3 tiny archs and their -loop variants under
+    # flash attention on, n_ubatch 1 and 7, and a q8_0 K cache, against the defaults. This is the
+    # earliest flash-attention divergence on tiny-dense: token 99, reference margin 0.00079 nats (other
+    # run 0.00034), logits before it within |Δ| ≤ 0.0027; the same for 1–4 threads and n_ctx 256–4096.
+    model = tiny_models["tiny-dense"]
+    off = generate(model, "List three colors:", 100, flash_attn="off")
+    on = generate(model, "List three colors:", 100, flash_attn="on")
+    d = triage(off.tokens, on.tokens, off.logits, on.logits, detokenizer(model))
+    assert d is not None and d.index == 99, d and d.describe()
+    assert d.kind == "near-tie" and d.margin < 0.005, d.describe()
+    assert off.logits[99].digest != on.logits[99].digest
+    assert check(compare(off.logits[:99], on.logits[:99]), Tolerances())[0]
+    assert "near-tie" in d.describe() and "token 99" in d.describe()
+
+
+def test_real_logits_round_trip_through_parquet_in_a_small_file(tiny_models, tmp_path):
+    result = generate(tiny_models["tiny-dense"], QUICKSORT_C, 128)
+    path = tmp_path / "logits.parquet"
+    save_parquet(path, {"quicksort/C": to_frame(result.logits)})
+    back = from_frame(load_parquet(path)["quicksort/C"])
+    ok, message = check(compare(result.logits, back), Tolerances(max_abs=0, nmse=0, kl=0))
+    assert ok and [p.digest for p in back] == [p.digest for p in result.logits], message
+    assert path.stat().st_size < 20_000  # measured 16.6 kB for 128 positions × k = 10

@@ -1,0 +1,74 @@
+"""Suite files: the shipped suites load; malformed ones give one line naming file, line and field."""
+
+import pytest
+
+from harness.errors import HarnessError
+from harness.matrix import Cell, cells, spec_preset
+from harness.suites import load_suite, parse_suite, suite_files
+
+GOOD = """\
+suite: demo
+cases:
+  - name: one
+    prompt: hello
+"""
+
+
+def test_every_shipped_suite_loads():
+    names = {load_suite(str(p)).name for p in suite_files()}
+    assert {"quicksort", "w1", "categories", "repeat", "grammar-json", "kv-fill"} <= names
+
+
+def test_quicksort_is_the_field_report_suite():
+    suite = load_suite("quicksort")
+    assert [c.name for c in suite.cases] == ["C", "Java", "Python"]
+    assert suite.rounds == ["seq", "seq", "par"]
+    assert suite.cases[0].prompt.startswith("Write a quicksort demo in C.")
+
+
+@pytest.mark.parametrize("text, line, field", [
+    (GOOD.replace("prompt: hello", "promt: hello"), 3, "cases.0"),
+    (GOOD + "    sampling: {n_predict: many}\n", 5, "cases.0.sampling.n_predict"),
+    (GOOD.replace("suite: demo", "suite: Demo Suite"), 1, "suite"),
+    (GOOD + "matrix: {modes: [sequential]}\n", 5, "matrix.modes.0"),
+    ("suite: demo\ncases: [\n", 3, None),
+])
+def test_malformed_suite_names_file_line_and_field(tmp_path, text, line, field):
+    path = tmp_path / "demo.yaml"
+    path.write_text(text)
+    with pytest.raises(HarnessError) as err:
+        load_suite(str(path))
+    message = str(err.value)
+    assert message.startswith(f"{path}:{line}:") and "\n" not in message
+    if field:
+        assert f": {field}:" in message
+
+
+def test_suite_name_must_match_its_file(tmp_path):
+    path = tmp_path / "other.yaml"
+    path.write_text(GOOD)
+    with pytest.raises(HarnessError, match="must match the file name"):
+        load_suite(str(path))
+
+
+def test_vars_format_the_prompt_and_sampling_defaults_merge():
+    suite = parse_suite("suite: d\nsampling: {n_predict: 7}\ncases:\n  - {name: a, prompt: 'x {v}', vars: {v: 1},"
+                        " sampling: {temperature: 0.5}}\n")
+    case = suite.cases[0]
+    assert case.prompt == "x 1" and case.sampling.n_predict == 7 and case.sampling.temperature == 0.5
+
+
+def test_matrix_expands_and_leaves_scripted_configs_out_of_server_cells():
+    matrix = {"backends": ["inproc", "server"], "modes": ["seq"], "specs": ["none", "scripted-reject"],
+              "models": ["tiny-dense"]}
+    got = cells(matrix)
+    assert Cell("server", "seq", "scripted-reject", "tiny-dense") not in got
+    assert len(got) == 3
+    assert cells(matrix, {"backends": ["inproc"], "specs": None})[0].id == "seq-none-tiny-dense-inproc"
+
+
+def test_spec_presets_chain_with_plus_and_reject_unknown_names():
+    chained = spec_preset("draft-simple+ngram-mod")
+    assert chained.options["spec-type"] == "draft-simple,ngram-mod"
+    with pytest.raises(HarnessError, match="unknown spec config"):
+        spec_preset("magic")
