@@ -6,7 +6,7 @@ import pytest
 from harness.engine.logging import set_llama_verbose
 from harness.models import DEFAULT_MODELS, resolve
 
-pytest_plugins = ["harness.pytest_plugin"]
+pytest_plugins = ["harness.pytest_plugin", "pytester"]
 
 
 @pytest.fixture(scope="session", autouse=True)

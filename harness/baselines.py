@@ -14,9 +14,18 @@ from typing import Optional
 
 from harness.checks.base import CheckContext, CheckResult
 from harness.checks.compare import compare_tokens
+from harness.logits import PositionLogits, from_frame, load_parquet, save_parquet, to_frame
 from harness.suites import suites_dir
 
 FIELDS = ("suite", "case", "model", "backend", "device", "text", "tokens", "environment")
+
+
+def shown(path: Path) -> str:
+    """A path as messages show it: relative to the working directory when inside it."""
+    try:
+        return str(path.resolve().relative_to(Path.cwd().resolve()))
+    except ValueError:
+        return str(path)
 
 
 def default_root() -> Path:
@@ -57,24 +66,47 @@ class BaselineStore:
         try:
             data = json.loads(path.read_text())
         except (OSError, UnicodeDecodeError, ValueError) as err:
-            raise BaselineError(f"corrupt baseline file {path}: {err}") from None
+            raise BaselineError(f"corrupt baseline file {shown(path)}: {err}") from None
         if not isinstance(data, dict) or not isinstance(data.get("tokens"), list) or not all(
             isinstance(t, int) for t in data["tokens"]
         ):
-            raise BaselineError(f"corrupt baseline file {path}: no list of integer `tokens`")
+            raise BaselineError(f"corrupt baseline file {shown(path)}: no list of integer `tokens`")
         return data
 
-    def store(self, path: Path, data: dict) -> bool:
-        """Write `data` atomically unless the file already holds the same tokens and text; True if written."""
+    @staticmethod
+    def logits_path(path: Path) -> Path:
+        """The top-k logits stored beside a baseline (Parquet, float32, a few kB)."""
+        return path.with_name(path.name.removesuffix(".json") + ".logits.parquet")
+
+    def load_logits(self, path: Path) -> list[PositionLogits]:
+        """The baseline's logits, [] when none were stored (or they cannot be read: triage then says unknown)."""
+        try:
+            frames = load_parquet(self.logits_path(path))
+        except (OSError, ValueError):
+            return []
+        return from_frame(frames["baseline"]) if "baseline" in frames else []
+
+    def store(self, path: Path, data: dict, logits: list[PositionLogits]) -> bool:
+        """Write `data` (and its logits) atomically unless the file already holds the same tokens and text;
+        True if written."""
         old = self.load(path)
         if old is not None and old["tokens"] == data["tokens"] and old.get("text") == data["text"]:
+            if logits and not self.logits_path(path).exists():
+                self._write(self.logits_path(path), lambda t: save_parquet(t, {"baseline": to_frame(logits)}))
             return False
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.tmp")
-        tmp.write_text(render(data))
-        os.replace(tmp, path)
-        self.written.append(path)
+        if logits:
+            self._write(self.logits_path(path), lambda t: save_parquet(t, {"baseline": to_frame(logits)}))
+        else:
+            self.logits_path(path).unlink(missing_ok=True)
+        self._write(path, lambda t: t.write_text(render(data)))
         return True
+
+    def _write(self, target: Path, write) -> None:
+        tmp = target.with_name(f".{target.name}.tmp")
+        write(tmp)
+        os.replace(tmp, target)
+        self.written.append(target)
 
     def check(self, ctx: CheckContext) -> CheckResult:
         """The `baseline` check of one case of one cell (updating first when asked)."""
@@ -88,8 +120,8 @@ class BaselineStore:
             return CheckResult("baseline", False, f"{err} (fix or delete it; it is never replaced silently)")
         if data is None:
             command = self.update_command.format(suite=ctx.run.suite.name)
-            return CheckResult("baseline", False, f"no baseline {path}; create it with: {command}")
-        passed, message, evidence = compare_tokens(ctx, data["tokens"], [], f"baseline {path}")
+            return CheckResult("baseline", False, f"no baseline {shown(path)}; create it with: {command}")
+        passed, message, evidence = compare_tokens(ctx, data["tokens"], self.load_logits(path), f"baseline {shown(path)}")
         evidence["baseline"] = str(path)
         return CheckResult("baseline", passed, message, evidence)
 
@@ -103,4 +135,4 @@ class BaselineStore:
             "suite": ctx.run.suite.name, "case": ctx.case, "model": cell.model, "backend": cell.backend,
             "device": env["device"], "text": canonical.result.text, "tokens": canonical.result.tokens,
             "environment": env,
-        })
+        }, canonical.result.logits)

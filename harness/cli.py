@@ -1,6 +1,7 @@
 """The `specharness` command line: thin, each subcommand delegates to the module of its concern."""
 
 import argparse
+import os
 import sys
 
 from harness import __version__
@@ -9,7 +10,7 @@ from harness.errors import HarnessError
 
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser with one subcommand per concern (each module adds its own)."""
-    from harness import kvscan, runner
+    from harness import kvscan, runner, selftest
     from harness.backends import build_cli
     from harness.models import cli as models_cli
 
@@ -20,7 +21,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"specharness {__version__}")
     parser.add_argument("--verbose", action="store_true", help="show llama.cpp's own log output")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    for module in (runner, models_cli, kvscan, build_cli):
+    for module in (runner, models_cli, kvscan, build_cli, selftest):
         module.add_parser(sub)
     return parser
 
@@ -43,6 +44,9 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("specharness: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # `specharness ... | head`: the reader left; say nothing more
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
 
 
 if __name__ == "__main__":

@@ -53,7 +53,8 @@ class ExecOptions:
 
     backends: dict[str, Callable[[], Backend]]
     parallel: int = 4
-    logit_top_k: int = 0
+    logit_top_k: int = 10
+    kv_scan: str = "request"
     draft_model: Optional[str] = None
     spec_overrides: dict = field(default_factory=dict)
     rollback: str = "auto"
@@ -110,7 +111,7 @@ class Executor:
         return ServeConfig(
             model=resolve(cell.model).path, mode=cell.mode, parallel=serve.pop("parallel", self.options.parallel),
             draft_model=draft, spec=spec, rollback=self.options.rollback, fault=self.options.fault,
-            drafters=drafters, logit_top_k=self.options.logit_top_k, **serve,
+            drafters=drafters, logit_top_k=self.options.logit_top_k, kv_scan=self.options.kv_scan, **serve,
         )
 
     def _execute(self, suite: Suite, cell: Cell, on_request) -> CellRun:

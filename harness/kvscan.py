@@ -195,6 +195,13 @@ class ScanReport:
         """No duplicates, orphans, holes or duplicate recurrent tails."""
         return not (self.duplicates or self.orphans or self.holes or self.duplicate_tails)
 
+    def brief(self, limit: int = 5) -> dict:
+        """A compact verdict for a Result: healthy, totals and the first few problems."""
+        d = self.to_dict()
+        return {"healthy": self.healthy, "totals": self.totals,
+                **{k: d[k][:limit] for k in ("duplicates", "orphans", "holes")},
+                "duplicate_tails": d["duplicate_tails"]}
+
     def to_dict(self, cells: bool = False) -> dict:
         """JSON-able form of the report; `cells=True` lists every cell of every part."""
         return {
@@ -545,6 +552,8 @@ def scan_bytes(data, kind: str = "auto", layout: Optional[Layout] = None,
         own = _own_sequence(parts, fr)
         parts = [replace(q, cell_of=np.arange(q.n_cells, dtype=np.int32), seq_of=np.full(q.n_cells, own, np.int32))
                  if q.kind == "rs" and len(q.seq_of) == 0 else q for q in parts]
+    if expected_len is None and fr.tokens is not None and fr.framing in ("ggsq", "ggsq-slot"):
+        expected_len = {_own_sequence(parts, fr): fr.tokens}  # a file says how many tokens it caches
     report = ScanReport(name, fr.framing, len(data), chosen, parts, arch=fr.arch, seq_id=fr.seq_id,
                         tokens=fr.tokens, expected_len=dict(expected_len or {}), notes=notes)
     _analyse(report)

@@ -1,5 +1,6 @@
-"""A run directory's files: `results.json` and `results.parquet` (one record per request) and
-`checks.json` (one record per check verdict). The HTML report will read the same files."""
+"""A run directory's files: `results.json` and `results.parquet` (one record per request),
+`checks.json` (one record per check verdict) and `logits.parquet` (top-k logits per generated
+position, cases named `<suite>/<case>/<cell>/<round>`). The HTML report will read the same files."""
 
 import json
 import os
@@ -9,6 +10,7 @@ import pandas as pd
 
 from harness.errors import HarnessError
 from harness.execute import CellRun
+from harness.logits import save_parquet, to_frame
 
 RECORD_COLUMNS = ("suite", "case", "model", "backend", "mode", "spec", "repeat", "tokens", "text",
                   "stop_reason", "error", "slot_id", "prompt_n", "timings", "spec_stats")
@@ -26,6 +28,7 @@ def records(runs: list[CellRun]) -> list[dict]:
                 "spec": c.spec, "repeat": o.round, "tokens": r.tokens, "text": r.text,
                 "stop_reason": r.stop_reason, "error": r.error, "slot_id": r.slot_id,
                 "prompt_n": len(r.prompt_tokens), "timings": r.timings.to_dict(), "spec_stats": r.spec_stats,
+                "kv_scan": r.kv_scan,
             })
     return out
 
@@ -57,5 +60,9 @@ def write_run(out: Path, runs: list[CellRun], checks: list) -> Path:
     rows = records(runs)
     _write_atomic(out / "checks.json", lambda p: p.write_text(json.dumps(check_records(checks), indent=1, default=str) + "\n"))
     _write_atomic(out / "results.parquet", lambda p: frame(rows).to_parquet(p, index=False))
+    logits = {f"{run.suite.name}/{o.case}/{run.cell.id}/{o.round}": to_frame(o.result.logits)
+              for run in runs for o in run.outcomes if o.result.logits}
+    if logits:
+        _write_atomic(out / "logits.parquet", lambda p: save_parquet(p, logits))
     _write_atomic(target, lambda p: p.write_text(json.dumps(rows, indent=1) + "\n"))
     return target

@@ -45,6 +45,8 @@ class Result:
     slot_id: int = -1
     timings: Timings = field(default_factory=Timings)
     spec_stats: dict[str, Any] = field(default_factory=dict)
+    kv_scan: Optional[dict] = None
+    """The KV scanner's brief verdict on this request's sequence (None when not scanned)."""
     logits: list[PositionLogits] = field(default_factory=list)
     """One entry per generated token when logit logging is on (`logit_top_k` > 0), else empty."""
 

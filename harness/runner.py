@@ -14,6 +14,7 @@ from rich.progress import Progress
 from rich.table import Table
 
 from harness import MODES
+from harness.backends.base import KV_SCAN
 from harness.backends.choose import BACKEND_NAMES, backend_factories
 from harness.baselines import BaselineStore, default_root
 from harness.checks import CHECKS, evaluate
@@ -59,14 +60,15 @@ def check_suite(suite: Suite) -> None:
         raise HarnessError(f"{suite.path}: checks: unknown check '{unknown[0]}' (known: {', '.join(CHECKS)})")
 
 
-def run_suites(suites: list[Suite], only: dict, executor: Executor, baselines: BaselineStore,
+def run_suites(plan: list[tuple[Suite, dict]], executor: Executor, baselines: BaselineStore,
                progress: Progress | None = None) -> list:
-    """Run every cell of every suite and evaluate its checks; returns (suite, case, cell, CheckResult) tuples."""
-    plan = [(suite, cell) for suite in suites for cell in cells(suite.matrix, only)]
-    total = sum(len(s.rounds) * sum(len(case_keys(c)) for c in s.cases) for s, _ in plan)
+    """Run every cell of each (suite, narrowing) pair and evaluate its checks; returns
+    (suite, case, cell, CheckResult) tuples."""
+    jobs = [(suite, cell) for suite, only in plan for cell in cells(suite.matrix, only)]
+    total = sum(len(s.rounds) * sum(len(case_keys(c)) for c in s.cases) for s, _ in jobs)
     task = progress.add_task("run", total=total) if progress else None
     verdicts = []
-    for suite, cell in plan:
+    for suite, cell in jobs:
         if progress:
             progress.update(task, description=f"{suite.name} · {cell.id}")
         run = executor.run(suite, cell, on_request=(lambda: progress.advance(task)) if progress else None)
@@ -131,12 +133,13 @@ def cmd_run(args: argparse.Namespace) -> int:
     executor = Executor(ExecOptions(
         backends=backend_factories(args.server_bin, args.source, out / "server-logs"), parallel=args.parallel,
         draft_model=args.draft_model, spec_overrides=spec_overrides, rollback=args.rollback, fault=args.fault,
+        kv_scan=args.kv_scan, logit_top_k=args.logit_top_k,
     ))
     baselines = BaselineStore(default_root(), update=args.update_baselines,
                               update_command="specharness run --suite {suite} --update-baselines")
     console = Console(stderr=True, soft_wrap=True)
     with Progress(console=console, transient=True) as progress:
-        verdicts = run_suites(suites, only, executor, baselines, progress)
+        verdicts = run_suites([(suite, only) for suite in suites], executor, baselines, progress)
     runs = executor.runs()
     Console(soft_wrap=True).print(summary_table(runs, verdicts))
     for suite, key, cell, r in verdicts:
@@ -174,5 +177,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--parallel", type=int, default=4, help="slots in par and no-kv-unified modes (default 4)")
     p.add_argument("--repeat", type=int, help="run every suite's rounds this many times")
     p.add_argument("--update-baselines", action="store_true", help="write baselines from this run")
+    p.add_argument("--kv-scan", default="request", choices=KV_SCAN,
+                   help="scan KV state after every request (default), also after every speculative step, or off")
+    p.add_argument("--logit-top-k", type=int, default=10, help="top-k logits logged per position (0 = off)")
     p.add_argument("--out", metavar="DIR", help="run directory (default reports/<run-id>)")
     p.set_defaults(func=cmd_run)

@@ -57,12 +57,19 @@ SUITE_SCHEMA = {
         "run_order": {"type": "array", "items": {"enum": ["seq", "par"]}, "minItems": 1},
         "checks": _NAMES,
         "allow_errors": {"type": "array", "items": {"enum": ["context_full"]}},
+        "tolerances": {"type": "object", "additionalProperties": False,
+                       "properties": {"top1_agreement": {"type": "number", "minimum": 0, "maximum": 1},
+                                      "max_abs": {"type": "number", "minimum": 0},
+                                      "nmse": {"type": "number", "minimum": 0},
+                                      "kl": {"type": "number", "minimum": 0},
+                                      "near_tie": {"type": "number", "minimum": 0}}},
         "cases": {"type": "array", "items": _CASE, "minItems": 1},
     },
 }
 
 DEFAULT_MATRIX = {"backends": ["inproc"], "modes": list(MODES), "specs": ["none"], "models": ["tiny-dense", "tiny-hybrid", "tiny-recurrent"]}
-DEFAULT_CHECKS = ["no-crash", "repeat-identical", "lossless", "mode-invariant", "baseline", "spec-ran"]
+DEFAULT_CHECKS = ["no-crash", "repeat-identical", "lossless", "mode-invariant", "baseline", "spec-ran",
+                  "kv-healthy", "logits-close"]
 
 
 @dataclass
@@ -97,6 +104,8 @@ class Suite:
     """How each round sends the cases to the one session of a cell: `seq` one request at a time,
     `par` all at once (in `seq` mode the one slot still serves them one after another)."""
     allow_errors: list[str] = field(default_factory=list)
+    tolerances: dict[str, float] = field(default_factory=dict)
+    """`logits-close` tolerances (harness.logits.Tolerances fields) and the triage's `near_tie` margin."""
     description: str = ""
 
 
@@ -106,9 +115,13 @@ def suites_dir() -> Path:
     return here if here.is_dir() else Path(harness.__file__).resolve().parents[1] / "suites"
 
 
+NOT_SUITES = ("known-failures.yaml",)
+"""YAML files beside the suites that are not suites."""
+
+
 def suite_files(directory: Optional[Path] = None) -> list[Path]:
     """Every suite file, sorted by name."""
-    return sorted((directory or suites_dir()).glob("*.yaml"))
+    return sorted(p for p in (directory or suites_dir()).glob("*.yaml") if p.name not in NOT_SUITES)
 
 
 def load_suite(name_or_path: str, directory: Optional[Path] = None) -> Suite:
@@ -166,6 +179,7 @@ def parse_suite(text: str, path: Optional[Path] = None) -> Suite:
         matrix={**DEFAULT_MATRIX, **data.get("matrix", {})},
         checks=data.get("checks", DEFAULT_CHECKS), serve=data.get("serve", {}),
         rounds=data.get("run_order", ["par"]) * data.get("repeats", 1), allow_errors=data.get("allow_errors", []),
+        tolerances=data.get("tolerances", {}),
         description=data.get("description", ""),
     )
 

@@ -71,7 +71,7 @@ def test_corrupt_baseline_is_an_error_and_is_not_replaced(checkout):
     argv = ["run", "--model", "tiny-dense", "--mode", "seq", "--spec", "none", "--update-baselines", "--out", "r"]
     assert main(argv) == 1
     failure = next(c for c in json.loads((checkout / "r/checks.json").read_text()) if not c["passed"])
-    assert failure["message"].startswith(f"corrupt baseline file {corrupt.relative_to(checkout)}") or str(corrupt) in failure["message"]
+    assert failure["message"].startswith("corrupt baseline file fixtures/baselines/quicksort/C--tiny-dense--inproc--cpu.json")
     assert corrupt.read_text() == "{not json"
 
 

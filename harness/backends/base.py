@@ -11,6 +11,9 @@ from harness.request import Request
 from harness.result import Result
 
 
+KV_SCAN = ("off", "request", "step")
+
+
 def default_threads() -> int:
     """Half the cores (at least one): spin barriers make all-core decoding slow on a busy 2-core box."""
     return max(1, (os.cpu_count() or 2) // 2)
@@ -34,6 +37,9 @@ class ServeConfig:
     draft_model: Optional[Path] = None
     spec: dict = field(default_factory=dict)
     """Speculative options under llama-server's names without the leading dashes (`spec-type`, ...)."""
+    kv_scan: str = "off"
+    """Scan the sequence's KV state: `off`, after every `request`, or (in-process only) after every
+    speculative `step` too."""
     logit_top_k: int = 0
     """Log the top-k candidates of every generated position (0 = off; llama-server's `n_probs`)."""
     rollback: str = "auto"
@@ -46,6 +52,8 @@ class ServeConfig:
     def __post_init__(self) -> None:
         if self.mode not in MODES:
             raise HarnessError(f"unknown mode '{self.mode}' (use one of: {', '.join(MODES)})")
+        if self.kv_scan not in KV_SCAN:
+            raise HarnessError(f"kv_scan must be one of {', '.join(KV_SCAN)}, not '{self.kv_scan}'")
         if self.flash_attn not in ("on", "off", "auto"):
             raise HarnessError(f"flash_attn must be on, off or auto, not '{self.flash_attn}'")
 

@@ -30,10 +30,12 @@ class RequestTimedOut(Exception):
 
 
 class ServerError(Exception):
-    """An HTTP error answer from the server (`{"error": {"code", "message", "type"}}`)."""
+    """An HTTP error answer from the server (`{"error": {"code", "message", "type"}}`); a prompt that does not
+    fit the slot (`exceed_context_size_error`) reads `context_full: ...`, as in the in-process engine."""
 
-    def __init__(self, status: int, message: str):
-        super().__init__(f"HTTP {status}: {message}")
+    def __init__(self, status: int, message: str, kind: str = ""):
+        prefix = "context_full: " if kind == "exceed_context_size_error" else ""
+        super().__init__(f"{prefix}HTTP {status}: {message}")
         self.status = status
 
 
@@ -53,10 +55,11 @@ class LlamaClient:
             raise ConnectionLost(f"{path}: {err}") from None
         if resp.status_code >= 400:
             try:
-                message = resp.json()["error"]["message"]
+                error = resp.json()["error"]
+                message, kind = error["message"], error.get("type", "")
             except (ValueError, KeyError, TypeError):
-                message = resp.text.strip()[:200]
-            raise ServerError(resp.status_code, message)
+                message, kind = resp.text.strip()[:200], ""
+            raise ServerError(resp.status_code, message, kind)
         return resp.json()
 
     def tokenize(self, text: str) -> list[int]:
@@ -66,6 +69,10 @@ class LlamaClient:
     def apply_template(self, messages: list[dict]) -> str:
         """The prompt text the model's chat template renders for `messages` (with the generation prompt)."""
         return self._post("/apply-template", {"messages": messages})["prompt"]
+
+    def save_slot(self, slot_id: int, filename: str) -> dict:
+        """POST /slots/{id}?action=save: the slot's state into the server's --slot-save-path directory."""
+        return self._post(f"/slots/{slot_id}?action=save", {"filename": filename})
 
     def completion(self, payload: dict) -> dict:
         """POST /completion (non-streaming) and return the final response object."""

@@ -36,7 +36,8 @@ class InprocSession:
     """An Engine serving one model in one mode."""
 
     def __init__(self, config: ServeConfig):
-        self.engine = Engine(config.model, context_params(config), spec_config(config), config.logit_top_k)
+        self.engine = Engine(config.model, context_params(config), spec_config(config), config.logit_top_k,
+                             config.kv_scan)
 
     def run(self, requests: list[Request]) -> list[Result]:
         return self.engine.run(requests)

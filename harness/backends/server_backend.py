@@ -21,6 +21,7 @@ from harness.backends.base import ServeConfig
 from harness.backends.build import BuildInfo, ensure_server
 from harness.backends.client import COMPLETION_FIELDS, ConnectionLost, LlamaClient, RequestTimedOut, ServerError
 from harness.backends.server import LlamaServer
+from harness.kvscan import layout_from_model, scan_file
 from harness.errors import HarnessError
 from harness.request import Request
 from harness.result import Result
@@ -90,14 +91,20 @@ class ServerSession:
         self.starts = 0
         self._lock = threading.Lock()
         self._closed = False
+        self._saves = itertools.count()
+        if config.kv_scan != "off":
+            self.slots_dir = run_dir / "slots"
+            self.slots_dir.mkdir(parents=True, exist_ok=True)
+            self.layout = layout_from_model(config.model)
 
     def start(self) -> None:
         """(Re)start the server with a fresh port and a new log file in run_dir."""
         self.starts += 1
         log = _free_log_name(self.run_dir, f"llama-server-{self.config.mode}")
-        self.server = LlamaServer.from_config(
-            self.config, self.build.server_bin, log_path=log, **self.server_options
-        ).start()
+        options = dict(self.server_options)
+        if self.config.kv_scan != "off":
+            options["slot_save_path"] = self.slots_dir
+        self.server = LlamaServer.from_config(self.config, self.build.server_bin, log_path=log, **options).start()
 
     def run(self, requests: list[Request]) -> list[Result]:
         """One Result per request, in order: one at a time in `seq`, n_slots at a time otherwise."""
@@ -119,13 +126,28 @@ class ServerSession:
             server = self.server
         try:
             client = LlamaClient(server.url, self.request_timeout)
-            return client.complete(request, n_probs=self.config.logit_top_k, fields=self.fields)
+            result = client.complete(request, n_probs=self.config.logit_top_k, fields=self.fields)
+            if self.config.kv_scan != "off" and result.ok and result.slot_id >= 0:
+                result.kv_scan = self._scan_slot(client, result.slot_id)
+            return result
         except (ConnectionLost, ServerError) as err:
             return self._failed(server, err)
         except RequestTimedOut as err:
             with self._lock:
                 self._restart(server)
             return Result(stop_reason="error", error=f"{err}; llama-server was restarted")
+
+    def _scan_slot(self, client: LlamaClient, slot_id: int) -> dict:
+        """Save the slot's state and scan it; an unhealthy file is kept in run_dir/slots as evidence."""
+        name = f"slot{slot_id}-{next(self._saves)}.bin"
+        client.save_slot(slot_id, name)
+        path = self.slots_dir / name
+        verdict = scan_file(path, layout=self.layout).brief()
+        if verdict["healthy"]:
+            path.unlink()
+        else:
+            verdict["file"] = str(path)
+        return verdict
 
     def _failed(self, server: LlamaServer, err: Exception) -> Result:
         """A dropped connection or a 5xx: `crashed` if the process ended, else a plain error."""

@@ -9,7 +9,8 @@ from typing import Callable, Optional
 import jsonschema
 
 from harness.checks.base import CheckContext, CheckResult
-from harness.checks.compare import compare_outcome
+from harness.checks.compare import compare_outcome, tolerances
+from harness.logits import check as logits_within, compare as compare_logits
 from harness.matrix import spec_preset
 
 Check = Callable[[CheckContext], Optional[CheckResult]]
@@ -101,6 +102,57 @@ def grammar_valid(ctx: CheckContext) -> Optional[CheckResult]:
     return CheckResult("grammar-valid", True, evidence=evidence)
 
 
+def kv_healthy(ctx: CheckContext) -> Optional[CheckResult]:
+    """The KV scanner found no duplicate (seq_id, pos) cells, orphans past the sequence or holes."""
+    scanned = [o for o in ctx.completed() if o.result.kv_scan is not None]
+    if not scanned:
+        return None
+    bad = [o for o in scanned if not o.result.kv_scan["healthy"]]
+    totals = [o.result.kv_scan["totals"] for o in scanned]
+    evidence = {"scanned": len(scanned), "unhealthy": len(bad),
+                **{k: sum(t[k] for t in totals) for k in ("duplicate_cells", "orphans", "missing_positions")}}
+    if not bad:
+        return CheckResult("kv-healthy", True, evidence=evidence)
+    scan = bad[0].result.kv_scan
+    where = "; ".join(
+        [f"{d['count']} cells at (seq {d['seq_id']}, pos {d['pos']})" for d in scan["duplicates"]]
+        + [f"orphan at (seq {o['seq_id']}, pos {o['pos']})" for o in scan["orphans"]]
+        + [f"hole at seq {h['seq_id']} pos {h['first']}..{h['last']}" for h in scan["holes"]])
+    evidence["first"] = scan
+    return CheckResult("kv-healthy", False, f"{len(bad)} of {len(scanned)} requests left an unhealthy KV cache "
+                       f"(round {bad[0].round}: {scan['totals']['duplicate_cells']} duplicate cells, "
+                       f"{scan['totals']['orphans']} orphans): {where}", evidence)
+
+
+def logits_close(ctx: CheckContext) -> Optional[CheckResult]:
+    """Logits agree with the reference cell's (seq mode, no speculation) within the suite's tolerances,
+    over the positions where both produced the same tokens."""
+    canonical = ctx.cell.reference(mode="seq", spec="none")
+    reference = ctx.reference_outcome(canonical) if ctx.cell != canonical else None
+    if reference is None or not reference.result.logits:
+        return None
+    tol, _ = tolerances(ctx)
+    worst, evidence = None, {"compared_runs": 0}
+    for o in ctx.completed():
+        if not o.result.logits:
+            continue
+        same = next((i for i, (a, b) in enumerate(zip(reference.result.tokens, o.result.tokens)) if a != b),
+                    min(len(reference.result.tokens), len(o.result.tokens)))
+        comparison = compare_logits(reference.result.logits[:same], o.result.logits[:same])
+        if comparison.n_compared == 0:
+            continue
+        evidence["compared_runs"] += 1
+        evidence["max_abs"] = max(evidence.get("max_abs", 0.0), float(comparison.max_abs))
+        passed, message = logits_within(comparison, tol)
+        if not passed and worst is None:
+            worst = f"round {o.round}: {message}"
+    if evidence["compared_runs"] == 0:
+        return None
+    if worst:
+        return CheckResult("logits-close", False, f"logits differ from the seq / no-speculation run beyond tolerance; {worst}", evidence)
+    return CheckResult("logits-close", True, evidence=evidence)
+
+
 CHECKS: dict[str, Check] = {
     "no-crash": no_crash,
     "repeat-identical": repeat_identical,
@@ -109,6 +161,8 @@ CHECKS: dict[str, Check] = {
     "baseline": baseline,
     "spec-ran": spec_ran,
     "grammar-valid": grammar_valid,
+    "kv-healthy": kv_healthy,
+    "logits-close": logits_close,
 }
 
 

@@ -4,15 +4,24 @@ from typing import Optional
 
 from harness.checks.base import CheckContext
 from harness.execute import Outcome
+from harness.logits import Tolerances
 from harness.triage import Divergence, triage
+
+
+def tolerances(ctx: CheckContext) -> tuple[Tolerances, dict]:
+    """The suite's logits tolerances and the triage keywords (near-tie margin) it declares."""
+    declared = dict(ctx.run.suite.tolerances)
+    near_tie = declared.pop("near_tie", None)
+    return Tolerances(**declared), ({"near_tie": near_tie} if near_tie is not None else {})
 
 
 def divergence(ctx: CheckContext, ref_tokens: list[int], ref_logits: list, other: Outcome) -> Optional[Divergence]:
     """None when `other` produced exactly `ref_tokens`, else the triaged first divergence."""
     if ref_tokens == other.result.tokens:
         return None
+    tol, triage_options = tolerances(ctx)
     return triage(ref_tokens, other.result.tokens, ref_logits or None, other.result.logits or None,
-                  detokenize=ctx.detokenize)
+                  detokenize=ctx.detokenize, tol=tol, **triage_options)
 
 
 def compare_outcome(ctx: CheckContext, reference: Optional[Outcome], label: str) -> tuple[bool, str, dict]:

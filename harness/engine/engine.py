@@ -14,17 +14,18 @@ from harness.result import Result
 
 class Engine:
     """Loads `model_path`, creates a context with `params` and serves requests on its slots,
-    speculating when `spec` enables a drafter and logging top-k logits when `logit_top_k` > 0."""
+    speculating when `spec` enables a drafter, logging top-k logits when `logit_top_k` > 0 and scanning
+    the KV state per `kv_scan` (off, request, step)."""
 
     def __init__(self, model_path: Path, params: ContextParams, spec: Optional[SpecConfig] = None,
-                 logit_top_k: int = 0):
+                 logit_top_k: int = 0, kv_scan: str = "off"):
         if spec is not None and spec.enabled and spec.rollback == "partial":
             params = replace(params, n_rs_seq=spec.max_draft())
         self.model = Model(model_path)
         self.ctx = None
         try:
             self.ctx = Context(self.model, params)
-            self.scheduler = Scheduler(self.ctx, spec, logit_top_k)
+            self.scheduler = Scheduler(self.ctx, spec, logit_top_k, kv_scan)
         except BaseException:
             self.close()
             raise

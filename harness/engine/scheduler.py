@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from harness.engine.context import Context
+from harness.engine.kvcheck import KvChecker
 from harness.engine.slot import Phase, Slot
 from harness.engine.speculative import SpecConfig, Speculation, StepPlan
 from harness.request import Request
@@ -40,11 +41,14 @@ class Part:
 
 
 class Scheduler:
-    """Runs requests on `ctx` with `ctx.params.parallel` slots, speculating when `spec` is enabled and
-    logging the top `logit_top_k` logits of every generated position when it is > 0."""
+    """Runs requests on `ctx` with `ctx.params.parallel` slots, speculating when `spec` is enabled,
+    logging the top `logit_top_k` logits of every generated position when it is > 0, and scanning each
+    slot's KV state after every request (`kv_scan="request"`) or also after every speculative step (`"step"`)."""
 
-    def __init__(self, ctx: Context, spec: Optional[SpecConfig] = None, logit_top_k: int = 0):
+    def __init__(self, ctx: Context, spec: Optional[SpecConfig] = None, logit_top_k: int = 0, kv_scan: str = "off"):
         self.ctx = ctx
+        self.kv = KvChecker(ctx) if kv_scan != "off" else None
+        self.scan_steps = kv_scan == "step"
         self.slots = [Slot(i, ctx.model, ctx.n_ctx_seq, ctx.params.seed, logit_top_k) for i in range(ctx.params.parallel)]
         self.batch = ctx.new_batch()
         self.spec = Speculation(spec, ctx) if spec is not None and spec.enabled else None
@@ -61,11 +65,19 @@ class Scheduler:
                     if failed is not None:
                         results[index] = failed
             for slot, result in self.step():
+                if self.kv and result.ok:
+                    self._scan(slot)
                 results[slot.request_index] = result
                 if self.spec:
                     self.spec.end(slot)
                 self.ctx.seq_rm(slot.id)
         return results
+
+    def _scan(self, slot: Slot) -> None:
+        """Scan the slot's sequence; the first unhealthy verdict of a request is the one kept."""
+        verdict = self.kv.scan(slot.id, slot.n_past)
+        if slot.result.kv_scan is None or slot.result.kv_scan["healthy"]:
+            slot.result.kv_scan = verdict
 
     def _active(self) -> list[Slot]:
         return [s for s in self.slots if s.phase is not Phase.IDLE]
@@ -149,6 +161,8 @@ class Scheduler:
             slot = part.slot
             if part.spec is not None and len(part.tokens) > 1:
                 done = self.spec.verify(slot, part.spec, part_rows)
+                if self.scan_steps and not done:
+                    self._scan(slot)
             else:
                 slot.n_past = part.pos0 + len(part.tokens)
                 if not part_rows:

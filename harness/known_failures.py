@@ -1,0 +1,91 @@
+"""Known failures: defects of llama.cpp itself that the suites found (`suites/known-failures.yaml`).
+
+Each entry names the suite, the matrix cells, the check and a regular expression of the evidence, plus
+the llama.cpp commit and why. A check failure it explains is an expected failure, not a red run. Each
+entry also runs as a strict expected failure of its own: when llama.cpp fixes the defect, the entry no
+longer reproduces, that fails the run, and the entry is removed.
+"""
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+import jsonschema
+import yaml
+
+from harness.checks.base import CheckResult
+from harness.errors import HarnessError
+from harness.matrix import Cell
+
+FILE_NAME = "known-failures.yaml"
+_ENTRY = {
+    "type": "object", "additionalProperties": False,
+    "required": ["id", "suite", "backend", "check", "evidence", "llama_cpp_commit", "reason"],
+    "properties": {
+        "id": {"type": "string", "pattern": r"^[a-z0-9-]+$"},
+        "suite": {"type": "string"}, "backend": {"type": "string"},
+        "modes": {"type": "array", "items": {"type": "string"}},
+        "specs": {"type": "array", "items": {"type": "string"}},
+        "models": {"type": "array", "items": {"type": "string"}},
+        "check": {"type": "string"}, "evidence": {"type": "string"},
+        "llama_cpp_commit": {"type": "string"}, "found": {"type": "string"}, "reason": {"type": "string"},
+    },
+}
+
+
+@dataclass(frozen=True)
+class KnownFailure:
+    """One recorded llama.cpp defect."""
+
+    id: str
+    suite: str
+    backend: str
+    check: str
+    evidence: str
+    llama_cpp_commit: str
+    reason: str
+    modes: tuple[str, ...] = ()
+    specs: tuple[str, ...] = ()
+    models: tuple[str, ...] = ()
+    found: str = ""
+
+    def covers(self, suite: str, cell: Cell) -> bool:
+        """True for the cells the defect shows in (an empty list of modes, specs or models means all)."""
+        return (suite == self.suite and cell.backend == self.backend
+                and all(not allowed or value in allowed for value, allowed in
+                        ((cell.mode, self.modes), (cell.spec, self.specs), (cell.model, self.models))))
+
+    def explains(self, result: CheckResult) -> bool:
+        """True when a failed check verdict is this defect."""
+        return not result.passed and result.name == self.check and re.search(self.evidence, result.message) is not None
+
+    @property
+    def summary(self) -> str:
+        return f"known llama.cpp defect {self.id} (llama.cpp {self.llama_cpp_commit[:12]}; see suites/{FILE_NAME})"
+
+
+def load(path: Path) -> list[KnownFailure]:
+    """The entries of a known-failures file ([] when there is none); errors name the file and entry."""
+    if not path.is_file():
+        return []
+    try:
+        data = yaml.safe_load(path.read_text()) or []
+    except yaml.YAMLError as err:
+        raise HarnessError(f"{path}: not valid YAML ({err})") from None
+    if not isinstance(data, list):
+        raise HarnessError(f"{path}: must be a list of entries")
+    entries = []
+    for i, raw in enumerate(data):
+        try:
+            jsonschema.validate(raw, _ENTRY)
+            re.compile(raw["evidence"])
+        except (jsonschema.ValidationError, re.error) as err:
+            raise HarnessError(f"{path}: entry {i}: {str(err).splitlines()[0]}") from None
+        entries.append(KnownFailure(**{k: tuple(v) if isinstance(v, list) else v for k, v in raw.items()}))
+    return entries
+
+
+def matching(entries: list[KnownFailure], suite: str, cell: Cell, result: CheckResult) -> Optional[KnownFailure]:
+    """The entry that explains a failed verdict of `suite` in `cell`, if any."""
+    return next((e for e in entries if e.covers(suite, cell) and e.explains(result)), None)

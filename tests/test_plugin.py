@@ -1,0 +1,50 @@
+"""The pytest plugin on a scratch suites directory: ids, a malformed suite, baselines workflow."""
+
+import pytest
+
+GOOD = """\
+suite: good
+matrix: {modes: [seq, no-kv-unified], specs: [none], models: [tiny-dense]}
+sampling: {n_predict: 8}
+checks: [no-crash, mode-invariant]
+cases:
+  - {name: hello, prompt: "Hello"}
+"""
+BAD = """\
+suite: bad
+cases:
+  - name: broken
+    promt: "typo in the key"
+"""
+
+
+@pytest.fixture
+def project(pytester, tiny_models):
+    pytester.makeconftest('pytest_plugins = ["harness.pytest_plugin"]\n')
+    suites = pytester.mkdir("suites")
+    (suites / "good.yaml").write_text(GOOD)
+    return pytester
+
+
+def test_items_are_named_case_mode_spec_model_backend(project):
+    result = project.runpytest("suites", "--collect-only", "-q")
+    assert "suites/good.yaml::good[hello-seq-none-tiny-dense-inproc]" in result.outlines
+    assert "suites/good.yaml::good[hello-no-kv-unified-none-tiny-dense-inproc]" in result.outlines
+
+
+def test_malformed_suite_is_one_failing_item_and_the_others_still_run(project):
+    (project.path / "suites" / "bad.yaml").write_text(BAD)
+    result = project.runpytest("suites", "-q")
+    result.assert_outcomes(passed=2, failed=1)
+    errors = [line for line in result.outlines if "bad.yaml:3:" in line]
+    assert errors and "cases.0" in errors[0]
+
+
+def test_options_narrow_the_matrix(project):
+    result = project.runpytest("suites", "-q", "--mode", "seq")
+    result.assert_outcomes(passed=1)
+
+
+def test_no_tests_is_exit_code_5(project):
+    result = project.runpytest("suites", "-q", "--model", "tiny-dense", "-k", "nothing-matches")
+    assert result.ret == 5
