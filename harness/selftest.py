@@ -6,7 +6,6 @@ report zero failures."""
 import argparse
 from dataclasses import dataclass, field
 
-from rich.console import Console
 from rich.table import Table
 
 from harness.backends.choose import backend_factories
@@ -14,7 +13,7 @@ from harness.baselines import BaselineStore, default_root
 from harness.checks import CHECKS
 from harness.engine.faults import FAULTS
 from harness.execute import ExecOptions, Executor
-from harness.runner import run_suites
+from harness.runner import run_suites, wide_console
 from harness.suites import load_suite
 
 PLAN = [
@@ -97,7 +96,7 @@ def table(rows: list[Row]) -> Table:
 def cmd_selftest(args: argparse.Namespace) -> int:
     """`specharness selftest`: 0 when every fault is caught as expected and clean runs have no failures."""
     rows = catch_matrix(args.clean_runs, args.fault)
-    Console(soft_wrap=True).print(table(rows))
+    wide_console().print(table(rows))
     return 0 if all(r.ok for r in rows) else 1
 
 

@@ -3,6 +3,7 @@
 import json
 
 import llama_cpp
+import numpy as np
 from llama_cpp.llama_grammar import json_schema_to_gbnf
 
 from harness.engine.context import Context
@@ -21,8 +22,11 @@ def grammar_text(sampling: Sampling) -> str | None:
 class Sampler:
     """One llama_sampler chain per request; `clone` lets a rollback restore it."""
 
-    def __init__(self, ptr):
+    def __init__(self, ptr, argmax: bool = False):
         self.ptr = ptr
+        self.argmax = argmax
+        """Plain greedy (no grammar): the chain has no state, so sampling is the logits' argmax (first on
+        ties, as llama.cpp's greedy sampler), without building a candidate array over the whole vocabulary."""
 
     @classmethod
     def for_request(cls, sampling: Sampling, default_seed: int, vocab) -> "Sampler":
@@ -44,15 +48,17 @@ class Sampler:
             llama_cpp.llama_sampler_chain_add(chain, llama_cpp.llama_sampler_init_min_p(sampling.min_p, 1))
             llama_cpp.llama_sampler_chain_add(chain, llama_cpp.llama_sampler_init_temp(sampling.temperature))
             llama_cpp.llama_sampler_chain_add(chain, llama_cpp.llama_sampler_init_dist(seed & 0xFFFFFFFF))
-        return cls(chain)
+        return cls(chain, argmax=sampling.greedy and grammar is None)
 
     def sample(self, ctx: Context, index: int) -> int:
         """Sample from output row `index` of the last decode and accept the token into the chain."""
+        if self.argmax:
+            return int(np.argmax(ctx.logits(index)))
         return llama_cpp.llama_sampler_sample(self.ptr, ctx.ptr, index)
 
     def clone(self) -> "Sampler":
         """A deep copy (RNG state included)."""
-        return Sampler(llama_cpp.llama_sampler_clone(self.ptr))
+        return Sampler(llama_cpp.llama_sampler_clone(self.ptr), self.argmax)
 
     def free(self) -> None:
         """Release the chain."""
