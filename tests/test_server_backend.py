@@ -10,6 +10,7 @@ import json
 import os
 import signal
 import socket
+import struct
 import subprocess
 import threading
 import time
@@ -29,6 +30,7 @@ from harness.backends.build import (
     tree_digest,
     vendored_source,
 )
+from harness.backends.client import LlamaClient
 from harness.backends.server import LlamaServer
 from harness.backends.server_backend import ServerBackend
 from harness.errors import HarnessError
@@ -398,3 +400,31 @@ def test_command_maps_config_one_to_one(build, model):
     seq = LlamaServer.from_config(config(model, "seq"), build.server_bin)
     seq.port = 1234
     assert "--no-kv-unified" in seq.command() and seq.command()[seq.command().index("-np") + 1] == "1"
+
+
+@pytest.mark.parametrize("name", ["tiny-dense", "tiny-hybrid", "tiny-recurrent"])
+def test_slot_save_files_scan_healthy_and_a_planted_duplicate_is_found(build, tiny_models, tmp_path, name, capsys):
+    """llama-server's own slot files, through `specharness scan`: healthy after a request; with one cell's
+    position overwritten by its neighbour's, exactly that (seq, pos) pair is reported and the exit is 1."""
+    from harness.cli import main
+
+    backend = ServerBackend(build, run_dir=tmp_path)
+    with backend.open(ServeConfig(model=tiny_models[name].path, mode="seq", kv_scan="request")) as session:
+        result = session.run([quicksort("C", n_predict=16)])[0]
+        assert result.kv_scan["healthy"] and result.kv_scan["totals"]["kv_cells" if name != "tiny-recurrent" else "rs_cells"] > 0
+        LlamaClient(session.server.url).save_slot(0, "state.bin")
+    path = tmp_path / "slots" / "state.bin"
+    assert main(["scan", str(path), "--model", name]) == 0
+    if name == "tiny-recurrent":
+        return  # one recurrent cell per sequence: no positions to duplicate
+    data = bytearray(path.read_bytes())
+    _, _, n_words = struct.unpack_from("<III", data, 0)  # 'ggsq', version, token words
+    meta = 12 + 4 * n_words + 8  # then the KV part: u32 n_stream (1 here), u32 cell_count, cell records
+    stride = 24 if name == "tiny-hybrid" else 12  # pos, n_seq_id, [x, y, tok for IMROPE models], seq id
+    assert struct.unpack_from("<ii", data, meta + 3 * stride) == (3, 1)
+    struct.pack_into("<i", data, meta + 3 * stride, 2)  # the cell holding position 3 now claims position 2
+    path.write_bytes(bytes(data))
+    capsys.readouterr()
+    assert main(["scan", str(path), "--model", name, "--json"]) == 1
+    found = json.loads(capsys.readouterr().out)["duplicates"]
+    assert [(d["seq_id"], d["pos"], d["count"]) for d in found] == [(0, 2, 2)]
