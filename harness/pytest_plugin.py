@@ -97,7 +97,10 @@ class SuiteFile(pytest.File):
         for cell in cells(suite.matrix, _only(self.config)):
             for case in suite.cases:
                 for key in case_keys(case):
-                    yield SuiteItem.from_parent(self, name=f"{suite.name}[{key}-{cell.id}]", suite=suite, cell=cell, key=key)
+                    item = SuiteItem.from_parent(self, name=f"{suite.name}[{key}-{cell.id}]", suite=suite, cell=cell, key=key)
+                    if suite.slow:
+                        item.add_marker(pytest.mark.slow)
+                    yield item
 
 
 class CheckFailure(Exception):

@@ -45,6 +45,7 @@ SUITE_SCHEMA = {
     "properties": {
         "suite": {"type": "string", "pattern": r"^[a-z0-9-]+$"},
         "description": {"type": "string"},
+        "slow": {"type": "boolean"},
         "matrix": {
             "type": "object", "additionalProperties": False,
             "properties": {"backends": _NAMES, "modes": {"type": "array", "items": {"enum": list(MODES)}, "minItems": 1},
@@ -104,6 +105,8 @@ class Suite:
     """How each round sends the cases to the one session of a cell: `seq` one request at a time,
     `par` all at once (in `seq` mode the one slot still serves them one after another)."""
     allow_errors: list[str] = field(default_factory=list)
+    slow: bool = False
+    """Its pytest items carry the `slow` marker (`-m "not slow"` leaves them out)."""
     tolerances: dict[str, float] = field(default_factory=dict)
     """`logits-close` tolerances (harness.logits.Tolerances fields) and the triage's `near_tie` margin."""
     description: str = ""
@@ -179,7 +182,7 @@ def parse_suite(text: str, path: Optional[Path] = None) -> Suite:
         matrix={**DEFAULT_MATRIX, **data.get("matrix", {})},
         checks=data.get("checks", DEFAULT_CHECKS), serve=data.get("serve", {}),
         rounds=data.get("run_order", ["par"]) * data.get("repeats", 1), allow_errors=data.get("allow_errors", []),
-        tolerances=data.get("tolerances", {}),
+        tolerances=data.get("tolerances", {}), slow=data.get("slow", False),
         description=data.get("description", ""),
     )
 
