@@ -18,7 +18,7 @@ from harness import MODES
 from harness.backends.base import KV_SCAN
 from harness.backends.choose import BACKEND_NAMES, backend_factories
 from harness.baselines import BaselineStore, default_root
-from harness.checks import CHECKS, evaluate
+from harness.checks import evaluate
 from harness.checks.base import CheckContext
 from harness.detok import detokenizer
 from harness.engine.faults import FAULTS
@@ -53,13 +53,6 @@ def _csv(value: str | None, allowed: tuple[str, ...] | None, what: str) -> list[
     if bad or not items:
         raise HarnessError(f"unknown {what} '{','.join(bad) or value}' (use: {', '.join(allowed or ())})")
     return items
-
-
-def check_suite(suite: Suite) -> None:
-    """Names a suite uses must exist: checks here, spec configs when the matrix is expanded."""
-    unknown = [c for c in suite.checks if c not in CHECKS]
-    if unknown:
-        raise HarnessError(f"{suite.path}: checks: unknown check '{unknown[0]}' (known: {', '.join(CHECKS)})")
 
 
 def run_suites(plan: list[tuple[Suite, dict]], executor: Executor, baselines: BaselineStore,
@@ -133,7 +126,6 @@ def cmd_run(args: argparse.Namespace) -> int:
         raise HarnessError(f"{out / 'results.json'} already exists (choose another --out; results are never overwritten)")
     suites = [load_suite(name) for name in (args.suite or [DEFAULT_SUITE])]
     for suite in suites:
-        check_suite(suite)
         cells(suite.matrix, only)
         if args.repeat:
             suite.rounds = suite.rounds * args.repeat

@@ -171,6 +171,15 @@ def parse_suite(text: str, path: Optional[Path] = None) -> Suite:
         raise HarnessError(f"{where}:{_line_of(root, list(error.absolute_path))}: {field_path}: {error.message}")
     if path is not None and data["suite"] != path.stem:
         raise HarnessError(f"{where}:{_line_of(root, ['suite'])}: suite: '{data['suite']}' must match the file name '{path.stem}'")
+    from harness.checks import CHECKS  # here, not at the top: the checks import the suite types
+    from harness.matrix import SPEC_PRESETS
+
+    named = [(["checks", i], v, CHECKS) for i, v in enumerate(data.get("checks", []))]
+    named += [(["matrix", "specs", i], v, SPEC_PRESETS) for i, v in enumerate(data.get("matrix", {}).get("specs", []))]
+    for field_path, value, known in named:
+        if any(part not in known for part in value.split("+")):
+            raise HarnessError(f"{where}:{_line_of(root, field_path)}: {'.'.join(map(str, field_path))}: "
+                               f"unknown name '{value}' (known: {', '.join(known)})")
     names = [c["name"] for c in data["cases"]]
     dupes = sorted({n for n in names if names.count(n) > 1})
     if dupes:

@@ -72,3 +72,14 @@ def test_spec_presets_chain_with_plus_and_reject_unknown_names():
     assert chained.options["spec-type"] == "draft-simple,ngram-mod"
     with pytest.raises(HarnessError, match="unknown spec config"):
         spec_preset("magic")
+
+
+@pytest.mark.parametrize("extra, line, field", [
+    ("checks: [no-crash, lossles]\n", 5, "checks.1"),
+    ("matrix:\n  specs: [none, draft-simpel]\n", 6, "matrix.specs.1"),
+])
+def test_unknown_check_or_spec_names_are_errors_with_their_line(tmp_path, extra, line, field):
+    path = tmp_path / "demo.yaml"
+    path.write_text(GOOD + extra)
+    with pytest.raises(HarnessError, match=rf"^{path}:{line}: {field}: unknown name"):
+        load_suite(str(path))
