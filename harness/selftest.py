@@ -1,7 +1,7 @@
 """`specharness selftest`: the catch matrix. Each fault switch of the speculative engine is turned on,
 one at a time, the selftest plan runs on the in-process engine, and a table shows which checks caught
-it. Every fault must be caught by the check expected for its bug class, and clean runs (no fault) must
-report zero failures."""
+it. Every fault must be caught by the check expected for its bug class, and clean runs (no fault, every
+suite's default matrix) must report zero failures."""
 
 import argparse
 from dataclasses import dataclass, field
@@ -14,7 +14,7 @@ from harness.checks import CHECKS
 from harness.engine.faults import FAULTS
 from harness.execute import ExecOptions, Executor
 from harness.runner import run_suites, wide_console
-from harness.suites import load_suite
+from harness.suites import load_suite, suite_files
 
 PLAN = [
     ("quicksort", {"models": ["tiny-dense", "tiny-hybrid"], "modes": ["seq", "par"],
@@ -56,9 +56,13 @@ class Row:
 
 
 def run_plan(fault: str | None) -> dict[str, int]:
-    """Failing check verdicts per check name for one run of the selftest plan."""
+    """Failing check verdicts per check name: with a fault, one run of the selftest plan; without,
+    one run of every suite's default matrix on the in-process engine."""
     executor = Executor(ExecOptions(backends=backend_factories(), fault=fault, kv_scan="request"))
-    plan = [(load_suite(name), only) for name, only in PLAN]
+    if fault:
+        plan = [(load_suite(name), only) for name, only in PLAN]
+    else:
+        plan = [(load_suite(str(path)), {"backends": ["inproc"]}) for path in suite_files()]
     verdicts = run_suites(plan, executor, BaselineStore(default_root()))
     failures = dict.fromkeys(CHECKS, 0)
     for *_, r in verdicts:
@@ -103,6 +107,7 @@ def cmd_selftest(args: argparse.Namespace) -> int:
 def add_parser(sub: argparse._SubParsersAction) -> None:
     """Register `specharness selftest`."""
     p = sub.add_parser("selftest", help="prove every fault switch is caught by the expected check")
-    p.add_argument("--clean-runs", type=int, default=10, help="runs with no fault that must report zero failures")
+    p.add_argument("--clean-runs", type=int, default=10,
+                   help="runs of every suite's default matrix with no fault, which must report zero failures")
     p.add_argument("--fault", action="append", choices=sorted(FAULTS), help="only these faults (default all)")
     p.set_defaults(func=cmd_selftest)
