@@ -7,7 +7,6 @@ file is an error naming it and is never replaced.
 """
 
 import json
-import os
 import re
 from pathlib import Path
 from typing import Optional
@@ -15,6 +14,7 @@ from typing import Optional
 from harness.checks.base import CheckContext, CheckResult
 from harness.checks.compare import compare_tokens
 from harness.logits import PositionLogits, from_frame, load_parquet, save_parquet, to_frame
+from harness.paths import write_atomic
 from harness.suites import suites_dir
 
 FIELDS = ("suite", "case", "model", "backend", "device", "text", "tokens", "environment")
@@ -50,10 +50,9 @@ def render(data: dict) -> str:
 class BaselineStore:
     """Reads, checks and (with `update`) writes the baselines under `root`."""
 
-    def __init__(self, root: Path, update: bool = False, update_command: str = ""):
+    def __init__(self, root: Path, update: bool = False):
         self.root = Path(root)
         self.update = update
-        self.update_command = update_command or "pytest suites/{suite}.yaml --update-baselines"
         self.written: list[Path] = []
 
     def path(self, suite: str, case: str, model: str, backend: str, device: str) -> Path:
@@ -103,9 +102,7 @@ class BaselineStore:
         return True
 
     def _write(self, target: Path, write) -> None:
-        tmp = target.with_name(f".{target.name}.tmp")
-        write(tmp)
-        os.replace(tmp, target)
+        write_atomic(target, write)
         self.written.append(target)
 
     def check(self, ctx: CheckContext) -> CheckResult:
@@ -119,8 +116,8 @@ class BaselineStore:
         except BaselineError as err:
             return CheckResult("baseline", False, f"{err} (fix or delete it; it is never replaced silently)")
         if data is None:
-            command = self.update_command.format(suite=ctx.run.suite.name)
-            return CheckResult("baseline", False, f"no baseline {shown(path)}; create it with: {command}")
+            return CheckResult("baseline", False,
+                               f"no baseline {shown(path)}; create it with: {ctx.repro} --update-baselines")
         passed, message, evidence = compare_tokens(ctx, data["tokens"], self.load_logits(path), f"baseline {shown(path)}")
         evidence["baseline"] = str(path)
         return CheckResult("baseline", passed, message, evidence)

@@ -57,8 +57,8 @@ class ExecOptions:
     kv_scan: str = "request"
     draft_model: Optional[str] = None
     spec_overrides: dict = field(default_factory=dict)
-    rollback: str = "auto"
-    fault: Optional[str] = None
+    engine: dict = field(default_factory=dict)
+    """In-process speculative options (rollback, checkpoint_flags, checkpoint_attempts, fault)."""
 
 
 class Executor:
@@ -95,6 +95,7 @@ class Executor:
 
     def _config(self, suite: Suite, cell: Cell) -> ServeConfig:
         preset = spec_preset(cell.spec)
+        model = resolve(cell.model).path
         spec = {**preset.options, **self.options.spec_overrides} if preset.options else {}
         draft = None
         if "draft-simple" in spec.get("spec-type", ""):
@@ -102,16 +103,16 @@ class Executor:
             if name is None:
                 raise HarnessError(f"draft-simple needs --draft-model: {cell.model} has no registered draft")
             draft = resolve(name).path
-        drafters = []
+        engine = dict(self.options.engine)
         if preset.scripted:
             reference = self.run(suite, cell.reference(spec="none"))
             script = {tuple(o.result.prompt_tokens): o.result.tokens for o in reference.outcomes if o.round == 0}
-            drafters = [Scripted(lambda prompt: script.get(tuple(prompt), []), **SCRIPTS[preset.scripted])]
+            engine["drafters"] = [Scripted(lambda prompt: script.get(tuple(prompt), []), **SCRIPTS[preset.scripted])]
         serve = dict(suite.serve)
         return ServeConfig(
-            model=resolve(cell.model).path, mode=cell.mode, parallel=serve.pop("parallel", self.options.parallel),
-            draft_model=draft, spec=spec, rollback=self.options.rollback, fault=self.options.fault,
-            drafters=drafters, logit_top_k=self.options.logit_top_k, kv_scan=self.options.kv_scan, **serve,
+            model=model, mode=cell.mode, parallel=serve.pop("parallel", self.options.parallel),
+            draft_model=draft, spec=spec, engine=engine, logit_top_k=self.options.logit_top_k,
+            kv_scan=self.options.kv_scan, **serve,
         )
 
     def _execute(self, suite: Suite, cell: Cell, on_request) -> CellRun:
@@ -120,18 +121,23 @@ class Executor:
             session = self._backend(cell.backend).open(self._config(suite, cell))
         except HarnessError as err:
             run.error = str(err)
+        else:
+            try:
+                for r, how in enumerate(suite.rounds):
+                    self._round(session, suite, run, r, how, on_request)
+            except Exception as err:  # a backend that broke mid-run: keep what was done, report the rest
+                run.error = f"{cell.backend} failed during the run: {str(err).splitlines()[0] if str(err) else type(err).__name__}"
+            finally:
+                session.close()
+        if run.error is not None:
+            done = {(o.case, o.round) for o in run.outcomes}
             for r in range(len(suite.rounds)):
                 for case in suite.cases:
                     for key in case_keys(case):
-                        run.outcomes.append(Outcome(key, r, Result(stop_reason="error", error=run.error)))
-                        if on_request:
-                            on_request()
-            return run
-        try:
-            for r, how in enumerate(suite.rounds):
-                self._round(session, suite, run, r, how, on_request)
-        finally:
-            session.close()
+                        if (key, r) not in done:
+                            run.outcomes.append(Outcome(key, r, Result(stop_reason="error", error=run.error)))
+                            if on_request:
+                                on_request()
         return run
 
     def _round(self, session, suite: Suite, run: CellRun, r: int, how: str, on_request) -> None:

@@ -16,7 +16,7 @@ import yaml
 
 from harness.checks.base import CheckResult
 from harness.errors import HarnessError
-from harness.matrix import Cell
+from harness.matrix import Cell, narrowing
 
 FILE_NAME = "known-failures.yaml"
 _ENTRY = {
@@ -75,13 +75,21 @@ def load(path: Path) -> list[KnownFailure]:
         raise HarnessError(f"{path}: not valid YAML ({err})") from None
     if not isinstance(data, list):
         raise HarnessError(f"{path}: must be a list of entries")
+    from harness.checks import CHECKS
+    from harness.suites import suite_files
+
+    suites = {p.stem for p in suite_files(path.parent)}
     entries = []
     for i, raw in enumerate(data):
         try:
             jsonschema.validate(raw, _ENTRY)
             re.compile(raw["evidence"])
-        except (jsonschema.ValidationError, re.error) as err:
+            narrowing([raw["backend"]], list(raw.get("modes", [])), list(raw.get("specs", [])))
+        except (jsonschema.ValidationError, re.error, HarnessError) as err:
             raise HarnessError(f"{path}: entry {i}: {str(err).splitlines()[0]}") from None
+        for value, known, what in ((raw["suite"], suites, "suite"), (raw["check"], CHECKS, "check")):
+            if value not in known:
+                raise HarnessError(f"{path}: entry {i}: unknown {what} '{value}' (known: {', '.join(sorted(known))})")
         entries.append(KnownFailure(**{k: tuple(v) if isinstance(v, list) else v for k, v in raw.items()}))
     return entries
 
@@ -89,3 +97,17 @@ def load(path: Path) -> list[KnownFailure]:
 def matching(entries: list[KnownFailure], suite: str, cell: Cell, result: CheckResult) -> Optional[KnownFailure]:
     """The entry that explains a failed verdict of `suite` in `cell`, if any."""
     return next((e for e in entries if e.covers(suite, cell) and e.explains(result)), None)
+
+
+def tag(entries: list[KnownFailure], suite: str, cell: Cell, results: list[CheckResult]) -> list[CheckResult]:
+    """Mark the failed verdicts a known defect explains (`evidence["known_failure"]`); returns the others."""
+    unexplained = []
+    for r in results:
+        if r.passed:
+            continue
+        entry = matching(entries, suite, cell, r)
+        if entry is None:
+            unexplained.append(r)
+        else:
+            r.evidence["known_failure"] = entry.id
+    return unexplained

@@ -1,6 +1,6 @@
 """KV-cache scanner: list the cells of llama.cpp state blobs and files; find duplicates, orphans and holes.
 
-Formats read (llama-internals.md §1): whole-context state (`llama_state_get_data`), per-sequence state
+Formats read (see the shared reference ../shared/reference/llama-internals.md §1): whole-context state (`llama_state_get_data`), per-sequence state
 (`llama_state_seq_get_data(_ext)`, any flags), `.ggsq` files (`llama_state_seq_save_file`, also the
 llama-server slot files, whose token list is a packed blob), and `.ggsn` session files. Memory classes: plain
 KV, iSWA, recurrent, hybrid and hybrid-iSWA. Only the metadata is read; tensor payloads are skipped by the sizes
@@ -196,11 +196,15 @@ class ScanReport:
         return not (self.duplicates or self.orphans or self.holes or self.duplicate_tails)
 
     def brief(self, limit: int = 5) -> dict:
-        """A compact verdict for a Result: healthy, totals and the first few problems."""
-        d = self.to_dict()
-        return {"healthy": self.healthy, "totals": self.totals,
-                **{k: d[k][:limit] for k in ("duplicates", "orphans", "holes")},
-                "duplicate_tails": d["duplicate_tails"]}
+        """A compact verdict for a Result: healthy, totals and the first few problems (the entries of
+        `to_dict`, built straight from the report's lists: this runs after every step with `--kv-scan step`)."""
+        return {
+            "healthy": self.healthy, "totals": self.totals,
+            "duplicates": [dict(zip(("part", "stream", "seq_id", "pos", "count"), d)) for d in self.duplicates[:limit]],
+            "orphans": [dict(zip(("part", "stream", "seq_id", "pos"), o)) for o in self.orphans[:limit]],
+            "holes": [dict(zip(("part", "stream", "seq_id", "first", "last"), h)) for h in self.holes[:limit]],
+            "duplicate_tails": {str(s): n for s, n in self.duplicate_tails.items()},
+        }
 
     def to_dict(self, cells: bool = False) -> dict:
         """JSON-able form of the report; `cells=True` lists every cell of every part."""

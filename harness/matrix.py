@@ -7,7 +7,10 @@ parameters sized for the tiny models, plus in-process-only scripted ones that fo
 from dataclasses import dataclass
 from typing import Optional
 
+from harness import MODES
 from harness.errors import HarnessError
+
+BACKEND_NAMES = ("inproc", "server")
 
 
 @dataclass(frozen=True)
@@ -88,3 +91,15 @@ def cells(matrix: dict[str, list[str]], only: dict[str, Optional[list[str]]] | N
         for spec in axes["specs"] for model in axes["models"]
         if not (backend == "server" and spec_preset(spec).scripted)
     ]
+
+
+def narrowing(backends: Optional[list[str]] = None, modes: Optional[list[str]] = None,
+              specs: Optional[list[str]] = None, models: Optional[list[str]] = None) -> dict:
+    """Validated explicit choices for `cells(..., only=)` (None keeps a suite's own axis)."""
+    for values, allowed, what in ((backends, BACKEND_NAMES, "backend"), (modes, MODES, "mode")):
+        bad = [v for v in values or () if v not in allowed]
+        if bad:
+            raise HarnessError(f"unknown {what} '{bad[0]}' (use: {', '.join(allowed)})")
+    for spec in specs or ():
+        spec_preset(spec)
+    return {"backends": backends, "modes": modes, "specs": specs, "models": models}

@@ -1,7 +1,9 @@
 """Where specharness keeps its cache (models, builds) and its generated reports."""
 
 import os
+import tempfile
 from pathlib import Path
+from typing import Callable
 
 import platformdirs
 
@@ -17,3 +19,16 @@ def cache_dir() -> Path:
 def reports_dir() -> Path:
     """The default parent of run directories: `reports/` in the current working directory."""
     return Path.cwd() / "reports"
+
+
+def write_atomic(path: Path, write: Callable[[Path], object]) -> None:
+    """Call `write(tmp_path)` on a temp file beside `path`, then move it onto `path`: readers never see a
+    half-written file, and a failed write leaves the old one untouched."""
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    os.close(fd)
+    try:
+        write(Path(tmp))
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise

@@ -14,24 +14,21 @@ import pytest
 
 from harness import MODES
 from harness.backends.base import KV_SCAN
-from harness.backends.choose import BACKEND_NAMES, backend_factories
+from harness.backends.choose import backend_factories
 from harness.baselines import BaselineStore
 from harness.checks import evaluate
 from harness.checks.base import CheckContext
 from harness.detok import detokenizer
 from harness.errors import HarnessError
 from harness.execute import ExecOptions, Executor, case_keys
-from harness.known_failures import FILE_NAME as KNOWN_FAILURES, KnownFailure, load as load_known, matching
-from harness.matrix import cells
+from harness.known_failures import FILE_NAME as KNOWN_FAILURES, KnownFailure, load as load_known, tag
+from harness.matrix import BACKEND_NAMES, cells, narrowing
 from harness.models import resolve
 from harness.report import write_run
+from harness.runner import count, csv
 from harness.suites import load_suite
 
 STATE = pytest.StashKey[dict]()
-
-
-def _csv(value):
-    return [v for v in value.split(",") if v] if value else None
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -43,11 +40,11 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     group.addoption("--server-bin", help="use this llama-server binary instead of building one")
     group.addoption("--source", help="build llama-server from this llama.cpp tree (default: the vendored one)")
     group.addoption("--update-baselines", action="store_true", help="write baselines from this run")
-    group.addoption("--repeat", type=int, help="run every suite's rounds this many times")
+    group.addoption("--repeat", type=count(1), default=1, help="run every suite's rounds this many times")
     group.addoption("--report", metavar="DIR", help="write results.json / results.parquet / checks.json here")
     group.addoption("--kv-scan", default="request", choices=KV_SCAN,
                     help="scan KV state after every request (default), also after every speculative step, or off")
-    group.addoption("--logit-top-k", type=int, default=10, help="top-k logits logged per position (0 = off)")
+    group.addoption("--logit-top-k", type=count(0), default=10, help="top-k logits logged per position (0 = off)")
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -55,16 +52,21 @@ def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "gpu: needs a GPU backend build")
     opt = config.getoption
     report = Path(opt("--report")) if opt("--report") else None
+    try:
+        only = narrowing(csv(opt("--backend")), csv(opt("--mode")), csv(opt("--spec")), csv(opt("--model")))
+        known = load_known(config.rootpath / "suites" / KNOWN_FAILURES)
+    except HarnessError as err:
+        raise pytest.UsageError(str(err)) from None
     config.stash[STATE] = {
+        "only": only,
         "executor": Executor(ExecOptions(
             backends=backend_factories(Path(opt("--server-bin")) if opt("--server-bin") else None,
                                        Path(opt("--source")) if opt("--source") else None,
                                        report / "server-logs" if report else None),
             kv_scan=opt("--kv-scan"), logit_top_k=opt("--logit-top-k"))),
-        "baselines": BaselineStore(config.rootpath / "fixtures" / "baselines", update=opt("--update-baselines"),
-                                   update_command="pytest suites/{suite}.yaml --update-baselines"),
+        "baselines": BaselineStore(config.rootpath / "fixtures" / "baselines", update=opt("--update-baselines")),
         "checks": [],
-        "known": load_known(config.rootpath / "suites" / KNOWN_FAILURES),
+        "known": known,
     }
 
 
@@ -77,9 +79,7 @@ def pytest_collect_file(parent: pytest.Collector, file_path: Path):
 
 
 def _only(config: pytest.Config) -> dict:
-    opt = config.getoption
-    return {"backends": _csv(opt("--backend")), "modes": _csv(opt("--mode")), "specs": _csv(opt("--spec")),
-            "models": _csv(opt("--model"))}
+    return config.stash[STATE]["only"]
 
 
 class SuiteFile(pytest.File):
@@ -91,9 +91,7 @@ class SuiteFile(pytest.File):
         except HarnessError as err:
             yield BrokenSuite.from_parent(self, name=f"{self.path.stem}[load]", error=str(err))
             return
-        repeat = self.config.getoption("--repeat")
-        if repeat:
-            suite.rounds = suite.rounds * repeat
+        suite.rounds = suite.rounds * self.config.getoption("--repeat")
         for cell in cells(suite.matrix, _only(self.config)):
             for case in suite.cases:
                 for key in case_keys(case):
@@ -142,16 +140,12 @@ class SuiteItem(pytest.Item):
         state["checks"] += [(self.suite.name, self.key, self.cell, r) for r in results]
         for r in results:
             self.user_properties.append((r.name, json.dumps({"passed": r.passed, **r.evidence}, default=str)))
-        failed = [r for r in results if not r.passed]
-        known = {id(r): matching(state["known"], self.suite.name, self.cell, r) for r in failed}
-        unexplained = [r for r in failed if known[id(r)] is None]
-        for r in failed:
-            if known[id(r)]:
-                r.evidence["known_failure"] = known[id(r)].id
+        unexplained = tag(state["known"], self.suite.name, self.cell, results)
         if unexplained:
             raise CheckFailure("\n".join(f"[{r.name}] {r.message}" for r in unexplained))
-        if failed:
-            pytest.xfail(known[id(failed[0])].summary)
+        known = [r.evidence["known_failure"] for r in results if "known_failure" in r.evidence]
+        if known:
+            pytest.xfail(next(e.summary for e in state["known"] if e.id == known[0]))
 
     def repr_failure(self, excinfo):
         if isinstance(excinfo.value, CheckFailure):

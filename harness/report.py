@@ -1,9 +1,8 @@
 """A run directory's files: `results.json` and `results.parquet` (one record per request),
 `checks.json` (one record per check verdict) and `logits.parquet` (top-k logits per generated
-position, cases named `<suite>/<case>/<cell>/<round>`). The HTML report will read the same files."""
+position, cases named `<suite>/<case>/<cell>/<round>`)."""
 
 import json
-import os
 from pathlib import Path
 
 import pandas as pd
@@ -11,10 +10,7 @@ import pandas as pd
 from harness.errors import HarnessError
 from harness.execute import CellRun
 from harness.logits import save_parquet, to_frame
-
-RECORD_COLUMNS = ("suite", "case", "model", "backend", "mode", "spec", "repeat", "tokens", "text",
-                  "stop_reason", "error", "slot_id", "prompt_n", "timings", "spec_stats")
-
+from harness.paths import write_atomic
 
 def records(runs: list[CellRun]) -> list[dict]:
     """One JSON-able record per request of every cell run."""
@@ -42,13 +38,7 @@ def check_records(checks: list) -> list[dict]:
 
 def frame(rows: list[dict]) -> pd.DataFrame:
     """Records as a flat DataFrame (timings and spec counters become columns)."""
-    return pd.json_normalize(rows, sep=".") if rows else pd.DataFrame(columns=list(RECORD_COLUMNS))
-
-
-def _write_atomic(path: Path, write) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    write(tmp)
-    os.replace(tmp, path)
+    return pd.json_normalize(rows, sep=".")
 
 
 def write_run(out: Path, runs: list[CellRun], checks: list) -> Path:
@@ -58,11 +48,11 @@ def write_run(out: Path, runs: list[CellRun], checks: list) -> Path:
     if target.exists():
         raise HarnessError(f"{target} already exists (choose another --out; results are never overwritten)")
     rows = records(runs)
-    _write_atomic(out / "checks.json", lambda p: p.write_text(json.dumps(check_records(checks), indent=1, default=str) + "\n"))
-    _write_atomic(out / "results.parquet", lambda p: frame(rows).to_parquet(p, index=False))
+    write_atomic(out / "checks.json", lambda p: p.write_text(json.dumps(check_records(checks), indent=1, default=str) + "\n"))
+    write_atomic(out / "results.parquet", lambda p: frame(rows).to_parquet(p, index=False))
     logits = {f"{run.suite.name}/{o.case}/{run.cell.id}/{o.round}": to_frame(o.result.logits)
               for run in runs for o in run.outcomes if o.result.logits}
     if logits:
-        _write_atomic(out / "logits.parquet", lambda p: save_parquet(p, logits))
-    _write_atomic(target, lambda p: p.write_text(json.dumps(rows, indent=1) + "\n"))
+        write_atomic(out / "logits.parquet", lambda p: save_parquet(p, logits))
+    write_atomic(target, lambda p: p.write_text(json.dumps(rows, indent=1) + "\n"))
     return target

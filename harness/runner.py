@@ -14,20 +14,19 @@ from rich.console import Console
 from rich.progress import Progress
 from rich.table import Table
 
-from harness import MODES
 from harness.backends.base import KV_SCAN
-from harness.backends.choose import BACKEND_NAMES, backend_factories
+from harness.backends.choose import backend_factories
 from harness.baselines import BaselineStore, default_root
 from harness.checks import evaluate
 from harness.checks.base import CheckContext
 from harness.detok import detokenizer
 from harness.engine.faults import FAULTS
-from harness.engine.rollback import STRATEGIES
+from harness.engine.rollback import CHECKPOINT_FLAGS, STRATEGIES
 from harness.engine.speculative import SpecConfig
 from harness.errors import HarnessError
 from harness.execute import CellRun, ExecOptions, Executor, case_keys
-from harness.known_failures import FILE_NAME as KNOWN_FAILURES, load as load_known, matching
-from harness.matrix import SPEC_PRESETS, cells
+from harness.known_failures import FILE_NAME as KNOWN_FAILURES, load as load_known, tag
+from harness.matrix import SPEC_PRESETS, cells, narrowing
 from harness.models import resolve
 from harness.paths import reports_dir
 from harness.report import frame, records, write_run
@@ -45,14 +44,35 @@ def new_run_dir(parent: Path) -> Path:
     return parent / (time.strftime("%Y%m%d-%H%M%S", time.gmtime()) + "-" + secrets.token_hex(3))
 
 
-def _csv(value: str | None, allowed: tuple[str, ...] | None, what: str) -> list[str] | None:
-    if value is None:
-        return None
-    items = [v.strip() for v in value.split(",") if v.strip()]
-    bad = [v for v in items if allowed is not None and v not in allowed]
-    if bad or not items:
-        raise HarnessError(f"unknown {what} '{','.join(bad) or value}' (use: {', '.join(allowed or ())})")
-    return items
+def csv(value: str | None) -> list[str] | None:
+    """A comma-separated option as a list (None when not given)."""
+    return [v.strip() for v in value.split(",") if v.strip()] if value else None
+
+
+def count(minimum: int):
+    """An argparse type: an integer of at least `minimum`."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            value = minimum - 1
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"expected an integer >= {minimum}, got '{text}'")
+        return value
+    return parse
+
+
+def prepare_out(out: Path) -> Path:
+    """Create the run directory up front; refuse a file, an unwritable place or an existing results.json."""
+    if (out / "results.json").exists():
+        raise HarnessError(f"{out / 'results.json'} already exists (choose another --out; results are never overwritten)")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / ".write-test").touch()
+        (out / ".write-test").unlink()
+    except OSError as err:
+        raise HarnessError(f"cannot write the run directory {out}: {err.strerror}") from None
+    return out
 
 
 def run_suites(plan: list[tuple[Suite, dict]], executor: Executor, baselines: BaselineStore,
@@ -113,45 +133,34 @@ def _total(df, column: str) -> int:
 
 def cmd_run(args: argparse.Namespace) -> int:
     """`specharness run`."""
-    only = {
-        "modes": _csv(args.mode, MODES, "mode"),
-        "specs": _csv(args.spec, None, "spec"),
-        "models": args.model,
-        "backends": _csv(args.backend, BACKEND_NAMES, "backend"),
-    }
-    if args.parallel < 1:
-        raise HarnessError("--parallel must be at least 1")
-    out = Path(args.out) if args.out else new_run_dir(reports_dir())
-    if (out / "results.json").exists():
-        raise HarnessError(f"{out / 'results.json'} already exists (choose another --out; results are never overwritten)")
+    only = narrowing(csv(args.backend), csv(args.mode), csv(args.spec), args.model)
     suites = [load_suite(name) for name in (args.suite or [DEFAULT_SUITE])]
+    for model in {c.model for suite in suites for c in cells(suite.matrix, only)}:
+        resolve(model)  # a missing model is bad input (exit 2), before anything runs
+    out = prepare_out(Path(args.out) if args.out else new_run_dir(reports_dir()))
     for suite in suites:
-        cells(suite.matrix, only)
-        if args.repeat:
-            suite.rounds = suite.rounds * args.repeat
+        suite.rounds = suite.rounds * args.repeat
     spec_overrides = {f.name.replace("_", "-"): getattr(args, f.name) for f in SPEC_PARAMS
                       if getattr(args, f.name) is not None}
+    engine = {"rollback": args.rollback, "fault": args.fault, "checkpoint_flags": args.checkpoint_flags,
+              "checkpoint_attempts": args.checkpoint_attempts}
     executor = Executor(ExecOptions(
         backends=backend_factories(args.server_bin, args.source, out / "server-logs"), parallel=args.parallel,
-        draft_model=args.draft_model, spec_overrides=spec_overrides, rollback=args.rollback, fault=args.fault,
+        draft_model=args.draft_model, spec_overrides=spec_overrides, engine=engine,
         kv_scan=args.kv_scan, logit_top_k=args.logit_top_k,
     ))
-    baselines = BaselineStore(default_root(), update=args.update_baselines,
-                              update_command="specharness run --suite {suite} --update-baselines")
+    baselines = BaselineStore(default_root(), update=args.update_baselines)
     console = Console(stderr=True, soft_wrap=True)
     with Progress(console=console, transient=True) as progress:
         verdicts = run_suites([(suite, only) for suite in suites], executor, baselines, progress)
     runs = executor.runs()
     known = load_known(suites_dir() / KNOWN_FAILURES)
-    for suite, _, cell, r in verdicts:
-        entry = matching(known, suite, cell, r)
-        if entry:
-            r.evidence["known_failure"] = entry.id
+    failed = [r for suite, _, cell, r in verdicts if tag(known, suite, cell, [r])]
     wide_console().print(summary_table(runs, verdicts))
     for suite, key, cell, r in verdicts:
         if not r.passed:
-            tag = f"KNOWN {r.evidence['known_failure']}" if "known_failure" in r.evidence else "FAIL"
-            console.print(f"{tag} {suite}[{key}-{cell.id}] [{r.name}] {r.message}", markup=False, highlight=False)
+            label = f"KNOWN {r.evidence['known_failure']}" if "known_failure" in r.evidence else "FAIL"
+            console.print(f"{label} {suite}[{key}-{cell.id}] [{r.name}] {r.message}", markup=False, highlight=False)
     fixed = [e for e in known if any(e.covers(run.suite.name, run.cell) for run in runs)
              and not any(r.evidence.get("known_failure") == e.id for *_, r in verdicts)]
     for entry in fixed:
@@ -165,7 +174,6 @@ def cmd_run(args: argparse.Namespace) -> int:
     console.print(f"results: {write_run(out, runs, verdicts)}", markup=False)
     if any(run.error for run in runs):
         return EXIT_INFRA
-    failed = any(not r.passed and "known_failure" not in r.evidence for *_, r in verdicts)
     return EXIT_FAILED if failed or fixed else 0
 
 
@@ -182,16 +190,20 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--draft-model", metavar="NAME|PATH", help="draft model for draft-simple (default <model>-draft)")
     p.add_argument("--rollback", default="auto", choices=STRATEGIES, help="in-process rollback strategy (default auto)")
     p.add_argument("--fault", choices=sorted(FAULTS), help="switch on one fault of the in-process speculative engine")
+    p.add_argument("--checkpoint-flags", default="partial", choices=sorted(CHECKPOINT_FLAGS),
+                   help="in-process checkpoints: PARTIAL_ONLY state (default) or the full state")
+    p.add_argument("--checkpoint-attempts", type=count(0), default=3,
+                   help="in-process: failed replays after which a slot stops speculating (default 3)")
     for f in SPEC_PARAMS:
         p.add_argument("--" + f.name.replace("_", "-"), dest=f.name, type=type(f.default), metavar="N",
                        help=f"as llama-server (default {f.default})")
     p.add_argument("--server-bin", type=Path, metavar="PATH", help="llama-server binary to use instead of building one")
     p.add_argument("--source", type=Path, metavar="DIR", help="llama.cpp tree to build llama-server from")
-    p.add_argument("--parallel", type=int, default=4, help="slots in par and no-kv-unified modes (default 4)")
-    p.add_argument("--repeat", type=int, help="run every suite's rounds this many times")
+    p.add_argument("--parallel", type=count(1), default=4, help="slots in par and no-kv-unified modes (default 4)")
+    p.add_argument("--repeat", type=count(1), default=1, help="run every suite's rounds this many times")
     p.add_argument("--update-baselines", action="store_true", help="write baselines from this run")
     p.add_argument("--kv-scan", default="request", choices=KV_SCAN,
                    help="scan KV state after every request (default), also after every speculative step, or off")
-    p.add_argument("--logit-top-k", type=int, default=10, help="top-k logits logged per position (0 = off)")
+    p.add_argument("--logit-top-k", type=count(0), default=10, help="top-k logits logged per position (0 = off)")
     p.add_argument("--out", metavar="DIR", help="run directory (default reports/<run-id>)")
     p.set_defaults(func=cmd_run)

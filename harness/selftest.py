@@ -58,7 +58,7 @@ class Row:
 def run_plan(fault: str | None) -> dict[str, int]:
     """Failing check verdicts per check name: with a fault, one run of the selftest plan; without,
     one run of every suite's default matrix on the in-process engine."""
-    executor = Executor(ExecOptions(backends=backend_factories(), fault=fault, kv_scan="request"))
+    executor = Executor(ExecOptions(backends=backend_factories(), engine={"fault": fault}, kv_scan="request"))
     if fault:
         plan = [(load_suite(name), only) for name, only in PLAN]
     else:

@@ -2,7 +2,7 @@
 
 A suite declares its cases (completion prompts, multi-turn chats, grammar or JSON schema, sampling
 parameters, repeats), its default matrix (backends × modes × speculative configs × models) and the
-checks that apply. See `suites/README.md` for the format.
+checks that apply; `SUITE_SCHEMA` below is the format, the README's "Suites" section the guide.
 """
 
 from dataclasses import dataclass, field
@@ -109,7 +109,6 @@ class Suite:
     """Its pytest items carry the `slow` marker (`-m "not slow"` leaves them out)."""
     tolerances: dict[str, float] = field(default_factory=dict)
     """`logits-close` tolerances (harness.logits.Tolerances fields) and the triage's `near_tie` margin."""
-    description: str = ""
 
 
 def suites_dir() -> Path:
@@ -135,7 +134,11 @@ def load_suite(name_or_path: str, directory: Optional[Path] = None) -> Suite:
     if not path.is_file():
         known = ", ".join(p.stem for p in suite_files(directory)) or "none"
         raise HarnessError(f"unknown suite '{name_or_path}' (known: {known})")
-    return parse_suite(path.read_text(), path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as err:
+        raise HarnessError(f"{path}: not UTF-8 text ({err.reason} at byte {err.start})") from None
+    return parse_suite(text, path)
 
 
 def _line_of(node: yaml.Node, path: list) -> int:
@@ -185,14 +188,19 @@ def parse_suite(text: str, path: Optional[Path] = None) -> Suite:
     if dupes:
         raise HarnessError(f"{where}:{_line_of(root, ['cases'])}: cases: duplicate case name '{dupes[0]}'")
     base = data.get("sampling", {})
-    cases = [_case(c, base, path) for c in data["cases"]]
+    cases = []
+    for i, raw in enumerate(data["cases"]):
+        try:
+            cases.append(_case(raw, base, path))
+        except (KeyError, IndexError, ValueError) as err:
+            raise HarnessError(f"{where}:{_line_of(root, ['cases', i, 'prompt'])}: cases.{i}.prompt: cannot fill "
+                               f"in vars ({type(err).__name__}: {err}; write literal braces as {{{{ and }}}})") from None
     return Suite(
         name=data["suite"], path=path, cases=cases,
         matrix={**DEFAULT_MATRIX, **data.get("matrix", {})},
         checks=data.get("checks", DEFAULT_CHECKS), serve=data.get("serve", {}),
         rounds=data.get("run_order", ["par"]) * data.get("repeats", 1), allow_errors=data.get("allow_errors", []),
         tolerances=data.get("tolerances", {}), slow=data.get("slow", False),
-        description=data.get("description", ""),
     )
 
 

@@ -248,9 +248,10 @@ def test_scripted_proposes_the_continuation():
 
 
 def test_scripted_wrong_tokens():
-    d = Scripted(CONT, n_max=4, wrong_at={2}, n_vocab=13)  # output offset 2 is token 12
+    d = Scripted(CONT, n_max=4, wrong_at={2})  # output offset 2 is token 12
     d.begin(0, PROMPT_S)
-    assert d.draft(req(PROMPT_S, 10)) == [11, 0, 13, 14]
+    assert d.draft(req(PROMPT_S, 10)) == [11, 11, 13, 14]
+    assert (d.wrong(12), d.wrong(1), d.wrong(0)) == (11, 0, 1)  # always a valid id, whatever the vocabulary
     assert run_scripted(Scripted(CONT, n_max=4, wrong_at=lambda s, j, k: k == 2)) == [2, 2, 2]
     assert run_scripted(Scripted(CONT, n_max=4, reject_all=True)) == [0] * 8
 

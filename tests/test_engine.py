@@ -1,10 +1,14 @@
 """The in-process engine on real tiny models: kinds, determinism, modes, and errors as results."""
 
+import random
+
 import pytest
 
 from harness.backends.base import ServeConfig
 from harness.backends.inproc import InprocBackend
+from harness.detok import detokenizer
 from harness.engine.model import Model
+from harness.engine.slot import Slot
 from harness.request import Request, Sampling
 from helpers import LANGS, first_divergence, quicksort
 
@@ -103,3 +107,76 @@ def test_stop_string_cuts_the_text(tiny_models):
     stopped = serve(tiny_models["tiny-dense"], "seq", [quicksort("C", n_predict=32, stop=[word])])[0]
     assert stopped.stop_reason == "word"
     assert word not in stopped.text and free.text.startswith(stopped.text)
+
+
+class _PieceModel:
+    """Just enough of a Model for a Slot: token t stands for `pieces[t]`, token 0 ends generation."""
+
+    vocab = None
+
+    def __init__(self, pieces):
+        self.pieces = pieces
+
+    def piece(self, token):
+        return self.pieces[token]
+
+    def is_eog(self, token):
+        return token == 0
+
+
+def _emit_until_stop(pieces, tokens, stop):
+    slot = Slot(0, _PieceModel(pieces), 10_000, seed=1)
+    assert slot.start(0, Request(prompt=[1], sampling=Sampling(n_predict=10_000, stop=stop))) is None
+    for i, token in enumerate(tokens):
+        slot.n_past += 1
+        if slot.emit(token):
+            return i, slot.result.text
+    return None, bytes(slot.text_bytes)
+
+
+def _whole_text_stop(pieces, tokens, stop):
+    """The reference: decode everything emitted so far (errors ignored) and search it from the start."""
+    data = b""
+    for i, token in enumerate(tokens):
+        data += pieces[token]
+        text = data.decode("utf-8", errors="ignore")
+        hits = [j for j in (text.find(s) for s in stop) if j >= 0]
+        if hits:
+            return i, text[: min(hits)]
+    return None, data
+
+
+def test_stop_strings_searched_in_the_tail_match_a_whole_text_search():
+    rng = random.Random(5)
+    chars = ["a", "b", "é", "€", "😀", " "]
+
+    def piece():
+        r = rng.random()
+        if r < 0.15:  # a stray byte: invalid, or part of a character split over tokens
+            return bytes([rng.choice([0xFF, 0xC3, 0xA9, 0xE2, 0x82, 0xAC, 0xF0, 0x9F])])
+        return "".join(rng.choice(chars) for _ in range(rng.randrange(3))).encode()
+
+    stopped = 0
+    for _ in range(1500):
+        pieces = [b""] + [piece() for _ in range(30)]
+        tokens = [rng.randrange(1, len(pieces)) for _ in range(50)]
+        stop = ["".join(rng.choice(chars) for _ in range(rng.randrange(1, 4))) for _ in range(rng.randrange(1, 3))]
+        expected = _whole_text_stop(pieces, tokens, stop)
+        assert _emit_until_stop(pieces, tokens, stop) == expected, (stop, [pieces[t] for t in tokens])
+        stopped += expected[0] is not None
+    assert stopped > 500  # most cases stop, many of them over a token boundary
+
+
+def test_history_follows_n_past_through_growth_and_rollback():
+    slot = Slot(0, _PieceModel([b"", b"x"]), 10_000, seed=1)
+    slot.start(0, Request(prompt=[1, 1, 1], sampling=Sampling(n_predict=100)))
+    for n_past, n_out in ((2, 0), (3, 0), (3, 2), (5, 4), (4, 4), (7, 6), (3, 6), (8, 9)):
+        slot.n_past = n_past
+        slot.result.tokens = list(range(10, 10 + n_out))
+        assert slot.history == (slot.prompt + slot.result.tokens)[:n_past]
+
+
+def test_detokenizer_shows_the_engines_text(tiny_models):
+    info = tiny_models["tiny-dense"]
+    result = serve(info, "seq", [quicksort("C", n_predict=48)])[0]
+    assert result.ok and detokenizer(info.path)(result.tokens) == result.text

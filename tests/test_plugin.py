@@ -45,6 +45,7 @@ def test_options_narrow_the_matrix(project):
     result.assert_outcomes(passed=1)
 
 
-def test_no_tests_is_exit_code_5(project):
-    result = project.runpytest("suites", "-q", "--model", "tiny-dense", "-k", "nothing-matches")
-    assert result.ret == 5
+def test_bad_narrowing_option_is_a_usage_error(project):
+    result = project.runpytest("suites", "-q", "--mode", "bogus")
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    assert any("unknown mode 'bogus'" in line for line in result.errlines)

@@ -7,7 +7,11 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
+from harness.backends.choose import backend_factories
 from harness.cli import main
+from harness.execute import ExecOptions, Executor
+from harness.matrix import Cell
+from harness.suites import load_suite
 
 REPO = Path(__file__).resolve().parents[1]
 RECORD_KEYS = {"suite", "case", "model", "backend", "mode", "spec", "repeat", "tokens", "text",
@@ -62,7 +66,8 @@ def test_missing_baseline_says_how_to_create_it(checkout):
     (checkout / "fixtures/baselines/quicksort/C--tiny-dense--inproc--cpu.json").unlink()
     assert main(["run", "--model", "tiny-dense", "--mode", "seq", "--spec", "none", "--out", "r"]) == 1
     failure = next(c for c in json.loads((checkout / "r/checks.json").read_text()) if not c["passed"])
-    assert "specharness run --suite quicksort --update-baselines" in failure["message"]
+    assert "create it with: specharness run --suite quicksort" in failure["message"]
+    assert failure["message"].split("\n")[0].endswith("--model tiny-dense --update-baselines")
 
 
 def test_corrupt_baseline_is_an_error_and_is_not_replaced(checkout):
@@ -75,16 +80,22 @@ def test_corrupt_baseline_is_an_error_and_is_not_replaced(checkout):
     assert corrupt.read_text() == "{not json"
 
 
-def test_missing_model_is_an_infrastructure_error_while_other_models_run(tmp_path, tiny_models):
+def test_missing_model_gives_error_results_while_other_cells_run(tmp_path, tiny_models):
     missing = str(tmp_path / "nowhere.gguf")
-    out = tmp_path / "run"
-    assert main(["run", "--model", missing, "--model", "tiny-dense", "--mode", "seq", "--spec", "none",
-                 "--out", str(out)]) == 3
-    records = json.loads((out / "results.json").read_text())
-    bad = [r for r in records if r["model"] == missing]
-    good = [r for r in records if r["model"] == "tiny-dense"]
-    assert bad and all("not found" in r["error"] and r["stop_reason"] == "error" for r in bad)
-    assert good and all(r["error"] is None and r["tokens"] for r in good)
+    suite = load_suite("quicksort")
+    executor = Executor(ExecOptions(backends=backend_factories()))
+    bad = executor.run(suite, Cell("inproc", "seq", "none", missing))
+    good = executor.run(suite, Cell("inproc", "seq", "none", "tiny-dense"))
+    assert bad.error and "not found" in bad.error
+    assert len(bad.outcomes) == 9 and all(o.result.stop_reason == "error" for o in bad.outcomes)
+    assert len(good.outcomes) == 9 and all(o.result.ok and o.result.tokens for o in good.outcomes)
+
+
+def test_missing_model_on_the_command_line_is_bad_input(tmp_path, capsys):
+    missing = str(tmp_path / "nowhere.gguf")
+    assert main(["run", "--model", missing, "--model", "tiny-dense", "--out", str(tmp_path / "run")]) == 2
+    assert "model file not found" in capsys.readouterr().err
+    assert not (tmp_path / "run").exists()
 
 
 def test_existing_results_are_never_overwritten(tmp_path, capsys):
@@ -96,12 +107,27 @@ def test_existing_results_are_never_overwritten(tmp_path, capsys):
     assert "already exists" in capsys.readouterr().err
 
 
+def test_out_that_is_a_file_is_refused_before_running(tmp_path, capsys):
+    target = tmp_path / "file"
+    target.write_text("keep me")
+    assert main(["run", "--model", "tiny-dense", "--mode", "seq", "--out", str(target)]) == 2
+    assert "cannot write the run directory" in capsys.readouterr().err and target.read_text() == "keep me"
+
+
 @pytest.mark.parametrize("argv, message", [
     (["run", "--mode", "sequential"], "unknown mode 'sequential'"),
     (["run", "--suite", "nope"], "unknown suite 'nope'"),
     (["run", "--spec", "magic"], "unknown spec config 'magic'"),
+    (["run", "--backend", "gpu"], "unknown backend 'gpu'"),
 ])
 def test_bad_options_are_one_line_errors(argv, message, capsys):
     assert main(argv) == 2
     err = capsys.readouterr().err.strip()
     assert message in err and len(err.splitlines()) == 1
+
+
+@pytest.mark.parametrize("option", ["--repeat", "--parallel"])
+def test_counts_must_be_positive(option, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["run", option, "0"])
+    assert exit_.value.code == 2 and "expected an integer >= 1" in capsys.readouterr().err

@@ -8,19 +8,24 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import socket
 import struct
 import subprocess
+import tarfile
 import threading
 import time
 from pathlib import Path
 
 import pytest
 import requests
+from filelock import FileLock
 
+from harness.backends import build as build_module
 from harness.backends.base import ServeConfig
 from harness.backends.build import (
+    SOURCE_MARKER,
     build_key,
     check_platform,
     cmake_options,
@@ -277,8 +282,12 @@ def test_build_is_cached_and_rebuilt_when_a_source_changes(fake_tree, tmp_path):
     _write(fake_tree / "main.c", "int main(void) { return 1; }\n")
     second = ensure_server(fake_tree, "cpu", [], jobs=2)
     assert not second.cached and second.server_bin != first.server_bin
-    entries = sorted(p.name for p in (tmp_path / "cache" / "builds").iterdir())
-    assert entries == sorted([root.name, second.server_bin.parent.parent.name])  # nothing half-built left
+    assert _entries(tmp_path) == sorted([root.name, second.server_bin.parent.parent.name])  # nothing half-built
+
+
+def _entries(tmp_path: Path) -> list[str]:
+    """The build cache's entries, without the lock files beside them."""
+    return sorted(p.name for p in (tmp_path / "cache" / "builds").iterdir() if p.suffix != ".lock")
 
 
 def test_failed_build_leaves_no_cache_entry(fake_tree, tmp_path):
@@ -286,8 +295,122 @@ def test_failed_build_leaves_no_cache_entry(fake_tree, tmp_path):
     with pytest.raises(HarnessError, match="configure failed") as excinfo:
         ensure_server(fake_tree, "cpu", [], jobs=2)
     assert "boom" in str(excinfo.value)
-    [log] = (tmp_path / "cache" / "builds").iterdir()
-    assert log.name.endswith(".failed.log")
+    [log] = _entries(tmp_path)
+    assert log.endswith(".failed.log")
+
+
+@pytest.mark.parametrize("corrupt", ["truncated", "not-an-object", "schema-changed", "wrong-type", "no-binary"])
+def test_unusable_cache_entry_is_rebuilt_and_replaced(fake_tree, tmp_path, corrupt, capsys):
+    first = ensure_server(fake_tree, "cpu", [], jobs=2)
+    root = first.server_bin.parent.parent
+    info_file = root / "build-info.json"
+    text = info_file.read_text()
+    data = json.loads(text)
+    if corrupt == "truncated":
+        info_file.write_text(text[: len(text) // 2])
+    elif corrupt == "not-an-object":
+        info_file.write_text("[]\n")
+    elif corrupt == "schema-changed":  # BuildInfo(**data) raises TypeError on unknown or missing fields
+        data.pop("compiler")
+        info_file.write_text(json.dumps(dict(data, new_field=1)))
+    elif corrupt == "wrong-type":
+        info_file.write_text(json.dumps(dict(data, cmake_args="-DX=Y")))
+    else:
+        (root / "bin" / "llama-server").unlink()
+    (root / "stale-marker").touch()  # shows whether the entry was replaced as a whole
+    from harness.cli import main
+
+    assert main(["build", "--source", str(fake_tree), "--jobs", "2", "--json"]) == 0
+    rebuilt = json.loads(capsys.readouterr().out)
+    assert rebuilt["cached"] is False and rebuilt["server_bin"] == str(first.server_bin)
+    assert not (root / "stale-marker").exists() and json.loads(info_file.read_text())["compiler"] != ""
+    assert os.access(first.server_bin, os.X_OK)
+    assert _entries(tmp_path) == [root.name]  # no temp or set-aside trees left
+    assert ensure_server(fake_tree, "cpu", [], jobs=2).cached
+
+
+def test_ensure_server_waits_for_the_build_lock_then_uses_the_finished_build(fake_tree):
+    first = ensure_server(fake_tree, "cpu", [], jobs=2)
+    root = first.server_bin.parent.parent
+    aside = root.with_name("built-elsewhere")
+    root.rename(aside)
+    results = []
+    with FileLock(str(root) + ".lock"):  # another process is building this key
+        worker = threading.Thread(target=lambda: results.append(ensure_server(fake_tree, "cpu", [], jobs=2)))
+        worker.start()
+        time.sleep(1.0)
+        assert worker.is_alive() and not list(root.parent.glob("*.tmp-*"))  # waiting, not building
+        aside.rename(root)  # ... and finishes
+    worker.join(60)
+    [again] = results
+    assert again.cached and again.server_bin == first.server_bin  # re-checked the cache after the lock
+
+
+def test_corrupt_source_marker_in_a_given_tree_is_a_one_line_error(fake_tree):
+    marker = fake_tree / SOURCE_MARKER
+    marker.write_text('{"commit": "abc')
+    with pytest.raises(HarnessError, match="unreadable source marker") as excinfo:
+        ensure_server(fake_tree, "cpu", [], jobs=2)
+    assert str(marker) in _one_line_error(excinfo) and "delete it" in str(excinfo.value)
+    marker.write_text('{"commit": "abc"}\n')
+    assert source_identity(fake_tree).commit == "abc"
+
+
+def _fake_sdist(path: Path, commit: str = "c0ffee") -> Path:
+    """A tiny stand-in for the llama-cpp-python sdist: a vendored tree and its submodule HEAD."""
+    src = path.parent / "sdist-src" / "llama_cpp_python-x"
+    _write(src / "vendor" / "llama.cpp" / "CMakeLists.txt", "project(x)\n")
+    _write(src / ".git" / "modules" / "vendor" / "llama.cpp" / "HEAD", commit + "\n")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with tarfile.open(path, "w:gz") as tar:
+        tar.add(src, arcname=src.name)
+    return path
+
+
+def test_vendored_tree_with_a_corrupt_marker_is_extracted_again(tmp_path, monkeypatch):
+    monkeypatch.setenv("SPECHARNESS_CACHE", str(tmp_path / "cache"))
+    sdist = _fake_sdist(tmp_path / "sdist.tar.gz")
+    monkeypatch.setattr(build_module, "_download_sdist", lambda version: sdist)
+    tree = vendored_source()
+    assert json.loads((tree / SOURCE_MARKER).read_text())["commit"] == "c0ffee"
+    (tree / SOURCE_MARKER).write_text("\x00garbage")
+    (tree / "leftover.cpp").write_text("int stale;\n")
+    assert vendored_source() == tree
+    assert json.loads((tree / SOURCE_MARKER).read_text())["commit"] == "c0ffee"
+    assert not (tree / "leftover.cpp").exists() and (tree / "CMakeLists.txt").is_file()
+    assert sorted(p.name for p in tree.parent.iterdir() if p.suffix != ".lock") == [tree.name]
+
+
+def test_corrupt_sdist_download_is_fetched_again_once(tmp_path, monkeypatch):
+    monkeypatch.setenv("SPECHARNESS_CACHE", str(tmp_path / "cache"))
+    good = _fake_sdist(tmp_path / "good.tar.gz")
+    truncated = tmp_path / "cache" / "downloads" / "truncated.tar.gz"
+    truncated.parent.mkdir(parents=True)
+    truncated.write_bytes(good.read_bytes()[:40])
+    downloads = iter([truncated, good])
+    monkeypatch.setattr(build_module, "_download_sdist", lambda version: next(downloads))
+    assert source_identity(vendored_source()).commit == "c0ffee"
+    assert not truncated.exists()  # the corrupt download was deleted
+
+    def always_truncated(version: str) -> Path:
+        truncated.write_bytes(good.read_bytes()[:40])
+        return truncated
+
+    shutil.rmtree(tmp_path / "cache" / "src")
+    monkeypatch.setattr(build_module, "_download_sdist", always_truncated)
+    with pytest.raises(HarnessError, match="cannot extract .*deleted; run again") as excinfo:
+        vendored_source()
+    _one_line_error(excinfo)
+
+
+def test_cmake_arg_takes_a_separate_definition():
+    from harness.cli import build_parser
+
+    args = build_parser().parse_args(["build", "--cmake-arg", "-DGGML_NATIVE=OFF", "--cmake-arg=-G", "--cmake-arg",
+                                      "-UFOO", "--jobs", "2"])
+    assert args.cmake_arg == ["-DGGML_NATIVE=OFF", "-G", "-UFOO"] and args.jobs == 2
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["build", "-DGGML_NATIVE=OFF"])  # a definition without --cmake-arg
 
 
 @pytest.mark.parametrize("backend, on, off", [
@@ -347,6 +470,13 @@ def test_prebuilt_server_reads_version_and_device(build):
 def test_environment_names_device_and_commit(build):
     env = ServerBackend(build).environment()
     assert env["device"] == "cpu" and env["llama_cpp_commit"] == build.commit and env["compiler"] != "unknown"
+    assert str(build.server_bin) not in json.dumps(env)  # machine-specific; environments go into baselines
+
+
+def test_committed_server_baselines_hold_no_binary_path():
+    baselines = sorted((Path(__file__).resolve().parent.parent / "fixtures" / "baselines").glob("*/*--server--*.json"))
+    for path in baselines:
+        assert "server_bin" not in json.loads(path.read_text())["environment"], path
 
 
 def test_unknown_completion_fields_are_refused(build):

@@ -83,3 +83,17 @@ def test_unknown_check_or_spec_names_are_errors_with_their_line(tmp_path, extra,
     path.write_text(GOOD + extra)
     with pytest.raises(HarnessError, match=rf"^{path}:{line}: {field}: unknown name"):
         load_suite(str(path))
+
+
+def test_prompt_vars_that_do_not_fit_are_errors_with_their_line(tmp_path):
+    path = tmp_path / "demo.yaml"
+    path.write_text("suite: demo\ncases:\n  - name: one\n    prompt: 'int main() { return {x}; }'\n    vars: {y: 1}\n")
+    with pytest.raises(HarnessError, match=rf"^{path}:4: cases.0.prompt: cannot fill in vars"):
+        load_suite(str(path))
+
+
+def test_non_utf8_suite_file_is_one_line_error(tmp_path):
+    path = tmp_path / "demo.yaml"
+    path.write_bytes(b"suite: demo\xff\n")
+    with pytest.raises(HarnessError, match="not UTF-8 text"):
+        load_suite(str(path))

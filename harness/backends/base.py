@@ -42,12 +42,9 @@ class ServeConfig:
     speculative `step` too."""
     logit_top_k: int = 0
     """Log the top-k candidates of every generated position (0 = off; llama-server's `n_probs`)."""
-    rollback: str = "auto"
-    """In-process only: how rejected drafts are rolled back (auto, seq-rm, checkpoint, partial)."""
-    fault: Optional[str] = None
-    """In-process only: a fault switch of the speculative engine (see harness.engine.faults)."""
-    drafters: list = field(default_factory=list)
-    """In-process only: extra drafter objects tried first (the scripted forced-rejection configs)."""
+    engine: dict = field(default_factory=dict)
+    """In-process only: options of the speculative engine llama-server does not have (`rollback`,
+    `checkpoint_flags`, `checkpoint_attempts`, `fault`, and `drafters`: drafter objects tried first)."""
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:

@@ -2,7 +2,9 @@
 
 A build lives in `cache_dir()/builds/<key>/` with `bin/llama-server`, `bin/llama-quantize`,
 `build-info.json` and `build.log`; the key hashes (source identity, backend, CMake arguments).
-Builds happen in a temporary sibling directory that is renamed into place only when complete.
+Builds happen in a temporary sibling directory that is renamed into place only when complete, under
+a file lock `<key>.lock` beside the entry, so parallel processes (`pytest -n auto`) build each key once.
+An entry whose `build-info.json` cannot be read is treated as missing: rebuilt and replaced.
 """
 
 from __future__ import annotations
@@ -19,9 +21,13 @@ import sys
 import tarfile
 import tempfile
 import time
+import zlib
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Optional
+
+from filelock import FileLock, Timeout
 
 from harness.errors import HarnessError
 from harness.paths import cache_dir
@@ -118,22 +124,58 @@ def vendored_source() -> Path:
     except importlib.metadata.PackageNotFoundError:
         raise HarnessError("llama-cpp-python is not installed; install it or pass --source DIR") from None
     dest = cache_dir() / "src" / f"llama.cpp-{version}"
-    if (dest / SOURCE_MARKER).is_file():
+    if _valid_marker(dest):
         return dest
-    sdist = _download_sdist(version)
     dest.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=dest.parent, prefix=".extract-") as tmp:
-        tree = Path(tmp) / "llama.cpp"
-        commit = _extract_vendored(sdist, tree)
-        (tree / SOURCE_MARKER).write_text(
-            json.dumps({"commit": commit, "origin": f"llama-cpp-python {version} sdist"}) + "\n"
-        )
-        try:
-            tree.rename(dest)
-        except OSError:
-            if not (dest / SOURCE_MARKER).is_file():  # not a concurrent extraction that won the race
-                raise
+    with _locked(dest, f"the llama.cpp {version} sources"):  # one download and extraction at a time
+        if _valid_marker(dest):  # extracted by another process while we waited
+            return dest
+        with tempfile.TemporaryDirectory(dir=dest.parent, prefix=".extract-") as tmp:
+            tree = Path(tmp) / "llama.cpp"
+            commit = _extract_sdist(version, tree)
+            (tree / SOURCE_MARKER).write_text(
+                json.dumps({"commit": commit, "origin": f"llama-cpp-python {version} sdist"}) + "\n"
+            )
+            _replace_dir(tree, dest)  # dest may hold an earlier extraction with a bad or missing marker
     return dest
+
+
+def _valid_marker(tree: Path) -> bool:
+    """Whether `tree` has a readable extraction marker (a missing or corrupt one means: extract again)."""
+    try:
+        read_marker(tree / SOURCE_MARKER)
+    except HarnessError:
+        return False
+    return True
+
+
+def read_marker(marker: Path) -> str:
+    """The commit recorded in an extraction marker; a one-line HarnessError if it is missing or corrupt."""
+    try:
+        data = json.loads(marker.read_text())
+        commit = data.get("commit", "unknown")
+        if not isinstance(commit, str) or not commit:
+            raise ValueError(f"bad commit {commit!r}")
+    except (OSError, UnicodeDecodeError, ValueError, AttributeError) as err:
+        reason = " ".join(str(err).split())
+        raise HarnessError(f"unreadable source marker {marker} ({reason}); delete it and run again") from None
+    return commit
+
+
+def _extract_sdist(version: str, tree: Path) -> str:
+    """Extract the vendored tree of the sdist into `tree`; a corrupt download is deleted and fetched again once."""
+    retries = 1
+    while True:
+        sdist = _download_sdist(version)
+        try:
+            return _extract_vendored(sdist, tree)
+        except (tarfile.TarError, EOFError, zlib.error, OSError) as err:  # truncated or garbled archive
+            shutil.rmtree(tree, ignore_errors=True)
+            sdist.unlink(missing_ok=True)
+            if not retries:
+                reason = " ".join(str(err).split())
+                raise HarnessError(f"cannot extract {sdist} (deleted; run again): {reason}") from None
+            retries -= 1
 
 
 def _download_sdist(version: str) -> Path:
@@ -192,7 +234,7 @@ def source_identity(source: Path) -> SourceIdentity:
     if head and Path(head.splitlines()[0]).resolve() == source.resolve():
         return _git_identity(source, head.splitlines()[1])
     marker = source / SOURCE_MARKER
-    commit = json.loads(marker.read_text()).get("commit", "unknown") if marker.is_file() else "unknown"
+    commit = read_marker(marker) if marker.exists() else "unknown"
     return SourceIdentity(commit=commit, dirty=False, digest=tree_digest(source))
 
 
@@ -281,12 +323,47 @@ def ensure_server(
     args = cmake_options(backend, list(cmake_args or []))
     source = (source or vendored_source()).resolve()
     identity = source_identity(source)
-    builds = cache_dir() / "builds"
-    root = builds / build_key(identity, backend, args)
-    info_file = root / "build-info.json"
-    if info_file.is_file() and (root / "bin" / "llama-server").is_file():
-        return BuildInfo.from_json(json.loads(info_file.read_text()), root)
-    return _build(source, identity, backend, args, root, jobs or os.cpu_count() or 1)
+    root = cache_dir() / "builds" / build_key(identity, backend, args)
+    cached = load_build(root)
+    if cached is not None:
+        return cached
+    root.parent.mkdir(parents=True, exist_ok=True)
+    with _locked(root, f"llama-server {identity} ({backend})"):
+        cached = load_build(root)  # built by another process while we waited for the lock
+        if cached is not None:
+            return cached
+        return _build(source, identity, backend, args, root, jobs or os.cpu_count() or 1)
+
+
+def load_build(root: Path) -> Optional[BuildInfo]:
+    """The build cached in `root`, or None when there is none or it is unusable (unreadable or
+    incomplete `build-info.json`, missing binary): such an entry is rebuilt and replaced."""
+    try:
+        if not (root / "bin" / "llama-server").is_file():
+            return None
+        data = json.loads((root / "build-info.json").read_text())
+        if not isinstance(data, dict):
+            return None
+        info = BuildInfo.from_json(data, root)
+    except (OSError, UnicodeDecodeError, ValueError, TypeError):
+        return None
+    wanted = {"commit": str, "dirty": bool, "backend": str, "cmake_args": list, "compiler": str, "source_identity": str}
+    return info if all(isinstance(getattr(info, k), t) for k, t in wanted.items()) else None
+
+
+@contextmanager
+def _locked(target: Path, what: str):
+    """Hold the file lock `<target>.lock`, saying so on stderr when another process holds it first."""
+    lock = FileLock(str(target) + ".lock")
+    try:
+        lock.acquire(timeout=0)
+    except Timeout:
+        print(f"waiting for another process preparing {what} (lock {lock.lock_file})", file=sys.stderr)
+        lock.acquire()
+    try:
+        yield
+    finally:
+        lock.release()
 
 
 def prebuilt_server(server_bin: Path) -> BuildInfo:
@@ -328,21 +405,40 @@ def require_executable(path: Path) -> Path:
 
 
 def _build(source: Path, identity: SourceIdentity, backend: str, args: list[str], root: Path, jobs: int) -> BuildInfo:
-    """Configure and build into `<root>.tmp-<pid>`, keep bin/ + info + log, rename to `root`."""
-    root.parent.mkdir(parents=True, exist_ok=True)
+    """Configure and build into `<root>.tmp-<pid>`, keep bin/ + info + log, move to `root` (called under
+    the key's lock; an unusable entry already in `root` is replaced)."""
     _remove_stale_temps(root)
     tmp = root.with_name(f"{root.name}.tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     try:
         info = _build_into(tmp, source, identity, backend, args, root, jobs)
-        tmp.rename(root)
-    except OSError:
-        if not (root / "build-info.json").is_file():
-            raise
-        info = BuildInfo.from_json(json.loads((root / "build-info.json").read_text()), root)  # a concurrent build won
+        _replace_dir(tmp, root)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return info
+
+
+def _replace_dir(new: Path, dest: Path) -> None:
+    """Rename the complete tree `new` to `dest`; an existing `dest` is first renamed aside, then deleted.
+
+    Each rename is atomic: `dest` is at any moment either the old tree, absent, or the new tree,
+    never a half-written one. Callers hold the lock of `dest`.
+    """
+    old = None
+    if dest.exists() or dest.is_symlink():
+        old = dest.with_name(f"{dest.name}.old-{os.getpid()}")
+        _remove_path(old)
+        dest.rename(old)
+    new.rename(dest)
+    if old is not None:
+        _remove_path(old)
+
+
+def _remove_path(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        path.unlink(missing_ok=True)
 
 
 def _build_into(tmp: Path, source: Path, identity: SourceIdentity, backend: str, args: list[str], root: Path,
@@ -407,8 +503,8 @@ def _fail(root: Path, log_path: Path, step: str) -> None:
 
 
 def _remove_stale_temps(root: Path) -> None:
-    """Delete `<root>.tmp-<pid>` trees left by builds whose process no longer runs."""
-    for tmp in root.parent.glob(f"{root.name}.tmp-*"):
+    """Delete `<root>.tmp-<pid>` and `<root>.old-<pid>` trees left by processes that no longer run."""
+    for tmp in [*root.parent.glob(f"{root.name}.tmp-*"), *root.parent.glob(f"{root.name}.old-*")]:
         pid = tmp.name.rsplit("-", 1)[1]
         if pid.isdigit() and not _pid_alive(int(pid)):
             shutil.rmtree(tmp, ignore_errors=True)

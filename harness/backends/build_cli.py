@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import time
 from pathlib import Path
 
@@ -30,8 +31,29 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="llama.cpp checkout or plain tree (default: the tree vendored in llama-cpp-python)")
     p.add_argument("--backend", choices=BACKENDS, default="cpu", help="GPU backend to compile in (default cpu)")
     p.add_argument("--cmake-arg", action="append", default=[], metavar="ARG",
-                   help="extra CMake argument as --cmake-arg=-DX=Y (repeatable; part of the cache key)")
+                   help="extra CMake argument: --cmake-arg -DX=Y, or --cmake-arg=ARG for any other one starting "
+                        "with '-' (repeatable; part of the cache key)")
     p.add_argument("--jobs", type=int, metavar="N", help="parallel compile jobs (default: all cores)")
     p.add_argument("--server-bin", type=Path, metavar="PATH", help="use this llama-server binary instead of building")
     p.add_argument("--json", action="store_true", help="print the build info as JSON")
     p.set_defaults(func=cmd_build)
+    _accept_cmake_definitions(p)
+
+
+CMAKE_DEFINITION = re.compile(r"-[DU][A-Za-z_]")
+"""A CMake cache definition (-DX=Y) or removal (-UX)."""
+
+
+def _accept_cmake_definitions(parser: argparse.ArgumentParser) -> None:
+    """Let `--cmake-arg -DX=Y` parse: argparse takes every word starting with '-' for an option (and
+    then complains that --cmake-arg has no value), so words that look like CMake -D/-U arguments are
+    classified as values instead. This parser has no option starting with -D or -U. A stray -DX=Y
+    without --cmake-arg is still refused (as an unrecognized argument)."""
+    classify = getattr(parser, "_parse_optional", None)
+    if classify is None:  # argparse internals changed: only --cmake-arg=-DX=Y works then
+        return
+
+    def parse_optional(arg_string: str):
+        return None if CMAKE_DEFINITION.match(arg_string) else classify(arg_string)
+
+    parser._parse_optional = parse_optional

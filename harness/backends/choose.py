@@ -6,8 +6,6 @@ from typing import Callable, Optional
 from harness.backends.base import Backend
 from harness.backends.inproc import InprocBackend
 
-BACKEND_NAMES = ("inproc", "server")
-
 
 def backend_factories(server_bin: Optional[Path] = None, source: Optional[Path] = None,
                       run_dir: Optional[Path] = None) -> dict[str, Callable[[], Backend]]:

@@ -25,10 +25,10 @@ def context_params(config: ServeConfig) -> ContextParams:
 
 def spec_config(config: ServeConfig) -> SpecConfig:
     """The engine's speculative options from llama-server style names plus the in-process extras."""
-    spec = SpecConfig.from_options(
-        {**config.spec, "spec-draft-model": config.draft_model, "rollback": config.rollback, "fault": config.fault}
-    )
-    spec.drafters = list(config.drafters)
+    options = dict(config.engine)
+    drafters = options.pop("drafters", [])
+    spec = SpecConfig.from_options({**config.spec, "spec-draft-model": config.draft_model, **options})
+    spec.drafters = list(drafters)
     return spec
 
 

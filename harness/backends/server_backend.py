@@ -59,12 +59,13 @@ class ServerBackend:
         self.server_options = server_options
 
     def environment(self) -> dict:
-        """What produces the outputs: the build's device (cpu, cuda, metal), llama.cpp commit and compiler."""
+        """What produces the outputs: the build's device (cpu, cuda, metal), llama.cpp commit, source identity
+        (commit plus a digest when the tree is modified) and compiler. Not the binary's path: it is
+        machine-specific, and these values go into committed baselines."""
         self.build = self.build or ensure_server()
         return {
             "device": self.build.backend, "llama_cpp_commit": self.build.commit,
             "source_identity": self.build.source_identity, "compiler": self.build.compiler,
-            "server_bin": str(self.build.server_bin),
         }
 
     def open(self, config: ServeConfig) -> "ServerSession":

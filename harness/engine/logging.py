@@ -4,7 +4,7 @@ import sys
 
 import llama_cpp
 
-_state: dict = {"verbose": False}
+_state: dict = {"verbose": False, "installed": False}
 
 
 @llama_cpp.llama_log_callback
@@ -16,7 +16,12 @@ def _log_callback(level, text, user_data):
 def set_llama_verbose(verbose: bool) -> None:
     """Route llama.cpp's log lines to stderr when `verbose`, drop them otherwise."""
     _state["verbose"] = verbose
+    _state["installed"] = True
     llama_cpp.llama_log_set(_log_callback, None)
 
 
-set_llama_verbose(False)
+def ensure_quiet() -> None:
+    """Install the log callback (silent by default) unless it is already installed; called before
+    every model load, so llama.cpp stays quiet without an explicit `set_llama_verbose`."""
+    if not _state["installed"]:
+        set_llama_verbose(False)

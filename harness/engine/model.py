@@ -5,8 +5,8 @@ from pathlib import Path
 
 import llama_cpp
 
+from harness.engine.logging import ensure_quiet
 from harness.errors import HarnessError
-from harness.engine import logging as _logging  # noqa: F401  (silences llama.cpp before the first load)
 
 FALLBACK_CHAT_TEMPLATE = b"chatml"
 """Used for models without a template of their own (the tiny models), as llama-server does."""
@@ -19,6 +19,67 @@ def model_kind(is_recurrent: bool, is_hybrid: bool) -> str:
     return "recurrent" if is_recurrent else "dense"
 
 
+class Vocab:
+    """A model's vocabulary: token pieces and end-of-generation ids, both cached per token id.
+
+    The one detokenizer of the project: the engine's Result.text and `harness.detok.detokenizer` (failure
+    messages, reports) both go through `piece`, so they show the same text."""
+
+    SPECIAL = False
+    """Whether control/special tokens render as their text (llama_token_to_piece's `special`): not, like
+    llama-server's `content`."""
+
+    def __init__(self, ptr, model_ptr=None):
+        self.ptr = ptr
+        self.n_tokens = llama_cpp.llama_vocab_n_tokens(ptr)
+        self._model_ptr = model_ptr
+        """The vocab-only model this vocabulary belongs to when `load` created it (freed by `close`)."""
+        self._pieces: dict[int, bytes] = {}
+        self._eog: dict[int, bool] = {}
+
+    @classmethod
+    def load(cls, path: Path) -> "Vocab | None":
+        """The vocabulary of a GGUF file, without loading its weights; None when llama.cpp cannot read it."""
+        ensure_quiet()
+        llama_cpp.llama_backend_init()
+        params = llama_cpp.llama_model_default_params()
+        params.vocab_only = True
+        ptr = llama_cpp.llama_model_load_from_file(str(path).encode(), params)
+        return cls(llama_cpp.llama_model_get_vocab(ptr), model_ptr=ptr) if ptr else None
+
+    def piece(self, token: int) -> bytes:
+        """The bytes a token stands for (special tokens render as nothing; ids outside the vocabulary too)."""
+        cached = self._pieces.get(token)
+        if cached is None:
+            if not 0 <= token < self.n_tokens:
+                return b""
+            buf = ctypes.create_string_buffer(64)
+            n = llama_cpp.llama_token_to_piece(self.ptr, token, buf, len(buf), 0, self.SPECIAL)
+            if n < 0:
+                buf = ctypes.create_string_buffer(-n)
+                n = llama_cpp.llama_token_to_piece(self.ptr, token, buf, len(buf), 0, self.SPECIAL)
+            cached = self._pieces[token] = buf.raw[:n]
+        return cached
+
+    def detokenize(self, tokens: list[int]) -> str:
+        """Token ids → text (invalid UTF-8 at the edges replaced)."""
+        piece = self.piece
+        return b"".join(piece(t) for t in tokens).decode("utf-8", errors="replace")
+
+    def is_eog(self, token: int) -> bool:
+        """True for end-of-generation tokens (EOS, EOT, ...)."""
+        cached = self._eog.get(token)
+        if cached is None:
+            cached = self._eog[token] = bool(llama_cpp.llama_vocab_is_eog(self.ptr, token))
+        return cached
+
+    def close(self) -> None:
+        """Free the vocab-only model `load` created (a Model's own vocabulary goes with the Model)."""
+        if self._model_ptr:
+            llama_cpp.llama_model_free(self._model_ptr)
+            self._model_ptr = None
+
+
 class Model:
     """A llama.cpp model loaded through llama-cpp-python's low-level API."""
 
@@ -26,6 +87,7 @@ class Model:
         path = Path(path)
         if not path.is_file():
             raise HarnessError(f"model file not found: {path}")
+        ensure_quiet()
         llama_cpp.llama_backend_init()
         params = llama_cpp.llama_model_default_params()
         self.path = path
@@ -33,12 +95,13 @@ class Model:
         if not self.ptr:
             raise HarnessError(f"llama.cpp could not load model {path} (run with --verbose for its log)")
         self.vocab = llama_cpp.llama_model_get_vocab(self.ptr)
-        self.n_vocab = llama_cpp.llama_vocab_n_tokens(self.vocab)
+        self.vocabulary = Vocab(self.vocab)
+        """Pieces and end-of-generation ids (`piece`, `detokenize` and `is_eog` delegate to it)."""
+        self.n_vocab = self.vocabulary.n_tokens
         self.kind = model_kind(
             bool(llama_cpp.llama_model_is_recurrent(self.ptr)), bool(llama_cpp.llama_model_is_hybrid(self.ptr))
         )
         self.arch = self.meta("general.architecture") or "unknown"
-        self._pieces: dict[int, bytes] = {}
 
     def meta(self, key: str) -> str | None:
         """A GGUF metadata value as a string, or None when absent."""
@@ -60,23 +123,15 @@ class Model:
 
     def piece(self, token: int) -> bytes:
         """The bytes a token stands for (special tokens render as nothing, like llama-server's text)."""
-        cached = self._pieces.get(token)
-        if cached is None:
-            buf = ctypes.create_string_buffer(64)
-            n = llama_cpp.llama_token_to_piece(self.vocab, token, buf, len(buf), 0, False)
-            if n < 0:
-                buf = ctypes.create_string_buffer(-n)
-                n = llama_cpp.llama_token_to_piece(self.vocab, token, buf, len(buf), 0, False)
-            cached = self._pieces[token] = buf.raw[:n]
-        return cached
+        return self.vocabulary.piece(token)
 
     def detokenize(self, tokens: list[int]) -> str:
         """Token ids → text (invalid UTF-8 at the edges replaced)."""
-        return b"".join(self.piece(t) for t in tokens).decode("utf-8", errors="replace")
+        return self.vocabulary.detokenize(tokens)
 
     def is_eog(self, token: int) -> bool:
         """True for end-of-generation tokens (EOS, EOT, ...)."""
-        return bool(llama_cpp.llama_vocab_is_eog(self.vocab, token))
+        return self.vocabulary.is_eog(token)
 
     def render_chat(self, messages: list[dict]) -> str:
         """Messages → prompt text with the model's chat template (chatml for models without one)."""

@@ -50,10 +50,11 @@ class Sampler:
             llama_cpp.llama_sampler_chain_add(chain, llama_cpp.llama_sampler_init_dist(seed & 0xFFFFFFFF))
         return cls(chain, argmax=sampling.greedy and grammar is None)
 
-    def sample(self, ctx: Context, index: int) -> int:
-        """Sample from output row `index` of the last decode and accept the token into the chain."""
+    def sample(self, ctx: Context, index: int, logits: np.ndarray | None = None) -> int:
+        """Sample from output row `index` of the last decode and accept the token into the chain;
+        `logits` is that row's view (`ctx.logits(index)`) when the caller already holds it."""
         if self.argmax:
-            return int(np.argmax(ctx.logits(index)))
+            return int(np.argmax(ctx.logits(index) if logits is None else logits))
         return llama_cpp.llama_sampler_sample(self.ptr, ctx.ptr, index)
 
     def clone(self) -> "Sampler":

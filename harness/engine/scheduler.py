@@ -155,7 +155,7 @@ class Scheduler:
 
     def _finish_step(self, parts: list[Part], rows: list[list[int]]) -> list[tuple[Slot, Result]]:
         if self.spec:
-            self.spec.processed(self.batch.entries)
+            self.spec.processed(self.batch)
         finished = []
         for part, part_rows in zip(parts, rows):
             slot = part.slot

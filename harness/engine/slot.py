@@ -1,5 +1,6 @@
 """One slot: a request's tokens, its position in the slot's sequence, stop rules and its Result."""
 
+import codecs
 import time
 from enum import Enum
 
@@ -58,6 +59,12 @@ class Slot:
         self.prompt = tokens
         self.n_past = 0
         self.pending = -1
+        self._history: list[int] = []
+        stops = request.sampling.stop
+        if stops:
+            self._stop_decoder = codecs.getincrementaldecoder("utf-8")(errors="ignore")
+            self._stop_keep = max(len(s) for s in stops)
+            self._stop_tail = ""
         self.phase = Phase.PROMPT
         return None
 
@@ -72,13 +79,27 @@ class Slot:
 
     @property
     def history(self) -> list[int]:
-        """Every token decoded into the sequence, positions 0..n_past-1 (prompt, then output)."""
-        return self.prompt + self.result.tokens[: self.n_past - len(self.prompt)]
+        """Every token decoded into the sequence, positions 0..n_past-1 (prompt, then output).
+
+        The slot's own list, brought up to date from the output (which only grows) and `n_past` (which a
+        rollback lowers) at each call, so a step costs what changed since the last: read it, but neither
+        modify it nor keep it across steps."""
+        history, n, n_prompt = self._history, self.n_past, len(self.prompt)
+        if len(history) > n:
+            del history[n:]
+        if len(history) < min(n, n_prompt):
+            history += self.prompt[len(history) : n]
+        if n_prompt <= len(history) < n:
+            history += self.result.tokens[len(history) - n_prompt : n - n_prompt]
+        return history
 
     def sample(self, ctx: Context, row: int) -> tuple[int, PositionLogits | None]:
-        """Sample output row `row` with the slot's sampler; its top-k logits too when logging is on."""
-        token = self.sampler.sample(ctx, row)
-        return token, (capture(ctx.logits(row), self.logit_top_k) if self.logit_top_k else None)
+        """Sample output row `row` with the slot's sampler; its top-k logits too when logging is on
+        (the row's logits are fetched once for both)."""
+        if not self.logit_top_k:
+            return self.sampler.sample(ctx, row), None
+        logits = ctx.logits(row)
+        return self.sampler.sample(ctx, row, logits), capture(logits, self.logit_top_k)
 
     def emit_all(self, tokens: list[int], logits: list[PositionLogits | None]) -> bool:
         """Emit tokens in order until the request is done; the rest are discarded."""
@@ -98,17 +119,30 @@ class Slot:
         if logits is not None:
             self.result.logits.append(logits)
         self.pending = token
-        self.text_bytes += self.model.piece(token)
-        if sampling.stop:
+        piece = self.model.piece(token)
+        self.text_bytes += piece
+        if sampling.stop and self._stop_reached(piece):
             text = self.text_bytes.decode("utf-8", errors="ignore")
             hits = [i for i in (text.find(s) for s in sampling.stop) if i >= 0]
-            if hits:
-                self.text_bytes = bytearray(text[: min(hits)].encode())
-                return self._finish("word")
+            self.text_bytes = bytearray(text[: min(hits)].encode())
+            return self._finish("word")
         if len(self.result.tokens) >= sampling.n_predict:
             return self._finish("limit")
         if self.n_past >= self.n_ctx_seq:
             return self._finish("limit")
+        return False
+
+    def _stop_reached(self, piece: bytes) -> bool:
+        """Whether the text (UTF-8 decoded with errors ignored) holds a stop string now that `piece` was
+        added. The text before it held none, so a new match ends in the newly decoded characters and
+        starts at most (longest stop string) characters before them: only that window is searched. The
+        incremental decoder yields exactly what decoding all the bytes at once does (bytes of a character
+        still incomplete are held back, as the one-shot decode drops them), so a match here is one of
+        the whole text."""
+        window = self._stop_tail + self._stop_decoder.decode(piece)
+        if any(s in window for s in self.request.sampling.stop):
+            return True
+        self._stop_tail = window[max(0, len(window) - self._stop_keep) :]
         return False
 
     def fail(self, message: str) -> Result:

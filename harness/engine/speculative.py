@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from harness.engine import rollback
+from harness.engine.batch import Batch
 from harness.engine.context import Context
 from harness.engine.drafters.base import Drafter, DraftRequest
 from harness.engine.faults import check_fault
@@ -146,6 +147,8 @@ class Speculation:
         self.flags = rollback.CHECKPOINT_FLAGS[config.checkpoint_flags]
         self.fault = config.fault
         self.drafters = build_drafters(config, target)
+        self.mirrors = [d for d in self.drafters if type(d).process is not Drafter.process]
+        """The drafters that follow the target's decodes (draft models); the others ignore `process`."""
         self.replays: dict[int, list[int]] = {}
         self.attempts: dict[int, int] = {}
         self.producer: dict[int, int] = {}
@@ -207,10 +210,12 @@ class Speculation:
         if plan.replay:
             self.replays[slot.id] = plan.draft
 
-    def processed(self, entries: list[tuple[int, int, int, bool]]) -> None:
-        """The target decoded a batch: draft models mirror it."""
-        for d in self.drafters:
-            d.process(entries)
+    def processed(self, batch: Batch) -> None:
+        """The target decoded `batch`: draft models mirror it (its entries are read only for them)."""
+        if self.mirrors:
+            entries = batch.entries()
+            for d in self.mirrors:
+                d.process(entries)
 
     def verify(self, slot, plan: StepPlan, rows: list[int]) -> bool:
         """Sample every row, accept while the sample equals the draft, roll back the rest.
@@ -220,16 +225,18 @@ class Speculation:
         sampled: list[int] = []
         logits = []
         draft = plan.draft
+        k = len(draft)
+        n_match = 0
+        is_eog = slot.model.is_eog
         for i, row in enumerate(rows):
             token, row_logits = slot.sample(self.ctx, row)
             sampled.append(token)
             logits.append(row_logits)
-            if i == len(draft) or token != draft[i] or slot.model.is_eog(token):
+            if i == k or token != draft[i]:
                 break
-        n_match = 0
-        while n_match < min(len(sampled), len(draft)) and sampled[n_match] == draft[n_match]:
-            n_match += 1
-        k = len(draft)
+            n_match += 1  # an end-of-generation token that matches the draft counts as accepted
+            if is_eog(token):
+                break
         if plan.replay:
             stats["n_redecoded"] += k
         else:

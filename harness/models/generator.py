@@ -1,6 +1,6 @@
 """Tiny random-weight GGUF models for llama.cpp, written byte-identically from a table of recipes.
 
-The layouts, key sets and weight scales follow the measured recipe in the project's tiny-gguf notes:
+The layouts, key sets and weight scales follow the measured recipe in the shared reference ../shared/reference/tiny-gguf.md:
 f32 everywhere, matmul weights N(0,1)/sqrt(fan_in), norms 1, an untied `output.weight`.
 A draft is its target's weights plus seeded noise N(0, (noise * std(W))^2) on every matmul weight.
 """
@@ -117,6 +117,7 @@ def _vocab_size() -> int:
     return next(len(value) for key, value, _, _ in _tokenizer_fields() if key == "tokenizer.ggml.tokens")
 
 
+@functools.cache
 def fingerprint(recipe: Recipe) -> str:
     """Hex sha256 of everything that determines the bytes `write_model(recipe)` writes."""
     spec = {

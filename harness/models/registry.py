@@ -11,8 +11,6 @@ from __future__ import annotations
 import hashlib
 import importlib
 import os
-import tempfile
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
@@ -23,7 +21,7 @@ from filelock import FileLock
 from harness.errors import HarnessError
 from harness.models import generator
 from harness.models.gguf_header import read_metadata
-from harness.paths import cache_dir
+from harness.paths import cache_dir, write_atomic
 
 DEFAULT_MODELS = ("tiny-dense", "tiny-hybrid", "tiny-recurrent")
 """The generated targets a run uses by default: one per kind."""
@@ -86,18 +84,6 @@ def _sha256_file(path: Path) -> str:
     return digest.hexdigest()
 
 
-def _write_atomic(path: Path, write: Callable[[Path], object]) -> None:
-    """Call `write(tmp_path)`, then move the finished temp file onto `path` (same directory)."""
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    os.close(fd)
-    try:
-        write(Path(tmp))
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
 def _generated(name: str, build: bool) -> ModelInfo:
     recipe = generator.RECIPES[name]
     path = _models_dir() / f"{name}-{generator.fingerprint(recipe)[:12]}.gguf"
@@ -107,8 +93,8 @@ def _generated(name: str, build: bool) -> ModelInfo:
             raise HarnessError(f"model '{name}' is not built yet: run `specharness models make {name}`")
         with FileLock(str(path) + ".lock"):  # parallel test workers build each model once
             if not (path.exists() and sidecar.exists()):
-                _write_atomic(path, lambda tmp: generator.write_model(recipe, tmp))
-                _write_atomic(sidecar, lambda tmp: tmp.write_text(_sha256_file(path) + "\n"))
+                write_atomic(path, lambda tmp: generator.write_model(recipe, tmp))
+                write_atomic(sidecar, lambda tmp: tmp.write_text(_sha256_file(path) + "\n"))
     return ModelInfo(
         name, recipe.arch, kind_of_arch(recipe.arch), path, sidecar.read_text().strip(), path.stat().st_size
     )
@@ -125,9 +111,17 @@ def _read_arch(path: Path) -> str:
     return arch
 
 
+_FILE_INFO: dict[tuple, ModelInfo] = {}
+"""ModelInfo of user files by (path, size, mtime): hashing a multi-GB model once per process is enough."""
+
+
 def _file_info(name: str, path: Path, sha256: str | None = None) -> ModelInfo:
-    arch = _read_arch(path)
-    return ModelInfo(name, arch, kind_of_arch(arch), path, sha256 or _sha256_file(path), path.stat().st_size)
+    stat = path.stat()
+    key = (name, path, stat.st_size, stat.st_mtime_ns)
+    if key not in _FILE_INFO:
+        arch = _read_arch(path)
+        _FILE_INFO[key] = ModelInfo(name, arch, kind_of_arch(arch), path, sha256 or _sha256_file(path), stat.st_size)
+    return _FILE_INFO[key]
 
 
 def _gemma_package() -> ModuleType | None:
@@ -150,7 +144,7 @@ def _gemma(build: bool) -> ModelInfo:
             raise HarnessError(f"model '{GEMMA}' is not assembled yet: run `specharness models make {GEMMA}`")
         with FileLock(str(path) + ".lock"):
             if not path.exists():
-                _write_atomic(path, lambda tmp: package.assemble(tmp, overwrite=True))  # assemble() checks the sha256
+                write_atomic(path, lambda tmp: package.assemble(tmp, overwrite=True))  # assemble() checks the sha256
     return _file_info(GEMMA, path, sha)
 
 

@@ -16,10 +16,10 @@ class Scripted(Drafter):
     o = len(history) - len(prompt) output tokens decoded so far, `id_last` is output token o and the draft
     is continuation[o+1 : o+1+n_max] (capped at `req.n_max`, shorter or empty at the end of the script).
 
-    A proposed token is replaced by a wrong one — t+1, or (t+1) % n_vocab when n_vocab is given — when
-    `wrong_at` says so: a set of output offsets (indices into the continuation), or a callable
-    (seq_id, output offset, draft position) → bool. `reject_all=True` makes every draft's first token
-    wrong. So: no corruption → every draft is accepted in full (if the target follows the script);
+    A proposed token t is replaced by a wrong one — t-1, or 1 for token 0: always a valid id, whatever the
+    vocabulary's size — when `wrong_at` says so: a set of output offsets (indices into the continuation),
+    or a callable (seq_id, output offset, draft position) → bool. `reject_all=True` makes every draft's
+    first token wrong. So: no corruption → every draft is accepted in full (if the target follows the script);
     `wrong_at=lambda s, j, k: k == 2` → each draft is rejected at its position 2; `reject_all` → nothing
     is ever accepted.
     """
@@ -32,13 +32,11 @@ class Scripted(Drafter):
         n_max: int = 4,
         wrong_at: WrongAt | None = None,
         reject_all: bool = False,
-        n_vocab: int | None = None,
     ):
         self.continuation = continuation
         self.n_max = n_max
         self.wrong_at = wrong_at
         self.reject_all = reject_all
-        self.n_vocab = n_vocab
         self._prompt_len: dict[int, int] = {}
         self._by_prompt: dict[int, list[int]] = {}
 
@@ -63,8 +61,8 @@ class Scripted(Drafter):
         return self.wrong_at is not None and offset in self.wrong_at
 
     def wrong(self, token: int) -> int:
-        """The deterministic wrong token planted instead of `token`."""
-        return (token + 1) % self.n_vocab if self.n_vocab else token + 1
+        """The deterministic wrong token planted instead of `token` (a valid id other than `token`)."""
+        return token - 1 if token > 0 else token + 1
 
     def draft(self, req: DraftRequest) -> list[int]:
         """The next scripted tokens after `req.id_last`, corrupted where asked."""

@@ -1,0 +1,61 @@
+"""The known-failures file: entries are validated, and they explain exactly the failures they describe."""
+
+import shutil
+from pathlib import Path
+
+import pytest
+
+from harness.checks.base import CheckResult
+from harness.errors import HarnessError
+from harness.known_failures import load, tag
+from harness.matrix import Cell
+
+REPO = Path(__file__).resolve().parents[1]
+ENTRY = """\
+- id: demo-defect
+  suite: kv-fill
+  backend: server
+  modes: [par]
+  check: no-crash
+  evidence: 'batch index \\d+ is not inside'
+  llama_cpp_commit: 0c1e570
+  reason: a demo
+"""
+
+
+@pytest.fixture
+def suites(tmp_path):
+    shutil.copy(REPO / "suites" / "kv-fill.yaml", tmp_path / "kv-fill.yaml")
+    return tmp_path
+
+
+def test_the_shipped_file_loads():
+    assert [e.id for e in load(REPO / "suites" / "known-failures.yaml")]
+
+
+def test_an_entry_explains_only_its_cells_check_and_evidence(suites):
+    (suites / "known-failures.yaml").write_text(ENTRY)
+    [entry] = load(suites / "known-failures.yaml")
+    par, seq = Cell("server", "par", "draft-simple", "tiny-dense"), Cell("server", "seq", "draft-simple", "tiny-dense")
+    crash = CheckResult("no-crash", False, "HTTP 500: speculative batch index 12 is not inside the current sub-batch")
+    other = CheckResult("no-crash", False, "killed by SIGABRT")
+    assert tag([entry], "kv-fill", par, [crash, other]) == [other]
+    assert crash.evidence["known_failure"] == "demo-defect"
+    fresh = CheckResult("no-crash", False, crash.message)
+    assert tag([entry], "kv-fill", seq, [fresh]) == [fresh]
+
+
+@pytest.mark.parametrize("change, message", [
+    (("suite: kv-fill", "suite: kv-fil"), "unknown suite 'kv-fil'"),
+    (("check: no-crash", "check: no-crash2"), "unknown check 'no-crash2'"),
+    (("modes: [par]", "modes: [parallel]"), "unknown mode 'parallel'"),
+    (("backend: server", "backend: cuda"), "unknown backend 'cuda'"),
+    (("  reason: a demo\n", ""), "'reason' is a required property"),
+])
+def test_bad_entries_are_one_line_errors_naming_file_and_entry(suites, change, message):
+    path = suites / "known-failures.yaml"
+    path.write_text(ENTRY.replace(*change))
+    with pytest.raises(HarnessError) as err:
+        load(path)
+    assert str(err.value).startswith(f"{path}: entry 0: ") and message in str(err.value)
+    assert "\n" not in str(err.value)
