@@ -629,13 +629,17 @@ def add_parser(subparsers) -> None:
                                     "(facts the blob does not store)")
     p.add_argument("--kind", choices=KINDS, default="auto", help="what the file is (default: from its magic)")
     p.add_argument("--expect", action="append", default=[], metavar="SEQ=LEN",
-                   help="sequence SEQ holds LEN tokens: cells at positions >= LEN are orphans (repeatable)")
+                   help="sequence SEQ holds LEN tokens: cells at positions >= LEN are orphans (repeatable; default for "
+                        ".ggsq and slot files: the file's own token count)")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.add_argument("--cells", action="store_true", help="also list every cell")
     p.set_defaults(func=_cmd_scan)
 
 
-def _parse_expect(items: list[str]) -> dict[int, int]:
+def _parse_expect(items: list[str]) -> Optional[dict[int, int]]:
+    """`--expect SEQ=LEN` values; None without any, so a sequence file's own token count applies."""
+    if not items:
+        return None
     out = {}
     for item in items:
         seq, _, length = item.partition("=")

@@ -202,6 +202,23 @@ def test_orphans_and_holes(blobs, tmp_path, capsys):
     assert r.holes == [("kv", 0, 0, 3, 4)] and r.totals["missing_positions"] == 2 and not r.healthy
 
 
+
+@pytest.mark.parametrize("slot_file", (False, True))
+def test_scan_command_uses_a_sequence_files_own_token_count(blobs, tmp_path, capsys, slot_file):
+    """Cells past a file's token list are the leak of llama.cpp PR #20925: without --expect the command
+    takes the file's own count (a .ggsq file, or a llama-server slot file with its packed token list)."""
+    b = blobs("tiny-dense")
+    b.decode(0, range(12))
+    tokens = [10 + i for i in range(7)]
+    words = [-1, 1, len(tokens), *tokens, 0] if slot_file else tokens
+    path = b.save_seq_file(tmp_path / "leak.ggsq", 0, words)
+    assert cli.main(["scan", str(path)]) == 1
+    out = capsys.readouterr().out
+    assert [f"pos {p} (expected < 7)" in out for p in range(7, 12)] == [True] * 5
+    assert cli.main(["scan", str(path), "--json"]) == 1
+    assert json.loads(capsys.readouterr().out)["totals"]["orphans"] == 5
+    assert cli.main(["scan", str(path), "--expect", "0=12"]) == 0  # --expect overrides the file's count
+
 def test_hybrid_seq_blobs_and_whole_context(blobs, tmp_path):
     b = blobs("tiny-hybrid")
     b.decode(0, range(9))

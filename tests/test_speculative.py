@@ -224,3 +224,23 @@ def test_ngram_speculation_is_lossless(loop_reference, spec_type, name, mode):
     assert_lossless(loop_reference[name], results)
     t = totals(results)
     assert t["draft_n_accepted"] > 0 and t["draft_n"] > t["draft_n_accepted"], t
+
+
+def test_chained_drafters_follow_llama_cpps_priority_ngram_before_draft_model(tiny_models):
+    """common/speculative.cpp tries the n-gram types before draft-simple, whatever order the user wrote."""
+    from harness.engine.context import Context
+    from harness.engine.model import Model
+    from harness.engine.speculative import build_drafters
+
+    model = Model(tiny_models["tiny-dense"].path)
+    ctx = Context(model, ContextParams())
+    config = SpecConfig(spec_type=("draft-simple", "ngram-mod", "ngram-simple"),
+                        spec_draft_model=resolve("tiny-dense-draft").path)
+    drafters = build_drafters(config, ctx)
+    try:
+        assert [d.name for d in drafters] == ["ngram-simple", "ngram-mod", "draft-simple"]
+    finally:
+        for d in drafters:
+            getattr(d, "close", lambda: None)()
+        ctx.close()
+        model.close()

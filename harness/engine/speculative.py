@@ -17,8 +17,9 @@ from harness.engine.drafters.base import Drafter, DraftRequest
 from harness.engine.faults import check_fault
 from harness.errors import HarnessError
 
-SPEC_TYPES = ("none", "draft-simple", "ngram-simple", "ngram-map-k", "ngram-map-k4v", "ngram-mod")
-"""`--spec-type` values, in llama.cpp's priority order after `none` (the first drafter with a draft wins)."""
+SPEC_TYPES = ("none", "ngram-simple", "ngram-map-k", "ngram-map-k4v", "ngram-mod", "draft-simple")
+"""`--spec-type` values, in llama.cpp's priority order after `none` (common/speculative.cpp: the n-gram
+types before the draft model; the first drafter with a draft wins the step)."""
 
 
 @dataclass
