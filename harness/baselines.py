@@ -11,6 +11,7 @@ import re
 from pathlib import Path
 from typing import Optional
 
+from harness.checks import verdict
 from harness.checks.base import CheckContext, CheckResult
 from harness.checks.compare import compare_tokens
 from harness.logits import PositionLogits, from_frame, load_parquet, save_parquet, to_frame
@@ -118,9 +119,9 @@ class BaselineStore:
         if data is None:
             return CheckResult("baseline", False,
                                f"no baseline {shown(path)}; create it with: {ctx.repro} --update-baselines")
-        passed, message, evidence = compare_tokens(ctx, data["tokens"], self.load_logits(path), f"baseline {shown(path)}")
-        evidence["baseline"] = str(path)
-        return CheckResult("baseline", passed, message, evidence)
+        result = verdict("baseline", compare_tokens(ctx, data["tokens"], self.load_logits(path), f"baseline {shown(path)}"))
+        result.evidence["baseline"] = shown(path)
+        return result
 
     def _update(self, ctx: CheckContext, path: Path, env: dict) -> None:
         """Store the canonical output (mode seq, no speculation, first round) of this case."""

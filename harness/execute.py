@@ -5,19 +5,21 @@ a chat case sends its turns one after another, each turn carrying the model's ea
 cell runs once per executor (memoized), so checks that compare cells reuse the runs.
 """
 
+import traceback
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 from harness.backends.base import Backend, ServeConfig
-from harness.engine.drafters.scripted import Scripted
-from harness.errors import HarnessError
+from harness.engine.drafters.scripted import Scripted, at_draft_position, by_prompt
+from harness.errors import HarnessBug, HarnessError
 from harness.matrix import Cell, spec_preset
 from harness.models import draft_for, resolve
-from harness.request import Request
+from harness.logits import PositionLogits
+from harness.request import Request, Sampling
 from harness.result import Result
-from harness.suites import Case, Suite
+from harness.suites import Case, Suite, case_keys  # noqa: F401 - case_keys is used from here too
 
-SCRIPTS = {"reject-all": {"reject_all": True}, "wrong-at-2": {"wrong_at": lambda seq, offset, pos: pos == 2}}
+SCRIPTS = {"reject-all": {"reject_all": True}, "wrong-at-2": {"wrong_at": at_draft_position(2)}}
 
 
 @dataclass
@@ -31,20 +33,17 @@ class Outcome:
 
 @dataclass
 class CellRun:
-    """Everything one cell produced; `error` is set when the cell could not be served at all."""
+    """Everything one cell produced; `error` is set when the cell could not be served at all (or its
+    backend broke mid-run); `harness_error` holds the traceback when that was a bug of the harness itself."""
 
     suite: Suite
     cell: Cell
     outcomes: list[Outcome] = field(default_factory=list)
     error: Optional[str] = None
+    harness_error: Optional[str] = None
 
     def of_case(self, case: str) -> list[Outcome]:
         return [o for o in self.outcomes if o.case == case]
-
-
-def case_keys(case: Case) -> list[str]:
-    """The record names of a case: its name, or `<name>.turnN` for each turn of a chat."""
-    return [f"{case.name}.turn{i + 1}" for i in range(len(case.turns))] if case.is_chat else [case.name]
 
 
 @dataclass
@@ -80,6 +79,10 @@ class Executor:
         """Every cell run so far, in execution order."""
         return list(self._runs.values())
 
+    def rescorer(self) -> "Rescorer":
+        """Re-scores positions whose logits a backend withheld (a context manager; sessions close on exit)."""
+        return Rescorer(self)
+
     def environment(self, cell: Cell) -> dict:
         """What produced a cell's outputs: the backend's build facts (device, llama.cpp) and the model's sha256."""
         env = dict(self._backend(cell.backend).environment())
@@ -103,11 +106,11 @@ class Executor:
             if name is None:
                 raise HarnessError(f"draft-simple needs --draft-model: {cell.model} has no registered draft")
             draft = resolve(name).path
-        engine = dict(self.options.engine)
+        engine = {**self.options.engine, **suite.engine}
         if preset.scripted:
             reference = self.run(suite, cell.reference(spec="none"))
             script = {tuple(o.result.prompt_tokens): o.result.tokens for o in reference.outcomes if o.round == 0}
-            engine["drafters"] = [Scripted(lambda prompt: script.get(tuple(prompt), []), **SCRIPTS[preset.scripted])]
+            engine["drafters"] = [Scripted(by_prompt(script), **SCRIPTS[preset.scripted])]
         serve = dict(suite.serve)
         return ServeConfig(
             model=model, mode=cell.mode, parallel=serve.pop("parallel", self.options.parallel),
@@ -121,12 +124,16 @@ class Executor:
             session = self._backend(cell.backend).open(self._config(suite, cell))
         except HarnessError as err:
             run.error = str(err)
+        except Exception as err:  # noqa: BLE001 - a bug of ours: reported as a harness error, not a verdict
+            _harness_error(run, err)
         else:
             try:
                 for r, how in enumerate(suite.rounds):
                     self._round(session, suite, run, r, how, on_request)
-            except Exception as err:  # a backend that broke mid-run: keep what was done, report the rest
-                run.error = f"{cell.backend} failed during the run: {str(err).splitlines()[0] if str(err) else type(err).__name__}"
+            except HarnessError as err:  # a backend that broke mid-run: keep what was done, report the rest
+                run.error = f"{cell.backend} failed during the run: {str(err).splitlines()[0]}"
+            except Exception as err:  # noqa: BLE001
+                _harness_error(run, err)
             finally:
                 session.close()
         if run.error is not None:
@@ -172,3 +179,45 @@ class Executor:
         history = histories[case.name]
         history.append({"role": "user", "content": case.turns[step]})
         return Request(messages=list(history), sampling=case.sampling, tag=case_keys(case)[step])
+
+
+class Rescorer:
+    """The logits of a run at one position, recomputed by a plain (non-speculative) decode of the same prefix
+    in the run's configuration: one request with the prompt and the output before the position, one token
+    generated, its top-k logged. llama-server returns no probabilities for tokens accepted through
+    speculation; triage asks for those here. Sessions open on first use and close on exit."""
+
+    def __init__(self, executor: Executor):
+        self.executor = executor
+        self.sessions: dict[tuple[str, Cell], object] = {}
+        self.cache: dict[tuple, Optional[PositionLogits]] = {}
+
+    def score(self, suite: Suite, cell: Cell, result: Result, pos: int) -> Optional[PositionLogits]:
+        if self.executor.options.logit_top_k <= 0 or pos > len(result.tokens):
+            return None
+        plain = cell.reference(spec="none")
+        prompt = [*result.prompt_tokens, *result.tokens[:pos]]
+        key = (suite.name, plain, tuple(prompt))
+        if key not in self.cache:
+            session = self.sessions.get((suite.name, plain))
+            if session is None:
+                session = self.sessions[(suite.name, plain)] = self.executor._backend(plain.backend).open(
+                    self.executor._config(suite, plain))
+            scored = session.run([Request(prompt=prompt, sampling=Sampling(n_predict=1, temperature=0.0))])[0]
+            self.cache[key] = scored.logits[0] if scored.ok and scored.logits else None
+        return self.cache[key]
+
+    def __enter__(self) -> "Rescorer":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for session in self.sessions.values():
+            session.close()
+
+
+def _harness_error(run: CellRun, err: Exception) -> None:
+    """Record a Python exception of the harness (in this process or the engine's worker) on the cell."""
+    trace = err.args[0] if isinstance(err, HarnessBug) else traceback.format_exc()
+    last = trace.strip().splitlines()[-1] if trace.strip() else type(err).__name__
+    run.error = f"harness error (a bug of specharness, not a llama.cpp finding): {last}"
+    run.harness_error = trace

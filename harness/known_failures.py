@@ -1,9 +1,11 @@
 """Known failures: defects of llama.cpp itself that the suites found (`suites/known-failures.yaml`).
 
 Each entry names the suite, the matrix cells, the check and a regular expression of the evidence, plus
-the llama.cpp commit and why. A check failure it explains is an expected failure, not a red run. Each
-entry also runs as a strict expected failure of its own: when llama.cpp fixes the defect, the entry no
-longer reproduces, that fails the run, and the entry is removed.
+the llama.cpp commit, why, and the upstream report. A check failure it explains is an expected failure,
+not a red run — but only when the evidence explains every failing request of the verdict: a request
+whose failure the entry does not explain keeps the verdict red. Each entry also runs as a strict expected
+failure of its own: when llama.cpp fixes the defect, the entry no longer reproduces, that fails the run,
+and the entry is removed.
 """
 
 import re
@@ -21,7 +23,7 @@ from harness.matrix import Cell, narrowing
 FILE_NAME = "known-failures.yaml"
 _ENTRY = {
     "type": "object", "additionalProperties": False,
-    "required": ["id", "suite", "backend", "check", "evidence", "llama_cpp_commit", "reason"],
+    "required": ["id", "suite", "backend", "check", "evidence", "llama_cpp_commit", "reason", "upstream"],
     "properties": {
         "id": {"type": "string", "pattern": r"^[a-z0-9-]+$"},
         "suite": {"type": "string"}, "backend": {"type": "string"},
@@ -30,6 +32,7 @@ _ENTRY = {
         "models": {"type": "array", "items": {"type": "string"}},
         "check": {"type": "string"}, "evidence": {"type": "string"},
         "llama_cpp_commit": {"type": "string"}, "found": {"type": "string"}, "reason": {"type": "string"},
+        "upstream": {"type": "string", "minLength": 1},
     },
 }
 
@@ -45,6 +48,8 @@ class KnownFailure:
     evidence: str
     llama_cpp_commit: str
     reason: str
+    upstream: str
+    """Where llama.cpp tracks it (an issue or pull request), or what was filed."""
     modes: tuple[str, ...] = ()
     specs: tuple[str, ...] = ()
     models: tuple[str, ...] = ()
@@ -56,9 +61,18 @@ class KnownFailure:
                 and all(not allowed or value in allowed for value, allowed in
                         ((cell.mode, self.modes), (cell.spec, self.specs), (cell.model, self.models))))
 
+    def explained(self, result: CheckResult) -> tuple[int, int]:
+        """(failing items this defect explains, failing items) of a failed verdict of its check: the
+        verdict's per-request `failures`, or its message when it has none."""
+        if result.passed or result.name != self.check:
+            return 0, 0
+        items = result.failures or [result.message]
+        return sum(re.search(self.evidence, item) is not None for item in items), len(items)
+
     def explains(self, result: CheckResult) -> bool:
-        """True when a failed check verdict is this defect."""
-        return not result.passed and result.name == self.check and re.search(self.evidence, result.message) is not None
+        """True when a failed check verdict is this defect in every one of its failing requests."""
+        hits, total = self.explained(result)
+        return total > 0 and hits == total
 
     @property
     def summary(self) -> str:
@@ -75,19 +89,20 @@ def load(path: Path) -> list[KnownFailure]:
         raise HarnessError(f"{path}: not valid YAML ({err})") from None
     if not isinstance(data, list):
         raise HarnessError(f"{path}: must be a list of entries")
-    from harness.checks import CHECKS
-    from harness.suites import suite_files
+    from harness.suites import CHECK_NAMES, suite_files
 
     suites = {p.stem for p in suite_files(path.parent)}
     entries = []
     for i, raw in enumerate(data):
         try:
             jsonschema.validate(raw, _ENTRY)
-            re.compile(raw["evidence"])
+            if re.search(raw["evidence"], "") is not None:
+                raise HarnessError(f"evidence pattern {raw['evidence']!r} matches an empty string, so it would "
+                                   "explain any failure; make it name the defect's message")
             narrowing([raw["backend"]], list(raw.get("modes", [])), list(raw.get("specs", [])))
         except (jsonschema.ValidationError, re.error, HarnessError) as err:
             raise HarnessError(f"{path}: entry {i}: {str(err).splitlines()[0]}") from None
-        for value, known, what in ((raw["suite"], suites, "suite"), (raw["check"], CHECKS, "check")):
+        for value, known, what in ((raw["suite"], suites, "suite"), (raw["check"], CHECK_NAMES, "check")):
             if value not in known:
                 raise HarnessError(f"{path}: entry {i}: unknown {what} '{value}' (known: {', '.join(sorted(known))})")
         entries.append(KnownFailure(**{k: tuple(v) if isinstance(v, list) else v for k, v in raw.items()}))
@@ -108,6 +123,12 @@ def tag(entries: list[KnownFailure], suite: str, cell: Cell, results: list[Check
         entry = matching(entries, suite, cell, r)
         if entry is None:
             unexplained.append(r)
+            partial = [(e, *e.explained(r)) for e in entries if e.covers(suite, cell)]
+            for e, hits, total in partial:
+                if hits:
+                    r.evidence["known_failure_partial"] = f"{e.id} explains {hits} of {total} failing requests"
+                    r.message += (f"\n  ({e.id} explains {hits} of {total} failing requests; the other "
+                                  f"{total - hits} stay failures)")
         else:
             r.evidence["known_failure"] = entry.id
     return unexplained

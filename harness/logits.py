@@ -158,18 +158,25 @@ def load_parquet(path: Path) -> dict[str, pd.DataFrame]:
 
 @dataclass(frozen=True)
 class Tolerances:
-    """How close two runs' logits must be. `top1_agreement` is a rate over the compared positions; the
-    others bound every single position (log-probabilities, nats).
+    """How close two runs' logits must be, judged over all compared positions the way llama.cpp's
+    test-backend-ops judges a tensor (an aggregate error, not the single worst element), so one outlier
+    logit of a 262k vocabulary does not decide alone:
 
-    On the tiny models over 128 tokens, switching flash attention on moves logits by |Δ| ≤ 0.035 (mostly
-    < 0.005), NMSE ≤ 4e-6, KL ≤ 5e-5; a q8_0 K cache by |Δ| 0.025–0.1, NMSE ≤ 7e-5, KL ≤ 7e-4.
+    - `top1_agreement`: the rate of positions whose top-1 candidate is the same;
+    - `nmse`: Σ(a−b)² / Σa² pooled over every compared position (log-probabilities of the top-k ids);
+    - `kl`: the mean over positions of KL(a‖b) (top-k plus a rest bucket);
+    - `max_abs`: a bound on the `max_abs_quantile` quantile of the per-position max |Δ|.
+
+    The defaults are the uncalibrated fallback (tiny models, flash attention on vs off: |Δ| ≤ 0.035, mostly
+    < 0.005, NMSE ≤ 4e-6, KL ≤ 5e-5); `specharness calibrate` measures the real floor per model, backend
+    and device (`fixtures/calibration/`).
     """
 
     top1_agreement: float = 1.0
-    max_abs: float = 0.025
-    """Half of triage's default near-tie margin: noise within it can flip only margins called near-ties."""
     nmse: float = 1e-5
     kl: float = 1e-4
+    max_abs: float = 0.025
+    max_abs_quantile: float = 0.95
 
 
 @dataclass
@@ -256,8 +263,15 @@ def compare(a: list[PositionLogits], b: list[PositionLogits], k: int = 10) -> Lo
     )
 
 
+def max_abs_quantile(comparison: "LogitsComparison", q: float) -> float:
+    """The q-quantile of the per-position max |Δ| (0 without compared positions)."""
+    df = comparison.per_position
+    return 0.0 if df.empty else float(df["max_abs"].quantile(q, interpolation="higher"))
+
+
 def check(comparison: LogitsComparison, tol: Tolerances) -> tuple[bool, str]:
-    """Whether the comparison is within `tol`, and a one-line message naming the worst position(s)."""
+    """Whether the comparison is within `tol`, and a one-line message with the aggregates (and the worst
+    position, to look at)."""
     c, df = comparison, comparison.per_position
     scope = f"{c.n_compared} positions ({c.n_skipped} skipped; lengths {c.n_a}/{c.n_b})"
     if df.empty:
@@ -267,13 +281,16 @@ def check(comparison: LogitsComparison, tol: Tolerances) -> tuple[bool, str]:
         first = df[~df["top1_agree"]].iloc[0]
         problems.append(f"top-1 agreement {c.top1_agreement:.4f} < {tol.top1_agreement} (first disagreement at "
                         f"position {int(first.position)}: id {int(first.a_top1)} vs {int(first.b_top1)})")
-    for metric, limit in (("max_abs", tol.max_abs), ("nmse", tol.nmse), ("kl", tol.kl)):
-        worst = df.loc[df[metric].idxmax()]
-        if worst[metric] > limit:
-            where = f" on id {int(worst.max_abs_id)}" if metric == "max_abs" else ""
-            problems.append(f"{metric} {worst[metric]:.3g} > {limit:g} at position {int(worst.position)}{where}")
-    if problems:
-        return False, f"logits differ over {scope}: " + "; ".join(problems)
+    if c.nmse > tol.nmse:
+        problems.append(f"NMSE {c.nmse:.3g} > {tol.nmse:.3g}")
+    if c.kl_mean > tol.kl:
+        problems.append(f"mean KL {c.kl_mean:.3g} > {tol.kl:.3g}")
+    quantile = max_abs_quantile(c, tol.max_abs_quantile)
+    if quantile > tol.max_abs:
+        problems.append(f"p{100 * tol.max_abs_quantile:g} of max |Δ| {quantile:.3g} > {tol.max_abs:.3g}")
     worst = df.loc[df["max_abs"].idxmax()]
-    return True, (f"logits close over {scope}: top-1 agreement {c.top1_agreement:.4f}, max |Δ| {c.max_abs:.3g} "
-                  f"at position {int(worst.position)}, NMSE {c.nmse:.3g}, KL mean {c.kl_mean:.3g} max {c.kl_max:.3g}")
+    at = f"max |Δ| {c.max_abs:.3g} at position {int(worst.position)} on id {int(worst.max_abs_id)}"
+    if problems:
+        return False, f"logits differ over {scope}: " + "; ".join(problems) + f" ({at})"
+    return True, (f"logits close over {scope}: top-1 agreement {c.top1_agreement:.4f}, NMSE {c.nmse:.3g}, "
+                  f"mean KL {c.kl_mean:.3g}, p{100 * tol.max_abs_quantile:g} of max |Δ| {quantile:.3g} ({at})")

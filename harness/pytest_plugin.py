@@ -19,7 +19,7 @@ from harness.baselines import BaselineStore
 from harness.checks import evaluate
 from harness.checks.base import CheckContext
 from harness.detok import detokenizer
-from harness.errors import HarnessError
+from harness.errors import HarnessBug, HarnessError
 from harness.execute import ExecOptions, Executor, case_keys
 from harness.known_failures import FILE_NAME as KNOWN_FAILURES, KnownFailure, load as load_known, tag
 from harness.matrix import BACKEND_NAMES, cells, narrowing
@@ -62,7 +62,7 @@ def pytest_configure(config: pytest.Config) -> None:
         "executor": Executor(ExecOptions(
             backends=backend_factories(Path(opt("--server-bin")) if opt("--server-bin") else None,
                                        Path(opt("--source")) if opt("--source") else None,
-                                       report / "server-logs" if report else None),
+                                       report),
             kv_scan=opt("--kv-scan"), logit_top_k=opt("--logit-top-k"))),
         "baselines": BaselineStore(config.rootpath / "fixtures" / "baselines", update=opt("--update-baselines")),
         "checks": [],
@@ -150,6 +150,8 @@ class SuiteItem(pytest.Item):
     def repr_failure(self, excinfo):
         if isinstance(excinfo.value, CheckFailure):
             return str(excinfo.value)
+        if isinstance(excinfo.value, HarnessBug):
+            return f"harness error (a bug of specharness, not a llama.cpp finding):\n{excinfo.value.args[0]}"
         return super().repr_failure(excinfo)
 
     def reportinfo(self):

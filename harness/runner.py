@@ -87,6 +87,8 @@ def run_suites(plan: list[tuple[Suite, dict]], executor: Executor, baselines: Ba
         if progress:
             progress.update(task, description=f"{suite.name} · {cell.id}")
         run = executor.run(suite, cell, on_request=(lambda: progress.advance(task)) if progress else None)
+        if run.harness_error is not None:  # no verdicts: reported as a harness error at the end of the run
+            continue
         detok = detokenizer(resolve(cell.model).path) if run.error is None else str
         for case in suite.cases:
             for key in case_keys(case):
@@ -145,7 +147,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     engine = {"rollback": args.rollback, "fault": args.fault, "checkpoint_flags": args.checkpoint_flags,
               "checkpoint_attempts": args.checkpoint_attempts}
     executor = Executor(ExecOptions(
-        backends=backend_factories(args.server_bin, args.source, out / "server-logs"), parallel=args.parallel,
+        backends=backend_factories(args.server_bin, args.source, out), parallel=args.parallel,
         draft_model=args.draft_model, spec_overrides=spec_overrides, engine=engine,
         kv_scan=args.kv_scan, logit_top_k=args.logit_top_k,
     ))
@@ -169,10 +171,12 @@ def cmd_run(args: argparse.Namespace) -> int:
     for run in runs:
         if run.error:
             console.print(f"error: {run.suite.name} {run.cell.id}: {run.error}", markup=False, highlight=False)
+        if run.harness_error:
+            console.print(run.harness_error, markup=False, highlight=False)
     for path in baselines.written:
         console.print(f"baseline written: {path}", markup=False)
     console.print(f"results: {write_run(out, runs, verdicts)}", markup=False)
-    if any(run.error for run in runs):
+    if any(run.error or run.harness_error for run in runs):
         return EXIT_INFRA
     return EXIT_FAILED if failed or fixed else 0
 

@@ -14,7 +14,9 @@ import yaml
 
 import harness
 from harness import MODES
+from harness.engine.rollback import CHECKPOINT_FLAGS, STRATEGIES
 from harness.errors import HarnessError
+from harness.matrix import SPEC_PRESETS
 from harness.request import Request, Sampling
 
 SAMPLING_FIELDS = {"temperature": "number", "top_k": "integer", "top_p": "number", "min_p": "number",
@@ -54,10 +56,18 @@ SUITE_SCHEMA = {
         "sampling": _SAMPLING,
         "serve": {"type": "object", "additionalProperties": False,
                   "properties": {k: {"type": t, "minimum": 1} for k, t in SERVE_FIELDS.items()}},
+        "engine": {"type": "object", "additionalProperties": False,
+                   "properties": {"rollback": {"enum": list(STRATEGIES)},
+                                  "checkpoint_flags": {"enum": list(CHECKPOINT_FLAGS)},
+                                  "checkpoint_attempts": {"type": "integer", "minimum": 0}}},
         "repeats": {"type": "integer", "minimum": 1},
         "run_order": {"type": "array", "items": {"enum": ["seq", "par"]}, "minItems": 1},
         "checks": _NAMES,
         "allow_errors": {"type": "array", "items": {"enum": ["context_full"]}},
+        "expect": {"type": "object", "additionalProperties": False,
+                   "properties": {"completed_min": {"type": "number", "minimum": 0, "maximum": 1},
+                                  "spec_stats_min": {"type": "object",
+                                                     "additionalProperties": {"type": "integer", "minimum": 1}}}},
         "tolerances": {"type": "object", "additionalProperties": False,
                        "properties": {"top1_agreement": {"type": "number", "minimum": 0, "maximum": 1},
                                       "max_abs": {"type": "number", "minimum": 0},
@@ -69,6 +79,9 @@ SUITE_SCHEMA = {
 }
 
 DEFAULT_MATRIX = {"backends": ["inproc"], "modes": list(MODES), "specs": ["none"], "models": ["tiny-dense", "tiny-hybrid", "tiny-recurrent"]}
+CHECK_NAMES = ("no-crash", "repeat-identical", "lossless", "mode-invariant", "baseline", "spec-ran",
+               "grammar-valid", "kv-healthy", "logits-close", "exercised")
+"""The checks a suite may name (their functions live in harness.checks, which must define exactly these)."""
 DEFAULT_CHECKS = ["no-crash", "repeat-identical", "lossless", "mode-invariant", "baseline", "spec-ran",
                   "kv-healthy", "logits-close"]
 
@@ -101,14 +114,31 @@ class Suite:
     matrix: dict[str, list[str]]
     checks: list[str]
     serve: dict[str, int] = field(default_factory=dict)
+    engine: dict[str, Any] = field(default_factory=dict)
+    """In-process engine options (`rollback`, `checkpoint_flags`, `checkpoint_attempts`) for its inproc cells;
+    llama-server has no such options, so server cells ignore them."""
     rounds: list[str] = field(default_factory=lambda: ["par"])
     """How each round sends the cases to the one session of a cell: `seq` one request at a time,
     `par` all at once (in `seq` mode the one slot still serves them one after another)."""
     allow_errors: list[str] = field(default_factory=list)
+    expect: dict[str, Any] = field(default_factory=dict)
+    """What a cell must exercise (the `exercised` check): `completed_min` (share of requests with output)
+    and `spec_stats_min` (speculative counter → minimum total over the cell)."""
     slow: bool = False
     """Its pytest items carry the `slow` marker (`-m "not slow"` leaves them out)."""
     tolerances: dict[str, float] = field(default_factory=dict)
     """`logits-close` tolerances (harness.logits.Tolerances fields) and the triage's `near_tie` margin."""
+
+
+    @property
+    def first_key(self) -> str:
+        """The record name of the first case (where cell-level checks report)."""
+        return case_keys(self.cases[0])[0]
+
+
+def case_keys(case: Case) -> list[str]:
+    """The record names of a case: its name, or `<name>.turnN` for each turn of a chat."""
+    return [f"{case.name}.turn{i + 1}" for i in range(len(case.turns))] if case.is_chat else [case.name]
 
 
 def suites_dir() -> Path:
@@ -174,10 +204,7 @@ def parse_suite(text: str, path: Optional[Path] = None) -> Suite:
         raise HarnessError(f"{where}:{_line_of(root, list(error.absolute_path))}: {field_path}: {error.message}")
     if path is not None and data["suite"] != path.stem:
         raise HarnessError(f"{where}:{_line_of(root, ['suite'])}: suite: '{data['suite']}' must match the file name '{path.stem}'")
-    from harness.checks import CHECKS  # here, not at the top: the checks import the suite types
-    from harness.matrix import SPEC_PRESETS
-
-    named = [(["checks", i], v, CHECKS) for i, v in enumerate(data.get("checks", []))]
+    named = [(["checks", i], v, CHECK_NAMES) for i, v in enumerate(data.get("checks", []))]
     named += [(["matrix", "specs", i], v, SPEC_PRESETS) for i, v in enumerate(data.get("matrix", {}).get("specs", []))]
     for field_path, value, known in named:
         if any(part not in known for part in value.split("+")):
@@ -198,8 +225,9 @@ def parse_suite(text: str, path: Optional[Path] = None) -> Suite:
     return Suite(
         name=data["suite"], path=path, cases=cases,
         matrix={**DEFAULT_MATRIX, **data.get("matrix", {})},
-        checks=data.get("checks", DEFAULT_CHECKS), serve=data.get("serve", {}),
+        checks=data.get("checks", DEFAULT_CHECKS), serve=data.get("serve", {}), engine=data.get("engine", {}),
         rounds=data.get("run_order", ["par"]) * data.get("repeats", 1), allow_errors=data.get("allow_errors", []),
+        expect=data.get("expect", {}),
         tolerances=data.get("tolerances", {}), slow=data.get("slow", False),
     )
 

@@ -1,27 +1,37 @@
-"""First-divergence triage: where two token streams part, and whether numerics or logic parted them.
+"""First-divergence triage: where two token streams part, and what evidence says about why.
 
-Works for any pair of runs (against a baseline, spec vs no-spec, seq vs par, backend vs backend). With
-logits it classifies the divergence:
+Works for any pair of runs (against a baseline, spec vs no-spec, seq vs par, backend vs backend). A class
+is a claim, so each needs its evidence (the README's class table says the same):
 
-* `drift`    — the logits before it already differ beyond tolerance (the runs compute different numbers);
-* `near-tie` — the reference's top1−top2 margin at the divergence is below `near_tie` nats, so noise
-               within tolerance can flip it;
-* `hard`     — logits agree within tolerance up to the step and the margin is large: a logic bug;
-* `unknown`  — not enough logits to say.
+* `kv-corrupt`  — the KV scan of either request found duplicate (seq_id, pos) cells, orphans past the
+                  sequence or holes: a logic bug, whatever the margin (checked first);
+* `drift`       — the two runs' logits were already apart before the divergence, beyond the calibrated
+                  tolerance, or the other run prefers its token by more than the near-tie floor there;
+* `near-tie`    — proven: the reference prefers its token over the other run's by less than the calibrated
+                  near-tie floor, the other run prefers its own by less than that floor too (logits of BOTH
+                  runs at the divergence), and both runs' logits agree within tolerance before it;
+* `hard`        — the logits agree within tolerance before it and the reference's margin is beyond the
+                  floor: numerics cannot explain it, a logic bug (state, rollback, verification, sampling);
+* `unexplained` — the evidence a class needs is missing (e.g. llama-server withholds the probabilities of
+                  tokens accepted through speculation and no re-score was possible); fails like `hard`.
 
-Drift is checked first: noise beyond tolerance is the finding even when it flipped a near-tie.
+Where a run has no logits at a position, `rescore(side, position)` may supply them: a plain, non-speculative
+decode of the same prefix in that run's configuration (the class reason says so).
 """
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Optional
 
-from harness.logits import PositionLogits, Tolerances, check, compare
+from harness.logits import PositionLogits, check, compare
+from harness.noise import DEFAULT, NoiseFloor
 
-NEAR_TIE = 0.05
-"""Default near-tie margin, nats."""
 BEFORE_CHARS = 40
 """How much text before the divergence a Divergence shows."""
+CLASSES = ("near-tie", "drift", "hard", "kv-corrupt", "unexplained")
+
+Rescore = Callable[[str, int], Optional[PositionLogits]]
+"""(side: "reference" | "other", position) → that run's logits at the position, or None."""
 
 
 @dataclass
@@ -31,9 +41,9 @@ class Divergence:
     index: int
     """First differing token index (the shorter stream's length when one is a prefix of the other)."""
     kind: str
-    """`near-tie`, `drift`, `hard` or `unknown` (see the module docstring)."""
+    """One of CLASSES (see the module docstring)."""
     reason: str
-    """Why it is that kind (for drift: the tolerance check's message naming the worst position)."""
+    """The evidence behind `kind`, in words."""
     ref_token: Optional[int]
     """The reference's token at `index`, None when the reference stream ended there."""
     other_token: Optional[int]
@@ -44,10 +54,14 @@ class Divergence:
     margins: dict[int, Optional[float]] = field(default_factory=dict)
     """position → reference top1−top2 margin (nats) at `index` and the positions before it; None where
     the reference has no (or a single) candidate there."""
+    noise_floor: float = DEFAULT.near_tie
+    floor_source: str = DEFAULT.source
+    rescored: list[str] = field(default_factory=list)
+    """Which sides' logits were re-scored ("reference at 12", ...)."""
 
     @property
     def margin(self) -> Optional[float]:
-        """The reference's margin at the divergence."""
+        """The reference's top1−top2 margin at the divergence."""
         return self.margins.get(self.index)
 
     def describe(self) -> str:
@@ -65,6 +79,13 @@ class Divergence:
             text += "."
         return f"{text} Class {self.kind}: {self.reason}."
 
+    def to_evidence(self) -> dict:
+        """The JSON form kept in a check's evidence (`first_divergence`, with the streams added by the caller)."""
+        return {"index": self.index, "kind": self.kind, "reason": self.reason, "ref_token": self.ref_token,
+                "other_token": self.other_token, "ref_text": self.ref_text, "other_text": self.other_text,
+                "before": self.before, "margin": self.margin, "noise_floor": self.noise_floor,
+                "floor_source": self.floor_source, "rescored": self.rescored}
+
 
 def _token(token: Optional[int], text: str) -> str:
     if token is None:
@@ -72,8 +93,20 @@ def _token(token: Optional[int], text: str) -> str:
     return f"{text!r} (id {token})" if text else f"id {token}"
 
 
-def _margin(logits: Optional[list[PositionLogits]], pos: int) -> Optional[float]:
-    return logits[pos].margin if logits is not None and pos < len(logits) else None
+def at(logits: Optional[list[PositionLogits]], pos: int) -> Optional[PositionLogits]:
+    """The logits of a position, None where none were logged (or llama-server withheld them)."""
+    if logits is None or pos >= len(logits) or len(logits[pos].top_ids) == 0:
+        return None
+    return logits[pos]
+
+
+def gap(logits: PositionLogits, preferred: int, other: int) -> Optional[float]:
+    """How much `logits` prefer token `preferred` over `other` (nats), None when `other` is not among its
+    top-k (then the gap is at least top-1 − k-th: large)."""
+    ids = logits.top_ids.tolist()
+    if preferred not in ids or other not in ids:
+        return None
+    return float(logits.top_logits[ids.index(preferred)]) - float(logits.top_logits[ids.index(other)])
 
 
 def triage(
@@ -82,17 +115,18 @@ def triage(
     ref_logits: Optional[list[PositionLogits]] = None,
     other_logits: Optional[list[PositionLogits]] = None,
     detokenize: Optional[Callable[[list[int]], str]] = None,
-    near_tie: float = NEAR_TIE,
+    floor: NoiseFloor = DEFAULT,
+    greedy: bool = True,
+    kv_findings: Sequence[str] = (),
+    rescore: Optional[Rescore] = None,
     context: int = 3,
-    tol: Tolerances = Tolerances(),
 ) -> Optional[Divergence]:
     """The first divergence of `other_tokens` from `ref_tokens` (None when they are equal), classified.
 
-    Margins are the reference's top1−top2 at the divergence and the `context` positions before it. For
-    llama-server records they are log-probability differences, which equal the logit differences (the
-    log-softmax subtracts one constant per row); with `post_sampling_probs` they are the sampler's.
-    Drift is judged on values only (`tol` without its top-1 rate: before the divergence both runs
-    emitted the same tokens, and a top-1 flip inside tolerance is itself a near-tie).
+    `kv_findings` are the KV scanner's findings on either request (one line each); `greedy` says whether
+    the tokens were argmax picks (a margin can only explain a greedy flip). Margins are the reference's
+    top1−top2 at the divergence and the `context` positions before it; llama-server's log-probabilities
+    give the same differences as raw logits (the log-softmax subtracts one constant per row).
     """
     n = min(len(ref_tokens), len(other_tokens))
     index = next((i for i in range(n) if ref_tokens[i] != other_tokens[i]), n)
@@ -100,41 +134,110 @@ def triage(
         return None
     ref_token = ref_tokens[index] if index < len(ref_tokens) else None
     other_token = other_tokens[index] if index < len(other_tokens) else None
-    margins = {p: _margin(ref_logits, p) for p in range(max(0, index - context), index + 1)}
-    kind, reason = _classify(margins[index], ref_logits, other_logits, index, near_tie, tol)
+    judge = _Judge(index, ref_token, other_token, ref_logits, other_logits, floor, greedy, rescore, context)
+    kind, reason = judge.classify(kv_findings)
 
     def text(tokens: list[int]) -> str:
         return detokenize(tokens) if detokenize is not None else ""
 
+    margins = {p: (m.margin if (m := at(ref_logits, p)) else None) for p in range(max(0, index - context), index + 1)}
+    if margins[index] is None and judge.ref_here is not None:
+        margins[index] = judge.ref_here.margin
     return Divergence(
         index=index, kind=kind, reason=reason, ref_token=ref_token, other_token=other_token,
         ref_text=text([ref_token]) if ref_token is not None else "",
         other_text=text([other_token]) if other_token is not None else "",
         before=text(ref_tokens[max(0, index - BEFORE_CHARS):index])[-BEFORE_CHARS:],
-        margins=margins,
+        margins=margins, noise_floor=floor.near_tie, floor_source=floor.source, rescored=judge.rescored,
     )
 
 
-def _classify(margin: Optional[float], ref_logits, other_logits, index: int, near_tie: float,
-              tol: Tolerances) -> tuple[str, str]:
-    """(kind, reason) from the reference's margin at `index` and both runs' logits before it."""
-    if ref_logits is None:
-        return "unknown", "no logits were logged for the reference"
-    agreed = ""
-    if other_logits is not None:
-        comparison = compare(ref_logits[:index], other_logits[:index])
-        ok, message = check(comparison, replace(tol, top1_agreement=0.0))
-        if comparison.n_compared and not ok:
-            return "drift", f"the {message}"
-        if comparison.n_compared or index == 0:
-            agreed = (f"logits agree within tolerance over the {comparison.n_compared} compared positions before it"
-                      if index else "it is the first generated token")
-    if margin is None:
-        return "unknown", "the reference has no logits at the divergence"
-    if margin < near_tie:
-        tail = f"; {agreed}" if agreed else ""
-        return "near-tie", f"the margin is below {near_tie:g} nats, so numerical noise can flip it{tail}"
-    if not agreed:
-        return "unknown", f"margin {margin:.3g} nats, but no logits of the other run before it to rule out drift"
-    return "hard", (f"{agreed} and the margin is {margin:.3g} nats: numerics cannot explain it, "
-                    "look for a logic bug (state, rollback, verification, sampling)")
+@dataclass
+class _Judge:
+    """The evidence gathering behind one classification."""
+
+    index: int
+    ref_token: Optional[int]
+    other_token: Optional[int]
+    ref_logits: Optional[list[PositionLogits]]
+    other_logits: Optional[list[PositionLogits]]
+    floor: NoiseFloor
+    greedy: bool
+    rescore: Optional[Rescore]
+    context: int
+    rescored: list[str] = field(default_factory=list)
+    ref_here: Optional[PositionLogits] = None
+
+    def logits(self, side: str, pos: int) -> Optional[PositionLogits]:
+        """A side's logits at `pos`: logged, else re-scored when possible."""
+        found = at(self.ref_logits if side == "reference" else self.other_logits, pos)
+        if found is None and self.rescore is not None:
+            found = self.rescore(side, pos)
+            if found is not None and len(found.top_ids):
+                self.rescored.append(f"{side} at {pos}")
+            else:
+                found = None
+        return found
+
+    def agreement(self) -> tuple[Optional[str], int]:
+        """(drift message or None, positions compared) over the positions before the divergence: the logged
+        ones of both runs, else (when none overlap) the last `context` positions, re-scored where needed."""
+        tol = replace(self.floor.tolerances, top1_agreement=0.0)  # equal tokens before it: a flip is a near-tie
+        a, b = self.ref_logits or [], self.other_logits or []
+        comparison = compare(a[:self.index], b[:self.index])
+        if comparison.n_compared == 0 and self.index > 0 and self.rescore is not None:
+            window = range(max(0, self.index - self.context), self.index)
+            pairs = [(self.logits("reference", p), self.logits("other", p)) for p in window]
+            pairs = [(x, y) for x, y in pairs if x is not None and y is not None]
+            comparison = compare([x for x, _ in pairs], [y for _, y in pairs])
+        if comparison.n_compared == 0:
+            return None, 0
+        ok, message = check(comparison, tol)
+        return (None if ok else f"the {message}"), comparison.n_compared
+
+    def classify(self, kv_findings: Sequence[str]) -> tuple[str, str]:
+        if kv_findings:
+            return "kv-corrupt", (f"{'; '.join(kv_findings)} — a corrupted KV cache is a logic bug, never "
+                                  "a near-tie, whatever the margin")
+        drift, compared = self.agreement()
+        if drift:
+            return "drift", drift
+        agreed = (f"logits agree within tolerance over the {compared} compared positions before it"
+                  if compared else "it is the first generated token" if self.index == 0 else "")
+        if self.ref_token is None or self.other_token is None:
+            return "unexplained", ("one stream ended there (an end-of-generation token or a stop string, whose "
+                                   "logits are not logged): no margin to judge")
+        if not self.greedy:
+            return "unexplained", ("a sampled token (temperature > 0): a logit margin cannot prove a near-tie"
+                                   + (f"; {agreed}" if agreed else ""))
+        self.ref_here = self.logits("reference", self.index)
+        if self.ref_here is None:
+            return "unexplained", ("the reference has no logits at the divergence (llama-server withholds those "
+                                   "of tokens accepted through speculation) and it could not be re-scored")
+        margin = gap(self.ref_here, self.ref_token, self.other_token)
+        floor = self.floor.near_tie
+        if margin is None or margin >= floor:
+            shown = "beyond its top-k" if margin is None else f"{margin:.3g} nats"
+            if not agreed:
+                return "unexplained", (f"the reference prefers its token by {shown} (≥ the {self.floor.describe()}), "
+                                       "but no position before it has logits in both runs to tell a logic bug "
+                                       "from drift")
+            return "hard", (f"{agreed}, and the reference prefers its token by {shown} (≥ the "
+                            f"{self.floor.describe()}): numerics cannot explain it, look for a logic bug (state, "
+                            "rollback, verification, sampling)")
+        other_here = self.logits("other", self.index)
+        if other_here is None:
+            return "unexplained", (f"the reference's margin {margin:.3g} nats is inside the {self.floor.describe()}, "
+                                   "but the other run's logits at the divergence are missing (withheld by "
+                                   "llama-server for speculatively accepted tokens) and could not be re-scored")
+        other_gap = gap(other_here, self.other_token, self.ref_token)
+        if other_gap is None or other_gap >= floor:
+            shown = "beyond its top-k" if other_gap is None else f"{other_gap:.3g} nats"
+            return "drift", (f"at the divergence the other run prefers its token by {shown}, beyond the "
+                             f"{self.floor.describe()}: the runs' logits are apart there")
+        if not agreed:
+            return "unexplained", ("the margins at the divergence are inside the floor, but no position before it "
+                                   "has logits in both runs to show they agreed")
+        via = f" (re-scored by a plain decode: {', '.join(self.rescored)})" if self.rescored else ""
+        return "near-tie", (f"the reference prefers its token by {margin:.3g} nats and the other run its own by "
+                            f"{other_gap:.3g} nats, both inside the {self.floor.describe()}; {agreed}{via}")

@@ -24,6 +24,19 @@ def ok(tokens, text="", **stats):
     return Result(tokens=list(tokens), text=text, stop_reason="limit", spec_stats=stats)
 
 
+class NoRescore:
+    """Nothing to re-score: the hand-made outcomes carry all the logits there are."""
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        pass
+
+    def score(self, *args):
+        return None
+
+
 class Runs:
     """Stands in for the Executor: the cells' outcomes are given, nothing is run."""
 
@@ -36,6 +49,9 @@ class Runs:
 
     def environment(self, cell):
         return {"device": "cpu"}
+
+    def rescorer(self):
+        return NoRescore()
 
 
 SEQ = Cell("inproc", "seq", "none", "m")
@@ -76,12 +92,52 @@ def test_lossless():
     assert CHECKS["lossless"](context({SEQ: [ok([1])]}, SEQ)) is None
 
 
-def test_mode_invariant_fails_for_no_kv_unified_and_only_reports_par():
+def logged(tokens, rows):
+    """A result whose positions carry top-2 logits: rows of (id, logit, id, logit)."""
+    import numpy as np
+
+    from harness.logits import PositionLogits
+
+    result = ok(tokens)
+    result.logits = [PositionLogits(np.array([a, b], dtype=np.int32), np.array([x, y], dtype=np.float32))
+                     for a, x, b, y in rows]
+    return result
+
+
+def test_mode_invariant_fails_par_and_no_kv_unified_unless_a_proven_near_tie():
     split, par = SEQ.reference(mode="no-kv-unified"), SEQ.reference(mode="par")
     cells = {SEQ: [ok([1, 2])], split: [ok([1, 5])], par: [ok([1, 5])]}
     assert not verdict(context(cells, split), "mode-invariant").passed
-    reported = verdict(context(cells, par), "mode-invariant")
-    assert reported.passed and reported.evidence["matching"] == 0 and reported.evidence["reported_only"]
+    failed = verdict(context(cells, par), "mode-invariant")  # no logits: nothing proves a near-tie
+    assert not failed.passed and failed.evidence["first_divergence"]["kind"] == "unexplained"
+    assert failed.failures == ["round 0: unexplained at token 1"]
+    tie_ref = logged([1, 2], [(1, 5.0, 2, 1.0), (2, 3.0, 5, 2.99)])
+    tie_par = logged([1, 5], [(1, 5.0, 2, 1.0), (5, 3.0, 2, 2.995)])
+    excused = verdict(context({SEQ: [tie_ref], par: [tie_par]}, par), "mode-invariant")
+    assert excused.passed and excused.evidence["near_ties"] == 1 and "proven near-tie" in excused.message
+    assert excused.evidence["first_divergence"]["kind"] == "near-tie"
+    hard_par = logged([1, 5], [(1, 5.0, 2, 1.0), (5, 3.0, 2, 2.0)])  # the par run prefers 5 by a full nat
+    assert not verdict(context({SEQ: [tie_ref], par: [hard_par]}, par), "mode-invariant").passed
+    tie_split = logged([1, 5], [(1, 5.0, 2, 1.0), (5, 3.0, 2, 2.995)])
+    assert verdict(context({SEQ: [tie_ref], split: [tie_split]}, split), "mode-invariant").passed
+
+
+def test_in_seq_mode_even_a_proven_near_tie_fails():
+    s = suite(rounds=("seq", "seq"))
+    tie_a = logged([1, 2], [(1, 5.0, 2, 1.0), (2, 3.0, 5, 2.99)])
+    tie_b = logged([1, 5], [(1, 5.0, 2, 1.0), (5, 3.0, 2, 2.995)])
+    failed = verdict(context({SEQ: [tie_a, tie_b]}, SEQ, s), "repeat-identical")
+    assert not failed.passed and failed.evidence["first_divergence"]["kind"] == "near-tie"
+
+
+def test_a_kv_finding_is_never_a_near_tie():
+    par = SEQ.reference(mode="par")
+    tie_ref = logged([1, 2], [(1, 5.0, 2, 1.0), (2, 3.0, 5, 2.99)])
+    tie_par = logged([1, 5], [(1, 5.0, 2, 1.0), (5, 3.0, 2, 2.995)])
+    tie_par.kv_scan = scan(False, duplicates=(1,))
+    failed = verdict(context({SEQ: [tie_ref], par: [tie_par]}, par), "mode-invariant")
+    assert not failed.passed and failed.evidence["first_divergence"]["kind"] == "kv-corrupt"
+    assert "1 duplicate (seq_id, pos) cells" in failed.message
 
 
 def test_baseline(tmp_path):
@@ -149,4 +205,24 @@ def test_logits_close():
     spec = SEQ.reference(spec="draft-simple")
     assert verdict(context({SEQ: [ref], spec: [near]}, spec), "logits-close").passed
     failed = verdict(context({SEQ: [ref], spec: [far]}, spec), "logits-close")
-    assert not failed.passed and "max_abs" in failed.message
+    assert not failed.passed and "NMSE" in failed.message and "uncalibrated" in failed.message
+
+
+def test_every_check_name_a_suite_may_use_has_its_function():
+    from harness.suites import CHECK_NAMES
+
+    assert tuple(CHECKS) == CHECK_NAMES
+
+
+def test_exercised_needs_completed_requests_and_the_counted_path():
+    s = suite()
+    s.expect = {"completed_min": 0.5, "spec_stats_min": {"draft_dropped": 1}}
+    full = Result(stop_reason="error", error="context_full: no free KV cells")
+    spec = SEQ.reference(spec="draft-simple")
+    assert verdict(context({spec: [ok([1], draft_dropped=3), full]}, spec, s), "exercised").passed
+    never = verdict(context({spec: [ok([1], draft_dropped=0), full]}, spec, s), "exercised")
+    assert not never.passed and "draft_dropped totals 0" in never.message
+    starved = verdict(context({spec: [full, full, ok([1], draft_dropped=3)]}, spec, s), "exercised")
+    assert not starved.passed and "only 1 of 3 requests completed" in starved.message
+    server = verdict(context({spec: [ok([1])]}, spec, s), "exercised")  # llama-server reports no such counter
+    assert server.passed and server.evidence["unmeasured"] == ["draft_dropped"]

@@ -19,6 +19,7 @@ ENTRY = """\
   check: no-crash
   evidence: 'batch index \\d+ is not inside'
   llama_cpp_commit: 0c1e570
+  upstream: ggml-org/llama.cpp#24840
   reason: a demo
 """
 
@@ -45,7 +46,24 @@ def test_an_entry_explains_only_its_cells_check_and_evidence(suites):
     assert tag([entry], "kv-fill", seq, [fresh]) == [fresh]
 
 
+def test_an_entry_must_explain_every_failing_request_of_a_verdict(suites):
+    (suites / "known-failures.yaml").write_text(ENTRY)
+    [entry] = load(suites / "known-failures.yaml")
+    par = Cell("server", "par", "draft-simple", "tiny-dense")
+    http500 = "round 0: HTTP 500: speculative batch index 12 is not inside the current sub-batch [0, 8)"
+    explained = CheckResult("no-crash", False, "2 of 3 requests failed", failures=[http500, http500])
+    assert tag([entry], "kv-fill", par, [explained]) == []
+    assert explained.evidence["known_failure"] == "demo-defect"
+    mixed = CheckResult("no-crash", False, "2 of 3 requests failed",
+                        failures=[http500, "round 1: llama-server was killed by SIGSEGV"])
+    assert tag([entry], "kv-fill", par, [mixed]) == [mixed]
+    assert "known_failure" not in mixed.evidence
+    assert "demo-defect explains 1 of 2 failing requests; the other 1 stay failures" in mixed.message
+
+
 @pytest.mark.parametrize("change, message", [
+    (("evidence: 'batch index \\d+ is not inside'", "evidence: '(index)?'"), "matches an empty string"),
+    (("  upstream: ggml-org/llama.cpp#24840\n", ""), "'upstream' is a required property"),
     (("suite: kv-fill", "suite: kv-fil"), "unknown suite 'kv-fil'"),
     (("check: no-crash", "check: no-crash2"), "unknown check 'no-crash2'"),
     (("modes: [par]", "modes: [parallel]"), "unknown mode 'parallel'"),

@@ -16,7 +16,8 @@ from harness.logits import (
     to_frame,
 )
 from harness.request import Request, Sampling
-from harness.triage import NEAR_TIE, triage
+from harness.noise import NEAR_TIE, NoiseFloor
+from harness.triage import triage
 
 QUICKSORT_C = "Write a quicksort demo in C. Please, write just code. Do not write any extra comments."
 
@@ -123,14 +124,18 @@ def test_compare_skips_empty_positions_and_uses_the_common_length():
     assert c.per_position.position.tolist() == [0, 2] and c.max_abs == 0.0 and c.kl_max == 0.0
 
 
-def test_check_names_the_worst_position_and_fails_without_positions():
+def test_check_judges_aggregates_names_the_worst_position_and_fails_without_positions():
     a = same(5)
     b = same(5)
     b[3] = lp([1, 2, 3], [-1.0, -2.3, -3.0])
     b[4] = lp([1, 2, 3], [-1.0, -2.01, -3.0])
     assert check(compare(a, b), Tolerances(max_abs=0.5, nmse=1, kl=1))[0]
     ok, message = check(compare(a, b), Tolerances())
-    assert not ok and "max_abs 0.3 > 0.025 at position 3 on id 2" in message
+    # NMSE pooled over the 15 values: (0.3² + 0.01²) / (5 × 14) = 1.29e-3
+    assert not ok and "NMSE 0.00129 > 1e-05" in message and "max |Δ| 0.3 at position 3 on id 2" in message
+    # one outlier position of five does not decide alone through max |Δ|: its p60 is 0.01
+    ok, message = check(compare(a, b), Tolerances(nmse=1, kl=1, max_abs=0.02, max_abs_quantile=0.6))
+    assert ok, message
     ok, message = check(compare(a, [lp([2, 1, 3], [-1.0, -1.01, -3.0])] + b[1:]), Tolerances(max_abs=1, nmse=1, kl=1))
     assert not ok and "top-1 agreement 0.8000" in message and "position 0: id 1 vs 2" in message
     ok, message = check(compare(a, [lp([], [])] * 5), Tolerances())
@@ -143,7 +148,7 @@ def test_equal_streams_have_no_divergence():
     assert triage([1, 2, 3], [1, 2, 3], same(3), same(3)) is None
 
 
-def test_near_tie_when_logits_agree_and_the_margin_is_small():
+def test_near_tie_when_logits_agree_and_both_margins_are_small():
     ref = same(4)
     ref[2] = lp([5, 6], [-0.70, -0.72])
     other = same(4)
@@ -154,6 +159,39 @@ def test_near_tie_when_logits_agree_and_the_margin_is_small():
     assert list(d.margins) == [0, 1, 2]
     text = d.describe()
     assert "token 2" in text and "'<5>' (id 5)" in text and "'<6>' (id 6)" in text and "0.02 nats" in text
+    assert "the other run its own by 0.01 nats" in d.reason and "uncalibrated" in d.reason
+
+
+def test_near_tie_needs_the_other_runs_logits_at_the_divergence():
+    ref = same(3)
+    ref[2] = lp([5, 6], [-0.70, -0.72])
+    other = same(3)
+    other[2] = lp([], [])  # llama-server withholds the logits of a speculatively accepted token
+    d = triage([9, 9, 5], [9, 9, 6], ref, other)
+    assert d.kind == "unexplained" and "withheld" in d.reason
+    rescored = triage([9, 9, 5], [9, 9, 6], ref, other,
+                      rescore=lambda side, pos: lp([6, 5], [-0.70, -0.71]) if side == "other" else None)
+    assert rescored.kind == "near-tie" and rescored.rescored == ["other at 2"] and "re-scored" in rescored.reason
+
+
+def test_the_calibrated_floor_decides_what_is_a_near_tie():
+    ref = same(3)
+    ref[2] = lp([5, 6], [-0.70, -0.80])
+    other = same(3)
+    other[2] = lp([6, 5], [-0.70, -0.75])
+    assert triage([9, 9, 5], [9, 9, 6], ref, other).kind == "hard"  # 0.1 nats > the default floor 0.05
+    wide = NoiseFloor(near_tie=0.2, source="calibrated (demo)")
+    d = triage([9, 9, 5], [9, 9, 6], ref, other, floor=wide)
+    assert d.kind == "near-tie" and "near-tie floor 0.2 nats, calibrated (demo)" in d.reason
+
+
+def test_a_kv_finding_makes_any_divergence_kv_corrupt():
+    ref = same(3)
+    ref[2] = lp([5, 6], [-0.70, -0.72])
+    other = same(3)
+    other[2] = lp([6, 5], [-0.70, -0.71])
+    d = triage([9, 9, 5], [9, 9, 6], ref, other, kv_findings=["the KV scan of the request found 3 duplicate cells"])
+    assert d.kind == "kv-corrupt" and "never a near-tie" in d.reason
 
 
 def test_drift_when_logits_differ_before_the_divergence_even_at_a_near_tie():
@@ -162,28 +200,29 @@ def test_drift_when_logits_differ_before_the_divergence_even_at_a_near_tie():
     other = same(4)
     other[1] = lp([1, 2, 3], [-1.0, -2.4, -3.0])
     d = triage([9, 9, 9, 5], [9, 9, 9, 6], ref, other)
-    assert d.kind == "drift" and "position 1" in d.reason and "max_abs 0.4" in d.reason
+    assert d.kind == "drift" and "position 1" in d.reason and "NMSE" in d.reason
 
 
 def test_hard_when_logits_agree_and_the_margin_is_large():
-    d = triage([9, 9, 5], [9, 9, 6], same(3), same(3), context=1)
+    d = triage([1, 1, 2], [1, 1, 3], same(3), same(3), context=1)
     assert d.kind == "hard" and d.margins == {1: 1.0, 2: 1.0}
     assert "margin there 1 nats" in d.describe() and "logic bug" in d.describe()
 
 
-def test_unknown_without_logits_or_with_a_speculated_entry_at_the_divergence():
-    assert triage([1, 2], [1, 3]).kind == "unknown"
-    assert triage([1, 2], [1, 3], same(2)).kind == "unknown"  # large margin, nothing to rule out drift
+def test_unexplained_without_the_evidence_a_class_needs():
+    assert triage([1, 2], [1, 3]).kind == "unexplained"
+    assert triage([1, 2], [1, 3], same(2)).kind == "unexplained"  # large margin, nothing to rule out drift
     server = from_server_probs([{"top_logprobs": [{"id": 1, "logprob": -1.0}, {"id": 2, "logprob": -2.0}]},
                                 {"top_logprobs": []}])
     d = triage([1, 2], [1, 3], server, same(2))
-    assert d.kind == "unknown" and d.margin is None and "margin there unknown (positions 0–0: 1)" in d.describe()
+    assert d.kind == "unexplained" and d.margin is None and "margin there unknown (positions 0–0: 1)" in d.describe()
+    assert triage([1, 2], [1, 3], same(2), same(2), greedy=False).kind == "unexplained"
 
 
 def test_prefix_divergence_is_at_the_shorter_length():
     d = triage([1, 2, 3, 4], [1, 2], same(4), same(2))
     assert (d.index, d.ref_token, d.other_token) == (2, 3, None)
-    assert "other stream ended" in d.describe() and d.kind == "hard"
+    assert "other stream ended" in d.describe() and d.kind == "unexplained"
     assert triage([1, 2], [1, 2, 3]).index == 2
 
 

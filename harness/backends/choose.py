@@ -9,12 +9,17 @@ from harness.backends.inproc import InprocBackend
 
 def backend_factories(server_bin: Optional[Path] = None, source: Optional[Path] = None,
                       run_dir: Optional[Path] = None) -> dict[str, Callable[[], Backend]]:
-    """name → factory; `server` builds (or reuses) llama-server from `source` unless `server_bin` is given."""
+    """name → factory; `server` builds (or reuses) llama-server from `source` unless `server_bin` is given.
+    Process logs go to `run_dir/server-logs` and `run_dir/engine-logs` (temp dirs when `run_dir` is None)."""
 
     def server() -> Backend:
         from harness.backends.build import ensure_server
         from harness.backends.server_backend import ServerBackend
 
-        return ServerBackend(build=ensure_server(source=source, server_bin=server_bin), run_dir=run_dir)
+        return ServerBackend(build=ensure_server(source=source, server_bin=server_bin),
+                             run_dir=run_dir / "server-logs" if run_dir else None)
 
-    return {"inproc": InprocBackend, "server": server}
+    def inproc() -> Backend:
+        return InprocBackend(run_dir / "engine-logs" if run_dir else None)
+
+    return {"inproc": inproc, "server": server}

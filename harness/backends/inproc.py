@@ -1,10 +1,33 @@
-"""The in-process backend: our own engine on llama-cpp-python, behind the Backend protocol."""
+"""The in-process backend: our own engine on llama-cpp-python, behind the Backend protocol.
+
+The engine runs in a worker process (`harness.engine.worker`), one per session: a model load per cell,
+as before, but an abort, a segfault or an OOM kill inside llama.cpp ends only the worker. The requests it
+had not finished become `crashed` Results naming the assert (with the log tail), exactly like a crashed
+llama-server; the next `run` starts a fresh worker and reloads the model. A request past its deadline
+ends as `timeout` and the worker is killed. Workers fork from a server process that has already imported
+llama.cpp, so starting one costs milliseconds, not an interpreter start.
+"""
+
+import multiprocessing
+import tempfile
+import time
+from pathlib import Path
+from typing import Optional
 
 from harness.backends.base import ServeConfig
-from harness.engine import ContextParams, Engine
+from harness.backends.process import crash_report, free_log_name
+from harness.engine import ContextParams
+from harness.engine.logging import is_verbose
 from harness.engine.speculative import SpecConfig
+from harness.engine.worker import EngineArgs, serve
+from harness.errors import HarnessBug, HarnessError
 from harness.request import Request
 from harness.result import Result
+
+OPEN_TIMEOUT_S = 300.0
+"""Model load and context creation in the worker (a multi-GB model on a slow disk included)."""
+STOP_GRACE_S = 5.0
+WHO = "the in-process engine's worker"
 
 
 def context_params(config: ServeConfig) -> ContextParams:
@@ -32,24 +55,128 @@ def spec_config(config: ServeConfig) -> SpecConfig:
     return spec
 
 
-class InprocSession:
-    """An Engine serving one model in one mode."""
+def _context():
+    """The multiprocessing context of the workers: fork from a server process that preloaded the engine."""
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(["harness.engine.worker"])
+    return ctx
 
-    def __init__(self, config: ServeConfig):
-        self.engine = Engine(config.model, context_params(config), spec_config(config), config.logit_top_k,
-                             config.kv_scan)
+
+class InprocSession:
+    """An Engine serving one model in one mode, in a worker process that is restarted after a crash."""
+
+    def __init__(self, config: ServeConfig, log_dir: Path, deadline_s: Optional[float] = None):
+        self.config = config
+        self.log_dir = log_dir
+        self.deadline_s = deadline_s
+        self.args = EngineArgs(config.model, context_params(config), spec_config(config), config.logit_top_k,
+                               config.kv_scan)
+        self.process = None
+        self.conn = None
+        self.log_path: Optional[Path] = None
+        self.starts = 0
+        self._start()
+
+    def _start(self) -> None:
+        """Start a worker and open the engine in it; HarnessError (one line) when that fails."""
+        self.starts += 1
+        self.log_path = free_log_name(self.log_dir, f"engine-{self.config.mode}")
+        ctx = _context()
+        self.conn, child = ctx.Pipe()
+        self.process = ctx.Process(target=serve, args=(child, str(self.log_path), is_verbose()), daemon=True,
+                                   name="specharness-engine")
+        self.process.start()
+        child.close()
+        self.conn.send(("open", self.args))
+        reply = self._receive(OPEN_TIMEOUT_S)
+        if reply is not None and reply[0] == "ready":
+            return
+        if reply is None and self.process.is_alive():
+            why = f"{WHO} did not load {self.config.model.name} within {OPEN_TIMEOUT_S:.0f} s (log: {self.log_path})"
+        elif reply is None:
+            self.process.join(STOP_GRACE_S)
+            why = crash_report(WHO, self.process.exitcode, self.log_path).split("\n")[0] + " (while loading the model)"
+        else:
+            why = reply[1]
+        self._kill()
+        if reply is not None and reply[0] == "bug":
+            raise HarnessBug(why)
+        raise HarnessError(why)
+
+    def _receive(self, timeout: float):
+        """The next message, or None when the worker ended (EOF) or sent nothing within `timeout`."""
+        try:
+            if not self.conn.poll(max(0.0, timeout)):
+                return None
+            return self.conn.recv()
+        except (EOFError, OSError):
+            return None
 
     def run(self, requests: list[Request]) -> list[Result]:
-        return self.engine.run(requests)
+        """One Result per request, in order; requests the worker did not finish end `crashed` or `timeout`."""
+        if self.process is None or not self.process.is_alive():
+            self._kill()
+            self._start()
+        self.conn.send(("run", list(requests)))
+        results: list[Optional[Result]] = [None] * len(requests)
+        budget = self.deadline_s if self.deadline_s is not None else self._budget(requests)
+        deadline = time.monotonic() + budget
+        while True:
+            message = self._receive(deadline - time.monotonic())
+            if message is None:
+                return self._unfinished(results, budget)
+            if message[0] == "result":
+                results[message[1]] = message[2]
+            elif message[0] == "done":
+                return results
+            else:
+                self._kill()
+                if message[0] == "bug":
+                    raise HarnessBug(message[1])
+                raise HarnessError(message[1])
+
+    def _budget(self, requests: list[Request]) -> float:
+        """Seconds the worker gets for a `run` call before its unfinished requests end `timeout`."""
+        return sum(60.0 + 0.5 * max(r.sampling.n_predict, 0) for r in requests)
+
+    def _unfinished(self, results: list[Optional[Result]], budget: float) -> list[Result]:
+        """The worker died or overran: what it finished stays, the rest becomes `crashed` / `timeout`."""
+        if self.process.is_alive():
+            self._kill()
+            error = f"timeout: the in-process engine had not finished within {budget:.0f} s; its worker was killed"
+            reason = "timeout"
+        else:
+            self.process.join(STOP_GRACE_S)
+            error, reason = crash_report(WHO, self.process.exitcode, self.log_path), "crashed"
+            self._kill()
+        return [r if r is not None else Result(stop_reason=reason, error=error) for r in results]
+
+    def _kill(self) -> None:
+        if self.process is not None and self.process.is_alive():
+            self.process.kill()
+            self.process.join(STOP_GRACE_S)
+        if self.conn is not None:
+            self.conn.close()
+        self.process = self.conn = None
 
     def close(self) -> None:
-        self.engine.close()
+        """Close the engine and let the worker exit (killed if it does not within a few seconds)."""
+        if self.process is not None and self.process.is_alive():
+            try:
+                self.conn.send(("close",))
+            except OSError:
+                pass
+            self.process.join(STOP_GRACE_S)
+        self._kill()
 
 
 class InprocBackend:
-    """`--backend inproc`."""
+    """`--backend inproc`; `run_dir` receives one engine log per worker start (a temp dir when None)."""
 
     name = "inproc"
+
+    def __init__(self, run_dir: Optional[Path] = None):
+        self.run_dir = run_dir
 
     def environment(self) -> dict:
         """llama-cpp-python's version and whether its build offloads to a GPU."""
@@ -63,4 +190,5 @@ class InprocBackend:
         }
 
     def open(self, config: ServeConfig) -> InprocSession:
-        return InprocSession(config)
+        log_dir = Path(self.run_dir) if self.run_dir else Path(tempfile.mkdtemp(prefix="specharness-engine-"))
+        return InprocSession(config, log_dir)

@@ -23,11 +23,11 @@ import requests
 
 from harness.backends.base import ServeConfig, default_threads
 from harness.backends.build import require_executable
+from harness.backends.process import crash_report, describe_exit, log_tail
 from harness.errors import HarnessError
 
 HOST = "127.0.0.1"
 STOP_GRACE_S = 5.0
-LOG_TAIL_LINES = 20
 _RUNNING: set["LlamaServer"] = set()
 
 
@@ -146,7 +146,7 @@ class LlamaServer:
 
     def _startup_failure(self) -> str:
         """One line saying why the process exited before becoming healthy."""
-        tail = self.log_tail()
+        tail = log_tail(self.log_path)
         if "failed to load model" in tail or "error loading model" in tail:
             reason = _first_line_with(tail, ("error loading model", "failed to load model"))
             return f"llama-server could not load model {self.model}: {reason} (log: {self.log_path})"
@@ -188,18 +188,9 @@ class LlamaServer:
         except subprocess.TimeoutExpired:
             return None
 
-    def log_tail(self, lines: int = LOG_TAIL_LINES) -> str:
-        """The last `lines` lines of the server log."""
-        try:
-            text = Path(self.log_path).read_text(errors="replace")
-        except OSError:
-            return ""
-        return "\n".join(text.splitlines()[-lines:])
-
     def crash_report(self) -> str:
-        """How the process ended plus the end of its log (for a Result's `error`)."""
-        status = describe_exit(self.process.returncode)
-        return f"llama-server {status}; log {self.log_path} ends with:\n{self.log_tail()}"
+        """How the process ended, the abort line and the end of its log (for a Result's `error`)."""
+        return crash_report("llama-server", self.process.returncode, self.log_path)
 
 
 def _spec_flag(key: str, value) -> list[str]:
@@ -221,18 +212,6 @@ def _first_line_with(text: str, needles: tuple[str, ...]) -> str:
             if needle in line:
                 return line[line.index(needle):].strip()
     return ""
-
-
-def describe_exit(returncode: Optional[int]) -> str:
-    """'exited with code 1' / 'was killed by SIGABRT' / 'is still running'."""
-    if returncode is None:
-        return "is still running"
-    if returncode < 0:
-        try:
-            return f"was killed by {signal.Signals(-returncode).name}"
-        except ValueError:
-            return f"was killed by signal {-returncode}"
-    return f"exited with code {returncode}"
 
 
 def free_port() -> int:

@@ -19,6 +19,7 @@ from typing import Any, Optional
 
 from harness.backends.base import ServeConfig
 from harness.backends.build import BuildInfo, ensure_server
+from harness.backends.process import free_log_name
 from harness.backends.client import COMPLETION_FIELDS, ConnectionLost, LlamaClient, RequestTimedOut, ServerError
 from harness.backends.server import LlamaServer
 from harness.kvscan import layout_from_model, scan_file
@@ -101,7 +102,7 @@ class ServerSession:
     def start(self) -> None:
         """(Re)start the server with a fresh port and a new log file in run_dir."""
         self.starts += 1
-        log = _free_log_name(self.run_dir, f"llama-server-{self.config.mode}")
+        log = free_log_name(self.run_dir, f"llama-server-{self.config.mode}")
         options = dict(self.server_options)
         if self.config.kv_scan != "off":
             options["slot_save_path"] = self.slots_dir
@@ -176,15 +177,3 @@ class ServerSession:
 
     def __exit__(self, *exc) -> None:
         self.close()
-
-
-def _free_log_name(run_dir: Path, stem: str) -> Path:
-    """Claim `run_dir/<stem>-<n>.log` for the smallest n not taken yet."""
-    run_dir.mkdir(parents=True, exist_ok=True)
-    for n in itertools.count(1):
-        path = run_dir / f"{stem}-{n}.log"
-        try:
-            path.open("x").close()
-            return path
-        except FileExistsError:
-            continue

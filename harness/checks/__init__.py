@@ -1,6 +1,8 @@
 """Named checks: each a small function of a CheckContext returning pass/fail plus evidence.
 
-A check that does not apply to a case (e.g. `lossless` without speculation) returns None.
+A check that does not apply to a case (e.g. `lossless` without speculation) returns None. Every token
+comparison follows one policy (harness.checks.compare): a proven near-tie is reported but excused outside
+`seq` mode; any other divergence fails.
 """
 
 import json
@@ -9,11 +11,18 @@ from typing import Callable, Optional
 import jsonschema
 
 from harness.checks.base import CheckContext, CheckResult
-from harness.checks.compare import compare_outcome, tolerances
+from harness.checks.compare import compare_outcome
+from harness.errors import HarnessBug
 from harness.logits import check as logits_within, compare as compare_logits
 from harness.matrix import spec_preset
 
 Check = Callable[[CheckContext], Optional[CheckResult]]
+
+
+def verdict(name: str, comparison: tuple[bool, str, dict]) -> CheckResult:
+    """A CheckResult from a (passed, message, evidence) comparison; its per-output failures become `failures`."""
+    passed, message, evidence = comparison
+    return CheckResult(name, passed, message, evidence, failures=evidence.pop("failures", []))
 
 
 def no_crash(ctx: CheckContext) -> CheckResult:
@@ -25,8 +34,9 @@ def no_crash(ctx: CheckContext) -> CheckResult:
     if not bad and not crashed:
         return CheckResult("no-crash", True, evidence=evidence)
     first = (crashed or bad)[0]
-    return CheckResult("no-crash", False, f"{len(bad)} of {len(ctx.outcomes)} requests failed; round {first.round}: "
-                       f"{first.result.error}", evidence)
+    return CheckResult("no-crash", False, f"{len(bad)} of {len(ctx.outcomes)} requests failed; {ctx.case} round "
+                       f"{first.round}: {first.result.error}", evidence,
+                       failures=[f"round {o.round}: {o.result.error}" for o in bad])
 
 
 def repeat_identical(ctx: CheckContext) -> Optional[CheckResult]:
@@ -35,37 +45,33 @@ def repeat_identical(ctx: CheckContext) -> Optional[CheckResult]:
     if len(ctx.run.suite.rounds) < 2 or len(done) < 2:
         return None
     unique = len({tuple(o.result.tokens) for o in done})
-    passed, message, evidence = compare_outcome(ctx, done[0], f"output of round {done[0].round}")
-    evidence["unique_outputs"] = unique
-    evidence["runs"] = len(done)
-    if not passed:
-        message = f"{unique} unique outputs over {len(done)} runs; " + message
-    return CheckResult("repeat-identical", passed, message, evidence)
+    result = verdict("repeat-identical", compare_outcome(ctx, done[0], f"output of round {done[0].round}", ctx.cell))
+    result.evidence.update(unique_outputs=unique, runs=len(done))
+    if unique > 1:
+        result.message = f"{unique} unique outputs over {len(done)} runs; " + result.message
+    return result
 
 
 def lossless(ctx: CheckContext) -> Optional[CheckResult]:
     """Greedy speculative output equals greedy non-speculative output."""
-    if not spec_preset(ctx.cell.spec).speculative or not ctx.case_def.sampling.greedy:
+    if not spec_preset(ctx.cell.spec).speculative or not ctx.case_def.sampling.greedy or not ctx.completed():
         return None
-    passed, message, evidence = compare_outcome(ctx, ctx.reference_outcome(ctx.cell.reference(spec="none")),
-                                            "non-speculative output")
-    return CheckResult("lossless", passed, message, evidence)
+    reference = ctx.cell.reference(spec="none")
+    return verdict("lossless", compare_outcome(ctx, ctx.reference_outcome(reference), "non-speculative output",
+                                               reference))
 
 
 def mode_invariant(ctx: CheckContext) -> Optional[CheckResult]:
-    """`no-kv-unified` equals `seq`; `par` is compared with `seq` and reported without failing."""
-    if ctx.cell.mode == "seq":
+    """`par` and `no-kv-unified` produce the output of `seq` (a proven near-tie is reported, not failed)."""
+    if ctx.cell.mode == "seq" or not ctx.completed():
         return None
-    passed, message, evidence = compare_outcome(ctx, ctx.reference_outcome(ctx.cell.reference(mode="seq")), "seq output")
-    if ctx.cell.mode == "par":
-        evidence["reported_only"] = True
-        return CheckResult("mode-invariant", True, message, evidence)
-    return CheckResult("mode-invariant", passed, message, evidence)
+    reference = ctx.cell.reference(mode="seq")
+    return verdict("mode-invariant", compare_outcome(ctx, ctx.reference_outcome(reference), "seq output", reference))
 
 
 def baseline(ctx: CheckContext) -> Optional[CheckResult]:
     """Tokens equal the stored baseline of (suite, case, model, backend, device)."""
-    return ctx.baselines.check(ctx)
+    return ctx.baselines.check(ctx) if ctx.completed() or ctx.baselines.update else None
 
 
 def spec_ran(ctx: CheckContext) -> Optional[CheckResult]:
@@ -98,7 +104,8 @@ def grammar_valid(ctx: CheckContext) -> Optional[CheckResult]:
             problems.append(f"round {o.round}: {str(err).splitlines()[0]} in {o.result.text[:80]!r}")
     evidence = {"outputs": len(ctx.completed()), "invalid": len(problems)}
     if problems:
-        return CheckResult("grammar-valid", False, f"{len(problems)} invalid outputs; " + problems[0], evidence)
+        return CheckResult("grammar-valid", False, f"{len(problems)} invalid outputs; " + problems[0], evidence,
+                           failures=problems)
     return CheckResult("grammar-valid", True, evidence=evidence)
 
 
@@ -121,18 +128,20 @@ def kv_healthy(ctx: CheckContext) -> Optional[CheckResult]:
     evidence["first"] = scan
     return CheckResult("kv-healthy", False, f"{len(bad)} of {len(scanned)} requests left an unhealthy KV cache "
                        f"(round {bad[0].round}: {scan['totals']['duplicate_cells']} duplicate cells, "
-                       f"{scan['totals']['orphans']} orphans): {where}", evidence)
+                       f"{scan['totals']['orphans']} orphans): {where}", evidence,
+                       failures=[f"round {o.round}: {o.result.kv_scan['totals']}" for o in bad])
 
 
 def logits_close(ctx: CheckContext) -> Optional[CheckResult]:
-    """Logits agree with the reference cell's (seq mode, no speculation) within the suite's tolerances,
-    over the positions where both produced the same tokens."""
+    """Logits agree with the reference cell's (seq mode, no speculation) within the calibrated tolerances
+    of this (model, backend, device), over the positions where both produced the same tokens."""
     canonical = ctx.cell.reference(mode="seq", spec="none")
     reference = ctx.reference_outcome(canonical) if ctx.cell != canonical else None
     if reference is None or not reference.result.logits:
         return None
-    tol, _ = tolerances(ctx)
-    worst, evidence = None, {"compared_runs": 0}
+    floor = ctx.noise_floor
+    worst, problems = None, []
+    evidence = {"compared_runs": 0, "noise_floor": floor.describe()}
     for o in ctx.completed():
         if not o.result.logits:
             continue
@@ -143,14 +152,47 @@ def logits_close(ctx: CheckContext) -> Optional[CheckResult]:
             continue
         evidence["compared_runs"] += 1
         evidence["max_abs"] = max(evidence.get("max_abs", 0.0), float(comparison.max_abs))
-        passed, message = logits_within(comparison, tol)
-        if not passed and worst is None:
-            worst = f"round {o.round}: {message}"
+        evidence["nmse"] = max(evidence.get("nmse", 0.0), float(comparison.nmse))
+        passed, message = logits_within(comparison, floor.tolerances)
+        if not passed:
+            problems.append(f"round {o.round}: {message}")
+            worst = worst or problems[-1]
     if evidence["compared_runs"] == 0:
         return None
     if worst:
-        return CheckResult("logits-close", False, f"logits differ from the seq / no-speculation run beyond tolerance; {worst}", evidence)
+        return CheckResult("logits-close", False, f"logits differ from the seq / no-speculation run beyond the "
+                           f"{floor.describe()}; {worst}", evidence, failures=problems)
     return CheckResult("logits-close", True, evidence=evidence)
+
+
+def exercised(ctx: CheckContext) -> Optional[CheckResult]:
+    """The cell exercised what the suite is for (`expect:`): enough requests completed, and the speculative
+    counters it names reached their minimum over the cell. A cell-level check, reported on the suite's
+    first case; a counter the backend does not report (llama-server has no drop-and-retry counter) is
+    listed as unmeasured, never assumed."""
+    expect = ctx.run.suite.expect
+    if not expect or ctx.case != ctx.run.suite.first_key:
+        return None
+    outcomes = ctx.run.outcomes
+    completed = sum(o.result.ok for o in outcomes)
+    share = completed / len(outcomes) if outcomes else 0.0
+    evidence = {"requests": len(outcomes), "completed": completed}
+    problems = []
+    if share < expect.get("completed_min", 0.0):
+        problems.append(f"only {completed} of {len(outcomes)} requests completed (expected at least "
+                        f"{expect['completed_min']:.0%})")
+    for counter, minimum in expect.get("spec_stats_min", {}).items():
+        reported = [o.result.spec_stats[counter] for o in outcomes if counter in o.result.spec_stats]
+        if not reported and outcomes:
+            evidence.setdefault("unmeasured", []).append(counter)
+            continue
+        evidence[counter] = total = sum(reported)
+        if total < minimum:
+            problems.append(f"spec_stats.{counter} totals {total} over the cell (expected at least {minimum}): "
+                            "the path it counts never ran")
+    if problems:
+        return CheckResult("exercised", False, "; ".join(problems), evidence, failures=problems)
+    return CheckResult("exercised", True, evidence=evidence)
 
 
 CHECKS: dict[str, Check] = {
@@ -163,15 +205,20 @@ CHECKS: dict[str, Check] = {
     "grammar-valid": grammar_valid,
     "kv-healthy": kv_healthy,
     "logits-close": logits_close,
+    "exercised": exercised,
 }
 
 
 def evaluate(ctx: CheckContext, names: list[str]) -> list[CheckResult]:
     """Run the named checks that apply; a failing one's message ends with how to reproduce it.
 
-    A cell that could not be served at all (no model, no server) fails `no-crash` and nothing else."""
+    A cell that could not be served at all (no model, no server) fails `no-crash` and nothing else; a
+    cell the harness itself broke on raises HarnessBug (a harness error is never a check verdict)."""
+    if ctx.run.harness_error is not None:
+        raise HarnessBug(ctx.run.harness_error)
     if ctx.run.error is not None:
-        return [CheckResult("no-crash", False, f"the cell could not be served: {ctx.run.error}\n  reproduce: {ctx.repro}")]
+        return [CheckResult("no-crash", False, f"the cell could not be served: {ctx.run.error}\n  reproduce: {ctx.repro}",
+                            failures=[ctx.run.error])]
     results = []
     for name in names:
         result = CHECKS[name](ctx)

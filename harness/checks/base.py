@@ -1,21 +1,29 @@
 """What a check sees and what it returns."""
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields, replace
 from typing import Any, Callable, Optional
 
+from harness import noise
 from harness.execute import CellRun, Executor, Outcome, case_keys
+from harness.logits import Tolerances
 from harness.matrix import Cell
+from harness.noise import NoiseFloor
+from harness.result import Result
 from harness.suites import Case
 
 
 @dataclass
 class CheckResult:
-    """A check's verdict on one case of one cell, with its evidence (counts, rates, divergences)."""
+    """A check's verdict on one case of one cell, with its evidence (counts, rates, divergences).
+
+    `failures` holds one line per failing request (or other failing item) when the check judges several:
+    a known llama.cpp defect excuses the verdict only if its evidence explains every one of them."""
 
     name: str
     passed: bool
     message: str = ""
     evidence: dict[str, Any] = field(default_factory=dict)
+    failures: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -43,6 +51,26 @@ class CheckContext:
     def outcomes(self) -> list[Outcome]:
         return self.run.of_case(self.case)
 
+    @property
+    def excuses_near_ties(self) -> bool:
+        """The one policy for modes other than `seq`: there a proven near-tie is reported, not failed (the
+        batch a slot shares with others changes kernels and numerics); in `seq` every divergence fails."""
+        return self.cell.mode != "seq"
+
+    @property
+    def noise_floor(self) -> NoiseFloor:
+        """The calibrated noise floor of this cell's (model, backend, device), with the suite's own
+        `tolerances:` applied on top when it declares any (the verdicts then say so)."""
+        device = self.executor.environment(self.cell)["device"]
+        floor = noise.load(self.cell.model, self.cell.backend, device)
+        declared = dict(self.run.suite.tolerances)
+        if not declared:
+            return floor
+        near_tie = declared.pop("near_tie", floor.near_tie)
+        names = {f.name for f in fields(Tolerances)}
+        tol = replace(floor.tolerances, **{k: v for k, v in declared.items() if k in names})
+        return NoiseFloor(tol, near_tie, f"suite {self.run.suite.name} tolerances over {floor.source}")
+
     def allowed(self, outcome: Outcome) -> bool:
         """True when an error outcome is one the suite allows (e.g. context_full in kv-fill)."""
         error = outcome.result.error or ""
@@ -58,3 +86,13 @@ class CheckContext:
 
     def reference_outcome(self, cell: Cell, round_: int = 0) -> Optional[Outcome]:
         return next((o for o in self.other(cell) if o.round == round_), None)
+
+
+def kv_findings(result: Result, who: str) -> list[str]:
+    """The KV scanner's findings on one request's cache, one line (empty when healthy or not scanned)."""
+    scan = result.kv_scan
+    if not scan or scan.get("healthy", True):
+        return []
+    t = scan["totals"]
+    return [f"the KV scan of the {who} found {t['duplicate_cells']} duplicate (seq_id, pos) cells, "
+            f"{t['orphans']} orphans and {t['missing_positions']} missing positions"]

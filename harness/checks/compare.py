@@ -1,46 +1,68 @@
-"""Comparing two outputs of the same case: match, or the first divergence with its triage."""
+"""Comparing outputs of the same case: match, or the first divergence with its triage, judged by the one
+policy for every token comparison (`CheckContext.excuses_near_ties`)."""
 
 from typing import Optional
 
-from harness.checks.base import CheckContext
+from harness.checks.base import CheckContext, kv_findings
 from harness.execute import Outcome
-from harness.logits import Tolerances
-from harness.triage import Divergence, triage
+from harness.logits import PositionLogits
+from harness.matrix import Cell
+from harness.result import Result
+from harness.triage import Divergence, at, triage
 
 
-def tolerances(ctx: CheckContext) -> tuple[Tolerances, dict]:
-    """The suite's logits tolerances and the triage keywords (near-tie margin) it declares."""
-    declared = dict(ctx.run.suite.tolerances)
-    near_tie = declared.pop("near_tie", None)
-    return Tolerances(**declared), ({"near_tie": near_tie} if near_tie is not None else {})
-
-
-def divergence(ctx: CheckContext, ref_tokens: list[int], ref_logits: list, other: Outcome) -> Optional[Divergence]:
-    """None when `other` produced exactly `ref_tokens`, else the triaged first divergence."""
-    if ref_tokens == other.result.tokens:
-        return None
-    tol, triage_options = tolerances(ctx)
-    return triage(ref_tokens, other.result.tokens, ref_logits or None, other.result.logits or None,
-                  detokenize=ctx.detokenize, tol=tol, **triage_options)
-
-
-def compare_outcome(ctx: CheckContext, reference: Optional[Outcome], label: str) -> tuple[bool, str, dict]:
+def compare_outcome(ctx: CheckContext, reference: Optional[Outcome], label: str,
+                    ref_cell: Optional[Cell] = None) -> tuple[bool, str, dict]:
     """Compare every completed outcome of this case with another outcome; (passed, message, evidence)."""
     if reference is None or not reference.result.ok:
         why = "missing" if reference is None else f"failed: {reference.result.error}"
         return (ctx.allowed(reference) if reference else False), f"{label} reference {why}", {}
-    return compare_tokens(ctx, reference.result.tokens, reference.result.logits, label)
+    return compare_tokens(ctx, reference.result.tokens, reference.result.logits, label, reference.result, ref_cell)
 
 
-def compare_tokens(ctx: CheckContext, ref_tokens: list[int], ref_logits: list, label: str) -> tuple[bool, str, dict]:
-    """Compare every completed outcome of this case with reference tokens; (passed, message, evidence)."""
+def compare_tokens(ctx: CheckContext, ref_tokens: list[int], ref_logits: list[PositionLogits], label: str,
+                   ref_result: Optional[Result] = None, ref_cell: Optional[Cell] = None) -> tuple[bool, str, dict]:
+    """Compare every completed outcome of this case with reference tokens; (passed, message, evidence).
+
+    Each divergence is triaged with this cell's noise floor, the KV findings of both requests and, where
+    llama-server withheld logits, a re-score. A proven near-tie is excused outside `seq` mode (counted in
+    `evidence["near_ties"]`); every other divergence fails, with one line per output in `failures`."""
+    floor = ctx.noise_floor
+    greedy = ctx.case_def.sampling.greedy
     mine = ctx.completed()
-    diffs = [(o, d) for o in mine if (d := divergence(ctx, ref_tokens, ref_logits, o)) is not None]
-    evidence = {"compared": len(mine), "matching": len(mine) - len(diffs)}
+    diffs: list[tuple[Outcome, Divergence]] = []
+    with ctx.executor.rescorer() as rescorer:
+        for o in mine:
+            if o.result.tokens == ref_tokens:
+                continue
+
+            def rescore(side: str, pos: int, o: Outcome = o):
+                if side == "other":
+                    return rescorer.score(ctx.run.suite, ctx.cell, o.result, pos)
+                return rescorer.score(ctx.run.suite, ref_cell, ref_result, pos) if ref_cell and ref_result else None
+
+            findings = kv_findings(o.result, f"request (round {o.round})")
+            findings += kv_findings(ref_result, "reference request") if ref_result is not None else []
+            diffs.append((o, triage(ref_tokens, o.result.tokens, ref_logits or None, o.result.logits or None,
+                                    detokenize=ctx.detokenize, floor=floor, greedy=greedy, kv_findings=findings,
+                                    rescore=rescore)))
+    excused = [(o, d) for o, d in diffs if d.kind == "near-tie" and ctx.excuses_near_ties]
+    failing = [(o, d) for o, d in diffs if (o, d) not in excused]
+    evidence = {"compared": len(mine), "matching": len(mine) - len(diffs), "noise_floor": floor.describe()}
+    if excused:
+        evidence["near_ties"] = len(excused)
     if not diffs:
         return True, "", evidence
-    outcome, first = diffs[0]
-    evidence["first_divergence"] = {"round": outcome.round, "index": first.index, "kind": first.kind}
-    message = (f"{len(diffs)} of {len(mine)} outputs differ from the {label}; round {outcome.round}: "
-               f"{first.describe()}")
-    return False, message, evidence
+    outcome, first = (failing or excused)[0]
+    evidence["first_divergence"] = {
+        **first.to_evidence(), "round": outcome.round, "reference": label, "reference_tokens": list(ref_tokens),
+        "tokens": list(outcome.result.tokens),
+        "reference_margins": [None if (p := at(ref_logits, i)) is None else round(p.margin, 5)
+                              if p.margin is not None else None for i in range(len(ref_tokens))],
+    }
+    if not failing:
+        return True, (f"{len(excused)} of {len(mine)} outputs differ from the {label} at proven near-ties "
+                      f"(reported, not failed in {ctx.cell.mode} mode); round {outcome.round}: {first.describe()}"), evidence
+    evidence["failures"] = [f"round {o.round}: {d.kind} at token {d.index}" for o, d in failing]
+    return False, (f"{len(failing)} of {len(mine)} outputs differ from the {label}; round {outcome.round}: "
+                   f"{first.describe()}"), evidence

@@ -2,7 +2,7 @@
 
 from dataclasses import replace
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 from harness.engine.context import Context, ContextParams
 from harness.engine.model import Model
@@ -30,9 +30,11 @@ class Engine:
             self.close()
             raise
 
-    def run(self, requests: list[Request]) -> list[Result]:
-        """Serve the requests on the slots (concurrently when there are several); Results in order."""
-        return self.scheduler.run(requests)
+    def run(self, requests: list[Request],
+            on_result: Optional[Callable[[int, Result], None]] = None) -> list[Result]:
+        """Serve the requests on the slots (concurrently when there are several); Results in order,
+        each also passed to `on_result(index, result)` as soon as it finishes."""
+        return self.scheduler.run(requests, on_result)
 
     def close(self) -> None:
         """Free the drafters, the batch, the context and the model."""

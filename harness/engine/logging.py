@@ -20,6 +20,11 @@ def set_llama_verbose(verbose: bool) -> None:
     llama_cpp.llama_log_set(_log_callback, None)
 
 
+def is_verbose() -> bool:
+    """Whether llama.cpp's log is shown (`specharness --verbose`); worker processes inherit the choice."""
+    return _state["verbose"]
+
+
 def ensure_quiet() -> None:
     """Install the log callback (silent by default) unless it is already installed; called before
     every model load, so llama.cpp stays quiet without an explicit `set_llama_verbose`."""

@@ -13,6 +13,12 @@ from harness.engine.context import Context
 from harness.errors import HarnessError
 
 STRATEGIES = ("auto", "seq-rm", "checkpoint", "partial")
+
+
+class LlamaRefused(Exception):
+    """llama.cpp refused a memory or state operation the engine asked for: the request fails with it
+    (an error Result, like a failed decode), which is a finding about llama.cpp, not a harness bug."""
+
 CHECKPOINT_FLAGS = {"partial": llama_cpp.LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY, "full": 0}
 
 
@@ -49,6 +55,6 @@ def can_seq_rm(ctx: Context) -> bool:
 def restore(ctx: Context, seq_id: int, state: bytes, flags: int, n_keep: int, trim: bool = True) -> None:
     """Restore a checkpoint, then (restore first: the hybrid order) drop attention cells from `n_keep` on."""
     if not ctx.set_state_seq(seq_id, state, flags):
-        raise RuntimeError(f"llama.cpp refused to restore the checkpoint of sequence {seq_id}")
+        raise LlamaRefused(f"llama.cpp refused to restore the checkpoint of sequence {seq_id}")
     if trim and not ctx.seq_rm(seq_id, n_keep, -1):
-        raise RuntimeError(f"llama.cpp refused to trim sequence {seq_id} at {n_keep} after a restore")
+        raise LlamaRefused(f"llama.cpp refused to trim sequence {seq_id} at {n_keep} after a restore")

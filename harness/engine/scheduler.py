@@ -8,7 +8,7 @@ retried with another plan. Requests wait in a FIFO queue for a free slot.
 
 from collections import deque
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 from harness.engine.context import Context
 from harness.engine.kvcheck import KvChecker
@@ -53,9 +53,17 @@ class Scheduler:
         self.batch = ctx.new_batch()
         self.spec = Speculation(spec, ctx) if spec is not None and spec.enabled else None
 
-    def run(self, requests: list[Request]) -> list[Result]:
-        """Serve all requests (concurrently up to the number of slots); Results in request order."""
+    def run(self, requests: list[Request],
+            on_result: Optional[Callable[[int, Result], None]] = None) -> list[Result]:
+        """Serve all requests (concurrently up to the number of slots); Results in request order.
+        `on_result(index, result)` is called as each request finishes (the worker process streams them)."""
         results: list[Result | None] = [None] * len(requests)
+
+        def finished(index: int, result: Result) -> None:
+            results[index] = result
+            if on_result is not None:
+                on_result(index, result)
+
         queue = deque(enumerate(requests))
         while queue or self._active():
             for slot in self.slots:
@@ -63,14 +71,14 @@ class Scheduler:
                     index, request = queue.popleft()
                     failed = slot.start(index, request)
                     if failed is not None:
-                        results[index] = failed
+                        finished(index, failed)
             for slot, result in self.step():
                 if self.kv and result.ok:
                     self._scan(slot)
-                results[slot.request_index] = result
                 if self.spec:
                     self.spec.end(slot)
                 self.ctx.seq_rm(slot.id)
+                finished(slot.request_index, result)
         return results
 
     def _scan(self, slot: Slot) -> None:

@@ -133,7 +133,9 @@ class StepPlan:
 
 
 COUNTERS = ("draft_n", "draft_n_accepted", "spec_cycles", "spec_empty", "spec_skip",
-            "ckpt_created", "ckpt_restored", "n_redecoded", "draft_ms")
+            "ckpt_created", "ckpt_restored", "n_redecoded", "draft_dropped", "draft_ms")
+"""Per-request speculative counters (`Result.spec_stats`); `draft_dropped` counts draft tokens dropped
+because their step's decode failed (the KV cache was full) before the step was retried without them."""
 
 
 class Speculation:
@@ -209,7 +211,9 @@ class Speculation:
         if plan.sampler_backup is not None:
             plan.sampler_backup.free()
         if plan.replay:
-            self.replays[slot.id] = plan.draft
+            self.replays[slot.id] = plan.draft  # replayed again at the next step
+        else:
+            slot.result.spec_stats["draft_dropped"] += len(plan.draft)
 
     def processed(self, batch: Batch) -> None:
         """The target decoded `batch`: draft models mirror it (its entries are read only for them)."""
@@ -253,7 +257,11 @@ class Speculation:
         if n_match == k:
             self.attempts[slot.id] = 0
             return self._commit(slot, plan, sampled, logits, n_match)
-        return self._roll_back(slot, plan, sampled, logits, n_match)
+        try:
+            return self._roll_back(slot, plan, sampled, logits, n_match)
+        except rollback.LlamaRefused as err:
+            slot.fail(str(err))
+            return True
 
     def _commit(self, slot, plan: StepPlan, sampled: list[int], logits: list, n_match: int) -> bool:
         if plan.sampler_backup is not None:
@@ -266,7 +274,7 @@ class Speculation:
         off_by_one = 1 if self.fault == "rollback-off-by-one" else 0
         if self.strategy in ("seq-rm", "partial"):
             if not self.ctx.seq_rm(slot.id, keep + off_by_one, -1):
-                raise RuntimeError(f"llama.cpp refused to remove positions {keep}.. of sequence {slot.id}")
+                raise rollback.LlamaRefused(f"llama.cpp refused to remove positions {keep}.. of sequence {slot.id}")
             self._truncate_drafters(slot.id, keep)
             return self._commit(slot, plan, sampled, logits, n_match)
         slot.result.spec_stats["ckpt_restored"] += 1

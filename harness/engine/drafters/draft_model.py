@@ -103,9 +103,18 @@ class DraftSimple(Drafter):
                 break
         if state is None:
             self.ctx.seq_rm(seq, pos0, -1)
-        else:
-            rollback.restore(self.ctx, seq, state, PARTIAL_ONLY, pos0)
+        elif not self._restore(seq, state, pos0):
+            return []
         return out if len(out) >= self.n_min else []
+
+    def _restore(self, seq_id: int, state: bytes, n_keep: int) -> bool:
+        """Restore a draft-context checkpoint; a sequence llama.cpp refuses to restore stops drafting."""
+        try:
+            rollback.restore(self.ctx, seq_id, state, PARTIAL_ONLY, n_keep)
+        except rollback.LlamaRefused:
+            self.broken.add(seq_id)
+            return False
+        return True
 
     def truncate(self, seq_id: int, n_keep: int) -> None:
         """Drop the draft context's positions from `n_keep` on (restore and re-decode where seq_rm is not exact)."""
@@ -117,7 +126,8 @@ class DraftSimple(Drafter):
         m = self.mirrored.get(seq_id)
         if m is None or n_keep >= m.pos0 + len(m.tokens):
             return
-        rollback.restore(self.ctx, seq_id, m.state, PARTIAL_ONLY, m.pos0)
+        if not self._restore(seq_id, m.state, m.pos0):
+            return
         redo = m.tokens[: max(0, n_keep - m.pos0)]
         if redo and self._decode([(t, m.pos0 + i, seq_id, i == len(redo) - 1) for i, t in enumerate(redo)]) != 0:
             self.broken.add(seq_id)

@@ -1,10 +1,30 @@
 """A deterministic drafter for tests: proposes tokens from a script of the target's expected output."""
 
+import functools
 from collections.abc import Callable
 
 from harness.engine.drafters.base import DraftRequest, Drafter
 
 WrongAt = set[int] | Callable[[int, int, int], bool]
+
+
+def _lookup(script: dict[tuple[int, ...], list[int]], prompt: list[int]) -> list[int]:
+    return script.get(tuple(prompt), [])
+
+
+def by_prompt(script: dict[tuple[int, ...], list[int]]) -> Callable[[list[int]], list[int]]:
+    """A `continuation` that looks each request's prompt up in `script` (picklable: the in-process
+    engine runs in a worker process)."""
+    return functools.partial(_lookup, script)
+
+
+def _at_position(k: int, seq_id: int, offset: int, pos: int) -> bool:
+    return pos == k
+
+
+def at_draft_position(k: int) -> WrongAt:
+    """A `wrong_at` that corrupts position `k` of every draft (picklable)."""
+    return functools.partial(_at_position, k)
 
 
 class Scripted(Drafter):

@@ -1,0 +1,68 @@
+"""How a child process that runs llama.cpp ended: shared by the llama-server process and the in-process
+engine's worker, so a crash reads the same from both backends (how it ended, the abort line, the log tail)."""
+
+import itertools
+import re
+import signal
+from pathlib import Path
+from typing import Optional
+
+LOG_TAIL_LINES = 20
+ABORT_LINES = tuple(re.compile(p) for p in (r"GGML_ASSERT|GGML_ABORT", r"what\(\):|terminate called",
+                                            r"\.(?:cpp|c|h):\d+: "))
+"""What llama.cpp prints when it aborts, most telling first: `<file>:<line>: GGML_ASSERT(...) failed`, an
+uncaught C++ exception (`terminate called after throwing ...` / `what(): ...`), a fatal `<file>:<line>: ...`."""
+
+
+def describe_exit(returncode: Optional[int]) -> str:
+    """'exited with code 1' / 'was killed by SIGABRT' / 'is still running'."""
+    if returncode is None:
+        return "is still running"
+    if returncode < 0:
+        try:
+            return f"was killed by {signal.Signals(-returncode).name}"
+        except ValueError:
+            return f"was killed by signal {-returncode}"
+    return f"exited with code {returncode}"
+
+
+def log_tail(path: Optional[Path], lines: int = LOG_TAIL_LINES) -> str:
+    """The last `lines` lines of a log file ("" when it cannot be read)."""
+    try:
+        text = Path(path).read_text(errors="replace")
+    except (OSError, TypeError):
+        return ""
+    return "\n".join(text.splitlines()[-lines:])
+
+
+def abort_line(text: str) -> str:
+    """The line of `text` that says why llama.cpp aborted ("" when none does)."""
+    lines = text.splitlines()
+    for pattern in ABORT_LINES:
+        found = next((line.strip() for line in lines if pattern.search(line)), None)
+        if found:
+            return found
+    return ""
+
+
+def crash_report(who: str, returncode: Optional[int], log_path: Optional[Path]) -> str:
+    """`<who> was killed by SIGABRT: <abort line>` and the end of its log, for a `crashed` Result."""
+    try:
+        whole = Path(log_path).read_text(errors="replace") if log_path else ""
+    except OSError:
+        whole = ""
+    reason = abort_line(whole)
+    head = f"{who} {describe_exit(returncode)}" + (f": {reason}" if reason else "")
+    return f"{head}; log {log_path} ends with:\n{log_tail(log_path)}"
+
+
+def free_log_name(run_dir: Path, stem: str) -> Path:
+    """Claim `run_dir/<stem>-<n>.log` for the smallest n not taken yet (one log file per process start)."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    for n in itertools.count(1):
+        path = run_dir / f"{stem}-{n}.log"
+        try:
+            path.open("x").close()
+            return path
+        except FileExistsError:
+            continue

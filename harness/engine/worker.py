@@ -1,0 +1,69 @@
+"""The engine's side of a worker process: one Engine, driven over a pipe by `harness.backends.inproc`.
+
+llama.cpp aborts the whole process on a failed GGML_ASSERT (and a segfault or an OOM kill ends it too),
+so the in-process engine runs in a child process: what would kill the harness ends only the worker, and
+the backend turns it into a `crashed` Result naming the assert, like a crashed llama-server.
+
+Messages (tuples, pickled by multiprocessing):
+  parent → worker: ("open", EngineArgs) · ("run", [Request, ...]) · ("close",)
+  worker → parent: ("ready",) · ("result", index, Result) per finished request, then ("done",) ·
+                   ("refused", one-line reason) for bad input · ("bug", traceback) for a harness exception
+"""
+
+import os
+import signal
+import traceback
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+from harness.engine.context import ContextParams
+from harness.engine.engine import Engine
+from harness.engine.logging import set_llama_verbose
+from harness.engine.speculative import SpecConfig
+from harness.errors import HarnessError
+
+
+@dataclass
+class EngineArgs:
+    """What `Engine(...)` takes, sent to the worker once per session."""
+
+    model: Path
+    params: ContextParams
+    spec: Optional[SpecConfig]
+    logit_top_k: int
+    kv_scan: str
+
+
+def serve(conn, log_path: str, verbose: bool) -> None:
+    """The worker's main loop (the target of the child process)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle; it stops the worker
+    log = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    os.dup2(log, 1)
+    os.dup2(log, 2)  # where llama.cpp prints `file:line: GGML_ASSERT(...) failed` and the backtrace
+    set_llama_verbose(verbose)
+    engine = None
+    try:
+        while True:
+            try:
+                message = conn.recv()
+            except EOFError:  # the parent went away
+                return
+            kind = message[0]
+            try:
+                if kind == "open":
+                    a: EngineArgs = message[1]
+                    engine = Engine(a.model, a.params, a.spec, a.logit_top_k, a.kv_scan)
+                    conn.send(("ready",))
+                elif kind == "run":
+                    engine.run(message[1], on_result=lambda index, result: conn.send(("result", index, result)))
+                    conn.send(("done",))
+                elif kind == "close":
+                    return
+            except HarnessError as err:
+                conn.send(("refused", str(err)))
+            except Exception:  # a bug of the harness: reported as such, never as a check verdict
+                conn.send(("bug", traceback.format_exc()))
+    finally:
+        if engine is not None:
+            engine.close()
