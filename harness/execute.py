@@ -19,7 +19,7 @@ from harness.request import Request, Sampling
 from harness.result import Result
 from harness.suites import Case, Suite, case_keys  # noqa: F401 - case_keys is used from here too
 
-SCRIPTS = {"reject-all": {"reject_all": True}, "wrong-at-2": {"wrong_at": at_draft_position(2)}}
+SCRIPTS = {"accept-all": {}, "reject-all": {"reject_all": True}, "wrong-at-2": {"wrong_at": at_draft_position(2)}}
 
 
 @dataclass

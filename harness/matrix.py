@@ -20,7 +20,7 @@ class SpecPreset:
     options: dict
     """llama-server flag names (without dashes) → values; empty for `none`."""
     scripted: Optional[str] = None
-    """In-process only: `reject-all` or `wrong-at-2` drafts from the case's own greedy output."""
+    """In-process only: `accept-all`, `reject-all` or `wrong-at-2` drafts from the case's own greedy output."""
     expect_accepts: bool = True
     """Whether `spec-ran` expects some drafts accepted (a forced-rejection config does not)."""
 
@@ -39,6 +39,7 @@ SPEC_PRESETS: dict[str, SpecPreset] = {
     "none": SpecPreset({}),
     "draft-simple": SpecPreset({"spec-type": "draft-simple", "spec-draft-n-max": 4}),
     **{name: SpecPreset({"spec-type": name, **opts}) for name, opts in _NGRAM_SMALL.items()},
+    "scripted-accept": SpecPreset({}, scripted="accept-all"),
     "scripted-reject": SpecPreset({}, scripted="reject-all", expect_accepts=False),
     "scripted-wrong-at-2": SpecPreset({}, scripted="wrong-at-2"),
 }

@@ -9,6 +9,7 @@ llama.cpp, so starting one costs milliseconds, not an interpreter start.
 """
 
 import multiprocessing
+import multiprocessing.connection
 import tempfile
 import time
 from pathlib import Path
@@ -104,9 +105,11 @@ class InprocSession:
         raise HarnessError(why)
 
     def _receive(self, timeout: float):
-        """The next message, or None when the worker ended (EOF) or sent nothing within `timeout`."""
+        """The next message, or None when the worker ended or sent nothing within `timeout` (waiting on the
+        process too: a worker that dies does not always close the pipe's other end at once)."""
         try:
-            if not self.conn.poll(max(0.0, timeout)):
+            ready = multiprocessing.connection.wait([self.conn, self.process.sentinel], max(0.0, timeout))
+            if self.conn not in ready and not self.conn.poll():
                 return None
             return self.conn.recv()
         except (EOFError, OSError):

@@ -1,0 +1,232 @@
+"""`specharness calibrate`: measure the noise floor of a (model, backend, device) and write its tolerances.
+
+Logically equivalent runs must produce the same tokens, but not the same bits: a verification batch of
+k+1 tokens, another micro-batch split, or slots sharing one batch (par) run other CPU kernels than a
+one-token decode. This measures, on a clean build, how far that moves the logits. The reference is the
+`seq`, non-speculative run of each prompt (the quicksort prompts and the first W1 turn, `N_PREDICT`
+tokens, greedy); every other cell of the suites' matrix for this backend (every mode × every speculative
+config, plus a 7-token micro-batch split) is an equivalent run. Over the positions before the first token
+divergence of each pair it records, per position, test-backend-ops' NMSE, KL, max |Δ| and the change of
+the top1−top2 margin, and the reference's margin wherever an equivalent run's token flipped.
+
+Tolerances are SAFETY × the largest value measured (never below MINIMUM): `nmse` bounds the pooled NMSE of
+a run, `kl` its mean KL, `max_abs` the 95th percentile of its per-position max |Δ|, and `near_tie` — the
+largest margin noise can flip — bounds the margin change and every flip seen. `repeats` whole measurements
+give the spread a re-measurement may show (par on llama-server depends on request timing).
+"""
+
+import argparse
+import datetime
+import json
+from dataclasses import asdict, replace
+from pathlib import Path
+from typing import Optional
+
+import numpy as np
+import pandas as pd
+
+from harness import MODES, __version__
+from harness.backends.choose import backend_factories
+from harness.errors import HarnessError
+from harness.execute import ExecOptions, Executor
+from harness.logits import Tolerances, compare, max_abs_quantile
+from harness.matrix import BACKEND_NAMES, Cell, spec_preset
+from harness.models import draft_for, resolve
+from harness.noise import calibration_path, calibration_root
+from harness.paths import write_atomic
+from harness.suites import Case, Suite, load_suite
+from harness.triage import at, gap
+
+N_PREDICT = 128
+SAFETY = 2.0
+"""Tolerance = SAFETY × the largest value measured between equivalent runs."""
+MINIMUM = {"nmse": 1e-9, "kl": 1e-9, "max_abs": 1e-5, "near_tie": 1e-4}
+"""Floors for bit-exact measurements (float32 rounding of a log-probability is ~1e-7 nats)."""
+SPREAD_FLOOR = 0.1
+"""A re-measurement may differ by the observed spread × 2, and at least by this fraction."""
+SPECS = {"inproc": ["none", "scripted-accept", "draft-simple", "ngram-mod", "ngram-map-k"],
+         "server": ["none", "draft-simple", "ngram-mod", "ngram-map-k"]}
+"""The speculative configs of each backend's equivalent runs (`scripted-accept` drafts the reference's own
+output, so every draft is accepted: only the batch shape changes)."""
+UBATCH = 7
+
+
+def prompts() -> list[Case]:
+    """The calibration prompts: the quicksort cases and the first turn of the W1 chat, N_PREDICT greedy tokens."""
+    cases = list(load_suite("quicksort").cases) + [load_suite("w1").cases[0]]
+    return [replace(c, sampling=replace(c.sampling, n_predict=N_PREDICT, temperature=0.0), turns=c.turns[:1])
+            for c in cases]
+
+
+def variants(backend: str, model: str) -> list[tuple[str, Cell, dict]]:
+    """(name, cell, serve overrides) of every run equivalent to the seq / none reference."""
+    specs = [s for s in SPECS[backend] if s != "draft-simple" or draft_for(model)]
+    out = [(f"{mode}/{spec}", Cell(backend, mode, spec, model), {}) for mode in MODES for spec in specs
+           if (mode, spec) != ("seq", "none")]
+    return out + [(f"seq/none/n_ubatch={UBATCH}", Cell(backend, "seq", "none", model), {"n_ubatch": UBATCH})]
+
+
+def _suite(name: str, serve: dict) -> Suite:
+    return Suite(name=name, path=None, cases=prompts(), matrix={}, checks=[], serve=serve, rounds=["par"])
+
+
+def measure(model: str, backend: str, executor: Executor) -> dict:
+    """One measurement: per variant, the statistics of its logits against the reference's."""
+    reference_suite = _suite("calibrate", {})
+    reference = executor.run(reference_suite, Cell(backend, "seq", "none", model))
+    if reference.error:
+        raise HarnessError(f"calibration reference run failed: {reference.error}")
+    results = {}
+    for name, cell, serve in variants(backend, model):
+        suite = reference_suite if not serve else _suite(f"calibrate-{name.replace('/', '-')}", serve)
+        run = executor.run(suite, cell)
+        if run.error:
+            raise HarnessError(f"calibration run {name} failed: {run.error}")
+        results[name] = _pair_stats(reference, run)
+    return results
+
+
+def _pair_stats(reference, run) -> dict:
+    """NMSE / KL / max |Δ| / margin change over the shared prefix of each case, and the flips."""
+    rows, runs, flips = [], [], []
+    for ref in reference.outcomes:
+        other = next(o for o in run.outcomes if o.case == ref.case)
+        a, b = ref.result, other.result
+        if not (a.ok and b.ok):
+            raise HarnessError(f"calibration request {ref.case} failed: {a.error or b.error}")
+        same = next((i for i, (x, y) in enumerate(zip(a.tokens, b.tokens)) if x != y), min(len(a.tokens), len(b.tokens)))
+        comparison = compare(a.logits[:same], b.logits[:same])
+        if comparison.n_compared:
+            runs.append({"nmse": comparison.nmse, "kl_mean": comparison.kl_mean,
+                         "max_abs_p95": max_abs_quantile(comparison, 0.95), "max_abs": comparison.max_abs})
+        for pos in comparison.per_position["position"]:
+            x, y = at(a.logits, pos), at(b.logits, pos)
+            if x.margin is not None and y.margin is not None and x.top_ids[0] == y.top_ids[0]:
+                rows.append(abs(x.margin - y.margin))
+        if same < min(len(a.tokens), len(b.tokens)) and (x := at(a.logits, same)) is not None:
+            flip = gap(x, a.tokens[same], b.tokens[same])
+            flips.append({"case": ref.case, "index": same, "reference_gap": None if flip is None else round(flip, 6)})
+    frame = pd.DataFrame(runs)
+    deltas = np.array(rows) if rows else np.zeros(1)
+    return {
+        "runs": len(runs), "positions": len(rows),
+        "nmse_max": float(frame["nmse"].max()) if runs else 0.0,
+        "kl_mean_max": float(frame["kl_mean"].max()) if runs else 0.0,
+        "max_abs_p95_max": float(frame["max_abs_p95"].max()) if runs else 0.0,
+        "max_abs_max": float(frame["max_abs"].max()) if runs else 0.0,
+        "margin_delta_max": float(deltas.max()), "margin_delta_p99": float(np.quantile(deltas, 0.99)),
+        "flips": flips,
+    }
+
+
+def _largest(measured: dict) -> dict:
+    """The largest value of each statistic over every variant (flips count toward the near-tie floor)."""
+    flips = [f["reference_gap"] for v in measured.values() for f in v["flips"]]
+    unbounded = any(g is None for g in flips)
+    return {
+        "nmse": max(v["nmse_max"] for v in measured.values()),
+        "kl": max(v["kl_mean_max"] for v in measured.values()),
+        "max_abs": max(v["max_abs_p95_max"] for v in measured.values()),
+        "near_tie": max([v["margin_delta_max"] for v in measured.values()] + [g for g in flips if g is not None]),
+        "unbounded_flip": unbounded,
+    }
+
+
+def tolerances_of(largest: dict) -> dict:
+    """The tolerances a measurement sets (SAFETY × largest, at least MINIMUM)."""
+    tol = {k: max(SAFETY * largest[k], MINIMUM[k]) for k in ("nmse", "kl", "max_abs", "near_tie")}
+    return {**asdict(Tolerances()), **{k: v for k, v in tol.items() if k != "near_tie"},
+            "near_tie": tol["near_tie"]}
+
+
+def calibrate(model: str, backend: str, repeats: int = 2, server_bin: Optional[Path] = None,
+              source: Optional[Path] = None, logs: Optional[Path] = None) -> dict:
+    """Measure `repeats` times on fresh sessions; the content of the calibration file."""
+    info = resolve(model)
+    measurements, env = [], {}
+    for _ in range(repeats):
+        executor = Executor(ExecOptions(backends=backend_factories(server_bin, source, logs), kv_scan="off"))
+        measurements.append(measure(model, backend, executor))
+        env = executor.environment(Cell(backend, "seq", "none", model))
+    largest = [_largest(m) for m in measurements]
+    overall = {k: max(l[k] for l in largest) for k in ("nmse", "kl", "max_abs", "near_tie")}
+    if any(l["unbounded_flip"] for l in largest):
+        raise HarnessError(f"an equivalent run of {model} on {backend} flipped a token the reference ranks "
+                           "beyond its top-k: that is no near-tie but a logic bug; fix it before calibrating")
+    spread = {k: max(SPREAD_FLOOR, 2 * (max(l[k] for l in largest) - min(l[k] for l in largest)) / overall[k])
+              if overall[k] > 0 else SPREAD_FLOOR for k in overall}
+    return {
+        "model": model, "backend": backend, "device": env["device"], "model_sha256": info.sha256,
+        "environment": {k: v for k, v in env.items() if k != "model_sha256"},
+        "harness_version": __version__,
+        "measured_on": datetime.date.today().isoformat(),
+        "command": f"specharness calibrate --model {model} --backend {backend} --repeats {repeats} --write",
+        "method": (f"reference: seq, no speculation; equivalent runs: {len(measurements[0])} variants "
+                   f"(modes x speculative configs, n_ubatch {UBATCH}); prompts: quicksort C/Java/Python and "
+                   f"W1 turn 1, {N_PREDICT} greedy tokens; tolerance = {SAFETY:g} x the largest value over "
+                   f"{repeats} measurements (nmse: pooled NMSE of a run; kl: mean KL of a run; max_abs: p95 of "
+                   "the per-position max |dlogprob|; near_tie: the largest top1-top2 margin change or flipped "
+                   "margin)"),
+        "tolerances": tolerances_of(overall),
+        "spread": spread,
+        "largest": overall,
+        "measured": measurements[0],
+        "repeats": [{k: l[k] for k in overall} for l in largest],
+    }
+
+
+def write(data: dict, root: Optional[Path] = None) -> Path:
+    """Write a calibration file atomically; returns its path."""
+    path = calibration_path(data["model"], data["backend"], data["device"], root)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_atomic(path, lambda tmp: tmp.write_text(json.dumps(data, indent=1) + "\n"))
+    return path
+
+
+def within_spread(new: dict, committed: dict) -> list[str]:
+    """The tolerances of `new` that differ from `committed` by more than its stated spread (empty: reproduced)."""
+    out = []
+    for key, spread in committed["spread"].items():
+        old, now = committed["tolerances"][key], new["tolerances"][key]
+        if abs(now - old) > spread * old:
+            out.append(f"{key}: {now:.3g} vs committed {old:.3g} (allowed spread {spread:.0%})")
+    return out
+
+
+def cmd_calibrate(args: argparse.Namespace) -> int:
+    """Measure each (model, backend); print the tolerances; `--write` stores them in fixtures/calibration."""
+    models = args.model or ["tiny-dense", "tiny-hybrid", "tiny-recurrent", "gemma3-270m"]
+    backends = args.backend.split(",") if args.backend else list(BACKEND_NAMES)
+    bad = [b for b in backends if b not in BACKEND_NAMES]
+    if bad:
+        raise HarnessError(f"unknown backend '{bad[0]}' (use: {', '.join(BACKEND_NAMES)})")
+    status = 0
+    for model in models:
+        resolve(model)
+        for backend in backends:
+            data = calibrate(model, backend, args.repeats, args.server_bin, args.source)
+            committed_path = calibration_path(model, backend, data["device"])
+            tol = data["tolerances"]
+            print(f"{model} {backend} {data['device']}: near_tie {tol['near_tie']:.3g} nats, nmse {tol['nmse']:.3g}, "
+                  f"kl {tol['kl']:.3g}, max_abs (p95) {tol['max_abs']:.3g}")
+            if committed_path.is_file():
+                drift = within_spread(data, json.loads(committed_path.read_text()))
+                print(f"  committed {committed_path.name}: " + ("reproduced within its spread" if not drift else
+                                                                 "NOT reproduced: " + "; ".join(drift)))
+                status |= bool(drift) and not args.write
+            if args.write:
+                print(f"  written: {write(data)}")
+    return status
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    """Register `specharness calibrate`."""
+    p = sub.add_parser("calibrate", help="measure the logit noise floor of equivalent runs and write tolerances")
+    p.add_argument("--model", action="append", metavar="NAME|PATH",
+                   help="registry name or .gguf, repeatable (default: the tiny models and gemma3-270m)")
+    p.add_argument("--backend", help="comma-separated: inproc,server (default both)")
+    p.add_argument("--repeats", type=int, default=2, help="whole measurements, for the spread (default 2)")
+    p.add_argument("--server-bin", type=Path, metavar="PATH", help="llama-server binary to use instead of building one")
+    p.add_argument("--source", type=Path, metavar="DIR", help="llama.cpp tree to build llama-server from")
+    p.add_argument("--write", action="store_true", help=f"write the tolerances into {calibration_root().name}/")
+    p.set_defaults(func=cmd_calibrate)
