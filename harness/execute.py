@@ -148,10 +148,11 @@ class Executor:
         return run
 
     def _round(self, session, suite: Suite, run: CellRun, r: int, how: str, on_request) -> None:
-        histories = {case.name: [] for case in suite.cases if case.is_chat}
-        alive = {case.name for case in suite.cases}
-        for step in range(max(len(case.turns) or 1 for case in suite.cases)):
-            todo = [(case, self._request(case, step, histories)) for case in suite.cases
+        cases = [suite.cell_case(case, run.cell.model) for case in suite.cases]
+        histories = {case.name: [] for case in cases if case.is_chat}
+        alive = {case.name for case in cases}
+        for step in range(max(len(case.turns) or 1 for case in cases)):
+            todo = [(case, self._request(case, step, histories)) for case in cases
                     if case.name in alive and step < (len(case.turns) or 1)]
             if how == "seq":
                 results = [session.run([request])[0] for _, request in todo]

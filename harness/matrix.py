@@ -79,19 +79,39 @@ class Cell:
         return Cell(**{**self.__dict__, **changes})
 
 
-def cells(matrix: dict[str, list[str]], only: dict[str, Optional[list[str]]] | None = None) -> list[Cell]:
-    """Every cell of a suite's matrix, narrowed or replaced by explicit choices (`only[axis]`).
+AXES = ("backends", "modes", "specs", "models")
 
-    In-process-only spec configs are left out of llama-server cells."""
-    axes = {axis: (only or {}).get(axis) or matrix[axis] for axis in ("backends", "modes", "specs", "models")}
-    for spec in axes["specs"]:
-        spec_preset(spec)
-    return [
-        Cell(backend, mode, spec, model)
-        for backend in axes["backends"] for mode in axes["modes"]
-        for spec in axes["specs"] for model in axes["models"]
-        if not (backend == "server" and spec_preset(spec).scripted)
-    ]
+
+def cells(matrix: dict | list[dict], only: dict[str, Optional[list[str]]] | None = None) -> list[Cell]:
+    """Every cell of a suite's matrix — one block of axes, or a list of blocks whose cells are united (in
+    order, each once) — with explicit choices (`only[axis]`) replacing a block's axis.
+
+    Chosen models pick the blocks that name them (`--model gemma3-270m` runs Gemma's block, not the tiny
+    models' configs on Gemma); models no block names run in every block. In-process-only spec configs are
+    left out of llama-server cells."""
+    blocks = matrix if isinstance(matrix, list) else [matrix]
+    chosen = (only or {}).get("models")
+    out: list[Cell] = []
+    for block in blocks:
+        axes = {axis: (only or {}).get(axis) or block[axis] for axis in AXES}
+        if chosen:
+            axes["models"] = [m for m in chosen if m in block["models"]
+                              or not any(m in b["models"] for b in blocks)]
+        for spec in axes["specs"]:
+            spec_preset(spec)
+        for cell in (Cell(backend, mode, spec, model)
+                     for backend in axes["backends"] for mode in axes["modes"]
+                     for spec in axes["specs"] for model in axes["models"]):
+            if cell not in out and not (cell.backend == "server" and spec_preset(cell.spec).scripted):
+                out.append(cell)
+    return out
+
+
+def block_of(matrix: dict | list[dict], model: str) -> dict:
+    """The first block of a matrix that names `model` ({} when none does): its `sampling` overrides apply to
+    every cell of that model, whichever cell a check compares with."""
+    blocks = matrix if isinstance(matrix, list) else [matrix]
+    return next((b for b in blocks if model in b["models"]), {})
 
 
 def narrowing(backends: Optional[list[str]] = None, modes: Optional[list[str]] = None,

@@ -23,7 +23,7 @@ from harness.errors import HarnessBug, HarnessError
 from harness.execute import ExecOptions, Executor, case_keys
 from harness.known_failures import FILE_NAME as KNOWN_FAILURES, KnownFailure, load as load_known, tag
 from harness.matrix import BACKEND_NAMES, cells, narrowing
-from harness.models import resolve
+from harness.models import ModelUnavailable, resolve
 from harness.report import write_run
 from harness.runner import count, csv
 from harness.suites import load_suite
@@ -132,6 +132,10 @@ class SuiteItem(pytest.Item):
     def runtest(self):
         state = self.config.stash[STATE]
         executor: Executor = state["executor"]
+        try:
+            resolve(self.cell.model)
+        except ModelUnavailable as err:  # an optional model (Gemma without the [real] extra)
+            pytest.skip(str(err))
         run = executor.run(self.suite, self.cell)
         repro = (f"pytest {shlex.quote(self.nodeid)} --backend {self.cell.backend} --mode {self.cell.mode} "
                  f"--spec {self.cell.spec} --model {self.cell.model}")

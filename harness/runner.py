@@ -27,7 +27,7 @@ from harness.errors import HarnessError
 from harness.execute import CellRun, ExecOptions, Executor, case_keys
 from harness.known_failures import FILE_NAME as KNOWN_FAILURES, load as load_known, tag
 from harness.matrix import SPEC_PRESETS, cells, narrowing
-from harness.models import resolve
+from harness.models import ModelUnavailable, resolve
 from harness.paths import reports_dir
 from harness.report import frame, records, write_run
 from harness.suites import Suite, load_suite, suites_dir
@@ -133,12 +133,28 @@ def _total(df, column: str) -> int:
     return int(df[column].fillna(0).sum()) if column in df else 0
 
 
+def available_models(models: list[str], asked: list[str] | None) -> dict[str, str]:
+    """Resolve every model before anything runs (a missing one is bad input, exit 2); a model whose optional
+    package is missing is skipped with its reason unless it was asked for by name. Returns the skipped."""
+    skipped = {}
+    for model in models:
+        try:
+            resolve(model)
+        except ModelUnavailable as err:
+            if asked and model in asked:
+                raise
+            skipped[model] = str(err)
+            print(f"specharness: skipping the cells of {model}: {err}", file=sys.stderr)
+    return skipped
+
+
 def cmd_run(args: argparse.Namespace) -> int:
     """`specharness run`."""
     only = narrowing(csv(args.backend), csv(args.mode), csv(args.spec), args.model)
     suites = [load_suite(name) for name in (args.suite or [DEFAULT_SUITE])]
-    for model in {c.model for suite in suites for c in cells(suite.matrix, only)}:
-        resolve(model)  # a missing model is bad input (exit 2), before anything runs
+    skipped = available_models(sorted({c.model for suite in suites for c in cells(suite.matrix, only)}), args.model)
+    plan = [(suite, {**only, "models": models}) for suite in suites
+            if (models := [m for m in dict.fromkeys(c.model for c in cells(suite.matrix, only)) if m not in skipped])]
     out = prepare_out(Path(args.out) if args.out else new_run_dir(reports_dir()))
     for suite in suites:
         suite.rounds = suite.rounds * args.repeat
@@ -154,7 +170,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     baselines = BaselineStore(default_root(), update=args.update_baselines)
     console = Console(stderr=True, soft_wrap=True)
     with Progress(console=console, transient=True) as progress:
-        verdicts = run_suites([(suite, only) for suite in suites], executor, baselines, progress)
+        verdicts = run_suites(plan, executor, baselines, progress)
     runs = executor.runs()
     known = load_known(suites_dir() / KNOWN_FAILURES)
     failed = [r for suite, _, cell, r in verdicts if tag(known, suite, cell, [r])]

