@@ -67,7 +67,7 @@ def variants(backend: str, model: str) -> list[tuple[str, Cell, dict]]:
 
 
 def _suite(name: str, serve: dict) -> Suite:
-    return Suite(name=name, path=None, cases=prompts(), matrix={}, checks=[], serve=serve, rounds=["par"])
+    return Suite(name=name, path=None, cases=prompts(), matrix=[], checks=[], serve=serve, rounds=["par"])
 
 
 def measure(model: str, backend: str, executor: Executor) -> dict:

@@ -111,7 +111,7 @@ def block_of(matrix: dict | list[dict], model: str) -> dict:
     """The first block of a matrix that names `model` ({} when none does): its `sampling` overrides apply to
     every cell of that model, whichever cell a check compares with."""
     blocks = matrix if isinstance(matrix, list) else [matrix]
-    return next((b for b in blocks if model in b["models"]), {})
+    return next((b for b in blocks if model in b.get("models", ())), {})
 
 
 def narrowing(backends: Optional[list[str]] = None, modes: Optional[list[str]] = None,

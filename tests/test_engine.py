@@ -180,3 +180,23 @@ def test_detokenizer_shows_the_engines_text(tiny_models):
     info = tiny_models["tiny-dense"]
     result = serve(info, "seq", [quicksort("C", n_predict=48)])[0]
     assert result.ok and detokenizer(info.path)(result.tokens) == result.text
+
+
+def test_a_killed_engine_worker_crashes_its_requests_and_the_next_run_restarts_it(tiny_models):
+    import os
+    import signal
+    import threading
+
+    session = InprocBackend().open(ServeConfig(model=tiny_models["tiny-dense"].path, mode="seq"))
+    try:
+        first = session.process
+        timer = threading.Timer(0.5, lambda: os.kill(first.pid, signal.SIGKILL))
+        timer.start()
+        crashed = session.run([quicksort(lang, n_predict=100_000) for lang in LANGS])
+        timer.join()
+        assert [r.stop_reason for r in crashed] == ["crashed"] * len(LANGS)
+        assert "the in-process engine's worker was killed by SIGKILL" in crashed[0].error
+        again = session.run([quicksort("C", n_predict=8)])[0]
+        assert again.ok and len(again.tokens) == 8 and session.starts == 2
+    finally:
+        session.close()

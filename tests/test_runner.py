@@ -27,9 +27,10 @@ def checkout(tmp_path, monkeypatch):
     return tmp_path
 
 
-def test_default_run_writes_every_language_mode_and_model(tmp_path, tiny_models, capsys):
+def test_run_writes_every_language_mode_and_model_of_the_tiny_block(tmp_path, tiny_models, capsys):
     out = tmp_path / "run"
-    assert main(["run", "--out", str(out)]) == 0
+    models = [arg for name in tiny_models for arg in ("--model", name)]
+    assert main(["run", *models, "--out", str(out)]) == 0
     records = json.loads((out / "results.json").read_text())
     cells = {(r["model"], r["mode"], r["spec"]) for r in records}
     assert cells == {(m, mode, spec) for m in tiny_models for mode in ("seq", "par", "no-kv-unified")

@@ -10,6 +10,8 @@ llama.cpp, so starting one costs milliseconds, not an interpreter start.
 
 import multiprocessing
 import multiprocessing.connection
+import os
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -63,6 +65,21 @@ def _context():
     return ctx
 
 
+def _start_without_main(process) -> None:
+    """Start a worker even when the parent's `__main__` is no file (a script on stdin): multiprocessing
+    re-runs the parent's main file in the child, which the worker never needs and cannot find then."""
+    main = sys.modules["__main__"]
+    path = getattr(main, "__file__", None)
+    hidden = path is not None and not os.path.isfile(path)
+    if hidden:
+        del main.__file__
+    try:
+        process.start()
+    finally:
+        if hidden:
+            main.__file__ = path
+
+
 class InprocSession:
     """An Engine serving one model in one mode, in a worker process that is restarted after a crash."""
 
@@ -86,7 +103,7 @@ class InprocSession:
         self.conn, child = ctx.Pipe()
         self.process = ctx.Process(target=serve, args=(child, str(self.log_path), is_verbose()), daemon=True,
                                    name="specharness-engine")
-        self.process.start()
+        _start_without_main(self.process)
         child.close()
         self.conn.send(("open", self.args))
         reply = self._receive(OPEN_TIMEOUT_S)

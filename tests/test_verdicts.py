@@ -1,0 +1,90 @@
+"""Verdicts a maintainer can trust, end to end on real llama.cpp: a seeded rollback bug in a real llama-server
+fails and is never excused as a near-tie; an abort inside llama.cpp in the in-process engine is a `crashed`
+result while the run goes on; the committed tolerances are reproduced by measuring them again."""
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from harness import noise
+from harness.calibrate import calibrate, within_spread
+from harness.cli import main
+from harness.models import ModelUnavailable, resolve
+from harness.noise import calibration_path
+from seeded import seeded_server
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def checks_of(out: Path) -> list[dict]:
+    return json.loads((out / "checks.json").read_text())
+
+
+def gemma_or_skip() -> list[str]:
+    try:
+        resolve("gemma3-270m")
+    except ModelUnavailable as err:
+        print(f"gemma3-270m cells left out: {err}")
+        return []
+    return ["gemma3-270m"]
+
+
+def test_seeded_rollback_bug_in_llama_server_fails_and_no_divergence_is_a_near_tie(tmp_path, tiny_models):
+    build = seeded_server()
+    out = tmp_path / "run"
+    models = ["tiny-hybrid", *gemma_or_skip()]
+    argv = ["run", "--suite", "quicksort", "--backend", "server", "--mode", "seq", "--spec", "draft-simple",
+            *(a for m in models for a in ("--model", m)), "--server-bin", str(build.server_bin), "--out", str(out)]
+    assert main(argv) == 1
+    checks = checks_of(out)
+    for model in models:
+        failed = [c for c in checks if c["model"] == model and not c["passed"]]
+        assert {"lossless", "kv-healthy"} <= {c["check"] for c in failed}, (model, [c["message"] for c in failed])
+    divergences = [c["evidence"]["first_divergence"] for c in checks if "first_divergence" in c["evidence"]]
+    assert divergences and not [d for d in divergences if d["kind"] == "near-tie"]
+    assert {d["kind"] for d in divergences} <= {"kv-corrupt", "hard", "drift", "unexplained"}
+    assert any(d["kind"] == "kv-corrupt" and "duplicate (seq_id, pos) cells" in d["reason"] for d in divergences)
+
+
+def test_llama_cpp_abort_in_the_engine_is_a_crashed_result_and_the_run_goes_on(tmp_path, tiny_models):
+    out = tmp_path / "run"
+    assert main(["run", "--suite", "small-ubatch", "--out", str(out)]) == 0  # only the known llama.cpp defect failed
+    records = json.loads((out / "results.json").read_text())
+    crashed = [r for r in records if r["spec"] == "draft-simple"]
+    assert crashed and all(r["stop_reason"] == "crashed" for r in crashed)
+    assert "GGML_ASSERT(n_ubatch > n_keep_tail) failed" in crashed[0]["error"]
+    assert "was killed by SIGABRT" in crashed[0]["error"]
+    fine = [r for r in records if r["spec"] == "none"]
+    assert fine and all(r["error"] is None and len(r["tokens"]) == 32 for r in fine)
+    known = [c for c in checks_of(out) if c["evidence"].get("known_failure")]
+    assert {c["evidence"]["known_failure"] for c in known} == {"split-equal-keep-tail-exceeds-ubatch"}
+
+
+def test_without_its_known_failure_entry_the_abort_fails_the_run(tmp_path, monkeypatch, tiny_models):
+    shutil.copytree(REPO / "suites", tmp_path / "suites")
+    shutil.copytree(REPO / "fixtures", tmp_path / "fixtures")
+    (tmp_path / "suites" / "known-failures.yaml").write_text("[]\n")
+    monkeypatch.chdir(tmp_path)
+    assert main(["run", "--suite", "small-ubatch", "--out", "run"]) == 1
+    failed = [c for c in checks_of(tmp_path / "run") if not c["passed"]]
+    assert {(c["spec"], c["check"]) for c in failed} == {("draft-simple", "no-crash")}
+
+
+@pytest.mark.parametrize("backend", ["inproc", "server"])
+def test_calibrate_reproduces_the_committed_tolerances_within_their_spread(backend, tiny_models):
+    committed = json.loads(calibration_path("tiny-dense", backend, "cpu").read_text())
+    again = calibrate("tiny-dense", backend, repeats=1)
+    assert within_spread(again, committed) == []
+    assert committed["tolerances"]["near_tie"] >= 2 * committed["largest"]["near_tie"]
+
+
+def test_a_model_without_calibration_uses_the_stated_defaults(tmp_path):
+    floor = noise.load("no-such-model", "inproc", "cpu")
+    assert floor is noise.DEFAULT and not floor.calibrated and "uncalibrated" in floor.describe()
+    bad = tmp_path / "m--inproc--cpu.json"
+    bad.write_text('{"tolerances": {}}')
+    with pytest.raises(Exception) as err:
+        noise.load("m", "inproc", "cpu", root=tmp_path)
+    assert "corrupt calibration file" in str(err.value) and "specharness calibrate" in str(err.value)
