@@ -3,8 +3,8 @@
 Logically equivalent runs must produce the same tokens, but not the same bits: a verification batch of
 k+1 tokens, another micro-batch split, or slots sharing one batch (par) run other CPU kernels than a
 one-token decode. This measures, on a clean build, how far that moves the logits. The reference is the
-`seq`, non-speculative run of each prompt (the quicksort prompts and the first W1 turn, `N_PREDICT`
-tokens, greedy); every other cell of the suites' matrix for this backend (every mode × every speculative
+`seq`, non-speculative run of each prompt (the quicksort prompts and the first W1 turn, greedy, as long as
+those suites run them for the model); every other cell of the suites' matrix for this backend (every mode × every speculative
 config, plus a 7-token micro-batch split) is an equivalent run. Over the positions before the first token
 divergence of each pair it records, per position, test-backend-ops' NMSE, KL, max |Δ| and the change of
 the top1−top2 margin, and the reference's margin wherever an equivalent run's token flipped.
@@ -37,7 +37,6 @@ from harness.paths import write_atomic
 from harness.suites import Case, Suite, load_suite
 from harness.triage import at, gap
 
-N_PREDICT = 128
 SAFETY = 2.0
 """Tolerance = SAFETY × the largest value measured between equivalent runs."""
 MINIMUM = {"nmse": 1e-9, "kl": 1e-9, "max_abs": 1e-5, "near_tie": 1e-4}
@@ -51,11 +50,15 @@ output, so every draft is accepted: only the batch shape changes)."""
 UBATCH = 7
 
 
-def prompts() -> list[Case]:
-    """The calibration prompts: the quicksort cases and the first turn of the W1 chat, N_PREDICT greedy tokens."""
-    cases = list(load_suite("quicksort").cases) + [load_suite("w1").cases[0]]
-    return [replace(c, sampling=replace(c.sampling, n_predict=N_PREDICT, temperature=0.0), turns=c.turns[:1])
-            for c in cases]
+def prompts(model: str) -> list[Case]:
+    """The calibration prompts: the quicksort cases and the first turn of the W1 chat, greedy, as long as
+    those suites run them for `model` (their matrix block's n_predict)."""
+    cases = []
+    for name in ("quicksort", "w1"):
+        suite = load_suite(name)
+        cases += [replace(case := suite.cell_case(c, model), sampling=replace(case.sampling, temperature=0.0),
+                          turns=case.turns[:1]) for c in suite.cases[:3]]
+    return cases
 
 
 def variants(backend: str, model: str) -> list[tuple[str, Cell, dict]]:
@@ -66,19 +69,19 @@ def variants(backend: str, model: str) -> list[tuple[str, Cell, dict]]:
     return out + [(f"seq/none/n_ubatch={UBATCH}", Cell(backend, "seq", "none", model), {"n_ubatch": UBATCH})]
 
 
-def _suite(name: str, serve: dict) -> Suite:
-    return Suite(name=name, path=None, cases=prompts(), matrix=[], checks=[], serve=serve, rounds=["par"])
+def _suite(name: str, model: str, serve: dict) -> Suite:
+    return Suite(name=name, path=None, cases=prompts(model), matrix=[], checks=[], serve=serve, rounds=["par"])
 
 
 def measure(model: str, backend: str, executor: Executor) -> dict:
     """One measurement: per variant, the statistics of its logits against the reference's."""
-    reference_suite = _suite("calibrate", {})
+    reference_suite = _suite("calibrate", model, {})
     reference = executor.run(reference_suite, Cell(backend, "seq", "none", model))
     if reference.error:
         raise HarnessError(f"calibration reference run failed: {reference.error}")
     results = {}
     for name, cell, serve in variants(backend, model):
-        suite = reference_suite if not serve else _suite(f"calibrate-{name.replace('/', '-')}", serve)
+        suite = reference_suite if not serve else _suite(f"calibrate-{name.replace('/', '-')}", model, serve)
         run = executor.run(suite, cell)
         if run.error:
             raise HarnessError(f"calibration run {name} failed: {run.error}")
@@ -163,7 +166,7 @@ def calibrate(model: str, backend: str, repeats: int = 2, server_bin: Optional[P
         "command": f"specharness calibrate --model {model} --backend {backend} --repeats {repeats} --write",
         "method": (f"reference: seq, no speculation; equivalent runs: {len(measurements[0])} variants "
                    f"(modes x speculative configs, n_ubatch {UBATCH}); prompts: quicksort C/Java/Python and "
-                   f"W1 turn 1, {N_PREDICT} greedy tokens; tolerance = {SAFETY:g} x the largest value over "
+                   f"W1 turn 1, greedy, n_predict as the suites run this model; tolerance = {SAFETY:g} x the largest value over "
                    f"{repeats} measurements (nmse: pooled NMSE of a run; kl: mean KL of a run; max_abs: p95 of "
                    "the per-position max |dlogprob|; near_tie: the largest top1-top2 margin change or flipped "
                    "margin)"),
