@@ -39,9 +39,15 @@ def test_seeded_rollback_bug_in_llama_server_fails_and_no_divergence_is_a_near_t
             *(a for m in models for a in ("--model", m)), "--server-bin", str(build.server_bin), "--out", str(out)]
     assert main(argv) == 1
     checks = checks_of(out)
-    for model in models:
-        failed = [c for c in checks if c["model"] == model and not c["passed"]]
-        assert {"lossless", "kv-healthy"} <= {c["check"] for c in failed}, (model, [c["message"] for c in failed])
+    failed = {m: {c["check"] for c in checks if c["model"] == m and not c["passed"]} for m in models}
+    # the hybrid target rolls back through the checkpoint path: rejected drafts' cells stay, output drifts
+    assert {"lossless", "kv-healthy"} <= failed["tiny-hybrid"], failed
+    if "gemma3-270m" in models:
+        # Gemma (attention only) rolls back by seq_rm: without it the next batch restarts at a cached
+        # position and llama_decode refuses it ("Invalid input batch", HTTP 500) before anything drifts
+        assert "no-crash" in failed["gemma3-270m"], failed
+        errors = [c["message"] for c in checks if c["model"] == "gemma3-270m" and c["check"] == "no-crash"]
+        assert all("Invalid input batch" in m for m in errors if "failed" in m)
     divergences = [c["evidence"]["first_divergence"] for c in checks if "first_divergence" in c["evidence"]]
     assert divergences and not [d for d in divergences if d["kind"] == "near-tie"]
     assert {d["kind"] for d in divergences} <= {"kv-corrupt", "hard", "drift", "unexplained"}
