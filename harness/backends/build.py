@@ -117,16 +117,18 @@ def check_platform(backend: str, system: Optional[str] = None) -> None:
 # ---------------------------------------------------------------------------------------- sources
 
 
-def vendored_source() -> Path:
-    """The llama.cpp tree vendored in the installed llama-cpp-python, fetched and extracted once.
+def vendored_source(version: Optional[str] = None) -> Path:
+    """The llama.cpp tree vendored in llama-cpp-python `version` (default: the installed one), fetched
+    and extracted once.
 
     Downloads the matching sdist with pip into the cache and extracts only `vendor/llama.cpp` into
     `cache_dir()/src/llama.cpp-<version>/`, recording the submodule commit the sdist carries.
     """
-    try:
-        version = importlib.metadata.version("llama-cpp-python")
-    except importlib.metadata.PackageNotFoundError:
-        raise HarnessError("llama-cpp-python is not installed; install it or pass --source DIR") from None
+    if version is None:
+        try:
+            version = importlib.metadata.version("llama-cpp-python")
+        except importlib.metadata.PackageNotFoundError:
+            raise HarnessError("llama-cpp-python is not installed; install it or pass --source DIR") from None
     dest = cache_dir() / "src" / f"llama.cpp-{version}"
     if _valid_marker(dest):
         return dest
