@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -128,6 +129,31 @@ def test_interrupted_bisect_leaves_the_checkout_clean_and_resume_finishes_it(his
     roles = [e["role"] for e in read_log(run_dir)]
     assert roles.count("verify-good") == roles.count("verify-bad") == 1  # not judged again
     assert len(read_log(run_dir)) > logged
+
+
+STEP_CMD = (f"{sys.executable} -m harness.cli build --source . --json | {sys.executable} -c \"import json, shutil, sys, os; "
+            "os.makedirs('build-step-cmd', exist_ok=True); "
+            "shutil.copy(json.load(sys.stdin)['server_bin'], 'build-step-cmd/llama-server')\"")
+"""A bring-your-own build: any command that leaves a llama-server in the checkout (here: specharness's own
+build, copied to an ignored directory)."""
+
+
+def test_step_cmd_replaces_the_built_in_build(history, tmp_path):
+    shas = commits(history)
+    regression = shas[REGRESSION - 1]
+    out = tmp_path / "run"
+    try:
+        status, stdout, err = finish(specharness(
+            "bisect", "--source", str(history), "--good", shas[REGRESSION - 2], "--bad", shas[REGRESSION],
+            "--suite", str(SUITE), "--step-cmd", STEP_CMD, "--server-bin-pattern", "build-step-cmd/llama-*",
+            "--out", str(out)))
+    finally:
+        shutil.rmtree(history / "build-step-cmd", ignore_errors=True)
+    assert status == 0, err[-3000:]
+    assert f"first bad commit: {regression}" in stdout
+    log = read_log(out)
+    assert all(e["server"]["server_bin"].endswith("build-step-cmd/llama-server") for e in log)
+    assert (out / f"step-cmd-{regression[:12]}.log").is_file()
 
 
 # ------------------------------------------------------------------------------ bad input, one line

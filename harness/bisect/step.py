@@ -147,6 +147,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         facts.update(Git(Path(plan.source)).commit("HEAD").to_json())
         entry = evaluate(plan, Path(plan.source), run_dir, facts)
     except KeyboardInterrupt:
+        (run_dir / CURRENT).unlink(missing_ok=True)
         print("bisect: step interrupted", file=sys.stderr)
         return 130
     except HarnessError as err:
