@@ -64,20 +64,22 @@ def history():
     assert_restored(repo)
 
 
-def bisect_args(repo: Path, out: Path) -> list[str]:
-    shas = commits(repo)
-    return ["bisect", "--source", str(repo), "--good", shas[0], "--bad", "main", "--suite", str(SUITE), "--out", str(out)]
+def bisect_args(repo: Path, out: Path, good: int = 1) -> list[str]:
+    """Bisect from commit #`good` (1 = the imported tree) to the tip."""
+    return ["bisect", "--source", str(repo), "--good", commits(repo)[good - 1], "--bad", "main",
+            "--suite", str(SUITE), "--out", str(out)]
 
 
-def check_outcome(repo: Path, out: Path, stdout: str) -> None:
+def check_outcome(repo: Path, out: Path, stdout: str, good: int = 1) -> None:
     shas = commits(repo)
     regression, broken = shas[REGRESSION - 1], shas[BROKEN - 1]
     assert f"first bad commit: {regression}" in stdout
     log = read_log(out)
     by_commit = {e["commit"]: e for e in log}
-    assert by_commit[broken]["verdict"] == "skip" and by_commit[broken]["build_attempts"] == 2
-    assert "does not build" in by_commit[broken]["reason"]
-    assert by_commit[shas[0]]["role"] == "verify-good" and by_commit[shas[0]]["verdict"] == "good"
+    if good < BROKEN:
+        assert by_commit[broken]["verdict"] == "skip" and by_commit[broken]["build_attempts"] == 2
+        assert "does not build" in by_commit[broken]["reason"]
+    assert by_commit[shas[good - 1]]["role"] == "verify-good" and by_commit[shas[good - 1]]["verdict"] == "good"
     assert by_commit[shas[-1]]["role"] == "verify-bad" and by_commit[shas[-1]]["verdict"] == "bad"
     assert by_commit[regression]["verdict"] == "bad" and by_commit[shas[REGRESSION - 2]]["verdict"] == "good"
     failed = [c for c in by_commit[regression]["checks"] if not c["passed"]]
@@ -111,7 +113,7 @@ def _wait_for_step(run_dir: Path, proc: subprocess.Popen, timeout: float = 1800)
 
 def test_interrupted_bisect_leaves_the_checkout_clean_and_resume_finishes_it(history, tmp_path):
     run_dir = tmp_path / "run"
-    proc = specharness(*bisect_args(history, run_dir))
+    proc = specharness(*bisect_args(history, run_dir, good=BROKEN + 1))  # the skip is the test above's
     current = _wait_for_step(run_dir, proc)
     time.sleep(0.5)  # inside the build (first run) or the judging (builds cached)
     proc.send_signal(signal.SIGINT)
@@ -125,7 +127,7 @@ def test_interrupted_bisect_leaves_the_checkout_clean_and_resume_finishes_it(his
     logged = len(read_log(run_dir))
     status, out, err = finish(specharness("bisect", "--resume", str(run_dir)))
     assert status == 0, err[-3000:]
-    check_outcome(history, run_dir, out)
+    check_outcome(history, run_dir, out, good=BROKEN + 1)
     roles = [e["role"] for e in read_log(run_dir)]
     assert roles.count("verify-good") == roles.count("verify-bad") == 1  # not judged again
     assert len(read_log(run_dir)) > logged

@@ -14,6 +14,7 @@ import argparse
 import glob
 import json
 import os
+import re
 import signal
 import sys
 import time
@@ -111,7 +112,8 @@ def evaluate(plan: Plan, source: Path, run_dir: Path, facts: dict) -> dict:
     info, build_facts = build_at(plan, source, run_dir, label)
     entry.update(build_facts)
     if info is None:
-        first = build_facts["build_error"].splitlines()[0]
+        lines = build_facts["build_error"].splitlines()
+        first = next((line.strip() for line in lines[1:] if re.search(r"\berror\b", line)), lines[0])
         entry.update(verdict=SKIP, reason=f"does not build ({BUILD_ATTEMPTS} attempts): {first}", checks=[])
     else:
         entry["server"] = {"server_bin": str(info.server_bin), "source_identity": info.source_identity}
