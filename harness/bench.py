@@ -83,8 +83,10 @@ def bench_overhead(model_name: str, n_predict: int) -> dict:
 
 
 def bench_build_step(file: str, jobs: int | None) -> dict:
-    """Build a copy of the vendored tree as it is, then again after a real code change to `file`."""
-    from harness.backends.build import SOURCE_MARKER, ensure_server, vendored_source
+    """Build a copy of the vendored tree as it is, then twice after a real code change to `file`: the first
+    change is built in the copy's own build tree (a fresh one on the first run: configure plus the
+    compiler cache), the second is the incremental step of a bisect (one file recompiled, relinked)."""
+    from harness.backends.build import SOURCE_MARKER, build_tree_dir, cmake_options, ensure_server, vendored_source
     from harness.paths import cache_dir
 
     vendored = vendored_source()
@@ -96,10 +98,10 @@ def bench_build_step(file: str, jobs: int | None) -> dict:
         shutil.rmtree(copy, ignore_errors=True)
         tmp.rename(copy)
     original = (vendored / file).read_text()
-    (copy / file).write_text(original)  # as vendored, whatever an interrupted earlier run left
-    row: dict = {"file": file}
-    for label, text in (("copy", original), ("step", original + f'static const char * bench_stamp = "{time.time_ns()}";\n')):
-        (copy / file).write_text(text)
+    row: dict = {"file": file, "fresh_tree": not build_tree_dir(copy, "cpu", cmake_options("cpu")).exists()}
+    for label, stamp in (("copy", None), ("first_edit", 1), ("incremental_edit", 2)):
+        edit = f'static const char * bench_stamp = "{time.time_ns()}-{stamp}";\n' if stamp else ""
+        (copy / file).write_text(original + edit)
         t0 = time.perf_counter()
         info = ensure_server(copy, "cpu", [], jobs)
         row[f"{label}_seconds"] = round(time.perf_counter() - t0, 1)
@@ -107,7 +109,7 @@ def bench_build_step(file: str, jobs: int | None) -> dict:
         log = (root / "build.log").read_text(errors="replace") if not info.cached else ""
         row[f"{label}_build"] = "cached" if info.cached else next(
             (line[2:] for line in log.splitlines() if line.startswith("# compiler cache")), "built")
-        if label == "step":
+        if stamp:
             shutil.rmtree(root)  # a one-off binary: keep the cache small
     (copy / file).write_text(original)
     return row
