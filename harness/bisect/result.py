@@ -46,6 +46,17 @@ def headline(outcome: Optional[Outcome], stop: Optional[Stop]) -> str:
             f"({outcome.first_bad.date})")
 
 
+def triage(evidence: dict) -> str:
+    """' triage <class> at token N' for a comparison check, ' KV scan: ...' for kv-healthy, else ''."""
+    first = evidence.get("first_divergence")
+    if isinstance(first, dict):
+        return f" triage {first.get('kind')} at token {first.get('index')} (round {first.get('round')})"
+    if "duplicate_cells" in evidence:
+        return (f" KV scan: {evidence['duplicate_cells']} duplicate (seq_id, pos) cells, {evidence.get('orphans', 0)} "
+                f"orphans, {evidence.get('missing_positions', 0)} missing positions")
+    return ""
+
+
 def _failing(entry: dict) -> list[dict]:
     return [c for c in entry.get("checks", []) if not c.get("passed")]
 
@@ -59,9 +70,7 @@ def describe(outcome: Optional[Outcome], stop: Optional[Stop]) -> str:
                                  ("parent", outcome.parent, outcome.parent_entry)):
         lines.append(f"  {label:<9} {commit.sha[:10]} {entry['verdict']}: {entry['reason']}")
         for check in _failing(entry):
-            first = check["evidence"].get("first_divergence") or {}
-            triage = f" triage {first.get('kind')} at token {first.get('index')}" if first else ""
-            lines.append(f"            {check['check']}: {check['status']}{triage}")
+            lines.append(f"            {check['check']}: {check['status']}{triage(check['evidence'])}")
     if outcome.extra.get("hint"):
         lines.append(outcome.extra["hint"])
     return "\n".join(lines)
@@ -83,6 +92,7 @@ def write(run_dir: Path, plan: Plan, outcome: Optional[Outcome], stop: Optional[
     write_atomic(run_dir / "bisect.json", lambda p: p.write_text(json.dumps(data, indent=1, default=str) + "\n"))
     env = jinja2.Environment(loader=jinja2.PackageLoader("harness.bisect", "templates"),
                              autoescape=True, undefined=jinja2.StrictUndefined)
+    env.filters["triage"] = triage
     html = env.get_template("bisect.html.j2").render(**data)
     target = run_dir / "bisect.html"
     write_atomic(target, lambda p: p.write_text(html))
