@@ -2,11 +2,15 @@
 
 - `scan`: the KV scanner on a real state of N cells (default 32768) from a tiny model.
 - `overhead`: per generated token, the time the in-process engine spends outside `llama_decode`.
+- `build-step`: the cost of a build in a copy of the vendored llama.cpp (the compiler cache serves a
+  different directory holding the same tree) and of an incremental step that changes one `.cpp` file.
 """
 
 import argparse
+import shutil
 import statistics
 import time
+from pathlib import Path
 
 import numpy as np
 from rich.console import Console
@@ -78,11 +82,46 @@ def bench_overhead(model_name: str, n_predict: int) -> dict:
             "outside_share_pct": round(100 * outside / total, 2)}
 
 
+def bench_build_step(file: str, jobs: int | None) -> dict:
+    """Build a copy of the vendored tree as it is, then twice after a real code change to `file`: the first
+    change is built in the copy's own build tree (a fresh one on the first run: configure plus the
+    compiler cache), the second is the incremental step of a bisect (one file recompiled, relinked)."""
+    from harness.backends.build import SOURCE_MARKER, build_tree_dir, cmake_options, ensure_server, vendored_source
+    from harness.paths import cache_dir
+
+    vendored = vendored_source()
+    copy = cache_dir() / "bench" / f"{vendored.name}-copy"
+    if not (copy / SOURCE_MARKER).is_file():  # copied to a temp name first: the marker means complete
+        tmp = copy.with_name(copy.name + ".tmp")
+        shutil.rmtree(tmp, ignore_errors=True)
+        shutil.copytree(vendored, tmp, ignore=lambda d, names: {"models"} & set(names) if Path(d) == vendored else ())
+        shutil.rmtree(copy, ignore_errors=True)
+        tmp.rename(copy)
+    original = (vendored / file).read_text()
+    row: dict = {"file": file, "fresh_tree": not build_tree_dir(copy, "cpu", cmake_options("cpu")).exists()}
+    for label, stamp in (("copy", None), ("first_edit", 1), ("incremental_edit", 2)):
+        edit = f'static const char * bench_stamp = "{time.time_ns()}-{stamp}";\n' if stamp else ""
+        (copy / file).write_text(original + edit)
+        t0 = time.perf_counter()
+        info = ensure_server(copy, "cpu", [], jobs)
+        row[f"{label}_seconds"] = round(time.perf_counter() - t0, 1)
+        root = info.server_bin.parent.parent
+        log = (root / "build.log").read_text(errors="replace") if not info.cached else ""
+        row[f"{label}_build"] = "cached" if info.cached else next(
+            (line[2:] for line in log.splitlines() if line.startswith("# compiler cache")), "built")
+        if stamp:
+            shutil.rmtree(root)  # a one-off binary: keep the cache small
+    (copy / file).write_text(original)
+    return row
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
     """Print the measurements as a table."""
     console = Console()
     if args.what == "scan":
         row = bench_scan(args.model or "tiny-dense", args.cells, args.repeats)
+    elif args.what == "build-step":
+        row = bench_build_step(args.file, args.jobs)
     else:
         row = bench_overhead(args.model or "gemma3-270m", args.n_predict)
     for key, value in row.items():
@@ -92,10 +131,13 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     """Register `specharness bench`."""
-    p = sub.add_parser("bench", help="measure speed on this machine (KV scan, engine overhead)")
-    p.add_argument("what", choices=("scan", "overhead"))
+    p = sub.add_parser("bench", help="measure speed on this machine (KV scan, engine overhead, incremental builds)")
+    p.add_argument("what", choices=("scan", "overhead", "build-step"))
     p.add_argument("--model", help="registry name or .gguf (scan: tiny-dense; overhead: gemma3-270m)")
     p.add_argument("--cells", type=int, default=32768, help="cells in the scanned state (scan)")
     p.add_argument("--repeats", type=int, default=20, help="timed scans (scan)")
     p.add_argument("--n-predict", type=int, default=256, help="generated tokens (overhead)")
+    p.add_argument("--file", default="tools/server/server-context.cpp",
+                   help="source file the incremental step changes (build-step)")
+    p.add_argument("--jobs", type=int, help="parallel compile jobs (build-step; default all cores)")
     p.set_defaults(func=cmd_bench)

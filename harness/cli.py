@@ -12,6 +12,7 @@ def build_parser() -> argparse.ArgumentParser:
     """The argument parser with one subcommand per concern (each module adds its own)."""
     from harness import bench, calibrate, kvscan, runner, selftest
     from harness.backends import build_cli
+    from harness.bisect import cli as bisect_cli
     from harness.models import cli as models_cli
 
     parser = argparse.ArgumentParser(
@@ -21,7 +22,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"specharness {__version__}")
     parser.add_argument("--verbose", action="store_true", help="show llama.cpp's own log output")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    for module in (runner, models_cli, kvscan, build_cli, selftest, calibrate, bench):
+    for module in (runner, models_cli, kvscan, build_cli, bisect_cli, selftest, calibrate, bench):
         module.add_parser(sub)
     return parser
 

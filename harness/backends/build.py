@@ -2,9 +2,13 @@
 
 A build lives in `cache_dir()/builds/<key>/` with `bin/llama-server`, `bin/llama-quantize`,
 `build-info.json` and `build.log`; the key hashes (source identity, backend, CMake arguments).
-Builds happen in a temporary sibling directory that is renamed into place only when complete, under
-a file lock `<key>.lock` beside the entry, so parallel processes (`pytest -n auto`) build each key once.
-An entry whose `build-info.json` cannot be read is treated as missing: rebuilt and replaced.
+Entries are assembled in a temporary sibling directory that is renamed into place only when complete,
+under a file lock `<key>.lock` beside the entry, so parallel processes (`pytest -n auto`) build each key
+once. An entry whose `build-info.json` cannot be read is treated as missing: rebuilt and replaced.
+
+Compiling happens in a persistent build tree per (source directory, backend, options) with ccache as
+the compiler launcher when it is installed, so a new commit of a checkout recompiles only the files it
+changed and a copy of a tree built before costs little (see "persistent build trees" below).
 """
 
 from __future__ import annotations
@@ -113,16 +117,18 @@ def check_platform(backend: str, system: Optional[str] = None) -> None:
 # ---------------------------------------------------------------------------------------- sources
 
 
-def vendored_source() -> Path:
-    """The llama.cpp tree vendored in the installed llama-cpp-python, fetched and extracted once.
+def vendored_source(version: Optional[str] = None) -> Path:
+    """The llama.cpp tree vendored in llama-cpp-python `version` (default: the installed one), fetched
+    and extracted once.
 
     Downloads the matching sdist with pip into the cache and extracts only `vendor/llama.cpp` into
     `cache_dir()/src/llama.cpp-<version>/`, recording the submodule commit the sdist carries.
     """
-    try:
-        version = importlib.metadata.version("llama-cpp-python")
-    except importlib.metadata.PackageNotFoundError:
-        raise HarnessError("llama-cpp-python is not installed; install it or pass --source DIR") from None
+    if version is None:
+        try:
+            version = importlib.metadata.version("llama-cpp-python")
+        except importlib.metadata.PackageNotFoundError:
+            raise HarnessError("llama-cpp-python is not installed; install it or pass --source DIR") from None
     dest = cache_dir() / "src" / f"llama.cpp-{version}"
     if _valid_marker(dest):
         return dest
@@ -443,32 +449,123 @@ def _remove_path(path: Path) -> None:
 
 def _build_into(tmp: Path, source: Path, identity: SourceIdentity, backend: str, args: list[str], root: Path,
                 jobs: int) -> BuildInfo:
-    cmake_dir = tmp / "cmake"
+    """Build in the persistent tree of (source, backend, args), then copy the binaries into `tmp/bin`."""
     log_path = tmp / "build.log"
-    cmake_dir.mkdir(parents=True)
+    tmp.mkdir(parents=True)
     started = time.monotonic()
-    print(f"building llama-server {identity} ({backend}) with {jobs} jobs; log: {log_path}", file=sys.stderr)
-    with open(log_path, "w") as log:
-        for step, cmd in (
-            ("configure", ["cmake", "-S", str(source), "-B", str(cmake_dir), *_toolchain_args(backend), *args]),
-            ("build", ["cmake", "--build", str(cmake_dir), "-j", str(jobs), "--target", *TARGETS]),
-        ):
+    stats_log = tmp / "ccache-stats.log"
+    with _mounted_tree(source, backend, args) as work, open(log_path, "w") as log:
+        build_dir = work / "build"
+        print(f"building llama-server {identity} ({backend}) with {jobs} jobs in {build_tree_dir(source, backend, args)}; "
+              f"log: {log_path}", file=sys.stderr)
+        steps = [("build", ["cmake", "--build", str(build_dir), "-j", str(jobs), "--target", *TARGETS])]
+        if not _configured(build_dir):  # a configured tree re-runs CMake by itself when a CMakeLists.txt changes
+            configure = ["cmake", "-S", str(work / "src"), "-B", str(build_dir), *_toolchain_args(backend), *args]
+            steps.insert(0, ("configure", configure))
+        for step, cmd in steps:
             log.write("$ " + " ".join(cmd) + "\n")
             log.flush()
-            if _run_logged(cmd, log) != 0:
+            if _run_logged(cmd, log, compiler_cache_env(stats_log)) != 0:
                 _fail(root, log_path, step)
-    (tmp / "bin").mkdir()
-    for target in TARGETS:
-        (cmake_dir / "bin" / target).rename(tmp / "bin" / target)
+        (tmp / "bin").mkdir()
+        for target in TARGETS:
+            shutil.copy2(build_dir / "bin" / target, tmp / "bin" / target)
+        compiler = _compiler(build_dir)
+    hits = compiler_cache_hits(stats_log)
+    stats_log.unlink(missing_ok=True)
     info = BuildInfo(
         server_bin=root / "bin" / "llama-server", quantize_bin=root / "bin" / "llama-quantize",
         commit=identity.commit, dirty=identity.dirty, backend=backend, cmake_args=args,
-        compiler=_compiler(cmake_dir), built_at=time.strftime("%Y-%m-%dT%H:%M:%S%z"), source=str(source),
+        compiler=compiler, built_at=time.strftime("%Y-%m-%dT%H:%M:%S%z"), source=str(source),
         source_identity=str(identity), build_seconds=round(time.monotonic() - started, 1),
     )
+    with open(log_path, "a") as log:
+        log.write(f"# compiler cache: {hits}\n" if hits else "# compiler cache: not used\n")
     (tmp / "build-info.json").write_text(json.dumps(info.to_json(), indent=2) + "\n")
-    shutil.rmtree(cmake_dir)
     return info
+
+
+# --------------------------------------------------------------------------- persistent build trees
+#
+# Every build happens in one persistent CMake/Ninja tree per (source directory, backend, options), kept
+# in `cache_dir()/trees/<name>/`: a later build of the same checkout at another commit recompiles only
+# what changed (Ninja's own dependency tracking). While it builds, the tree is renamed to the fixed
+# path `cache_dir()/work/`, whose `src` is a symlink to the source: every build of every source then
+# runs the very same compiler command lines, so the compiler cache (ccache) also serves a different
+# directory holding nearly the same tree, e.g. a copy of the vendored llama.cpp with one edit. One
+# build at a time per cache (the work path is one); a tree left at the work path by a killed process
+# is put back first.
+
+TREE_MARKER = ".specharness-tree"
+
+
+def build_tree_dir(source: Path, backend: str, args: list[str]) -> Path:
+    """The persistent build tree of (source directory, backend, CMake arguments)."""
+    blob = json.dumps({"source": str(Path(source).resolve()), "backend": backend, "cmake": args})
+    return cache_dir() / "trees" / f"{backend}-{hashlib.sha256(blob.encode()).hexdigest()[:16]}"
+
+
+@contextmanager
+def _mounted_tree(source: Path, backend: str, args: list[str]):
+    """The tree of (source, backend, args) at the work path, under the work lock; put back afterwards."""
+    work = cache_dir() / "work"
+    home = build_tree_dir(source, backend, args)
+    with _locked(work, "the build work tree (one build at a time)"):
+        _unmount(work)
+        home.parent.mkdir(parents=True, exist_ok=True)
+        if home.is_dir():
+            home.rename(work)
+        else:
+            (work / "build").mkdir(parents=True)
+        try:
+            (work / TREE_MARKER).write_text(home.name + "\n")
+            link = work / "src"
+            link.unlink(missing_ok=True)
+            link.symlink_to(Path(source).resolve(), target_is_directory=True)
+            yield work
+        finally:
+            _unmount(work)
+
+
+def _unmount(work: Path) -> None:
+    """Move the tree at the work path (if any) back to its home; one without a readable marker is deleted."""
+    if not work.exists():
+        return
+    try:
+        name = (work / TREE_MARKER).read_text().strip()
+    except OSError:
+        name = ""
+    home = work.parent / "trees" / name
+    if not name or "/" in name or home.exists():
+        shutil.rmtree(work, ignore_errors=True)
+    else:
+        work.rename(home)
+
+
+def _configured(build_dir: Path) -> bool:
+    """Whether a configure step completed in `build_dir` (it wrote the generator's build file)."""
+    return (build_dir / "build.ninja").is_file() or (build_dir / "Makefile").is_file()
+
+
+def compiler_cache_env(stats_log: Optional[Path] = None) -> dict:
+    """The environment of a build: ccache keeps its cache in `cache_dir()/ccache` (unless CCACHE_DIR is
+    set) and, with `stats_log`, records there the outcome of every compilation of this build."""
+    env = dict(os.environ)
+    env.setdefault("CCACHE_DIR", str(cache_dir() / "ccache"))
+    if stats_log is not None:
+        env["CCACHE_STATSLOG"] = str(stats_log)
+    return env
+
+
+def compiler_cache_hits(stats_log: Path) -> str:
+    """'H of N compilations from the compiler cache' from a ccache stats log ('' when ccache was not used)."""
+    try:
+        lines = stats_log.read_text().split()
+    except OSError:
+        return ""
+    hits = sum(1 for w in lines if w in ("direct_cache_hit", "preprocessed_cache_hit"))
+    total = hits + sum(1 for w in lines if w == "cache_miss")
+    return f"{hits} of {total} compilations from the compiler cache" if total else ""
 
 
 def _toolchain_args(backend: str) -> list[str]:
@@ -480,10 +577,10 @@ def _toolchain_args(backend: str) -> list[str]:
     return args
 
 
-def _run_logged(cmd: list[str], log) -> int:
+def _run_logged(cmd: list[str], log, env: Optional[dict] = None) -> int:
     """Run `cmd` with stdout and stderr appended to `log`; kills it (and re-raises) on Ctrl-C."""
     try:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env)
     except OSError as err:
         raise HarnessError(f"cannot run {cmd[0]}: {err}") from None
     try:

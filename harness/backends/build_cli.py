@@ -37,14 +37,14 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--server-bin", type=Path, metavar="PATH", help="use this llama-server binary instead of building")
     p.add_argument("--json", action="store_true", help="print the build info as JSON")
     p.set_defaults(func=cmd_build)
-    _accept_cmake_definitions(p)
+    accept_cmake_definitions(p)
 
 
 CMAKE_DEFINITION = re.compile(r"-[DU][A-Za-z_]")
 """A CMake cache definition (-DX=Y) or removal (-UX)."""
 
 
-def _accept_cmake_definitions(parser: argparse.ArgumentParser) -> None:
+def accept_cmake_definitions(parser: argparse.ArgumentParser) -> None:
     """Let `--cmake-arg -DX=Y` parse: argparse takes every word starting with '-' for an option (and
     then complains that --cmake-arg has no value), so words that look like CMake -D/-U arguments are
     classified as values instead. This parser has no option starting with -D or -U. A stray -DX=Y

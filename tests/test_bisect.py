@@ -1,0 +1,248 @@
+"""`specharness bisect` on a real llama.cpp history: real builds, a real llama-server, real git.
+
+The history (tests/bisect_history.py) is eight commits on the vendored llama.cpp: #4 does not compile,
+#6 drops the seq_rm after a speculative checkpoint restore (a real llama-server bug class). The first
+run builds each visited commit incrementally in one persistent tree (a few minutes with a warm
+compiler cache); later runs find every build in the cache and only judge.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from filelock import FileLock
+
+from bisect_history import BROKEN, REGRESSION, commits, history_repo
+from harness.bisect.judge import excused
+from harness.bisect.plan import from_run, from_suite
+from harness.bisect.releases import release_range
+from harness.bisect.step import CURRENT, read_log
+from harness.checks.base import CheckResult
+from harness.errors import HarnessError
+from harness.paths import cache_dir
+
+ROOT = Path(__file__).resolve().parents[1]
+SUITE = ROOT / "tests" / "data" / "bisect-quicksort.yaml"
+
+
+def specharness(*args: str, **kw) -> subprocess.Popen:
+    """`python -m harness.cli ...` of this checkout as a process of its own (real signals, real exit status)."""
+    return subprocess.Popen([sys.executable, "-m", "harness.cli", *args], cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, **kw)
+
+
+def finish(proc: subprocess.Popen, timeout: float = 1800) -> tuple[int, str, str]:
+    out, err = proc.communicate(timeout=timeout)
+    return proc.returncode, out, err
+
+
+def git(repo: Path, *args: str) -> str:
+    return subprocess.run(["git", "-C", str(repo), *args], capture_output=True, text=True, check=True).stdout.strip()
+
+
+def assert_restored(repo: Path) -> None:
+    """On main again, nothing modified, no bisect left behind."""
+    assert git(repo, "symbolic-ref", "HEAD") == "refs/heads/main"
+    assert git(repo, "status", "--porcelain") == ""
+    assert not (repo / ".git" / "BISECT_START").exists()
+
+
+@pytest.fixture
+def history():
+    """The fixture repository, one test at a time (a bisect checks out commits in it)."""
+    repo = history_repo()
+    with FileLock(str(repo) + ".test.lock"):
+        yield repo
+    assert_restored(repo)
+
+
+def bisect_args(repo: Path, out: Path, good: int = 1) -> list[str]:
+    """Bisect from commit #`good` (1 = the imported tree) to the tip."""
+    return ["bisect", "--source", str(repo), "--good", commits(repo)[good - 1], "--bad", "main",
+            "--suite", str(SUITE), "--out", str(out)]
+
+
+def check_outcome(repo: Path, out: Path, stdout: str, good: int = 1) -> None:
+    shas = commits(repo)
+    regression, broken = shas[REGRESSION - 1], shas[BROKEN - 1]
+    assert f"first bad commit: {regression}" in stdout
+    log = read_log(out)
+    by_commit = {e["commit"]: e for e in log}
+    if good < BROKEN:
+        assert by_commit[broken]["verdict"] == "skip" and by_commit[broken]["build_attempts"] == 2
+        assert "does not build" in by_commit[broken]["reason"]
+    assert by_commit[shas[good - 1]]["role"] == "verify-good" and by_commit[shas[good - 1]]["verdict"] == "good"
+    assert by_commit[shas[-1]]["role"] == "verify-bad" and by_commit[shas[-1]]["verdict"] == "bad"
+    assert by_commit[regression]["verdict"] == "bad" and by_commit[shas[REGRESSION - 2]]["verdict"] == "good"
+    failed = [c for c in by_commit[regression]["checks"] if not c["passed"]]
+    assert failed, "the first bad commit must fail a check"
+    assert all(e["verdict"] in ("good", "bad", "skip") and "build_seconds" in e for e in log)
+    result = json.loads((out / "bisect.json").read_text())
+    assert result["first_bad"]["commit"] == regression and result["parent"]["entry"]["verdict"] == "good"
+    html = (out / "bisect.html").read_text()
+    assert regression in html and "drop the seq_rm" in html and failed[0]["check"] in html
+
+
+def test_bisect_finds_the_regression_and_skips_the_commit_that_does_not_build(history, tmp_path):
+    status, out, err = finish(specharness(*bisect_args(history, tmp_path / "run")))
+    assert status == 0, err[-3000:]
+    check_outcome(history, tmp_path / "run", out)
+
+
+def _wait_for_step(run_dir: Path, proc: subprocess.Popen, timeout: float = 1800) -> dict:
+    """The current step once `git bisect run` is in one (not the verification of the ends)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and proc.poll() is None:
+        try:
+            current = json.loads((run_dir / CURRENT).read_text())
+        except (OSError, ValueError):
+            current = {}
+        if current.get("role") == "step":
+            return current
+        time.sleep(0.05)
+    raise AssertionError(f"no bisect step started (exit status {proc.poll()})")
+
+
+def test_interrupted_bisect_leaves_the_checkout_clean_and_resume_finishes_it(history, tmp_path):
+    run_dir = tmp_path / "run"
+    proc = specharness(*bisect_args(history, run_dir, good=BROKEN + 1))  # the skip is the test above's
+    current = _wait_for_step(run_dir, proc)
+    time.sleep(0.5)  # inside the build (first run) or the judging (builds cached)
+    proc.send_signal(signal.SIGINT)
+    status, _, err = finish(proc, timeout=300)
+    assert status == 130, err[-3000:]
+    assert f"--resume {run_dir}" in err
+    assert_restored(history)
+    with pytest.raises(ProcessLookupError):
+        os.kill(current["pid"], 0)  # the step process is gone, with its build or server
+    assert not (cache_dir() / "work").exists()  # the build tree went back to its place
+    logged = len(read_log(run_dir))
+    status, out, err = finish(specharness("bisect", "--resume", str(run_dir)))
+    assert status == 0, err[-3000:]
+    check_outcome(history, run_dir, out, good=BROKEN + 1)
+    roles = [e["role"] for e in read_log(run_dir)]
+    assert roles.count("verify-good") == roles.count("verify-bad") == 1  # not judged again
+    assert len(read_log(run_dir)) > logged
+
+
+STEP_CMD = (f"{sys.executable} -m harness.cli build --source . --json | {sys.executable} -c \"import json, shutil, sys, os; "
+            "os.makedirs('build-step-cmd', exist_ok=True); "
+            "shutil.copy(json.load(sys.stdin)['server_bin'], 'build-step-cmd/llama-server')\"")
+"""A bring-your-own build: any command that leaves a llama-server in the checkout (here: specharness's own
+build, copied to an ignored directory)."""
+
+
+def test_step_cmd_replaces_the_built_in_build(history, tmp_path):
+    shas = commits(history)
+    regression = shas[REGRESSION - 1]
+    out = tmp_path / "run"
+    try:
+        status, stdout, err = finish(specharness(
+            "bisect", "--source", str(history), "--good", shas[REGRESSION - 2], "--bad", shas[REGRESSION],
+            "--suite", str(SUITE), "--step-cmd", STEP_CMD, "--server-bin-pattern", "build-step-cmd/llama-*",
+            "--out", str(out)))
+    finally:
+        shutil.rmtree(history / "build-step-cmd", ignore_errors=True)
+    assert status == 0, err[-3000:]
+    assert f"first bad commit: {regression}" in stdout
+    log = read_log(out)
+    assert all(e["server"]["server_bin"].endswith("build-step-cmd/llama-server") for e in log)
+    assert (out / f"step-cmd-{regression[:12]}.log").is_file()
+
+
+# ------------------------------------------------------------------------------ bad input, one line
+
+
+@pytest.fixture
+def small_repo(tmp_path) -> Path:
+    repo = tmp_path / "llama.cpp"
+    repo.mkdir()
+    (repo / "CMakeLists.txt").write_text("project(x)\n")
+    for args in (["init", "-q", "-b", "main"], ["add", "-A"],
+                 ["-c", "user.name=t", "-c", "user.email=t@t", "commit", "-q", "-m", "one"]):
+        git(repo, *args)
+    return repo
+
+
+def _one_line_error(args: list[str]) -> str:
+    status, out, err = finish(specharness(*args), timeout=120)
+    assert status == 2 and err.count("\n") == 1 and err.startswith("specharness: error: "), (status, out, err)
+    return err
+
+
+def test_dirty_checkout_is_refused_in_one_line(small_repo, tmp_path):
+    (small_repo / "CMakeLists.txt").write_text("project(y)\n")
+    err = _one_line_error(["bisect", "--source", str(small_repo), "--good", "main", "--bad", "main",
+                           "--suite", str(SUITE), "--out", str(tmp_path / "run")])
+    assert "uncommitted changes" in err and "CMakeLists.txt" in err
+
+
+def test_unknown_revision_and_non_checkout_are_one_line_errors(small_repo, tmp_path):
+    err = _one_line_error(["bisect", "--source", str(small_repo), "--good", "v9.9", "--bad", "main",
+                           "--suite", str(SUITE), "--out", str(tmp_path / "a")])
+    assert "unknown revision 'v9.9'" in err
+    plain = tmp_path / "plain"
+    plain.mkdir()
+    err = _one_line_error(["bisect", "--source", str(plain), "--good", "a", "--bad", "b",
+                           "--suite", str(SUITE), "--out", str(tmp_path / "b")])
+    assert "not the top of a git checkout" in err
+
+
+def test_every_dimension_of_the_cell_is_pinned():
+    with pytest.raises(HarnessError, match="several cases .*pin one with --case"):
+        from_suite("quicksort")
+    with pytest.raises(HarnessError, match="several values of mode .*--mode"):
+        from_suite("quicksort", case="C")
+    plan = from_suite(str(SUITE))
+    assert (plan.case, plan.mode, plan.spec, plan.model) == ("C", "seq", "draft-simple", "tiny-hybrid")
+    assert plan.checks == ["no-crash", "lossless", "kv-healthy"] and plan.cell.backend == "server"
+
+
+def _checks_json(run_dir: Path, records: list[dict]) -> Path:
+    run_dir.mkdir()
+    base = {"suite": "quicksort", "message": "", "evidence": {}}
+    (run_dir / "checks.json").write_text(json.dumps([dict(base, **r) for r in records]))
+    return run_dir
+
+
+def test_from_run_pins_the_failing_cell_and_names_what_is_wrong(tmp_path):
+    cell = {"backend": "server", "mode": "par", "spec": "draft-simple", "model": "tiny-hybrid"}
+    run = _checks_json(tmp_path / "run", [
+        dict(cell, case="C", check="lossless", passed=False), dict(cell, case="C", check="no-crash", passed=True),
+        dict(cell, case="Java", check="lossless", passed=True),
+        dict(cell, backend="inproc", case="Python", check="lossless", passed=False),
+    ])
+    plan = from_run(run, "C")
+    assert (plan.case, plan.mode, plan.spec, plan.model, plan.checks) == ("C", "par", "draft-simple", "tiny-hybrid",
+                                                                          ["lossless"])
+    with pytest.raises(HarnessError, match="did not fail"):
+        from_run(run, "Java")
+    with pytest.raises(HarnessError, match="no case 'Rust'"):
+        from_run(run, "Rust")
+    with pytest.raises(HarnessError, match="only on the inproc backend"):
+        from_run(run, "Python")
+    with pytest.raises(HarnessError, match="not a run directory"):
+        from_run(tmp_path, "C")
+
+
+def test_a_near_tie_is_bad_only_when_strict():
+    near = CheckResult("lossless", False, "differs", {"first_divergence": {"kind": "near-tie", "index": 3}})
+    hard = CheckResult("lossless", False, "differs", {"first_divergence": {"kind": "hard", "index": 3}})
+    assert excused(near, strict=False) and not excused(near, strict=True)
+    assert not excused(hard, strict=False)
+
+
+def test_release_ranges_are_validated():
+    available = ["0.3.29", "0.3.30", "0.3.31", "0.3.32", "0.3.33"]
+    assert release_range("0.3.30..0.3.32", available) == ["0.3.30", "0.3.31", "0.3.32"]
+    for bad, message in (("0.3.32..0.3.30", "not older"), ("latest", "OLD..NEW"), ("0.3.30..0.3.99", "not on the package index")):
+        with pytest.raises(HarnessError, match=message):
+            release_range(bad, available)
