@@ -234,10 +234,14 @@ def test_from_run_pins_the_failing_cell_and_names_what_is_wrong(tmp_path):
 
 
 def test_a_near_tie_is_bad_only_when_strict():
-    near = CheckResult("lossless", False, "differs", {"first_divergence": {"kind": "near-tie", "index": 3}})
-    hard = CheckResult("lossless", False, "differs", {"first_divergence": {"kind": "hard", "index": 3}})
+    near = CheckResult("lossless", False, "differs", {"first_divergence": {"kind": "near-tie", "index": 3}},
+                       failures=["round 0: near-tie at token 3"])
+    hard = CheckResult("lossless", False, "differs", {"first_divergence": {"kind": "hard", "index": 3}},
+                       failures=["round 0: hard at token 3"])
+    mixed = CheckResult("lossless", False, "differs", {"first_divergence": {"kind": "near-tie", "index": 3}},
+                        failures=["round 0: near-tie at token 3", "round 1: hard at token 9"])
     assert excused(near, strict=False) and not excused(near, strict=True)
-    assert not excused(hard, strict=False)
+    assert not excused(hard, strict=False) and not excused(mixed, strict=False)
 
 
 def test_release_ranges_are_validated():
