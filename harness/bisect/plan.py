@@ -16,7 +16,7 @@ from harness.baselines import default_root
 from harness.errors import HarnessError
 from harness.execute import case_keys
 from harness.matrix import Cell, narrowing, spec_preset
-from harness.suites import Suite, load_suite
+from harness.suites import CHECK_NAMES, Suite, load_suite
 
 BACKEND = "server"
 """A bisect rebuilds llama-server at every step, so the judged cell is always a llama-server cell."""
@@ -100,12 +100,10 @@ def _case_key(suite: Suite, case: Optional[str]) -> str:
 
 
 def _check_names(checks: Optional[list[str]], suite: Suite) -> list[str]:
-    from harness.checks import CHECKS
-
     names = checks or suite.checks
-    unknown = [n for n in names if n not in CHECKS]
+    unknown = [n for n in names if n not in CHECK_NAMES]
     if unknown:
-        raise HarnessError(f"unknown check '{unknown[0]}' (known: {', '.join(CHECKS)})")
+        raise HarnessError(f"unknown check '{unknown[0]}' (known: {', '.join(CHECK_NAMES)})")
     return list(names)
 
 
@@ -124,12 +122,16 @@ def from_suite(suite_name: str, case: Optional[str] = None, checks: Optional[lis
                strict: bool = False) -> Plan:
     """The plan for one case of a suite; each dimension the suite leaves open must be given."""
     suite = load_suite(suite_name)
-    specs = [s for s in suite.matrix["specs"] if not spec_preset(s).scripted]
+
+    def axis(name: str) -> list[str]:  # the values the suite's matrix blocks name, in order
+        return list(dict.fromkeys(v for block in suite.matrix for v in block[name]))
+
+    specs = [s for s in axis("specs") if not spec_preset(s).scripted]
     return _validated(Plan(
         suite=str(Path(suite.path).resolve()), case=_case_key(suite, case), checks=_check_names(checks, suite),
-        mode=_pick(mode, suite.matrix["modes"], "--mode", suite.name),
-        spec=_pick(spec, specs or suite.matrix["specs"], "--spec", suite.name),
-        model=_pick(model, suite.matrix["models"], "--model", suite.name), strict=strict,
+        mode=_pick(mode, axis("modes"), "--mode", suite.name),
+        spec=_pick(spec, specs or axis("specs"), "--spec", suite.name),
+        model=_pick(model, axis("models"), "--model", suite.name), strict=strict,
         baselines=str(default_root().resolve()),
     ))
 
