@@ -9,23 +9,18 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
+import difflib
+
 import jsonschema
 import yaml
 
 import harness
 from harness import MODES
 from harness.errors import HarnessError
-from harness.request import Request, Sampling
+from harness.request import SAMPLING_SCHEMA, Request, Sampling
 
-SAMPLING_FIELDS = {"temperature": "number", "top_k": "integer", "top_p": "number", "min_p": "number",
-                   "seed": "integer", "n_predict": "integer"}
 SERVE_FIELDS = {"n_ctx": "integer", "n_batch": "integer", "n_ubatch": "integer", "parallel": "integer"}
 
-_SAMPLING = {
-    "type": "object", "additionalProperties": False,
-    "properties": {**{k: {"type": t} for k, t in SAMPLING_FIELDS.items()},
-                   "stop": {"type": "array", "items": {"type": "string"}}},
-}
 _NAMES = {"type": "array", "items": {"type": "string"}, "minItems": 1}
 _CASE = {
     "type": "object", "additionalProperties": False, "required": ["name"],
@@ -36,7 +31,8 @@ _CASE = {
         "chat": {"type": "array", "items": {"type": "string"}, "minItems": 1},
         "json_schema": {"type": "object"},
         "grammar": {"type": "string"},
-        "sampling": _SAMPLING,
+        "sampling": SAMPLING_SCHEMA,
+        "expect_accepts": {"type": "boolean"},
     },
     "oneOf": [{"required": ["prompt"]}, {"required": ["chat"]}],
 }
@@ -51,13 +47,15 @@ SUITE_SCHEMA = {
             "properties": {"backends": _NAMES, "modes": {"type": "array", "items": {"enum": list(MODES)}, "minItems": 1},
                            "specs": _NAMES, "models": _NAMES},
         },
-        "sampling": _SAMPLING,
+        "sampling": SAMPLING_SCHEMA,
         "serve": {"type": "object", "additionalProperties": False,
                   "properties": {k: {"type": t, "minimum": 1} for k, t in SERVE_FIELDS.items()}},
         "repeats": {"type": "integer", "minimum": 1},
         "run_order": {"type": "array", "items": {"enum": ["seq", "par"]}, "minItems": 1},
         "checks": _NAMES,
         "allow_errors": {"type": "array", "items": {"enum": ["context_full"]}},
+        "expect_accepts": {"type": "boolean"},
+        "deadline_s": {"type": "number", "exclusiveMinimum": 0},
         "tolerances": {"type": "object", "additionalProperties": False,
                        "properties": {"top1_agreement": {"type": "number", "minimum": 0, "maximum": 1},
                                       "max_abs": {"type": "number", "minimum": 0},
@@ -81,14 +79,17 @@ class Case:
     sampling: Sampling
     prompt: Optional[str] = None
     turns: list[str] = field(default_factory=list)
+    expect_accepts: bool = True
+    """Whether `spec-ran` expects some drafts of this case accepted (a grammar the drafter does not see
+    may reject them all: then speculation must run, but need not pay off)."""
 
     @property
     def is_chat(self) -> bool:
         return bool(self.turns)
 
-    def request(self) -> Request:
+    def request(self, deadline_s: Optional[float] = None) -> Request:
         """The completion request (chats are built turn by turn by the runner)."""
-        return Request(prompt=self.prompt, sampling=self.sampling, tag=self.name)
+        return Request(prompt=self.prompt, sampling=self.sampling, tag=self.name, deadline_s=deadline_s)
 
 
 @dataclass
@@ -109,6 +110,9 @@ class Suite:
     """Its pytest items carry the `slow` marker (`-m "not slow"` leaves them out)."""
     tolerances: dict[str, float] = field(default_factory=dict)
     """`logits-close` tolerances (harness.logits.Tolerances fields) and the triage's `near_tie` margin."""
+    deadline_s: Optional[float] = None
+    """Seconds each request may take before it ends as `timeout`; None: derived from n_predict and the
+    measured speed (harness.backends.base.request_deadline)."""
 
 
 def suites_dir() -> Path:
@@ -170,8 +174,17 @@ def parse_suite(text: str, path: Optional[Path] = None) -> Suite:
         raise HarnessError(f"{where}:1: a suite file must be a mapping with `suite` and `cases`")
     error = jsonschema.exceptions.best_match(jsonschema.Draft202012Validator(SUITE_SCHEMA).iter_errors(data))
     if error is not None:
-        field_path = ".".join(str(p) for p in error.absolute_path) or "(top level)"
-        raise HarnessError(f"{where}:{_line_of(root, list(error.absolute_path))}: {field_path}: {error.message}")
+        path_, message = list(error.absolute_path), error.message
+        if error.validator == "additionalProperties" and isinstance(error.instance, dict):
+            known = list(error.schema.get("properties", {}))
+            unknown = next(k for k in error.instance if k not in known)
+            close = difflib.get_close_matches(str(unknown), known, n=1)
+            path_.append(unknown)
+            message = f"unknown field '{unknown}'" + (f" (did you mean '{close[0]}'?)" if close else "")
+        elif error.validator == "anyOf" and "description" in error.schema:
+            message = f"{error.instance!r} is not {error.schema['description']}"
+        field_path = ".".join(str(p) for p in path_) or "(top level)"
+        raise HarnessError(f"{where}:{_line_of(root, path_)}: {field_path}: {message}")
     if path is not None and data["suite"] != path.stem:
         raise HarnessError(f"{where}:{_line_of(root, ['suite'])}: suite: '{data['suite']}' must match the file name '{path.stem}'")
     from harness.checks import CHECKS  # here, not at the top: the checks import the suite types
@@ -191,7 +204,7 @@ def parse_suite(text: str, path: Optional[Path] = None) -> Suite:
     cases = []
     for i, raw in enumerate(data["cases"]):
         try:
-            cases.append(_case(raw, base, path))
+            cases.append(_case(raw, base, path, data.get("expect_accepts", True)))
         except (KeyError, IndexError, ValueError) as err:
             raise HarnessError(f"{where}:{_line_of(root, ['cases', i, 'prompt'])}: cases.{i}.prompt: cannot fill "
                                f"in vars ({type(err).__name__}: {err}; write literal braces as {{{{ and }}}})") from None
@@ -200,11 +213,11 @@ def parse_suite(text: str, path: Optional[Path] = None) -> Suite:
         matrix={**DEFAULT_MATRIX, **data.get("matrix", {})},
         checks=data.get("checks", DEFAULT_CHECKS), serve=data.get("serve", {}),
         rounds=data.get("run_order", ["par"]) * data.get("repeats", 1), allow_errors=data.get("allow_errors", []),
-        tolerances=data.get("tolerances", {}), slow=data.get("slow", False),
+        tolerances=data.get("tolerances", {}), slow=data.get("slow", False), deadline_s=data.get("deadline_s"),
     )
 
 
-def _case(raw: dict[str, Any], base: dict, path: Optional[Path]) -> Case:
+def _case(raw: dict[str, Any], base: dict, path: Optional[Path], expect_accepts: bool) -> Case:
     sampling = Sampling(**{**base, **raw.get("sampling", {})})
     sampling.json_schema = raw.get("json_schema")
     if "grammar" in raw:
@@ -215,4 +228,5 @@ def _case(raw: dict[str, Any], base: dict, path: Optional[Path]) -> Case:
     prompt = raw.get("prompt")
     if prompt is not None and raw.get("vars"):
         prompt = prompt.format(**raw["vars"])
-    return Case(name=raw["name"], sampling=sampling, prompt=prompt, turns=raw.get("chat", []))
+    return Case(name=raw["name"], sampling=sampling, prompt=prompt, turns=raw.get("chat", []),
+                expect_accepts=raw.get("expect_accepts", expect_accepts))
