@@ -22,13 +22,16 @@ PLAN = [
     ("grammar-json", {"models": ["tiny-hybrid"], "modes": ["seq"], "specs": ["none", "scripted-reject"],
                       "backends": ["inproc"]}),
     ("kv-fill", {"models": ["tiny-dense"], "modes": ["par"], "specs": ["draft-simple"], "backends": ["inproc"]}),
+    ("sampling", {"models": ["tiny-hybrid"], "modes": ["seq"], "specs": ["none", "draft-simple"], "backends": ["inproc"]}),
 ]
 """Suites and the matrix part each runs: rollbacks by seq_rm (dense) and by checkpoint (hybrid), a
-grammar under forced rejections, and decode failures during speculative steps."""
+grammar under forced rejections, decode failures during speculative steps, and penalties under
+checkpoint rollbacks."""
 
 EXPECTED = {
     "skip-seq-rm-after-restore": {"kv-healthy"},
     "no-sampler-restore": {"grammar-valid", "lossless"},
+    "no-penalty-restore": {"lossless"},
     "keep-drafts-on-decode-failure": {"no-crash"},
     "rollback-off-by-one": {"kv-healthy", "no-crash"},
     "partial-checkpoint-only": {"lossless"},

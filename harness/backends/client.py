@@ -117,12 +117,19 @@ class LlamaClient:
 def _result(prompt_tokens: list[int], data: dict) -> Result:
     """A Result from a final /completion response object."""
     timings = data.get("timings", {})
+    tokens = list(data.get("tokens", []))
+    logits = from_server_probs(data.get("completion_probabilities", []))
+    if data.get("stop_type") == "eos" and tokens:
+        # llama-server lists the end-of-generation token it stopped on; Results (as the in-process engine's)
+        # hold the generated tokens without it (its text is empty either way)
+        tokens.pop()
+        logits = logits[: len(tokens)]
     spec_stats: dict[str, Any] = {"draft_n": 0, "draft_n_accepted": 0}  # the server omits them when nothing was drafted
     spec_stats.update({k: v for k, v in timings.items() if k.startswith("draft_")})
     spec_stats["types"] = data.get("generation_settings", {}).get("speculative.types", "")
     return Result(
         prompt_tokens=prompt_tokens,
-        tokens=list(data.get("tokens", [])),
+        tokens=tokens,
         text=data.get("content", ""),
         stop_reason=data.get("stop_type", "none"),
         slot_id=data.get("id_slot", -1),
@@ -131,5 +138,5 @@ def _result(prompt_tokens: list[int], data: dict) -> Result:
             predicted_n=timings.get("predicted_n", 0), predicted_ms=timings.get("predicted_ms", 0.0),
         ),
         spec_stats=spec_stats,
-        logits=from_server_probs(data.get("completion_probabilities", [])),
+        logits=logits,
     )

@@ -115,6 +115,8 @@ class Model:
             bool(llama_cpp.llama_model_is_recurrent(self.ptr)), bool(llama_cpp.llama_model_is_hybrid(self.ptr))
         )
         self.arch = self.meta("general.architecture") or "unknown"
+        self.n_swa = llama_cpp.llama_model_n_swa(self.ptr)
+        """Sliding-window size of the attention layers (0: none)."""
 
     def meta(self, key: str) -> str | None:
         """A GGUF metadata value as a string, or None when absent."""

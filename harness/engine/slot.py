@@ -25,8 +25,11 @@ class Slot:
     last sampled token, not yet decoded (llama-server's `sampled`).
     """
 
-    def __init__(self, slot_id: int, model: Model, n_ctx_seq: int, seed: int, logit_top_k: int = 0):
+    def __init__(self, slot_id: int, model: Model, n_ctx_seq: int, seed: int, logit_top_k: int = 0,
+                 prompt_breaks: tuple[int, ...] = ()):
         self.id = slot_id
+        self.prompt_breaks = prompt_breaks
+        """Prompt chunks stop this many tokens before the prompt's end (see `prompt_chunk`)."""
         self.seed = seed
         self.logit_top_k = logit_top_k
         self.model = model
@@ -76,7 +79,15 @@ class Slot:
         return len(self.prompt) - self.n_past
 
     def prompt_chunk(self, n: int) -> list[int]:
-        """The next up to `n` prompt tokens (they start at position `n_past`)."""
+        """The next up to `n` prompt tokens (they start at position `n_past`). A chunk ends where one of
+        `prompt_breaks` tokens are left, as llama-server ends its prompt batches for models it keeps
+        context checkpoints of (server-context.cpp, checkpoint offsets 4 + n_ubatch and 4): both engines
+        then decode the same batches, whose shapes change the logits of quantized models in the last bits."""
+        for offset in self.prompt_breaks:
+            cut = len(self.prompt) - offset
+            if self.n_past < cut:
+                n = min(n, cut - self.n_past)
+                break
         return self.prompt[self.n_past : self.n_past + n]
 
     @property
