@@ -5,11 +5,10 @@ parameters, repeats), its default matrix (backends × modes × speculative confi
 checks that apply; `SUITE_SCHEMA` below is the format, the README's "Suites" section the guide.
 """
 
+import difflib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
-
-import difflib
 
 import jsonschema
 import yaml
@@ -175,12 +174,12 @@ def parse_suite(text: str, path: Optional[Path] = None) -> Suite:
     error = jsonschema.exceptions.best_match(jsonschema.Draft202012Validator(SUITE_SCHEMA).iter_errors(data))
     if error is not None:
         path_, message = list(error.absolute_path), error.message
-        if error.validator == "additionalProperties" and isinstance(error.instance, dict):
-            known = list(error.schema.get("properties", {}))
-            unknown = next(k for k in error.instance if k not in known)
-            close = difflib.get_close_matches(str(unknown), known, n=1)
-            path_.append(unknown)
-            message = f"unknown field '{unknown}'" + (f" (did you mean '{close[0]}'?)" if close else "")
+        known = list(error.schema.get("properties", {})) if isinstance(error.schema, dict) else []
+        unknown = [k for k in error.instance if k not in known] if isinstance(error.instance, dict) else []
+        if error.validator == "additionalProperties" and unknown:
+            close = difflib.get_close_matches(str(unknown[0]), known, n=1)
+            path_.append(unknown[0])
+            message = f"unknown field '{unknown[0]}'" + (f" (did you mean '{close[0]}'?)" if close else "")
         elif error.validator == "anyOf" and "description" in error.schema:
             message = f"{error.instance!r} is not {error.schema['description']}"
         field_path = ".".join(str(p) for p in path_) or "(top level)"

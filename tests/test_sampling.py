@@ -254,12 +254,11 @@ def test_context_limit_and_unlimited_n_predict_match_the_server(tiny_models):
 # ------------------------------------------------------------------------------------ the sampling suite
 
 
-def test_sampling_suite_catches_no_penalty_restore_and_is_clean_without_it():
-    only = {"backends": ["inproc"], "modes": ["seq"], "specs": ["none", "draft-simple"], "models": ["tiny-hybrid"]}
-    failing = {}
-    for fault in (None, "no-penalty-restore"):
-        executor = Executor(ExecOptions(backends=backend_factories(), engine={"fault": fault}, kv_scan="request"))
-        verdicts = run_suites([(load_suite("sampling"), only)], executor, BaselineStore(default_root()))
-        failing[fault] = {(case, r.name) for _, case, _, r in verdicts if not r.passed}
-    assert failing[None] == set()
-    assert ("w1_greedy_dry.turn1", "lossless") in failing["no-penalty-restore"]
+def test_sampling_suite_catches_no_penalty_restore():
+    """(Clean runs of the same cells pass in `pytest suites/`; the selftest checks the catch matrix.)"""
+    only = {"backends": ["inproc"], "modes": ["seq"], "specs": ["draft-simple"], "models": ["tiny-hybrid"]}
+    executor = Executor(ExecOptions(backends=backend_factories(), engine={"fault": "no-penalty-restore"}))
+    verdicts = run_suites([(load_suite("sampling"), only)], executor, BaselineStore(default_root()))
+    failing = {(case, r.name) for _, case, _, r in verdicts if not r.passed}
+    assert ("w1_greedy_dry.turn1", "lossless") in failing
+    assert {name for _, name in failing} == {"lossless"}

@@ -37,11 +37,11 @@ class SpeedMeter:
     """The slowest whole-request speed (generated tokens per wall-clock second) a session has seen,
     for `request_deadline`; thread-safe enough (one float assignment per record)."""
 
-    def __init__(self) -> None:
-        self.slowest: Optional[float] = None
-
     MIN_TOKENS = 8
     """Shorter outputs say more about the prompt than about the speed."""
+
+    def __init__(self) -> None:
+        self.slowest: Optional[float] = None
 
     def record(self, n_tokens: int, seconds: float) -> None:
         if n_tokens >= self.MIN_TOKENS and seconds > 0:

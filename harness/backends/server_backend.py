@@ -148,7 +148,7 @@ class ServerSession:
             what = f"case {request.tag}" if request.tag else "the request"
             reason = f"timeout: {what} did not finish within its deadline of {deadline:.1f} s"
             with self._lock:
-                self._killed[server] = reason
+                self._killed.setdefault(server, reason)
                 self._restart(server, kill=True)
             return Result(stop_reason="timeout", error=f"{reason}; llama-server was killed and restarted")
 
