@@ -152,7 +152,7 @@ class Executor:
         histories = {case.name: [] for case in cases if case.is_chat}
         alive = {case.name for case in cases}
         for step in range(max(len(case.turns) or 1 for case in cases)):
-            todo = [(case, self._request(case, step, histories)) for case in cases
+            todo = [(case, self._request(case, step, histories, suite.deadline_s)) for case in cases
                     if case.name in alive and step < (len(case.turns) or 1)]
             if how == "seq":
                 results = [session.run([request])[0] for _, request in todo]
@@ -174,12 +174,12 @@ class Executor:
                                 on_request()
 
     @staticmethod
-    def _request(case: Case, step: int, histories: dict[str, list[dict]]) -> Request:
+    def _request(case: Case, step: int, histories: dict[str, list[dict]], deadline_s: Optional[float]) -> Request:
         if not case.is_chat:
-            return case.request()
+            return case.request(deadline_s)
         history = histories[case.name]
         history.append({"role": "user", "content": case.turns[step]})
-        return Request(messages=list(history), sampling=case.sampling, tag=case_keys(case)[step])
+        return Request(messages=list(history), sampling=case.sampling, tag=case_keys(case)[step], deadline_s=deadline_s)
 
 
 class Rescorer:

@@ -34,7 +34,8 @@ class Result:
     """What one request produced.
 
     `stop_reason` uses llama-server's `stop_type` words: `eos`, `word` (a stop string), `limit`
-    (n_predict or context end), or `error` / `crashed` when `error` says why.
+    (n_predict or context end), or `error` / `crashed` / `timeout` (past its deadline) when `error`
+    says why.
     """
 
     prompt_tokens: list[int] = field(default_factory=list)

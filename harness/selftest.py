@@ -29,13 +29,16 @@ PLAN = [
     ("grammar-json", {"models": ["tiny-hybrid"], "modes": ["seq"], "specs": ["none", "scripted-reject"],
                       "backends": ["inproc"]}),
     ("kv-fill", {"models": ["tiny-dense"], "modes": ["par"], "specs": ["draft-simple"], "backends": ["inproc"]}),
+    ("sampling", {"models": ["tiny-hybrid"], "modes": ["seq"], "specs": ["none", "draft-simple"], "backends": ["inproc"]}),
 ]
 """Suites and the matrix part each runs: rollbacks by seq_rm (dense) and by checkpoint (hybrid), a
-grammar under forced rejections, and decode failures during speculative steps."""
+grammar under forced rejections, decode failures during speculative steps, and penalties under
+checkpoint rollbacks."""
 
 EXPECTED: dict[str, list[tuple[str, str]]] = {
     "skip-seq-rm-after-restore": [("kv-healthy", r"[1-9]\d* duplicate cells")],
     "no-sampler-restore": [("grammar-valid", r"invalid outputs"), ("lossless", r"Class (hard|drift)")],
+    "no-penalty-restore": [("lossless", r"the sampler's state differed")],
     "keep-drafts-on-decode-failure": [("no-crash", r"rejected the batch as invalid")],
     "rollback-off-by-one": [("kv-healthy", r"[1-9]\d* (duplicate cells|orphans)"),
                             ("no-crash", r"rejected the batch as invalid")],

@@ -5,6 +5,7 @@ parameters, repeats), its default matrix (backends × modes × speculative confi
 checks that apply; `SUITE_SCHEMA` below is the format, the README's "Suites" section the guide.
 """
 
+import difflib
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Optional
@@ -17,17 +18,10 @@ from harness import MODES
 from harness.engine.rollback import CHECKPOINT_FLAGS, STRATEGIES
 from harness.errors import HarnessError
 from harness.matrix import SPEC_PRESETS, block_of
-from harness.request import Request, Sampling
+from harness.request import SAMPLING_SCHEMA, Request, Sampling
 
-SAMPLING_FIELDS = {"temperature": "number", "top_k": "integer", "top_p": "number", "min_p": "number",
-                   "seed": "integer", "n_predict": "integer"}
 SERVE_FIELDS = {"n_ctx": "integer", "n_batch": "integer", "n_ubatch": "integer", "parallel": "integer"}
 
-_SAMPLING = {
-    "type": "object", "additionalProperties": False,
-    "properties": {**{k: {"type": t} for k, t in SAMPLING_FIELDS.items()},
-                   "stop": {"type": "array", "items": {"type": "string"}}},
-}
 _NAMES = {"type": "array", "items": {"type": "string"}, "minItems": 1}
 _CASE = {
     "type": "object", "additionalProperties": False, "required": ["name"],
@@ -38,14 +32,15 @@ _CASE = {
         "chat": {"type": "array", "items": {"type": "string"}, "minItems": 1},
         "json_schema": {"type": "object"},
         "grammar": {"type": "string"},
-        "sampling": _SAMPLING,
+        "sampling": SAMPLING_SCHEMA,
+        "expect_accepts": {"type": "boolean"},
     },
     "oneOf": [{"required": ["prompt"]}, {"required": ["chat"]}],
 }
 _BLOCK = {
     "type": "object", "additionalProperties": False,
     "properties": {"backends": _NAMES, "modes": {"type": "array", "items": {"enum": list(MODES)}, "minItems": 1},
-                   "specs": _NAMES, "models": _NAMES, "sampling": _SAMPLING},
+                   "specs": _NAMES, "models": _NAMES, "sampling": SAMPLING_SCHEMA},
 }
 """One block of the matrix: its axes (missing ones take DEFAULT_MATRIX's) and sampling fields that override
 the suite's for the block's models (e.g. a shorter n_predict for a slower real model)."""
@@ -56,7 +51,7 @@ SUITE_SCHEMA = {
         "description": {"type": "string"},
         "slow": {"type": "boolean"},
         "matrix": {"oneOf": [_BLOCK, {"type": "array", "items": _BLOCK, "minItems": 1}]},
-        "sampling": _SAMPLING,
+        "sampling": SAMPLING_SCHEMA,
         "serve": {"type": "object", "additionalProperties": False,
                   "properties": {k: {"type": t, "minimum": 1} for k, t in SERVE_FIELDS.items()}},
         "engine": {"type": "object", "additionalProperties": False,
@@ -71,6 +66,8 @@ SUITE_SCHEMA = {
                    "properties": {"completed_min": {"type": "number", "minimum": 0, "maximum": 1},
                                   "spec_stats_min": {"type": "object",
                                                      "additionalProperties": {"type": "integer", "minimum": 1}}}},
+        "expect_accepts": {"type": "boolean"},
+        "deadline_s": {"type": "number", "exclusiveMinimum": 0},
         "tolerances": {"type": "object", "additionalProperties": False,
                        "properties": {"top1_agreement": {"type": "number", "minimum": 0, "maximum": 1},
                                       "max_abs": {"type": "number", "minimum": 0},
@@ -97,14 +94,17 @@ class Case:
     sampling: Sampling
     prompt: Optional[str] = None
     turns: list[str] = field(default_factory=list)
+    expect_accepts: bool = True
+    """Whether `spec-ran` expects some drafts of this case accepted (a grammar the drafter does not see
+    may reject them all: then speculation must run, but need not pay off)."""
 
     @property
     def is_chat(self) -> bool:
         return bool(self.turns)
 
-    def request(self) -> Request:
+    def request(self, deadline_s: Optional[float] = None) -> Request:
         """The completion request (chats are built turn by turn by the runner)."""
-        return Request(prompt=self.prompt, sampling=self.sampling, tag=self.name)
+        return Request(prompt=self.prompt, sampling=self.sampling, tag=self.name, deadline_s=deadline_s)
 
 
 @dataclass
@@ -132,7 +132,9 @@ class Suite:
     """Its pytest items carry the `slow` marker (`-m "not slow"` leaves them out)."""
     tolerances: dict[str, float] = field(default_factory=dict)
     """`logits-close` tolerances (harness.logits.Tolerances fields) and the triage's `near_tie` margin."""
-
+    deadline_s: Optional[float] = None
+    """Seconds each request may take before it ends as `timeout`; None: derived from n_predict and the
+    measured speed (harness.backends.base.request_deadline)."""
 
     def cell_case(self, case: Case, model: str) -> Case:
         """`case` as the cells of `model` run it: with its matrix block's sampling overrides applied."""
@@ -209,8 +211,17 @@ def parse_suite(text: str, path: Optional[Path] = None) -> Suite:
         raise HarnessError(f"{where}:1: a suite file must be a mapping with `suite` and `cases`")
     error = jsonschema.exceptions.best_match(jsonschema.Draft202012Validator(SUITE_SCHEMA).iter_errors(data))
     if error is not None:
-        field_path = ".".join(str(p) for p in error.absolute_path) or "(top level)"
-        raise HarnessError(f"{where}:{_line_of(root, list(error.absolute_path))}: {field_path}: {error.message}")
+        path_, message = list(error.absolute_path), error.message
+        known = list(error.schema.get("properties", {})) if isinstance(error.schema, dict) else []
+        unknown = [k for k in error.instance if k not in known] if isinstance(error.instance, dict) else []
+        if error.validator == "additionalProperties" and unknown:
+            close = difflib.get_close_matches(str(unknown[0]), known, n=1)
+            path_.append(unknown[0])
+            message = f"unknown field '{unknown[0]}'" + (f" (did you mean '{close[0]}'?)" if close else "")
+        elif error.validator == "anyOf" and "description" in error.schema:
+            message = f"{error.instance!r} is not {error.schema['description']}"
+        field_path = ".".join(str(p) for p in path_) or "(top level)"
+        raise HarnessError(f"{where}:{_line_of(root, path_)}: {field_path}: {message}")
     if path is not None and data["suite"] != path.stem:
         raise HarnessError(f"{where}:{_line_of(root, ['suite'])}: suite: '{data['suite']}' must match the file name '{path.stem}'")
     named = [(["checks", i], v, CHECK_NAMES) for i, v in enumerate(data.get("checks", []))]
@@ -231,7 +242,7 @@ def parse_suite(text: str, path: Optional[Path] = None) -> Suite:
     cases = []
     for i, raw in enumerate(data["cases"]):
         try:
-            cases.append(_case(raw, base, path))
+            cases.append(_case(raw, base, path, data.get("expect_accepts", True)))
         except (KeyError, IndexError, ValueError) as err:
             raise HarnessError(f"{where}:{_line_of(root, ['cases', i, 'prompt'])}: cases.{i}.prompt: cannot fill "
                                f"in vars ({type(err).__name__}: {err}; write literal braces as {{{{ and }}}})") from None
@@ -241,11 +252,11 @@ def parse_suite(text: str, path: Optional[Path] = None) -> Suite:
         checks=data.get("checks", DEFAULT_CHECKS), serve=data.get("serve", {}), engine=data.get("engine", {}),
         rounds=data.get("run_order", ["par"]) * data.get("repeats", 1), allow_errors=data.get("allow_errors", []),
         expect=data.get("expect", {}),
-        tolerances=data.get("tolerances", {}), slow=data.get("slow", False),
+        tolerances=data.get("tolerances", {}), slow=data.get("slow", False), deadline_s=data.get("deadline_s"),
     )
 
 
-def _case(raw: dict[str, Any], base: dict, path: Optional[Path]) -> Case:
+def _case(raw: dict[str, Any], base: dict, path: Optional[Path], expect_accepts: bool) -> Case:
     sampling = Sampling(**{**base, **raw.get("sampling", {})})
     sampling.json_schema = raw.get("json_schema")
     if "grammar" in raw:
@@ -256,4 +267,5 @@ def _case(raw: dict[str, Any], base: dict, path: Optional[Path]) -> Case:
     prompt = raw.get("prompt")
     if prompt is not None and raw.get("vars"):
         prompt = prompt.format(**raw["vars"])
-    return Case(name=raw["name"], sampling=sampling, prompt=prompt, turns=raw.get("chat", []))
+    return Case(name=raw["name"], sampling=sampling, prompt=prompt, turns=raw.get("chat", []),
+                expect_accepts=raw.get("expect_accepts", expect_accepts))

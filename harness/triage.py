@@ -12,6 +12,8 @@ is a claim, so each needs its evidence (the README's class table says the same):
                   runs at the divergence), and both runs' logits agree within tolerance before it;
 * `hard`        — the logits agree within tolerance before it and the reference's margin is beyond the
                   floor: numerics cannot explain it, a logic bug (state, rollback, verification, sampling);
+                  or the logit rows at the divergence are bit-identical in both runs (same digest) and yet
+                  the picks differ: the sampler's state differed (also for sampled tokens);
 * `unexplained` — the evidence a class needs is missing (e.g. llama-server withholds the probabilities of
                   tokens accepted through speculation and no re-score was possible); fails like `hard`.
 
@@ -58,6 +60,9 @@ class Divergence:
     floor_source: str = DEFAULT.source
     rescored: list[str] = field(default_factory=list)
     """Which sides' logits were re-scored ("reference at 12", ...)."""
+    same_logits: bool = False
+    """The full logit rows behind the diverging picks are bit-identical (and so are the earlier ones where
+    the sampler state also depends on logits): the picks differ because the sampler state did."""
 
     @property
     def margin(self) -> Optional[float]:
@@ -84,7 +89,7 @@ class Divergence:
         return {"index": self.index, "kind": self.kind, "reason": self.reason, "ref_token": self.ref_token,
                 "other_token": self.other_token, "ref_text": self.ref_text, "other_text": self.other_text,
                 "before": self.before, "margin": self.margin, "noise_floor": self.noise_floor,
-                "floor_source": self.floor_source, "rescored": self.rescored}
+                "floor_source": self.floor_source, "rescored": self.rescored, "same_logits": self.same_logits}
 
 
 def _token(token: Optional[int], text: str) -> str:
@@ -120,11 +125,14 @@ def triage(
     kv_findings: Sequence[str] = (),
     rescore: Optional[Rescore] = None,
     context: int = 3,
+    state_follows_tokens: bool = True,
 ) -> Optional[Divergence]:
     """The first divergence of `other_tokens` from `ref_tokens` (None when they are equal), classified.
 
     `kv_findings` are the KV scanner's findings on either request (one line each); `greedy` says whether
-    the tokens were argmax picks (a margin can only explain a greedy flip). Margins are the reference's
+    the tokens were argmax picks of the logits (a margin can only explain such a flip);
+    `state_follows_tokens` whether the sampler state depends on the earlier tokens alone (else identical
+    logits at the divergence prove a different sampler state only when all earlier rows are identical too). Margins are the reference's
     top1−top2 at the divergence and the `context` positions before it; llama-server's log-probabilities
     give the same differences as raw logits (the log-softmax subtracts one constant per row).
     """
@@ -134,7 +142,9 @@ def triage(
         return None
     ref_token = ref_tokens[index] if index < len(ref_tokens) else None
     other_token = other_tokens[index] if index < len(other_tokens) else None
-    judge = _Judge(index, ref_token, other_token, ref_logits, other_logits, floor, greedy, rescore, context)
+    same = _same_rows(ref_logits, other_logits, index)
+    judge = _Judge(index, ref_token, other_token, ref_logits, other_logits, floor, greedy, rescore, context,
+                   same_logits=bool(same) and same[-1] and (state_follows_tokens or all(same)))
     kind, reason = judge.classify(kv_findings)
 
     def text(tokens: list[int]) -> str:
@@ -149,7 +159,16 @@ def triage(
         other_text=text([other_token]) if other_token is not None else "",
         before=text(ref_tokens[max(0, index - BEFORE_CHARS):index])[-BEFORE_CHARS:],
         margins=margins, noise_floor=floor.near_tie, floor_source=floor.source, rescored=judge.rescored,
+        same_logits=judge.same_logits,
     )
+
+
+def _same_rows(a: Optional[list[PositionLogits]], b: Optional[list[PositionLogits]], index: int) -> list[bool]:
+    """Per position 0..index, whether both runs logged the same full row (CRC-32 digests; llama-server
+    gives none); [] when a run has no row at `index`."""
+    if a is None or b is None or index >= min(len(a), len(b)):
+        return []
+    return [bool(x.digest) and x.digest == y.digest for x, y in zip(a[: index + 1], b[: index + 1])]
 
 
 @dataclass
@@ -165,6 +184,7 @@ class _Judge:
     greedy: bool
     rescore: Optional[Rescore]
     context: int
+    same_logits: bool = False
     rescored: list[str] = field(default_factory=list)
     ref_here: Optional[PositionLogits] = None
 
@@ -199,6 +219,10 @@ class _Judge:
         if kv_findings:
             return "kv-corrupt", (f"{'; '.join(kv_findings)} — a corrupted KV cache is a logic bug, never "
                                   "a near-tie, whatever the margin")
+        if self.same_logits and self.ref_token is not None and self.other_token is not None:
+            return "hard", ("the logit rows behind the two picks are bit-identical in both runs (CRC-32 of the "
+                            "full vector), yet the picks differ: the sampler's state differed (penalty history, "
+                            "DRY, grammar or random number generator)")
         drift, compared = self.agreement()
         if drift:
             return "drift", drift
@@ -208,7 +232,8 @@ class _Judge:
             return "unexplained", ("one stream ended there (an end-of-generation token or a stop string, whose "
                                    "logits are not logged): no margin to judge")
         if not self.greedy:
-            return "unexplained", ("a sampled token (temperature > 0): a logit margin cannot prove a near-tie"
+            return "unexplained", ("a sampled or penalized pick (temperature > 0, penalties, DRY, a grammar or a "
+                                   "logit bias): the model's logit margin cannot prove a near-tie"
                                    + (f"; {agreed}" if agreed else ""))
         self.ref_here = self.logits("reference", self.index)
         if self.ref_here is None:

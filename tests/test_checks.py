@@ -1,11 +1,13 @@
 """Each check on small hand-made outcomes: one case it must pass and one it must fail."""
 
+import numpy as np
 import pytest
 
 from harness.baselines import BaselineStore
 from harness.checks import CHECKS, evaluate
 from harness.checks.base import CheckContext
 from harness.execute import CellRun, Outcome
+from harness.logits import PositionLogits
 from harness.matrix import Cell
 from harness.request import Sampling
 from harness.result import Result
@@ -14,14 +16,19 @@ from harness.suites import Case, Suite
 SCHEMA = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
 
 
-def suite(rounds=("par",), schema=None, allow=()):
-    sampling = Sampling(json_schema=schema)
-    return Suite(name="demo", path=None, cases=[Case("a", sampling, prompt="x")], matrix={}, checks=list(CHECKS),
-                 rounds=list(rounds), allow_errors=list(allow))
+def suite(rounds=("par",), schema=None, allow=(), expect_accepts=True, **sampling):
+    sampling = Sampling(json_schema=schema, **sampling)
+    return Suite(name="demo", path=None, cases=[Case("a", sampling, prompt="x", expect_accepts=expect_accepts)],
+                 matrix={}, checks=list(CHECKS), rounds=list(rounds), allow_errors=list(allow))
 
 
-def ok(tokens, text="", **stats):
-    return Result(tokens=list(tokens), text=text, stop_reason="limit", spec_stats=stats)
+def ok(tokens, text="", logits=(), **stats):
+    return Result(tokens=list(tokens), text=text, stop_reason="limit", spec_stats=stats, logits=list(logits))
+
+
+def rows(*digests):
+    """Logged logits whose only telling part is the full row's digest."""
+    return [PositionLogits(np.array([1], np.int32), np.array([0.0], np.float32), digest=d) for d in digests]
 
 
 class NoRescore:
@@ -104,6 +111,28 @@ def logged(tokens, rows):
     return result
 
 
+def test_lossless_under_seeded_sampling_fails_only_where_the_logits_are_identical():
+    spec = SEQ.reference(spec="draft-simple")
+    sampled = suite(temperature=0.7, seed=42, repeat_penalty=1.5)
+    reference = ok([1, 2, 3], logits=rows("a", "b", "c"))
+    proven = verdict(context({SEQ: [reference], spec: [ok([1, 9, 3], logits=rows("a", "b", "c"))]}, spec, sampled),
+                     "lossless")
+    assert not proven.passed and "bit-identical" in proven.message and "at token 1" in proven.message
+    numerics = verdict(context({SEQ: [reference], spec: [ok([1, 9, 3], logits=rows("a", "B", "c"))]}, spec, sampled),
+                       "lossless")
+    assert numerics.passed and numerics.evidence["reported_only"] and numerics.evidence["matching"] == 0
+    # under a grammar the sampler state also depends on earlier logits (re-samples): every row must match
+    grammar = suite(temperature=0.7, seed=42, grammar='root ::= "x"')
+    earlier = ok([1, 9, 3], logits=rows("A", "b", "c"))
+    assert verdict(context({SEQ: [reference], spec: [earlier]}, spec, grammar), "lossless").passed
+    assert not verdict(context({SEQ: [reference], spec: [earlier]}, spec, sampled), "lossless").passed
+    unseeded = suite(temperature=0.7, seed=-1)
+    assert CHECKS["lossless"](context({SEQ: [reference], spec: [ok([5])]}, spec, unseeded)) is None
+    greedy = suite(temperature=0, repeat_penalty=1.5)  # greedy with penalties always fails on a divergence
+    assert not verdict(context({SEQ: [reference], spec: [ok([1, 9, 3], logits=rows("a", "B", "c"))]}, spec, greedy),
+                       "lossless").passed
+
+
 def test_mode_invariant_fails_par_and_no_kv_unified_unless_a_proven_near_tie():
     split, par = SEQ.reference(mode="no-kv-unified"), SEQ.reference(mode="par")
     cells = {SEQ: [ok([1, 2])], split: [ok([1, 5])], par: [ok([1, 5])]}
@@ -157,6 +186,22 @@ def test_spec_ran():
     assert not verdict(context({spec: [ok([1])]}, spec), "spec-ran").passed
     reject = SEQ.reference(spec="scripted-reject")
     assert verdict(context({reject: [ok([1], draft_n=4, draft_n_accepted=0)]}, reject), "spec-ran").passed
+    grammar_case = suite(expect_accepts=False)  # a drafter that does not see the grammar: drafts suffice
+    assert verdict(context({spec: [ok([1], draft_n=4, draft_n_accepted=0)]}, spec, grammar_case), "spec-ran").passed
+    assert not verdict(context({spec: [ok([1])]}, spec, grammar_case), "spec-ran").passed
+
+
+def test_spec_ran_counts_per_case_not_per_cell():
+    spec = SEQ.reference(spec="draft-simple")
+    two = Suite(name="demo", path=None, cases=[Case("a", Sampling(), prompt="x"), Case("b", Sampling(), prompt="y")],
+                matrix={}, checks=list(CHECKS))
+    run = CellRun(two, spec, [Outcome("a", 0, ok([1], draft_n=8, draft_n_accepted=3)), Outcome("b", 0, ok([1]))])
+    runs = Runs(two, {})
+    runs.cells[spec] = run
+    check = lambda case: CHECKS["spec-ran"](CheckContext(run, case, runs, None, str, "repro"))
+    assert check("a").passed
+    failed = check("b")
+    assert not failed.passed and "no drafts at all for the case" in failed.message
 
 
 def test_grammar_valid():

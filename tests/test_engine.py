@@ -1,6 +1,7 @@
 """The in-process engine on real tiny models: kinds, determinism, modes, and errors as results."""
 
 import random
+from types import SimpleNamespace
 
 import pytest
 
@@ -113,6 +114,7 @@ class _PieceModel:
     """Just enough of a Model for a Slot: token t stands for `pieces[t]`, token 0 ends generation."""
 
     vocab = None
+    vocabulary = SimpleNamespace(eog_tokens=[0], suppress_tokens=[])
 
     def __init__(self, pieces):
         self.pieces = pieces

@@ -36,8 +36,8 @@ def test_malformed_suite_is_one_failing_item_and_the_others_still_run(project):
     (project.path / "suites" / "bad.yaml").write_text(BAD)
     result = project.runpytest("suites", "-q")
     result.assert_outcomes(passed=2, failed=1)
-    errors = [line for line in result.outlines if "bad.yaml:3:" in line]
-    assert errors and "cases.0" in errors[0]
+    errors = [line for line in result.outlines if "bad.yaml:4:" in line]
+    assert errors and "cases.0.promt: unknown field 'promt'" in errors[0]
 
 
 def test_options_narrow_the_matrix(project):

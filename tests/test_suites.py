@@ -16,7 +16,7 @@ cases:
 
 def test_every_shipped_suite_loads():
     names = {load_suite(str(p)).name for p in suite_files()}
-    assert {"quicksort", "w1", "categories", "repeat", "grammar-json", "kv-fill"} <= names
+    assert {"quicksort", "w1", "categories", "repeat", "grammar-json", "kv-fill", "sampling"} <= names
 
 
 def test_quicksort_is_the_field_report_suite():
@@ -27,7 +27,7 @@ def test_quicksort_is_the_field_report_suite():
 
 
 @pytest.mark.parametrize("text, line, field", [
-    (GOOD.replace("prompt: hello", "promt: hello"), 3, "cases.0"),
+    (GOOD.replace("prompt: hello", "promt: hello"), 4, "cases.0.promt"),
     (GOOD + "    sampling: {n_predict: many}\n", 5, "cases.0.sampling.n_predict"),
     (GOOD.replace("suite: demo", "suite: Demo Suite"), 1, "suite"),
     (GOOD + "matrix: {modes: [sequential]}\n", 5, "matrix.modes.0"),
@@ -49,6 +49,21 @@ def test_suite_name_must_match_its_file(tmp_path):
     path.write_text(GOOD)
     with pytest.raises(HarnessError, match="must match the file name"):
         load_suite(str(path))
+
+
+def test_unknown_field_names_the_key_and_the_closest_known_one(tmp_path):
+    path = tmp_path / "demo.yaml"
+    path.write_text(GOOD + "dedline_s: 5\n")
+    with pytest.raises(HarnessError, match=r":5: dedline_s: unknown field 'dedline_s' \(did you mean 'deadline_s'\?\)"):
+        load_suite(str(path))
+
+
+def test_deadline_and_accept_expectations_are_suite_and_case_settings():
+    suite = parse_suite("suite: d\ndeadline_s: 2.5\nexpect_accepts: false\ncases:\n  - {name: a, prompt: x}\n"
+                        "  - {name: b, prompt: y, expect_accepts: true}\n")
+    assert suite.deadline_s == 2.5 and [c.expect_accepts for c in suite.cases] == [False, True]
+    assert suite.cases[0].request(suite.deadline_s).deadline_s == 2.5
+    assert parse_suite(GOOD).deadline_s is None and parse_suite(GOOD).cases[0].expect_accepts
 
 
 def test_vars_format_the_prompt_and_sampling_defaults_merge():

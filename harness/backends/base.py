@@ -13,6 +13,41 @@ from harness.result import Result
 
 KV_SCAN = ("off", "request", "step")
 
+DEADLINE_FLOOR_S = 30.0
+"""Seconds every request gets on top of its expected time: start-up, prompt processing and a busy machine."""
+DEADLINE_SLACK = 4.0
+"""How many times slower than the slowest request measured so far a request may be before it counts as hung."""
+ASSUMED_TOKENS_PER_S = 5.0
+"""The speed assumed before a session has measured one (a small model on a busy 2-core machine does more)."""
+
+
+def request_deadline(request: Request, n_ctx: int, tokens_per_second: Optional[float] = None) -> float:
+    """Seconds a request may take before it ends as `stop_reason: timeout`: the request's (suite's)
+    `deadline_s` when set, else DEADLINE_FLOOR_S + DEADLINE_SLACK × n_predict / the measured speed
+    (`n_predict: -1` counts as the context size `n_ctx`, which bounds it)."""
+    if request.deadline_s is not None:
+        return request.deadline_s
+    n = request.sampling.n_predict
+    n = n_ctx if n < 0 or n > n_ctx else n
+    speed = tokens_per_second if tokens_per_second and tokens_per_second > 0 else ASSUMED_TOKENS_PER_S
+    return DEADLINE_FLOOR_S + DEADLINE_SLACK * n / speed
+
+
+class SpeedMeter:
+    """The slowest whole-request speed (generated tokens per wall-clock second) a session has seen,
+    for `request_deadline`; thread-safe enough (one float assignment per record)."""
+
+    MIN_TOKENS = 8
+    """Shorter outputs say more about the prompt than about the speed."""
+
+    def __init__(self) -> None:
+        self.slowest: Optional[float] = None
+
+    def record(self, n_tokens: int, seconds: float) -> None:
+        if n_tokens >= self.MIN_TOKENS and seconds > 0:
+            speed = n_tokens / seconds
+            self.slowest = speed if self.slowest is None else min(self.slowest, speed)
+
 
 def default_threads() -> int:
     """Half the cores (at least one): spin barriers make all-core decoding slow on a busy 2-core box."""

@@ -8,6 +8,7 @@ A 4xx answer (a request the server refuses) becomes a Result with `stop_reason="
 
 from __future__ import annotations
 
+import time
 from typing import Any, Optional
 
 import requests
@@ -46,11 +47,13 @@ class LlamaClient:
         self.base_url = base_url
         self.timeout = timeout
 
-    def _post(self, path: str, payload: dict) -> dict:
+    def _post(self, path: str, payload: dict, until: Optional[float] = None) -> dict:
+        """POST and return the JSON answer within `timeout` seconds, or by `until` (time.monotonic) if given."""
+        timeout = self.timeout if until is None else max(0.01, until - time.monotonic())
         try:
-            resp = requests.post(self.base_url + path, json=payload, timeout=(CONNECT_TIMEOUT_S, self.timeout))
+            resp = requests.post(self.base_url + path, json=payload, timeout=(min(CONNECT_TIMEOUT_S, timeout), timeout))
         except requests.Timeout:
-            raise RequestTimedOut(f"{path} got no answer within {self.timeout:.0f} s") from None
+            raise RequestTimedOut(f"{path} got no answer within {timeout:.1f} s") from None
         except (requests.ConnectionError, requests.exceptions.ChunkedEncodingError) as err:
             raise ConnectionLost(f"{path}: {err}") from None
         if resp.status_code >= 400:
@@ -62,41 +65,48 @@ class LlamaClient:
             raise ServerError(resp.status_code, message, kind)
         return resp.json()
 
-    def tokenize(self, text: str) -> list[int]:
+    def tokenize(self, text: str, until: Optional[float] = None) -> list[int]:
         """Token ids of `text` exactly as /completion would evaluate it (special tokens added and parsed)."""
-        return self._post("/tokenize", {"content": text, "add_special": True, "parse_special": True})["tokens"]
+        return self._post("/tokenize", {"content": text, "add_special": True, "parse_special": True}, until)["tokens"]
 
-    def apply_template(self, messages: list[dict]) -> str:
+    def apply_template(self, messages: list[dict], until: Optional[float] = None) -> str:
         """The prompt text the model's chat template renders for `messages` (with the generation prompt)."""
-        return self._post("/apply-template", {"messages": messages})["prompt"]
+        return self._post("/apply-template", {"messages": messages}, until)["prompt"]
 
     def save_slot(self, slot_id: int, filename: str) -> dict:
         """POST /slots/{id}?action=save: the slot's state into the server's --slot-save-path directory."""
         return self._post(f"/slots/{slot_id}?action=save", {"filename": filename})
 
-    def completion(self, payload: dict) -> dict:
+    def completion(self, payload: dict, until: Optional[float] = None) -> dict:
         """POST /completion (non-streaming) and return the final response object."""
-        return self._post("/completion", payload)
+        return self._post("/completion", payload, until)
 
-    def complete(self, request: Request, n_probs: int = 0, fields: Optional[dict[str, Any]] = None) -> Result:
+    def complete(self, request: Request, n_probs: int = 0, fields: Optional[dict[str, Any]] = None,
+                 deadline_s: Optional[float] = None) -> Result:
         """Serve one Request through /completion and fill a Result with prompt and output token ids.
 
         Chats are rendered with /apply-template (the same template code /v1/chat/completions runs),
         tokenized, and sent to /completion: /v1/chat/completions returns no token ids at all (only
         `logprobs` entries, without the prompt's ids), while this path yields both id lists. The
         prompt is always sent as token ids, so `prompt_tokens` is exactly what the server evaluated.
-        `n_probs` > 0 fills `Result.logits` with the top-`n_probs` log-probabilities per token.
-        `fields` adds /completion fields from COMPLETION_FIELDS (e.g. `cache_prompt`, `id_slot`).
+        `n_probs` > 0 fills `Result.logits` with the top-`n_probs` log-probabilities per token (the
+        request's own `n_probs` wins). `fields` adds /completion fields from COMPLETION_FIELDS (e.g.
+        `cache_prompt`, `id_slot`). `deadline_s` bounds the whole exchange instead of `timeout`
+        (RequestTimedOut past it).
         """
+        until = None if deadline_s is None else time.monotonic() + deadline_s
+        sampling = request.sampling
         prompt_tokens: list[int] = []
         try:
             if isinstance(request.prompt, list):
                 prompt_tokens = list(request.prompt)
             else:
-                text = request.prompt if request.messages is None else self.apply_template(request.messages)
-                prompt_tokens = self.tokenize(text)
-            data = self.completion({"prompt": prompt_tokens, **_sampling_fields(request), "n_probs": n_probs,
-                                    "return_tokens": True, **(fields or {})})
+                text = request.prompt if request.messages is None else self.apply_template(request.messages, until)
+                prompt_tokens = self.tokenize(text, until)
+            payload = {"prompt": prompt_tokens, **sampling.server_fields(),
+                       "n_probs": n_probs if sampling.n_probs is None else sampling.n_probs,
+                       "return_tokens": True, **(fields or {})}
+            data = self.completion(payload, until)
         except ServerError as err:
             if err.status >= 500:
                 raise
@@ -104,25 +114,22 @@ class LlamaClient:
         return _result(prompt_tokens, data)
 
 
-def _sampling_fields(request: Request) -> dict[str, Any]:
-    """/completion fields of a Request's Sampling; unset seed/grammar/schema are left to the server."""
-    s = request.sampling
-    out = {"n_predict": s.n_predict, "temperature": s.temperature, "top_k": s.top_k, "top_p": s.top_p,
-           "min_p": s.min_p, "stop": s.stop}
-    optional = {"seed": s.seed, "grammar": s.grammar, "json_schema": s.json_schema}
-    out.update({k: v for k, v in optional.items() if v is not None})
-    return out
-
-
 def _result(prompt_tokens: list[int], data: dict) -> Result:
     """A Result from a final /completion response object."""
     timings = data.get("timings", {})
+    tokens = list(data.get("tokens", []))
+    logits = from_server_probs(data.get("completion_probabilities", []))
+    if data.get("stop_type") == "eos" and tokens:
+        # llama-server lists the end-of-generation token it stopped on; Results (as the in-process engine's)
+        # hold the generated tokens without it (its text is empty either way)
+        tokens.pop()
+        logits = logits[: len(tokens)]
     spec_stats: dict[str, Any] = {"draft_n": 0, "draft_n_accepted": 0}  # the server omits them when nothing was drafted
     spec_stats.update({k: v for k, v in timings.items() if k.startswith("draft_")})
     spec_stats["types"] = data.get("generation_settings", {}).get("speculative.types", "")
     return Result(
         prompt_tokens=prompt_tokens,
-        tokens=list(data.get("tokens", [])),
+        tokens=tokens,
         text=data.get("content", ""),
         stop_reason=data.get("stop_type", "none"),
         slot_id=data.get("id_slot", -1),
@@ -131,5 +138,5 @@ def _result(prompt_tokens: list[int], data: dict) -> Result:
             predicted_n=timings.get("predicted_n", 0), predicted_ms=timings.get("predicted_ms", 0.0),
         ),
         spec_stats=spec_stats,
-        logits=from_server_probs(data.get("completion_probabilities", [])),
+        logits=logits,
     )

@@ -153,12 +153,13 @@ class LlamaServer:
         last = (tail.strip().splitlines() or ["no output"])[-1].strip()
         return f"llama-server {describe_exit(self.process.returncode)} during start-up: {last} (log: {self.log_path})"
 
-    def stop(self) -> None:
-        """SIGTERM the process group, SIGKILL it after a grace period; safe to call repeatedly."""
+    def stop(self, kill: bool = False) -> None:
+        """SIGTERM the process group, SIGKILL it after a grace period (`kill`: SIGKILL at once, for a
+        process that no longer answers, even a stopped one); safe to call repeatedly."""
         _RUNNING.discard(self)
         if self.process is None or self.process.returncode is not None:
             return
-        for sig in (signal.SIGTERM, signal.SIGKILL):
+        for sig in (signal.SIGKILL,) if kill else (signal.SIGTERM, signal.SIGKILL):
             try:
                 os.killpg(self.process.pid, sig)
             except ProcessLookupError:

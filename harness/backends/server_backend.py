@@ -5,7 +5,10 @@
 
 A server that dies during a request (assert → SIGABRT, segfault, SIGKILL, fatal decode error)
 turns that request into a Result with `stop_reason="crashed"`; the session starts a fresh server
-and goes on with the next request.
+and goes on with the next request. A request that has not finished by its deadline
+(`request_deadline`: the suite's `deadline_s`, else derived from n_predict and the slowest speed the
+session measured) ends as `stop_reason="timeout"` naming its case; the server is killed and restarted
+(requests in flight on it end as errors saying so) and the next request goes on.
 """
 
 from __future__ import annotations
@@ -13,11 +16,12 @@ from __future__ import annotations
 import itertools
 import tempfile
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Optional
 
-from harness.backends.base import ServeConfig
+from harness.backends.base import ServeConfig, SpeedMeter, request_deadline
 from harness.backends.build import BuildInfo, ensure_server
 from harness.backends.process import free_log_name
 from harness.backends.client import COMPLETION_FIELDS, ConnectionLost, LlamaClient, RequestTimedOut, ServerError
@@ -91,6 +95,9 @@ class ServerSession:
         self.server_options = server_options
         self.server: Optional[LlamaServer] = None
         self.starts = 0
+        self.speed = SpeedMeter()
+        self._killed: dict[LlamaServer, str] = {}
+        """Servers this session killed on purpose (a request past its deadline) → why."""
         self._lock = threading.Lock()
         self._closed = False
         self._saves = itertools.count()
@@ -126,18 +133,25 @@ class ServerSession:
             if not self.server.alive:  # it died after its last answer
                 self._restart(self.server)
             server = self.server
+        deadline = request_deadline(request, self.config.n_ctx, self.speed.slowest)
+        started = time.monotonic()
         try:
             client = LlamaClient(server.url, self.request_timeout)
-            result = client.complete(request, n_probs=self.config.logit_top_k, fields=self.fields)
+            result = client.complete(request, n_probs=self.config.logit_top_k, fields=self.fields, deadline_s=deadline)
+            if result.ok:
+                self.speed.record(len(result.tokens), time.monotonic() - started)
             if self.config.kv_scan != "off" and result.ok and result.slot_id >= 0:
                 result.kv_scan = self._scan_slot(client, result.slot_id)
             return result
         except (ConnectionLost, ServerError) as err:
             return self._failed(server, err)
-        except RequestTimedOut as err:
+        except RequestTimedOut:
+            what = f"case {request.tag}" if request.tag else "the request"
+            reason = f"timeout: {what} did not finish within its deadline of {deadline:.1f} s"
             with self._lock:
-                self._restart(server)
-            return Result(stop_reason="error", error=f"{err}; llama-server was restarted")
+                self._killed.setdefault(server, reason)
+                self._restart(server, kill=True)
+            return Result(stop_reason="timeout", error=f"{reason}; llama-server was killed and restarted")
 
     def _scan_slot(self, client: LlamaClient, slot_id: int) -> dict:
         """Save the slot's state and scan it; an unhealthy file is kept in run_dir/slots as evidence."""
@@ -152,17 +166,21 @@ class ServerSession:
         return verdict
 
     def _failed(self, server: LlamaServer, err: Exception) -> Result:
-        """A dropped connection or a 5xx: `crashed` if the process ended, else a plain error."""
+        """A dropped connection or a 5xx: `crashed` if the process ended, else a plain error; an error
+        saying so when this session killed the server because another request was past its deadline."""
         with self._lock:
+            if server in self._killed:
+                return Result(stop_reason="error", error=f"cut off: llama-server was restarted because {self._killed[server]}")
             if server.wait_exit(CRASH_GRACE_S) is None:
                 return Result(stop_reason="error", error=str(err))
             report = server.crash_report()
             self._restart(server)
         return Result(stop_reason="crashed", error=report)
 
-    def _restart(self, server: LlamaServer) -> None:
-        """Replace `server` (stopped if still running) unless another thread already did or we are closed."""
-        server.stop()
+    def _restart(self, server: LlamaServer, kill: bool = False) -> None:
+        """Replace `server` (stopped if still running; `kill`: at once, it no longer answers) unless another
+        thread already did or we are closed."""
+        server.stop(kill=kill)
         if server is self.server and not self._closed:
             self.start()
 

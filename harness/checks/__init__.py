@@ -26,10 +26,12 @@ def verdict(name: str, comparison: tuple[bool, str, dict]) -> CheckResult:
 
 
 def no_crash(ctx: CheckContext) -> CheckResult:
-    """Every request ended with output, or with an error the suite allows (never a crash)."""
+    """Every request ended with output, or with an error the suite allows (never a crash or a timeout)."""
     bad = [o for o in ctx.outcomes if not o.result.ok and not ctx.allowed(o)]
-    crashed = [o for o in ctx.outcomes if o.result.stop_reason == "crashed"]
-    evidence = {"requests": len(ctx.outcomes), "errors": len(bad), "crashed": len(crashed),
+    crashed = [o for o in ctx.outcomes if o.result.stop_reason in ("crashed", "timeout")]
+    evidence = {"requests": len(ctx.outcomes), "errors": len(bad),
+                "crashed": sum(o.result.stop_reason == "crashed" for o in crashed),
+                "timeouts": sum(o.result.stop_reason == "timeout" for o in crashed),
                 "allowed_errors": sum(1 for o in ctx.outcomes if not o.result.ok and ctx.allowed(o))}
     if not bad and not crashed:
         return CheckResult("no-crash", True, evidence=evidence)
@@ -53,12 +55,29 @@ def repeat_identical(ctx: CheckContext) -> Optional[CheckResult]:
 
 
 def lossless(ctx: CheckContext) -> Optional[CheckResult]:
-    """Greedy speculative output equals greedy non-speculative output."""
-    if not spec_preset(ctx.cell.spec).speculative or not ctx.case_def.sampling.greedy or not ctx.completed():
+    """Speculative output equals non-speculative output: for greedy decoding always; for seeded sampling
+    where llama.cpp guarantees it, i.e. where the logits behind the first diverging token are bit-identical
+    in both runs (it draws one random number per emitted token and a checkpoint restore rewinds the
+    generator, so the same logits in the same sampler state give the same token: triage classes such a
+    divergence `hard`, the sampler state differed). Other sampled divergences are measured and reported
+    without failing: a verification batch's logits differ from a single-token decode's in the last bits,
+    and truncation (top-p, min-p) and the draw magnify that."""
+    sampling = ctx.case_def.sampling
+    if not spec_preset(ctx.cell.spec).speculative or sampling.random_seed or not ctx.completed():
         return None
     reference = ctx.cell.reference(spec="none")
-    return verdict("lossless", compare_outcome(ctx, ctx.reference_outcome(reference), "non-speculative output",
-                                               reference))
+    result = verdict("lossless", compare_outcome(ctx, ctx.reference_outcome(reference), "non-speculative output",
+                                                 reference))
+    if result.passed or sampling.greedy or "first_divergence" not in result.evidence:
+        return result
+    result.evidence["seeded_sampling"] = True
+    if result.evidence.get("identical_logits_at_divergence"):
+        return result
+    result.evidence["reported_only"] = True
+    result.failures = []
+    result.passed = True
+    result.message = result.message.split("\n")[0] + " (seeded sampling, the logits differ there: reported only)"
+    return result
 
 
 def mode_invariant(ctx: CheckContext) -> Optional[CheckResult]:
@@ -75,18 +94,20 @@ def baseline(ctx: CheckContext) -> Optional[CheckResult]:
 
 
 def spec_ran(ctx: CheckContext) -> Optional[CheckResult]:
-    """Drafts were generated (and some accepted, where the config expects it) over the cell."""
+    """Drafts were generated for the case (and some accepted, where both the config and the case expect
+    it: a grammar the drafter does not see may reject every draft)."""
     preset = spec_preset(ctx.cell.spec)
     if not preset.speculative:
         return None
-    stats = [o.result.spec_stats for o in ctx.run.outcomes if o.result.ok]
+    stats = [o.result.spec_stats for o in ctx.completed()]
     drafted = sum(s.get("draft_n", 0) for s in stats)
     accepted = sum(s.get("draft_n_accepted", 0) for s in stats)
-    evidence = {"draft_n": drafted, "draft_n_accepted": accepted,
+    expect_accepts = preset.expect_accepts and ctx.case_def.expect_accepts
+    evidence = {"draft_n": drafted, "draft_n_accepted": accepted, "expect_accepts": expect_accepts,
                 "acceptance": round(accepted / drafted, 3) if drafted else 0.0}
     if drafted == 0:
-        return CheckResult("spec-ran", False, f"no drafts at all over the cell ({len(stats)} requests)", evidence)
-    if preset.expect_accepts and accepted == 0:
+        return CheckResult("spec-ran", False, f"no drafts at all for the case ({len(stats)} requests)", evidence)
+    if expect_accepts and accepted == 0:
         return CheckResult("spec-ran", False, f"{drafted} tokens drafted, none accepted", evidence)
     return CheckResult("spec-ran", True, evidence=evidence)
 

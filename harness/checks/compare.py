@@ -28,7 +28,8 @@ def compare_tokens(ctx: CheckContext, ref_tokens: list[int], ref_logits: list[Po
     llama-server withheld logits, a re-score. A proven near-tie is excused outside `seq` mode (counted in
     `evidence["near_ties"]`); every other divergence fails, with one line per output in `failures`."""
     floor = ctx.noise_floor
-    greedy = ctx.case_def.sampling.greedy
+    sampling = ctx.case_def.sampling
+    greedy = sampling.picks_argmax  # a logit margin says nothing about a penalized or sampled pick
     mine = ctx.completed()
     diffs: list[tuple[Outcome, Divergence]] = []
     with ctx.executor.rescorer() as rescorer:
@@ -45,12 +46,14 @@ def compare_tokens(ctx: CheckContext, ref_tokens: list[int], ref_logits: list[Po
             findings += kv_findings(ref_result, "reference request") if ref_result is not None else []
             diffs.append((o, triage(ref_tokens, o.result.tokens, ref_logits or None, o.result.logits or None,
                                     detokenize=ctx.detokenize, floor=floor, greedy=greedy, kv_findings=findings,
-                                    rescore=rescore)))
+                                    rescore=rescore, state_follows_tokens=sampling.state_follows_tokens)))
     excused = [(o, d) for o, d in diffs if d.kind == "near-tie" and ctx.excuses_near_ties]
     failing = [(o, d) for o, d in diffs if (o, d) not in excused]
     evidence = {"compared": len(mine), "matching": len(mine) - len(diffs), "noise_floor": floor.describe()}
     if excused:
         evidence["near_ties"] = len(excused)
+    if any(d.same_logits for _, d in diffs):
+        evidence["identical_logits_at_divergence"] = sum(d.same_logits for _, d in diffs)
     if not diffs:
         return True, "", evidence
     outcome, first = (failing or excused)[0]

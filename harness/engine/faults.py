@@ -10,6 +10,9 @@ FAULTS = {
     "no-sampler-restore":
         "after a checkpoint restore, keep the sampler that already accepted the rejected step "
         "(ghost tokens in grammar / penalty / RNG state)",
+    "no-penalty-restore":
+        "after a checkpoint restore, the repetition-penalty history keeps the rejected draft tokens "
+        "(the rest of the sampler, grammar and RNG included, is restored)",
     "keep-drafts-on-decode-failure":
         "when a speculative step's decode fails, keep the drafts in the slot's bookkeeping "
         "(stale positions: the next decode is invalid)",

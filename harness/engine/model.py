@@ -1,6 +1,7 @@
 """A loaded GGUF model: vocabulary, tokenizer, kind (dense / hybrid / recurrent) and chat template."""
 
 import ctypes
+from functools import cached_property
 from pathlib import Path
 
 import llama_cpp
@@ -73,6 +74,18 @@ class Vocab:
             cached = self._eog[token] = bool(llama_cpp.llama_vocab_is_eog(self.ptr, token))
         return cached
 
+    @cached_property
+    def eog_tokens(self) -> list[int]:
+        """Every end-of-generation token id (llama-server biases them to -inf for `ignore_eos`)."""
+        return [t for t in range(self.n_tokens) if self.is_eog(t)]
+
+    @cached_property
+    def suppress_tokens(self) -> list[int]:
+        """Token ids the model says never to sample (GGUF `tokenizer.ggml.suppress_token_ids`)."""
+        n = ctypes.c_int32(0)
+        ids = llama_cpp.llama_vocab_get_suppress_tokens(self.ptr, ctypes.byref(n))
+        return [ids[i] for i in range(n.value)] if ids else []
+
     def close(self) -> None:
         """Free the vocab-only model `load` created (a Model's own vocabulary goes with the Model)."""
         if self._model_ptr:
@@ -102,6 +115,8 @@ class Model:
             bool(llama_cpp.llama_model_is_recurrent(self.ptr)), bool(llama_cpp.llama_model_is_hybrid(self.ptr))
         )
         self.arch = self.meta("general.architecture") or "unknown"
+        self.n_swa = llama_cpp.llama_model_n_swa(self.ptr)
+        """Sliding-window size of the attention layers (0: none)."""
 
     def meta(self, key: str) -> str | None:
         """A GGUF metadata value as a string, or None when absent."""

@@ -29,6 +29,15 @@ def decode_error(status: int) -> str:
     return DECODE_ERRORS.get(status, f"llama_decode failed with status {status} (compute error)")
 
 
+def prompt_breaks(ctx: Context) -> tuple[int, ...]:
+    """Where llama-server ends prompt batches to take context checkpoints, as tokens before the prompt's
+    end: for models whose memory cannot drop a suffix (hybrid, recurrent) or that use sliding-window
+    attention (the server runs without --swa-full), 4 + n_ubatch (at most n_batch) and 4."""
+    if ctx.model.kind == "dense" and ctx.model.n_swa == 0:
+        return ()
+    return (min(ctx.n_batch, 4 + ctx.params.n_ubatch), 4)
+
+
 @dataclass
 class Part:
     """One slot's tokens in a step: a prompt chunk, or a generation step (`spec` set when speculating)."""
@@ -49,7 +58,9 @@ class Scheduler:
         self.ctx = ctx
         self.kv = KvChecker(ctx) if kv_scan != "off" else None
         self.scan_steps = kv_scan == "step"
-        self.slots = [Slot(i, ctx.model, ctx.n_ctx_seq, ctx.params.seed, logit_top_k) for i in range(ctx.params.parallel)]
+        breaks = prompt_breaks(ctx)
+        self.slots = [Slot(i, ctx.model, ctx.n_ctx_seq, ctx.params.seed, logit_top_k, breaks)
+                      for i in range(ctx.params.parallel)]
         self.batch = ctx.new_batch()
         self.spec = Speculation(spec, ctx) if spec is not None and spec.enabled else None
 

@@ -25,8 +25,11 @@ class Slot:
     last sampled token, not yet decoded (llama-server's `sampled`).
     """
 
-    def __init__(self, slot_id: int, model: Model, n_ctx_seq: int, seed: int, logit_top_k: int = 0):
+    def __init__(self, slot_id: int, model: Model, n_ctx_seq: int, seed: int, logit_top_k: int = 0,
+                 prompt_breaks: tuple[int, ...] = ()):
         self.id = slot_id
+        self.prompt_breaks = prompt_breaks
+        """Prompt chunks stop this many tokens before the prompt's end (see `prompt_chunk`)."""
         self.seed = seed
         self.logit_top_k = logit_top_k
         self.model = model
@@ -53,9 +56,11 @@ class Slot:
                 f"context_full: the prompt has {len(tokens)} tokens but a slot holds {self.n_ctx_seq} (raise n_ctx)"
             )
         try:
-            self.sampler = Sampler.for_request(request.sampling, self.seed, self.model.vocab)
+            self.sampler = Sampler.for_request(request.sampling, self.seed, self.model)
         except ValueError as err:
             return self._fail(str(err))
+        self.sampler.accept_prompt(tokens)
+        self.top_k = self.logit_top_k if request.sampling.n_probs is None else request.sampling.n_probs
         self.prompt = tokens
         self.n_past = 0
         self.pending = -1
@@ -74,7 +79,15 @@ class Slot:
         return len(self.prompt) - self.n_past
 
     def prompt_chunk(self, n: int) -> list[int]:
-        """The next up to `n` prompt tokens (they start at position `n_past`)."""
+        """The next up to `n` prompt tokens (they start at position `n_past`). A chunk ends where one of
+        `prompt_breaks` tokens are left, as llama-server ends its prompt batches for models it keeps
+        context checkpoints of (server-context.cpp, checkpoint offsets 4 + n_ubatch and 4): both engines
+        then decode the same batches, whose shapes change the logits of quantized models in the last bits."""
+        for offset in self.prompt_breaks:
+            cut = len(self.prompt) - offset
+            if self.n_past < cut:
+                n = min(n, cut - self.n_past)
+                break
         return self.prompt[self.n_past : self.n_past + n]
 
     @property
@@ -93,20 +106,31 @@ class Slot:
             history += self.result.tokens[len(history) - n_prompt : n - n_prompt]
         return history
 
+    @property
+    def n_remaining(self) -> int:
+        """Tokens the request may still generate; -1 when unlimited (`n_predict: -1`), as llama-server."""
+        n_predict = self.request.sampling.n_predict
+        return -1 if n_predict == -1 else n_predict - len(self.result.tokens)
+
     def sample(self, ctx: Context, row: int) -> tuple[int, PositionLogits | None]:
         """Sample output row `row` with the slot's sampler; its top-k logits too when logging is on
         (the row's logits are fetched once for both)."""
-        if not self.logit_top_k:
+        if not self.top_k:
             return self.sampler.sample(ctx, row), None
         logits = ctx.logits(row)
-        return self.sampler.sample(ctx, row, logits), capture(logits, self.logit_top_k)
+        return self.sampler.sample(ctx, row, logits), capture(logits, self.top_k)
 
     def emit_all(self, tokens: list[int], logits: list[PositionLogits | None]) -> bool:
         """Emit tokens in order until the request is done; the rest are discarded."""
         return any(self.emit(t, lg) for t, lg in zip(tokens, logits))
 
     def emit(self, token: int, logits: PositionLogits | None = None) -> bool:
-        """Record a sampled token (and its logits) and apply the stop rules; True when the request is done."""
+        """Record a sampled token (and its logits) and apply llama-server's stop rules in its order (a stop
+        string, then the context limit, then n_predict); True when the request is done.
+
+        An end-of-generation token ends the request without being recorded. The context limit is
+        llama-server's `n_tokens + 1 >= n_ctx` (context shift off), `n_past` being the positions decoded
+        so far (after a speculative step: all of the step's, for each of its tokens)."""
         now = time.perf_counter()
         if self.phase is Phase.PROMPT:
             self.phase = Phase.GENERATE
@@ -121,16 +145,15 @@ class Slot:
         self.pending = token
         piece = self.model.piece(token)
         self.text_bytes += piece
+        stop = None
         if sampling.stop and self._stop_reached(piece):
             text = self.text_bytes.decode("utf-8", errors="ignore")
             hits = [i for i in (text.find(s) for s in sampling.stop) if i >= 0]
             self.text_bytes = bytearray(text[: min(hits)].encode())
-            return self._finish("word")
-        if len(self.result.tokens) >= sampling.n_predict:
-            return self._finish("limit")
-        if self.n_past >= self.n_ctx_seq:
-            return self._finish("limit")
-        return False
+            stop = "word"
+        if self.n_past + 1 >= self.n_ctx_seq or (sampling.n_predict != -1 and self.n_remaining <= 0):
+            stop = "limit"
+        return self._finish(stop) if stop else False
 
     def _stop_reached(self, piece: bytes) -> bool:
         """Whether the text (UTF-8 decoded with errors ignored) holds a stop string now that `piece` was

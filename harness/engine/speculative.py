@@ -180,7 +180,9 @@ class Speculation:
         replay = self.replays.pop(slot.id, None)
         if replay is not None and self.attempts[slot.id] <= self.config.checkpoint_attempts:
             return self._guard(slot, StepPlan(base, [slot.pending] + replay[: room - 1], replay=True))
-        n_max = min(room - 1, slot.n_ctx_seq - base - 2, slot.request.sampling.n_predict - len(slot.result.tokens) - 1)
+        n_max = min(room - 1, slot.n_ctx_seq - base - 2)
+        if slot.n_remaining > 0:
+            n_max = min(n_max, slot.n_remaining - 1)
         if self.strategy == "partial":
             n_max = min(n_max, self.ctx.n_rs_seq)
         draft: list[int] = []
@@ -288,6 +290,8 @@ class Speculation:
         if self.fault == "no-sampler-restore":
             plan.sampler_backup.free()
         else:
+            if self.fault == "no-penalty-restore":
+                plan.sampler_backup.keep_penalties_of(slot.sampler)
             slot.sampler.free()
             slot.sampler = plan.sampler_backup
         slot.n_past = base
