@@ -202,3 +202,16 @@ def test_a_killed_engine_worker_crashes_its_requests_and_the_next_run_restarts_i
         assert again.ok and len(again.tokens) == 8 and session.starts == 2
     finally:
         session.close()
+
+
+def test_an_engine_request_past_its_deadline_times_out_and_the_next_run_goes_on(tiny_models):
+    session = InprocBackend().open(ServeConfig(model=tiny_models["tiny-dense"].path, mode="seq"))
+    try:
+        stalled = quicksort("C", n_predict=-1)
+        stalled.deadline_s, stalled.tag = 0.3, "stalled"
+        [late] = session.run([stalled])
+        assert late.stop_reason == "timeout" and "case stalled did not finish within its deadline" in late.error
+        again = session.run([quicksort("C", n_predict=8)])[0]
+        assert again.ok and len(again.tokens) == 8 and session.starts == 2
+    finally:
+        session.close()

@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 from typing import Optional
 
-from harness.backends.base import ServeConfig
+from harness.backends.base import ServeConfig, SpeedMeter, request_deadline
 from harness.backends.process import crash_report, free_log_name
 from harness.engine import ContextParams
 from harness.engine.logging import is_verbose
@@ -83,10 +83,10 @@ def _start_without_main(process) -> None:
 class InprocSession:
     """An Engine serving one model in one mode, in a worker process that is restarted after a crash."""
 
-    def __init__(self, config: ServeConfig, log_dir: Path, deadline_s: Optional[float] = None):
+    def __init__(self, config: ServeConfig, log_dir: Path):
         self.config = config
         self.log_dir = log_dir
-        self.deadline_s = deadline_s
+        self.speed = SpeedMeter()
         self.args = EngineArgs(config.model, context_params(config), spec_config(config), config.logit_top_k,
                                config.kv_scan)
         self.process = None
@@ -139,14 +139,16 @@ class InprocSession:
             self._start()
         self.conn.send(("run", list(requests)))
         results: list[Optional[Result]] = [None] * len(requests)
-        budget = self.deadline_s if self.deadline_s is not None else self._budget(requests)
-        deadline = time.monotonic() + budget
+        budget = self._budget(requests)
+        started = time.monotonic()
         while True:
-            message = self._receive(deadline - time.monotonic())
+            message = self._receive(started + budget - time.monotonic())
             if message is None:
-                return self._unfinished(results, budget)
+                return self._unfinished(requests, results, budget, time.monotonic() - started >= budget)
             if message[0] == "result":
-                results[message[1]] = message[2]
+                results[message[1]] = result = message[2]
+                if result.ok:
+                    self.speed.record(len(result.tokens), time.monotonic() - started)
             elif message[0] == "done":
                 return results
             else:
@@ -156,20 +158,25 @@ class InprocSession:
                 raise HarnessError(message[1])
 
     def _budget(self, requests: list[Request]) -> float:
-        """Seconds the worker gets for a `run` call before its unfinished requests end `timeout`."""
-        return sum(60.0 + 0.5 * max(r.sampling.n_predict, 0) for r in requests)
+        """Seconds the worker gets for a `run` call before its unfinished requests end `timeout`: each
+        request's deadline (`request_deadline`), the slots serving them `n_slots` at a time."""
+        deadlines = sorted((request_deadline(r, self.config.n_ctx, self.speed.slowest) for r in requests),
+                           reverse=True)
+        return sum(deadlines[:: self.config.n_slots])
 
-    def _unfinished(self, results: list[Optional[Result]], budget: float) -> list[Result]:
+    def _unfinished(self, requests: list[Request], results: list[Optional[Result]], budget: float,
+                    overran: bool) -> list[Result]:
         """The worker died or overran: what it finished stays, the rest becomes `crashed` / `timeout`."""
-        if self.process.is_alive():
+        if overran and self.process.is_alive():
             self._kill()
-            error = f"timeout: the in-process engine had not finished within {budget:.0f} s; its worker was killed"
-            reason = "timeout"
-        else:
-            self.process.join(STOP_GRACE_S)
-            error, reason = crash_report(WHO, self.process.exitcode, self.log_path), "crashed"
-            self._kill()
-        return [r if r is not None else Result(stop_reason=reason, error=error) for r in results]
+            return [r if r is not None else Result(stop_reason="timeout", error=(
+                f"timeout: case {q.tag or 'the request'} did not finish within its deadline ({budget:.1f} s for "
+                f"this batch of {len(requests)}); the in-process engine's worker was killed"))
+                for q, r in zip(requests, results)]
+        self.process.join(STOP_GRACE_S)
+        error = crash_report(WHO, self.process.exitcode, self.log_path)
+        self._kill()
+        return [r if r is not None else Result(stop_reason="crashed", error=error) for r in results]
 
     def _kill(self) -> None:
         if self.process is not None and self.process.is_alive():
