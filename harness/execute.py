@@ -80,6 +80,10 @@ class Executor:
         """Every cell run so far, in execution order."""
         return list(self._runs.values())
 
+    def backends(self) -> dict[str, Backend]:
+        """The backends started so far, by name (what a report describes)."""
+        return dict(self._backends)
+
     def environment(self, cell: Cell) -> dict:
         """What produced a cell's outputs: the backend's build facts (device, llama.cpp) and the model's sha256."""
         env = dict(self._backend(cell.backend).environment())

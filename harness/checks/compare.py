@@ -40,7 +40,13 @@ def compare_tokens(ctx: CheckContext, ref_tokens: list[int], ref_logits: list, l
     if not diffs:
         return True, "", evidence
     outcome, first = diffs[0]
-    evidence["first_divergence"] = {"round": outcome.round, "index": first.index, "kind": first.kind}
+    evidence["first_divergence"] = {
+        "round": outcome.round, "index": first.index, "kind": first.kind, "reason": first.reason,
+        "ref_token": first.ref_token, "other_token": first.other_token, "ref_text": first.ref_text,
+        "other_text": first.other_text, "before": first.before, "margin": first.margin, "reference": label,
+        "reference_tokens": list(ref_tokens), "tokens": list(outcome.result.tokens),
+        "reference_margins": [None if p.margin is None else round(p.margin, 4) for p in ref_logits or []],
+    }
     message = (f"{len(diffs)} of {len(mine)} outputs differ from the {label}; round {outcome.round}: "
                f"{first.describe()}")
     return False, message, evidence
