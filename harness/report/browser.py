@@ -44,6 +44,8 @@ class Loaded:
     """The Playwright page."""
     load_ms: float
     """Navigation start to the end of the load event, as the browser measured it."""
+    painted_ms: float
+    """Navigation start to the first frame drawn after the load event (style, layout and paint included)."""
     console_errors: list[str] = field(default_factory=list)
     """Console errors and uncaught exceptions while loading."""
 
@@ -66,6 +68,8 @@ def open_report(path: Path, width: int = 1280, height: int = 900) -> Iterator[Lo
             page.goto(Path(path).resolve().as_uri(), wait_until="load")
             load_ms = page.evaluate("() => { const n = performance.getEntriesByType('navigation')[0];"
                                     " return n.loadEventEnd - n.startTime; }")
-            yield Loaded(page, float(load_ms), errors)
+            painted_ms = page.evaluate("() => new Promise(r => requestAnimationFrame(() => requestAnimationFrame("
+                                       "() => r(performance.now()))))")
+            yield Loaded(page, float(load_ms), float(painted_ms), errors)
         finally:
             browser.close()

@@ -21,7 +21,7 @@ from harness.report.files import STATUSES, RunDir, cell_id, item_name, status, w
 
 CONTEXT_TOKENS = 12
 """Tokens of common prefix shown before the first divergence in a token diff."""
-AFTER_TOKENS = 48
+AFTER_TOKENS = 24
 """Tokens shown from the divergence on, per side."""
 AXES = ("check", "mode", "backend", "spec", "model", "suite")
 SPEC_COUNTERS = ("draft_n", "draft_n_accepted", "spec_cycles", "spec_empty", "spec_skip", "ckpt_created",
