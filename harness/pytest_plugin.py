@@ -27,7 +27,7 @@ from harness.matrix import BACKEND_NAMES, Shard, cells, narrowing, shard
 from harness.models import resolve
 from harness.report import describe_run, publish, write_run
 from harness.report.files import now
-from harness.runner import count, csv
+from harness.runner import count, csv, interrupt_on_sigterm
 from harness.suites import load_suite
 
 STATE = pytest.StashKey[dict]()
@@ -65,7 +65,7 @@ def pytest_configure(config: pytest.Config) -> None:
         raise pytest.UsageError(str(err)) from None
     config.stash[STATE] = {
         "only": only, "shard": part, "started": now(), "planned": {}, "ran": set(), "suites": {},
-        "sigterm": _interrupt_on_sigterm() if report else None,
+        "sigterm": interrupt_on_sigterm() if report else None,
         "executor": Executor(ExecOptions(
             backends=backend_factories(Path(opt("--server-bin")) if opt("--server-bin") else None,
                                        Path(opt("--source")) if opt("--source") else None,
@@ -218,18 +218,6 @@ def _detok(model: str):
 
 REPORT_DEFAULTS = {"server_bin": None, "source": None, "kv_scan": "request", "logit_top_k": 10, "repeat": 1}
 """The options a case's re-run command repeats when this session changed them."""
-
-
-def _interrupt_on_sigterm():
-    """With --report, SIGTERM (a CI job's timeout) interrupts like Ctrl-C, so the report is still written;
-    returns the previous handler."""
-    def interrupt(signum, frame):
-        raise KeyboardInterrupt
-
-    try:
-        return signal.signal(signal.SIGTERM, interrupt)
-    except ValueError:  # not the main thread
-        return None
 
 
 def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config, items: list) -> None:

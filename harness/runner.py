@@ -114,21 +114,27 @@ def run_suites(plan: list[tuple[Suite, dict]], executor: Executor, baselines: Ba
     return verdicts
 
 
-@contextlib.contextmanager
-def sigterm_interrupts():
-    """SIGTERM (a CI job's timeout) interrupts like Ctrl-C while the block runs (main thread only)."""
+def interrupt_on_sigterm():
+    """Make SIGTERM (a CI job's timeout) interrupt like Ctrl-C; returns the previous handler (None when
+    this is not the main thread, where signals cannot be handled)."""
     def interrupt(signum, frame):
         raise KeyboardInterrupt
 
     try:
-        previous = signal.signal(signal.SIGTERM, interrupt)
-    except ValueError:  # not the main thread
-        yield
-        return
+        return signal.signal(signal.SIGTERM, interrupt)
+    except ValueError:
+        return None
+
+
+@contextlib.contextmanager
+def sigterm_interrupts():
+    """SIGTERM interrupts like Ctrl-C while the block runs."""
+    previous = interrupt_on_sigterm()
     try:
         yield
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
 
 
 def wide_console() -> Console:

@@ -1,5 +1,6 @@
 """Helpers for the report tests: a scratch checkout, a tiny HTML tree, the system browser."""
 
+import os
 import shutil
 import subprocess
 from html.parser import HTMLParser
@@ -92,8 +93,11 @@ def browser_or_skip() -> None:
     possible); skip the test with the reason otherwise."""
     from harness.report.browser import chromium_path, unavailable
 
-    if chromium_path() is None and shutil.which("apt-get"):
-        subprocess.run(["apt-get", "install", "-y", "-q", "chromium"], capture_output=True, timeout=900)
+    for step in (["apt-get", "install", "-y", "-q", "chromium"], ["apt-get", "update", "-q"],
+                 ["apt-get", "install", "-y", "-q", "chromium"]):
+        if chromium_path() is not None or not shutil.which("apt-get"):
+            break
+        subprocess.run(step, capture_output=True, timeout=900, env={**os.environ, "DEBIAN_FRONTEND": "noninteractive"})
     reason = unavailable()
     if reason:
         print(f"browser test skipped: {reason}")

@@ -69,7 +69,7 @@ def test_first_screen_of_the_report_is_the_failure_and_counts_match_checks_json(
                 if cell.attrs.get("data-status") in ("failed", "known", "near-tie", "passed"):
                     assert int(cell.text) == expected[(row.attrs["data-key"], cell.attrs["data-status"])], (axis, row.attrs)
     banner = doc.find("section", id="failures").find("div", class_="banner").text
-    assert f"1 failed" in banner and f"of {len(checks)} check verdicts" in banner
+    assert "1 failed" in banner and f"of {len(checks)} check verdicts" in banner
 
 
 def test_token_diff_highlights_the_first_divergent_token(runs):
@@ -144,7 +144,7 @@ def test_report_in_headless_chromium_shows_the_failure_on_the_first_screen(runs)
         assert box["y"] + box["height"] <= 800, "the failing case is below the first screen"
         page.screenshot(path=str(runs / "r1/screenshot.png"))
         row.locator("a").click()
-        mark = page.locator(f'article[data-status="failed"] mark.first-divergence').first
+        mark = page.locator('article[data-status="failed"] mark.first-divergence').first
         assert mark.is_visible() and mark.get_attribute("data-index") == "17"
         assert loaded.console_errors == []
     png = (runs / "r1/screenshot.png").read_bytes()

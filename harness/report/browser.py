@@ -29,9 +29,9 @@ def unavailable() -> Optional[str]:
     """Why a report cannot be opened in a browser here (None when it can)."""
     if chromium_path() is None:
         return "no chromium on PATH (apt-get install chromium)"
-    try:
-        import playwright.sync_api  # noqa: F401
-    except ImportError:
+    import importlib.util
+
+    if importlib.util.find_spec("playwright") is None:
         return "Playwright for Python is not installed (pip install playwright)"
     return None
 

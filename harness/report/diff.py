@@ -17,7 +17,8 @@ from pathlib import Path
 from typing import Optional
 
 from harness.paths import write_atomic
-from harness.report.files import RunDir, cell_id, item_name, llama_cpp_identity, logits_key, status
+from harness.report.files import (RunDir, cell_id, item_name, joined, llama_cpp_identity, logits_key, status,
+                                  throughput)
 from harness.triage import triage
 
 SPEED_THRESHOLD = 0.10
@@ -69,19 +70,11 @@ def output_change(a: RunDir, b: RunDir, ra: dict, rb: dict) -> dict:
     pieces = _pieces(a, b, ra["model"])
     la, lb = a.logits(logits_key(ra)), b.logits(logits_key(rb))
     d = triage(ra["tokens"], rb["tokens"], la or None, lb or None,
-               detokenize=lambda tokens: "".join(pieces.get(str(t), f"<{t}>") for t in tokens))
+               detokenize=lambda tokens: joined(pieces, tokens))
     return {"round": ra["repeat"], "index": d.index, "kind": d.kind, "reason": d.reason, "ref_token": d.ref_token,
             "other_token": d.other_token, "ref_text": d.ref_text, "other_text": d.other_text, "before": d.before,
             "margin": d.margin, "reference": f"output of {a.run_id}", "reference_tokens": ra["tokens"],
             "tokens": rb["tokens"], "reference_margins": [None if p.margin is None else round(p.margin, 4) for p in la]}
-
-
-def _speed(rows: list[dict]) -> tuple[Optional[float], Optional[float]]:
-    ms = sum(r["timings"].get("predicted_ms", 0) for r in rows)
-    n = sum(r["timings"].get("predicted_n", 0) for r in rows)
-    drafted = sum((r.get("spec_stats") or {}).get("draft_n", 0) for r in rows)
-    accepted = sum((r.get("spec_stats") or {}).get("draft_n_accepted", 0) for r in rows)
-    return (1000.0 * n / ms if ms else None), (accepted / drafted if drafted else None)
 
 
 def compare(a: RunDir, b: RunDir, speed_threshold: float = SPEED_THRESHOLD,
@@ -121,7 +114,7 @@ def compare(a: RunDir, b: RunDir, speed_threshold: float = SPEED_THRESHOLD,
         pair[0].append(ra[key])
         pair[1].append(rb[key])
     for cell, (rows_a, rows_b) in sorted(cells.items()):
-        (ta, acc_a), (tb, acc_b) = _speed(rows_a), _speed(rows_b)
+        (ta, acc_a), (tb, acc_b) = ((t["tok_s"], t["acceptance"]) for t in (throughput(rows_a), throughput(rows_b)))
         ratio = tb / ta if ta and tb else None
         speed_bad = ratio is not None and ratio < 1 - speed_threshold
         acc_bad = acc_a is not None and acc_b is not None and acc_b < acc_a - acceptance_threshold

@@ -93,6 +93,21 @@ def item_name(row: dict) -> str:
     return f"{row['suite']}[{row['case']}-{cell_id(row)}]"
 
 
+def throughput(rows: list[dict]) -> dict:
+    """Generated tokens, tokens/s and draft acceptance summed over some requests (None where undefined)."""
+    ms = sum(r["timings"].get("predicted_ms", 0) for r in rows)
+    n = sum(r["timings"].get("predicted_n", 0) for r in rows)
+    drafted = sum((r.get("spec_stats") or {}).get("draft_n", 0) for r in rows)
+    accepted = sum((r.get("spec_stats") or {}).get("draft_n_accepted", 0) for r in rows)
+    return {"tokens": n, "tok_s": 1000.0 * n / ms if ms else None, "drafted": drafted, "accepted": accepted,
+            "acceptance": accepted / drafted if drafted else None}
+
+
+def joined(pieces: dict[str, str], tokens: list[int]) -> str:
+    """The text of some tokens from a vocab.json table (`<id>` for a token it lacks)."""
+    return "".join(pieces.get(str(t), f"<{t}>") for t in tokens)
+
+
 def token_ids(rows: list[dict], checks: list[dict]) -> dict[str, set[int]]:
     """model → every token id in the records and in the verdicts' divergence evidence."""
     ids: dict[str, set[int]] = {}

@@ -17,7 +17,7 @@ from jinja2 import ChainableUndefined, Environment, PackageLoader, select_autoes
 
 from harness.paths import write_atomic
 from harness.report.charts import bar_chart, margin_chart
-from harness.report.files import STATUSES, RunDir, cell_id, item_name, status, worst
+from harness.report.files import STATUSES, RunDir, cell_id, item_name, joined, status, throughput, worst
 
 CONTEXT_TOKENS = 12
 """Tokens of common prefix shown before the first divergence in a token diff."""
@@ -92,7 +92,7 @@ def token_diff(pieces: dict[str, str], reference: Optional[list[int]], tokens: O
                 "after": [(t, _shown(pieces.get(str(t)), t)) for t in stream[index + 1:index + 1 + AFTER_TOKENS]],
                 "more": max(0, len(stream) - index - 1 - AFTER_TOKENS), "length": len(stream)}
 
-    prefix = "".join(pieces.get(str(t), f"<{t}>") for t in reference[:index])
+    prefix = joined(pieces, reference[:index])
     return {"index": index, "skipped": start, "prefix": prefix, "reference": side(reference), "other": side(tokens)}
 
 
@@ -157,15 +157,8 @@ def performance(records: list[dict]) -> list[dict]:
     for r in records:
         if r.get("error") is None:
             groups[(r["model"], r["backend"], r["mode"], r["spec"])].append(r)
-    rows = []
-    for (model, backend, mode, spec), rs in groups.items():
-        ms = sum(r["timings"].get("predicted_ms", 0) for r in rs)
-        n = sum(r["timings"].get("predicted_n", 0) for r in rs)
-        counters = spec_counters(rs)
-        rows.append({"model": model, "backend": backend, "mode": mode, "spec": spec, "requests": len(rs),
-                     "tokens": n, "tok_s": 1000.0 * n / ms if ms else None, "acceptance": counters.get("acceptance"),
-                     "drafted": counters.get("draft_n"), "accepted": counters.get("draft_n_accepted")})
-    return rows
+    return [{"model": model, "backend": backend, "mode": mode, "spec": spec, "requests": len(rs), **throughput(rs)}
+            for (model, backend, mode, spec), rs in groups.items()]
 
 
 def rerun_command(meta: dict, row: dict) -> str:
