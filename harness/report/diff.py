@@ -154,6 +154,8 @@ def print_diff(diff: RunDiff, console) -> None:
     """The diff on the console (rich)."""
     from rich.table import Table
 
+    from harness.report.html import triage_line
+
     console.print(f"diff {diff.a.run_id} → {diff.b.run_id}", style="bold", markup=False)
     for prop, va, vb in differing_properties(diff.a, diff.b):
         console.print(f"  {prop}: {va} → {vb}", markup=False, highlight=False)
@@ -165,7 +167,7 @@ def print_diff(diff: RunDiff, console) -> None:
             for column in ("case", "check", "before → after", "message"):
                 table.add_column(column)
             for r in rows:
-                table.add_row(r["item"], r["check"], f"{r['a']} → {r['b']}", (r["message"].strip().splitlines() or [""])[0])
+                table.add_row(r["item"], r["check"], f"{r['a']} → {r['b']}", triage_line(r["row"]))
             console.print(table)
     if diff.changed_outputs:
         table = Table(title=f"changed output ({len(diff.changed_outputs)})", title_style="bold", title_justify="left")

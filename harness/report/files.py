@@ -329,7 +329,8 @@ class RunDir:
 
     @property
     def run_id(self) -> str:
-        return self.meta.get("run_id") or self.path.name
+        """The directory's name (what a reader sees; `run.json` records the name it was written under)."""
+        return self.path.resolve().name
 
     def logit_frames(self) -> dict:
         """`<suite>/<case>/<cell>/<round>` → logits frame ({} when none were logged), read once."""

@@ -227,7 +227,7 @@ def known_view(run: RunDir) -> list[dict]:
         if known:
             explained[known].append(item_name(v))
     entries = {e["id"]: e for e in run.meta.get("known_failures") or []}
-    return [{"id": kid, "entry": entries.get(kid, {}), "items": sorted(set(names))}
+    return [{"id": kid, "entry": entries.get(kid, {}), "cases": sorted(set(names))}
             for kid, names in sorted(explained.items())]
 
 
