@@ -7,6 +7,7 @@ logs are rendered only for cases that did not simply pass (pytest-html slows dow
 hundreds of MB by rendering everything).
 """
 
+import functools
 import shlex
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -34,7 +35,9 @@ FIRST_DIVERGENCE = ("round", "index", "kind", "reason", "ref_token", "other_toke
 """The fields of `evidence["first_divergence"]` (CONTRACTS.md); a missing one renders as "not recorded"."""
 
 
+@functools.cache
 def environment() -> Environment:
+    """The Jinja2 environment of the report templates (package data), with the shared helpers."""
     env = Environment(loader=PackageLoader("harness.report", "templates"), autoescape=select_autoescape(default=True),
                       trim_blocks=True, lstrip_blocks=True, undefined=ChainableUndefined)
     env.globals.update(margin_chart=margin_chart, bar_chart=bar_chart, STATUSES=STATUSES, NOT_RECORDED=NOT_RECORDED,
