@@ -14,6 +14,7 @@ def build_parser() -> argparse.ArgumentParser:
     from harness.backends import build_cli
     from harness.bisect import cli as bisect_cli
     from harness.models import cli as models_cli
+    from harness.report import cli as report_cli
 
     parser = argparse.ArgumentParser(
         prog="specharness",
@@ -22,7 +23,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"specharness {__version__}")
     parser.add_argument("--verbose", action="store_true", help="show llama.cpp's own log output")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    for module in (runner, models_cli, kvscan, build_cli, bisect_cli, selftest, calibrate, bench):
+    for module in (runner, report_cli, models_cli, kvscan, build_cli, bisect_cli, selftest, calibrate, bench):
         module.add_parser(sub)
     return parser
 
@@ -34,6 +35,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.command is None:
         args = parser.parse_args([*argv, "run"])
+    args.command_line = ["specharness", *argv]
     from harness.engine.logging import set_llama_verbose
 
     set_llama_verbose(args.verbose)

@@ -83,6 +83,10 @@ class Executor:
         """Re-scores positions whose logits a backend withheld (a context manager; sessions close on exit)."""
         return Rescorer(self)
 
+    def backends(self) -> dict[str, Backend]:
+        """The backends started so far, by name (what a report describes)."""
+        return dict(self._backends)
+
     def environment(self, cell: Cell) -> dict:
         """What produced a cell's outputs: the backend's build facts (device, llama.cpp) and the model's sha256."""
         env = dict(self._backend(cell.backend).environment())

@@ -124,3 +124,74 @@ def narrowing(backends: Optional[list[str]] = None, modes: Optional[list[str]] =
     for spec in specs or ():
         spec_preset(spec)
     return {"backends": backends, "modes": modes, "specs": specs, "models": models}
+
+
+@dataclass(frozen=True)
+class Shard:
+    """`--shard I/N`: the I-th (1-based) of N parts of a run's cells."""
+
+    index: int
+    count: int
+
+    @classmethod
+    def parse(cls, text: str) -> "Shard":
+        try:
+            index, count = (int(p) for p in text.split("/"))
+        except ValueError:
+            index = count = 0
+        if not 1 <= index <= count:
+            raise HarnessError(f"--shard takes I/N with 1 <= I <= N (e.g. 2/3), not '{text}'")
+        return cls(index, count)
+
+    def __str__(self) -> str:
+        return f"{self.index}/{self.count}"
+
+
+MODEL_WEIGHT_BYTES = 32 * 2**20
+"""Per generated token, a model costs about its file size over this (the tiny models 1, Gemma 3 270M ~7.5)."""
+SERVER_START_TOKENS = 200
+"""Starting llama-server for a cell costs about as much as generating this many tiny-model tokens."""
+
+
+def estimated_cost(suite, cell: Cell) -> float:
+    """A cell's cost in tiny-model tokens: rounds × requests × n_predict × model weight, more with a draft
+    model, plus a server start."""
+    from harness.models import resolve
+
+    tokens = len(suite.rounds) * sum((len(c.turns) or 1) * (c.sampling.n_predict or 128) for c in suite.cases)
+    try:
+        weight = max(1.0, resolve(cell.model, make=False).size / MODEL_WEIGHT_BYTES)
+    except HarnessError:
+        weight = 1.0
+    if "draft-simple" in cell.spec:
+        weight *= 1.5
+    return tokens * weight + (SERVER_START_TOKENS if cell.backend == "server" else 0)
+
+
+def shard(jobs: list[tuple], part: Shard, cost=estimated_cost) -> list[tuple]:
+    """The (suite, cell) jobs of shard `part`: deterministic (the same jobs give the same split in any
+    order, on any machine) and balanced by estimated cost.
+
+    Cells that compare with each other (lossless with spec `none`, mode-invariant with `seq`, logits-close
+    with both) share suite, backend and model, so those groups are kept whole: no shard runs another's
+    reference cells. Only with fewer groups than shards are the largest groups split into cells, each then
+    also running its reference cells (counted in its cost). Groups go, largest first, to the least loaded
+    shard (longest-processing-time scheduling)."""
+    groups: dict[tuple, list[tuple]] = {}
+    for suite, cell in jobs:
+        groups.setdefault((suite.name, cell.backend, cell.model), []).append((suite, cell))
+    units = [(sum(cost(s, c) for s, c in members), key, members) for key, members in groups.items()]
+    while len(units) < part.count and any(len(u[2]) > 1 for u in units):
+        units.sort(key=lambda u: (len(u[2]) > 1, u[0], u[1]))
+        _, key, members = units.pop()
+        for suite, cell in members:
+            refs = {cell.reference(spec="none"), cell.reference(mode="seq"), cell.reference(mode="seq", spec="none")}
+            units.append((sum(cost(suite, c) for c in refs | {cell}), (*key, cell.mode, cell.spec), [(suite, cell)]))
+    load = [0.0] * part.count
+    mine = set()
+    for unit_cost, key, members in sorted(units, key=lambda u: (-u[0], u[1])):
+        target = min(range(part.count), key=lambda i: (load[i], i))
+        load[target] += unit_cost
+        if target == part.index - 1:
+            mine.update((s.name, c) for s, c in members)
+    return [(s, c) for s, c in jobs if (s.name, c) in mine]

@@ -8,6 +8,7 @@ file and line, and the other suites still run.
 
 import json
 import shlex
+import signal
 from pathlib import Path
 
 import pytest
@@ -22,10 +23,11 @@ from harness.detok import detokenizer
 from harness.errors import HarnessBug, HarnessError
 from harness.execute import ExecOptions, Executor, case_keys
 from harness.known_failures import FILE_NAME as KNOWN_FAILURES, KnownFailure, load as load_known, tag
-from harness.matrix import BACKEND_NAMES, cells, narrowing
+from harness.matrix import BACKEND_NAMES, Shard, cells, narrowing, shard
 from harness.models import ModelUnavailable, resolve
-from harness.report import write_run
-from harness.runner import count, csv
+from harness.report import describe_run, publish, write_run
+from harness.report.files import now
+from harness.runner import count, csv, interrupt_on_sigterm
 from harness.suites import load_suite
 
 STATE = pytest.StashKey[dict]()
@@ -41,7 +43,10 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     group.addoption("--source", help="build llama-server from this llama.cpp tree (default: the vendored one)")
     group.addoption("--update-baselines", action="store_true", help="write baselines from this run")
     group.addoption("--repeat", type=count(1), default=1, help="run every suite's rounds this many times")
-    group.addoption("--report", metavar="DIR", help="write results.json / results.parquet / checks.json here")
+    group.addoption("--report", metavar="DIR",
+                    help="write the run directory here: results, checks, junit.xml and the HTML report index.html")
+    group.addoption("--shard", metavar="I/N",
+                    help="run the I-th of N balanced parts of the suite cells (merge with `specharness report --merge`)")
     group.addoption("--kv-scan", default="request", choices=KV_SCAN,
                     help="scan KV state after every request (default), also after every speculative step, or off")
     group.addoption("--logit-top-k", type=count(0), default=10, help="top-k logits logged per position (0 = off)")
@@ -55,10 +60,12 @@ def pytest_configure(config: pytest.Config) -> None:
     try:
         only = narrowing(csv(opt("--backend")), csv(opt("--mode")), csv(opt("--spec")), csv(opt("--model")))
         known = load_known(config.rootpath / "suites" / KNOWN_FAILURES)
+        part = Shard.parse(opt("--shard")) if opt("--shard") else None
     except HarnessError as err:
         raise pytest.UsageError(str(err)) from None
     config.stash[STATE] = {
-        "only": only,
+        "only": only, "shard": part, "started": now(), "planned": {}, "ran": set(), "suites": {},
+        "sigterm": interrupt_on_sigterm() if report else None,
         "executor": Executor(ExecOptions(
             backends=backend_factories(Path(opt("--server-bin")) if opt("--server-bin") else None,
                                        Path(opt("--source")) if opt("--source") else None,
@@ -215,11 +222,74 @@ def _detok(model: str):
         return lambda tokens: " ".join(map(str, tokens))
 
 
-def pytest_sessionfinish(session: pytest.Session) -> None:
-    report = session.config.getoption("--report")
-    state = session.config.stash.get(STATE, None)
-    if report and state and state["executor"].runs():
-        try:
-            write_run(Path(report), state["executor"].runs(), state["checks"])
-        except HarnessError as err:
-            session.config.get_terminal_writer().line(f"specharness: --report not written: {err}", red=True)
+REPORT_DEFAULTS = {"server_bin": None, "source": None, "kv_scan": "request", "logit_top_k": 10, "repeat": 1}
+"""The options a case's re-run command repeats when this session changed them."""
+
+
+def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config, items: list) -> None:
+    """Keep this shard's items (`--shard I/N`): suite items by their cell (harness.matrix.shard), a
+    known-failure entry with its first cell, other items round robin; remember the cells to report."""
+    state = config.stash[STATE]
+    part = state["shard"]
+    suites = {}
+    for item in items:
+        if isinstance(item, SuiteItem):
+            suites.setdefault((item.suite.name, item.cell), item.suite)
+    mine = {(s.name, c) for s, c in shard([(s, c) for (_, c), s in suites.items()], part)} if part else set(suites)
+    keep, drop, others = [], [], 0
+    for item in items:
+        if isinstance(item, SuiteItem):
+            chosen = (item.suite.name, item.cell) in mine
+        elif isinstance(item, KnownFailureItem) and (item.suite.name, item.cells[0]) in suites:
+            chosen = (item.suite.name, item.cells[0]) in mine
+        else:
+            chosen = part is None or others % part.count == part.index - 1
+            others += 1
+        (keep if chosen else drop).append(item)
+    if drop:
+        config.hook.pytest_deselected(items=drop)
+        items[:] = keep
+    for item in keep:
+        if isinstance(item, SuiteItem):
+            state["planned"].setdefault((item.suite.name, item.cell), set()).add(item.nodeid)
+            state["suites"][item.suite.name] = item.suite.path
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    yield
+    state = item.config.stash.get(STATE, None)
+    if state is not None:
+        state["ran"].add(item.nodeid)
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus) -> None:
+    config = session.config
+    report = config.getoption("--report")
+    state = config.stash.get(STATE, None)
+    if state is None:
+        return
+    if state["sigterm"] is not None:
+        signal.signal(signal.SIGTERM, state["sigterm"])
+    if not (report and state["executor"].runs()):
+        return
+    planned = list(state["planned"])
+    done = [cell for cell, ids in state["planned"].items() if ids <= state["ran"]]
+    options = {k: v for k, default in REPORT_DEFAULTS.items()
+               if (v := config.getoption("--" + k.replace("_", "-"))) not in (None, default)}
+    try:
+        meta = describe_run(
+            state["executor"], tool="pytest", command=["pytest", *config.invocation_params.args], options=options,
+            started=state["started"], planned=planned, done=done, suites=state["suites"], known=state["known"],
+            shard=str(state["shard"]) if state["shard"] else None,
+            interrupted=exitstatus == pytest.ExitCode.INTERRUPTED)
+        write_run(Path(report), state["executor"].runs(), state["checks"], meta)
+        state["report"] = publish(Path(report))
+    except HarnessError as err:
+        config.get_terminal_writer().line(f"specharness: --report not written: {err}", red=True)
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config: pytest.Config) -> None:
+    state = config.stash.get(STATE, None)
+    if state and state.get("report"):
+        terminalreporter.write_line(f"specharness report: {state['report']}")

@@ -1,14 +1,18 @@
 """`specharness run`: the suites and checks of `pytest suites/`, outside pytest, with a summary table.
 
 Exit status: 0 every check passed, 1 a check failed, 2 usage or configuration error, 3 an
-infrastructure error (a backend that could not be started or built).
+infrastructure error (a backend that could not be started or built), 130 interrupted (Ctrl-C or
+SIGTERM: what finished is still written, with a report marked interrupted).
 """
 
 import argparse
+import contextlib
 import secrets
+import signal
 import sys
 import time
 from pathlib import Path
+from typing import Callable, Optional
 
 from rich.console import Console
 from rich.progress import Progress
@@ -26,17 +30,18 @@ from harness.engine.speculative import SpecConfig
 from harness.errors import HarnessError
 from harness.execute import CellRun, ExecOptions, Executor, case_keys
 from harness.known_failures import FILE_NAME as KNOWN_FAILURES, load as load_known, tag
-from harness.matrix import SPEC_PRESETS, cells, narrowing
+from harness.matrix import SPEC_PRESETS, Cell, Shard, cells, narrowing, shard
 from harness.models import ModelUnavailable, resolve
 from harness.paths import reports_dir
-from harness.report import frame, records, write_run
+from harness.report import describe_run, frame, publish, records, write_run
+from harness.report.files import command_line, now
 from harness.suites import Suite, load_suite, suites_dir
 
 DEFAULT_SUITE = "quicksort"
 SPEC_PARAMS = [f for f in SpecConfig.__dataclass_fields__.values()
                if f.name.startswith("spec_") and f.name not in ("spec_type", "spec_draft_model")]
 """The `--spec-*` numeric options, named exactly like llama-server's flags."""
-EXIT_FAILED, EXIT_INFRA = 1, 3
+EXIT_FAILED, EXIT_INFRA, EXIT_INTERRUPTED = 1, 3, 130
 
 
 def new_run_dir(parent: Path) -> Path:
@@ -75,11 +80,19 @@ def prepare_out(out: Path) -> Path:
     return out
 
 
-def run_suites(plan: list[tuple[Suite, dict]], executor: Executor, baselines: BaselineStore,
-               progress: Progress | None = None) -> list:
-    """Run every cell of each (suite, narrowing) pair and evaluate its checks; returns
-    (suite, case, cell, CheckResult) tuples."""
+def plan_jobs(plan: list[tuple[Suite, dict]], part: Optional[Shard] = None) -> list[tuple[Suite, Cell]]:
+    """The (suite, cell) jobs of each (suite, narrowing) pair; only shard `part`'s when given."""
     jobs = [(suite, cell) for suite, only in plan for cell in cells(suite.matrix, only)]
+    return shard(jobs, part) if part else jobs
+
+
+def run_suites(plan: list[tuple[Suite, dict]], executor: Executor, baselines: BaselineStore,
+               progress: Progress | None = None, part: Optional[Shard] = None,
+               on_cell: Optional[Callable[[Suite, Cell, list], None]] = None) -> list:
+    """Run every cell of each (suite, narrowing) pair (of shard `part` only, when given) and evaluate its
+    checks; returns (suite, case, cell, CheckResult) tuples. `on_cell` gets each cell's verdicts as soon
+    as they are complete (what an interrupted run still reports)."""
+    jobs = plan_jobs(plan, part)
     total = sum(len(s.rounds) * sum(len(case_keys(c)) for c in s.cases) for s, _ in jobs)
     task = progress.add_task("run", total=total) if progress else None
     verdicts = []
@@ -88,15 +101,44 @@ def run_suites(plan: list[tuple[Suite, dict]], executor: Executor, baselines: Ba
             progress.update(task, description=f"{suite.name} · {cell.id}")
         run = executor.run(suite, cell, on_request=(lambda: progress.advance(task)) if progress else None)
         if run.harness_error is not None:  # no verdicts: reported as a harness error at the end of the run
+            if on_cell:
+                on_cell(suite, cell, [])
             continue
         detok = detokenizer(resolve(cell.model).path) if run.error is None else str
+        mine = []
         for case in suite.cases:
             for key in case_keys(case):
                 repro = (f"specharness run --suite {suite.name} --backend {cell.backend} --mode {cell.mode} "
                          f"--spec {cell.spec} --model {cell.model}")
                 ctx = CheckContext(run, key, executor, baselines, detok, repro)
-                verdicts += [(suite.name, key, cell, r) for r in evaluate(ctx, suite.checks)]
+                mine += [(suite.name, key, cell, r) for r in evaluate(ctx, suite.checks)]
+        verdicts += mine
+        if on_cell:
+            on_cell(suite, cell, mine)
     return verdicts
+
+
+def interrupt_on_sigterm():
+    """Make SIGTERM (a CI job's timeout) interrupt like Ctrl-C; returns the previous handler (None when
+    this is not the main thread, where signals cannot be handled)."""
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt
+
+    try:
+        return signal.signal(signal.SIGTERM, interrupt)
+    except ValueError:
+        return None
+
+
+@contextlib.contextmanager
+def sigterm_interrupts():
+    """SIGTERM interrupts like Ctrl-C while the block runs."""
+    previous = interrupt_on_sigterm()
+    try:
+        yield
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
 
 
 def wide_console() -> Console:
@@ -150,7 +192,9 @@ def available_models(models: list[str], asked: list[str] | None) -> dict[str, st
 
 def cmd_run(args: argparse.Namespace) -> int:
     """`specharness run`."""
+    started = now()
     only = narrowing(csv(args.backend), csv(args.mode), csv(args.spec), args.model)
+    part = Shard.parse(args.shard) if args.shard else None
     suites = [load_suite(name) for name in (args.suite or [DEFAULT_SUITE])]
     skipped = available_models(sorted({c.model for suite in suites for c in cells(suite.matrix, only)}), args.model)
     plan = [(suite, {**only, "models": models}) for suite in suites
@@ -169,8 +213,18 @@ def cmd_run(args: argparse.Namespace) -> int:
     ))
     baselines = BaselineStore(default_root(), update=args.update_baselines)
     console = Console(stderr=True, soft_wrap=True)
-    with Progress(console=console, transient=True) as progress:
-        verdicts = run_suites(plan, executor, baselines, progress)
+    done, verdicts = [], []
+
+    def finished(suite: Suite, cell: Cell, mine: list) -> None:
+        done.append((suite.name, cell))
+        verdicts.extend(mine)
+
+    interrupted = False
+    try:
+        with sigterm_interrupts(), Progress(console=console, transient=True) as progress:
+            run_suites(plan, executor, baselines, progress, part, finished)
+    except KeyboardInterrupt:  # Ctrl-C or SIGTERM: report what finished (the backends are already stopped)
+        interrupted = True
     runs = executor.runs()
     known = load_known(suites_dir() / KNOWN_FAILURES)
     failed = [r for suite, _, cell, r in verdicts if tag(known, suite, cell, [r])]
@@ -179,7 +233,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         if not r.passed:
             label = f"KNOWN {r.evidence['known_failure']}" if "known_failure" in r.evidence else "FAIL"
             console.print(f"{label} {suite}[{key}-{cell.id}] [{r.name}] {r.message}", markup=False, highlight=False)
-    fixed = [e for e in known if any(e.covers(run.suite.name, run.cell) for run in runs)
+    fixed = [e for e in known if any(e.covers(suite, cell) for suite, cell in done)
              and not any(r.evidence.get("known_failure") == e.id for *_, r in verdicts)]
     for entry in fixed:
         console.print(f"FIXED? known failure {entry.id} did not reproduce: if llama.cpp fixed it, remove it from "
@@ -191,10 +245,34 @@ def cmd_run(args: argparse.Namespace) -> int:
             console.print(run.harness_error, markup=False, highlight=False)
     for path in baselines.written:
         console.print(f"baseline written: {path}", markup=False)
-    console.print(f"results: {write_run(out, runs, verdicts)}", markup=False)
+    planned = [(suite.name, cell) for suite, cell in plan_jobs(plan, part)]
+    meta = describe_run(
+        executor, tool="specharness run", command=getattr(args, "command_line", None) or command_line(),
+        options=repro_options(args), started=started, planned=planned, done=done,
+        suites={suite.name: suite.path for suite in suites}, known=known, shard=str(part) if part else None,
+        interrupted=interrupted)
+    console.print(f"results: {write_run(out, runs, verdicts, meta)}", markup=False)
+    console.print(f"report: {publish(out)}", markup=False)
+    if interrupted:
+        console.print(f"interrupted: {len(planned) - len(done)} of {len(planned)} cells did not run "
+                      "(listed in the report)", markup=False)
+        return EXIT_INTERRUPTED
     if any(run.error or run.harness_error for run in runs):
         return EXIT_INFRA
     return EXIT_FAILED if failed or fixed else 0
+
+
+REPRO_SKIP = {"suite", "model", "mode", "backend", "spec", "out", "shard", "update_baselines", "func",
+              "command", "verbose", "command_line"}
+"""Options that are not part of a case's re-run command (the cell names them, or they write things)."""
+DEFAULTS: dict = {}
+"""The `run` parser's defaults (filled by add_parser)."""
+
+
+def repro_options(args: argparse.Namespace) -> dict:
+    """The options this run changed from their defaults, as a re-run command needs them."""
+    return {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()
+            if k not in REPRO_SKIP and k in DEFAULTS and v != DEFAULTS[k]}
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -226,4 +304,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="scan KV state after every request (default), also after every speculative step, or off")
     p.add_argument("--logit-top-k", type=count(0), default=10, help="top-k logits logged per position (0 = off)")
     p.add_argument("--out", metavar="DIR", help="run directory (default reports/<run-id>)")
+    p.add_argument("--shard", metavar="I/N",
+                   help="run the I-th of N balanced parts of the cells (merge with `specharness report --merge`)")
     p.set_defaults(func=cmd_run)
+    DEFAULTS.update(vars(p.parse_args([])))

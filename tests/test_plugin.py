@@ -49,3 +49,27 @@ def test_bad_narrowing_option_is_a_usage_error(project):
     result = project.runpytest("suites", "-q", "--mode", "bogus")
     assert result.ret == pytest.ExitCode.USAGE_ERROR
     assert any("unknown mode 'bogus'" in line for line in result.errlines)
+
+
+def test_report_option_writes_the_run_directory_with_its_html_report(project):
+    result = project.runpytest("suites", "-q", "--report", "out")
+    result.assert_outcomes(passed=2)
+    out = project.path / "out"
+    assert {"results.json", "checks.json", "run.json", "vocab.json", "junit.xml", "index.html"} <= {p.name for p in out.iterdir()}
+    assert any(line == f"specharness report: {out / 'index.html'}" or line.endswith("out/index.html")
+               for line in result.outlines)
+    import json
+
+    meta = json.loads((out / "run.json").read_text())
+    assert meta["tool"] == "pytest" and meta["command"].startswith("pytest suites")
+    assert [c["status"] for c in meta["cells"]] == ["done", "done"]
+    assert "All 3 check verdicts passed" in (out / "index.html").read_text()
+
+
+def test_shard_option_keeps_a_part_of_the_cells(project):
+    first = project.runpytest("suites", "-q", "--shard", "1/2", "--collect-only")
+    second = project.runpytest("suites", "-q", "--shard", "2/2", "--collect-only")
+    ids = lambda r: {line for line in r.outlines if "::" in line}  # noqa: E731
+    assert len(ids(first)) == len(ids(second)) == 1 and ids(first) != ids(second)
+    bad = project.runpytest("suites", "-q", "--shard", "3/2")
+    assert bad.ret == pytest.ExitCode.USAGE_ERROR

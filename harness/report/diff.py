@@ -1,0 +1,223 @@
+"""`specharness diff RUN_A RUN_B`: what changed from one run (the previous release) to another (the
+candidate), case by case.
+
+- verdicts that newly fail (failed in B, not failed or absent in A) and newly pass;
+- other status changes (a known defect fixed, a near-tie appearing);
+- outputs that changed (same case, cell and round, different tokens), each triaged: the first
+  divergence of B's tokens from A's, with A's logit margins and both runs' logits before it;
+- tokens/s and draft acceptance per cell, compared only over the requests that produced output in
+  both runs (averages over different sets of cases mislead), flagged beyond a threshold.
+
+Something regressed — a newly failing verdict, a slowdown or an acceptance drop beyond its threshold —
+makes the exit status 1.
+"""
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+from harness.paths import write_atomic
+from harness.report.files import (RunDir, cell_id, item_name, joined, llama_cpp_identity, logits_key, status,
+                                  throughput)
+from harness.triage import triage
+
+SPEED_THRESHOLD = 0.10
+"""A cell slower by more than this fraction of A's tokens/s is a regression."""
+ACCEPTANCE_THRESHOLD = 0.02
+"""A cell whose draft acceptance drops by more than this (absolute) is a regression."""
+
+
+@dataclass
+class RunDiff:
+    """The comparison of run A (before) with run B (after)."""
+
+    a: RunDir
+    b: RunDir
+    newly_failing: list[dict] = field(default_factory=list)
+    newly_passing: list[dict] = field(default_factory=list)
+    other_changes: list[dict] = field(default_factory=list)
+    changed_outputs: list[dict] = field(default_factory=list)
+    performance: list[dict] = field(default_factory=list)
+    only_a: list[str] = field(default_factory=list)
+    only_b: list[str] = field(default_factory=list)
+    thresholds: dict = field(default_factory=dict)
+
+    @property
+    def slower(self) -> list[dict]:
+        return [p for p in self.performance if p["speed_regressed"] or p["acceptance_regressed"]]
+
+    @property
+    def regressed(self) -> bool:
+        return bool(self.newly_failing or self.slower)
+
+    def cases(self) -> set[str]:
+        """Every case (pytest item name) this diff lists as changed."""
+        return ({c["item"] for c in self.newly_failing + self.newly_passing + self.other_changes + self.changed_outputs}
+                | {p["cell"] for p in self.performance if p["flagged"]})
+
+
+def _verdicts(run: RunDir) -> dict[tuple[str, str], dict]:
+    return {(item_name(v), v["check"]): v for v in run.checks}
+
+
+def _pieces(a: RunDir, b: RunDir, model: str) -> dict[str, str]:
+    return {**a.vocab.get(model, {}), **b.vocab.get(model, {})}
+
+
+def output_change(a: RunDir, b: RunDir, ra: dict, rb: dict) -> dict:
+    """The first divergence of B's output from A's for one request, triaged with both runs' logits, in
+    the shape of a check's `first_divergence` evidence (A is the reference)."""
+    pieces = _pieces(a, b, ra["model"])
+    la, lb = a.logits(logits_key(ra)), b.logits(logits_key(rb))
+    d = triage(ra["tokens"], rb["tokens"], la or None, lb or None,
+               detokenize=lambda tokens: joined(pieces, tokens))
+    return {"round": ra["repeat"], "index": d.index, "kind": d.kind, "reason": d.reason, "ref_token": d.ref_token,
+            "other_token": d.other_token, "ref_text": d.ref_text, "other_text": d.other_text, "before": d.before,
+            "margin": d.margin, "reference": f"output of {a.run_id}", "reference_tokens": ra["tokens"],
+            "tokens": rb["tokens"], "reference_margins": [None if p.margin is None else round(p.margin, 4) for p in la]}
+
+
+def compare(a: RunDir, b: RunDir, speed_threshold: float = SPEED_THRESHOLD,
+            acceptance_threshold: float = ACCEPTANCE_THRESHOLD) -> RunDiff:
+    """Compare run A with run B."""
+    diff = RunDiff(a, b, thresholds={"speed": speed_threshold, "acceptance": acceptance_threshold})
+    va, vb = _verdicts(a), _verdicts(b)
+    for key in sorted(va.keys() | vb.keys()):
+        sa = status(va[key]) if key in va else None
+        sb = status(vb[key]) if key in vb else None
+        if sa == sb or sb is None:
+            continue
+        v = vb[key]
+        entry = {"item": key[0], "check": key[1], "a": sa or "absent", "b": sb, "message": v.get("message", ""),
+                 "first_divergence": (v.get("evidence") or {}).get("first_divergence"), "row": v}
+        if sb == "failed":
+            diff.newly_failing.append(entry)
+        elif sa == "failed" and sb in ("passed", "near-tie"):
+            diff.newly_passing.append(entry)
+        elif sa is not None:
+            diff.other_changes.append(entry)
+    items_a, items_b = {k[0] for k in va}, {k[0] for k in vb}
+    diff.only_a, diff.only_b = sorted(items_a - items_b), sorted(items_b - items_a)
+
+    ra = {(item_name(r), r["repeat"]): r for r in a.records}
+    rb = {(item_name(r), r["repeat"]): r for r in b.records}
+    both = sorted(k for k in ra.keys() & rb.keys() if ra[k].get("error") is None and rb[k].get("error") is None)
+    seen = set()
+    for key in both:
+        if ra[key]["tokens"] != rb[key]["tokens"] and key[0] not in seen:
+            seen.add(key[0])
+            diff.changed_outputs.append({"item": key[0], "row": rb[key], "first_divergence": output_change(a, b, ra[key], rb[key])})
+
+    cells: dict[str, tuple[list, list]] = {}
+    for key in both:
+        pair = cells.setdefault(f"{rb[key]['suite']} {cell_id(rb[key])}", ([], []))
+        pair[0].append(ra[key])
+        pair[1].append(rb[key])
+    for cell, (rows_a, rows_b) in sorted(cells.items()):
+        (ta, acc_a), (tb, acc_b) = ((t["tok_s"], t["acceptance"]) for t in (throughput(rows_a), throughput(rows_b)))
+        ratio = tb / ta if ta and tb else None
+        speed_bad = ratio is not None and ratio < 1 - speed_threshold
+        acc_bad = acc_a is not None and acc_b is not None and acc_b < acc_a - acceptance_threshold
+        flagged = speed_bad or acc_bad or (ratio is not None and ratio > 1 + speed_threshold) or (
+            acc_a is not None and acc_b is not None and acc_b > acc_a + acceptance_threshold)
+        diff.performance.append({"cell": cell, "requests": len(rows_b), "a_tok_s": ta, "b_tok_s": tb, "ratio": ratio,
+                                 "a_acceptance": acc_a, "b_acceptance": acc_b, "speed_regressed": speed_bad,
+                                 "acceptance_regressed": acc_bad, "flagged": flagged})
+    return diff
+
+
+def properties(run: RunDir) -> dict[str, str]:
+    """A run's header facts, flattened (`backend.server.llama_cpp_commit`, `model.tiny-dense.sha256`, ...)."""
+    meta = run.meta
+    out = {"harness version": meta.get("harness_version"), "command": meta.get("command"),
+           "cpu": (meta.get("host") or {}).get("cpu"), "started": meta.get("started")}
+    for name, facts in (meta.get("backends") or {}).items():
+        for key, value in facts.items():
+            if key == "build" and isinstance(value, dict):
+                for k, v in value.items():
+                    out[f"{name} build {k}"] = " ".join(v) if isinstance(v, list) else v
+            else:
+                out[f"{name} {key}"] = value
+    for name, facts in (meta.get("models") or {}).items():
+        out[f"model {name}"] = facts.get("sha256") or facts.get("error")
+    return {k: "not recorded" if v is None else str(v) for k, v in out.items()}
+
+
+def differing_properties(a: RunDir, b: RunDir) -> list[tuple[str, str, str]]:
+    """(property, A, B) for the header facts that differ (as compare-llama-bench shows only differing columns)."""
+    pa, pb = properties(a), properties(b)
+    return [(k, pa.get(k, "—"), pb.get(k, "—")) for k in sorted(pa.keys() | pb.keys())
+            if pa.get(k) != pb.get(k) and k != "started"]
+
+
+def print_diff(diff: RunDiff, console) -> None:
+    """The diff on the console (rich)."""
+    from rich.table import Table
+
+    from harness.report.html import triage_line
+
+    console.print(f"diff {diff.a.run_id} → {diff.b.run_id}", style="bold", markup=False)
+    for prop, va, vb in differing_properties(diff.a, diff.b):
+        console.print(f"  {prop}: {va} → {vb}", markup=False, highlight=False)
+    sections = (("newly failing", diff.newly_failing, "red"), ("newly passing", diff.newly_passing, "green"),
+                ("other status changes", diff.other_changes, "yellow"))
+    for title, rows, color in sections:
+        if rows:
+            table = Table(title=f"{title} ({len(rows)})", title_style=f"bold {color}", title_justify="left")
+            for column in ("case", "check", "before → after", "message"):
+                table.add_column(column)
+            for r in rows:
+                table.add_row(r["item"], r["check"], f"{r['a']} → {r['b']}", triage_line(r["row"]))
+            console.print(table)
+    if diff.changed_outputs:
+        table = Table(title=f"changed output ({len(diff.changed_outputs)})", title_style="bold", title_justify="left")
+        for column in ("case", "round", "first divergence", "triage"):
+            table.add_column(column)
+        for c in diff.changed_outputs:
+            d = c["first_divergence"]
+            table.add_row(c["item"], str(d["round"]), f"token {d['index']}: {d['ref_text']!r} → {d['other_text']!r}", d["kind"])
+        console.print(table)
+    flagged = [p for p in diff.performance if p["flagged"]]
+    if flagged:
+        table = Table(title=f"speed and acceptance changes beyond ±{100 * diff.thresholds['speed']:.0f} % tok/s or "
+                            f"±{100 * diff.thresholds['acceptance']:.0f} points acceptance ({len(flagged)})",
+                      title_style="bold", title_justify="left")
+        for column in ("cell", "tok/s before", "after", "speed-up", "acceptance before", "after"):
+            table.add_column(column, justify="left" if column == "cell" else "right")
+        for p in flagged:
+            table.add_row(p["cell"], _fmt(p["a_tok_s"]), _fmt(p["b_tok_s"]),
+                          f"[{'red' if p['speed_regressed'] else 'green'}]{p['ratio']:.2f}x[/]" if p["ratio"] else "-",
+                          _pct(p["a_acceptance"]), _pct(p["b_acceptance"]))
+        console.print(table)
+    if diff.only_a or diff.only_b:
+        console.print(f"{len(diff.only_a)} cases only in {diff.a.run_id}, {len(diff.only_b)} only in {diff.b.run_id}",
+                      markup=False)
+    if not diff.cases():
+        console.print("no changes", style="green")
+    console.print(("REGRESSED: " if diff.regressed else "no regression: ")
+                  + f"{len(diff.newly_failing)} newly failing, {len(diff.slower)} slower cells, "
+                  f"{len(diff.newly_passing)} newly passing, {len(diff.changed_outputs)} changed outputs",
+                  style="bold red" if diff.regressed else "bold green", markup=False)
+
+
+def _fmt(x: Optional[float]) -> str:
+    return "-" if x is None else f"{x:.1f}"
+
+
+def _pct(x: Optional[float]) -> str:
+    return "-" if x is None else f"{100 * x:.1f} %"
+
+
+def write_diff_html(diff: RunDiff, target: Path) -> Path:
+    """Render `diff.html`."""
+    from harness.report.charts import bar_chart
+    from harness.report.html import divergence_view, render
+
+    for entry in diff.newly_failing + diff.newly_passing + diff.other_changes + diff.changed_outputs:
+        entry["view"] = divergence_view(_pieces(diff.a, diff.b, entry["row"]["model"]), entry.get("first_divergence"))
+    ratios = [(p["cell"], p["ratio"], f"{p['ratio']:.2f}x") for p in diff.performance if p["ratio"]]
+    html = render("diff.html.j2", diff=diff, differing=differing_properties(diff.a, diff.b),
+                  identity_a=llama_cpp_identity(diff.a.meta), identity_b=llama_cpp_identity(diff.b.meta),
+                  speed_chart=bar_chart(ratios, ref=1.0, label_width=360) if ratios else "")
+    write_atomic(target, lambda p: p.write_text(html, encoding="utf-8"))
+    return target

@@ -1,0 +1,352 @@
+"""A run directory's files, written at the end of a run and read back by every report.
+
+- `results.json` / `results.parquet`: one record per request (`results.json` is written last: its
+  presence means the directory is complete, and it is never overwritten);
+- `checks.json`: one record per check verdict, with its evidence;
+- `logits.parquet`: top-k logits per generated position, cases named `<suite>/<case>/<cell>/<round>`;
+- `run.json`: what ran, where and how (the report's header; what `--merge` and `diff` compare);
+- `vocab.json`: the text of every token id the run's records and evidence hold, per model, so a
+  report re-renders from these files alone, on a machine without the models.
+"""
+
+import json
+import os
+import platform
+import shlex
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Optional
+
+import pandas as pd
+
+from harness import __version__
+from harness.errors import HarnessError
+from harness.execute import CellRun
+from harness.logits import PositionLogits, from_frame, load_parquet, save_parquet, to_frame
+from harness.paths import write_atomic
+
+FORMAT = 1
+"""Version of the run directory layout (`run.json` `format`)."""
+STATUSES = ("failed", "known", "near-tie", "passed")
+"""A verdict's status in reports, worst first."""
+
+
+def records(runs: list[CellRun]) -> list[dict]:
+    """One JSON-able record per request of every cell run."""
+    out = []
+    for run in runs:
+        c = run.cell
+        for o in run.outcomes:
+            r = o.result
+            out.append({
+                "suite": run.suite.name, "case": o.case, "model": c.model, "backend": c.backend, "mode": c.mode,
+                "spec": c.spec, "repeat": o.round, "tokens": r.tokens, "text": r.text,
+                "stop_reason": r.stop_reason, "error": r.error, "slot_id": r.slot_id,
+                "prompt_n": len(r.prompt_tokens), "timings": r.timings.to_dict(), "spec_stats": r.spec_stats,
+                "kv_scan": r.kv_scan,
+            })
+    return out
+
+
+def check_records(checks: list) -> list[dict]:
+    """(suite, case, cell, CheckResult) tuples as JSON-able records."""
+    return [{"suite": s, "case": k, "model": c.model, "backend": c.backend, "mode": c.mode, "spec": c.spec,
+             "check": r.name, "passed": r.passed, "message": r.message, "evidence": r.evidence}
+            for s, k, c, r in checks]
+
+
+def frame(rows: list[dict]) -> pd.DataFrame:
+    """Records as a flat DataFrame (timings and spec counters become columns)."""
+    return pd.json_normalize(rows, sep=".")
+
+
+def status(verdict: dict) -> str:
+    """`known` (a recorded llama.cpp defect), `failed`, `near-tie` (passed by excusing proven near-ties)
+    or `passed`."""
+    evidence = verdict.get("evidence") or {}
+    if "known_failure" in evidence:
+        return "known"
+    if not verdict.get("passed"):
+        return "failed"
+    return "near-tie" if evidence.get("near_ties") else "passed"
+
+
+def worst(statuses) -> str:
+    """The worst of some statuses (`passed` for none)."""
+    return min(statuses, key=STATUSES.index, default="passed")
+
+
+def cell_id(row: dict) -> str:
+    """`<mode>-<spec>-<model>-<backend>` of a record, a verdict or a run.json cell."""
+    return f"{row['mode']}-{row['spec']}-{row['model']}-{row['backend']}"
+
+
+def logits_key(row: dict) -> str:
+    """The logits.parquet case name of a record: `<suite>/<case>/<cell>/<round>`."""
+    return f"{row['suite']}/{row['case']}/{cell_id(row)}/{row['repeat']}"
+
+
+def item_name(row: dict) -> str:
+    """The pytest item name of a record's or verdict's case: `suite[case-mode-spec-model-backend]`."""
+    return f"{row['suite']}[{row['case']}-{cell_id(row)}]"
+
+
+def throughput(rows: list[dict]) -> dict:
+    """Generated tokens, tokens/s and draft acceptance summed over some requests (None where undefined)."""
+    ms = sum(r["timings"].get("predicted_ms", 0) for r in rows)
+    n = sum(r["timings"].get("predicted_n", 0) for r in rows)
+    drafted = sum((r.get("spec_stats") or {}).get("draft_n", 0) for r in rows)
+    accepted = sum((r.get("spec_stats") or {}).get("draft_n_accepted", 0) for r in rows)
+    return {"tokens": n, "tok_s": 1000.0 * n / ms if ms else None, "drafted": drafted, "accepted": accepted,
+            "acceptance": accepted / drafted if drafted else None}
+
+
+def joined(pieces: dict[str, str], tokens: list[int]) -> str:
+    """The text of some tokens from a vocab.json table (`<id>` for a token it lacks)."""
+    return "".join(pieces.get(str(t), f"<{t}>") for t in tokens)
+
+
+def token_ids(rows: list[dict], checks: list[dict]) -> dict[str, set[int]]:
+    """model → every token id in the records and in the verdicts' divergence evidence."""
+    ids: dict[str, set[int]] = {}
+    for r in rows:
+        ids.setdefault(r["model"], set()).update(r["tokens"])
+    for v in checks:
+        first = (v.get("evidence") or {}).get("first_divergence") or {}
+        for key in ("reference_tokens", "tokens"):
+            ids.setdefault(v["model"], set()).update(first.get(key) or [])
+    return ids
+
+
+def vocabulary(rows: list[dict], checks: list[dict]) -> dict[str, dict[str, str]]:
+    """model → {token id: text} for `vocab.json` (models that cannot be read are left out: their tokens
+    show as ids)."""
+    from harness.detok import detokenizer
+    from harness.models import resolve
+
+    out = {}
+    for model, ids in token_ids(rows, checks).items():
+        try:
+            detok = detokenizer(resolve(model, make=False).path)
+        except HarnessError:
+            continue
+        out[model] = {str(t): detok([t]) for t in sorted(ids)}
+    return out
+
+
+def _dump(path: Path, data) -> None:
+    write_atomic(path, lambda p: p.write_text(json.dumps(data, indent=1, default=str) + "\n"))
+
+
+def write_run(out: Path, runs: list[CellRun], checks: list, meta: Optional[dict] = None) -> Path:
+    """Write the run directory (refusing to overwrite an existing results.json); returns results.json.
+
+    With `meta` (see `describe_run`) also `run.json` and `vocab.json`, which the reports need."""
+    rows = records(runs)
+    verdicts = check_records(checks)
+    logits = {f"{run.suite.name}/{o.case}/{run.cell.id}/{o.round}": to_frame(o.result.logits)
+              for run in runs for o in run.outcomes if o.result.logits}
+    vocab = vocabulary(rows, verdicts) if meta is not None else None
+    return write_files(out, rows, verdicts, logits, vocab, meta)
+
+
+def write_files(out: Path, rows: list[dict], verdicts: list[dict], logits: dict, vocab: Optional[dict],
+                meta: Optional[dict]) -> Path:
+    """Write records, verdicts, logits frames (by case key) and, when given, token texts and run.json;
+    results.json last. Refuses a directory that already has results.json."""
+    out.mkdir(parents=True, exist_ok=True)
+    target = out / "results.json"
+    if target.exists():
+        raise HarnessError(f"{target} already exists (choose another --out; results are never overwritten)")
+    _dump(out / "checks.json", verdicts)
+    write_atomic(out / "results.parquet", lambda p: frame(rows).to_parquet(p, index=False))
+    if logits:
+        write_atomic(out / "logits.parquet", lambda p: save_parquet(p, logits))
+    if vocab is not None:
+        _dump(out / "vocab.json", vocab)
+    if meta is not None:
+        _dump(out / "run.json", {**meta, "run_id": out.name})
+    write_atomic(target, lambda p: p.write_text(json.dumps(rows, indent=1) + "\n"))
+    return target
+
+
+# --- run.json -------------------------------------------------------------------------------------------
+
+def now() -> str:
+    """UTC time, ISO 8601 to the second."""
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+
+
+def _cpu() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def host() -> dict:
+    """The machine: CPU model, cores, OS and Python (no host name, no paths)."""
+    return {"cpu": _cpu(), "cores": os.cpu_count(), "platform": platform.platform(terse=True),
+            "python": platform.python_version()}
+
+
+def backend_facts(name: str, backend) -> dict:
+    """A started backend's environment plus how its llama.cpp was built: llama-server's build (commit,
+    CMake options, compiler; no paths) or llama-cpp-python's system info."""
+    facts = dict(backend.environment())
+    build = getattr(backend, "build", None)
+    if build is not None:
+        data = build.to_json()
+        facts["build"] = {k: data[k] for k in ("commit", "dirty", "backend", "cmake_args", "compiler", "built_at")
+                          if k in data}
+    elif name == "inproc":
+        import llama_cpp
+
+        facts["system_info"] = llama_cpp.llama_print_system_info().decode(errors="replace").strip()
+    return facts
+
+
+def llama_cpp_identity(meta: dict) -> dict:
+    """backend → what identifies the llama.cpp it ran (source identity or llama-cpp-python version)."""
+    out = {}
+    for name, facts in (meta.get("backends") or {}).items():
+        out[name] = (facts.get("source_identity") or facts.get("llama_cpp_commit")
+                     or facts.get("llama_cpp_python") or "not recorded")
+    return out
+
+
+def describe_run(executor, *, tool: str, command: list[str], options: dict, started: str,
+                 planned: list, done: list, suites: dict, known: list, shard: Optional[str] = None,
+                 interrupted: bool = False) -> dict:
+    """The content of `run.json` (`run_id` is added by write_run).
+
+    `planned` and `done` are (suite name, Cell) pairs: the cells this run was to check and those it
+    finished; `suites` maps suite name → file; `known` is the list of known-failure entries."""
+    from harness.models import resolve
+
+    runs = {(r.suite.name, r.cell): r for r in executor.runs()}
+    finished = set(done)
+    cells = []
+    for suite, cell in planned:
+        run = runs.get((suite, cell))
+        entry = {"suite": suite, **asdict(cell), "id": cell.id,
+                 "status": "not run" if (suite, cell) not in finished else "error" if run and run.error else "done"}
+        if run is not None and run.error:
+            entry["error"] = run.error
+            if getattr(run, "harness_error", None):
+                entry["harness_error"] = run.harness_error
+        cells.append(entry)
+    from harness.models import draft_for
+
+    used = {c.model for _, c in planned} | {r.cell.model for r in runs.values()}
+    drafts = {executor.options.draft_model or draft_for(c.model) for _, c in planned if "draft-simple" in c.spec}
+    models = {}
+    for name in sorted(used | (drafts - {None})):
+        try:
+            info = resolve(name, make=False)
+        except HarnessError as err:
+            models[name] = {"error": str(err)}
+            continue
+        models[name] = {"file": info.path.name, "sha256": info.sha256, "size": info.size, "arch": info.arch,
+                        "kind": info.kind}
+    backends = {}
+    for name, backend in executor.backends().items():
+        try:
+            backends[name] = backend_facts(name, backend)
+        except HarnessError as err:
+            backends[name] = {"error": str(err)}
+    return {
+        "format": FORMAT, "tool": tool, "command": shlex.join(command), "options": options,
+        "started": started, "finished": now(), "harness_version": __version__, "shard": shard,
+        "interrupted": interrupted, "host": host(), "backends": backends, "models": models,
+        "suites": {name: _shown(path) for name, path in suites.items()}, "cells": cells,
+        "known_failures": [asdict(e) for e in known],
+    }
+
+
+def _shown(path) -> Optional[str]:
+    """A suite file relative to the working directory when inside it (as pytest node ids name it)."""
+    if path is None:
+        return None
+    try:
+        return str(Path(path).resolve().relative_to(Path.cwd().resolve()))
+    except ValueError:
+        return str(path)
+
+
+def command_line(argv: Optional[list[str]] = None) -> list[str]:
+    """How this process was started, as a user would type it (`specharness ...` / `pytest ...`)."""
+    argv = list(sys.argv if argv is None else argv)
+    head = Path(argv[0]).name if argv else ""
+    if head in ("__main__.py", "cli.py"):
+        head = "specharness"
+    return [head, *argv[1:]]
+
+
+# --- reading ------------------------------------------------------------------------------------------
+
+def _load_json(path: Path, what: str, default=None):
+    if not path.exists():
+        if default is not None:
+            return default
+        raise HarnessError(f"{path.parent} is not a complete run directory: no {path.name}")
+    try:
+        return json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, ValueError) as err:
+        raise HarnessError(f"{path}: cannot read the {what} ({err})") from None
+
+
+@dataclass
+class RunDir:
+    """A run directory read back: its records, verdicts, run.json (empty for runs made before it
+    existed) and token texts."""
+
+    path: Path
+    records: list[dict]
+    checks: list[dict]
+    meta: dict = field(default_factory=dict)
+    vocab: dict[str, dict[str, str]] = field(default_factory=dict)
+    _logits: Optional[dict] = field(default=None, repr=False)
+
+    @classmethod
+    def load(cls, path: Path) -> "RunDir":
+        """Read a run directory; a one-line HarnessError when it is not one."""
+        path = Path(path)
+        if not path.is_dir():
+            raise HarnessError(f"{path}: no such run directory")
+        rows = _load_json(path / "results.json", "results")
+        checks = _load_json(path / "checks.json", "check verdicts")
+        meta = _load_json(path / "run.json", "run description", default={})
+        vocab = _load_json(path / "vocab.json", "token texts", default={})
+        if not isinstance(rows, list) or not isinstance(checks, list) or not isinstance(meta, dict):
+            raise HarnessError(f"{path}: results.json and checks.json must hold lists, run.json an object")
+        return cls(path, rows, checks, meta, vocab)
+
+    @property
+    def run_id(self) -> str:
+        """The directory's name (what a reader sees; `run.json` records the name it was written under)."""
+        return self.path.resolve().name
+
+    def logit_frames(self) -> dict:
+        """`<suite>/<case>/<cell>/<round>` → logits frame ({} when none were logged), read once."""
+        if self._logits is None:
+            try:
+                self._logits = load_parquet(self.path / "logits.parquet")
+            except (OSError, ValueError):
+                self._logits = {}
+        return self._logits
+
+    def logits(self, key: str) -> list[PositionLogits]:
+        """The logits of `<suite>/<case>/<cell>/<round>` ([] when not logged)."""
+        frame_ = self.logit_frames().get(key)
+        return from_frame(frame_) if frame_ is not None else []
+
+    def text(self, model: str, tokens: list[int]) -> list[Optional[str]]:
+        """The text of each token (None where vocab.json does not have it)."""
+        pieces = self.vocab.get(model, {})
+        return [pieces.get(str(t)) for t in tokens]

@@ -1,0 +1,75 @@
+"""`junit.xml` for CI dashboards: one testcase per check verdict, named like the pytest items.
+
+`classname` is the suite file as pytest's junitxml writes it (`suites.quicksort.yaml`), `name` the
+pytest item plus the check (`quicksort[C-seq-none-tiny-dense-inproc]::baseline`), so a dashboard keeps
+one history per verdict. A failed verdict is a `<failure>`; a known llama.cpp defect is `<skipped
+type="known-failure">` with its upstream reference (pytest reports its xfails the same way); a cell
+that could not be served is an `<error>`; a cell an interrupted run never reached is `<skipped
+type="not-run">`; a verdict that passed by excusing proven near-ties passes, with a property saying so.
+"""
+
+import xml.etree.ElementTree as ET
+from collections import defaultdict
+from pathlib import Path
+
+from harness.paths import write_atomic
+from harness.report.files import RunDir, cell_id, item_name, status
+
+
+def _classname(run: RunDir, suite: str) -> str:
+    path = (run.meta.get("suites") or {}).get(suite) or f"suites/{suite}.yaml"
+    return path.replace("\\", "/").replace("/", ".")
+
+
+def junit_xml(run: RunDir) -> bytes:
+    """The document (UTF-8 bytes)."""
+    cells = run.meta.get("cells") or []
+    errors = {(c["suite"], c["id"]): c.get("error", "") for c in cells if c.get("status") == "error"}
+    upstream = {e["id"]: e.get("upstream") for e in run.meta.get("known_failures") or []}
+    by_suite: dict[str, list[ET.Element]] = defaultdict(list)
+    counts: dict[str, dict[str, int]] = defaultdict(lambda: {"tests": 0, "failures": 0, "errors": 0, "skipped": 0})
+    for v in run.checks:
+        suite, st = v["suite"], status(v)
+        case = ET.Element("testcase", classname=_classname(run, suite), name=f"{item_name(v)}::{v['check']}", time="0")
+        message = v.get("message") or ""
+        first = (message.strip().splitlines() or [""])[0]
+        tally = counts[suite]
+        tally["tests"] += 1
+        if (suite, cell_id(v)) in errors and st == "failed":
+            ET.SubElement(case, "error", message=first, type="cell-not-served").text = message
+            tally["errors"] += 1
+        elif st == "failed":
+            ET.SubElement(case, "failure", message=first, type=f"check:{v['check']}").text = message
+            tally["failures"] += 1
+        elif st == "known":
+            known = v["evidence"]["known_failure"]
+            ref = upstream.get(known)
+            note = f"known llama.cpp defect {known}" + (f" ({ref})" if ref else "") + f": {first}"
+            ET.SubElement(case, "skipped", message=note, type="known-failure").text = message
+            tally["skipped"] += 1
+        elif st == "near-tie":
+            props = ET.SubElement(case, "properties")
+            ET.SubElement(props, "property", name="near_ties", value=str(v["evidence"]["near_ties"]))
+        by_suite[suite].append(case)
+    for c in cells:
+        if c.get("status") == "not run":
+            case = ET.Element("testcase", classname=_classname(run, c["suite"]), name=f"{c['suite']}[{c['id']}]", time="0")
+            ET.SubElement(case, "skipped", message="not run: the run was interrupted before this cell", type="not-run")
+            by_suite[c["suite"]].append(case)
+            counts[c["suite"]]["tests"] += 1
+            counts[c["suite"]]["skipped"] += 1
+    root = ET.Element("testsuites", name=f"specharness {run.run_id}")
+    for suite in sorted(by_suite):
+        node = ET.SubElement(root, "testsuite", name=suite, timestamp=run.meta.get("started") or "",
+                             **{k: str(n) for k, n in counts[suite].items()}, time="0")
+        node.extend(by_suite[suite])
+    ET.indent(root)
+    return ET.tostring(root, encoding="utf-8", xml_declaration=True)
+
+
+def write_junit(run: RunDir) -> Path:
+    """Write `junit.xml` into the run directory."""
+    target = run.path / "junit.xml"
+    data = junit_xml(run)
+    write_atomic(target, lambda p: p.write_bytes(data))
+    return target
