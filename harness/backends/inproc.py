@@ -10,7 +10,6 @@ llama.cpp, so starting one costs milliseconds, not an interpreter start.
 
 import multiprocessing
 import multiprocessing.connection
-import os
 import sys
 import tempfile
 import time
@@ -66,18 +65,19 @@ def _context():
 
 
 def _start_without_main(process) -> None:
-    """Start a worker even when the parent's `__main__` is no file (a script on stdin): multiprocessing
-    re-runs the parent's main file in the child, which the worker never needs and cannot find then."""
+    """Start a worker without the parent's `__main__`: multiprocessing re-runs the parent's main module in
+    the child (by name or by file), which the worker never needs and which may not exist as a file (a
+    script on stdin) or may have changed on disk since the parent started."""
     main = sys.modules["__main__"]
-    path = getattr(main, "__file__", None)
-    hidden = path is not None and not os.path.isfile(path)
-    if hidden:
+    saved = {k: getattr(main, k) for k in ("__spec__", "__file__") if hasattr(main, k)}
+    main.__spec__ = None
+    if "__file__" in saved:
         del main.__file__
     try:
         process.start()
     finally:
-        if hidden:
-            main.__file__ = path
+        for key, value in saved.items():
+            setattr(main, key, value)
 
 
 class InprocSession:
