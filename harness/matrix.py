@@ -158,7 +158,9 @@ def estimated_cost(suite, cell: Cell) -> float:
     model, plus a server start."""
     from harness.models import resolve
 
-    tokens = len(suite.rounds) * sum((len(c.turns) or 1) * (c.sampling.n_predict or 128) for c in suite.cases)
+    cases = [suite.cell_case(c, cell.model) for c in suite.cases]
+    tokens = len(suite.rounds) * sum((len(c.turns) or 1) * (c.sampling.n_predict if c.sampling.n_predict > 0 else 128)
+                                     for c in cases)
     try:
         weight = max(1.0, resolve(cell.model, make=False).size / MODEL_WEIGHT_BYTES)
     except HarnessError:
@@ -174,14 +176,20 @@ def shard(jobs: list[tuple], part: Shard, cost=estimated_cost) -> list[tuple]:
 
     Cells that compare with each other (lossless with spec `none`, mode-invariant with `seq`, logits-close
     with both) share suite, backend and model, so those groups are kept whole: no shard runs another's
-    reference cells. Only with fewer groups than shards are the largest groups split into cells, each then
-    also running its reference cells (counted in its cost). Groups go, largest first, to the least loaded
-    shard (longest-processing-time scheduling)."""
+    reference cells. A group is split into cells, each then also running its reference cells (counted in its
+    cost), only while there are fewer units than shards or it alone would take more than half a shard's
+    share. Units go, largest first, to the least loaded shard (longest-processing-time scheduling)."""
     groups: dict[tuple, list[tuple]] = {}
     for suite, cell in jobs:
         groups.setdefault((suite.name, cell.backend, cell.model), []).append((suite, cell))
     units = [(sum(cost(s, c) for s, c in members), key, members) for key, members in groups.items()]
-    while len(units) < part.count and any(len(u[2]) > 1 for u in units):
+    share = sum(u[0] for u in units) / part.count
+
+    def too_big() -> bool:
+        splittable = [u for u in units if len(u[2]) > 1]
+        return bool(splittable) and (len(units) < part.count or max(u[0] for u in splittable) > share / 2)
+
+    while too_big():
         units.sort(key=lambda u: (len(u[2]) > 1, u[0], u[1]))
         _, key, members = units.pop()
         for suite, cell in members:
