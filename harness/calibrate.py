@@ -3,8 +3,8 @@
 Logically equivalent runs must produce the same tokens, but not the same bits: a verification batch of
 k+1 tokens, another micro-batch split, or slots sharing one batch (par) run other CPU kernels than a
 one-token decode. This measures, on a clean build, how far that moves the logits. The reference is the
-`seq`, non-speculative run of each prompt (the quicksort prompts and the first W1 turn, greedy, as long as
-those suites run them for the model); every other cell of the suites' matrix for this backend (every mode × every speculative
+`seq`, non-speculative run of each prompt (every case of every suite that runs the model, a chat's
+first turn, greedy, as long as the suite runs it); every other cell of the suites' matrix for this backend (every mode × every speculative
 config, plus a 7-token micro-batch split) is an equivalent run. Over the positions before the first token
 divergence of each pair it records, per position, test-backend-ops' NMSE, KL, max |Δ| and the change of
 the top1−top2 margin, and the reference's margin wherever an equivalent run's token flipped.
@@ -34,7 +34,7 @@ from harness.matrix import BACKEND_NAMES, Cell, spec_preset
 from harness.models import draft_for, resolve
 from harness.noise import calibration_path, calibration_root
 from harness.paths import write_atomic
-from harness.suites import Case, Suite, load_suite
+from harness.suites import Case, Suite, load_suite, suite_files
 from harness.triage import at, gap
 
 SAFETY = 2.0
@@ -51,13 +51,22 @@ UBATCH = 7
 
 
 def prompts(model: str) -> list[Case]:
-    """The calibration prompts: the quicksort cases and the first turn of the W1 chat, greedy, as long as
-    those suites run them for `model` (their matrix block's n_predict)."""
-    cases = []
-    for name in ("quicksort", "w1"):
-        suite = load_suite(name)
-        cases += [replace(case := suite.cell_case(c, model), sampling=replace(case.sampling, temperature=0.0),
-                          turns=case.turns[:1]) for c in suite.cases[:3]]
+    """The calibration prompts: every case of every suite whose matrix names `model` (a chat's first turn),
+    greedy, as long as that suite runs it for the model; each distinct prompt once."""
+    cases, seen = [], set()
+    for path in suite_files():
+        suite = load_suite(str(path))
+        if not any(model in block["models"] for block in suite.matrix):
+            continue
+        for c in suite.cases:
+            case = suite.cell_case(c, model)
+            case = replace(case, name=f"{suite.name}.{case.name}", turns=case.turns[:1],
+                           sampling=replace(case.sampling, temperature=0.0, seed=None))
+            key = (case.prompt, tuple(case.turns), case.sampling.n_predict, repr(case.sampling.json_schema),
+                   case.sampling.grammar)
+            if key not in seen:
+                seen.add(key)
+                cases.append(case)
     return cases
 
 
@@ -165,8 +174,9 @@ def calibrate(model: str, backend: str, repeats: int = 2, server_bin: Optional[P
         "measured_on": datetime.date.today().isoformat(),
         "command": f"specharness calibrate --model {model} --backend {backend} --repeats {repeats} --write",
         "method": (f"reference: seq, no speculation; equivalent runs: {len(measurements[0])} variants "
-                   f"(modes x speculative configs, n_ubatch {UBATCH}); prompts: quicksort C/Java/Python and "
-                   f"W1 turn 1, greedy, n_predict as the suites run this model; tolerance = {SAFETY:g} x the largest value over "
+                   f"(modes x speculative configs, n_ubatch {UBATCH}); prompts: the {len(prompts(model))} "
+                   f"distinct cases of the suites that run this model (chats: first turn), greedy, n_predict as "
+                   f"the suites run them; tolerance = {SAFETY:g} x the largest value over "
                    f"{repeats} measurements (nmse: pooled NMSE of a run; kl: mean KL of a run; max_abs: p95 of "
                    "the per-position max |dlogprob|; near_tie: the largest top1-top2 margin change or flipped "
                    "margin)"),

@@ -84,12 +84,18 @@ class Divergence:
             text += "."
         return f"{text} Class {self.kind}: {self.reason}."
 
-    def to_evidence(self) -> dict:
-        """The JSON form kept in a check's evidence (`first_divergence`, with the streams added by the caller)."""
-        return {"index": self.index, "kind": self.kind, "reason": self.reason, "ref_token": self.ref_token,
-                "other_token": self.other_token, "ref_text": self.ref_text, "other_text": self.other_text,
-                "before": self.before, "margin": self.margin, "noise_floor": self.noise_floor,
-                "floor_source": self.floor_source, "rescored": self.rescored, "same_logits": self.same_logits}
+    def to_evidence(self, round_: int, reference: str, ref_tokens: list[int], tokens: list[int],
+                    ref_logits: Optional[list[PositionLogits]]) -> dict:
+        """The JSON form kept as a check's `first_divergence` evidence (and in run diffs): the class and its
+        evidence, both token streams and the reference's margin at every position (for the report)."""
+        margins = [None if (p := at(ref_logits, i)) is None or p.margin is None else round(p.margin, 5)
+                   for i in range(len(ref_tokens))]
+        return {"round": round_, "index": self.index, "kind": self.kind, "reason": self.reason,
+                "ref_token": self.ref_token, "other_token": self.other_token, "ref_text": self.ref_text,
+                "other_text": self.other_text, "before": self.before, "margin": self.margin,
+                "noise_floor": self.noise_floor, "floor_source": self.floor_source, "rescored": self.rescored,
+                "same_logits": self.same_logits, "reference": reference, "reference_tokens": list(ref_tokens),
+                "tokens": list(tokens), "reference_margins": margins}
 
 
 def _token(token: Optional[int], text: str) -> str:

@@ -8,7 +8,7 @@ from harness.execute import Outcome
 from harness.logits import PositionLogits
 from harness.matrix import Cell
 from harness.result import Result
-from harness.triage import Divergence, at, triage
+from harness.triage import Divergence, triage
 
 
 def compare_outcome(ctx: CheckContext, reference: Optional[Outcome], label: str,
@@ -57,12 +57,7 @@ def compare_tokens(ctx: CheckContext, ref_tokens: list[int], ref_logits: list[Po
     if not diffs:
         return True, "", evidence
     outcome, first = (failing or excused)[0]
-    evidence["first_divergence"] = {
-        **first.to_evidence(), "round": outcome.round, "reference": label, "reference_tokens": list(ref_tokens),
-        "tokens": list(outcome.result.tokens),
-        "reference_margins": [None if (p := at(ref_logits, i)) is None else round(p.margin, 5)
-                              if p.margin is not None else None for i in range(len(ref_tokens))],
-    }
+    evidence["first_divergence"] = first.to_evidence(outcome.round, label, ref_tokens, outcome.result.tokens, ref_logits)
     if not failing:
         return True, (f"{len(excused)} of {len(mine)} outputs differ from the {label} at proven near-ties "
                       f"(reported, not failed in {ctx.cell.mode} mode); round {outcome.round}: {first.describe()}"), evidence

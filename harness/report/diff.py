@@ -71,10 +71,7 @@ def output_change(a: RunDir, b: RunDir, ra: dict, rb: dict) -> dict:
     la, lb = a.logits(logits_key(ra)), b.logits(logits_key(rb))
     d = triage(ra["tokens"], rb["tokens"], la or None, lb or None,
                detokenize=lambda tokens: joined(pieces, tokens))
-    return {"round": ra["repeat"], "index": d.index, "kind": d.kind, "reason": d.reason, "ref_token": d.ref_token,
-            "other_token": d.other_token, "ref_text": d.ref_text, "other_text": d.other_text, "before": d.before,
-            "margin": d.margin, "reference": f"output of {a.run_id}", "reference_tokens": ra["tokens"],
-            "tokens": rb["tokens"], "reference_margins": [None if p.margin is None else round(p.margin, 4) for p in la]}
+    return d.to_evidence(ra["repeat"], f"output of {a.run_id}", ra["tokens"], rb["tokens"], la)
 
 
 def compare(a: RunDir, b: RunDir, speed_threshold: float = SPEED_THRESHOLD,
