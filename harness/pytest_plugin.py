@@ -8,6 +8,7 @@ file and line, and the other suites still run.
 
 import json
 import shlex
+import shutil
 import signal
 from pathlib import Path
 
@@ -26,6 +27,7 @@ from harness.known_failures import FILE_NAME as KNOWN_FAILURES, KnownFailure, lo
 from harness.matrix import BACKEND_NAMES, Shard, cells, narrowing, shard
 from harness.models import ModelUnavailable, resolve
 from harness.report import describe_run, publish, write_run
+from harness.report.merge import merge
 from harness.report.files import now
 from harness.runner import count, csv, interrupt_on_sigterm
 from harness.suites import load_suite
@@ -85,6 +87,12 @@ def pytest_collect_file(parent: pytest.Collector, file_path: Path):
     return None
 
 
+def worker_group(suite: str, cell) -> str:
+    """The xdist group of a suite item (`--dist loadgroup`): a cell and the cells its checks compare it with
+    (the same model and backend: no speculation, `seq`) run on one worker, once."""
+    return f"{suite}:{cell.model}:{cell.backend}"
+
+
 def _only(config: pytest.Config) -> dict:
     return config.stash[STATE]["only"]
 
@@ -103,6 +111,7 @@ class SuiteFile(pytest.File):
             for case in suite.cases:
                 for key in case_keys(case):
                     item = SuiteItem.from_parent(self, name=f"{suite.name}[{key}-{cell.id}]", suite=suite, cell=cell, key=key)
+                    item.add_marker(pytest.mark.xdist_group(worker_group(suite.name, cell)))
                     if suite.slow:
                         item.add_marker(pytest.mark.slow)
                     yield item
@@ -184,6 +193,7 @@ class KnownFailuresFile(pytest.File):
             if chosen:
                 item = KnownFailureItem.from_parent(self, name=f"known-failures[{entry.id}]", entry=entry,
                                                     suite=suite, cells=chosen)
+                item.add_marker(pytest.mark.xdist_group(worker_group(suite.name, chosen[0])))
                 item.add_marker(pytest.mark.xfail(strict=True, reason=(
                     f"{entry.summary} — if this passes, the defect no longer reproduces: remove the entry")))
                 yield item
@@ -263,6 +273,11 @@ def pytest_runtest_protocol(item, nextitem):
         state["ran"].add(item.nodeid)
 
 
+WORKERS_DIR = ".workers"
+"""Under pytest-xdist each worker writes its part of `--report DIR` to `DIR/.workers/<worker id>`; the
+controller merges them into DIR (as `specharness report --merge` merges shards) and removes them."""
+
+
 def pytest_sessionfinish(session: pytest.Session, exitstatus) -> None:
     config = session.config
     report = config.getoption("--report")
@@ -271,22 +286,43 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus) -> None:
         return
     if state["sigterm"] is not None:
         signal.signal(signal.SIGTERM, state["sigterm"])
+    worker = getattr(config, "workerinput", None)
+    parts = Path(report) / WORKERS_DIR if report else None
+    if report and worker is None and not state["executor"].runs() and parts.is_dir():
+        _merge_workers(config, state, parts)
+        return
     if not (report and state["executor"].runs()):
         return
     planned = list(state["planned"])
     done = [cell for cell, ids in state["planned"].items() if ids <= state["ran"]]
     options = {k: v for k, default in REPORT_DEFAULTS.items()
                if (v := config.getoption("--" + k.replace("_", "-"))) not in (None, default)}
+    target = parts / worker["workerid"] if worker else Path(report)
+    if worker:  # a worker reports the cells whose items it ran (xdist_group keeps a cell's items together)
+        planned = [cell for cell, ids in state["planned"].items() if ids & state["ran"]]
     try:
         meta = describe_run(
             state["executor"], tool="pytest", command=["pytest", *config.invocation_params.args], options=options,
             started=state["started"], planned=planned, done=done, suites=state["suites"], known=state["known"],
             shard=str(state["shard"]) if state["shard"] else None,
             interrupted=exitstatus == pytest.ExitCode.INTERRUPTED)
-        write_run(Path(report), state["executor"].runs(), state["checks"], meta)
-        state["report"] = publish(Path(report))
+        write_run(target, state["executor"].runs(), state["checks"], meta)
+        if not worker:
+            state["report"] = publish(target)
     except HarnessError as err:
         config.get_terminal_writer().line(f"specharness: --report not written: {err}", red=True)
+
+
+def _merge_workers(config: pytest.Config, state: dict, parts: Path) -> None:
+    """The controller of an xdist session: merge the workers' run directories into the report."""
+    dirs = sorted(d for d in parts.iterdir() if (d / "results.json").is_file())
+    try:
+        merge(dirs, parts.parent)
+        state["report"] = publish(parts.parent)
+    except HarnessError as err:
+        config.get_terminal_writer().line(f"specharness: --report not merged from {parts}: {err}", red=True)
+        return
+    shutil.rmtree(parts)
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config: pytest.Config) -> None:

@@ -73,3 +73,20 @@ def test_shard_option_keeps_a_part_of_the_cells(project):
     assert len(ids(first)) == len(ids(second)) == 1 and ids(first) != ids(second)
     bad = project.runpytest("suites", "-q", "--shard", "3/2")
     assert bad.ret == pytest.ExitCode.USAGE_ERROR
+
+
+def test_report_under_xdist_merges_the_workers_parts_into_one_run(project):
+    import json
+
+    two_models = GOOD.replace("models: [tiny-dense]", "models: [tiny-dense, tiny-hybrid]")
+    (project.path / "suites" / "good.yaml").write_text(two_models)
+    result = project.runpytest_subprocess("suites", "-q", "-n", "2", "--dist", "loadgroup", "--report", "out")
+    result.assert_outcomes(passed=4)
+    out = project.path / "out"
+    assert not (out / ".workers").exists() and (out / "index.html").is_file()
+    meta = json.loads((out / "run.json").read_text())
+    assert sorted((c["id"], c["status"]) for c in meta["cells"]) == sorted(
+        (f"{mode}-none-{model}-inproc", "done") for mode in ("seq", "no-kv-unified") for model in ("tiny-dense", "tiny-hybrid"))
+    records = json.loads((out / "results.json").read_text())
+    assert len(records) == 4 and all(r["error"] is None for r in records)
+    assert "All 6 check verdicts passed" in (out / "index.html").read_text()

@@ -84,7 +84,7 @@ def test_bad_shard_is_a_one_line_error(text, capsys):
 def test_pytest_shards_split_the_suite_items_without_overlap():
     def collected(*extra):
         done = subprocess.run([sys.executable, "-m", "pytest", "suites/quicksort.yaml", "suites/w1.yaml",
-                               "--collect-only", "-q", "-p", "no:cacheprovider", *extra],
+                               "--collect-only", "-q", "-p", "no:cacheprovider", "-n", "0", *extra],
                               cwd=REPO, capture_output=True, text=True, timeout=300)
         return {line for line in done.stdout.splitlines() if "::" in line}
 
