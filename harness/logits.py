@@ -8,6 +8,7 @@ compared position by position (`compare`, `check`).
 """
 
 import math
+import threading
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
@@ -45,22 +46,79 @@ class PositionLogits:
         return float(self.top_logits[0]) - float(self.top_logits[1]) if len(self.top_logits) >= 2 else None
 
 
+SAMPLE_STRIDE = 64
+"""`capture` finds its top-k candidates above the k-th largest of every 64th logit."""
+
+_scratch = threading.local()
+
+
+def _exp_buffer(row: np.ndarray) -> np.ndarray:
+    """A per-thread scratch array shaped like `row` for the log-normaliser's exp (no 1 MB allocation and
+    page faults per token)."""
+    buf = getattr(_scratch, "buf", None)
+    if buf is None or buf.shape != row.shape or buf.dtype != row.dtype:
+        buf = _scratch.buf = np.empty_like(row)
+    return buf
+
+
+def _top_k_full(row: np.ndarray, k: int) -> np.ndarray:
+    """The top-k ids, best first, ties by id, from a partition of the whole row (rows with NaN or ±inf;
+    which of several ids tied at the k-th value it keeps is numpy's choice)."""
+    top = np.argpartition(row, -k)[-k:]
+    return top[np.lexsort((top, -row[top]))]
+
+
+def _top_k(row: np.ndarray, k: int) -> np.ndarray | None:
+    """The k best ids, best first, ties broken by the lower id (also at the k-th value), in a few
+    vectorised passes: the k-th largest of a strided sample bounds the row's k-th largest from below, so
+    the ids at or above it (at least k) hold the top k; only those are partitioned. None when the row
+    holds NaN where the bound or the partition sees it (the caller then partitions the whole row)."""
+    n = row.shape[0]
+    if n >= 4 * SAMPLE_STRIDE * k:
+        sample = row[::SAMPLE_STRIDE]
+        bound = np.partition(sample, sample.size - k)[sample.size - k]
+        cand = np.flatnonzero(row >= bound)
+    else:
+        cand = np.arange(n)
+    vals = row[cand]
+    if cand.size > k:
+        kth = np.partition(vals, cand.size - k)[cand.size - k]
+        above = vals > kth
+        n_above = int(np.count_nonzero(above))
+        cand = np.concatenate((cand[above], cand[vals == kth][: k - n_above]))  # cand ascends: lowest tied ids
+        vals = row[cand]
+    if cand.size != k:
+        return None
+    return cand[np.lexsort((cand, -vals))]
+
+
 def capture(row: np.ndarray, k: int) -> PositionLogits:
     """Top-k of one logit row (a view into llama.cpp's buffer; copied here) with its digest and log-normaliser.
 
-    Per token this is the cost of logging: the digest is a CRC-32 (2-3x cheaper than SHA-1 over a 262k
-    vocabulary; it only has to tell two rows apart) and exp runs in float32 with a float64 sum."""
+    Per token this is the cost of logging, so it is a few vectorised passes over the row (no partition of
+    the whole vocabulary, see `_top_k`): the digest is a CRC-32 (2-3x cheaper than SHA-1 over a 262k
+    vocabulary; it only has to tell two rows apart) and exp runs in float32, into a reused buffer, with a
+    float64 sum. Ids tied at the k-th value are kept lowest first; a row holding NaN or +inf (whose
+    normaliser is NaN) takes the whole-row partition instead."""
     k = min(k, row.shape[0])
-    top = np.argpartition(row, -k)[-k:]
-    order = top[np.lexsort((top, -row[top]))]
+    order = _top_k(row, k) if k > 0 else None
+    full = order is None
+    if full:
+        order = _top_k_full(row, k)
     peak = float(row[order[0]])
+    scratch = _exp_buffer(row)
+    total = float(np.exp(np.subtract(row, np.float32(peak), out=scratch), out=scratch).sum(dtype=np.float64))
+    if math.isnan(total) and not full:
+        order = _top_k_full(row, k)
+        peak = float(row[order[0]])
+        total = float(np.exp(np.subtract(row, np.float32(peak), out=scratch), out=scratch).sum(dtype=np.float64))
     return PositionLogits(
         top_ids=order.astype(np.int32),
         top_logits=row[order].astype(np.float32),
         digest=f"{zlib.crc32(memoryview(row)):08x}",
         head=tuple(float(x) for x in row[:3]),
         tail=tuple(float(x) for x in row[-3:]),
-        log_z=peak + math.log(float(np.exp(row - np.float32(peak)).sum(dtype=np.float64))),
+        log_z=peak + math.log(total),
     )
 
 
