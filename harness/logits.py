@@ -8,9 +8,11 @@ compared position by position (`compare`, `check`).
 """
 
 import math
+import os
 import threading
 import zlib
-from dataclasses import dataclass
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -34,6 +36,22 @@ class PositionLogits:
     log_z: float = 0.0
     """log Σ exp(row) over the whole vocabulary: `top_logits − log_z` are log-probabilities
     (0 when `top_logits` already are, as llama-server's are)."""
+    pending: Future | None = field(default=None, repr=False, compare=False)
+    """`capture(..., deferred=True)`: the digest and log-normaliser still being computed (see `settle`)."""
+
+    def settle(self) -> "PositionLogits":
+        """Wait for a deferred capture's digest and log-normaliser (a no-op otherwise); returns self."""
+        if self.pending is not None:
+            future, self.pending = self.pending, None
+            digest, total, row = future.result()
+            if row is not None:  # NaN in the row: the whole-row partition, as `capture` does
+                settled = capture(row, len(self.top_ids))
+                self.top_ids, self.top_logits, total = settled.top_ids, settled.top_logits, None
+                self.log_z = settled.log_z
+            self.digest = digest
+            if total is not None:
+                self.log_z = float(self.top_logits[0]) + math.log(total)
+        return self
 
     def logprobs(self) -> np.ndarray:
         """The top-k values as float64 log-probabilities."""
@@ -92,34 +110,63 @@ def _top_k(row: np.ndarray, k: int) -> np.ndarray | None:
     return cand[np.lexsort((cand, -vals))]
 
 
-def capture(row: np.ndarray, k: int) -> PositionLogits:
+def _normaliser(row: np.ndarray, peak: float, scratch: np.ndarray) -> float:
+    """Σ exp(row − peak): float32 exp into `scratch`, float64 sum (NaN for a row holding NaN or +inf)."""
+    with np.errstate(invalid="ignore"):
+        return float(np.exp(np.subtract(row, np.float32(peak), out=scratch), out=scratch).sum(dtype=np.float64))
+
+
+def _digest_and_normaliser(row: np.ndarray, peak: float) -> tuple[str, float, np.ndarray | None]:
+    """A deferred capture's work on its own copy of the row; the row comes back only when the sum is NaN
+    (a row holding NaN or +inf, which `settle` then captures whole)."""
+    total = _normaliser(row, peak, _exp_buffer(row))
+    return f"{zlib.crc32(memoryview(row)):08x}", total, row if math.isnan(total) else None
+
+
+_worker: dict[int, ThreadPoolExecutor] = {}
+
+
+def _pool() -> ThreadPoolExecutor:
+    """One background thread per process (a forked worker gets its own)."""
+    pid = os.getpid()
+    if pid not in _worker:
+        _worker[pid] = ThreadPoolExecutor(max_workers=1, thread_name_prefix="logits")
+    return _worker[pid]
+
+
+def capture(row: np.ndarray, k: int, deferred: bool = False) -> PositionLogits:
     """Top-k of one logit row (a view into llama.cpp's buffer; copied here) with its digest and log-normaliser.
 
     Per token this is the cost of logging, so it is a few vectorised passes over the row (no partition of
     the whole vocabulary, see `_top_k`): the digest is a CRC-32 (2-3x cheaper than SHA-1 over a 262k
     vocabulary; it only has to tell two rows apart) and exp runs in float32, into a reused buffer, with a
     float64 sum. Ids tied at the k-th value are kept lowest first; a row holding NaN or +inf (whose
-    normaliser is NaN) takes the whole-row partition instead."""
+    normaliser is NaN) takes the whole-row partition instead.
+
+    `deferred`: the row is copied and its digest and normaliser are computed on a background thread while
+    the caller goes on (the next `llama_decode` releases the GIL); the record is complete after `settle()`,
+    with exactly the values of an immediate capture."""
     k = min(k, row.shape[0])
     order = _top_k(row, k) if k > 0 else None
     full = order is None
     if full:
         order = _top_k_full(row, k)
     peak = float(row[order[0]])
+    record = PositionLogits(top_ids=order.astype(np.int32), top_logits=row[order].astype(np.float32),
+                            head=tuple(float(x) for x in row[:3]), tail=tuple(float(x) for x in row[-3:]))
+    if deferred and not full:
+        record.pending = _pool().submit(_digest_and_normaliser, row.copy(), peak)
+        return record
     scratch = _exp_buffer(row)
-    total = float(np.exp(np.subtract(row, np.float32(peak), out=scratch), out=scratch).sum(dtype=np.float64))
+    total = _normaliser(row, peak, scratch)
     if math.isnan(total) and not full:
         order = _top_k_full(row, k)
         peak = float(row[order[0]])
-        total = float(np.exp(np.subtract(row, np.float32(peak), out=scratch), out=scratch).sum(dtype=np.float64))
-    return PositionLogits(
-        top_ids=order.astype(np.int32),
-        top_logits=row[order].astype(np.float32),
-        digest=f"{zlib.crc32(memoryview(row)):08x}",
-        head=tuple(float(x) for x in row[:3]),
-        tail=tuple(float(x) for x in row[-3:]),
-        log_z=peak + math.log(total),
-    )
+        record.top_ids, record.top_logits = order.astype(np.int32), row[order].astype(np.float32)
+        total = _normaliser(row, peak, scratch)
+    record.digest = f"{zlib.crc32(memoryview(row)):08x}"
+    record.log_z = peak + math.log(total)
+    return record
 
 
 # --- llama-server -------------------------------------------------------------------------------------

@@ -222,3 +222,22 @@ def test_draft_simple_at_p_min_0_drafts_the_argmax_without_top10(tiny_models, mo
         stats = ("draft_n", "draft_n_accepted", "spec_cycles", "spec_skip")
         assert {s: a.spec_stats[s] for s in stats} == {s: b.spec_stats[s] for s in stats}
         assert b.spec_stats["draft_n_accepted"] > 0
+
+
+def test_deferred_capture_settles_to_the_immediate_record():
+    rng = np.random.default_rng(7)
+    for trial in range(12):
+        row = rng.normal(0, 3, 262144).astype(np.float32)
+        if trial == 3:
+            row[11] = np.nan
+        if trial == 4:
+            row[13] = np.inf
+        now = capture(row, 10)
+        later = capture(row, 10, deferred=True)
+        row += 1  # the caller's buffer changes after the call (the next decode): the record must not
+        later.settle()
+        assert later.pending is None and later.digest == now.digest
+        assert np.array_equal(later.top_ids, now.top_ids)
+        assert np.array_equal(later.top_logits, now.top_logits, equal_nan=True)
+        assert (later.head, later.tail) == (now.head, now.tail)
+        assert np.array_equal(np.float64(later.log_z), np.float64(now.log_z), equal_nan=True)

@@ -59,6 +59,7 @@ def harness_costs(quick: bool, console: Console) -> dict:
             "overhead": lambda: costs.bench_overhead("gemma3-270m", 256),
             "scan_32k": lambda: costs.bench_scan("tiny-dense", 32768, 20),
             "suite_wall": lambda: costs.suite_wall("quicksort", "tiny-dense", "inproc"),
+            "forward": lambda: costs.forward_times("gemma3-270m"),
         })
     out = {}
     for name, measure in parts.items():

@@ -15,7 +15,7 @@ import time
 import numpy as np
 
 from harness.backends.base import ServeConfig
-from harness.backends.inproc import spec_config
+from harness.backends.inproc import context_params, spec_config
 from harness.engine import ContextParams, Engine
 from harness.engine.context import Context
 from harness.engine.model import Model
@@ -89,7 +89,7 @@ def _engine(model_name: str, spec: str = "none", logit_top_k: int = 0, kv_scan: 
     options = spec_preset(spec).options
     draft = resolve(draft_for(model_name)).path if "draft-simple" in options.get("spec-type", "") else None
     config = ServeConfig(model=resolve(model_name).path, mode="seq", spec=dict(options), draft_model=draft)
-    return Engine(config.model, ContextParams(), spec_config(config) if options else None, logit_top_k, kv_scan)
+    return Engine(config.model, context_params(config), spec_config(config) if options else None, logit_top_k, kv_scan)
 
 
 def _generate(engine: Engine, n_predict: int) -> tuple[float, int]:
@@ -194,3 +194,37 @@ def suite_wall(suite_name: str = "quicksort", model: str = "tiny-dense", backend
     return {"suite": suite_name, "model": model, "backend": backend, "cells": len(chosen), "requests": len(results),
             "tokens": sum(len(r.tokens) for r in results), "wall_s": round(wall, 2),
             "inference_s": round(inference, 2), "inference_share_pct": round(100 * inference / wall, 1)}
+
+
+def forward_times(model_name: str = "gemma3-270m", sizes: tuple[int, ...] = (1, 2, 4, 8, 9), repeats: int = 20) -> dict:
+    """ms of one target forward (`llama_decode`) of a batch of `sizes` tokens after a 128-token prefix, logits
+    for every row (a speculative verification): the physical floor a speculative step cannot go below."""
+    info = resolve(model_name)
+    model = Model(info.path)
+    ctx = Context(model, ContextParams(n_ctx=1024))
+    batch = ctx.new_batch()
+    try:
+        prefix = [int(t) for t in np.random.default_rng(0).integers(100, min(model.n_vocab, 30000), 128)]
+        batch.clear()
+        for pos, token in enumerate(prefix):
+            batch.add(token, pos, 0, pos == len(prefix) - 1)
+        if ctx.decode(batch):
+            raise RuntimeError("decode failed on the prefix")
+        out = {"model": model_name}
+        for size in sizes:
+            times = []
+            for _ in range(repeats):
+                batch.clear()
+                for i in range(size):
+                    batch.add(prefix[i], len(prefix) + i, 0, True)
+                t0 = time.perf_counter()
+                if ctx.decode(batch):
+                    raise RuntimeError(f"decode failed on a batch of {size}")
+                times.append(1000 * (time.perf_counter() - t0))
+                ctx.seq_rm(0, len(prefix), -1)
+            out[f"batch_{size}_ms"] = round(statistics.median(times), 3)
+        return out
+    finally:
+        batch.free()
+        ctx.close()
+        model.close()
