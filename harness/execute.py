@@ -60,6 +60,26 @@ class ExecOptions:
     """In-process speculative options (rollback, checkpoint_flags, checkpoint_attempts, fault)."""
 
 
+def serve_config(cell: Cell, options: ExecOptions, serve: Optional[dict] = None,
+                 engine: Optional[dict] = None) -> ServeConfig:
+    """How a cell is served: its model, mode and speculative preset (with the draft model a `draft-simple`
+    preset needs), the run's logging options, and a suite's `serve` / in-process `engine` settings."""
+    preset = spec_preset(cell.spec)
+    spec = {**preset.options, **options.spec_overrides} if preset.options else {}
+    draft = None
+    if "draft-simple" in spec.get("spec-type", ""):
+        name = options.draft_model or draft_for(cell.model)
+        if name is None:
+            raise HarnessError(f"draft-simple needs --draft-model: {cell.model} has no registered draft")
+        draft = resolve(name).path
+    serve = dict(serve or {})
+    return ServeConfig(
+        model=resolve(cell.model).path, mode=cell.mode, parallel=serve.pop("parallel", options.parallel),
+        draft_model=draft, spec=spec, engine=dict(options.engine if engine is None else engine),
+        logit_top_k=options.logit_top_k, kv_scan=options.kv_scan, **serve,
+    )
+
+
 class Executor:
     """Runs cells on demand and remembers them."""
 
@@ -101,26 +121,13 @@ class Executor:
         return self._backends[name]
 
     def _config(self, suite: Suite, cell: Cell) -> ServeConfig:
-        preset = spec_preset(cell.spec)
-        model = resolve(cell.model).path
-        spec = {**preset.options, **self.options.spec_overrides} if preset.options else {}
-        draft = None
-        if "draft-simple" in spec.get("spec-type", ""):
-            name = self.options.draft_model or draft_for(cell.model)
-            if name is None:
-                raise HarnessError(f"draft-simple needs --draft-model: {cell.model} has no registered draft")
-            draft = resolve(name).path
         engine = {**self.options.engine, **suite.engine}
+        preset = spec_preset(cell.spec)
         if preset.scripted:
             reference = self.run(suite, cell.reference(spec="none"))
             script = {tuple(o.result.prompt_tokens): o.result.tokens for o in reference.outcomes if o.round == 0}
             engine["drafters"] = [Scripted(by_prompt(script), **SCRIPTS[preset.scripted])]
-        serve = dict(suite.serve)
-        return ServeConfig(
-            model=model, mode=cell.mode, parallel=serve.pop("parallel", self.options.parallel),
-            draft_model=draft, spec=spec, engine=engine, logit_top_k=self.options.logit_top_k,
-            kv_scan=self.options.kv_scan, **serve,
-        )
+        return serve_config(cell, self.options, serve=suite.serve, engine=engine)
 
     def _execute(self, suite: Suite, cell: Cell, on_request) -> CellRun:
         run = CellRun(suite, cell)

@@ -8,8 +8,11 @@ compared position by position (`compare`, `check`).
 """
 
 import math
+import os
+import threading
 import zlib
-from dataclasses import dataclass
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -33,6 +36,22 @@ class PositionLogits:
     log_z: float = 0.0
     """log Σ exp(row) over the whole vocabulary: `top_logits − log_z` are log-probabilities
     (0 when `top_logits` already are, as llama-server's are)."""
+    pending: Future | None = field(default=None, repr=False, compare=False)
+    """`capture(..., deferred=True)`: the digest and log-normaliser still being computed (see `settle`)."""
+
+    def settle(self) -> "PositionLogits":
+        """Wait for a deferred capture's digest and log-normaliser (a no-op otherwise); returns self."""
+        if self.pending is not None:
+            future, self.pending = self.pending, None
+            digest, total, row = future.result()
+            if row is not None:  # NaN in the row: the whole-row partition, as `capture` does
+                settled = capture(row, len(self.top_ids))
+                self.top_ids, self.top_logits, total = settled.top_ids, settled.top_logits, None
+                self.log_z = settled.log_z
+            self.digest = digest
+            if total is not None:
+                self.log_z = float(self.top_logits[0]) + math.log(total)
+        return self
 
     def logprobs(self) -> np.ndarray:
         """The top-k values as float64 log-probabilities."""
@@ -45,23 +64,109 @@ class PositionLogits:
         return float(self.top_logits[0]) - float(self.top_logits[1]) if len(self.top_logits) >= 2 else None
 
 
-def capture(row: np.ndarray, k: int) -> PositionLogits:
+SAMPLE_STRIDE = 64
+"""`capture` finds its top-k candidates above the k-th largest of every 64th logit."""
+
+_scratch = threading.local()
+
+
+def _exp_buffer(row: np.ndarray) -> np.ndarray:
+    """A per-thread scratch array shaped like `row` for the log-normaliser's exp (no 1 MB allocation and
+    page faults per token)."""
+    buf = getattr(_scratch, "buf", None)
+    if buf is None or buf.shape != row.shape or buf.dtype != row.dtype:
+        buf = _scratch.buf = np.empty_like(row)
+    return buf
+
+
+def _top_k_full(row: np.ndarray, k: int) -> np.ndarray:
+    """The top-k ids, best first, ties by id, from a partition of the whole row (rows with NaN or ±inf;
+    which of several ids tied at the k-th value it keeps is numpy's choice)."""
+    top = np.argpartition(row, -k)[-k:]
+    return top[np.lexsort((top, -row[top]))]
+
+
+def _top_k(row: np.ndarray, k: int) -> np.ndarray | None:
+    """The k best ids, best first, ties broken by the lower id (also at the k-th value), in a few
+    vectorised passes: the k-th largest of a strided sample bounds the row's k-th largest from below, so
+    the ids at or above it (at least k) hold the top k; only those are partitioned. None when the row
+    holds NaN where the bound or the partition sees it (the caller then partitions the whole row)."""
+    n = row.shape[0]
+    if n >= 4 * SAMPLE_STRIDE * k:
+        sample = row[::SAMPLE_STRIDE]
+        bound = np.partition(sample, sample.size - k)[sample.size - k]
+        cand = np.flatnonzero(row >= bound)
+    else:
+        cand = np.arange(n)
+    vals = row[cand]
+    if cand.size > k:
+        kth = np.partition(vals, cand.size - k)[cand.size - k]
+        above = vals > kth
+        n_above = int(np.count_nonzero(above))
+        cand = np.concatenate((cand[above], cand[vals == kth][: k - n_above]))  # cand ascends: lowest tied ids
+        vals = row[cand]
+    if cand.size != k:
+        return None
+    return cand[np.lexsort((cand, -vals))]
+
+
+def _normaliser(row: np.ndarray, peak: float, scratch: np.ndarray) -> float:
+    """Σ exp(row − peak): float32 exp into `scratch`, float64 sum (NaN for a row holding NaN or +inf)."""
+    with np.errstate(invalid="ignore"):
+        return float(np.exp(np.subtract(row, np.float32(peak), out=scratch), out=scratch).sum(dtype=np.float64))
+
+
+def _digest_and_normaliser(row: np.ndarray, peak: float) -> tuple[str, float, np.ndarray | None]:
+    """A deferred capture's work on its own copy of the row; the row comes back only when the sum is NaN
+    (a row holding NaN or +inf, which `settle` then captures whole)."""
+    total = _normaliser(row, peak, _exp_buffer(row))
+    return f"{zlib.crc32(memoryview(row)):08x}", total, row if math.isnan(total) else None
+
+
+_worker: dict[int, ThreadPoolExecutor] = {}
+
+
+def _pool() -> ThreadPoolExecutor:
+    """One background thread per process (a forked worker gets its own)."""
+    pid = os.getpid()
+    if pid not in _worker:
+        _worker[pid] = ThreadPoolExecutor(max_workers=1, thread_name_prefix="logits")
+    return _worker[pid]
+
+
+def capture(row: np.ndarray, k: int, deferred: bool = False) -> PositionLogits:
     """Top-k of one logit row (a view into llama.cpp's buffer; copied here) with its digest and log-normaliser.
 
-    Per token this is the cost of logging: the digest is a CRC-32 (2-3x cheaper than SHA-1 over a 262k
-    vocabulary; it only has to tell two rows apart) and exp runs in float32 with a float64 sum."""
+    Per token this is the cost of logging, so it is a few vectorised passes over the row (no partition of
+    the whole vocabulary, see `_top_k`): the digest is a CRC-32 (2-3x cheaper than SHA-1 over a 262k
+    vocabulary; it only has to tell two rows apart) and exp runs in float32, into a reused buffer, with a
+    float64 sum. Ids tied at the k-th value are kept lowest first; a row holding NaN or +inf (whose
+    normaliser is NaN) takes the whole-row partition instead.
+
+    `deferred`: the row is copied and its digest and normaliser are computed on a background thread while
+    the caller goes on (the next `llama_decode` releases the GIL); the record is complete after `settle()`,
+    with exactly the values of an immediate capture."""
     k = min(k, row.shape[0])
-    top = np.argpartition(row, -k)[-k:]
-    order = top[np.lexsort((top, -row[top]))]
+    order = _top_k(row, k) if k > 0 else None
+    full = order is None
+    if full:
+        order = _top_k_full(row, k)
     peak = float(row[order[0]])
-    return PositionLogits(
-        top_ids=order.astype(np.int32),
-        top_logits=row[order].astype(np.float32),
-        digest=f"{zlib.crc32(memoryview(row)):08x}",
-        head=tuple(float(x) for x in row[:3]),
-        tail=tuple(float(x) for x in row[-3:]),
-        log_z=peak + math.log(float(np.exp(row - np.float32(peak)).sum(dtype=np.float64))),
-    )
+    record = PositionLogits(top_ids=order.astype(np.int32), top_logits=row[order].astype(np.float32),
+                            head=tuple(float(x) for x in row[:3]), tail=tuple(float(x) for x in row[-3:]))
+    if deferred and not full:
+        record.pending = _pool().submit(_digest_and_normaliser, row.copy(), peak)
+        return record
+    scratch = _exp_buffer(row)
+    total = _normaliser(row, peak, scratch)
+    if math.isnan(total) and not full:
+        order = _top_k_full(row, k)
+        peak = float(row[order[0]])
+        record.top_ids, record.top_logits = order.astype(np.int32), row[order].astype(np.float32)
+        total = _normaliser(row, peak, scratch)
+    record.digest = f"{zlib.crc32(memoryview(row)):08x}"
+    record.log_z = peak + math.log(total)
+    return record
 
 
 # --- llama-server -------------------------------------------------------------------------------------

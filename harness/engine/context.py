@@ -14,6 +14,17 @@ from harness.errors import HarnessError
 CACHE_TYPES = {"f32": 0, "f16": 1, "q4_0": 2, "q4_1": 3, "q5_0": 6, "q5_1": 7, "q8_0": 8, "bf16": 30}
 """llama-server's `-ctk/-ctv` names → ggml_type ids."""
 FLASH_ATTN = {"auto": -1, "off": 0, "on": 1}
+KEEP_STATE_BUFFER = 64 << 20
+"""`Context.state_seq` keeps its buffer between calls up to this size (larger states get a buffer per call)."""
+_U8_P = ctypes.POINTER(ctypes.c_uint8)
+
+
+def _read_only_u8(data):
+    """A `uint8_t *` argument for a C function that only reads `data`: for `bytes`, a pointer to the object's
+    own buffer (no copy; the pointer object keeps `data` alive through the call); other buffers are copied."""
+    if isinstance(data, bytes):
+        return ctypes.cast(ctypes.c_char_p(data), _U8_P)
+    return (ctypes.c_uint8 * len(data)).from_buffer_copy(data)
 
 
 @dataclass
@@ -69,6 +80,7 @@ class Context:
         self.n_ctx_seq = llama_cpp.llama_n_ctx_seq(self.ptr)
         self.n_batch = llama_cpp.llama_n_batch(self.ptr)
         self.n_rs_seq = llama_cpp.llama_n_rs_seq(self.ptr)
+        self._state_buf = None
 
     def new_batch(self) -> Batch:
         """A batch as large as the context accepts in one decode."""
@@ -94,19 +106,28 @@ class Context:
         return llama_cpp.llama_memory_seq_pos_max(self.memory, seq_id)
 
     def state_seq(self, seq_id: int, flags: int = 0) -> bytes:
-        """The serialized state of one sequence (`llama_state_seq_get_data_ext`)."""
+        """The serialized state of one sequence (`llama_state_seq_get_data_ext`).
+
+        llama.cpp writes into a buffer the context keeps (grown as needed, up to `KEEP_STATE_BUFFER`; no
+        fresh pages at every checkpoint); the bytes come out of it in one memcpy."""
         size = llama_cpp.llama_state_seq_get_size_ext(self.ptr, seq_id, flags)
-        buf = (ctypes.c_uint8 * size)()
+        buf = self._state_buf
+        if buf is None or len(buf) < size:
+            buf = (ctypes.c_uint8 * size)()
+            if size <= KEEP_STATE_BUFFER:
+                self._state_buf = buf
         n = llama_cpp.llama_state_seq_get_data_ext(self.ptr, buf, size, seq_id, flags)
-        return bytes(buf[:n])
+        return ctypes.string_at(buf, n)
 
     def set_state_seq(self, seq_id: int, data: bytes, flags: int = 0) -> bool:
-        """Restore one sequence from `state_seq` bytes; False (and an empty sequence) on failure."""
-        buf = (ctypes.c_uint8 * len(data)).from_buffer_copy(data)
-        return llama_cpp.llama_state_seq_set_data_ext(self.ptr, buf, len(data), seq_id, flags) > 0
+        """Restore one sequence from `state_seq` bytes; False (and an empty sequence) on failure.
+
+        llama.cpp reads `bytes` in place (it only reads); other buffers are copied first."""
+        return llama_cpp.llama_state_seq_set_data_ext(self.ptr, _read_only_u8(data), len(data), seq_id, flags) > 0
 
     def close(self) -> None:
         """Free the context (the model stays loaded)."""
         if self.ptr:
             llama_cpp.llama_free(self.ptr)
             self.ptr = None
+        self._state_buf = None

@@ -118,7 +118,7 @@ class Slot:
         if not self.top_k:
             return self.sampler.sample(ctx, row), None
         logits = ctx.logits(row)
-        return self.sampler.sample(ctx, row, logits), capture(logits, self.top_k)
+        return self.sampler.sample(ctx, row, logits), capture(logits, self.top_k, deferred=True)
 
     def emit_all(self, tokens: list[int], logits: list[PositionLogits | None]) -> bool:
         """Emit tokens in order until the request is done; the rest are discarded."""
@@ -189,6 +189,8 @@ class Slot:
         if self.phase is Phase.GENERATE:
             timings.predicted_ms = 1000.0 * (now - self.t_first)
         timings.predicted_n = len(self.result.tokens)
+        for logits in self.result.logits:
+            logits.settle()
         self.result.text = self.text_bytes.decode("utf-8", errors="replace")
         if self.sampler is not None:
             self.sampler.free()

@@ -15,12 +15,21 @@ PARTIAL_ONLY = rollback.CHECKPOINT_FLAGS["partial"]
 
 
 def top10_best(logits: np.ndarray) -> tuple[int, float]:
-    """The argmax token and its probability renormalised over the 10 best candidates (llama.cpp's p_min rule)."""
+    """The argmax token and its probability renormalised over the 10 best candidates (llama.cpp's p_min rule).
+
+    Of several ids tied at the maximum the lowest is taken, as `greedy_token` (and llama.cpp's greedy
+    sampler) does, so the drafted token does not depend on p_min."""
+    best = greedy_token(logits)
     top = np.argpartition(logits, -10)[-10:]
-    best = int(top[np.argmax(logits[top])])
     values = logits[top].astype(np.float64)
     p = 1.0 / float(np.exp(values - logits[best]).sum())
     return best, p
+
+
+def greedy_token(logits: np.ndarray) -> int:
+    """The argmax token (the lowest id of several tied at the maximum): the draft token when p_min ≤ 0,
+    where its probability cannot stop drafting and is not computed."""
+    return int(np.argmax(logits))
 
 
 @dataclass
@@ -51,6 +60,9 @@ class DraftSimple(Drafter):
         self.batch = self.ctx.new_batch()
         self.exact_rm = rollback.can_seq_rm(self.ctx)
         self.mirrored: dict[int, _Mirrored] = {}
+        self.at_checkpoint: dict[int, tuple[int, bytes]] = {}
+        """seq → (n_past, state): the sequence is exactly this checkpoint (`draft` restored it and nothing was
+        decoded into the sequence since), so `process` takes these bytes instead of serializing it again."""
         self.broken: set[int] = set()
 
     def _check_vocab(self, target: Model) -> None:
@@ -78,7 +90,11 @@ class DraftSimple(Drafter):
         if not self.exact_rm:
             for seq_id in {e[2] for e in entries}:
                 mine = [e for e in entries if e[2] == seq_id]
-                state = self.ctx.state_seq(seq_id, PARTIAL_ONLY)
+                saved = self.at_checkpoint.pop(seq_id, None)
+                if saved is not None and saved[0] == mine[0][1]:
+                    state = saved[1]
+                else:
+                    state = self.ctx.state_seq(seq_id, PARTIAL_ONLY)
                 self.mirrored[seq_id] = _Mirrored(mine[0][1], [e[0] for e in mine], state)
         last = len(entries) - 1
         if self._decode([(t, p, s, i == last) for i, (t, p, s, _) in enumerate(entries)]) != 0:
@@ -89,15 +105,19 @@ class DraftSimple(Drafter):
         if req.seq_id in self.broken:
             return []
         seq, pos0 = req.seq_id, len(req.history)
+        self.at_checkpoint.pop(seq, None)
         state = None if self.exact_rm else self.ctx.state_seq(seq, PARTIAL_ONLY)
         out: list[int] = []
         token = req.id_last
         while True:
             if self._decode([(token, pos0 + len(out), seq, True)]) != 0:
                 break
-            token, p = top10_best(self.ctx.logits(0))
-            if p < self.p_min:
-                break
+            if self.p_min > 0:
+                token, p = top10_best(self.ctx.logits(0))
+                if p < self.p_min:
+                    break
+            else:
+                token = greedy_token(self.ctx.logits(0))
             out.append(token)
             if len(out) >= min(self.n_max, req.n_max):
                 break
@@ -105,6 +125,8 @@ class DraftSimple(Drafter):
             self.ctx.seq_rm(seq, pos0, -1)
         elif not self._restore(seq, state, pos0):
             return []
+        else:
+            self.at_checkpoint[seq] = (pos0, state)
         return out if len(out) >= self.n_min else []
 
     def _restore(self, seq_id: int, state: bytes, n_keep: int) -> bool:
@@ -123,6 +145,7 @@ class DraftSimple(Drafter):
         if self.exact_rm:
             self.ctx.seq_rm(seq_id, n_keep, -1)
             return
+        self.at_checkpoint.pop(seq_id, None)
         m = self.mirrored.get(seq_id)
         if m is None or n_keep >= m.pos0 + len(m.tokens):
             return
@@ -137,6 +160,7 @@ class DraftSimple(Drafter):
         if self.ctx is not None:
             self.ctx.seq_rm(seq_id)
         self.mirrored.pop(seq_id, None)
+        self.at_checkpoint.pop(seq_id, None)
         self.broken.discard(seq_id)
 
     def close(self) -> None:

@@ -24,12 +24,27 @@ def iter_ngram(tokens: list[int], pattern: list[int], lo: int, hi: int) -> Itera
         j += 1
 
 
+RFIND_WINDOW = 256
+"""`rfind_ngram` searches windows of this many start indices first, doubling them as it goes back."""
+
+
 def rfind_ngram(tokens: list[int], pattern: list[int], lo: int, hi: int) -> int:
-    """The largest j in [lo, hi] where `pattern` starts, or 0 (llama.cpp's "no match"; callers keep lo ≥ 1)."""
-    found = 0
-    for found in iter_ngram(tokens, pattern, lo, hi):
-        pass
-    return found
+    """The largest j in [lo, hi] where `pattern` starts, or 0 (llama.cpp's "no match"; callers keep lo ≥ 1).
+
+    Searched backwards from hi, as llama.cpp does, stopping at the first hit: windows of start indices
+    (256, then twice as many each time) from the end, each scanned with `iter_ngram` (C-speed `list.index`);
+    the first window with a match holds the largest one."""
+    width = RFIND_WINDOW
+    while hi >= lo:
+        start = max(lo, hi - width + 1)
+        found = 0
+        for found in iter_ngram(tokens, pattern, start, hi):
+            pass
+        if found:
+            return found
+        hi = start - 1
+        width *= 2
+    return 0
 
 
 class NgramSimple(Drafter):

@@ -1,0 +1,179 @@
+"""`specharness bench`: the command line of the benches (each lives in its own module)."""
+
+import argparse
+import os
+import time
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+from harness.bench import costs, speed
+from harness.bench.builds import bench_build_step
+from harness.bench.page import write_html, write_json
+from harness.bench.reportload import bench_report
+from harness.errors import HarnessError
+from harness.paths import reports_dir
+
+WHATS = ("speed", "costs", "scan", "overhead", "build-step", "report")
+
+
+def _csv(value: str | None) -> list[str] | None:
+    return [v.strip() for v in value.split(",") if v.strip()] if value else None
+
+
+def _choose(given: list[str] | None, allowed: tuple[str, ...], default: list[str], what: str) -> list[str]:
+    unknown = [v for v in given or [] if v not in allowed]
+    if unknown:
+        raise HarnessError(f"unknown {what} {', '.join(unknown)} (use: {', '.join(allowed)})")
+    return given or default
+
+
+def _fmt(x, digits: int = 1) -> str:
+    return "—" if x is None else f"{x:.{digits}f}"
+
+
+def _table(title: str, rows: list[dict], first: str) -> Table:
+    table = Table(title=title, title_justify="left")
+    for name in (first, "model", "config", "tokens", "drafted", "accepted", "accept", "acc/draft", "tok/s",
+                 "spread", "speed-up", "inproc/server"):
+        table.add_column(name, justify="right" if name not in (first, "model", "config") else "left")
+    for r in rows:
+        config = f"{r['engine']} {r['spec']}" + (f" logits {r['logits']}" if r["logits"] else "")
+        table.add_row(r[first], r["model"], config, str(r["predicted_n"]), str(r["drafted"]), str(r["accepted"]),
+                      "—" if r["acceptance"] is None else f"{100 * r['acceptance']:.1f}%",
+                      _fmt(r["accepted_per_draft"], 2), _fmt(r["tok_s"]), f"{_fmt(r['spread_pct'])}%",
+                      _fmt(r["speedup"], 2), _fmt(r["ratio"], 3))
+    return table
+
+
+def harness_costs(quick: bool, console: Console) -> dict:
+    """The harness-cost block of a speed bench (`--quick`: the parts that take seconds)."""
+    parts = {
+        "logit_logging": lambda: costs.logit_logging("gemma3-270m", n_predict=64 if quick else 128),
+        "state_copies": lambda: costs.state_copies("tiny-hybrid", "draft-simple"),
+        "scan_per_step": lambda: costs.scan_per_step("tiny-hybrid", repeats=2 if quick else 3),
+    }
+    if not quick:
+        parts.update({
+            "overhead": lambda: costs.bench_overhead("gemma3-270m", 256),
+            "scan_32k": lambda: costs.bench_scan("tiny-dense", 32768, 20),
+            "suite_wall": lambda: costs.suite_wall("quicksort", "tiny-dense", "inproc"),
+            "forward": lambda: costs.forward_times("gemma3-270m"),
+        })
+    out = {}
+    for name, measure in parts.items():
+        console.print(f"[dim]harness cost: {name}[/dim]")
+        try:
+            out[name] = measure()
+        except HarnessError as err:
+            out[name] = {"error": str(err).splitlines()[0]}
+    return out
+
+
+def cmd_speed(args: argparse.Namespace, console: Console) -> int:
+    quick = speed.QUICK if args.quick else {}
+    models = _choose(_csv(args.model), speed.MODELS, quick.get("models", list(speed.MODELS)),
+                     "model")
+    engines = _choose(_csv(args.engine), speed.ENGINES, list(speed.ENGINES), "engine")
+    specs = _choose(_csv(args.spec), speed.SPECS, quick.get("specs", list(speed.SPECS)), "spec config")
+    try:
+        logits = [int(v) for v in _csv(args.logits) or ["0"]]
+    except ValueError:
+        raise HarnessError(f"--logits takes top-k counts separated by commas (0 = off), not '{args.logits}'") from None
+    workloads = speed.select_workloads(_csv(args.workload) or quick.get("workloads"))
+    repeat = args.repeat or quick.get("repeat", 3)
+    n_predict = args.n_predict or 128
+    out = Path(args.out) if args.out else reports_dir() / ("bench-" + time.strftime("%Y%m%d-%H%M%S", time.gmtime()))
+    if (out / "bench.json").exists():
+        raise HarnessError(f"{out / 'bench.json'} already exists (choose another --out; results are never overwritten)")
+    if args.json and Path(args.json).exists():
+        raise HarnessError(f"{args.json} already exists (choose another --json; results are never overwritten)")
+    from harness.backends.choose import backend_factories
+    from harness.report.files import backend_facts, host, now
+
+    machine = {**host(), "load_before": round(os.getloadavg()[0], 2)}
+    started = now()
+    measured = speed.run_speed(models, engines, specs, logits, workloads, repeat, n_predict,
+                               backend_factories(args.server_bin and Path(args.server_bin),
+                                                 args.source and Path(args.source)),
+                               warn=lambda line: console.print(f"[yellow]{line}[/yellow]"),
+                               progress=lambda line: console.print(f"[dim]{line}[/dim]"))
+    data = {"tool": "specharness bench", "started": started, "command": " ".join(args.command_line),
+            "machine": machine, "repeat": repeat, "n_predict": n_predict,
+            "environment": {name: backend_facts(name, b) for name, b in measured.pop("backends").items()},
+            **measured}
+    data["costs"] = {} if args.no_costs else harness_costs(args.quick, console)
+    data["machine"]["load_after"] = round(os.getloadavg()[0], 2)
+    console.print(_table("per workload", data["rows"], "workload"))
+    console.print(_table("aggregate", data["aggregate"], "group"))
+    for p in data["parity"]:
+        mark = "[green]holds[/green]" if p["holds"] else "[red]misses[/red]"
+        console.print(f"parity {p['group']} {p['spec']} logits {'on' if p['logits'] else 'off'}: "
+                      f"in-process/server {p['ratio']:.3f} (target ≥ {p['target']}) {mark}")
+    for name, row in data["costs"].items():
+        console.print(f"[bold]{name}[/bold]: " + ", ".join(f"{k} {v}" for k, v in row.items()))
+    out.mkdir(parents=True, exist_ok=True)
+    write_json(out / "bench.json", data)
+    page = write_html(out, data)
+    if args.json:
+        write_json(Path(args.json), data)
+    console.print(f"bench: {out / 'bench.json'} · report: {page}")
+    return 0
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    """Run one bench and print what it measured."""
+    console = Console() if Console().is_terminal else Console(width=160)
+    if args.what == "speed":
+        return cmd_speed(args, console)
+    if args.what == "costs":
+        rows = harness_costs(args.quick, console)
+    elif args.what == "scan":
+        rows = {"scan": costs.bench_scan(args.model or "tiny-dense", args.cells, args.repeats)}
+    elif args.what == "build-step":
+        rows = {"build-step": bench_build_step(args.file, args.jobs)}
+    elif args.what == "report":
+        rows = {"report": bench_report(args.verdicts, args.loads)}
+    else:
+        rows = {"overhead": costs.bench_overhead(args.model or "gemma3-270m", args.n_predict or 256)}
+    for name, row in rows.items():
+        console.print(f"[bold]{name}[/bold]")
+        for key, value in row.items():
+            console.print(f"{key:>28}: {value}")
+    return 0
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    """Register `specharness bench`."""
+    p = sub.add_parser("bench", help="measure speed on this machine: speculative speed and acceptance per workload "
+                                     "(default), harness costs, KV scan, incremental builds, report loading")
+    p.add_argument("what", nargs="?", default="speed", choices=WHATS,
+                   help="speed (default): engines x spec configs x models x workloads; costs: what the harness costs; "
+                        "scan, overhead, build-step, report: single measurements")
+    p.add_argument("--quick", action="store_true",
+                   help=f"a small subset (under 5 minutes on 2 cores): models {', '.join(speed.QUICK['models'])}; "
+                        f"specs {', '.join(speed.QUICK['specs'])}; {len(speed.QUICK['workloads'])} workloads")
+    p.add_argument("--model", help="models, comma-separated (speed: " + ", ".join(speed.MODELS)
+                   + "; scan: tiny-dense; overhead: gemma3-270m)")
+    p.add_argument("--engine", help="engines, comma-separated (default: inproc,server)")
+    p.add_argument("--spec", help="speculative configs, comma-separated (default: " + ",".join(speed.SPECS) + ")")
+    p.add_argument("--workload", help="workloads, comma-separated: a group (" + ", ".join(speed.GROUPS)
+                   + "), a case id (quicksort.C, w1.iterative.turn2) or a case name (default: all)")
+    p.add_argument("--logits", help="logit logging settings to compare, comma-separated top-k counts (in-process "
+                                    "top-k, llama-server n_probs; 0 = off; default 0)")
+    p.add_argument("--repeat", type=int, help="repeats of every workload (default 3; --quick 2)")
+    p.add_argument("--n-predict", type=int, help="generated tokens per request (speed: 128; overhead: 256)")
+    p.add_argument("--no-costs", action="store_true", help="speed: leave out the harness-cost block")
+    p.add_argument("--out", help="directory for bench.json and bench.html (default reports/bench-<UTC time>)")
+    p.add_argument("--json", help="also write the numbers to this file")
+    p.add_argument("--server-bin", help="a llama-server binary to use instead of building one")
+    p.add_argument("--source", help="a llama.cpp checkout to build llama-server from (default: the vendored tree)")
+    p.add_argument("--cells", type=int, default=32768, help="cells in the scanned state (scan)")
+    p.add_argument("--repeats", type=int, default=20, help="timed scans (scan)")
+    p.add_argument("--file", default="tools/server/server-context.cpp",
+                   help="source file the incremental step changes (build-step)")
+    p.add_argument("--jobs", type=int, help="parallel compile jobs (build-step; default all cores)")
+    p.add_argument("--verdicts", type=int, default=2000, help="check verdicts in the generated report (report)")
+    p.add_argument("--loads", type=int, default=5, help="browser loads timed (report)")
+    p.set_defaults(func=cmd_bench)

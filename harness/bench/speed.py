@@ -1,0 +1,292 @@
+"""Speculative speed and acceptance per prompt category, engines side by side (`specharness bench`).
+
+Every selected model is served by every selected engine (`inproc`, `server`) under every speculative
+config and logit-logging setting at once, one session each, in `seq` mode with greedy sampling. Each
+repeat sends every workload (a case of `categories`, `quicksort` or a turn of `w1`) to every session in
+turn (A B C … A B C …), so slow drift of a busy machine hits all configurations alike. Tokens/s is each
+engine's own generation timing (llama-server's `timings.predicted_per_second`; the engine measures the
+same span), the median over repeats with its spread (min–max). Drafted and accepted counts are the
+engines' own counters; `acc/draft` (mean accepted tokens per verified draft) needs the number of drafts,
+which llama-server does not report.
+"""
+
+import itertools
+import statistics
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+from harness.backends.base import Backend, Session
+from harness.errors import HarnessError
+from harness.execute import ExecOptions, serve_config
+from harness.matrix import Cell
+from harness.models import ModelUnavailable, draft_for, resolve
+from harness.request import Request, Sampling
+from harness.result import Result
+from harness.suites import case_keys, load_suite
+
+GROUPS = ("categories", "quicksort", "w1")
+"""The suites whose cases are the workloads (each chat turn of `w1` is one workload)."""
+ENGINES = ("inproc", "server")
+SPECS = ("none", "ngram-simple", "ngram-map-k", "ngram-mod", "draft-simple")
+MODELS = ("tiny-dense", "tiny-hybrid", "tiny-recurrent", "gemma3-270m")
+QUICK = {"models": ["tiny-hybrid", "gemma3-270m"], "specs": ["none", "ngram-mod", "draft-simple"],
+         "workloads": ["quicksort.C", "w1.iterative.turn1", "categories.summarize"], "repeat": 2}
+"""`--quick`: a subset that finishes in under 5 minutes on 2 cores."""
+PARITY = {"model": "gemma3-270m", "groups": ("quicksort", "w1"), "specs": ("none", "ngram-mod"),
+          "off": 1.0, "on": 0.98}
+"""The parity targets of issue #13: in-process / llama-server tokens/s on Gemma's quicksort and W1 turns,
+without speculation and with ngram-mod: ≥ 1.0 with logit logging off, ≥ 0.98 with it on."""
+WARMUP_TOKENS = 8
+
+
+@dataclass(frozen=True)
+class Workload:
+    """One prompt: a completion, or the user turns of a chat up to this one (earlier replies are the
+    model's own, generated once per model so every configuration sends the same messages)."""
+
+    group: str
+    name: str
+    prompt: Optional[str] = None
+    turns: tuple[str, ...] = ()
+
+    @property
+    def id(self) -> str:
+        return f"{self.group}.{self.name}"
+
+
+@dataclass(frozen=True)
+class Config:
+    """One served configuration of a model."""
+
+    engine: str
+    spec: str
+    logits: int
+    """Logit logging: top-k logged per token (in-process) / llama-server's `n_probs`; 0 = off."""
+
+    @property
+    def label(self) -> str:
+        return f"{self.engine} {self.spec}" + (f" logits {self.logits}" if self.logits else "")
+
+
+@dataclass
+class Sample:
+    """What one request measured, in which repeat."""
+
+    repeat: int
+    predicted_n: int
+    predicted_ms: float
+    wall_ms: float
+    drafted: int
+    accepted: int
+    drafts: Optional[int]
+
+
+@dataclass
+class Measured:
+    """Every sample of one (model, workload, config), and the errors of the requests that failed."""
+
+    samples: list[Sample] = field(default_factory=list)
+    errors: list[str] = field(default_factory=list)
+
+
+def all_workloads() -> list[Workload]:
+    """Every case of `categories` and `quicksort`, and every turn of `w1`, in that order."""
+    out: list[Workload] = []
+    for group in GROUPS:
+        for case in load_suite(group).cases:
+            if case.is_chat:
+                for i, key in enumerate(case_keys(case)):
+                    out.append(Workload(group, key, turns=tuple(case.turns[: i + 1])))
+            else:
+                out.append(Workload(group, case.name, prompt=case.prompt))
+    return out
+
+
+def select_workloads(names: Optional[list[str]]) -> list[Workload]:
+    """Workloads by group (`w1`), id (`quicksort.C`) or case name (`summarize`); all when `names` is None."""
+    every = all_workloads()
+    if not names:
+        return every
+    chosen = [w for w in every if any(n in (w.group, w.id, w.name) or w.id.startswith(n + ".") for n in names)]
+    unknown = [n for n in names if not any(n in (w.group, w.id, w.name) or w.id.startswith(n + ".") for w in every)]
+    if unknown:
+        raise HarnessError(f"unknown workload {', '.join(unknown)} (use a group {', '.join(GROUPS)}, "
+                           f"or one of: {', '.join(w.id for w in every)})")
+    return chosen
+
+
+def _sample(repeat: int, result: Result, wall_ms: float) -> Sample:
+    stats = result.spec_stats or {}
+    return Sample(repeat, result.timings.predicted_n, result.timings.predicted_ms, wall_ms, stats.get("draft_n", 0),
+                  stats.get("draft_n_accepted", 0), stats.get("spec_cycles"))
+
+
+class ModelBench:
+    """The sessions of one model (one per config), its chat histories, and what they measured."""
+
+    def __init__(self, model: str, configs: list[Config], backends: dict[str, Backend], n_predict: int,
+                 warn: Callable[[str], None]):
+        self.model, self.n_predict, self.warn = model, n_predict, warn
+        self.sessions: dict[Config, Session] = {}
+        self.failed: dict[Config, str] = {}
+        self.replies: list[str] = []
+        for config in configs:
+            options = ExecOptions(backends={}, logit_top_k=config.logits, kv_scan="off")
+            try:
+                served = serve_config(Cell(config.engine, "seq", config.spec, model), options)
+                self.sessions[config] = backends[config.engine].open(served)
+            except HarnessError as err:
+                self.failed[config] = str(err).splitlines()[0]
+                warn(f"{model} {config.label}: {self.failed[config]}")
+
+    def request(self, workload: Workload, n_predict: Optional[int] = None) -> Request:
+        sampling = Sampling(n_predict=n_predict or self.n_predict, temperature=0.0)
+        if workload.prompt is not None:
+            return Request(prompt=workload.prompt, sampling=sampling, tag=workload.id)
+        messages: list[dict] = []
+        for i, turn in enumerate(workload.turns):
+            messages.append({"role": "user", "content": turn})
+            if i < len(workload.turns) - 1:
+                messages.append({"role": "assistant", "content": self.replies[i]})
+        return Request(messages=messages, sampling=sampling, tag=workload.id)
+
+    def prepare(self, workloads: list[Workload]) -> None:
+        """Warm every session up and generate the chat replies the later turns carry."""
+        first = next(iter(self.sessions.values()), None)
+        longest = max((w for w in workloads if w.turns), key=lambda w: len(w.turns), default=None)
+        if first is not None and longest is not None:
+            for i in range(len(longest.turns) - 1):
+                result = first.run([self.request(Workload(longest.group, "history", turns=longest.turns[: i + 1]))])[0]
+                if not result.ok:
+                    raise HarnessError(f"{self.model}: could not generate the chat history: {result.error}")
+                self.replies.append(result.text)
+        for config, session in self.sessions.items():
+            session.run([self.request(workloads[0], WARMUP_TOKENS)])
+
+    def measure(self, workloads: list[Workload], repeat: int) -> dict[tuple[str, Config], Measured]:
+        """`repeat` rounds; in each, every workload goes to every session in turn."""
+        out: dict[tuple[str, Config], Measured] = {}
+        for r, workload in itertools.product(range(repeat), workloads):
+            for config, session in self.sessions.items():
+                t0 = time.perf_counter()
+                result = session.run([self.request(workload)])[0]
+                wall_ms = 1000 * (time.perf_counter() - t0)
+                m = out.setdefault((workload.id, config), Measured())
+                if result.ok:
+                    m.samples.append(_sample(r, result, wall_ms))
+                else:
+                    m.errors.append(result.error or result.stop_reason)
+                    self.warn(f"{self.model} {config.label} {workload.id}: {m.errors[-1]}")
+        return out
+
+    def close(self) -> None:
+        for session in self.sessions.values():
+            session.close()
+
+
+def _tok_s(samples: list[Sample]) -> float:
+    ms = sum(s.predicted_ms for s in samples)
+    return 1000.0 * sum(s.predicted_n for s in samples) / ms if ms > 0 else 0.0
+
+
+def summarize(key: dict, per_repeat: list[list[Sample]]) -> dict:
+    """A row: counts of the first repeat, tokens/s median and spread over repeats."""
+    speeds = [_tok_s(samples) for samples in per_repeat if samples]
+    first = per_repeat[0] if per_repeat else []
+    drafted, accepted = sum(s.drafted for s in first), sum(s.accepted for s in first)
+    drafts = None if any(s.drafts is None for s in first) else sum(s.drafts for s in first)
+    median = statistics.median(speeds) if speeds else None
+    return {**key, "predicted_n": sum(s.predicted_n for s in first), "drafted": drafted, "accepted": accepted,
+            "acceptance": accepted / drafted if drafted else None,
+            "accepted_per_draft": accepted / drafts if drafts else None,
+            "tok_s": median, "tok_s_min": min(speeds) if speeds else None, "tok_s_max": max(speeds) if speeds else None,
+            "spread_pct": 100 * (max(speeds) - min(speeds)) / median if median else None,
+            "wall_ms": sum(s.wall_ms for s in first), "repeats": len(speeds)}
+
+
+def _relate(rows: list[dict], keys: tuple[str, ...]) -> None:
+    """Add `speedup` (over the same engine without speculation) and `ratio` (in-process / llama-server)."""
+    index = {tuple(r[k] for k in keys): r for r in rows}
+    for r in rows:
+        base = index.get(tuple("none" if k == "spec" else r[k] for k in keys))
+        server = index.get(tuple("server" if k == "engine" else r[k] for k in keys))
+        r["speedup"] = r["tok_s"] / base["tok_s"] if base and r["tok_s"] and base["tok_s"] else None
+        r["ratio"] = (r["tok_s"] / server["tok_s"] if r["engine"] == "inproc" and server and r["tok_s"]
+                      and server["tok_s"] else None)
+
+
+ROW_KEYS = ("model", "workload", "engine", "spec", "logits")
+AGG_KEYS = ("group", "model", "engine", "spec", "logits")
+
+
+def tables(measured: dict[tuple[str, str, Config], Measured], workloads: list[Workload], repeat: int) -> tuple[list, list]:
+    """The per-workload rows and the aggregate (per group and `all`) rows."""
+    groups = {w.id: w.group for w in workloads}
+    rows, agg_samples = [], {}
+    for (model, workload, config), m in measured.items():
+        per_repeat = [[s] for s in m.samples]
+        key = {"model": model, "workload": workload, "group": groups[workload], "engine": config.engine,
+               "spec": config.spec, "logits": config.logits}
+        row = summarize(key, per_repeat)
+        row["errors"] = m.errors
+        rows.append(row)
+        for group in (groups[workload], "all"):
+            slots = agg_samples.setdefault((group, model, config), [[] for _ in range(repeat)])
+            for s in m.samples:
+                slots[s.repeat].append(s)
+    _relate(rows, ROW_KEYS)
+    aggregate = [summarize({"group": g, "model": model, "engine": c.engine, "spec": c.spec, "logits": c.logits},
+                           per_repeat) for (g, model, c), per_repeat in agg_samples.items()]
+    _relate(aggregate, AGG_KEYS)
+    order = {name: i for i, name in enumerate([*GROUPS, "all", *(w.id for w in workloads), *MODELS, *SPECS, *ENGINES])}
+    by = lambda first: lambda r: (order.get(r[first], 99), order.get(r["model"], 99), order.get(r["spec"], 99),  # noqa: E731
+                                  r["logits"], order.get(r["engine"], 99))
+    return sorted(rows, key=by("workload")), sorted(aggregate, key=by("group"))
+
+
+def parity(aggregate: list[dict]) -> list[dict]:
+    """The issue #13 parity targets that this run measured, with whether each holds."""
+    out = []
+    for r in aggregate:
+        if (r["engine"] == "inproc" and r["model"] == PARITY["model"] and r["group"] in PARITY["groups"]
+                and r["spec"] in PARITY["specs"] and r["ratio"] is not None):
+            target = PARITY["on"] if r["logits"] else PARITY["off"]
+            out.append({"group": r["group"], "spec": r["spec"], "logits": r["logits"], "ratio": r["ratio"],
+                        "target": target, "holds": r["ratio"] >= target})
+    return out
+
+
+def configs_of(engines: list[str], specs: list[str], logits: list[int]) -> list[Config]:
+    return [Config(e, s, k) for s in specs for k in logits for e in engines]
+
+
+def run_speed(models: list[str], engines: list[str], specs: list[str], logits: list[int], workloads: list[Workload],
+              repeat: int, n_predict: int, factories: dict[str, Callable[[], Backend]],
+              warn: Callable[[str], None], progress: Callable[[str], None]) -> dict:
+    """Measure every (model, workload, config); returns the rows, aggregate and parity (see `tables`), the
+    models skipped (not installed) and the backends used."""
+    if repeat < 1:
+        raise HarnessError("--repeat must be at least 1")
+    backends = {name: factories[name]() for name in engines}
+    measured: dict[tuple[str, str, Config], Measured] = {}
+    skipped: dict[str, str] = {}
+    for model in models:
+        try:
+            resolve(model)
+        except ModelUnavailable as err:
+            skipped[model] = str(err)
+            warn(f"skipping {model}: {err}")
+            continue
+        configs = [c for c in configs_of(engines, specs, logits) if c.spec != "draft-simple" or draft_for(model)]
+        progress(f"{model}: {len(configs)} sessions × {len(workloads)} workloads × {repeat} repeats")
+        bench = ModelBench(model, configs, backends, n_predict, warn)
+        try:
+            bench.prepare(workloads)
+            for (workload, config), m in bench.measure(workloads, repeat).items():
+                measured[(model, workload, config)] = m
+        finally:
+            bench.close()
+    rows, aggregate = tables(measured, workloads, repeat)
+    return {"rows": rows, "aggregate": aggregate, "parity": parity(aggregate), "skipped": skipped,
+            "backends": backends}

@@ -1,0 +1,84 @@
+"""`specharness bench`: the tables it derives, workload selection, and a real side-by-side run written as
+bench.json and bench.html. Speeds are measured, never asserted here (docs/benchmarks.md holds them)."""
+
+import json
+
+import pytest
+
+from harness.bench import costs, speed
+from harness.bench.speed import Config, Measured, Sample
+from harness.cli import main
+from harness.errors import HarnessError
+
+
+def _samples(speeds: list[float], drafted: int = 0, accepted: int = 0, drafts=None) -> Measured:
+    return Measured([Sample(r, 100, 1000 * 100 / v, 0.0, drafted, accepted, drafts) for r, v in enumerate(speeds)])
+
+
+def test_tables_speedup_over_no_spec_and_inproc_over_server_ratio():
+    workloads = speed.select_workloads(["quicksort.C", "quicksort.Java"])
+    measured = {}
+    for w, scale in (("quicksort.C", 1.0), ("quicksort.Java", 2.0)):
+        measured[("gemma3-270m", w, Config("inproc", "none", 0))] = _samples([50 * scale, 60 * scale, 40 * scale])
+        measured[("gemma3-270m", w, Config("server", "none", 0))] = _samples([50 * scale] * 3)
+        measured[("gemma3-270m", w, Config("inproc", "ngram-mod", 0))] = _samples([100 * scale] * 3, 40, 30, 10)
+        measured[("gemma3-270m", w, Config("server", "ngram-mod", 0))] = _samples([125 * scale] * 3, 40, 30)
+    rows, aggregate = speed.tables(measured, workloads, 3)
+    row = {(r["workload"], r["engine"], r["spec"]): r for r in rows}
+    c_none = row[("quicksort.C", "inproc", "none")]
+    assert c_none["tok_s"] == pytest.approx(50) and (c_none["tok_s_min"], c_none["tok_s_max"]) == pytest.approx((40, 60))
+    assert c_none["spread_pct"] == pytest.approx(40)
+    assert c_none["ratio"] == pytest.approx(1.0) and c_none["speedup"] == pytest.approx(1.0)
+    mod = row[("quicksort.C", "inproc", "ngram-mod")]
+    assert mod["speedup"] == pytest.approx(2.0) and mod["ratio"] == pytest.approx(0.8)
+    assert mod["acceptance"] == pytest.approx(0.75) and mod["accepted_per_draft"] == pytest.approx(3.0)
+    assert row[("quicksort.C", "server", "ngram-mod")]["accepted_per_draft"] is None  # the server does not count drafts
+    agg = {(r["group"], r["engine"], r["spec"]): r for r in aggregate}
+    # per repeat: 200 tokens over the two workloads' times, then the median over repeats
+    assert agg[("quicksort", "inproc", "none")]["tok_s"] == pytest.approx(200 / (100 / 50 + 100 / 100))
+    assert agg[("all", "inproc", "ngram-mod")]["drafted"] == 80
+    held = {(p["spec"], p["holds"]) for p in speed.parity(aggregate)}
+    assert held == {("none", True), ("ngram-mod", False)}  # 1.0 ≥ 1.0 holds; 0.8 < 1.0 misses
+
+
+def test_workloads_by_group_id_or_name_and_unknown_names_refused():
+    every = speed.all_workloads()
+    assert [w.id for w in every if w.group == "w1"] == [f"w1.iterative.turn{i}" for i in range(1, 5)]
+    assert len(speed.select_workloads(["w1"])) == 4
+    assert [w.id for w in speed.select_workloads(["summarize", "quicksort.C"])] == ["categories.summarize", "quicksort.C"]
+    turn3 = speed.select_workloads(["w1.iterative.turn3"])[0]
+    assert len(turn3.turns) == 3 and turn3.prompt is None
+    with pytest.raises(HarnessError, match="unknown workload nope"):
+        speed.select_workloads(["nope"])
+
+
+def test_bench_runs_both_engines_side_by_side_and_never_overwrites(tmp_path, capsys, tiny_models):
+    out = tmp_path / "bench"
+    argv = ["bench", "--model", "tiny-dense", "--workload", "quicksort.C,w1.iterative.turn2", "--spec",
+            "none,ngram-mod", "--repeat", "1", "--no-costs", "--out", str(out), "--json", str(tmp_path / "b.json")]
+    assert main(argv) == 0
+    printed = capsys.readouterr().out
+    assert "aggregate" in printed and "inproc/server" in printed
+    data = json.loads((out / "bench.json").read_text())
+    assert json.loads((tmp_path / "b.json").read_text())["rows"] == data["rows"]
+    assert len(data["rows"]) == 2 * 2 * 2 and not any(r["errors"] for r in data["rows"])
+    by = {(r["workload"], r["engine"], r["spec"]): r for r in data["rows"]}
+    for workload in ("quicksort.C", "w1.iterative.turn2"):
+        inproc, server = by[(workload, "inproc", "ngram-mod")], by[(workload, "server", "ngram-mod")]
+        # the same greedy tokens and the same n-gram drafts on both engines
+        assert (inproc["predicted_n"], inproc["drafted"], inproc["accepted"]) == \
+            (server["predicted_n"], server["drafted"], server["accepted"])
+        assert inproc["tok_s"] > 0 and inproc["ratio"] > 0
+    html = (out / "bench.html").read_text()
+    assert 'id="aggregate-table"' in html and "<svg" in html
+    assert 'src="http' not in html and 'href="http' not in html  # self-contained
+    before = (out / "bench.json").read_bytes()
+    assert main(argv) == 2
+    assert "already exists" in capsys.readouterr().err
+    assert (out / "bench.json").read_bytes() == before
+
+
+def test_state_copy_share_counts_the_checkpoints_of_a_hybrid_run(tiny_models):
+    row = costs.state_copies("tiny-hybrid", "draft-simple", n_predict=48)
+    assert row["ckpt_created"] > 0 and row["copies"] >= row["ckpt_created"]
+    assert 0 < row["copy_ms"] < row["wall_ms"] and 0 < row["share_pct"] < 100
