@@ -95,7 +95,7 @@ def history_repo() -> Path:
             (tmp / ".git" / "specharness-complete").touch()
             tmp.rename(repo)
         if (repo / ".git" / "BISECT_START").exists():  # left by a killed test
-            _git(repo, "bisect", "reset", "-q")
+            _git(repo, "bisect", "reset")
         _git(repo, "checkout", "-q", "-f", "main")
     return repo
 

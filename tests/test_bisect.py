@@ -29,6 +29,9 @@ from harness.checks.base import CheckResult
 from harness.errors import HarnessError
 from harness.paths import cache_dir
 
+
+pytestmark = pytest.mark.xdist_group("bisect-history")  # one fixture repository: its tests run on one worker
+
 ROOT = Path(__file__).resolve().parents[1]
 SUITE = ROOT / "tests" / "data" / "bisect-quicksort.yaml"
 
@@ -58,8 +61,10 @@ def assert_restored(repo: Path) -> None:
 @pytest.fixture
 def history():
     """The fixture repository, one test at a time (a bisect checks out commits in it)."""
-    repo = history_repo()
-    with FileLock(str(repo) + ".test.lock"):
+    lock = cache_dir() / "fixtures" / "bisect-history.test.lock"
+    lock.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(lock)):  # before history_repo(), which resets a bisect left behind
+        repo = history_repo()
         yield repo
     assert_restored(repo)
 

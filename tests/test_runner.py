@@ -27,13 +27,12 @@ def checkout(tmp_path, monkeypatch):
     return tmp_path
 
 
-def test_run_writes_every_language_mode_and_model_of_the_tiny_block(tmp_path, tiny_models, capsys):
+def test_run_writes_every_language_and_mode_of_a_tiny_model(tmp_path, tiny_models, capsys):
     out = tmp_path / "run"
-    models = [arg for name in tiny_models for arg in ("--model", name)]
-    assert main(["run", *models, "--out", str(out)]) == 0
+    assert main(["run", "--model", "tiny-dense", "--out", str(out)]) == 0  # the suites run the other models
     records = json.loads((out / "results.json").read_text())
     cells = {(r["model"], r["mode"], r["spec"]) for r in records}
-    assert cells == {(m, mode, spec) for m in tiny_models for mode in ("seq", "par", "no-kv-unified")
+    assert cells == {("tiny-dense", mode, spec) for mode in ("seq", "par", "no-kv-unified")
                      for spec in ("none", "draft-simple")}
     assert {r["case"] for r in records} == {"C", "Java", "Python"}
     assert len(records) == len(cells) * 3 * 3  # three rounds: seq, seq, par

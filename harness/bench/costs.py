@@ -9,8 +9,10 @@
 - `suite_wall`: the wall time of a whole suite run against the inference time of its requests.
 """
 
+import contextlib
 import statistics
 import time
+from typing import Optional
 
 import numpy as np
 
@@ -57,29 +59,29 @@ def bench_scan(model_name: str, n_cells: int, repeats: int) -> dict:
 
 
 class _Timed:
-    """Sums the wall time spent in some methods of `Context` while active (a context manager)."""
+    """Sums the wall time spent in some functions of `owner` (a class or a module) while active."""
 
-    def __init__(self, *names: str):
-        self.names, self.seconds, self.calls, self.originals = names, 0.0, 0, {}
+    def __init__(self, owner, *names: str):
+        self.owner, self.names, self.seconds, self.calls, self.originals = owner, names, 0.0, 0, {}
 
     def __enter__(self) -> "_Timed":
         for name in self.names:
-            original = self.originals[name] = getattr(Context, name)
+            original = self.originals[name] = getattr(self.owner, name)
 
-            def timed(ctx, *args, _original=original, **kwargs):
+            def timed(*args, _original=original, **kwargs):
                 t0 = time.perf_counter()
                 try:
-                    return _original(ctx, *args, **kwargs)
+                    return _original(*args, **kwargs)
                 finally:
                     self.seconds += time.perf_counter() - t0
                     self.calls += 1
 
-            setattr(Context, name, timed)
+            setattr(self.owner, name, timed)
         return self
 
     def __exit__(self, *exc) -> None:
         for name, original in self.originals.items():
-            setattr(Context, name, original)
+            setattr(self.owner, name, original)
 
 
 def _engine(model_name: str, spec: str = "none", logit_top_k: int = 0, kv_scan: str = "off") -> Engine:
@@ -92,25 +94,42 @@ def _engine(model_name: str, spec: str = "none", logit_top_k: int = 0, kv_scan: 
     return Engine(config.model, context_params(config), spec_config(config) if options else None, logit_top_k, kv_scan)
 
 
-def _generate(engine: Engine, n_predict: int) -> tuple[float, int]:
-    """Seconds and tokens of one greedy request of `PROMPT` (after a short warm-up)."""
+def _generate(engine: Engine, n_predict: int, timer: Optional["_Timed"] = None) -> tuple[float, int]:
+    """Seconds and tokens of one greedy request of `PROMPT` after a short warm-up; `timer` (if given) times
+    the request only."""
     engine.run([Request(prompt=PROMPT, sampling=Sampling(n_predict=8))])
-    t0 = time.perf_counter()
-    result = engine.run([Request(prompt=PROMPT, sampling=Sampling(n_predict=n_predict))])[0]
-    return time.perf_counter() - t0, len(result.tokens)
+    with timer or contextlib.nullcontext():
+        t0 = time.perf_counter()
+        result = engine.run([Request(prompt=PROMPT, sampling=Sampling(n_predict=n_predict))])[0]
+        seconds = time.perf_counter() - t0
+    return seconds, len(result.tokens)
 
 
 def bench_overhead(model_name: str, n_predict: int) -> dict:
     """Greedy generation in `seq` mode: the share of each token's time spent outside llama_decode."""
     with _engine(model_name) as engine:
-        engine.run([Request(prompt=PROMPT, sampling=Sampling(n_predict=8))])
-        with _Timed("decode") as decode:
-            total, n = _generate(engine, n_predict)
+        decode = _Timed(Context, "decode")
+        total, n = _generate(engine, n_predict, decode)
     n += 1
     outside = total - decode.seconds
     return {"model": model_name, "tokens": n - 1, "ms_per_token": round(1000 * total / n, 3),
             "outside_decode_ms_per_token": round(1000 * outside / n, 4),
             "outside_share_pct": round(100 * outside / total, 2)}
+
+
+def _alternating(engines: dict, n_predict: int, repeats: int) -> dict:
+    """key → median ms per generated token over `repeats` rounds that run every engine in turn; the
+    engines are closed afterwards."""
+    per_token: dict = {key: [] for key in engines}
+    try:
+        for _ in range(repeats):
+            for key, engine in engines.items():
+                seconds, n = _generate(engine, n_predict)
+                per_token[key].append(1000 * seconds / max(n, 1))
+    finally:
+        for engine in engines.values():
+            engine.close()
+    return {key: statistics.median(values) for key, values in per_token.items()}
 
 
 def logit_logging(model_name: str, k: int = 10, n_predict: int = 128, repeats: int = 3) -> dict:
@@ -119,49 +138,20 @@ def logit_logging(model_name: str, k: int = 10, n_predict: int = 128, repeats: i
     while the next decode runs), and the time `capture` holds the generating thread per call."""
     from harness.engine import slot
 
-    spent = {"s": 0.0, "calls": 0}
-    original = slot.capture
-
-    def timed(row, top_k, **kwargs):
-        t0 = time.perf_counter()
-        try:
-            return original(row, top_k, **kwargs)
-        finally:
-            spent["s"] += time.perf_counter() - t0
-            spent["calls"] += 1
-
-    per_token = {0: [], k: []}
-    engines = {top_k: _engine(model_name, logit_top_k=top_k) for top_k in per_token}
-    slot.capture = timed
-    try:
-        for _ in range(repeats):
-            for top_k, engine in engines.items():
-                seconds, n = _generate(engine, n_predict)
-                per_token[top_k].append(1000 * seconds / max(n, 1))
-    finally:
-        slot.capture = original
-        for engine in engines.values():
-            engine.close()
-    off, on = (statistics.median(per_token[top_k]) for top_k in (0, k))
+    engines = {top_k: _engine(model_name, logit_top_k=top_k) for top_k in (0, k)}
+    with _Timed(slot, "capture") as captures:
+        ms = _alternating(engines, n_predict, repeats)
+    off, on = ms[0], ms[k]
     return {"model": model_name, "k": k, "tokens": n_predict, "ms_per_token_off": round(off, 3),
             "ms_per_token_on": round(on, 3), "share_pct": round(100 * (on - off) / off, 2),
-            "capture_ms_in_thread": round(1000 * spent["s"] / max(spent["calls"], 1), 3)}
+            "capture_ms_in_thread": round(1000 * captures.seconds / max(captures.calls, 1), 3)}
 
 
 def scan_per_step(model_name: str, spec: str = "ngram-mod", n_predict: int = 128, repeats: int = 3) -> dict:
     """ms per generated token with the KV state scanned after every speculative step, against none (medians
     over `repeats` alternating runs)."""
-    per_token = {"off": [], "step": []}
-    engines = {mode: _engine(model_name, spec, kv_scan=mode) for mode in per_token}
-    try:
-        for _ in range(repeats):
-            for mode, engine in engines.items():
-                seconds, n = _generate(engine, n_predict)
-                per_token[mode].append(1000 * seconds / max(n, 1))
-    finally:
-        for engine in engines.values():
-            engine.close()
-    off, step = (statistics.median(per_token[m]) for m in ("off", "step"))
+    ms = _alternating({mode: _engine(model_name, spec, kv_scan=mode) for mode in ("off", "step")}, n_predict, repeats)
+    off, step = ms["off"], ms["step"]
     return {"model": model_name, "spec": spec, "ms_per_token_off": round(off, 3), "ms_per_token_step": round(step, 3),
             "scan_ms_per_token": round(step - off, 3), "share_pct": round(100 * (step - off) / step, 2)}
 
@@ -170,15 +160,10 @@ def state_copies(model_name: str = "tiny-hybrid", spec: str = "draft-simple", n_
     """A checkpoint-mode speculative run: the share of its wall time spent in sequence-state copies
     (`Context.state_seq` and `Context.set_state_seq`, llama.cpp's serialization included)."""
     with _engine(model_name, spec) as engine:
-        engine.run([Request(prompt=PROMPT, sampling=Sampling(n_predict=8))])
-        with _Timed("state_seq", "set_state_seq") as copies:
-            t0 = time.perf_counter()
-            result = engine.run([Request(prompt=PROMPT, sampling=Sampling(n_predict=n_predict))])[0]
-            wall = time.perf_counter() - t0
-    stats = result.spec_stats
-    return {"model": model_name, "spec": spec, "tokens": len(result.tokens), "wall_ms": round(1000 * wall, 1),
+        copies = _Timed(Context, "state_seq", "set_state_seq")
+        wall, n = _generate(engine, n_predict, copies)
+    return {"model": model_name, "spec": spec, "tokens": n, "wall_ms": round(1000 * wall, 1),
             "copy_ms": round(1000 * copies.seconds, 2), "copies": copies.calls,
-            "ckpt_created": stats.get("ckpt_created"), "ckpt_restored": stats.get("ckpt_restored"),
             "share_pct": round(100 * copies.seconds / wall, 2)}
 
 
