@@ -30,7 +30,7 @@ from harness.backends.choose import backend_factories
 from harness.errors import HarnessError
 from harness.execute import ExecOptions, Executor
 from harness.logits import Tolerances, compare, max_abs_quantile
-from harness.matrix import BACKEND_NAMES, Cell, spec_preset
+from harness.matrix import BACKEND_NAMES, Cell
 from harness.models import draft_for, resolve
 from harness.noise import calibration_path, calibration_root
 from harness.paths import write_atomic

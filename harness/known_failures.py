@@ -30,7 +30,8 @@ _ENTRY = {
         "modes": {"type": "array", "items": {"type": "string"}},
         "specs": {"type": "array", "items": {"type": "string"}},
         "models": {"type": "array", "items": {"type": "string"}},
-        "check": {"type": "string"}, "evidence": {"type": "string"},
+        "check": {"oneOf": [{"type": "string"}, {"type": "array", "items": {"type": "string"}, "minItems": 1}]},
+        "evidence": {"type": "string"},
         "llama_cpp_commit": {"type": "string"}, "found": {"type": "string"}, "reason": {"type": "string"},
         "upstream": {"type": "string", "minLength": 1},
     },
@@ -44,7 +45,8 @@ class KnownFailure:
     id: str
     suite: str
     backend: str
-    check: str
+    check: tuple[str, ...]
+    """The checks whose failures the defect explains (a string in the file is one check)."""
     evidence: str
     llama_cpp_commit: str
     reason: str
@@ -64,7 +66,7 @@ class KnownFailure:
     def explained(self, result: CheckResult) -> tuple[int, int]:
         """(failing items this defect explains, failing items) of a failed verdict of its check: the
         verdict's per-request `failures`, or its message when it has none."""
-        if result.passed or result.name != self.check:
+        if result.passed or result.name not in self.check:
             return 0, 0
         items = result.failures or [result.message]
         return sum(re.search(self.evidence, item) is not None for item in items), len(items)
@@ -102,7 +104,8 @@ def load(path: Path) -> list[KnownFailure]:
             narrowing([raw["backend"]], list(raw.get("modes", [])), list(raw.get("specs", [])))
         except (jsonschema.ValidationError, re.error, HarnessError) as err:
             raise HarnessError(f"{path}: entry {i}: {str(err).splitlines()[0]}") from None
-        for value, known, what in ((raw["suite"], suites, "suite"), (raw["check"], CHECK_NAMES, "check")):
+        raw["check"] = [raw["check"]] if isinstance(raw["check"], str) else raw["check"]
+        for value, known, what in ((raw["suite"], suites, "suite"), *((c, CHECK_NAMES, "check") for c in raw["check"])):
             if value not in known:
                 raise HarnessError(f"{path}: entry {i}: unknown {what} '{value}' (known: {', '.join(sorted(known))})")
         entries.append(KnownFailure(**{k: tuple(v) if isinstance(v, list) else v for k, v in raw.items()}))

@@ -214,7 +214,7 @@ class KnownFailureItem(pytest.Item):
             for case in self.suite.cases:
                 for key in case_keys(case):
                     ctx = CheckContext(run, key, executor, state["baselines"], _detok(cell.model), "")
-                    for r in evaluate(ctx, [self.entry.check]):
+                    for r in evaluate(ctx, list(self.entry.check)):
                         if self.entry.explains(r):
                             raise CheckFailure(f"still reproduces in {key}-{cell.id}: {r.message}")
 

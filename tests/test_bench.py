@@ -41,6 +41,15 @@ def test_tables_speedup_over_no_spec_and_inproc_over_server_ratio():
     assert held == {("none", True), ("ngram-mod", False)}  # 1.0 ≥ 1.0 holds; 0.8 < 1.0 misses
 
 
+def test_counts_that_differ_between_repeats_are_averaged_and_flagged():
+    learning = [[Sample(0, 100, 2000.0, 0.0, 0, 0, 0)], [Sample(1, 100, 1000.0, 0.0, 60, 50, 10)]]
+    row = speed.summarize({}, learning)  # ngram-mod's pool drafts nothing on the first request, then learns
+    assert row["counts_vary"] and (row["drafted"], row["accepted"]) == (30, 25)
+    assert row["accepted_per_draft"] == pytest.approx(5.0) and row["tok_s"] == pytest.approx(75.0)
+    steady = speed.summarize({}, [[Sample(r, 100, 1000.0, 0.0, 6, 5, 2)] for r in range(3)])
+    assert not steady["counts_vary"] and steady["drafted"] == 6
+
+
 def test_workloads_by_group_id_or_name_and_unknown_names_refused():
     every = speed.all_workloads()
     assert [w.id for w in every if w.group == "w1"] == [f"w1.iterative.turn{i}" for i in range(1, 5)]

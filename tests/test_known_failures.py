@@ -77,3 +77,30 @@ def test_bad_entries_are_one_line_errors_naming_file_and_entry(suites, change, m
         load(path)
     assert str(err.value).startswith(f"{path}: entry 0: ") and message in str(err.value)
     assert "\n" not in str(err.value)
+
+
+def test_an_entry_naming_exercised_explains_completions_its_defect_took_and_nothing_else(suites):
+    from harness.checks import exercised
+    from harness.checks.base import CheckContext
+    from harness.execute import CellRun, Outcome
+    from harness.result import Result
+    from harness.suites import load_suite
+
+    (suites / "known-failures.yaml").write_text(ENTRY.replace("check: no-crash", "check: [no-crash, exercised]"))
+    [entry] = load(suites / "known-failures.yaml")
+    assert entry.check == ("no-crash", "exercised")
+    suite = load_suite(str(suites / "kv-fill.yaml"))
+    par = Cell("server", "par", "draft-simple", "tiny-dense")
+    http500 = "HTTP 500: got exception: speculative batch index 11 is not inside the current sub-batch [0, 4)"
+
+    def verdict(errors: list[str | None]):
+        run = CellRun(suite, par, [Outcome(f"c{i}", 0, Result(stop_reason="error" if e else "limit", error=e))
+                                   for i, e in enumerate(errors)])
+        return exercised(CheckContext(run, suite.first_key, None, None, str, ""))
+
+    all_killed = verdict([http500] * 12)  # the defect took every request: no completion was possible
+    assert not all_killed.passed and len(all_killed.failures) == 12
+    assert tag([entry], "kv-fill", par, [all_killed]) == [] and all_killed.evidence["known_failure"] == "demo-defect"
+    other = verdict([http500] * 10 + ["context_full", "llama-server was killed by SIGSEGV"])
+    assert tag([entry], "kv-fill", par, [other]) == [other]  # two missing completions are something else
+    assert verdict([None] * 4 + [http500] * 8).passed  # a third completed: exercised as expected

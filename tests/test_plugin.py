@@ -1,5 +1,8 @@
 """The pytest plugin on a scratch suites directory: ids, a malformed suite, baselines workflow."""
 
+import io
+
+import pandas as pd
 import pytest
 
 GOOD = """\
@@ -16,6 +19,14 @@ cases:
   - name: broken
     promt: "typo in the key"
 """
+
+
+@pytest.fixture(scope="module", autouse=True)
+def parquet_engine_loaded():
+    """pytester restores `sys.modules` after each test, dropping what the test imported; pandas' parquet
+    engine registers pyarrow extension types when first imported, and a second import in this process
+    fails. Loaded here, before any pytester snapshot, it stays."""
+    pd.DataFrame({"x": [1]}).to_parquet(io.BytesIO())
 
 
 @pytest.fixture

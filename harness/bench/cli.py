@@ -40,7 +40,8 @@ def _table(title: str, rows: list[dict], first: str) -> Table:
         table.add_column(name, justify="right" if name not in (first, "model", "config") else "left")
     for r in rows:
         config = f"{r['engine']} {r['spec']}" + (f" logits {r['logits']}" if r["logits"] else "")
-        table.add_row(r[first], r["model"], config, str(r["predicted_n"]), str(r["drafted"]), str(r["accepted"]),
+        vary = "*" if r.get("counts_vary") else ""
+        table.add_row(r[first], r["model"], config, str(r["predicted_n"]), f"{r['drafted']}{vary}", f"{r['accepted']}{vary}",
                       "—" if r["acceptance"] is None else f"{100 * r['acceptance']:.1f}%",
                       _fmt(r["accepted_per_draft"], 2), _fmt(r["tok_s"]), f"{_fmt(r['spread_pct'])}%",
                       _fmt(r["speedup"], 2), _fmt(r["ratio"], 3))
@@ -107,6 +108,9 @@ def cmd_speed(args: argparse.Namespace, console: Console) -> int:
     data["machine"]["load_after"] = round(os.getloadavg()[0], 2)
     console.print(_table("per workload", data["rows"], "workload"))
     console.print(_table("aggregate", data["aggregate"], "group"))
+    if any(r["counts_vary"] for r in data["rows"]):
+        console.print("* drafted / accepted differ between repeats (the mean is shown): ngram-mod's pool learns "
+                      "from every earlier request of its slot")
     for p in data["parity"]:
         mark = "[green]holds[/green]" if p["holds"] else "[red]misses[/red]"
         console.print(f"parity {p['group']} {p['spec']} logits {'on' if p['logits'] else 'off'}: "

@@ -191,18 +191,22 @@ def _tok_s(samples: list[Sample]) -> float:
 
 
 def summarize(key: dict, per_repeat: list[list[Sample]]) -> dict:
-    """A row: counts of the first repeat, tokens/s median and spread over repeats."""
-    speeds = [_tok_s(samples) for samples in per_repeat if samples]
-    first = per_repeat[0] if per_repeat else []
-    drafted, accepted = sum(s.drafted for s in first), sum(s.accepted for s in first)
-    drafts = None if any(s.drafts is None for s in first) else sum(s.drafts for s in first)
+    """A row: counts per repeat (their mean; `counts_vary` when repeats differ, as with `ngram-mod`, whose
+    hash pool learns from every earlier request of its slot), tokens/s median and spread over repeats."""
+    done = [samples for samples in per_repeat if samples]
+    speeds = [_tok_s(samples) for samples in done]
+    counts = [(sum(s.predicted_n for s in x), sum(s.drafted for s in x), sum(s.accepted for s in x)) for x in done]
+    n, drafted, accepted = (round(statistics.mean(c[i] for c in counts)) if counts else 0 for i in range(3))
+    drafts = [sum(s.drafts for s in x) for x in done if all(s.drafts is not None for s in x)]
+    per_draft = sum(c[2] for c in counts) / sum(drafts) if drafts and len(drafts) == len(done) and sum(drafts) else None
     median = statistics.median(speeds) if speeds else None
-    return {**key, "predicted_n": sum(s.predicted_n for s in first), "drafted": drafted, "accepted": accepted,
-            "acceptance": accepted / drafted if drafted else None,
-            "accepted_per_draft": accepted / drafts if drafts else None,
+    return {**key, "predicted_n": n, "drafted": drafted, "accepted": accepted,
+            "acceptance": accepted / drafted if drafted else None, "accepted_per_draft": per_draft,
+            "counts_vary": len(set(counts)) > 1,
             "tok_s": median, "tok_s_min": min(speeds) if speeds else None, "tok_s_max": max(speeds) if speeds else None,
             "spread_pct": 100 * (max(speeds) - min(speeds)) / median if median else None,
-            "wall_ms": sum(s.wall_ms for s in first), "repeats": len(speeds)}
+            "wall_ms": statistics.mean(sum(s.wall_ms for s in x) for x in done) if done else None,
+            "repeats": len(speeds)}
 
 
 def _relate(rows: list[dict], keys: tuple[str, ...]) -> None:

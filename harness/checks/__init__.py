@@ -198,10 +198,13 @@ def exercised(ctx: CheckContext) -> Optional[CheckResult]:
     completed = sum(o.result.ok for o in outcomes)
     share = completed / len(outcomes) if outcomes else 0.0
     evidence = {"requests": len(outcomes), "completed": completed}
-    problems = []
+    problems, failures = [], []
     if share < expect.get("completed_min", 0.0):
         problems.append(f"only {completed} of {len(outcomes)} requests completed (expected at least "
                         f"{expect['completed_min']:.0%})")
+        # one line per request that did not complete, with its error: what a known defect must explain
+        failures += [f"{o.case} round {o.round} did not complete: {o.result.error or o.result.stop_reason}"
+                     for o in outcomes if not o.result.ok]
     for counter, minimum in expect.get("spec_stats_min", {}).items():
         reported = [o.result.spec_stats[counter] for o in outcomes if counter in o.result.spec_stats]
         if not reported and outcomes:
@@ -211,8 +214,9 @@ def exercised(ctx: CheckContext) -> Optional[CheckResult]:
         if total < minimum:
             problems.append(f"spec_stats.{counter} totals {total} over the cell (expected at least {minimum}): "
                             "the path it counts never ran")
+            failures.append(problems[-1])
     if problems:
-        return CheckResult("exercised", False, "; ".join(problems), evidence, failures=problems)
+        return CheckResult("exercised", False, "; ".join(problems), evidence, failures=failures)
     return CheckResult("exercised", True, evidence=evidence)
 
 
