@@ -558,3 +558,13 @@ def test_slot_save_files_scan_healthy_and_a_planted_duplicate_is_found(build, ti
     assert main(["scan", str(path), "--model", name, "--json"]) == 1
     found = json.loads(capsys.readouterr().out)["duplicates"]
     assert [(d["seq_id"], d["pos"], d["count"]) for d in found] == [(0, 2, 2)]
+
+
+def test_llama_server_context_errors_read_as_context_full_and_others_do_not():
+    from harness.backends.client import KV_FULL_MESSAGE, ServerError
+
+    assert str(ServerError(500, KV_FULL_MESSAGE, "server_error")).startswith("context_full: HTTP 500")
+    too_long = ServerError(400, "request (600 tokens) exceeds the available context size (512 tokens)",
+                           "exceed_context_size_error")
+    assert str(too_long).startswith("context_full: HTTP 400")
+    assert not str(ServerError(500, "Invalid input batch.", "server_error")).startswith("context_full")

@@ -30,12 +30,19 @@ class RequestTimedOut(Exception):
     """The server did not answer within the request timeout."""
 
 
+KV_FULL_MESSAGE = "Context size has been exceeded."
+"""llama-server's error for every slot in progress when even a one-token decode finds no free KV cell
+(`update_slots`, decode status 1 at n_batch 1): its form of a full context during generation."""
+
+
 class ServerError(Exception):
     """An HTTP error answer from the server (`{"error": {"code", "message", "type"}}`); a prompt that does not
-    fit the slot (`exceed_context_size_error`) reads `context_full: ...`, as in the in-process engine."""
+    fit the slot (`exceed_context_size_error`) or a KV cache full during generation (`KV_FULL_MESSAGE`)
+    reads `context_full: ...`, as in the in-process engine."""
 
     def __init__(self, status: int, message: str, kind: str = ""):
-        prefix = "context_full: " if kind == "exceed_context_size_error" else ""
+        full = kind == "exceed_context_size_error" or message.strip() == KV_FULL_MESSAGE
+        prefix = "context_full: " if full else ""
         super().__init__(f"{prefix}HTTP {status}: {message}")
         self.status = status
 
