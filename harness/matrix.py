@@ -178,7 +178,8 @@ def shard(jobs: list[tuple], part: Shard, cost=estimated_cost) -> list[tuple]:
     with both) share suite, backend and model, so those groups are kept whole: no shard runs another's
     reference cells. A group is split into cells, each then also running its reference cells (counted in its
     cost), only while there are fewer units than shards or it alone would take more than half a shard's
-    share. Units go, largest first, to the least loaded shard (longest-processing-time scheduling)."""
+    share. Units go, largest first, to the shard whose load grows least by it, counting only the cells
+    (reference cells included) that shard does not run already (longest-processing-time scheduling)."""
     groups: dict[tuple, list[tuple]] = {}
     for suite, cell in jobs:
         groups.setdefault((suite.name, cell.backend, cell.model), []).append((suite, cell))
@@ -196,10 +197,16 @@ def shard(jobs: list[tuple], part: Shard, cost=estimated_cost) -> list[tuple]:
             refs = {cell.reference(spec="none"), cell.reference(mode="seq"), cell.reference(mode="seq", spec="none")}
             units.append((sum(cost(suite, c) for c in refs | {cell}), (*key, cell.mode, cell.spec), [(suite, cell)]))
     load = [0.0] * part.count
+    held: list[set] = [set() for _ in range(part.count)]  # (suite, cell) each shard executes, references too
     mine = set()
-    for unit_cost, key, members in sorted(units, key=lambda u: (-u[0], u[1])):
-        target = min(range(part.count), key=lambda i: (load[i], i))
-        load[target] += unit_cost
+    for _, key, members in sorted(units, key=lambda u: (-u[0], u[1])):
+        needs = {(s.name, ref): s for s, c in members for ref in
+                 ({c} if len(members) > 1 else {c, c.reference(spec="none"), c.reference(mode="seq"),
+                                                 c.reference(mode="seq", spec="none")})}
+        extra = [sum(cost(s, c) for (name, c), s in needs.items() if (name, c) not in held[i]) for i in range(part.count)]
+        target = min(range(part.count), key=lambda i: (load[i] + extra[i], i))
+        load[target] += extra[target]
+        held[target].update(needs)
         if target == part.index - 1:
             mine.update((s.name, c) for s, c in members)
     return [(s, c) for s, c in jobs if (s.name, c) in mine]
