@@ -40,17 +40,12 @@ class PositionLogits:
     """`capture(..., deferred=True)`: the digest and log-normaliser still being computed (see `settle`)."""
 
     def settle(self) -> "PositionLogits":
-        """Wait for a deferred capture's digest and log-normaliser (a no-op otherwise); returns self."""
+        """Wait for a deferred capture (a no-op otherwise); returns self."""
         if self.pending is not None:
             future, self.pending = self.pending, None
-            digest, total, row = future.result()
-            if row is not None:  # NaN in the row: the whole-row partition, as `capture` does
-                settled = capture(row, len(self.top_ids))
-                self.top_ids, self.top_logits, total = settled.top_ids, settled.top_logits, None
-                self.log_z = settled.log_z
-            self.digest = digest
-            if total is not None:
-                self.log_z = float(self.top_logits[0]) + math.log(total)
+            done = future.result()
+            self.top_ids, self.top_logits, self.digest = done.top_ids, done.top_logits, done.digest
+            self.head, self.tail, self.log_z = done.head, done.tail, done.log_z
         return self
 
     def logprobs(self) -> np.ndarray:
@@ -116,13 +111,6 @@ def _normaliser(row: np.ndarray, peak: float, scratch: np.ndarray) -> float:
         return float(np.exp(np.subtract(row, np.float32(peak), out=scratch), out=scratch).sum(dtype=np.float64))
 
 
-def _digest_and_normaliser(row: np.ndarray, peak: float) -> tuple[str, float, np.ndarray | None]:
-    """A deferred capture's work on its own copy of the row; the row comes back only when the sum is NaN
-    (a row holding NaN or +inf, which `settle` then captures whole)."""
-    total = _normaliser(row, peak, _exp_buffer(row))
-    return f"{zlib.crc32(memoryview(row)):08x}", total, row if math.isnan(total) else None
-
-
 _worker: dict[int, ThreadPoolExecutor] = {}
 
 
@@ -143,9 +131,12 @@ def capture(row: np.ndarray, k: int, deferred: bool = False) -> PositionLogits:
     float64 sum. Ids tied at the k-th value are kept lowest first; a row holding NaN or +inf (whose
     normaliser is NaN) takes the whole-row partition instead.
 
-    `deferred`: the row is copied and its digest and normaliser are computed on a background thread while
-    the caller goes on (the next `llama_decode` releases the GIL); the record is complete after `settle()`,
-    with exactly the values of an immediate capture."""
+    `deferred`: the row is copied (the generating thread's only cost) and captured on a background thread
+    while the caller goes on (the next `llama_decode` releases the GIL); the record is empty until
+    `settle()`, then holds exactly the values of an immediate capture."""
+    if deferred:
+        return PositionLogits(np.empty(0, np.int32), np.empty(0, np.float32),
+                              pending=_pool().submit(capture, row.copy(), k))
     k = min(k, row.shape[0])
     order = _top_k(row, k) if k > 0 else None
     full = order is None
@@ -154,9 +145,6 @@ def capture(row: np.ndarray, k: int, deferred: bool = False) -> PositionLogits:
     peak = float(row[order[0]])
     record = PositionLogits(top_ids=order.astype(np.int32), top_logits=row[order].astype(np.float32),
                             head=tuple(float(x) for x in row[:3]), tail=tuple(float(x) for x in row[-3:]))
-    if deferred and not full:
-        record.pending = _pool().submit(_digest_and_normaliser, row.copy(), peak)
-        return record
     scratch = _exp_buffer(row)
     total = _normaliser(row, peak, scratch)
     if math.isnan(total) and not full:

@@ -29,6 +29,7 @@ def test_tables_speedup_over_no_spec_and_inproc_over_server_ratio():
     assert c_none["tok_s"] == pytest.approx(50) and (c_none["tok_s_min"], c_none["tok_s_max"]) == pytest.approx((40, 60))
     assert c_none["spread_pct"] == pytest.approx(40)
     assert c_none["ratio"] == pytest.approx(1.0) and c_none["speedup"] == pytest.approx(1.0)
+    assert (c_none["ratio_min"], c_none["ratio_max"]) == pytest.approx((0.8, 1.2))
     mod = row[("quicksort.C", "inproc", "ngram-mod")]
     assert mod["speedup"] == pytest.approx(2.0) and mod["ratio"] == pytest.approx(0.8)
     assert mod["acceptance"] == pytest.approx(0.75) and mod["accepted_per_draft"] == pytest.approx(3.0)
@@ -37,8 +38,24 @@ def test_tables_speedup_over_no_spec_and_inproc_over_server_ratio():
     # per repeat: 200 tokens over the two workloads' times, then the median over repeats
     assert agg[("quicksort", "inproc", "none")]["tok_s"] == pytest.approx(200 / (100 / 50 + 100 / 100))
     assert agg[("all", "inproc", "ngram-mod")]["drafted"] == 80
-    held = {(p["spec"], p["holds"]) for p in speed.parity(aggregate)}
+    assert speed.parity(aggregate, workloads) == []  # two of the three quicksort prompts: no verdict
+    held = {(p["spec"], p["holds"]) for p in speed.parity(aggregate, speed.select_workloads(["quicksort"]))}
     assert held == {("none", True), ("ngram-mod", False)}  # 1.0 ≥ 1.0 holds; 0.8 < 1.0 misses
+
+
+def test_inproc_over_server_ratio_is_paired_within_each_repeat():
+    workloads = speed.select_workloads(["quicksort.C"])
+    # the machine slowed down in repeat 2 for both engines: the medians' ratio (60 / 50) would call the
+    # engine 20 % faster, while within every repeat it was 20 % slower or at best even
+    measured = {("gemma3-270m", "quicksort.C", Config("inproc", "none", 0)): _samples([40, 60, 80]),
+                ("gemma3-270m", "quicksort.C", Config("server", "none", 0)): _samples([50, 50, 100])}
+    rows, _ = speed.tables(measured, workloads, 3)
+    inproc = next(r for r in rows if r["engine"] == "inproc")
+    assert inproc["tok_s"] == pytest.approx(60)
+    assert inproc["ratio"] == pytest.approx(0.8) and (inproc["ratio_min"], inproc["ratio_max"]) == pytest.approx((0.8, 1.2))
+    one_sided = {**measured, ("gemma3-270m", "quicksort.C", Config("server", "none", 0)): Measured([Sample(1, 100, 2000.0, 0, 0, 0, None)])}
+    rows, _ = speed.tables(one_sided, workloads, 3)  # repeats the server did not finish are left out
+    assert next(r for r in rows if r["engine"] == "inproc")["ratio"] == pytest.approx(1.2)
 
 
 def test_counts_that_differ_between_repeats_are_averaged_and_flagged():
@@ -85,6 +102,15 @@ def test_bench_runs_both_engines_side_by_side_and_never_overwrites(tmp_path, cap
     assert main(argv) == 2
     assert "already exists" in capsys.readouterr().err
     assert (out / "bench.json").read_bytes() == before
+
+
+def test_skipped_model_spec_pairs_are_not_served(tiny_models):
+    from harness.backends.choose import backend_factories
+
+    measured = speed.run_speed(["tiny-dense"], ["inproc"], ["none", "draft-simple"], [0],
+                               speed.select_workloads(["quicksort.C"]), 1, 8, backend_factories(None, None),
+                               warn=print, progress=print, skip=(("tiny-dense", "draft-simple"),))
+    assert {(r["engine"], r["spec"]) for r in measured["rows"]} == {("inproc", "none")}
 
 
 def test_state_copy_share_counts_the_checkpoints_of_a_hybrid_run(tiny_models):

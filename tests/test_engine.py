@@ -1,15 +1,21 @@
 """The in-process engine on real tiny models: kinds, determinism, modes, and errors as results."""
 
+import ctypes
 import random
 from types import SimpleNamespace
 
+import llama_cpp
 import pytest
 
 from harness.backends.base import ServeConfig
 from harness.backends.inproc import InprocBackend
 from harness.detok import detokenizer
+from harness.engine.context import Context, ContextParams
 from harness.engine.model import Model
 from harness.engine.slot import Slot
+from harness.errors import HarnessError
+from harness.kvscan import layout_from_model, scan_bytes
+from harness.models import resolve
 from harness.request import Request, Sampling
 from helpers import LANGS, first_divergence, quicksort
 
@@ -44,6 +50,33 @@ def test_greedy_output_identical_over_5_repeats(tiny_models, name, mode):
     unique = {tuple(r.tokens) for r in results}
     assert len(unique) == 1, f"{len(unique)} unique outputs over 5 runs"
     assert len(results[0].tokens) == 64 and results[0].stop_reason == "limit"
+
+
+def test_engine_context_keeps_a_window_sized_swa_cache_as_llama_server():
+    # llama-server runs without --swa-full; llama.cpp's context default is swa_full = true, which would keep
+    # every SWA cell (here 1100 instead of n_swa 512 + n_ubatch 512)
+    try:
+        path = resolve("gemma3-270m").path
+    except HarnessError as err:
+        pytest.skip(f"gemma3-270m is not installed ({err})")
+    model = Model(path)
+    ctx = Context(model, ContextParams(n_ctx=2048))
+    try:
+        batch = ctx.new_batch()
+        for pos in range(1100):
+            batch.add(10 + pos, pos, 0, pos == 1099)
+        assert ctx.decode(batch) == 0
+        size = llama_cpp.llama_state_get_size(ctx.ptr)
+        buf = (ctypes.c_uint8 * size)()
+        state = scan_bytes(bytes(buf[: llama_cpp.llama_state_get_data(ctx.ptr, buf, size)]),
+                           layout=layout_from_model(path))
+        cells = {p.name: {s: (v["cells"], v["pos_min"], v["pos_max"]) for s, v in p.sequences().items()}
+                 for p in state.parts}
+        assert cells == {"kv-base": {0: (1100, 0, 1099)}, "kv-swa": {0: (1024, 76, 1099)}}
+    finally:
+        batch.free()
+        ctx.close()
+        model.close()
 
 
 @pytest.mark.parametrize("name", ARCHS)

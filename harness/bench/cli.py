@@ -99,7 +99,8 @@ def cmd_speed(args: argparse.Namespace, console: Console) -> int:
                                backend_factories(args.server_bin and Path(args.server_bin),
                                                  args.source and Path(args.source)),
                                warn=lambda line: console.print(f"[yellow]{line}[/yellow]"),
-                               progress=lambda line: console.print(f"[dim]{line}[/dim]"))
+                               progress=lambda line: console.print(f"[dim]{line}[/dim]"),
+                               skip=() if args.spec else tuple(quick.get("skip", ())))
     data = {"tool": "specharness bench", "started": started, "command": " ".join(args.command_line),
             "machine": machine, "repeat": repeat, "n_predict": n_predict,
             "environment": {name: backend_facts(name, b) for name, b in measured.pop("backends").items()},
@@ -114,7 +115,8 @@ def cmd_speed(args: argparse.Namespace, console: Console) -> int:
     for p in data["parity"]:
         mark = "[green]holds[/green]" if p["holds"] else "[red]misses[/red]"
         console.print(f"parity {p['group']} {p['spec']} logits {'on' if p['logits'] else 'off'}: "
-                      f"in-process/server {p['ratio']:.3f} (target ≥ {p['target']}) {mark}")
+                      f"in-process/server {p['ratio']:.3f}, {p['ratio_min']:.3f}–{p['ratio_max']:.3f} over "
+                      f"{p['repeats']} paired repeats (target ≥ {p['target']}) {mark}")
     for name, row in data["costs"].items():
         console.print(f"[bold]{name}[/bold]: " + ", ".join(f"{k} {v}" for k, v in row.items()))
     out.mkdir(parents=True, exist_ok=True)
@@ -157,7 +159,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                         "scan, overhead, build-step, report: single measurements")
     p.add_argument("--quick", action="store_true",
                    help=f"a small subset (under 5 minutes on 2 cores): models {', '.join(speed.QUICK['models'])}; "
-                        f"specs {', '.join(speed.QUICK['specs'])}; {len(speed.QUICK['workloads'])} workloads")
+                        f"specs {', '.join(speed.QUICK['specs'])} (not "
+                        + ", ".join(f"{m} {s}" for m, s in speed.QUICK["skip"])
+                        + f"); {len(speed.QUICK['workloads'])} workloads")
     p.add_argument("--model", help="models, comma-separated (speed: " + ", ".join(speed.MODELS)
                    + "; scan: tiny-dense; overhead: gemma3-270m)")
     p.add_argument("--engine", help="engines, comma-separated (default: inproc,server)")

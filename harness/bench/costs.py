@@ -134,8 +134,8 @@ def _alternating(engines: dict, n_predict: int, repeats: int) -> dict:
 
 def logit_logging(model_name: str, k: int = 10, n_predict: int = 128, repeats: int = 3) -> dict:
     """What logging the top-k logits of every generated token costs: ms per token with logging on against
-    off (medians of `repeats` alternating runs; the digest and log-normaliser run on a background thread
-    while the next decode runs), and the time `capture` holds the generating thread per call."""
+    off (medians of `repeats` alternating runs; the capture itself runs on a background thread while the
+    next decode runs), and the time `capture` holds the generating thread per call."""
     from harness.engine import slot
 
     engines = {top_k: _engine(model_name, logit_top_k=top_k) for top_k in (0, k)}

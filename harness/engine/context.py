@@ -42,6 +42,9 @@ class ContextParams:
     threads: int = field(default_factory=default_threads)
     seed: int = 42
     n_rs_seq: int = 0
+    swa_full: bool = False
+    """llama-server's `--swa-full` (off there by default, unlike llama.cpp's context default): a sliding-window
+    model keeps only its window's cells in the SWA cache."""
 
     def to_llama(self) -> llama_cpp.llama_context_params:
         """The C struct for `llama_init_from_model`."""
@@ -57,6 +60,7 @@ class ContextParams:
         p.n_seq_max = self.parallel
         p.n_rs_seq = self.n_rs_seq
         p.kv_unified = self.kv_unified
+        p.swa_full = self.swa_full
         p.flash_attn_type = FLASH_ATTN[self.flash_attn]
         p.type_k = CACHE_TYPES[self.cache_type_k]
         p.type_v = CACHE_TYPES[self.cache_type_v]
