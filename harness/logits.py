@@ -37,7 +37,7 @@ class PositionLogits:
     """log Σ exp(row) over the whole vocabulary: `top_logits − log_z` are log-probabilities
     (0 when `top_logits` already are, as llama-server's are)."""
     pending: Future | None = field(default=None, repr=False, compare=False)
-    """`capture(..., deferred=True)`: the digest and log-normaliser still being computed (see `settle`)."""
+    """`capture(..., deferred=True)`: the capture still being computed on the background thread (see `settle`)."""
 
     def settle(self) -> "PositionLogits":
         """Wait for a deferred capture (a no-op otherwise); returns self."""
