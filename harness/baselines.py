@@ -1,5 +1,7 @@
 """Baselines: one small human-readable JSON file per (suite, case, model, backend, device) in
-`fixtures/baselines/<suite>/`, holding the tokens, the text and the environment that produced them.
+`fixtures/baselines/<suite>/`, holding the tokens, the text and the environment that produced them, and
+(`acceptance`) per speculative cell (`<mode>/<spec>`) and round the drafted and accepted counts, with the
+per-position counts where the backend reports them.
 
 `--update-baselines` writes them (atomically; a file whose tokens and text are unchanged is left
 byte-identical); without it a missing baseline fails with the command that creates it; a corrupt
@@ -14,11 +16,14 @@ from typing import Optional
 from harness.checks import verdict
 from harness.checks.base import CheckContext, CheckResult
 from harness.checks.compare import compare_tokens
+from harness.errors import HarnessError
 from harness.logits import PositionLogits, from_frame, load_parquet, save_parquet, to_frame
 from harness.paths import write_atomic
 from harness.suites import suites_dir
 
-FIELDS = ("suite", "case", "model", "backend", "device", "text", "tokens", "environment")
+FIELDS = ("suite", "case", "model", "backend", "device", "text", "tokens", "environment", "acceptance")
+ACCEPTANCE_FIELDS = ("draft_n", "draft_n_accepted", "drafted_per_pos", "accepted_per_pos")
+"""What a baseline keeps of a request's `spec_stats` (the per-position lists only where the backend reports them)."""
 
 
 def shown(path: Path) -> str:
@@ -34,7 +39,7 @@ def default_root() -> Path:
     return suites_dir().parent / "fixtures" / "baselines"
 
 
-class BaselineError(Exception):
+class BaselineError(HarnessError):
     """A baseline file that cannot be read as one."""
 
 
@@ -42,9 +47,20 @@ def _safe(name: str) -> str:
     return re.sub(r"[^A-Za-z0-9_.+-]", "_", name)
 
 
+def _line(value) -> str:
+    return json.dumps(value, ensure_ascii=False, sort_keys=True)
+
+
 def render(data: dict) -> str:
-    """The file text: one field per line, in a fixed order, so diffs stay readable."""
-    lines = [f"  {json.dumps(k)}: {json.dumps(data[k], ensure_ascii=False, sort_keys=True)}" for k in FIELDS]
+    """The file text: one field per line (`acceptance`: one cell per line), in a fixed order, so diffs stay
+    readable."""
+    lines = []
+    for k in (k for k in FIELDS if k in data):
+        if k == "acceptance":
+            cells = [f"    {_line(cell)}: {_line(data[k][cell])}" for cell in sorted(data[k])]
+            lines.append(f"  {_line(k)}: {{\n" + ",\n".join(cells) + "\n  }")
+        else:
+            lines.append(f"  {_line(k)}: {_line(data[k])}")
     return "{\n" + ",\n".join(lines) + "\n}\n"
 
 
@@ -71,6 +87,14 @@ class BaselineStore:
             isinstance(t, int) for t in data["tokens"]
         ):
             raise BaselineError(f"corrupt baseline file {shown(path)}: no list of integer `tokens`")
+        acceptance = data.get("acceptance", {})
+        if not isinstance(acceptance, dict) or not all(
+            isinstance(rows, list) and all(isinstance(r, dict) and isinstance(r.get("round"), int)
+                                           and isinstance(r.get("draft_n"), int) for r in rows)
+            for rows in acceptance.values()
+        ):
+            raise BaselineError(f"corrupt baseline file {shown(path)}: `acceptance` is not "
+                                "{\"<mode>/<spec>\": [{\"round\": int, \"draft_n\": int, ...}]}")
         return data
 
     @staticmethod
@@ -90,6 +114,8 @@ class BaselineStore:
         """Write `data` (and its logits) atomically unless the file already holds the same tokens and text;
         True if written."""
         old = self.load(path)
+        if old is not None and "acceptance" in old:
+            data = {**data, "acceptance": old["acceptance"]}
         if old is not None and old["tokens"] == data["tokens"] and old.get("text") == data["text"]:
             if logits and not self.logits_path(path).exists():
                 self._write(self.logits_path(path), lambda t: save_parquet(t, {"baseline": to_frame(logits)}))
@@ -122,6 +148,22 @@ class BaselineStore:
         result = verdict("baseline", compare_tokens(ctx, data["tokens"], self.load_logits(path), f"baseline {shown(path)}"))
         result.evidence["baseline"] = shown(path)
         return result
+
+    def acceptance(self, ctx: CheckContext) -> tuple[Optional[list[dict]], Path]:
+        """The stored acceptance of this speculative cell's case, one record per round (None when the
+        baseline holds none for the cell), and the baseline's path; with `update`, this run's is stored
+        first. BaselineError when the file is corrupt."""
+        cell, env = ctx.cell, ctx.executor.environment(ctx.cell)
+        path = self.path(ctx.run.suite.name, ctx.case, cell.model, cell.backend, env["device"])
+        key = f"{cell.mode}/{cell.spec}"
+        data = self.load(path)
+        if self.update and data is not None and ctx.completed() and all(o.result.ok for o in ctx.outcomes):
+            rows = [{"round": o.round, **{k: o.result.spec_stats[k] for k in ACCEPTANCE_FIELDS
+                                          if k in o.result.spec_stats}} for o in ctx.outcomes]
+            if data.get("acceptance", {}).get(key) != rows:
+                data["acceptance"] = {**data.get("acceptance", {}), key: rows}
+                self._write(path, lambda t: t.write_text(render(data)))
+        return (None if data is None else data.get("acceptance", {}).get(key)), path
 
     def _update(self, ctx: CheckContext, path: Path, env: dict) -> None:
         """Store the canonical output (mode seq, no speculation, first round) of this case."""

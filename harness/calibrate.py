@@ -13,6 +13,11 @@ Tolerances are SAFETY × the largest value measured (never below MINIMUM): `nmse
 a run, `kl` its mean KL, `max_abs` the 95th percentile of its per-position max |Δ|, and `near_tie` — the
 largest margin noise can flip — bounds the margin change and every flip seen. `repeats` whole measurements
 give the spread a re-measurement may show (par on llama-server depends on request timing).
+
+Acceptance: per speculative config, the largest difference of a request's accepted / drafted or accepted /
+generated between runs that serve the requests in the same order (the repeats of each variant, and the
+7-token micro-batch split against seq) and, for drafters that keep no state between requests, between
+modes (par and no-kv-unified against seq); its tolerance is SAFETY × that.
 """
 
 import argparse
@@ -29,8 +34,9 @@ from harness import MODES, __version__
 from harness.backends.choose import backend_factories
 from harness.errors import HarnessError
 from harness.execute import ExecOptions, Executor
+from harness.checks.acceptance import Acceptance
 from harness.logits import Tolerances, compare, max_abs_quantile
-from harness.matrix import BACKEND_NAMES, Cell
+from harness.matrix import BACKEND_NAMES, Cell, spec_preset
 from harness.models import draft_for, resolve
 from harness.noise import calibration_path, calibration_root
 from harness.paths import write_atomic
@@ -70,16 +76,26 @@ def prompts(model: str) -> list[Case]:
     return cases
 
 
+IN_ORDER = "in-order"
+"""The variant that sends the requests one at a time (every other sends them all at once)."""
+
+
 def variants(backend: str, model: str) -> list[tuple[str, Cell, dict]]:
-    """(name, cell, serve overrides) of every run equivalent to the seq / none reference."""
+    """(name, cell, serve overrides) of every run equivalent to the seq / none reference: every mode × spec,
+    each spec with a 7-token micro-batch split, and each drafter that learns across requests once more
+    with the requests sent one at a time (served in a fixed order, which its acceptance depends on)."""
     specs = [s for s in SPECS[backend] if s != "draft-simple" or draft_for(model)]
     out = [(f"{mode}/{spec}", Cell(backend, mode, spec, model), {}) for mode in MODES for spec in specs
            if (mode, spec) != ("seq", "none")]
-    return out + [(f"seq/none/n_ubatch={UBATCH}", Cell(backend, "seq", "none", model), {"n_ubatch": UBATCH})]
+    out += [(f"seq/{spec}/n_ubatch={UBATCH}", Cell(backend, "seq", spec, model), {"n_ubatch": UBATCH})
+            for spec in specs]
+    return out + [(f"seq/{spec}/{IN_ORDER}", Cell(backend, "seq", spec, model), {}) for spec in specs
+                  if spec_preset(spec).learns_across_requests]
 
 
 def _suite(name: str, model: str, serve: dict) -> Suite:
-    return Suite(name=name, path=None, cases=prompts(model), matrix=[], checks=[], serve=serve, rounds=["par"])
+    rounds = ["seq"] if name.endswith(IN_ORDER) else ["par"]
+    return Suite(name=name, path=None, cases=prompts(model), matrix=[], checks=[], serve=serve, rounds=rounds)
 
 
 def measure(model: str, backend: str, executor: Executor) -> dict:
@@ -90,7 +106,8 @@ def measure(model: str, backend: str, executor: Executor) -> dict:
         raise HarnessError(f"calibration reference run failed: {reference.error}")
     results = {}
     for name, cell, serve in variants(backend, model):
-        suite = reference_suite if not serve else _suite(f"calibrate-{name.replace('/', '-')}", model, serve)
+        own = serve or name.endswith(IN_ORDER)
+        suite = _suite(f"calibrate-{name.replace('/', '-')}", model, serve) if own else reference_suite
         run = executor.run(suite, cell)
         if run.error:
             raise HarnessError(f"calibration run {name} failed: {run.error}")
@@ -119,6 +136,8 @@ def _pair_stats(reference, run) -> dict:
             flip = gap(x, a.tokens[same], b.tokens[same])
             flips.append({"case": ref.case, "index": same, "reference_gap": None if flip is None else round(flip, 6)})
     frame = pd.DataFrame(runs)
+    acceptance = {o.case: [o.result.spec_stats.get("draft_n", 0), o.result.spec_stats.get("draft_n_accepted", 0),
+                           len(o.result.tokens)] for o in run.outcomes if spec_preset(run.cell.spec).speculative}
     deltas = np.array(rows) if rows else np.zeros(1)
     return {
         "runs": len(runs), "positions": len(rows),
@@ -128,7 +147,54 @@ def _pair_stats(reference, run) -> dict:
         "max_abs_max": float(frame["max_abs"].max()) if runs else 0.0,
         "margin_delta_max": float(deltas.max()), "margin_delta_p99": float(np.quantile(deltas, 0.99)),
         "flips": flips,
+        **({"acceptance": acceptance} if acceptance else {}),
     }
+
+
+def _acceptance_gap(a: dict, b: dict) -> float:
+    """The largest difference of a request's accepted / drafted or accepted / generated between two runs
+    ({case: [drafted, accepted, generated]})."""
+    gaps = [0.0]
+    for case in a.keys() & b.keys():
+        x, y = (Acceptance(*a[case]), Acceptance(*b[case]))
+        gaps += [abs(x.rate - y.rate), abs(x.per_generated - y.per_generated)]
+    return max(gaps)
+
+
+def acceptance_spread(measurements: list[dict]) -> dict:
+    """Per speculative config, the largest acceptance difference between equivalent runs, and the tolerances
+    (SAFETY × it) the `acceptance` check uses:
+
+    - `tolerance`: the same cell in the same request order, as against a baseline: repeats of a variant
+      and the n_ubatch split against seq (other kernel numerics, as on another CPU); for a drafter that
+      learns across requests, only repeats of the variant that sends the requests one at a time (its drafts
+      are a function of the token history, which numerics do not change, and of the order);
+    - `tolerance_concurrent`: the same, for requests sent all at once — a drafter that learns across
+      requests then depends on the order llama-server happens to serve them in: repeats of every variant;
+    - `tolerance_modes` (drafters without state between requests): par / no-kv-unified against seq, where
+      the batch a slot shares changes a draft model's numerics."""
+    out = {}
+    specs = {name.split("/")[1] for m in measurements for name, v in m.items() if "acceptance" in v}
+    for spec in sorted(specs):
+        learns = spec_preset(spec).learns_across_requests
+        ours = [name for name in measurements[0] if name.split("/")[1] == spec and "acceptance" in measurements[0][name]]
+        gap = lambda pairs: round(max([_acceptance_gap(a, b) for a, b in pairs], default=0.0), 4)  # noqa: E731
+        seq, ubatch, in_order = f"seq/{spec}", f"seq/{spec}/n_ubatch={UBATCH}", f"seq/{spec}/{IN_ORDER}"
+        repeats = {n: gap([(m[n]["acceptance"], m2[n]["acceptance"]) for i, m in enumerate(measurements)
+                           for m2 in measurements[i + 1:]]) for n in ours}
+        split = gap([(m[ubatch]["acceptance"], m[seq]["acceptance"]) for m in measurements if ubatch in m])
+        spread = {"repeat_spread": max(repeats.values(), default=0.0), "ubatch_spread": split}
+        if learns:
+            spread["in_order_spread"] = repeats.get(in_order, 0.0)
+            fixed, concurrent = spread["in_order_spread"], max(spread["repeat_spread"], split)
+        else:
+            modes = [n for n in ours if n.split("/")[0] != "seq"]
+            spread["mode_spread"] = gap([(m[n]["acceptance"], m[seq]["acceptance"]) for m in measurements for n in modes])
+            fixed = concurrent = max(spread["repeat_spread"], split)
+            spread["tolerance_modes"] = round(SAFETY * max(fixed, spread["mode_spread"]), 4)
+        out[spec] = {**spread, "tolerance": round(SAFETY * fixed, 4),
+                     "tolerance_concurrent": round(SAFETY * concurrent, 4)}
+    return out
 
 
 def _largest(measured: dict) -> dict:
@@ -179,8 +245,14 @@ def calibrate(model: str, backend: str, repeats: int = 2, server_bin: Optional[P
                    f"the suites run them; tolerance = {SAFETY:g} x the largest value over "
                    f"{repeats} measurements (nmse: pooled NMSE of a run; kl: mean KL of a run; max_abs: p95 of "
                    "the per-position max |dlogprob|; near_tie: the largest top1-top2 margin change or flipped "
-                   "margin)"),
+                   "margin); acceptance: per spec, tolerance = "
+                   f"{SAFETY:g} x the largest difference of a request's accepted/drafted or accepted/generated "
+                   "between runs of the same cell in the same request order (repeats and the n_ubatch split; for "
+                   "drafters that learn across requests, repeats with the requests sent one at a time), "
+                   "tolerance_concurrent the same with requests sent at once, tolerance_modes (drafters without "
+                   "state between requests) also between modes; a drop of one token always passes"),
         "tolerances": tolerances_of(overall),
+        "acceptance": acceptance_spread(measurements),
         "spread": spread,
         "largest": overall,
         "measured": measurements[0],
@@ -197,12 +269,35 @@ def write(data: dict, root: Optional[Path] = None) -> Path:
 
 
 def within_spread(new: dict, committed: dict) -> list[str]:
-    """The tolerances of `new` that differ from `committed` by more than its stated spread (empty: reproduced)."""
+    """The tolerances of `new` that exceed `committed`'s by more than its stated spread (empty: the committed
+    floor holds for this measurement). A smaller one is no finding: a floor merged over several machines
+    (`--merge`) is as large as the noisiest of them."""
     out = []
     for key, spread in committed["spread"].items():
         old, now = committed["tolerances"][key], new["tolerances"][key]
-        if abs(now - old) > spread * old:
+        if now - old > spread * old:
             out.append(f"{key}: {now:.3g} vs committed {old:.3g} (allowed spread {spread:.0%})")
+    return out
+
+
+def merged(new: dict, committed: dict) -> dict:
+    """`new` with every tolerance (logits and acceptance) raised to the committed one where that is larger:
+    a floor that holds on each machine it was measured on (another CPU runs other SIMD kernels, with other
+    rounding noise). `machines` lists each measurement's date and largest values."""
+    out = json.loads(json.dumps(new))
+    for key, value in committed["tolerances"].items():
+        if isinstance(value, float) and key in out["tolerances"]:
+            out["tolerances"][key] = max(out["tolerances"][key], value)
+    for spec, old in committed.get("acceptance", {}).items():
+        if spec in out.get("acceptance", {}):
+            for key in ("tolerance", "tolerance_concurrent", "tolerance_modes"):
+                if key in old and key in out["acceptance"][spec]:
+                    out["acceptance"][spec][key] = max(out["acceptance"][spec][key], old[key])
+    earlier = committed.get("machines") or [{"measured_on": committed.get("measured_on"),
+                                             "largest": committed.get("largest")}]
+    out["machines"] = earlier + [{"measured_on": new["measured_on"], "largest": new["largest"]}]
+    out["method"] += ("; merged (--merge): each tolerance is the largest of these measurements' "
+                      f"({len(out['machines'])} machines, see `machines`)")
     return out
 
 
@@ -223,10 +318,13 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
             print(f"{model} {backend} {data['device']}: near_tie {tol['near_tie']:.3g} nats, nmse {tol['nmse']:.3g}, "
                   f"kl {tol['kl']:.3g}, max_abs (p95) {tol['max_abs']:.3g}")
             if committed_path.is_file():
-                drift = within_spread(data, json.loads(committed_path.read_text()))
-                print(f"  committed {committed_path.name}: " + ("reproduced within its spread" if not drift else
-                                                                 "NOT reproduced: " + "; ".join(drift)))
+                committed = json.loads(committed_path.read_text())
+                drift = within_spread(data, committed)
+                print(f"  committed {committed_path.name}: " + ("holds (no tolerance above it beyond its spread)"
+                                                                 if not drift else "EXCEEDED: " + "; ".join(drift)))
                 status |= bool(drift) and not args.write
+                if args.merge:
+                    data = merged(data, committed)
             if args.write:
                 print(f"  written: {write(data)}")
     return status
@@ -242,4 +340,6 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--server-bin", type=Path, metavar="PATH", help="llama-server binary to use instead of building one")
     p.add_argument("--source", type=Path, metavar="DIR", help="llama.cpp tree to build llama-server from")
     p.add_argument("--write", action="store_true", help=f"write the tolerances into {calibration_root().name}/")
+    p.add_argument("--merge", action="store_true",
+                   help="keep each committed tolerance where it is larger (a floor measured on several machines)")
     p.set_defaults(func=cmd_calibrate)

@@ -2,9 +2,11 @@
 
 import functools
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Optional
 
 from harness.engine.model import Vocab
+from harness.errors import HarnessError
+from harness.models import resolve
 
 
 @functools.cache
@@ -16,3 +18,11 @@ def detokenizer(model_path: Path) -> Callable[[list[int]], str]:
     if vocab is None:
         return lambda tokens: " ".join(f"<{t}>" for t in tokens)
     return vocab.detokenize
+
+
+def for_model(name: str) -> Optional[Callable[[list[int]], str]]:
+    """The detokenizer of a registry name or .gguf path, None when the model is not at hand (never built)."""
+    try:
+        return detokenizer(resolve(name, make=False).path)
+    except HarnessError:
+        return None

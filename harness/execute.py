@@ -3,6 +3,11 @@
 A round sends the cases the way the suite says (`seq`: one request at a time, `par`: all at once);
 a chat case sends its turns one after another, each turn carrying the model's earlier replies. Each
 cell runs once per executor (memoized), so checks that compare cells reuse the runs.
+
+Cells that differ only in their speculative config are run together when the executor knows they will be
+asked for (`expect`): their sessions open side by side and take turns round by round, the one without
+speculation included, so each speculative request's speed-up over the same request without speculation
+(report.files.speedups) compares requests made moments apart, on an equally busy machine.
 """
 
 import traceback
@@ -10,7 +15,6 @@ from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 from harness.backends.base import Backend, ServeConfig
-from harness.engine.drafters.scripted import Scripted, at_draft_position, by_prompt
 from harness.errors import HarnessBug, HarnessError
 from harness.matrix import Cell, spec_preset
 from harness.models import draft_for, resolve
@@ -18,8 +22,6 @@ from harness.logits import PositionLogits
 from harness.request import Request, Sampling
 from harness.result import Result
 from harness.suites import Case, Suite, case_keys  # noqa: F401 - case_keys is used from here too
-
-SCRIPTS = {"accept-all": {}, "reject-all": {"reject_all": True}, "wrong-at-2": {"wrong_at": at_draft_position(2)}}
 
 
 @dataclass
@@ -87,12 +89,31 @@ class Executor:
         self.options = options
         self._runs: dict[tuple[str, Cell], CellRun] = {}
         self._backends: dict[str, Backend] = {}
+        self._expected: dict[tuple, list[Cell]] = {}
+        self._planned: set[tuple[str, Cell]] = set()
+
+    def expect(self, jobs) -> None:
+        """The (suite, cell) pairs this executor will be asked for: the cells of one suite, backend, model and
+        mode, with the one without speculation their speed-ups compare with, then run together, taking turns
+        round by round (A B, then B A). A scripted config runs alone (its script is the reference's output)."""
+        for suite, cell in jobs:
+            self._planned.add((suite.name, cell))
+            group = self._expected.setdefault((suite.name, cell.backend, cell.model, cell.mode), [])
+            for c in (cell.reference(spec="none"), cell):
+                if c not in group and not spec_preset(c.spec).scripted:
+                    group.append(c)
 
     def run(self, suite: Suite, cell: Cell, on_request: Optional[Callable[[], None]] = None) -> CellRun:
-        """The cell's run (executed on first use)."""
+        """The cell's run (executed on first use, with the cells expected beside it; `on_request` is called
+        after each request of this cell and of the other planned cells run with it)."""
         key = (suite.name, cell)
         if key not in self._runs:
-            self._runs[key] = self._execute(suite, cell, on_request)
+            group = [c for c in self._expected.get((suite.name, cell.backend, cell.model, cell.mode), [])
+                     if (suite.name, c) not in self._runs]
+            cells = group if cell in group else [cell]
+            ticks = {c: on_request if c == cell or (suite.name, c) in self._planned else None for c in cells}
+            for c, run in self._execute(suite, cells, ticks).items():
+                self._runs[(suite.name, c)] = run
         return self._runs[key]
 
     def runs(self) -> list[CellRun]:
@@ -126,37 +147,47 @@ class Executor:
         if preset.scripted:
             reference = self.run(suite, cell.reference(spec="none"))
             script = {tuple(o.result.prompt_tokens): o.result.tokens for o in reference.outcomes if o.round == 0}
-            engine["drafters"] = [Scripted(by_prompt(script), **SCRIPTS[preset.scripted])]
+            engine["script"] = {"kind": preset.scripted, "outputs": script}  # the backend builds the drafter
         return serve_config(cell, self.options, serve=suite.serve, engine=engine)
 
-    def _execute(self, suite: Suite, cell: Cell, on_request) -> CellRun:
-        run = CellRun(suite, cell)
+    def _execute(self, suite: Suite, cells: list[Cell], ticks: dict) -> dict[Cell, CellRun]:
+        """Run `cells` side by side: every session open, round r of each in turn (reversed every other round)."""
+        runs = {cell: CellRun(suite, cell) for cell in cells}
+        sessions = {}
         try:
-            session = self._backend(cell.backend).open(self._config(suite, cell))
-        except HarnessError as err:
-            run.error = str(err)
-        except Exception as err:  # noqa: BLE001 - a bug of ours: reported as a harness error, not a verdict
-            _harness_error(run, err)
-        else:
-            try:
-                for r, how in enumerate(suite.rounds):
-                    self._round(session, suite, run, r, how, on_request)
-            except HarnessError as err:  # a backend that broke mid-run: keep what was done, report the rest
-                run.error = f"{cell.backend} failed during the run: {str(err).splitlines()[0]}"
-            except Exception as err:  # noqa: BLE001
-                _harness_error(run, err)
-            finally:
+            for cell in cells:
+                try:
+                    sessions[cell] = self._backend(cell.backend).open(self._config(suite, cell))
+                except HarnessError as err:
+                    runs[cell].error = str(err)
+                except Exception as err:  # noqa: BLE001 - a bug of ours: reported as a harness error, not a verdict
+                    _harness_error(runs[cell], err)
+            for r, how in enumerate(suite.rounds):
+                for cell, session in (list(sessions.items()) if r % 2 == 0 else list(sessions.items())[::-1]):
+                    run = runs[cell]
+                    if run.error is not None:
+                        continue
+                    try:
+                        self._round(session, suite, run, r, how, ticks[cell])
+                    except HarnessError as err:  # a backend that broke mid-run: keep what was done, report the rest
+                        run.error = f"{cell.backend} failed during the run: {str(err).splitlines()[0]}"
+                    except Exception as err:  # noqa: BLE001
+                        _harness_error(run, err)
+        finally:
+            for session in sessions.values():
                 session.close()
-        if run.error is not None:
-            done = {(o.case, o.round) for o in run.outcomes}
-            for r in range(len(suite.rounds)):
-                for case in suite.cases:
-                    for key in case_keys(case):
-                        if (key, r) not in done:
-                            run.outcomes.append(Outcome(key, r, Result(stop_reason="error", error=run.error)))
-                            if on_request:
-                                on_request()
-        return run
+        for cell, run in runs.items():
+            on_request = ticks[cell]
+            if run.error is not None:
+                done = {(o.case, o.round) for o in run.outcomes}
+                for r in range(len(suite.rounds)):
+                    for case in suite.cases:
+                        for key in case_keys(case):
+                            if (key, r) not in done:
+                                run.outcomes.append(Outcome(key, r, Result(stop_reason="error", error=run.error)))
+                                if on_request:
+                                    on_request()
+        return runs
 
     def _round(self, session, suite: Suite, run: CellRun, r: int, how: str, on_request) -> None:
         cases = [suite.cell_case(case, run.cell.model) for case in suite.cases]

@@ -16,6 +16,7 @@ from typing import Optional
 import jsonschema
 import yaml
 
+from harness.backends.base import cpu_flags
 from harness.checks.base import CheckResult
 from harness.errors import HarnessError
 from harness.matrix import Cell, narrowing
@@ -33,6 +34,7 @@ _ENTRY = {
         "check": {"oneOf": [{"type": "string"}, {"type": "array", "items": {"type": "string"}, "minItems": 1}]},
         "evidence": {"type": "string"},
         "llama_cpp_commit": {"type": "string"}, "found": {"type": "string"}, "reason": {"type": "string"},
+        "cpu_flags": {"type": "array", "items": {"type": "string"}, "minItems": 1},
         "upstream": {"type": "string", "minLength": 1},
     },
 }
@@ -56,10 +58,19 @@ class KnownFailure:
     specs: tuple[str, ...] = ()
     models: tuple[str, ...] = ()
     found: str = ""
+    cpu_flags: tuple[str, ...] = ()
+    """The defect shows only on a CPU with these flags (`/proc/cpuinfo`); elsewhere the entry does not apply."""
+
+    @property
+    def missing_cpu_flags(self) -> list[str]:
+        """The CPU flags the entry needs that this machine lacks (empty: it applies here)."""
+        have = cpu_flags()
+        return [f for f in self.cpu_flags if f not in have]
 
     def covers(self, suite: str, cell: Cell) -> bool:
-        """True for the cells the defect shows in (an empty list of modes, specs or models means all)."""
-        return (suite == self.suite and cell.backend == self.backend
+        """True for the cells the defect shows in (an empty list of modes, specs or models means all) on a
+        CPU it shows on."""
+        return (suite == self.suite and cell.backend == self.backend and not self.missing_cpu_flags
                 and all(not allowed or value in allowed for value, allowed in
                         ((cell.mode, self.modes), (cell.spec, self.specs), (cell.model, self.models))))
 

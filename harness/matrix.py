@@ -28,6 +28,16 @@ class SpecPreset:
     def speculative(self) -> bool:
         return bool(self.options) or self.scripted is not None
 
+    @property
+    def learns_across_requests(self) -> bool:
+        """Whether a drafter keeps state from one request to the next (ngram-map-k / -k4v per slot, ngram-mod
+        shared by all): its acceptance depends on which requests a slot served before, so it compares only
+        with a run that served them in the same order."""
+        return bool(set(str(self.options.get("spec-type", "")).split(",")) & LEARNING_DRAFTERS)
+
+
+LEARNING_DRAFTERS = {"ngram-map-k", "ngram-map-k4v", "ngram-mod"}
+"""The `--spec-type` drafters whose state outlives a request."""
 
 _NGRAM_SMALL = {
     "ngram-simple": {"spec-ngram-simple-size-n": 3, "spec-ngram-simple-size-m": 8},

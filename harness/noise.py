@@ -18,6 +18,9 @@ from harness.suites import suites_dir
 
 NEAR_TIE = 0.05
 """Uncalibrated near-tie floor, nats: flash attention on vs off flipped a margin of 0.0008 on tiny-dense."""
+ACCEPTANCE = 0.05
+"""Uncalibrated acceptance tolerance: the drop (absolute, of a request's accepted / drafted and accepted /
+generated) that `acceptance` lets pass; the largest calibrated spread on this project's models is far below."""
 
 
 @dataclass(frozen=True)
@@ -29,10 +32,21 @@ class NoiseFloor:
     """The largest top1−top2 margin (nats) that numerical noise is measured to flip: a divergence at a
     smaller margin can be a near-tie, at a larger one it cannot."""
     source: str = "default (uncalibrated)"
+    acceptance: dict = field(default_factory=dict)
+    """Spec config → {"fixed": …, "concurrent": …, "modes": …}: the calibrated drop of a request's acceptance
+    that passes against a run of the same cell in a fixed request order, with the requests sent all at once,
+    and against seq (see harness.calibrate.acceptance_spread)."""
 
     @property
     def calibrated(self) -> bool:
         return not self.source.startswith("default")
+
+    def acceptance_tolerance(self, spec: str, against: str = "fixed") -> tuple[float, str]:
+        """The acceptance tolerance of a spec config against a run of the same cell (`fixed` request order,
+        or `concurrent`: requests sent all at once) or against seq (`modes`), and where it came from."""
+        if spec in self.acceptance:
+            return self.acceptance[spec][against], self.source
+        return ACCEPTANCE, f"default (uncalibrated for {spec})"
 
     def describe(self) -> str:
         return f"near-tie floor {self.near_tie:.3g} nats, {self.source}"
@@ -60,7 +74,11 @@ def from_data(data: dict, source: str) -> NoiseFloor:
         raw = data["tolerances"]
         names = {f.name for f in fields(Tolerances)}
         tol = Tolerances(**{k: float(v) for k, v in raw.items() if k in names})
-        return NoiseFloor(tol, float(raw["near_tie"]), source)
+        acceptance = {spec: {"fixed": float(v["tolerance"]),
+                             "concurrent": float(v.get("tolerance_concurrent", v["tolerance"])),
+                             "modes": float(v.get("tolerance_modes", v["tolerance"]))}
+                      for spec, v in data.get("acceptance", {}).items()}
+        return NoiseFloor(tol, float(raw["near_tie"]), source, acceptance)
     except (KeyError, TypeError, ValueError) as err:
         raise HarnessError(f"corrupt calibration file {source}: {err!r}; re-run `specharness calibrate`") from None
 

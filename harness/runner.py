@@ -23,7 +23,7 @@ from harness.backends.choose import backend_factories
 from harness.baselines import BaselineStore, default_root
 from harness.checks import evaluate
 from harness.checks.base import CheckContext
-from harness.detok import detokenizer
+from harness import detok as detokenizers
 from harness.engine.faults import FAULTS
 from harness.engine.rollback import CHECKPOINT_FLAGS, STRATEGIES
 from harness.engine.speculative import SpecConfig
@@ -34,7 +34,7 @@ from harness.matrix import SPEC_PRESETS, Cell, Shard, cells, narrowing, shard
 from harness.models import ModelUnavailable, resolve
 from harness.paths import reports_dir
 from harness.report import describe_run, frame, publish, records, write_run
-from harness.report.files import command_line, now
+from harness.report.files import command_line, now, speedups
 from harness.suites import Suite, load_suite, suites_dir
 
 DEFAULT_SUITE = "quicksort"
@@ -93,6 +93,7 @@ def run_suites(plan: list[tuple[Suite, dict]], executor: Executor, baselines: Ba
     checks; returns (suite, case, cell, CheckResult) tuples. `on_cell` gets each cell's verdicts as soon
     as they are complete (what an interrupted run still reports)."""
     jobs = plan_jobs(plan, part)
+    executor.expect(jobs)
     total = sum(len(s.rounds) * sum(len(case_keys(c)) for c in s.cases) for s, _ in jobs)
     task = progress.add_task("run", total=total) if progress else None
     verdicts = []
@@ -104,7 +105,7 @@ def run_suites(plan: list[tuple[Suite, dict]], executor: Executor, baselines: Ba
             if on_cell:
                 on_cell(suite, cell, [])
             continue
-        detok = detokenizer(resolve(cell.model).path) if run.error is None else str
+        detok = detokenizers.for_model(cell.model) or str if run.error is None else str
         mine = []
         for case in suite.cases:
             for key in case_keys(case):
@@ -147,11 +148,14 @@ def wide_console() -> Console:
 
 
 def summary_table(runs: list[CellRun], verdicts: list) -> Table:
-    """Per cell: requests, errors, speed, draft acceptance and check verdicts (pandas underneath)."""
-    df = frame(records(runs))
+    """Per cell: requests, errors, speed, draft acceptance, the speed-up over no speculation measured in this
+    run, and check verdicts (pandas underneath)."""
+    rows_ = records(runs)
+    df, speed = frame(rows_), speedups(rows_)
     table = Table(title="specharness run")
-    for column in ("suite", "model", "mode", "spec", "backend", "requests", "errors", "tok/s", "accepted", "checks"):
-        table.add_column(column, justify="right" if column in ("requests", "errors", "tok/s", "accepted") else "left")
+    numeric = ("requests", "errors", "tok/s", "accepted", "speed-up")
+    for column in ("suite", "model", "mode", "spec", "backend", *numeric, "checks"):
+        table.add_column(column, justify="right" if column in numeric else "left")
     keys = ["suite", "model", "mode", "spec", "backend"]
     for (suite, model, mode, spec, backend), rows in df.groupby(keys, sort=False):
         ok = rows[rows["error"].isna()]
@@ -161,9 +165,11 @@ def summary_table(runs: list[CellRun], verdicts: list) -> Table:
         failed = sorted({r.name for r in mine if not r.passed and "known_failure" not in r.evidence})
         known = sorted({r.evidence["known_failure"] for r in mine if "known_failure" in r.evidence})
         errors = len(rows) - len(ok)
+        up = speed.get(f"{suite} {mode}-{spec}-{model}-{backend}")
         table.add_row(
             suite, model, mode, spec, backend, str(len(rows)), f"[red]{errors}[/]" if errors else "0",
             f"{1000.0 * n / ms:.0f}" if ms else "-", f"{accepted}/{drafted}" if drafted else "-",
+            f"{up['speedup']:.2f}x" if up else "-",
             f"[red]failed: {', '.join(failed)}[/]" if failed else
             f"[yellow]known llama.cpp defect: {', '.join(known)}[/]" if known else f"[green]{len(mine)} passed[/]",
         )
@@ -243,7 +249,7 @@ def cmd_run(args: argparse.Namespace) -> int:
             console.print(f"error: {run.suite.name} {run.cell.id}: {run.error}", markup=False, highlight=False)
         if run.harness_error:
             console.print(run.harness_error, markup=False, highlight=False)
-    for path in baselines.written:
+    for path in dict.fromkeys(baselines.written):
         console.print(f"baseline written: {path}", markup=False)
     planned = [(suite.name, cell) for suite, cell in plan_jobs(plan, part)]
     meta = describe_run(
@@ -251,7 +257,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         options=repro_options(args), started=started, planned=planned, done=done,
         suites={suite.name: suite.path for suite in suites}, known=known, shard=str(part) if part else None,
         interrupted=interrupted)
-    console.print(f"results: {write_run(out, runs, verdicts, meta)}", markup=False)
+    console.print(f"results: {write_run(out, runs, verdicts, meta, detokenizers.for_model)}", markup=False)
     console.print(f"report: {publish(out)}", markup=False)
     if interrupted:
         console.print(f"interrupted: {len(planned) - len(done)} of {len(planned)} cells did not run "

@@ -34,6 +34,15 @@ PLAN = [
 """Suites and the matrix part each runs: rollbacks by seq_rm (dense) and by checkpoint (hybrid), a
 grammar under forced rejections, decode failures during speculative steps, and penalties under
 checkpoint rollbacks."""
+FAULT_PLAN = {
+    "stale-draft-context": [("quicksort", {"models": ["tiny-dense", "tiny-hybrid"], "modes": ["seq"],
+                                           "specs": ["draft-simple"], "backends": ["inproc"]})],
+    "shared-drafter-state": [("quicksort", {"models": ["gemma3-270m"], "modes": ["seq", "par"],
+                                            "specs": ["ngram-map-k"], "backends": ["inproc"]})],
+}
+"""What a fault needs beyond the plan: draft-model speculation, and an n-gram drafter with a state per slot
+on a model whose text repeats (Gemma 3 270M). A fault runs the plan and its own part; the clean row runs
+the plan and every fault's part."""
 
 EXPECTED: dict[str, list[tuple[str, str]]] = {
     "skip-seq-rm-after-restore": [("kv-healthy", r"[1-9]\d* duplicate cells")],
@@ -44,6 +53,8 @@ EXPECTED: dict[str, list[tuple[str, str]]] = {
                             ("no-crash", r"rejected the batch as invalid")],
     "partial-checkpoint-only": [("kv-healthy", r"[1-9]\d* (duplicate cells|orphans)"),
                                 ("lossless", r"Class (hard|drift|kv-corrupt)")],
+    "stale-draft-context": [("acceptance", r"against baseline \(tolerance [\d.e-]+\): (acceptance|accepted tokens)")],
+    "shared-drafter-state": [("acceptance", r"against baseline \(tolerance [\d.e-]+\): (acceptance|accepted tokens)")],
 }
 """Per fault, the (check, evidence) pairs that count as catching it (any one): the check must fail and its
 message must match the evidence — the bug class, not just any failure."""
@@ -59,6 +70,8 @@ class Row:
     """check → failing verdicts that carry the fault's expected evidence."""
     harness_errors: list[str] = field(default_factory=list)
     label: str = ""
+    failing_cells: set[str] = field(default_factory=set)
+    """The cells (`<mode>-<spec>-<model>-<backend>`) with a failing verdict."""
 
     @property
     def ok(self) -> bool:
@@ -71,17 +84,20 @@ class Row:
 
 def run_plan(fault: str | None, plan: list | None = None) -> Row:
     """One run of `plan` (default: the selftest plan) with `fault` switched on (None: clean)."""
-    suites = plan if plan is not None else [(load_suite(name), only) for name, only in PLAN]
+    label = fault or ("none (selftest plan)" if plan is None else "none (default matrices)")
+    if plan is None:
+        extra = FAULT_PLAN.get(fault, []) if fault else [part for parts in FAULT_PLAN.values() for part in parts]
+        plan = [(load_suite(name), only) for name, only in PLAN + extra]
     executor = Executor(ExecOptions(backends=backend_factories(), engine={"fault": fault}, kv_scan="request"))
-    verdicts = run_suites(suites, executor, BaselineStore(default_root()))
-    row = Row(fault or "none", dict.fromkeys(CHECKS, 0), dict.fromkeys(CHECKS, 0),
-              label=fault or ("none (selftest plan)" if plan is None else "none (default matrices)"))
+    verdicts = run_suites(plan, executor, BaselineStore(default_root()))
+    row = Row(fault or "none", dict.fromkeys(CHECKS, 0), dict.fromkeys(CHECKS, 0), label=label)
     expected = dict(EXPECTED.get(fault or "", []))
     known = load_known(suites_dir() / KNOWN_FAILURES)
     for suite, _, cell, r in verdicts:
         if r.passed or not tag(known, suite, cell, [r]):  # a recorded llama.cpp defect is no false positive
             continue
         row.failures[r.name] += 1
+        row.failing_cells.add(cell.id)
         pattern = expected.get(r.name)
         if pattern and re.search(pattern, r.message):
             row.caught[r.name] += 1

@@ -20,7 +20,8 @@ from harness.errors import HarnessError
 from harness.matrix import SPEC_PRESETS, block_of
 from harness.request import SAMPLING_SCHEMA, Request, Sampling
 
-SERVE_FIELDS = {"n_ctx": "integer", "n_batch": "integer", "n_ubatch": "integer", "parallel": "integer"}
+SERVE_FIELDS = {"n_ctx": "integer", "n_batch": "integer", "n_ubatch": "integer", "parallel": "integer",
+                "repack": "boolean"}
 
 _NAMES = {"type": "array", "items": {"type": "string"}, "minItems": 1}
 _CASE = {
@@ -53,7 +54,8 @@ SUITE_SCHEMA = {
         "matrix": {"oneOf": [_BLOCK, {"type": "array", "items": _BLOCK, "minItems": 1}]},
         "sampling": SAMPLING_SCHEMA,
         "serve": {"type": "object", "additionalProperties": False,
-                  "properties": {k: {"type": t, "minimum": 1} for k, t in SERVE_FIELDS.items()}},
+                  "properties": {k: {"type": t, **({"minimum": 1} if t == "integer" else {})}
+                                 for k, t in SERVE_FIELDS.items()}},
         "engine": {"type": "object", "additionalProperties": False,
                    "properties": {"rollback": {"enum": list(STRATEGIES)},
                                   "checkpoint_flags": {"enum": list(CHECKPOINT_FLAGS)},
@@ -80,10 +82,10 @@ SUITE_SCHEMA = {
 
 DEFAULT_MATRIX = {"backends": ["inproc"], "modes": list(MODES), "specs": ["none"], "models": ["tiny-dense", "tiny-hybrid", "tiny-recurrent"]}
 CHECK_NAMES = ("no-crash", "repeat-identical", "lossless", "mode-invariant", "baseline", "spec-ran",
-               "grammar-valid", "kv-healthy", "logits-close", "exercised")
+               "acceptance", "grammar-valid", "kv-healthy", "logits-close", "exercised")
 """The checks a suite may name (their functions live in harness.checks, which must define exactly these)."""
 DEFAULT_CHECKS = ["no-crash", "repeat-identical", "lossless", "mode-invariant", "baseline", "spec-ran",
-                  "kv-healthy", "logits-close"]
+                  "kv-healthy", "logits-close", "acceptance"]
 
 
 @dataclass
@@ -117,7 +119,7 @@ class Suite:
     matrix: list[dict]
     """The blocks of the run matrix (see harness.matrix.cells)."""
     checks: list[str]
-    serve: dict[str, int] = field(default_factory=dict)
+    serve: dict[str, Any] = field(default_factory=dict)
     engine: dict[str, Any] = field(default_factory=dict)
     """In-process engine options (`rollback`, `checkpoint_flags`, `checkpoint_attempts`) for its inproc cells;
     llama-server has no such options, so server cells ignore them."""

@@ -1,5 +1,6 @@
 """Helpers for the report tests: a scratch checkout, a tiny HTML tree, the system browser."""
 
+import contextlib
 import os
 import shutil
 import subprocess
@@ -11,6 +12,17 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 VOID = {"meta", "br", "input", "img", "link", "hr", "col", "source", "wbr"}
+
+
+@contextlib.contextmanager
+def inside(path: Path):
+    """Run a block with `path` as the working directory."""
+    old = Path.cwd()
+    os.chdir(path)
+    try:
+        yield
+    finally:
+        os.chdir(old)
 
 
 def make_checkout(root: Path) -> Path:

@@ -271,3 +271,60 @@ def test_exercised_needs_completed_requests_and_the_counted_path():
     assert not starved.passed and "only 1 of 3 requests completed" in starved.message
     server = verdict(context({spec: [ok([1])]}, spec, s), "exercised")  # llama-server reports no such counter
     assert server.passed and server.evidence["unmeasured"] == ["draft_dropped"]
+
+
+def spec_ok(tokens, drafted, accepted, per_pos=None):
+    stats = {"draft_n": drafted, "draft_n_accepted": accepted}
+    if per_pos:
+        stats.update(drafted_per_pos=per_pos[0], accepted_per_pos=per_pos[1])
+    return ok(tokens, **stats)
+
+
+def test_acceptance_against_the_baseline_fails_a_drop_and_names_the_draft_position(tmp_path):
+    spec = SEQ.reference(spec="draft-simple")
+    tokens = list(range(40))
+    store = BaselineStore(tmp_path)
+    clean = {SEQ: [ok(tokens)], spec: [spec_ok(tokens, 40, 24, ([20, 20], [14, 10]))]}
+    missing = verdict(context(clean, spec, baselines=store), "acceptance")
+    assert not missing.passed and "no acceptance baseline for seq/draft-simple" in missing.message
+    writer = BaselineStore(tmp_path, update=True)
+    writer.check(context(clean, spec, baselines=writer))  # the tokens first, as the suites order the checks
+    assert verdict(context(clean, spec, baselines=writer), "acceptance").passed
+    one_token = {SEQ: [ok(tokens)], spec: [spec_ok(tokens, 40, 23, ([20, 20], [14, 9]))]}
+    assert verdict(context(one_token, spec, baselines=store), "acceptance").passed  # below one token: no verdict
+    worse = {SEQ: [ok(tokens)], spec: [spec_ok(tokens, 40, 12, ([20, 20], [12, 0]))]}
+    failed = verdict(context(worse, spec, baselines=store), "acceptance")
+    assert not failed.passed
+    assert "acceptance 60.0 % (24/40 drafted, 1.20 accepted per draft) -> 30.0 % (12/40" in failed.message
+    assert "steepest fall at draft position 2 (50 % -> 0 % accepted)" in failed.message
+    assert "uncalibrated" in failed.message and failed.evidence["baseline"]["accepted"] == 24
+    fewer_drafts = {SEQ: [ok(tokens)], spec: [spec_ok(tokens, 10, 6)]}  # as good a rate, far fewer accepted
+    failed = verdict(context(fewer_drafts, spec, baselines=store), "acceptance")
+    assert not failed.passed and "accepted tokens 24 -> 6 of 40 generated" in failed.message
+    assert CHECKS["acceptance"](context(clean, SEQ, baselines=store)) is None  # nothing drafted without speculation
+
+
+def test_acceptance_in_par_compares_each_request_with_seq_unless_the_drafter_learns(tmp_path):
+    store = BaselineStore(tmp_path, update=True)
+    tokens = list(range(40))
+    for spec_name in ("draft-simple", "ngram-map-k"):
+        seq, par = (Cell("inproc", mode, spec_name, "m") for mode in ("seq", "par"))
+        skewed = {SEQ: [ok(tokens)], SEQ.reference(mode="par"): [ok(tokens)], seq: [spec_ok(tokens, 40, 30)],
+                  par: [spec_ok(tokens, 40, 10)]}
+        store.check(context(skewed, par, baselines=store))
+        result = verdict(context(skewed, par, baselines=store), "acceptance")  # its own baseline holds: 10 of 40
+        if spec_name == "draft-simple":
+            assert not result.passed and "round 0 against seq (tolerance 0.05): acceptance 75.0 %" in result.message
+        else:  # ngram-map-k learns across a slot's requests: par's order is not seq's, only its baseline counts
+            assert result.passed and "seq" not in result.evidence
+
+
+def test_a_corrupt_acceptance_baseline_is_an_error_naming_the_file(tmp_path):
+    spec = SEQ.reference(spec="draft-simple")
+    store = BaselineStore(tmp_path, update=True)
+    cells = {SEQ: [ok([1, 2])], spec: [spec_ok([1, 2], 4, 2)]}
+    store.check(context(cells, spec, baselines=store))
+    path = next(tmp_path.rglob("*.json"))
+    path.write_text(path.read_text().replace('"tokens"', '"acceptance": {"seq/draft-simple": 3}, "tokens"'))
+    failed = verdict(context(cells, spec, baselines=BaselineStore(tmp_path)), "acceptance")
+    assert not failed.passed and "corrupt baseline file" in failed.message and path.name in failed.message

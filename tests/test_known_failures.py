@@ -104,3 +104,19 @@ def test_an_entry_naming_exercised_explains_completions_its_defect_took_and_noth
     other = verdict([http500] * 10 + ["context_full", "llama-server was killed by SIGSEGV"])
     assert tag([entry], "kv-fill", par, [other]) == [other]  # two missing completions are something else
     assert verdict([None] * 4 + [http500] * 8).passed  # a third completed: exercised as expected
+
+
+def test_an_entry_for_a_cpu_feature_applies_only_on_a_cpu_that_has_it(suites):
+    from harness.backends.base import cpu_flags
+
+    have = sorted(cpu_flags())[0] if cpu_flags() else None
+    (suites / "known-failures.yaml").write_text(ENTRY + "  cpu_flags: [no-cpu-has-this-flag]\n")
+    [absent] = load(suites / "known-failures.yaml")
+    par = Cell("server", "par", "draft-simple", "tiny-dense")
+    crash = CheckResult("no-crash", False, "HTTP 500: speculative batch index 12 is not inside the current sub-batch")
+    assert absent.missing_cpu_flags == ["no-cpu-has-this-flag"] and not absent.covers("kv-fill", par)
+    assert tag([absent], "kv-fill", par, [crash]) == [crash]  # elsewhere the failure stays a failure
+    if have is not None:
+        (suites / "known-failures.yaml").write_text(ENTRY + f"  cpu_flags: [{have}]\n")
+        [present] = load(suites / "known-failures.yaml")
+        assert present.missing_cpu_flags == [] and present.covers("kv-fill", par)

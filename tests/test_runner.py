@@ -131,3 +131,50 @@ def test_counts_must_be_positive(option, capsys):
     with pytest.raises(SystemExit) as exit_:
         main(["run", option, "0"])
     assert exit_.value.code == 2 and "expected an integer >= 1" in capsys.readouterr().err
+
+
+def test_expected_cells_of_one_mode_run_side_by_side_taking_turns_round_by_round(tiny_models):
+    """The speed-up of a speculative cell compares requests made moments apart: with `expect`, the cell
+    without speculation and the speculative ones of the same suite, backend, model and mode keep their
+    sessions open together and serve round r in turn (A B, then B A); a scripted config runs alone."""
+    calls = []
+    real = backend_factories()["inproc"]
+
+    class Recording:
+        name = "inproc"
+
+        def __init__(self):
+            self.backend = real()
+
+        def environment(self):
+            return self.backend.environment()
+
+        def open(self, config):
+            session, spec = self.backend.open(config), config.spec.get("spec-type", "none")
+            calls.append(("open", spec))
+
+            class Session:
+                def run(self, requests):
+                    calls.append(("run", spec))
+                    return session.run(requests)
+
+                def close(self):
+                    calls.append(("close", spec))
+                    session.close()
+
+            return Session()
+
+    suite = load_suite("quicksort")
+    executor = Executor(ExecOptions(backends={"inproc": Recording}, logit_top_k=0, kv_scan="off"))
+    cells = [Cell("inproc", "seq", spec, "tiny-dense") for spec in ("draft-simple", "scripted-accept")]
+    executor.expect([(suite, c) for c in cells])
+    run = executor.run(suite, cells[0])
+    assert run.error is None and len(run.outcomes) == 9
+    turns = [spec for what, spec in calls if what == "run"]
+    assert calls[:2] == [("open", "none"), ("open", "draft-simple")]
+    # rounds seq, seq, par: three requests one at a time, again, then all three at once
+    assert turns == ["none"] * 3 + ["draft-simple"] * 6 + ["none"] * 3 + ["none", "draft-simple"]
+    assert executor.run(suite, cells[0].reference(spec="none")) is executor.runs()[0]  # ran with it, memoized
+    calls.clear()
+    executor.run(suite, cells[1])  # the script is the reference's output: it runs alone, afterwards
+    assert [c for c in calls if c[0] == "open"] == [("open", "none")]

@@ -530,6 +530,19 @@ def test_command_maps_config_one_to_one(build, model):
     seq = LlamaServer.from_config(config(model, "seq"), build.server_bin)
     seq.port = 1234
     assert "--no-kv-unified" in seq.command() and seq.command()[seq.command().index("-np") + 1] == "1"
+    from dataclasses import replace
+    for repack in (True, False):  # --repack is llama-server's default: only its negation is passed
+        server = LlamaServer.from_config(replace(config(model, "seq"), repack=repack), build.server_bin)
+        server.port = 1234
+        assert ("--no-repack" in server.command()) is not repack
+
+
+def test_weight_repacking_is_off_exactly_on_a_cpu_whose_amx_path_crashes_llama_cpp():
+    from harness.backends.base import AMX_DEFECT, cpu_flags, default_repack
+    from harness.engine import ContextParams
+
+    assert default_repack() is (AMX_DEFECT not in cpu_flags())
+    assert ContextParams().repack is True  # the engine's own default is llama.cpp's; serve configs decide
 
 
 @pytest.mark.parametrize("name", ["tiny-dense", "tiny-hybrid", "tiny-recurrent"])

@@ -244,3 +244,48 @@ def test_chained_drafters_follow_llama_cpps_priority_ngram_before_draft_model(ti
             getattr(d, "close", lambda: None)()
         ctx.close()
         model.close()
+
+
+def rate(results):
+    t = totals(results)
+    return t["draft_n_accepted"] / t["draft_n"]
+
+
+def test_per_position_counters_add_up_to_the_drafted_and_accepted_totals(tiny_models):
+    """accepted_per_pos[k] (llama-server's n_accepted_per_pos) counts the steps whose token at draft position k
+    was accepted; drafted_per_pos[k] the steps that drafted one there: their sums are the request's totals, and
+    a token is accepted at k only after k-1 was."""
+    spec = SpecConfig(spec_type=("draft-simple",), spec_draft_model=resolve("tiny-hybrid-draft").path,
+                      spec_draft_n_max=4)
+    result = run(tiny_models["tiny-hybrid"], [quicksort("C")], spec=spec)[0]
+    s = result.spec_stats
+    assert sum(s["drafted_per_pos"]) == s["draft_n"] and sum(s["accepted_per_pos"]) == s["draft_n_accepted"], s
+    assert 0 < s["accepted_per_pos"][0] < s["drafted_per_pos"][0], s
+    assert all(a >= b for a, b in zip(s["accepted_per_pos"], s["accepted_per_pos"][1:])), s
+    assert len(s["drafted_per_pos"]) == 4
+
+
+@pytest.mark.parametrize("name", ARCHS)
+def test_stale_draft_context_fault_stays_lossless_and_lowers_acceptance(tiny_models, greedy_reference, name):
+    """The draft context keeps its rejected tokens: the target never sees it (output unchanged), the drafts do."""
+    spec = lambda fault: SpecConfig(spec_type=("draft-simple",), spec_draft_model=resolve(f"{name}-draft").path,
+                                    spec_draft_n_max=4, fault=fault)
+    requests = [quicksort(lang) for lang in LANGS]
+    clean = run(tiny_models[name], requests, spec=spec(None))
+    stale = run(tiny_models[name], requests, spec=spec("stale-draft-context"))
+    assert_lossless(greedy_reference[name], stale)
+    assert rate(stale) < rate(clean) - 0.05, (rate(clean), rate(stale))
+
+
+def test_shared_drafter_state_fault_lowers_acceptance_in_par_only(loop_reference):
+    """n-gram drafters keyed by slot 0 for every slot: seq (one slot) is untouched; in par the other slots'
+    drafts come from slot 0's n-gram map (output unchanged, acceptance lower)."""
+    model = resolve("tiny-dense-loop")
+    requests = [quicksort(lang, n_predict=128) for lang in LANGS]
+    spec = lambda fault: SpecConfig(spec_type=("ngram-map-k",), **SMALL_NGRAMS, fault=fault)
+    seq = {f: run(model, requests, "seq", spec(f)) for f in (None, "shared-drafter-state")}
+    assert totals(seq[None]) == totals(seq["shared-drafter-state"])
+    par = {f: run(model, requests, "par", spec(f)) for f in (None, "shared-drafter-state")}
+    assert_lossless(loop_reference["tiny-dense"], par["shared-drafter-state"])
+    share = {f: [r.spec_stats["draft_n_accepted"] / len(r.tokens) for r in par[f]] for f in par}
+    assert max(a - b for a, b in zip(share[None], share["shared-drafter-state"])) > 0.2, share

@@ -79,11 +79,34 @@ def test_without_its_known_failure_entry_the_abort_fails_the_run(tmp_path, monke
 
 
 @pytest.mark.parametrize("backend", ["inproc"])  # the server's calibration runs the same code (measured by hand)
-def test_calibrate_reproduces_the_committed_tolerances_within_their_spread(backend, tiny_models):
+def test_a_re_measurement_stays_within_the_committed_tolerances(backend, tiny_models):
     committed = json.loads(calibration_path("tiny-dense", backend, "cpu").read_text())
     again = calibrate("tiny-dense", backend, repeats=1)
     assert within_spread(again, committed) == []
     assert committed["tolerances"]["near_tie"] >= 2 * committed["largest"]["near_tie"]
+    for spec, measured in again["acceptance"].items():  # a re-measurement stays inside the committed tolerances
+        for kind in ("tolerance", "tolerance_concurrent", "tolerance_modes"):
+            assert measured.get(kind, 0.0) <= committed["acceptance"][spec].get(kind, 0.0), (spec, kind, measured)
+
+
+def test_acceptance_spread_compares_modes_only_for_drafters_without_state_between_requests():
+    from harness.calibrate import acceptance_spread
+
+    def m(seq, par, ubatch):  # {variant: {"acceptance": {case: [drafted, accepted, generated]}}}
+        return {f"{v}/{spec}": {"acceptance": {"c": [10, a, 20]}} for spec in ("draft-simple", "ngram-mod")
+                for v, a in (("seq", seq), ("par", par), ("seq", None), ("seq", None)) if a is not None} | {
+            f"seq/{spec}/n_ubatch=7": {"acceptance": {"c": [10, ubatch, 20]}} for spec in ("draft-simple", "ngram-mod")}
+
+    first, second = m(seq=5, par=2, ubatch=5), m(seq=5, par=3, ubatch=4)
+    for run in (first, second):  # the requests sent one at a time: the same order, the same acceptance
+        run["seq/ngram-mod/in-order"] = {"acceptance": {"c": [10, 6, 20]}}
+    spread = acceptance_spread([first, second])
+    simple = spread["draft-simple"]  # repeats 0.1 (par), n_ubatch split 0.1 (second run), modes 0.3
+    assert (simple["repeat_spread"], simple["ubatch_spread"], simple["mode_spread"]) == (0.1, 0.1, 0.3)
+    assert (simple["tolerance"], simple["tolerance_concurrent"], simple["tolerance_modes"]) == (0.2, 0.2, 0.6)
+    mod = spread["ngram-mod"]  # par serves ngram-mod's requests in another order: never compared with seq
+    assert "tolerance_modes" not in mod and mod["in_order_spread"] == 0.0
+    assert mod["tolerance"] == 0.0 and mod["tolerance_concurrent"] == 0.2
 
 
 def test_a_model_without_calibration_uses_the_stated_defaults(tmp_path):

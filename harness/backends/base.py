@@ -49,6 +49,28 @@ class SpeedMeter:
             self.slowest = speed if self.slowest is None else min(self.slowest, speed)
 
 
+def cpu_flags() -> frozenset[str]:
+    """The CPU's feature flags (`/proc/cpuinfo`; empty where there is none)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return frozenset()
+    line = next((l for l in text.splitlines() if l.startswith("flags")), "")
+    return frozenset(line.partition(":")[2].split())
+
+
+AMX_DEFECT = "amx_int8"
+"""The CPU flag under which llama.cpp's AMX matrix multiplication (weights repacked into the AMX buffer type)
+segfaults on Q4_K models: ggml-org/llama.cpp#20824, the `amx-repack-segfault` entry of known-failures.yaml."""
+
+
+def default_repack() -> bool:
+    """llama-server's `--repack` default (on), except on a CPU with AMX, where the repacked weights crash
+    llama.cpp (AMX_DEFECT): there the suites serve with `--no-repack`, the run header says so, and the
+    `amx-repack` suite keeps the defect itself under test as a known failure."""
+    return AMX_DEFECT not in cpu_flags()
+
+
 def default_threads() -> int:
     """Half the cores (at least one): spin barriers make all-core decoding slow on a busy 2-core box."""
     return max(1, (os.cpu_count() or 2) // 2)
@@ -69,6 +91,8 @@ class ServeConfig:
     cache_type_v: str = "f16"
     threads: int = field(default_factory=default_threads)
     seed: int = 42
+    repack: bool = field(default_factory=default_repack)
+    """llama-server's `--repack` / `--no-repack`: weights repacked into the CPU's extra buffer types."""
     draft_model: Optional[Path] = None
     spec: dict = field(default_factory=dict)
     """Speculative options under llama-server's names without the leading dashes (`spec-type`, ...)."""
@@ -79,7 +103,9 @@ class ServeConfig:
     """Log the top-k candidates of every generated position (0 = off; llama-server's `n_probs`)."""
     engine: dict = field(default_factory=dict)
     """In-process only: options of the speculative engine llama-server does not have (`rollback`,
-    `checkpoint_flags`, `checkpoint_attempts`, `fault`, and `drafters`: drafter objects tried first)."""
+    `checkpoint_flags`, `checkpoint_attempts`, `fault`, `drafters`: drafter objects tried first, and
+    `script`: {"kind": a scripted preset's script, "outputs": prompt tokens → expected output}, the data the
+    in-process backend builds the scripted drafter from)."""
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:

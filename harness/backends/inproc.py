@@ -21,6 +21,7 @@ from harness.backends.process import crash_report, free_log_name
 from harness.engine import ContextParams
 from harness.engine.logging import is_verbose
 from harness.engine.speculative import SpecConfig
+from harness.engine.drafters.scripted import from_script
 from harness.engine.worker import EngineArgs, serve
 from harness.errors import HarnessBug, HarnessError
 from harness.request import Request
@@ -45,6 +46,7 @@ def context_params(config: ServeConfig) -> ContextParams:
         cache_type_v=config.cache_type_v,
         threads=config.threads,
         seed=config.seed,
+        repack=config.repack,
     )
 
 
@@ -52,8 +54,9 @@ def spec_config(config: ServeConfig) -> SpecConfig:
     """The engine's speculative options from llama-server style names plus the in-process extras."""
     options = dict(config.engine)
     drafters = options.pop("drafters", [])
+    script = options.pop("script", None)
     spec = SpecConfig.from_options({**config.spec, "spec-draft-model": config.draft_model, **options})
-    spec.drafters = list(drafters)
+    spec.drafters = list(drafters) + ([from_script(script["kind"], script["outputs"])] if script else [])
     return spec
 
 

@@ -48,6 +48,7 @@ class LlamaServer:
     cache_type_v: str = "f16"  # -ctv
     threads: int = field(default_factory=default_threads)  # -t
     seed: int = 42  # -s
+    repack: bool = True  # --no-repack when False
     spec: dict = field(default_factory=dict)  # --<key> <value> for every speculative option
     cache_prompt: bool = True  # --no-cache-prompt when False
     slot_save_path: Optional[Path] = None  # --slot-save-path
@@ -68,7 +69,7 @@ class LlamaServer:
             ctx_size=config.n_ctx, batch_size=config.n_batch, ubatch_size=config.n_ubatch,
             parallel=config.n_slots, kv_unified=config.kv_unified, flash_attn=config.flash_attn,
             cache_type_k=config.cache_type_k, cache_type_v=config.cache_type_v, threads=config.threads,
-            seed=config.seed, spec=dict(config.spec), **options,
+            seed=config.seed, repack=config.repack, spec=dict(config.spec), **options,
         )
 
     @property
@@ -88,6 +89,8 @@ class LlamaServer:
             cmd += ["-md", str(self.draft_model)]
         for key, value in self.spec.items():
             cmd += _spec_flag(key, value)
+        if not self.repack and "--no-repack" in server_flags(self.server_bin):  # older builds always repack
+            cmd.append("--no-repack")
         if not self.cache_prompt:
             cmd.append("--no-cache-prompt")
         if self.slot_save_path:

@@ -10,9 +10,10 @@ from typing import Callable, Optional
 
 import jsonschema
 
+from harness.checks.acceptance import Acceptance, fall, summed
 from harness.checks.base import CheckContext, CheckResult
 from harness.checks.compare import compare_outcome
-from harness.errors import HarnessBug
+from harness.errors import HarnessBug, HarnessError
 from harness.logits import check as logits_within, compare as compare_logits
 from harness.matrix import spec_preset
 
@@ -110,6 +111,62 @@ def spec_ran(ctx: CheckContext) -> Optional[CheckResult]:
     if expect_accepts and accepted == 0:
         return CheckResult("spec-ran", False, f"{drafted} tokens drafted, none accepted", evidence)
     return CheckResult("spec-ran", True, evidence=evidence)
+
+
+def acceptance(ctx: CheckContext) -> Optional[CheckResult]:
+    """Speculation is as effective as it was: each request's acceptance (accepted / drafted and accepted /
+    generated) against the baseline's same request in the same cell (so the same request order, for drafters
+    that learn across a slot's requests) and, in `par` / `no-kv-unified` with drafters that keep no state
+    between requests, against the same request in `seq` (a drafter state leaking between slots shows as a
+    skew on some slots). A drop beyond the calibrated tolerance of (model, backend, device, spec) fails."""
+    preset = spec_preset(ctx.cell.spec)
+    if not preset.speculative or not ctx.completed():
+        return None
+    floor = ctx.noise_floor
+    tolerance, source = floor.acceptance_tolerance(ctx.cell.spec)
+    # rounds sent all at once: a drafter that learns across requests depends on the order llama-server serves
+    # them in, so they take the tolerance calibrated for requests sent at once
+    at_once = {r: floor.acceptance_tolerance(ctx.cell.spec, "concurrent")[0] for r, how in
+               enumerate(ctx.run.suite.rounds) if how == "par" and preset.learns_across_requests}
+    across_modes, _ = floor.acceptance_tolerance(ctx.cell.spec, "modes")
+    try:
+        stored, path = ctx.baselines.acceptance(ctx)
+    except HarnessError as err:
+        return CheckResult("acceptance", False, f"{err} (fix or delete it; it is never replaced silently)")
+    mine = {o.round: Acceptance.of(o.result.spec_stats, len(o.result.tokens)) for o in ctx.completed()}
+    references: list[tuple[str, dict[int, Acceptance]]] = []
+    problems = []
+    if stored is None:
+        problems.append(f"no acceptance baseline for {ctx.cell.mode}/{ctx.cell.spec} in {path.name}; create it "
+                        f"with: {ctx.repro} --update-baselines")
+    else:
+        references.append(("baseline", {row["round"]: Acceptance.of(row, mine[row["round"]].generated)
+                                        for row in stored if row["round"] in mine}))
+    if ctx.cell.mode != "seq" and not preset.learns_across_requests:
+        seq = ctx.other(ctx.cell.reference(mode="seq"))
+        references.append(("seq", {o.round: Acceptance.of(o.result.spec_stats, len(o.result.tokens))
+                                   for o in seq if o.result.ok and o.round in mine}))
+    for label, before in references:
+        missing = sorted(set(mine) - set(before))
+        if label == "baseline" and missing:
+            problems.append(f"round {missing[0]}: no acceptance baseline for it; create it with: {ctx.repro} "
+                            "--update-baselines")
+        for r in sorted(set(mine) & set(before)):
+            limit = across_modes if label == "seq" else at_once.get(r, tolerance)
+            why = fall(before[r], mine[r], limit)
+            if why:
+                problems.append(f"round {r} against {label} (tolerance {limit:.3g}): {why}")
+    evidence = {"tolerance": tolerance, "tolerance_source": source, "requests": len(mine),
+                **({"tolerance_sent_at_once": next(iter(at_once.values()))} if at_once else {}),
+                **({"tolerance_against_seq": across_modes} if any(label == "seq" for label, _ in references) else {}),
+                "after": summed(list(mine.values())).to_evidence()}
+    for label, before in references:
+        evidence[label] = summed(list(before.values())).to_evidence()
+    if problems:
+        more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
+        return CheckResult("acceptance", False, f"{ctx.cell.id}, {problems[0]}{more}; tolerances: {source}",
+                           evidence, failures=problems)
+    return CheckResult("acceptance", True, evidence=evidence)
 
 
 def grammar_valid(ctx: CheckContext) -> Optional[CheckResult]:
@@ -227,6 +284,7 @@ CHECKS: dict[str, Check] = {
     "mode-invariant": mode_invariant,
     "baseline": baseline,
     "spec-ran": spec_ran,
+    "acceptance": acceptance,
     "grammar-valid": grammar_valid,
     "kv-healthy": kv_healthy,
     "logits-close": logits_close,

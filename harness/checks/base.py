@@ -70,7 +70,8 @@ class CheckContext:
         near_tie = declared.pop("near_tie", floor.near_tie)
         names = {f.name for f in fields(Tolerances)}
         tol = replace(floor.tolerances, **{k: v for k, v in declared.items() if k in names})
-        return NoiseFloor(tol, near_tie, f"suite {self.run.suite.name} tolerances over {floor.source}")
+        return NoiseFloor(tol, near_tie, f"suite {self.run.suite.name} tolerances over {floor.source}",
+                          floor.acceptance)
 
     def allowed(self, outcome: Outcome) -> bool:
         """True when an error outcome is one the suite allows (e.g. context_full in kv-fill)."""

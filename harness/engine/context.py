@@ -45,6 +45,9 @@ class ContextParams:
     swa_full: bool = False
     """llama-server's `--swa-full` (off there by default, unlike llama.cpp's context default): a sliding-window
     model keeps only its window's cells in the SWA cache."""
+    repack: bool = True
+    """llama-server's `--repack` (a model-loading option, llama_model_params.use_extra_bufts): weights
+    repacked into the CPU's extra buffer types."""
 
     def to_llama(self) -> llama_cpp.llama_context_params:
         """The C struct for `llama_init_from_model`."""

@@ -21,7 +21,7 @@ class Engine:
                  logit_top_k: int = 0, kv_scan: str = "off"):
         if spec is not None and spec.enabled and spec.rollback == "partial":
             params = replace(params, n_rs_seq=spec.max_draft())
-        self.model = Model(model_path)
+        self.model = Model(model_path, params.repack)
         self.ctx = None
         try:
             self.ctx = Context(self.model, params)

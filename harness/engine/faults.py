@@ -21,6 +21,12 @@ FAULTS = {
     "partial-checkpoint-only":
         "on a partial acceptance restore only the PARTIAL_ONLY checkpoint: no attention trim, no sampler "
         "restore, no re-decode (the recurrent state falls behind the attention cells)",
+    "stale-draft-context":
+        "after a rejection the draft model's context is not rolled back: the rejected draft tokens stay in it "
+        "and the draft sequence runs on past them (outputs stay lossless; its drafts degrade)",
+    "shared-drafter-state":
+        "the n-gram drafters with a state per slot (ngram-map-k, ngram-map-k4v) share one, as if keyed by slot 0 "
+        "(outputs stay lossless; the slots' drafts degrade, so only par / no-kv-unified show it)",
 }
 
 

@@ -96,13 +96,14 @@ class Vocab:
 class Model:
     """A llama.cpp model loaded through llama-cpp-python's low-level API."""
 
-    def __init__(self, path: Path):
+    def __init__(self, path: Path, repack: bool = True):
         path = Path(path)
         if not path.is_file():
             raise HarnessError(f"model file not found: {path}")
         ensure_quiet()
         llama_cpp.llama_backend_init()
         params = llama_cpp.llama_model_default_params()
+        params.use_extra_bufts = repack  # llama-server's --repack / --no-repack
         self.path = path
         self.ptr = llama_cpp.llama_model_load_from_file(str(path).encode(), params)
         if not self.ptr:

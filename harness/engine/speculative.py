@@ -6,7 +6,7 @@ samples each row and accepts its sample while it equals the draft token, then ad
 """
 
 import time
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any, Optional
 
@@ -110,7 +110,8 @@ def build_drafters(config: SpecConfig, target: Context) -> list[Drafter]:
                                              c.spec_ngram_map_k4v_min_hits),
         "ngram-mod": lambda: NgramMod(c.spec_ngram_mod_n_match, c.spec_ngram_mod_n_min, c.spec_ngram_mod_n_max),
         "draft-simple": lambda: DraftSimple(c.spec_draft_model, target, c.spec_draft_n_max,
-                                            c.spec_draft_n_min, c.spec_draft_p_min),
+                                            c.spec_draft_n_min, c.spec_draft_p_min,
+                                            stale=c.fault == "stale-draft-context"),
     }
     return list(c.drafters) + [make[t]() for t in SPEC_TYPES if t in c.spec_type]
 
@@ -135,7 +136,10 @@ class StepPlan:
 COUNTERS = ("draft_n", "draft_n_accepted", "spec_cycles", "spec_empty", "spec_skip",
             "ckpt_created", "ckpt_restored", "n_redecoded", "draft_dropped", "draft_ms")
 """Per-request speculative counters (`Result.spec_stats`); `draft_dropped` counts draft tokens dropped
-because their step's decode failed (the KV cache was full) before the step was retried without them."""
+because their step's decode failed (the KV cache was full) before the step was retried without them.
+Beside them two lists per draft position k (0-based), over the verification steps that had a draft
+(replays not counted): `drafted_per_pos[k]`, the steps whose draft had a token at k, and
+`accepted_per_pos[k]`, the steps whose token at k was accepted (llama-server's `n_accepted_per_pos`)."""
 
 
 class Speculation:
@@ -155,21 +159,27 @@ class Speculation:
         self.replays: dict[int, list[int]] = {}
         self.attempts: dict[int, int] = {}
         self.producer: dict[int, int] = {}
+        self.owner: dict[int, int] = {}
+        """`shared-drafter-state` only: drafter index → the slot that last drafted with the shared state (a
+        state last used by another slot is begun again from this slot's history, as a drafter that tolerates
+        the mismatch would: its drafts degrade, nothing aborts)."""
 
     def begin(self, slot) -> None:
         """A slot finished its prompt: drafters index it; counters start at zero."""
         slot.result.spec_stats = {name: 0 for name in COUNTERS}
-        slot.result.spec_stats["draft_ms"] = 0.0
+        slot.result.spec_stats.update(draft_ms=0.0, drafted_per_pos=[], accepted_per_pos=[])
         self.replays.pop(slot.id, None)
         self.attempts[slot.id] = 0
-        for d in self.drafters:
-            d.begin(slot.id, list(slot.prompt))
+        for index, d in enumerate(self.drafters):
+            d.begin(self._seq(slot.id, d), list(slot.prompt))
+            if self._shared(d):
+                self.owner[index] = slot.id
 
     def end(self, slot) -> None:
         """The slot's request ended."""
         self.replays.pop(slot.id, None)
         for d in self.drafters:
-            d.end(slot.id)
+            d.end(self._seq(slot.id, d))
         stats = slot.result.spec_stats
         if "draft_ms" in stats:
             stats["draft_ms"] = round(stats["draft_ms"], 3)
@@ -190,7 +200,11 @@ class Speculation:
             t0 = time.perf_counter()
             req = DraftRequest(slot.id, slot.history, slot.pending, n_max)
             for index, drafter in enumerate(self.drafters):
-                draft = drafter.draft(req)[:n_max]
+                seq = self._seq(slot.id, drafter)
+                if self._shared(drafter) and self.owner.setdefault(index, slot.id) != slot.id:
+                    drafter.begin(seq, list(slot.history))  # slot 0's state, last used by another slot
+                    self.owner[index] = slot.id
+                draft = drafter.draft(req if seq == slot.id else replace(req, seq_id=seq))[:n_max]
                 if draft:
                     self.producer[slot.id] = index
                     break
@@ -251,11 +265,15 @@ class Speculation:
             stats["draft_n"] += k
             stats["draft_n_accepted"] += n_match
             stats["spec_skip"] += n_match == 0
+            for counts, n in ((stats["drafted_per_pos"], k), (stats["accepted_per_pos"], n_match)):
+                counts.extend([0] * (n - len(counts)))
+                for i in range(n):
+                    counts[i] += 1
         replaying = n_match < k and self.strategy == "checkpoint"
         if not replaying:
             # llama-server tells the drafters after the replay, not before it (counting the replayed tokens)
             for index, d in enumerate(self.drafters):
-                d.accept(slot.id, n_match, index != self.producer.get(slot.id))
+                d.accept(self._seq(slot.id, d), n_match, index != self.producer.get(slot.id))
         if n_match == k:
             self.attempts[slot.id] = 0
             return self._commit(slot, plan, sampled, logits, n_match)
@@ -301,7 +319,16 @@ class Speculation:
 
     def _truncate_drafters(self, seq_id: int, n_keep: int) -> None:
         for d in self.drafters:
-            d.truncate(seq_id, n_keep)
+            d.truncate(self._seq(seq_id, d), n_keep)
+
+    def _shared(self, drafter: Drafter) -> bool:
+        """Whether the `shared-drafter-state` fault keys this drafter's state by slot 0 for every slot (the
+        n-gram drafters with a state per slot; ngram-mod's table is shared by design)."""
+        return self.fault == "shared-drafter-state" and drafter.name in ("ngram-map-k", "ngram-map-k4v")
+
+    def _seq(self, seq_id: int, drafter: Drafter) -> int:
+        """The drafter state a slot's calls go to: its own, but slot 0's where the fault shares it."""
+        return 0 if self._shared(drafter) else seq_id
 
     def close(self) -> None:
         """Free drafter resources (draft contexts)."""

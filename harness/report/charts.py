@@ -2,7 +2,8 @@
 
 - `margin_chart`: the reference's top-1 − top-2 logit margin over positions (log scale), with the
   first divergence and the calibrated noise floor marked;
-- `bar_chart`: horizontal bars (tokens/s, acceptance, speed-up), with an optional reference line.
+- `bar_chart`: horizontal bars (tokens/s, acceptance, speed-up), with an optional reference line;
+- `position_chart`: acceptance per draft position, the baseline's beside this run's.
 """
 
 import math
@@ -86,5 +87,35 @@ def bar_chart(rows: list[tuple[str, float, str]], ref: Optional[float] = None, l
     if ref is not None:
         xx = _f(label_width + span * ref / hi)
         parts.append(f'<line x1="{xx}" x2="{xx}" y1="0" y2="{height}" class="ref"/>')
+    parts.append("</svg>")
+    return Markup("".join(parts))
+
+
+def position_chart(before: Optional[list[float]], after: list[float], height: int = 110) -> Markup:
+    """Per draft position, the share of drafts whose token there was accepted: the baseline's bar (grey)
+    beside this run's (class `worse` where it is lower)."""
+    n = max(len(before or []), len(after))
+    if not n:
+        return Markup("")
+    left, bottom, top = 36, 18, 6
+    slot = (WIDTH - left - 8) / n
+    y = lambda v: top + (height - top - bottom) * (1 - v)  # noqa: E731
+    parts = [f'<svg class="chart" role="img" viewBox="0 0 {WIDTH} {height}" width="{WIDTH}" height="{height}" '
+             f'xmlns="http://www.w3.org/2000/svg"><title>acceptance per draft position: baseline, this run</title>']
+    for v in (0.0, 0.5, 1.0):
+        parts.append(f'<line x1="{left}" x2="{WIDTH - 8}" y1="{_f(y(v))}" y2="{_f(y(v))}" class="grid"/>'
+                     f'<text x="{left - 4}" y="{_f(y(v))}" class="tick" text-anchor="end" dy="3">{int(100 * v)} %</text>')
+    for k in range(n):
+        x0 = left + k * slot
+        was = (before or [])[k] if k < len(before or []) else None
+        now = after[k] if k < len(after) else 0.0
+        w = slot * 0.38
+        if was is not None:
+            parts.append(f'<rect x="{_f(x0 + slot * 0.1)}" y="{_f(y(was))}" width="{_f(w)}" '
+                         f'height="{_f(y(0) - y(was))}" class="bar baseline"><title>baseline {100 * was:.0f} %</title></rect>')
+        cls = "bar accept" + (" worse" if was is not None and now < was else "")
+        parts.append(f'<rect x="{_f(x0 + slot * 0.1 + w)}" y="{_f(y(now))}" width="{_f(w)}" height="{_f(y(0) - y(now))}" '
+                     f'class="{cls}"><title>this run {100 * now:.0f} %</title></rect>'
+                     f'<text x="{_f(x0 + slot / 2)}" y="{height - 5}" class="tick" text-anchor="middle">{k + 1}</text>')
     parts.append("</svg>")
     return Markup("".join(parts))

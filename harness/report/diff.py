@@ -5,10 +5,13 @@ candidate), case by case.
 - other status changes (a known defect fixed, a near-tie appearing);
 - outputs that changed (same case, cell and round, different tokens), each triaged: the first
   divergence of B's tokens from A's, with A's logit margins and both runs' logits before it;
-- tokens/s and draft acceptance per cell, compared only over the requests that produced output in
-  both runs (averages over different sets of cases mislead), flagged beyond a threshold.
+- per speculative cell, draft acceptance (compared only over the requests that produced output in both
+  runs: averages over different sets of cases mislead) and the speed-up over no speculation that each run
+  measured itself (`files.speedups`), flagged beyond a threshold and outside both runs' own noise bands.
+  Absolute tokens/s are shown, marked machine-dependent, and never judged: across two runs they measure how
+  busy the machine was, not llama.cpp.
 
-Something regressed — a newly failing verdict, a slowdown or an acceptance drop beyond its threshold —
+Something regressed — a newly failing verdict, an acceptance drop or a speed-up loss beyond its threshold —
 makes the exit status 1.
 """
 
@@ -17,12 +20,13 @@ from pathlib import Path
 from typing import Optional
 
 from harness.paths import write_atomic
-from harness.report.files import (RunDir, cell_id, item_name, joined, llama_cpp_identity, logits_key, status,
-                                  throughput)
+from harness.report.files import (RunDir, cell_id, item_name, joined, llama_cpp_identity, logits_key, speedups,
+                                  status, throughput)
 from harness.triage import triage
 
 SPEED_THRESHOLD = 0.10
-"""A cell slower by more than this fraction of A's tokens/s is a regression."""
+"""A speculative cell whose speed-up over no speculation fell by more than this fraction of A's (and below
+the lowest speed-up A measured) is a regression."""
 ACCEPTANCE_THRESHOLD = 0.02
 """A cell whose draft acceptance drops by more than this (absolute) is a regression."""
 
@@ -110,16 +114,19 @@ def compare(a: RunDir, b: RunDir, speed_threshold: float = SPEED_THRESHOLD,
         pair = cells.setdefault(f"{rb[key]['suite']} {cell_id(rb[key])}", ([], []))
         pair[0].append(ra[key])
         pair[1].append(rb[key])
+    speed_a, speed_b = speedups(a.records), speedups(b.records)
     for cell, (rows_a, rows_b) in sorted(cells.items()):
         (ta, acc_a), (tb, acc_b) = ((t["tok_s"], t["acceptance"]) for t in (throughput(rows_a), throughput(rows_b)))
-        ratio = tb / ta if ta and tb else None
-        speed_bad = ratio is not None and ratio < 1 - speed_threshold
+        sa, sb = speed_a.get(cell), speed_b.get(cell)
+        ratio = sb["speedup"] / sa["speedup"] if sa and sb else None
+        speed_bad = ratio is not None and ratio < 1 - speed_threshold and sb["high"] < sa["low"]
+        speed_good = ratio is not None and ratio > 1 + speed_threshold and sb["low"] > sa["high"]
         acc_bad = acc_a is not None and acc_b is not None and acc_b < acc_a - acceptance_threshold
-        flagged = speed_bad or acc_bad or (ratio is not None and ratio > 1 + speed_threshold) or (
-            acc_a is not None and acc_b is not None and acc_b > acc_a + acceptance_threshold)
-        diff.performance.append({"cell": cell, "requests": len(rows_b), "a_tok_s": ta, "b_tok_s": tb, "ratio": ratio,
+        acc_good = acc_a is not None and acc_b is not None and acc_b > acc_a + acceptance_threshold
+        diff.performance.append({"cell": cell, "requests": len(rows_b), "speculative": rows_b[0]["spec"] != "none",
+                                 "a_tok_s": ta, "b_tok_s": tb, "a_speedup": sa, "b_speedup": sb, "ratio": ratio,
                                  "a_acceptance": acc_a, "b_acceptance": acc_b, "speed_regressed": speed_bad,
-                                 "acceptance_regressed": acc_bad, "flagged": flagged})
+                                 "acceptance_regressed": acc_bad, "flagged": speed_bad or speed_good or acc_bad or acc_good})
     return diff
 
 
@@ -176,25 +183,34 @@ def print_diff(diff: RunDiff, console) -> None:
         console.print(table)
     flagged = [p for p in diff.performance if p["flagged"]]
     if flagged:
-        table = Table(title=f"speed and acceptance changes beyond ±{100 * diff.thresholds['speed']:.0f} % tok/s or "
-                            f"±{100 * diff.thresholds['acceptance']:.0f} points acceptance ({len(flagged)})",
-                      title_style="bold", title_justify="left")
-        for column in ("cell", "tok/s before", "after", "speed-up", "acceptance before", "after"):
+        table = Table(title=f"speculative cells whose acceptance moved beyond ±{100 * diff.thresholds['acceptance']:.0f} "
+                            f"points or whose speed-up over no speculation moved beyond ±{100 * diff.thresholds['speed']:.0f} % "
+                            f"and outside both runs' noise bands ({len(flagged)})", title_style="bold", title_justify="left")
+        for column in ("cell", "acceptance before", "after", "speed-up before", "after", "tok/s before*", "after*"):
             table.add_column(column, justify="left" if column == "cell" else "right")
         for p in flagged:
-            table.add_row(p["cell"], _fmt(p["a_tok_s"]), _fmt(p["b_tok_s"]),
-                          f"[{'red' if p['speed_regressed'] else 'green'}]{p['ratio']:.2f}x[/]" if p["ratio"] else "-",
-                          _pct(p["a_acceptance"]), _pct(p["b_acceptance"]))
+            table.add_row(p["cell"], _pct(p["a_acceptance"]),
+                          f"[{'red' if p['acceptance_regressed'] else 'green'}]{_pct(p['b_acceptance'])}[/]",
+                          speedup_text(p["a_speedup"]),
+                          f"[{'red' if p['speed_regressed'] else 'green'}]{speedup_text(p['b_speedup'])}[/]",
+                          _fmt(p["a_tok_s"]), _fmt(p["b_tok_s"]))
         console.print(table)
+        console.print("* tokens/s measure the machine as much as llama.cpp: shown, never judged", markup=False)
     if diff.only_a or diff.only_b:
         console.print(f"{len(diff.only_a)} cases only in {diff.a.run_id}, {len(diff.only_b)} only in {diff.b.run_id}",
                       markup=False)
     if not diff.cases():
         console.print("no changes", style="green")
     console.print(("REGRESSED: " if diff.regressed else "no regression: ")
-                  + f"{len(diff.newly_failing)} newly failing, {len(diff.slower)} slower cells, "
+                  + f"{len(diff.newly_failing)} newly failing, {len(diff.slower)} speculative cells with less "
+                  "acceptance or speed-up, "
                   f"{len(diff.newly_passing)} newly passing, {len(diff.changed_outputs)} changed outputs",
                   style="bold red" if diff.regressed else "bold green", markup=False)
+
+
+def speedup_text(s: Optional[dict]) -> str:
+    """`1.42x (1.31–1.55)`: a cell's median speed-up over no speculation with the run's own min–max."""
+    return "-" if not s else f"{s['speedup']:.2f}x ({s['low']:.2f}–{s['high']:.2f})"
 
 
 def _fmt(x: Optional[float]) -> str:
@@ -212,8 +228,8 @@ def write_diff_html(diff: RunDiff, target: Path) -> Path:
 
     for entry in diff.newly_failing + diff.newly_passing + diff.other_changes + diff.changed_outputs:
         entry["view"] = divergence_view(_pieces(diff.a, diff.b, entry["row"]["model"]), entry.get("first_divergence"))
-    ratios = [(p["cell"], p["ratio"], f"{p['ratio']:.2f}x") for p in diff.performance if p["ratio"]]
-    html = render("diff.html.j2", diff=diff, differing=differing_properties(diff.a, diff.b),
+    ratios = [(p["cell"], p["ratio"], f"{p['ratio']:.2f}x") for p in diff.performance if p["ratio"]]  # B's speed-up / A's
+    html = render("diff.html.j2", diff=diff, differing=differing_properties(diff.a, diff.b), speedup_text=speedup_text,
                   identity_a=llama_cpp_identity(diff.a.meta), identity_b=llama_cpp_identity(diff.b.meta),
                   speed_chart=bar_chart(ratios, ref=1.0, label_width=360) if ratios else "")
     write_atomic(target, lambda p: p.write_text(html, encoding="utf-8"))

@@ -17,7 +17,7 @@ import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 import pandas as pd
 
@@ -103,6 +103,27 @@ def throughput(rows: list[dict]) -> dict:
             "acceptance": accepted / drafted if drafted else None}
 
 
+def speedups(records: list[dict]) -> dict[str, dict]:
+    """Per speculative cell (`<suite> <cell id>`), its speed-up over the same suite, model, backend and mode
+    without speculation in the same run: per request, its generation tokens/s over that of the same case
+    and round in the `none` cell (paired by request), with the median and the min–max over the pairs — the
+    noise band this run measured. Both cells ran on the same machine in the same run, so the ratio does not
+    depend on how busy the machine was, as long as it was equally busy for both."""
+    def rate(r: dict) -> Optional[float]:
+        t = r.get("timings") or {}
+        return t["predicted_n"] / t["predicted_ms"] if r.get("error") is None and t.get("predicted_ms") else None
+
+    plain = {(r["suite"], r["model"], r["backend"], r["mode"], r["case"], r["repeat"]): rate(r)
+             for r in records if r["spec"] == "none"}
+    pairs: dict[str, list[float]] = {}
+    for r in records:
+        base = plain.get((r["suite"], r["model"], r["backend"], r["mode"], r["case"], r["repeat"]))
+        if r["spec"] != "none" and base and rate(r):
+            pairs.setdefault(f"{r['suite']} {cell_id(r)}", []).append(rate(r) / base)
+    return {cell: {"speedup": float(pd.Series(ratios).median()), "low": min(ratios), "high": max(ratios),
+                   "pairs": len(ratios)} for cell, ratios in pairs.items()}
+
+
 def joined(pieces: dict[str, str], tokens: list[int]) -> str:
     """The text of some tokens from a vocab.json table (`<id>` for a token it lacks)."""
     return "".join(pieces.get(str(t), f"<{t}>") for t in tokens)
@@ -120,19 +141,15 @@ def token_ids(rows: list[dict], checks: list[dict]) -> dict[str, set[int]]:
     return ids
 
 
-def vocabulary(rows: list[dict], checks: list[dict]) -> dict[str, dict[str, str]]:
-    """model → {token id: text} for `vocab.json` (models that cannot be read are left out: their tokens
-    show as ids)."""
-    from harness.detok import detokenizer
-    from harness.models import resolve
-
+def vocabulary(rows: list[dict], checks: list[dict], detokenizer: Callable[[str], Optional[Callable]]
+               ) -> dict[str, dict[str, str]]:
+    """model → {token id: text} for `vocab.json`, with the detokenizer the caller has for each model (models
+    it has none for are left out: their tokens show as ids). Reports only read the stored table."""
     out = {}
     for model, ids in token_ids(rows, checks).items():
-        try:
-            detok = detokenizer(resolve(model, make=False).path)
-        except HarnessError:
-            continue
-        out[model] = {str(t): detok([t]) for t in sorted(ids)}
+        detok = detokenizer(model)
+        if detok is not None:
+            out[model] = {str(t): detok([t]) for t in sorted(ids)}
     return out
 
 
@@ -140,15 +157,17 @@ def _dump(path: Path, data) -> None:
     write_atomic(path, lambda p: p.write_text(json.dumps(data, indent=1, default=str) + "\n"))
 
 
-def write_run(out: Path, runs: list[CellRun], checks: list, meta: Optional[dict] = None) -> Path:
+def write_run(out: Path, runs: list[CellRun], checks: list, meta: Optional[dict] = None,
+              detokenizer: Callable[[str], Optional[Callable]] = lambda model: None) -> Path:
     """Write the run directory (refusing to overwrite an existing results.json); returns results.json.
 
-    With `meta` (see `describe_run`) also `run.json` and `vocab.json`, which the reports need."""
+    With `meta` (see `describe_run`) also `run.json` and `vocab.json` (the text of every token, from the
+    caller's `detokenizer(model)`), which the reports need."""
     rows = records(runs)
     verdicts = check_records(checks)
     logits = {f"{run.suite.name}/{o.case}/{run.cell.id}/{o.round}": to_frame(o.result.logits)
               for run in runs for o in run.outcomes if o.result.logits}
-    vocab = vocabulary(rows, verdicts) if meta is not None else None
+    vocab = vocabulary(rows, verdicts, detokenizer) if meta is not None else None
     return write_files(out, rows, verdicts, logits, vocab, meta)
 
 
@@ -190,9 +209,14 @@ def _cpu() -> str:
 
 
 def host() -> dict:
-    """The machine: CPU model, cores, OS and Python (no host name, no paths)."""
+    """The machine: CPU model, cores, OS and Python (no host name, no paths), and whether the suites load
+    weights with repacking (off on a CPU whose AMX path crashes llama.cpp: backends.base.default_repack)."""
+    from harness.backends.base import AMX_DEFECT, default_repack
+
     return {"cpu": _cpu(), "cores": os.cpu_count(), "platform": platform.platform(terse=True),
-            "python": platform.python_version()}
+            "python": platform.python_version(),
+            "weight repacking": "on" if default_repack() else
+            f"off (--no-repack: the CPU has {AMX_DEFECT}, known failure amx-repack-segfault, llama.cpp #20824)"}
 
 
 def backend_facts(name: str, backend) -> dict:

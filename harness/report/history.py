@@ -3,6 +3,9 @@
 A case is a `new failure` when it fails in the latest run that has it and did not in the run before,
 `fixed` when it failed (or was a known defect) before and passes now, `flaky` when its requests gave
 more than one distinct output across the runs (greedy decoding must not), and `stable` otherwise.
+
+Speed across runs is shown as each speculative cell's draft acceptance and its speed-up over no
+speculation measured inside each run (`files.speedups`), never as tokens/s: those measure the machine.
 """
 
 from dataclasses import dataclass, field
@@ -10,7 +13,7 @@ from pathlib import Path
 from typing import Optional
 
 from harness.paths import write_atomic
-from harness.report.files import RunDir, item_name, status, worst
+from harness.report.files import RunDir, cell_id, item_name, speedups, status, throughput, worst
 
 CATEGORIES = ("new failure", "fixed", "flaky", "stable")
 
@@ -57,6 +60,22 @@ def history(runs: list[RunDir]) -> list[CaseHistory]:
     return sorted(cases.values(), key=lambda c: (CATEGORIES.index(c.category), c.item))
 
 
+def speculation(runs: list[RunDir]) -> list[dict]:
+    """Per speculative cell (`<suite> <cell id>`), per run (None where it did not run): its acceptance and
+    its speed-up over no speculation in that run."""
+    cells: dict[str, list] = {}
+    for i, run in enumerate(runs):
+        speed = speedups(run.records)
+        groups: dict[str, list[dict]] = {}
+        for r in run.records:
+            if r["spec"] != "none" and r.get("error") is None:
+                groups.setdefault(f"{r['suite']} {cell_id(r)}", []).append(r)
+        for cell, rows in groups.items():
+            cells.setdefault(cell, [None] * len(runs))[i] = {"acceptance": throughput(rows)["acceptance"],
+                                                             "speedup": speed.get(cell)}
+    return [{"cell": cell, "runs": per_run} for cell, per_run in sorted(cells.items())]
+
+
 def print_history(runs: list[RunDir], rows: list[CaseHistory], console) -> None:
     """The cases that are not stable, and the count per category."""
     from rich.table import Table
@@ -76,7 +95,7 @@ def write_history_html(runs: list[RunDir], rows: list[CaseHistory], target: Path
     """Render `history.html`."""
     from harness.report.html import render
 
-    html = render("history.html.j2", runs=runs, rows=rows, categories=CATEGORIES,
+    html = render("history.html.j2", runs=runs, rows=rows, categories=CATEGORIES, speculation=speculation(runs),
                   counts={cat: sum(1 for c in rows if c.category == cat) for cat in CATEGORIES})
     write_atomic(target, lambda p: p.write_text(html, encoding="utf-8"))
     return target

@@ -17,8 +17,8 @@ from typing import Optional
 from jinja2 import ChainableUndefined, Environment, PackageLoader, select_autoescape
 
 from harness.paths import write_atomic
-from harness.report.charts import bar_chart, margin_chart
-from harness.report.files import STATUSES, RunDir, cell_id, item_name, joined, status, throughput, worst
+from harness.report.charts import bar_chart, margin_chart, position_chart
+from harness.report.files import STATUSES, RunDir, cell_id, item_name, joined, speedups, status, throughput, worst
 
 CONTEXT_TOKENS = 12
 """Tokens of common prefix shown before the first divergence in a token diff."""
@@ -154,14 +154,41 @@ def spec_counters(rows: list[dict]) -> dict:
     return totals
 
 
-def performance(records: list[dict]) -> list[dict]:
-    """tokens/s and acceptance per (model, backend, mode, spec), over the requests that produced output."""
+def performance(records: list[dict], checks: list[dict] = ()) -> list[dict]:
+    """Per (suite, model, backend, mode, spec), over the requests that produced output: tokens/s, acceptance,
+    the speed-up over no speculation measured in this run, and — from the `acceptance` verdicts — the
+    baseline's acceptance beside this run's, per draft position where known."""
     groups: dict[tuple, list[dict]] = defaultdict(list)
     for r in records:
         if r.get("error") is None:
-            groups[(r["model"], r["backend"], r["mode"], r["spec"])].append(r)
-    return [{"model": model, "backend": backend, "mode": mode, "spec": spec, "requests": len(rs), **throughput(rs)}
-            for (model, backend, mode, spec), rs in groups.items()]
+            groups[(r["suite"], r["model"], r["backend"], r["mode"], r["spec"])].append(r)
+    verdicts: dict[tuple, list[dict]] = defaultdict(list)
+    for v in checks:
+        if v["check"] == "acceptance" and "baseline" in (v.get("evidence") or {}):
+            verdicts[(v["suite"], v["model"], v["backend"], v["mode"], v["spec"])].append(v)
+    speed = speedups(records)
+    out = []
+    for (suite, model, backend, mode, spec), rs in groups.items():
+        row = {"suite": suite, "model": model, "backend": backend, "mode": mode, "spec": spec, "requests": len(rs),
+               **throughput(rs), "speedup": speed.get(f"{suite} {mode}-{spec}-{model}-{backend}")}
+        mine = verdicts.get((suite, model, backend, mode, spec))
+        if mine:
+            row["baseline"] = {side: _summed([v["evidence"][side] for v in mine]) for side in ("baseline", "after")}
+            row["acceptance_failed"] = any(not v["passed"] for v in mine)
+        out.append(row)
+    return out
+
+
+def _summed(parts: list[dict]) -> dict:
+    """Acceptance evidence of several cases added up: acceptance and per-position rates from the counts."""
+    drafted, accepted = sum(p["drafted"] for p in parts), sum(p["accepted"] for p in parts)
+    out = {"drafted": drafted, "accepted": accepted, "acceptance": accepted / drafted if drafted else None}
+    if all("drafted_per_pos" in p for p in parts):
+        n = max(len(p["drafted_per_pos"]) for p in parts)
+        d = [sum(p["drafted_per_pos"][k] for p in parts if k < len(p["drafted_per_pos"])) for k in range(n)]
+        a = [sum(p["accepted_per_pos"][k] for p in parts if k < len(p["accepted_per_pos"])) for k in range(n)]
+        out["per_position"] = [x / y if y else 0.0 for x, y in zip(a, d)]
+    return out
 
 
 def rerun_command(meta: dict, row: dict) -> str:
@@ -239,7 +266,8 @@ def render_index(run: RunDir) -> str:
     all_items = items(run)
     shown = [i for i in all_items if i.status != "passed"]
     shown.sort(key=lambda i: STATUSES.index(i.status))
-    perf = sorted(performance(run.records), key=lambda r: (r["model"], r["backend"], r["mode"], r["spec"]))
+    perf = sorted(performance(run.records, run.checks),
+                  key=lambda r: (r["suite"], r["model"], r["backend"], r["mode"], r["spec"]))
     cells = run.meta.get("cells") or []
     return environment().get_template("index.html.j2").render(
         run=run, meta=run.meta, run_status=run_status(run), items=all_items,
@@ -248,6 +276,9 @@ def render_index(run: RunDir) -> str:
         totals={s: sum(1 for v in run.checks if status(v) == s) for s in STATUSES},
         performance=perf, perf_bars=[(_label(p), p["tok_s"], f"{p['tok_s']:.1f} tok/s") for p in perf if p["tok_s"]],
         accept_bars=[(_label(p), p["acceptance"], f"{100 * p['acceptance']:.1f} %") for p in perf if p["drafted"]],
+        speedup_bars=[(_label(p), p["speedup"]["speedup"], f"{p['speedup']['speedup']:.2f}x "
+                       f"({p['speedup']['low']:.2f}–{p['speedup']['high']:.2f})") for p in perf if p["speedup"]],
+        position_chart=position_chart,
         known=known_view(run), not_run=[c for c in cells if c.get("status") == "not run"],
         cell_errors=[c for c in cells if c.get("status") == "error"], cell_id=cell_id, item_name=item_name,
         status=status,
@@ -255,7 +286,7 @@ def render_index(run: RunDir) -> str:
 
 
 def _label(row: dict) -> str:
-    return f"{row['model']} · {row['backend']} · {row['mode']} · {row['spec']}"
+    return f"{row['suite']} · {row['model']} · {row['backend']} · {row['mode']} · {row['spec']}"
 
 
 def write_index(run: RunDir) -> Path:

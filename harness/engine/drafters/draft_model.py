@@ -43,13 +43,23 @@ class _Mirrored:
 
 class DraftSimple(Drafter):
     """Greedy drafting with a small model: decode `id_last`, then take the argmax while its top-10
-    probability stays at or above `p_min`, up to `n_max` tokens; drafts shorter than `n_min` are dropped."""
+    probability stays at or above `p_min`, up to `n_max` tokens; drafts shorter than `n_min` are dropped.
+
+    `stale` is the `stale-draft-context` fault: `truncate` leaves the rejected tokens in the draft context
+    and the sequence runs on after them (its positions shifted by the tokens left behind, so llama.cpp
+    still accepts every decode): the target never sees it, only the drafts degrade."""
 
     name = "draft-simple"
 
-    def __init__(self, model_path: Path, target: Context, n_max: int = 3, n_min: int = 0, p_min: float = 0.0):
+    def __init__(self, model_path: Path, target: Context, n_max: int = 3, n_min: int = 0, p_min: float = 0.0,
+                 stale: bool = False):
         self.n_max, self.n_min, self.p_min = n_max, n_min, p_min
-        self.model = Model(model_path)
+        self.stale = stale
+        self.shift: dict[int, int] = {}
+        """stale only: seq → rejected tokens left in the draft context (draft position = target position + shift)."""
+        self.n_mirrored: dict[int, int] = {}
+        """stale only: seq → the target position after the last one mirrored."""
+        self.model = Model(model_path, target.params.repack)
         self.ctx = None
         try:
             self._check_vocab(target.model)
@@ -87,6 +97,10 @@ class DraftSimple(Drafter):
         entries = [e for e in entries if e[2] not in self.broken]
         if not entries:
             return
+        if self.stale:
+            for _, pos, seq_id, _ in entries:
+                self.n_mirrored[seq_id] = max(self.n_mirrored.get(seq_id, 0), pos + 1)
+            entries = [(t, p + self.shift.get(s, 0), s, o) for t, p, s, o in entries]
         if not self.exact_rm:
             for seq_id in {e[2] for e in entries}:
                 mine = [e for e in entries if e[2] == seq_id]
@@ -104,7 +118,7 @@ class DraftSimple(Drafter):
         """Argmax drafting in the draft context; the drafted positions are removed again afterwards."""
         if req.seq_id in self.broken:
             return []
-        seq, pos0 = req.seq_id, len(req.history)
+        seq, pos0 = req.seq_id, len(req.history) + self.shift.get(req.seq_id, 0)
         self.at_checkpoint.pop(seq, None)
         state = None if self.exact_rm else self.ctx.state_seq(seq, PARTIAL_ONLY)
         out: list[int] = []
@@ -142,6 +156,10 @@ class DraftSimple(Drafter):
         """Drop the draft context's positions from `n_keep` on (restore and re-decode where seq_rm is not exact)."""
         if seq_id in self.broken:
             return
+        if self.stale:
+            self.shift[seq_id] = self.shift.get(seq_id, 0) + max(0, self.n_mirrored.get(seq_id, 0) - n_keep)
+            self.n_mirrored[seq_id] = min(self.n_mirrored.get(seq_id, 0), n_keep)
+            return
         if self.exact_rm:
             self.ctx.seq_rm(seq_id, n_keep, -1)
             return
@@ -162,6 +180,8 @@ class DraftSimple(Drafter):
         self.mirrored.pop(seq_id, None)
         self.at_checkpoint.pop(seq_id, None)
         self.broken.discard(seq_id)
+        self.shift.pop(seq_id, None)
+        self.n_mirrored.pop(seq_id, None)
 
     def close(self) -> None:
         """Free the draft context and model."""

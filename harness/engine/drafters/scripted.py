@@ -27,6 +27,16 @@ def at_draft_position(k: int) -> WrongAt:
     return functools.partial(_at_position, k)
 
 
+SCRIPTS = {"accept-all": {}, "reject-all": {"reject_all": True}, "wrong-at-2": {"wrong_at": at_draft_position(2)}}
+"""The scripted presets (`scripted-accept`, `scripted-reject`, `scripted-wrong-at-2`): Scripted's options."""
+
+
+def from_script(kind: str, outputs: dict[tuple[int, ...], list[int]]) -> "Scripted":
+    """The drafter of a scripted preset, proposing each prompt's expected output (`outputs`: prompt tokens →
+    output tokens) as is or corrupted as `kind` says."""
+    return Scripted(by_prompt(outputs), **SCRIPTS[kind])
+
+
 class Scripted(Drafter):
     """Propose the next tokens of a script, optionally corrupted at chosen places.
 
