@@ -542,7 +542,7 @@ def test_weight_repacking_is_off_exactly_on_a_cpu_whose_amx_path_crashes_llama_c
     from harness.engine import ContextParams
 
     assert default_repack() is (AMX_DEFECT not in cpu_flags())
-    assert ContextParams().repack is True  # the engine's own default is llama.cpp's; serve configs decide
+    assert ContextParams().repack is default_repack()
 
 
 @pytest.mark.parametrize("name", ["tiny-dense", "tiny-hybrid", "tiny-recurrent"])

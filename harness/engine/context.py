@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import llama_cpp
 
-from harness.backends.base import default_threads
+from harness.backends.base import default_repack, default_threads
 from harness.engine.batch import Batch
 from harness.engine.model import Model
 from harness.errors import HarnessError
@@ -45,9 +45,10 @@ class ContextParams:
     swa_full: bool = False
     """llama-server's `--swa-full` (off there by default, unlike llama.cpp's context default): a sliding-window
     model keeps only its window's cells in the SWA cache."""
-    repack: bool = True
+    repack: bool = field(default_factory=default_repack)
     """llama-server's `--repack` (a model-loading option, llama_model_params.use_extra_bufts): weights
-    repacked into the CPU's extra buffer types."""
+    repacked into the CPU's extra buffer types; on by default except on a CPU whose AMX path crashes
+    llama.cpp (backends.base.default_repack)."""
 
     def to_llama(self) -> llama_cpp.llama_context_params:
         """The C struct for `llama_init_from_model`."""

@@ -3,9 +3,11 @@
 import ctypes
 from functools import cached_property
 from pathlib import Path
+from typing import Optional
 
 import llama_cpp
 
+from harness.backends.base import default_repack
 from harness.engine.logging import ensure_quiet
 from harness.errors import HarnessError
 
@@ -96,14 +98,14 @@ class Vocab:
 class Model:
     """A llama.cpp model loaded through llama-cpp-python's low-level API."""
 
-    def __init__(self, path: Path, repack: bool = True):
+    def __init__(self, path: Path, repack: Optional[bool] = None):
         path = Path(path)
         if not path.is_file():
             raise HarnessError(f"model file not found: {path}")
         ensure_quiet()
         llama_cpp.llama_backend_init()
         params = llama_cpp.llama_model_default_params()
-        params.use_extra_bufts = repack  # llama-server's --repack / --no-repack
+        params.use_extra_bufts = default_repack() if repack is None else repack  # llama-server's --repack
         self.path = path
         self.ptr = llama_cpp.llama_model_load_from_file(str(path).encode(), params)
         if not self.ptr:
