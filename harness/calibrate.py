@@ -250,7 +250,7 @@ def calibrate(model: str, backend: str, repeats: int = 2, server_bin: Optional[P
                    "between runs of the same cell in the same request order (repeats and the n_ubatch split; for "
                    "drafters that learn across requests, repeats with the requests sent one at a time), "
                    "tolerance_concurrent the same with requests sent at once, tolerance_modes (drafters without "
-                   "state between requests) also between modes; a drop of one token always passes"),
+                   "state between requests) also between modes; a drop that one token undoes always passes"),
         "tolerances": tolerances_of(overall),
         "acceptance": acceptance_spread(measurements),
         "spread": spread,

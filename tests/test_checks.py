@@ -328,3 +328,12 @@ def test_a_corrupt_acceptance_baseline_is_an_error_naming_the_file(tmp_path):
     path.write_text(path.read_text().replace('"tokens"', '"acceptance": {"seq/draft-simple": 3}, "tokens"'))
     failed = verdict(context(cells, spec, baselines=BaselineStore(tmp_path)), "acceptance")
     assert not failed.passed and "corrupt baseline file" in failed.message and path.name in failed.message
+
+
+def test_an_acceptance_change_one_token_undoes_is_no_finding():
+    """Measured on llama-server (Gemma, par, ngram-map-k, a round sent at once): 35/41 then 34/42 — one draft
+    token rejected instead of accepted, and one more drafted. Two tokens fewer is a finding at tolerance 0."""
+    from harness.checks.acceptance import Acceptance, fall
+
+    assert fall(Acceptance(41, 35, 64), Acceptance(42, 34, 64), 0.0) is None
+    assert fall(Acceptance(41, 35, 64), Acceptance(43, 33, 64), 0.0) is not None

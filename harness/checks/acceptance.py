@@ -3,8 +3,9 @@
 A request's acceptance is judged by two fractions, both deterministic for greedy decoding on one build:
 accepted / drafted (the acceptance rate: the drafts got worse) and accepted / generated (the share of the
 output that came from drafts: drafting got rarer, even where each draft is as good). A drop of either
-beyond the tolerance fails; so does no change smaller than one token (1 / drafted, 1 / generated), which
-no calibration can tell from a legitimate change of one draft.
+beyond the tolerance fails, unless one token undoes it (one more accepted and, for the rate, one fewer
+drafted): a single draft token accepted or rejected the other way is no finding, and no calibration can
+tell it from a legitimate change of one draft.
 """
 
 from dataclasses import dataclass
@@ -83,15 +84,15 @@ def summed(items: list[Acceptance]) -> Acceptance:
 
 def fall(before: Acceptance, after: Acceptance, tolerance: float) -> Optional[str]:
     """Why `after` fell too far below `before` (None when it holds): the rate or the share of accepted
-    tokens dropped by more than `tolerance` and by more than one token."""
+    tokens dropped by more than `tolerance`, even with one token given back to `after`."""
     if before.drafted == 0:
         return None
     why = []
-    rate_drop = before.rate - after.rate
-    if rate_drop > max(tolerance, 1.0 / before.drafted):
+    rate_with_one = min(1.0, (after.accepted + 1) / max(1, after.drafted - 1))
+    if rate_with_one < before.rate - tolerance:
         why.append(f"acceptance {before.describe()} -> {after.describe()}")
-    share_drop = before.per_generated - after.per_generated
-    if share_drop > max(tolerance, 1.0 / max(1, before.generated)):
+    share_with_one = (after.accepted + 1) / max(1, after.generated)
+    if share_with_one < before.per_generated - tolerance:
         why.append(f"accepted tokens {before.accepted} -> {after.accepted} of {after.generated} generated")
     if not why:
         return None
