@@ -3,8 +3,11 @@
 (`acceptance`) per speculative cell (`<mode>/<spec>`) and round the drafted and accepted counts, with the
 per-position counts where the backend reports them.
 
-`--update-baselines` writes them (atomically; a file whose tokens and text are unchanged is left
-byte-identical); without it a missing baseline fails with the command that creates it; a corrupt
+A model is known by its registry name or, for a model file, by its content (harness.models.model_key), never
+by the file's path. `--update-baselines` writes them (atomically; a file whose tokens and text are unchanged is
+left byte-identical), into `--baselines-dir` when given. A model that has no baseline at all for a suite,
+backend and device (a model new to the harness) is `no baseline yet`: not a failure, counted apart, with the
+command that records them; a missing baseline of a model that has others fails with that command; a corrupt
 file is an error naming it and is never replaced.
 """
 
@@ -13,11 +16,13 @@ import re
 from pathlib import Path
 from typing import Optional
 
+from harness import noise
 from harness.checks import verdict
 from harness.checks.base import CheckContext, CheckResult
 from harness.checks.compare import compare_tokens
 from harness.errors import HarnessError
 from harness.logits import PositionLogits, from_frame, load_parquet, save_parquet, to_frame
+from harness.models import model_key
 from harness.paths import write_atomic
 from harness.suites import suites_dir
 
@@ -34,9 +39,14 @@ def shown(path: Path) -> str:
         return str(path)
 
 
-def default_root() -> Path:
-    """`fixtures/baselines` beside the `suites/` directory in use."""
-    return suites_dir().parent / "fixtures" / "baselines"
+def default_root(suites: Optional[Path] = None) -> Path:
+    """`fixtures/baselines` beside a suites directory (default: the one in use), as in this repository."""
+    return (suites or suites_dir()).parent / "fixtures" / "baselines"
+
+
+def suite_root(suite) -> Path:
+    """The default baselines root of a suite: beside the directory its file is in."""
+    return default_root(Path(suite.path).parent if suite.path else None)
 
 
 class BaselineError(HarnessError):
@@ -65,15 +75,43 @@ def render(data: dict) -> str:
 
 
 class BaselineStore:
-    """Reads, checks and (with `update`) writes the baselines under `root`."""
+    """Reads, checks and (with `update`) writes the baselines under `root` (None: each suite's own,
+    `suite_root`); `option` is what a command that records them must add to reach this root (`--baselines-dir
+    DIR`; empty for the default one). Checks read calibration files from `calibration_dir` (None: `calibration`
+    beside each suite's baselines root) before the default root (harness.noise.load)."""
 
-    def __init__(self, root: Path, update: bool = False):
-        self.root = Path(root)
+    def __init__(self, root: Optional[Path] = None, update: bool = False, option: str = "",
+                 calibration_dir: Optional[Path] = None):
+        self.root = Path(root) if root else None
         self.update = update
+        self.option = option
+        self.calibration_dir = calibration_dir
         self.written: list[Path] = []
 
-    def path(self, suite: str, case: str, model: str, backend: str, device: str) -> Path:
-        return self.root / _safe(suite) / f"{_safe(case)}--{_safe(model)}--{backend}--{device}.json"
+    def root_of(self, suite) -> Path:
+        return self.root or suite_root(suite)
+
+    def calibration_of(self, suite) -> Path:
+        """Where this suite's checks look for calibration files before the default root."""
+        return self.calibration_dir or suite_root(suite).parent / "calibration"
+
+    def path(self, suite: str, case: str, model: str, backend: str, device: str, root: Optional[Path] = None) -> Path:
+        return (root or self.root) / _safe(suite) / f"{_safe(case)}--{_safe(model_key(model))}--{backend}--{device}.json"
+
+    def file_of(self, ctx: CheckContext) -> Path:
+        """The baseline file of a check's case and cell."""
+        cell, env = ctx.cell, ctx.executor.environment(ctx.cell)
+        return self.path(ctx.run.suite.name, ctx.case, cell.model, cell.backend, env["device"], self.root_of(ctx.run.suite))
+
+    def not_recorded(self, ctx: CheckContext) -> Optional[str]:
+        """`no baseline yet ...` with the command that records them when this cell's model has no baseline at
+        all for the suite, backend and device (a model new to the harness); None when it has some."""
+        cell, device, root = ctx.cell, ctx.executor.environment(ctx.cell)["device"], self.root_of(ctx.run.suite)
+        key = _safe(model_key(cell.model))
+        if any(root.glob(f"{_safe(ctx.run.suite.name)}/*--{key}--{cell.backend}--{device}.json")):
+            return None
+        return (f"no baseline yet for {key} ({ctx.run.suite.name}, {cell.backend}, {device}) in {shown(root)}; "
+                f"record them with: {ctx.repro} --update-baselines{self.option}")
 
     def load(self, path: Path) -> Optional[dict]:
         """The baseline at `path`, None when there is none; BaselineError when it is corrupt."""
@@ -134,8 +172,7 @@ class BaselineStore:
 
     def check(self, ctx: CheckContext) -> CheckResult:
         """The `baseline` check of one case of one cell (updating first when asked)."""
-        cell, env = ctx.cell, ctx.executor.environment(ctx.cell)
-        path = self.path(ctx.run.suite.name, ctx.case, cell.model, cell.backend, env["device"])
+        env, path = ctx.executor.environment(ctx.cell), self.file_of(ctx)
         try:
             if self.update:
                 self._update(ctx, path, env)
@@ -143,8 +180,11 @@ class BaselineStore:
         except BaselineError as err:
             return CheckResult("baseline", False, f"{err} (fix or delete it; it is never replaced silently)")
         if data is None:
-            return CheckResult("baseline", False,
-                               f"no baseline {shown(path)}; create it with: {ctx.repro} --update-baselines")
+            pending = self.not_recorded(ctx)
+            if pending:
+                return CheckResult("baseline", True, pending, {"no_baseline": True, "baseline": shown(path)})
+            return CheckResult("baseline", False, f"no baseline {shown(path)}; create it with: {ctx.repro} "
+                               f"--update-baselines{self.option}")
         result = verdict("baseline", compare_tokens(ctx, data["tokens"], self.load_logits(path), f"baseline {shown(path)}"))
         result.evidence["baseline"] = shown(path)
         return result
@@ -153,8 +193,7 @@ class BaselineStore:
         """The stored acceptance of this speculative cell's case, one record per round (None when the
         baseline holds none for the cell), and the baseline's path; with `update`, this run's is stored
         first. BaselineError when the file is corrupt."""
-        cell, env = ctx.cell, ctx.executor.environment(ctx.cell)
-        path = self.path(ctx.run.suite.name, ctx.case, cell.model, cell.backend, env["device"])
+        cell, path = ctx.cell, self.file_of(ctx)
         key = f"{cell.mode}/{cell.spec}"
         data = self.load(path)
         if self.update and data is not None and ctx.completed() and all(o.result.ok for o in ctx.outcomes):
@@ -172,7 +211,31 @@ class BaselineStore:
             return
         cell = ctx.cell
         self.store(path, {
-            "suite": ctx.run.suite.name, "case": ctx.case, "model": cell.model, "backend": cell.backend,
+            "suite": ctx.run.suite.name, "case": ctx.case, "model": model_key(cell.model), "backend": cell.backend,
             "device": env["device"], "text": canonical.result.text, "tokens": canonical.result.tokens,
             "environment": env,
         }, canonical.result.logits)
+
+
+def not_recorded_lines(verdicts: list) -> list[str]:
+    """One line per suite, model and backend whose `baseline` verdicts said `no baseline yet`, with the command
+    that records them; `verdicts` are (suite, case, cell, CheckResult) tuples."""
+    pending: dict[tuple, list] = {}
+    for suite, _, cell, r in verdicts:
+        if r.name == "baseline" and r.evidence.get("no_baseline"):
+            pending.setdefault((suite, cell.model, cell.backend), []).append(r)
+    return [f"{rs[0].message} ({len(rs)} verdicts)" for rs in pending.values()]
+
+
+def uncalibrated_lines(executor, store: BaselineStore) -> list[str]:
+    """One line per model and backend of the executor's runs that has no calibration file: the default
+    tolerances its verdicts used and the command that measures them."""
+    lines = {}
+    for run in executor.runs():
+        cell = run.cell
+        if run.error is None and (cell.model, cell.backend) not in lines:
+            device = executor.environment(cell)["device"]
+            floor = noise.load(cell.model, cell.backend, device, store.calibration_of(run.suite))
+            lines[(cell.model, cell.backend)] = None if floor.calibrated else \
+                f"{cell.model} on {cell.backend} ({device}): {floor.source}"
+    return [line for line in lines.values() if line]

@@ -37,9 +37,10 @@ from harness.execute import ExecOptions, Executor
 from harness.checks.acceptance import Acceptance
 from harness.logits import Tolerances, compare, max_abs_quantile
 from harness.matrix import BACKEND_NAMES, Cell, spec_preset
-from harness.models import draft_for, resolve
+from harness.models import draft_for, model_key, resolve
 from harness.noise import calibration_path, calibration_root
 from harness.paths import write_atomic
+from harness.runner import DEFAULT_SUITE
 from harness.suites import Case, Suite, load_suite, suite_files
 from harness.triage import at, gap
 
@@ -58,12 +59,12 @@ UBATCH = 7
 
 def prompts(model: str) -> list[Case]:
     """The calibration prompts: every case of every suite whose matrix names `model` (a chat's first turn),
-    greedy, as long as that suite runs it for the model; each distinct prompt once."""
+    greedy, as long as that suite runs it for the model; each distinct prompt once. A model no suite names (a
+    model file of your own) takes the cases of the default suite, `quicksort`."""
     cases, seen = [], set()
-    for path in suite_files():
-        suite = load_suite(str(path))
-        if not any(model in block["models"] for block in suite.matrix):
-            continue
+    suites = [load_suite(str(path)) for path in suite_files()]
+    named = [s for s in suites if any(model in block["models"] for block in s.matrix)]
+    for suite in named or [s for s in suites if s.name == DEFAULT_SUITE]:
         for c in suite.cases:
             case = suite.cell_case(c, model)
             case = replace(case, name=f"{suite.name}.{case.name}", turns=case.turns[:1],
@@ -262,7 +263,7 @@ def calibrate(model: str, backend: str, repeats: int = 2, server_bin: Optional[P
 
 def write(data: dict, root: Optional[Path] = None) -> Path:
     """Write a calibration file atomically; returns its path."""
-    path = calibration_path(data["model"], data["backend"], data["device"], root)
+    path = calibration_path(model_key(data["model"]), data["backend"], data["device"], root)
     path.parent.mkdir(parents=True, exist_ok=True)
     write_atomic(path, lambda tmp: tmp.write_text(json.dumps(data, indent=1) + "\n"))
     return path
@@ -313,7 +314,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
         resolve(model)
         for backend in backends:
             data = calibrate(model, backend, args.repeats, args.server_bin, args.source)
-            committed_path = calibration_path(model, backend, data["device"])
+            committed_path = calibration_path(model_key(model), backend, data["device"], args.calibration_dir)
             tol = data["tolerances"]
             print(f"{model} {backend} {data['device']}: near_tie {tol['near_tie']:.3g} nats, nmse {tol['nmse']:.3g}, "
                   f"kl {tol['kl']:.3g}, max_abs (p95) {tol['max_abs']:.3g}")
@@ -326,7 +327,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
                 if args.merge:
                     data = merged(data, committed)
             if args.write:
-                print(f"  written: {write(data)}")
+                print(f"  written: {write(data, args.calibration_dir)}")
     return status
 
 
@@ -340,6 +341,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--server-bin", type=Path, metavar="PATH", help="llama-server binary to use instead of building one")
     p.add_argument("--source", type=Path, metavar="DIR", help="llama.cpp tree to build llama-server from")
     p.add_argument("--write", action="store_true", help=f"write the tolerances into {calibration_root().name}/")
+    p.add_argument("--calibration-dir", type=Path, metavar="DIR",
+                   help="read and write the calibration files here (a model of your own; `run --calibration-dir`)")
     p.add_argument("--merge", action="store_true",
                    help="keep each committed tolerance where it is larger (a floor measured on several machines)")
     p.set_defaults(func=cmd_calibrate)

@@ -4,17 +4,18 @@ import argparse
 import os
 import sys
 
-from harness import __version__
+from harness import __version__, interrupt
 from harness.errors import HarnessError
 
 
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser with one subcommand per concern (each module adds its own)."""
-    from harness import bench, calibrate, kvscan, runner, selftest
+    from harness import bench, calibrate, kvscan, runner, scaffold, selftest
     from harness.backends import build_cli
     from harness.bisect import cli as bisect_cli
     from harness.models import cli as models_cli
     from harness.report import cli as report_cli
+    from harness.shrink import cli as shrink_cli
 
     parser = argparse.ArgumentParser(
         prog="specharness",
@@ -23,13 +24,15 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"specharness {__version__}")
     parser.add_argument("--verbose", action="store_true", help="show llama.cpp's own log output")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    for module in (runner, report_cli, models_cli, kvscan, build_cli, bisect_cli, selftest, calibrate, bench):
+    for module in (runner, report_cli, models_cli, kvscan, build_cli, bisect_cli, shrink_cli, selftest, calibrate,
+                   bench, scaffold):
         module.add_parser(sub)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the console script (no command = `run`); returns the process exit status."""
+    program = argv is None  # the process's own command (the console script, `python -m harness.cli`)
     argv = sys.argv[1:] if argv is None else argv
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -40,13 +43,16 @@ def main(argv: list[str] | None = None) -> int:
 
     set_llama_verbose(args.verbose)
     try:
-        return int(args.func(args) or 0)
+        with interrupt.handled(until_exit=program):  # Ctrl-C and SIGTERM: every `finally` runs; exit 130 / 143
+            interrupt.phase("planning")
+            status = int(args.func(args) or 0)
+        return interrupt.status() if interrupt.received() else status  # never lose an interrupt
     except HarnessError as err:
         print(f"specharness: error: {err}", file=sys.stderr)
-        return 2
+        return interrupt.status() if interrupt.received() else 2
     except KeyboardInterrupt:
         print("specharness: interrupted", file=sys.stderr)
-        return 130
+        return interrupt.status()
     except BrokenPipeError:  # `specharness ... | head`: the reader left; say nothing more
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0

@@ -14,6 +14,7 @@ import traceback
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
+from harness import interrupt
 from harness.backends.base import Backend, ServeConfig
 from harness.errors import HarnessBug, HarnessError
 from harness.matrix import Cell, spec_preset
@@ -60,6 +61,8 @@ class ExecOptions:
     spec_overrides: dict = field(default_factory=dict)
     engine: dict = field(default_factory=dict)
     """In-process speculative options (rollback, checkpoint_flags, checkpoint_attempts, fault)."""
+    stall_s: Optional[float] = None
+    """The stall window's floor (ServeConfig.stall_s) where a suite's `serve` does not set one."""
 
 
 def serve_config(cell: Cell, options: ExecOptions, serve: Optional[dict] = None,
@@ -77,6 +80,7 @@ def serve_config(cell: Cell, options: ExecOptions, serve: Optional[dict] = None,
     serve = dict(serve or {})
     return ServeConfig(
         model=resolve(cell.model).path, mode=cell.mode, parallel=serve.pop("parallel", options.parallel),
+        stall_s=serve.pop("stall_s", options.stall_s),
         draft_model=draft, spec=spec, engine=dict(options.engine if engine is None else engine),
         logit_top_k=options.logit_top_k, kv_scan=options.kv_scan, **serve,
     )
@@ -162,6 +166,7 @@ class Executor:
                     runs[cell].error = str(err)
                 except Exception as err:  # noqa: BLE001 - a bug of ours: reported as a harness error, not a verdict
                     _harness_error(runs[cell], err)
+            interrupt.phase("serving")  # the cells' servers or engine workers are up
             for r, how in enumerate(suite.rounds):
                 for cell, session in (list(sessions.items()) if r % 2 == 0 else list(sessions.items())[::-1]):
                     run = runs[cell]

@@ -37,6 +37,10 @@ GGSN_MAGIC, GGSN_VERSION = 0x6767736E, 10
 SLOT_TOKENS_VERSION = 1
 KINDS = ("auto", "context", "seq", "ggsq", "ggsn")
 
+
+class OtherFormatVersion(HarnessError):
+    """A state file whose format version is not the one this scanner reads (written by another llama.cpp)."""
+
 MEMORIES = {
     # memory class: (part names with flags 0, part names with PARTIAL_ONLY), in blob order (§1.4)
     "kv": (("kv",), ("kv",)),
@@ -195,11 +199,22 @@ class ScanReport:
         """No duplicates, orphans, holes or duplicate recurrent tails."""
         return not (self.duplicates or self.orphans or self.holes or self.duplicate_tails)
 
+    @property
+    def pos_max(self) -> dict[int, int]:
+        """Per sequence, the highest position any part holds for it (a recurrent part: its tail cell's)."""
+        out: dict[int, int] = {}
+        for part in self.parts:
+            for seq, info in part.sequences().items():
+                out[seq] = max(out.get(seq, -1), info["pos_max"])
+        return out
+
     def brief(self, limit: int = 5) -> dict:
-        """A compact verdict for a Result: healthy, totals and the first few problems (the entries of
-        `to_dict`, built straight from the report's lists: this runs after every step with `--kv-scan step`)."""
+        """A compact verdict for a Result: healthy, totals, each sequence's highest position and the first few
+        problems (the entries of `to_dict`, built straight from the report's lists: this runs after every step
+        with `--kv-scan step`)."""
         return {
             "healthy": self.healthy, "totals": self.totals,
+            "pos_max": {str(s): p for s, p in self.pos_max.items()},
             "duplicates": [dict(zip(("part", "stream", "seq_id", "pos", "count"), d)) for d in self.duplicates[:limit]],
             "orphans": [dict(zip(("part", "stream", "seq_id", "pos"), o)) for o in self.orphans[:limit]],
             "holes": [dict(zip(("part", "stream", "seq_id", "first", "last"), h)) for h in self.holes[:limit]],
@@ -441,7 +456,7 @@ def _read_framing(data, kind: str, name: str) -> _Framing:
     _, version, n_tokens = _HEADER3.unpack_from(data, 0)
     expected = GGSQ_VERSION if found == "ggsq" else GGSN_VERSION
     if version != expected:
-        raise HarnessError(f"{name}: {found} version {version}; this scanner reads version {expected}")
+        raise OtherFormatVersion(f"{name}: {found} version {version}; this scanner reads version {expected}")
     body = 12 + 4 * n_tokens
     if body > size:
         raise HarnessError(f"{name}: truncated: header announces {n_tokens} tokens, file has {size} bytes")
@@ -454,7 +469,7 @@ def _read_framing(data, kind: str, name: str) -> _Framing:
     if n_tokens == 0 or words[0] != 0xFFFFFFFF:
         return _Framing("ggsq", body, tokens=n_tokens)
     if n_tokens < 3 or words[1] != SLOT_TOKENS_VERSION or 3 + int(words[2]) > n_tokens:
-        raise HarnessError(f"{name}: llama-server slot token blob with version {words[1] if n_tokens > 1 else '?'} "
+        raise OtherFormatVersion(f"{name}: llama-server slot token blob with version {words[1] if n_tokens > 1 else '?'} "
                            f"or bad length; this scanner reads version {SLOT_TOKENS_VERSION}")
     return _Framing("ggsq-slot", body, tokens=int(words[2]))
 

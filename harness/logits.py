@@ -26,9 +26,11 @@ class PositionLogits:
     """The logits behind one generated token."""
 
     top_ids: np.ndarray
-    """int32[k], best first (empty for a token llama-server accepted through speculation)."""
+    """int32[k], best first (empty where the backend returned none: llama-server at 0c1e570 for every token
+    a speculative step emits; `probs-complete` counts them, re-scoring never fills them in)."""
     top_logits: np.ndarray
-    """float32[k], best first (raw logits in-process; log-probabilities from llama-server)."""
+    """float32[k], best first (raw logits in-process; log-probabilities from llama-server; with
+    `post_sampling_probs`, the log of the sampler chain's probabilities on both)."""
     digest: str = ""
     """CRC-32 (hex) of the full float32 logit vector ("" when not known, e.g. from llama-server)."""
     head: tuple[float, ...] = ()
@@ -163,9 +165,9 @@ def from_server_probs(completion_probabilities: list[dict]) -> list[PositionLogi
     """llama-server's `completion_probabilities` (request field `n_probs`) → one record per token.
 
     Reads `top_logprobs`/`logprob`, or `top_probs`/`prob` (with `post_sampling_probs`, converted to logs;
-    a zero probability becomes float32's lowest value, as the server reports a zero logprob). Tokens the
-    server accepted through speculation carry an empty top list: they become records with empty arrays,
-    which `compare` skips.
+    a zero probability becomes float32's lowest value, as the server reports a zero logprob). Tokens a
+    speculative step emitted carry an empty top list: they become records with empty arrays, which
+    `compare` skips and the `probs-complete` check counts.
     """
     out = []
     for entry in completion_probabilities:

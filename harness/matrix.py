@@ -1,7 +1,8 @@
 """The run matrix: which backend × mode × speculative config × model cells a suite runs in.
 
 Speculative configs are named presets; each preset is a `--spec-type` value of llama-server with
-parameters sized for the tiny models, plus in-process-only scripted ones that force rejections.
+parameters sized for the tiny models, plus in-process-only scripted ones and a llama-server-only synthetic
+one that force rejections.
 """
 
 from dataclasses import dataclass
@@ -23,10 +24,19 @@ class SpecPreset:
     """In-process only: `accept-all`, `reject-all` or `wrong-at-2` drafts from the case's own greedy output."""
     expect_accepts: bool = True
     """Whether `spec-ran` expects some drafts accepted (a forced-rejection config does not)."""
+    rejects_all: bool = False
+    """Forced rejection: every draft is rejected, so `spec-ran` requires drafts and no accepted token in every
+    request (vLLM's forced-rejection test asserts the same)."""
+    server_only: bool = False
+    """llama-server only: options the in-process engine does not have (synthetic acceptance)."""
 
     @property
     def speculative(self) -> bool:
         return bool(self.options) or self.scripted is not None
+
+    def runs_on(self, backend: str) -> bool:
+        """Whether `backend` has this config: scripted ones are in-process only, `server_only` ones llama-server's."""
+        return not (self.scripted and backend == "server") and not (self.server_only and backend == "inproc")
 
     @property
     def learns_across_requests(self) -> bool:
@@ -48,9 +58,20 @@ _NGRAM_SMALL = {
 SPEC_PRESETS: dict[str, SpecPreset] = {
     "none": SpecPreset({}),
     "draft-simple": SpecPreset({"spec-type": "draft-simple", "spec-draft-n-max": 4}),
+    # the draft context's K cache in q8_0 while the target's stays f16 (a quantized V needs flash attention)
+    "draft-simple-q8": SpecPreset({"spec-type": "draft-simple", "spec-draft-n-max": 4, "spec-draft-type-k": "q8_0"}),
     **{name: SpecPreset({"spec-type": name, **opts}) for name, opts in _NGRAM_SMALL.items()},
     "scripted-accept": SpecPreset({}, scripted="accept-all"),
-    "scripted-reject": SpecPreset({}, scripted="reject-all", expect_accepts=False),
+    # every draft rejected: a draft-simple draft is synthetically accepted with probability 0 (`--spec-synth-len 1`
+    # resolves to rates 0,…,0 for any n_max); the target's token is still sampled and emitted, so the output is
+    # the non-speculative one while every step rolls back (hybrid / recurrent targets: a checkpoint restore)
+    "synth-reject": SpecPreset({"spec-type": "draft-simple", "spec-draft-n-max": 4, "spec-synth-len": 1},
+                               expect_accepts=False, rejects_all=True, server_only=True),
+    # drafting stops at a token whose top-10 probability is below p_min: many short drafts, some rejected. The tiny
+    # models' counterpart of upstream's `--spec-draft-p-min 0.99` (their drafts' top-10 probabilities lie in
+    # 0.12-0.59, median 0.2: at 0.99 they never draft)
+    "draft-p-min-0.2": SpecPreset({"spec-type": "draft-simple", "spec-draft-n-max": 4, "spec-draft-p-min": 0.2}),
+    "scripted-reject": SpecPreset({}, scripted="reject-all", expect_accepts=False, rejects_all=True),
     "scripted-wrong-at-2": SpecPreset({}, scripted="wrong-at-2"),
 }
 
@@ -63,8 +84,8 @@ def spec_preset(name: str) -> SpecPreset:
         raise HarnessError(f"unknown spec config '{name}' (known: {', '.join(SPEC_PRESETS)})")
     if len(parts) == 1:
         return SPEC_PRESETS[parts[0]]
-    if any(SPEC_PRESETS[p].scripted or p == "none" for p in parts):
-        raise HarnessError(f"spec config '{name}': only --spec-type presets combine")
+    if any(SPEC_PRESETS[p].options.get("spec-type") != p for p in parts):
+        raise HarnessError(f"spec config '{name}': only presets named after their --spec-type combine")
     options: dict = {}
     for p in parts:
         options.update({k: v for k, v in SPEC_PRESETS[p].options.items() if k != "spec-type"})
@@ -97,8 +118,8 @@ def cells(matrix: dict | list[dict], only: dict[str, Optional[list[str]]] | None
     order, each once) — with explicit choices (`only[axis]`) replacing a block's axis.
 
     Chosen models pick the blocks that name them (`--model gemma3-270m` runs Gemma's block, not the tiny
-    models' configs on Gemma); models no block names run in every block. In-process-only spec configs are
-    left out of llama-server cells."""
+    models' configs on Gemma); models no block names run in every block. A spec config is left out of the
+    cells of a backend that does not have it (`SpecPreset.runs_on`)."""
     blocks = matrix if isinstance(matrix, list) else [matrix]
     chosen = (only or {}).get("models")
     out: list[Cell] = []
@@ -112,7 +133,7 @@ def cells(matrix: dict | list[dict], only: dict[str, Optional[list[str]]] | None
         for cell in (Cell(backend, mode, spec, model)
                      for backend in axes["backends"] for mode in axes["modes"]
                      for spec in axes["specs"] for model in axes["models"]):
-            if cell not in out and not (cell.backend == "server" and spec_preset(cell.spec).scripted):
+            if cell not in out and spec_preset(cell.spec).runs_on(cell.backend):
                 out.append(cell)
     return out
 

@@ -2,19 +2,19 @@
 
 `specharness calibrate` measures it (harness/calibrate.py) and writes
 `fixtures/calibration/<model>--<backend>--<device>.json`; `logits-close` and the first-divergence triage
-read it here. A model without a calibration file falls back to `DEFAULT` and every verdict that used it
-says `uncalibrated`.
+read it here (from `--calibration-dir` first when given). A model is known by harness.models.model_key (a
+registry name, or a model file's content). A model without a calibration file falls back to `DEFAULT`, and
+every verdict that used it says `uncalibrated`, with the default tolerances and the command that measures them.
 """
 
 import json
 import re
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Optional
 
 from harness.errors import HarnessError
 from harness.logits import Tolerances
-from harness.suites import suites_dir
 
 NEAR_TIE = 0.05
 """Uncalibrated near-tie floor, nats: flash attention on vs off flipped a margin of 0.0008 on tiny-dense."""
@@ -57,6 +57,8 @@ DEFAULT = NoiseFloor()
 
 def calibration_root() -> Path:
     """`fixtures/calibration` beside the `suites/` directory in use."""
+    from harness.suites import suites_dir  # here: the suites' module reaches the engine, reports must not
+
     return suites_dir().parent / "fixtures" / "calibration"
 
 
@@ -83,11 +85,25 @@ def from_data(data: dict, source: str) -> NoiseFloor:
         raise HarnessError(f"corrupt calibration file {source}: {err!r}; re-run `specharness calibrate`") from None
 
 
+def uncalibrated(model: str, backend: str, root: Optional[Path] = None) -> NoiseFloor:
+    """DEFAULT, its source naming the default tolerances and the command that would measure the real ones."""
+    t = DEFAULT.tolerances
+    where = f" --calibration-dir {root}" if root and Path(root).resolve() != calibration_root().resolve() else ""
+    return replace(DEFAULT, source=(
+        f"default (uncalibrated: nmse {t.nmse:g}, kl {t.kl:g}, max_abs {t.max_abs:g}, near-tie {DEFAULT.near_tie:g} "
+        f"nats; measure them with: specharness calibrate --model {model} --backend {backend} --write{where})"))
+
+
 def load(model: str, backend: str, device: str, root: Optional[Path] = None) -> NoiseFloor:
-    """The calibrated floor of (model, backend, device), or DEFAULT when none was calibrated."""
-    path = calibration_path(model, backend, device, root)
-    if not path.is_file():
-        return DEFAULT
+    """The calibrated floor of (model, backend, device) — `model` a registry name or a model file — from `root`
+    when given and calibrated there, else from the default root; `uncalibrated` when neither has it."""
+    from harness.models import model_key  # here: reports reach this module and need no model registry
+
+    key = model_key(model)
+    path = next((p for p in (calibration_path(key, backend, device, r) for r in ([root, None] if root else [None]))
+                 if p.is_file()), None)
+    if path is None:
+        return uncalibrated(model, backend, root)
     try:
         data = json.loads(path.read_text())
     except (OSError, ValueError) as err:

@@ -6,18 +6,19 @@ the items and by checks that compare cells. A malformed suite file becomes one f
 file and line, and the other suites still run.
 """
 
+import contextlib
 import json
 import shlex
 import shutil
-import signal
 from pathlib import Path
+from typing import Optional
 
 import pytest
 
-from harness import MODES
+from harness import MODES, interrupt
 from harness.backends.base import KV_SCAN
 from harness.backends.choose import backend_factories
-from harness.baselines import BaselineStore
+from harness.baselines import BaselineStore, not_recorded_lines, uncalibrated_lines
 from harness.checks import evaluate
 from harness.checks.base import CheckContext
 from harness import detok
@@ -28,9 +29,10 @@ from harness.matrix import BACKEND_NAMES, Shard, cells, narrowing, shard
 from harness.models import ModelUnavailable, resolve
 from harness.report import describe_run, publish, write_run
 from harness.report.merge import merge
-from harness.report.files import now
-from harness.runner import count, csv, interrupt_on_sigterm
-from harness.suites import load_suite
+from harness.report.files import RunDir, now
+from harness.runner import count, csv, known_failures
+from harness.signatures.text import summary_lines
+from harness.suites import load_suite, user_suites_dir
 
 STATE = pytest.StashKey[dict]()
 
@@ -44,6 +46,16 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     group.addoption("--server-bin", help="use this llama-server binary instead of building one")
     group.addoption("--source", help="build llama-server from this llama.cpp tree (default: the vendored one)")
     group.addoption("--update-baselines", action="store_true", help="write baselines from this run")
+    group.addoption("--baselines-dir", metavar="DIR",
+                    help="read (and with --update-baselines write) baselines here (ini: specharness_baselines_dir)")
+    group.addoption("--suites-dir", metavar="DIR",
+                    help="also collect your own suites from DIR (same name: replaces an installed suite; ini: "
+                         "specharness_suites_dir); their baselines are fixtures/baselines beside DIR")
+    group.addoption("--calibration-dir", metavar="DIR",
+                    help="read calibration files here first (ini: specharness_calibration_dir)")
+    parser.addini("specharness_suites_dir", "a directory of your own suites (relative to the ini file)")
+    parser.addini("specharness_baselines_dir", "baselines directory (relative to the ini file)")
+    parser.addini("specharness_calibration_dir", "calibration directory (relative to the ini file)")
     group.addoption("--repeat", type=count(1), default=1, help="run every suite's rounds this many times")
     group.addoption("--report", metavar="DIR",
                     help="write the run directory here: results, checks, junit.xml and the HTML report index.html")
@@ -59,32 +71,59 @@ def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "gpu: needs a GPU backend build")
     opt = config.getoption
     report = Path(opt("--report")) if opt("--report") else None
+    baselines = path_setting(config, "baselines_dir")
     try:
         only = narrowing(csv(opt("--backend")), csv(opt("--mode")), csv(opt("--spec")), csv(opt("--model")))
-        known = load_known(config.rootpath / "suites" / KNOWN_FAILURES)
+        extra = user_suites_dir(path_setting(config, "suites_dir"))
+        known = known_failures(extra)
         part = Shard.parse(opt("--shard")) if opt("--shard") else None
     except HarnessError as err:
         raise pytest.UsageError(str(err)) from None
+    if extra is not None and str(extra) not in config.args:
+        config.args.append(str(extra))
     config.stash[STATE] = {
-        "only": only, "shard": part, "started": now(), "planned": {}, "ran": set(), "suites": {},
-        "sigterm": interrupt_on_sigterm() if report else None,
+        "extra": extra, "only": only, "shard": part, "started": now(), "planned": {}, "ran": set(), "suites": {},
+        "signals": contextlib.ExitStack(),
         "executor": Executor(ExecOptions(
             backends=backend_factories(Path(opt("--server-bin")) if opt("--server-bin") else None,
                                        Path(opt("--source")) if opt("--source") else None,
                                        report),
             kv_scan=opt("--kv-scan"), logit_top_k=opt("--logit-top-k"))),
-        "baselines": BaselineStore(config.rootpath / "fixtures" / "baselines", update=opt("--update-baselines")),
+        "baselines": BaselineStore(baselines, update=opt("--update-baselines"),
+                                   option=f" --baselines-dir {baselines}" if baselines else "",
+                                   calibration_dir=path_setting(config, "calibration_dir")),
         "checks": [],
         "known": known,
     }
+    config.stash[STATE]["signals"].enter_context(interrupt.handled())  # SIGTERM stops the session as Ctrl-C does
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    state = config.stash.get(STATE, None)
+    if state is not None:
+        state["signals"].close()
+
+
+def path_setting(config: pytest.Config, name: str) -> Optional[Path]:
+    """A directory given as `--<name>` (relative to the working directory) or as the ini key
+    `specharness_<name>` (relative to the ini file); None when neither."""
+    option = config.getoption("--" + name.replace("_", "-"))
+    if option:
+        return Path(option).resolve()
+    value = config.getini(f"specharness_{name}")
+    return (config.inipath.parent if config.inipath else config.rootpath) / value if value else None
 
 
 def pytest_collect_file(parent: pytest.Collector, file_path: Path):
-    if file_path.suffix == ".yaml" and file_path.parent.name == "suites":
-        if file_path.name == KNOWN_FAILURES:
-            return KnownFailuresFile.from_parent(parent, path=file_path)
-        return SuiteFile.from_parent(parent, path=file_path)
-    return None
+    extra = parent.config.stash[STATE]["extra"]
+    if file_path.suffix != ".yaml" or file_path.parent.name != "suites" and file_path.parent != extra:
+        return None
+    if extra is not None and file_path.parent != extra and (extra / file_path.name).is_file() \
+            and file_path.name != KNOWN_FAILURES:
+        return None  # replaced by the --suites-dir suite of that name
+    if file_path.name == KNOWN_FAILURES:
+        return KnownFailuresFile.from_parent(parent, path=file_path)
+    return SuiteFile.from_parent(parent, path=file_path)
 
 
 def worker_group(suite: str, cell) -> str:
@@ -230,7 +269,8 @@ class KnownFailureItem(pytest.Item):
         return str(excinfo.value)
 
     def reportinfo(self):
-        return self.path, None, self.name
+        # a line number, not None: pytest places a skip-marker's report at it (the cpu_flags skip)
+        return self.path, 0, self.name
 
 
 def _detok(model: str):
@@ -275,6 +315,7 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     model and mode run side by side (harness.execute: speed-ups from requests made moments apart)."""
     state = session.config.stash.get(STATE, None)
     if state is not None:
+        interrupt.phase("planning")  # the suites collected: what will run is known
         state["executor"].expect([(item.suite, item.cell) for item in session.items if isinstance(item, SuiteItem)])
 
 
@@ -292,13 +333,19 @@ controller merges them into DIR (as `specharness report --merge` merges shards) 
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus) -> None:
-    config = session.config
-    report = config.getoption("--report")
-    state = config.stash.get(STATE, None)
+    state = session.config.stash.get(STATE, None)
     if state is None:
         return
-    if state["sigterm"] is not None:
-        signal.signal(signal.SIGTERM, state["sigterm"])
+    with interrupt.deferred():  # what finished is written in full
+        _write_report(session, state, exitstatus)
+    if interrupt.received():  # Ctrl-C or SIGTERM in any phase: 130 / 143, as `specharness run`
+        session.exitstatus = interrupt.status()
+
+
+def _write_report(session: pytest.Session, state: dict, exitstatus) -> None:
+    """`--report DIR`: the run directory of what finished (a worker's part under xdist)."""
+    config = session.config
+    report = config.getoption("--report")
     worker = getattr(config, "workerinput", None)
     parts = Path(report) / WORKERS_DIR if report else None
     if report and worker is None and not state["executor"].runs() and parts.is_dir():
@@ -306,6 +353,7 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus) -> None:
         return
     if not (report and state["executor"].runs()):
         return
+    interrupt.phase("writing")
     planned = list(state["planned"])
     done = [cell for cell, ids in state["planned"].items() if ids <= state["ran"]]
     options = {k: v for k, default in REPORT_DEFAULTS.items()
@@ -318,9 +366,11 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus) -> None:
             state["executor"], tool="pytest", command=["pytest", *config.invocation_params.args], options=options,
             started=state["started"], planned=planned, done=done, suites=state["suites"], known=state["known"],
             shard=str(state["shard"]) if state["shard"] else None,
-            interrupted=exitstatus == pytest.ExitCode.INTERRUPTED)
+            interrupted=exitstatus == pytest.ExitCode.INTERRUPTED or interrupt.received() is not None)
+        meta["uncalibrated"] = uncalibrated_lines(state["executor"], state["baselines"])
         write_run(target, state["executor"].runs(), state["checks"], meta, detok.for_model)
         if not worker:
+            interrupt.phase("report")
             state["report"] = publish(target)
     except HarnessError as err:
         config.get_terminal_writer().line(f"specharness: --report not written: {err}", red=True)
@@ -340,5 +390,9 @@ def _merge_workers(config: pytest.Config, state: dict, parts: Path) -> None:
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config: pytest.Config) -> None:
     state = config.stash.get(STATE, None)
+    for line in not_recorded_lines(state["checks"]) if state else []:
+        terminalreporter.write_line(f"specharness: {line}")
     if state and state.get("report"):
+        for line in summary_lines(RunDir.load(state["report"].parent).failures()):
+            terminalreporter.write_line(f"specharness: {line}")
         terminalreporter.write_line(f"specharness report: {state['report']}")

@@ -78,8 +78,16 @@ class Sampling:
     """None: the backend's `seed` option (llama-server's `-s`); -1: random."""
     n_probs: Optional[int] = _f(None, _COUNT)
     """Top candidates logged per generated token; None: the run's `--logit-top-k`."""
+    post_sampling_probs: bool = _f(False, {"type": "boolean"})
+    """The top `n_probs` are the sampler chain's candidates after sampling (`prob` / `top_probs`, zero
+    probabilities dropped) instead of the softmax of the raw logits over the vocabulary (`logprob`)."""
     n_predict: int = _f(128, {"type": "integer", "description": "-1 (until the context is full) or a count >= 1",
                               "anyOf": [{"const": -1}, {"minimum": 1}]})
+    n_keep: int = _f(0, {"type": "integer", "minimum": -1})
+    """Context shift (`context_shift` on): prompt tokens kept at the start of the context (-1: the whole prompt;
+    llama-server adds one for a model that adds BOS)."""
+    n_discard: int = _f(0, {"type": "integer", "minimum": 0})
+    """Context shift: tokens after the kept ones discarded per shift (0: half of the rest)."""
     stop: list[str] = _f([], {"type": "array", "items": {"type": "string"}})
     grammar: Optional[str] = None
     """A GBNF grammar constraining the output (llama.cpp's grammar sampler)."""

@@ -12,6 +12,9 @@ class Timings:
 
     prompt_n: int = 0
     prompt_ms: float = 0.0
+    cache_n: int = 0
+    """Prompt tokens reused from the slot's cache, not decoded again (llama-server's `cache_n`; the in-process
+    engine clears a slot's sequence after every request and decodes each prompt whole: always 0)."""
     predicted_n: int = 0
     predicted_ms: float = 0.0
 
@@ -23,6 +26,7 @@ class Timings:
         return {
             "prompt_n": self.prompt_n,
             "prompt_ms": round(self.prompt_ms, 3),
+            "cache_n": self.cache_n,
             "predicted_n": self.predicted_n,
             "predicted_ms": round(self.predicted_ms, 3),
             "predicted_per_second": round(self.predicted_per_second, 2),
@@ -42,6 +46,9 @@ class Result:
     tokens: list[int] = field(default_factory=list)
     text: str = ""
     stop_reason: str = "none"
+    truncated: bool = False
+    """llama-server's `truncated`: the generation reached the end of the context (stopped there, or shifted
+    the context and went on)."""
     error: Optional[str] = None
     slot_id: int = -1
     timings: Timings = field(default_factory=Timings)

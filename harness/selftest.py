@@ -11,16 +11,20 @@ default matrix with no fault, which must also report zero failures.
 import argparse
 import re
 from dataclasses import dataclass, field
+from typing import Iterator
 
 from rich.table import Table
 
+from harness import interrupt
 from harness.backends.choose import backend_factories
 from harness.baselines import BaselineStore, default_root
 from harness.checks import CHECKS
 from harness.engine.faults import FAULTS
 from harness.execute import ExecOptions, Executor
 from harness.known_failures import FILE_NAME as KNOWN_FAILURES, load as load_known, tag
+from harness.report.files import check_records
 from harness.runner import run_suites, wide_console
+from harness.signatures import group
 from harness.suites import load_suite, suite_files, suites_dir
 
 PLAN = [
@@ -73,6 +77,8 @@ class Row:
     label: str = ""
     failing_cells: set[str] = field(default_factory=set)
     """The cells (`<mode>-<spec>-<model>-<backend>`) with a failing verdict."""
+    distinct: list[str] = field(default_factory=list)
+    """The failure signatures of its failing verdicts (harness.signatures), most severe first."""
 
     @property
     def ok(self) -> bool:
@@ -94,9 +100,10 @@ def run_plan(fault: str | None, plan: list | None = None) -> Row:
     row = Row(fault or "none", dict.fromkeys(CHECKS, 0), dict.fromkeys(CHECKS, 0), label=label)
     expected = dict(EXPECTED.get(fault or "", []))
     known = load_known(suites_dir() / KNOWN_FAILURES)
-    for suite, _, cell, r in verdicts:
-        if r.passed or not tag(known, suite, cell, [r]):  # a recorded llama.cpp defect is no false positive
-            continue
+    failing = [(suite, key, cell, r) for suite, key, cell, r in verdicts
+               if not r.passed and tag(known, suite, cell, [r])]  # a recorded llama.cpp defect is no false positive
+    row.distinct = [f.signature for f in group(check_records(failing), (), lambda v: True)]
+    for suite, _, cell, r in failing:
         row.failures[r.name] += 1
         row.failing_cells.add(cell.id)
         pattern = expected.get(r.name)
@@ -111,9 +118,12 @@ def default_matrices() -> list:
     return [(load_suite(str(path)), {"backends": ["inproc"]}) for path in suite_files()]
 
 
-def catch_matrix(clean_runs: int = 0, faults: list[str] | None = None) -> list[Row]:
-    """Every fault once on the plan, the plan's clean row, then `clean_runs` clean runs of the default matrices."""
-    rows = [run_plan(f) for f in (faults or list(FAULTS))] + [run_plan(None)]
+def catch_matrix(clean_runs: int = 0, faults: list[str] | None = None) -> Iterator[Row]:
+    """Every fault once on the plan, the plan's clean row, then `clean_runs` clean runs of the default matrices
+    (row by row: an interrupted selftest still shows the rows that finished)."""
+    for fault in faults or list(FAULTS):
+        yield run_plan(fault)
+    yield run_plan(None)
     if clean_runs:
         clean = Row("none", dict.fromkeys(CHECKS, 0), dict.fromkeys(CHECKS, 0),
                     label=f"none (default matrices, {clean_runs} runs)")
@@ -122,8 +132,7 @@ def catch_matrix(clean_runs: int = 0, faults: list[str] | None = None) -> list[R
             for name, n in row.failures.items():
                 clean.failures[name] += n
             clean.harness_errors += row.harness_errors
-        rows.append(clean)
-    return rows
+        yield clean
 
 
 def table(rows: list[Row]) -> Table:
@@ -133,6 +142,7 @@ def table(rows: list[Row]) -> Table:
     for name in CHECKS:
         t.add_column(name, justify="right")
     t.add_column("harness errors", justify="right")
+    t.add_column("distinct failures", justify="right")
     t.add_column("verdict")
     for row in rows:
         cells = [("·" if not n else f"[bold]{n}[/]" if row.caught.get(name) else str(n)) for name, n in row.failures.items()]
@@ -142,18 +152,35 @@ def table(rows: list[Row]) -> Table:
             verdict = "[green]clean[/]" if row.ok else "[red]false positives[/]"
         else:
             verdict = "[green]caught[/]" if row.ok else "[red]NOT CAUGHT[/]"
-        t.add_row(row.label, *cells, str(len(row.harness_errors)) if row.harness_errors else "·", verdict)
+        t.add_row(row.label, *cells, str(len(row.harness_errors)) if row.harness_errors else "·",
+                  str(len(row.distinct)) if row.distinct else "·", verdict)
     return t
 
 
 def cmd_selftest(args: argparse.Namespace) -> int:
-    """`specharness selftest`: 0 when every fault is caught as expected and clean runs have no failures."""
-    rows = catch_matrix(args.clean_runs, args.fault)
-    console = wide_console()
-    console.print(table(rows))
-    for row in rows:
-        for error in row.harness_errors:
-            console.print(f"harness error with fault {row.fault}: {error}", markup=False, highlight=False)
+    """`specharness selftest`: 0 when every fault is caught as expected and clean runs have no failures
+    (interrupted: the rows that finished, and 130 / 143)."""
+    rows = []
+    try:
+        for row in catch_matrix(args.clean_runs, args.fault):
+            rows.append(row)
+    except KeyboardInterrupt:  # Ctrl-C or SIGTERM: the workers are stopped; show what finished
+        pass
+    with interrupt.deferred():  # the rows that finished are shown in full
+        interrupt.phase("report")
+        console = wide_console()
+        console.print(table(rows))
+        for row in rows:
+            if row.distinct:
+                plural = "s" if len(row.distinct) > 1 else ""
+                console.print(f"{row.label}: {len(row.distinct)} distinct failure{plural}: " + "; ".join(row.distinct),
+                              markup=False, highlight=False)
+            for error in row.harness_errors:
+                console.print(f"harness error with fault {row.fault}: {error}", markup=False, highlight=False)
+        if interrupt.received():
+            planned = len(args.fault or FAULTS) + 1 + bool(args.clean_runs)
+            console.print(f"interrupted: {len(rows)} of {planned} rows ran", markup=False)
+            return interrupt.status()
     return 0 if all(r.ok for r in rows) else 1
 
 

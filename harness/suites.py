@@ -21,7 +21,7 @@ from harness.matrix import SPEC_PRESETS, block_of
 from harness.request import SAMPLING_SCHEMA, Request, Sampling
 
 SERVE_FIELDS = {"n_ctx": "integer", "n_batch": "integer", "n_ubatch": "integer", "parallel": "integer",
-                "repack": "boolean"}
+                "repack": "boolean", "context_shift": "boolean", "stall_s": "number"}
 
 _NAMES = {"type": "array", "items": {"type": "string"}, "minItems": 1}
 _CASE = {
@@ -30,6 +30,7 @@ _CASE = {
         "name": {"type": "string", "pattern": r"^[A-Za-z0-9_.+]+$"},
         "prompt": {"type": "string"},
         "vars": {"type": "object", "additionalProperties": {"type": ["string", "number"]}},
+        "prompt_repeat": {"type": "integer", "minimum": 1},
         "chat": {"type": "array", "items": {"type": "string"}, "minItems": 1},
         "json_schema": {"type": "object"},
         "grammar": {"type": "string"},
@@ -37,6 +38,7 @@ _CASE = {
         "expect_accepts": {"type": "boolean"},
     },
     "oneOf": [{"required": ["prompt"]}, {"required": ["chat"]}],
+    "dependentRequired": {"prompt_repeat": ["prompt"]},
 }
 _BLOCK = {
     "type": "object", "additionalProperties": False,
@@ -54,7 +56,8 @@ SUITE_SCHEMA = {
         "matrix": {"oneOf": [_BLOCK, {"type": "array", "items": _BLOCK, "minItems": 1}]},
         "sampling": SAMPLING_SCHEMA,
         "serve": {"type": "object", "additionalProperties": False,
-                  "properties": {k: {"type": t, **({"minimum": 1} if t == "integer" else {})}
+                  "properties": {k: {"type": t, **({"minimum": 1} if t == "integer" else
+                                                   {"exclusiveMinimum": 0} if t == "number" else {})}
                                  for k, t in SERVE_FIELDS.items()}},
         "engine": {"type": "object", "additionalProperties": False,
                    "properties": {"rollback": {"enum": list(STRATEGIES)},
@@ -82,7 +85,8 @@ SUITE_SCHEMA = {
 
 DEFAULT_MATRIX = {"backends": ["inproc"], "modes": list(MODES), "specs": ["none"], "models": ["tiny-dense", "tiny-hybrid", "tiny-recurrent"]}
 CHECK_NAMES = ("no-crash", "repeat-identical", "lossless", "mode-invariant", "baseline", "spec-ran",
-               "acceptance", "grammar-valid", "kv-healthy", "logits-close", "exercised")
+               "acceptance", "grammar-valid", "kv-healthy", "logits-close", "exercised", "probs-complete",
+               "prompt-reuse", "within-n-predict")
 """The checks a suite may name (their functions live in harness.checks, which must define exactly these)."""
 DEFAULT_CHECKS = ["no-crash", "repeat-identical", "lossless", "mode-invariant", "baseline", "spec-ran",
                   "kv-healthy", "logits-close", "acceptance"]
@@ -155,9 +159,37 @@ def case_keys(case: Case) -> list[str]:
 
 
 def suites_dir() -> Path:
-    """`./suites` when run from a checkout, else the `suites/` beside the installed package."""
+    """`./suites` when run from a checkout; else the suites an installed wheel carries (`harness/bundled/suites`,
+    see setup.py), or the `suites/` of the checkout an editable install points at."""
     here = Path.cwd() / "suites"
-    return here if here.is_dir() else Path(harness.__file__).resolve().parents[1] / "suites"
+    if here.is_dir():
+        return here
+    package = Path(harness.__file__).resolve().parent
+    bundled = package / "bundled" / "suites"
+    return bundled if bundled.is_dir() else package.parent / "suites"
+
+
+def find_suite(name_or_path: str, extra: Optional[Path] = None) -> Suite:
+    """A suite by path, or by name from `extra` (a user's suites directory, `--suites-dir`: its suites add to
+    and replace those in use) and then from `suites_dir()`; an unknown name lists the suites of both."""
+    if extra is not None and Path(name_or_path).suffix not in (".yaml", ".yml"):
+        if (extra / f"{name_or_path}.yaml").is_file():
+            return load_suite(name_or_path, extra)
+        if not (suites_dir() / f"{name_or_path}.yaml").is_file():
+            known = ", ".join(sorted({p.stem for d in (extra, suites_dir()) for p in suite_files(d)})) or "none"
+            raise HarnessError(f"unknown suite '{name_or_path}' (known: {known})")
+    return load_suite(name_or_path)
+
+
+def user_suites_dir(path: Optional[Path]) -> Optional[Path]:
+    """`--suites-dir`, checked: a directory of suite files (one-line HarnessError otherwise)."""
+    if path is None:
+        return None
+    if not path.is_dir():
+        raise HarnessError(f"--suites-dir {path}: not a directory (`specharness init DIR` writes a starter one)")
+    if not suite_files(path):
+        raise HarnessError(f"--suites-dir {path}: no suite files (*.yaml) in it")
+    return path.resolve()
 
 
 NOT_SUITES = ("known-failures.yaml",)
@@ -269,5 +301,7 @@ def _case(raw: dict[str, Any], base: dict, path: Optional[Path], expect_accepts:
     prompt = raw.get("prompt")
     if prompt is not None and raw.get("vars"):
         prompt = prompt.format(**raw["vars"])
+    if prompt is not None:
+        prompt *= raw.get("prompt_repeat", 1)  # a long context from a short line
     return Case(name=raw["name"], sampling=sampling, prompt=prompt, turns=raw.get("chat", []),
                 expect_accepts=raw.get("expect_accepts", expect_accepts))

@@ -103,3 +103,29 @@ def history_repo() -> Path:
 def commits(repo: Path) -> list[str]:
     """The fixture's commit hashes, oldest first (commit #n is index n-1)."""
     return _git(repo, "rev-list", "--reverse", "main").split()
+
+
+def fixture_lock() -> FileLock:
+    """The lock a test holds while it checks out commits of the fixture repository (one test at a time)."""
+    lock = cache_dir() / "fixtures" / "bisect-history.test.lock"
+    lock.parent.mkdir(parents=True, exist_ok=True)
+    return FileLock(str(lock))
+
+
+def builds_at(*numbers: int) -> list:
+    """llama-server built at commits #n of the history (from the build cache after the first time; the bisect
+    tests build the same commits), the repository left clean on `main`."""
+    from harness.backends.build import ensure_server
+
+    with fixture_lock():
+        repo = history_repo()
+        shas = commits(repo)
+        try:
+            out = []
+            for n in numbers:
+                _git(repo, "checkout", "-q", shas[n - 1])
+                out.append(ensure_server(repo))
+            return out
+        finally:
+            _git(repo, "checkout", "-q", "-f", "main")
+

@@ -14,13 +14,12 @@ import shutil
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
-from filelock import FileLock
 
-from bisect_history import BROKEN, REGRESSION, commits, history_repo
+from bisect_history import BROKEN, REGRESSION, commits, history_repo, fixture_lock
+from interrupts import interrupt, left_behind, spawn, wait_for_phase
 from harness.bisect.judge import excused
 from harness.bisect.plan import from_run, from_suite
 from harness.bisect.releases import release_range
@@ -30,7 +29,8 @@ from harness.errors import HarnessError
 from harness.paths import cache_dir
 
 
-pytestmark = pytest.mark.xdist_group("bisect-history")  # one fixture repository: its tests run on one worker
+pytestmark = [pytest.mark.xdist_group("bisect-history"),  # one fixture repository: its tests run on one worker
+              pytest.mark.stress]
 
 ROOT = Path(__file__).resolve().parents[1]
 SUITE = ROOT / "tests" / "data" / "bisect-quicksort.yaml"
@@ -61,9 +61,7 @@ def assert_restored(repo: Path) -> None:
 @pytest.fixture
 def history():
     """The fixture repository, one test at a time (a bisect checks out commits in it)."""
-    lock = cache_dir() / "fixtures" / "bisect-history.test.lock"
-    lock.parent.mkdir(parents=True, exist_ok=True)
-    with FileLock(str(lock)):  # before history_repo(), which resets a bisect left behind
+    with fixture_lock():  # before history_repo(), which resets a bisect left behind
         repo = history_repo()
         yield repo
     assert_restored(repo)
@@ -102,30 +100,19 @@ def test_bisect_finds_the_regression_and_skips_the_commit_that_does_not_build(hi
     check_outcome(history, tmp_path / "run", out)
 
 
-def _wait_for_step(run_dir: Path, proc: subprocess.Popen, timeout: float = 1800) -> dict:
-    """The current step once `git bisect run` is in one (not the verification of the ends)."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline and proc.poll() is None:
-        try:
-            current = json.loads((run_dir / CURRENT).read_text())
-        except (OSError, ValueError):
-            current = {}
-        if current.get("role") == "step":
-            return current
-        time.sleep(0.05)
-    raise AssertionError(f"no bisect step started (exit status {proc.poll()})")
-
-
 def test_interrupted_bisect_leaves_the_checkout_clean_and_resume_finishes_it(history, tmp_path):
-    run_dir = tmp_path / "run"
-    proc = specharness(*bisect_args(history, run_dir, good=BROKEN + 1))  # the skip is the test above's
-    current = _wait_for_step(run_dir, proc)
-    time.sleep(0.5)  # inside the build (first run) or the judging (builds cached)
-    proc.send_signal(signal.SIGINT)
-    status, _, err = finish(proc, timeout=300)
+    run_dir, phases = tmp_path / "run", tmp_path / "phases"
+    # held in the build of the first `git bisect run` step (cached after the first run of this test): the
+    # steps judging the good and the bad end built first; the skip is the test above's
+    proc = spawn(bisect_args(history, run_dir, good=BROKEN + 1), phases, hold="building:3")
+    wait_for_phase(proc, phases, "building", 3)
+    current = json.loads((run_dir / CURRENT).read_text())
+    assert (current["role"], current["phase"]) == ("step", "build")
+    status, err = interrupt(proc)
     assert status == 130, err[-3000:]
     assert f"--resume {run_dir}" in err
     assert_restored(history)
+    assert left_behind(run_dir) == []
     with pytest.raises(ProcessLookupError):
         os.kill(current["pid"], 0)  # the step process is gone, with its build or server
     assert not (cache_dir() / "work").exists()  # the build tree went back to its place
@@ -136,6 +123,20 @@ def test_interrupted_bisect_leaves_the_checkout_clean_and_resume_finishes_it(his
     roles = [e["role"] for e in read_log(run_dir)]
     assert roles.count("verify-good") == roles.count("verify-bad") == 1  # not judged again
     assert len(read_log(run_dir)) > logged
+
+
+def test_sigterm_between_bisect_steps_keeps_the_log_and_the_checkout(history, tmp_path):
+    run_dir, phases = tmp_path / "run", tmp_path / "phases"
+    # held as the first `git bisect run` step starts: both ends judged and logged, nothing of the step done
+    proc = spawn(bisect_args(history, run_dir, good=BROKEN + 1), phases, hold="bisect-step")
+    wait_for_phase(proc, phases, "bisect-step")
+    status, err = interrupt(proc, signal.SIGTERM)
+    assert status == 143, err[-3000:]
+    assert f"--resume {run_dir}" in err
+    assert_restored(history)
+    assert left_behind(run_dir) == []
+    assert [e["role"] for e in read_log(run_dir)] == ["verify-good", "verify-bad"]
+    assert not (run_dir / CURRENT).exists()
 
 
 STEP_CMD = (f"{sys.executable} -m harness.cli build --source . --json | {sys.executable} -c \"import json, shutil, sys, os; "

@@ -97,6 +97,20 @@ def test_lossless():
     failed = verdict(context({SEQ: [ok([1, 2, 3])], spec: [ok([1, 9, 3])]}, spec), "lossless")
     assert not failed.passed and "at token 1" in failed.message
     assert CHECKS["lossless"](context({SEQ: [ok([1])]}, SEQ)) is None
+    shorter = verdict(context({SEQ: [ok([1, 2, 3])], spec: [ok([1])]}, spec), "lossless")  # ended at the context end
+    assert shorter.failures == ["round 0: unexplained at token 1 (the output ended there, stop: limit; the reference "
+                                "has 3 tokens)"]
+
+
+def test_within_n_predict():
+    five = suite(n_predict=5)
+    assert verdict(context({SEQ: [ok([1, 2, 3, 4, 5]), ok([1, 2])]}, SEQ, five), "within-n-predict").passed
+    over = verdict(context({SEQ: [ok([1, 2, 3, 4, 5]), ok([1, 2, 3, 4, 5, 6])]}, SEQ, five), "within-n-predict")
+    assert not over.passed and over.failures == ["round 1: 6 tokens returned for n_predict 5"]
+    eos = Result(tokens=[1, 2, 3, 4, 5], stop_reason="eos")
+    wrong_stop = verdict(context({SEQ: [eos]}, SEQ, five), "within-n-predict")
+    assert not wrong_stop.passed and "stop reason is eos, not limit" in wrong_stop.message
+    assert CHECKS["within-n-predict"](context({SEQ: [ok([1] * 300)]}, SEQ, suite(n_predict=-1))) is None
 
 
 def logged(tokens, rows):
@@ -171,12 +185,16 @@ def test_a_kv_finding_is_never_a_near_tie():
 
 def test_baseline(tmp_path):
     store = BaselineStore(tmp_path)
-    missing = verdict(context({SEQ: [ok([4, 5])]}, SEQ, baselines=store), "baseline")
-    assert not missing.passed and "--update-baselines" in missing.message
+    new = verdict(context({SEQ: [ok([4, 5])]}, SEQ, baselines=store), "baseline")  # a model with no baselines
+    assert new.passed and new.evidence["no_baseline"] and "no baseline yet" in new.message
+    assert "--update-baselines" in new.message
     BaselineStore(tmp_path, update=True).check(context({SEQ: [ok([4, 5])]}, SEQ, baselines=store))
     assert verdict(context({SEQ: [ok([4, 5])]}, SEQ, baselines=store), "baseline").passed
     failed = verdict(context({SEQ: [ok([4, 6])]}, SEQ, baselines=store), "baseline")
     assert not failed.passed and "at token 1" in failed.message
+    store.path("demo", "a", "m", "inproc", "cpu").rename(store.path("demo", "b", "m", "inproc", "cpu"))
+    missing = verdict(context({SEQ: [ok([4, 5])]}, SEQ, baselines=store), "baseline")  # it has others: a failure
+    assert not missing.passed and "--update-baselines" in missing.message
 
 
 def test_spec_ran():
@@ -184,11 +202,29 @@ def test_spec_ran():
     assert verdict(context({spec: [ok([1], draft_n=4, draft_n_accepted=2)]}, spec), "spec-ran").passed
     assert not verdict(context({spec: [ok([1], draft_n=4, draft_n_accepted=0)]}, spec), "spec-ran").passed
     assert not verdict(context({spec: [ok([1])]}, spec), "spec-ran").passed
+    crashed = Result(stop_reason="crashed", error="llama-server was killed by SIGABRT")
+    assert CHECKS["spec-ran"](context({spec: [crashed]}, spec)) is None  # no-crash reports it
     reject = SEQ.reference(spec="scripted-reject")
     assert verdict(context({reject: [ok([1], draft_n=4, draft_n_accepted=0)]}, reject), "spec-ran").passed
     grammar_case = suite(expect_accepts=False)  # a drafter that does not see the grammar: drafts suffice
     assert verdict(context({spec: [ok([1], draft_n=4, draft_n_accepted=0)]}, spec, grammar_case), "spec-ran").passed
     assert not verdict(context({spec: [ok([1])]}, spec, grammar_case), "spec-ran").passed
+
+
+@pytest.mark.parametrize("spec", ["synth-reject", "scripted-reject"])
+def test_spec_ran_under_forced_rejection_fails_on_any_accepted_token_or_a_request_without_drafts(spec):
+    cell = Cell("server" if spec == "synth-reject" else "inproc", "seq", spec, "m")
+    rejected = ok([1, 2, 3], draft_n=8, draft_n_accepted=0)
+    assert verdict(context({cell: [rejected, rejected]}, cell), "spec-ran").passed
+    one_token = ok([1], draft_n=0, draft_n_accepted=0)  # ended at its first token: no step to draft in
+    assert verdict(context({cell: [rejected, one_token]}, cell), "spec-ran").passed
+    accepted = verdict(context({cell: [rejected, ok([1, 2, 3], draft_n=8, draft_n_accepted=1)]}, cell), "spec-ran")
+    assert not accepted.passed and accepted.failures == ["round 1: 8 drafted, 1 accepted"]
+    undrafted = verdict(context({cell: [ok([1, 2, 3], draft_n=0), rejected]}, cell), "spec-ran")
+    assert not undrafted.passed and undrafted.failures == ["round 0: 0 drafted, 0 accepted"]
+    # the same accepted token is no finding where drafts are merely not expected to be accepted
+    p_min = Cell("server", "seq", "draft-p-min-0.2", "m")
+    assert verdict(context({p_min: [rejected, ok([1, 2, 3], draft_n=8, draft_n_accepted=1)]}, p_min), "spec-ran").passed
 
 
 def test_spec_ran_counts_per_case_not_per_cell():
@@ -285,10 +321,12 @@ def test_acceptance_against_the_baseline_fails_a_drop_and_names_the_draft_positi
     tokens = list(range(40))
     store = BaselineStore(tmp_path)
     clean = {SEQ: [ok(tokens)], spec: [spec_ok(tokens, 40, 24, ([20, 20], [14, 10]))]}
-    missing = verdict(context(clean, spec, baselines=store), "acceptance")
-    assert not missing.passed and "no acceptance baseline for seq/draft-simple" in missing.message
+    new = verdict(context(clean, spec, baselines=store), "acceptance")  # a model with no baselines at all
+    assert new.passed and new.evidence["no_baseline"] and "no baseline yet" in new.message
     writer = BaselineStore(tmp_path, update=True)
     writer.check(context(clean, spec, baselines=writer))  # the tokens first, as the suites order the checks
+    missing = verdict(context(clean, spec, baselines=store), "acceptance")
+    assert not missing.passed and "no acceptance baseline for seq/draft-simple" in missing.message
     assert verdict(context(clean, spec, baselines=writer), "acceptance").passed
     one_token = {SEQ: [ok(tokens)], spec: [spec_ok(tokens, 40, 23, ([20, 20], [14, 9]))]}
     assert verdict(context(one_token, spec, baselines=store), "acceptance").passed  # below one token: no verdict

@@ -101,3 +101,15 @@ def test_report_under_xdist_merges_the_workers_parts_into_one_run(project):
     records = json.loads((out / "results.json").read_text())
     assert len(records) == 4 and all(r["error"] is None for r in records)
     assert "All 6 check verdicts passed" in (out / "index.html").read_text()
+
+
+def test_a_known_failure_for_a_cpu_feature_this_cpu_lacks_is_reported_skipped_with_its_reason(project):
+    """On a CPU without the entry's feature the item is skipped through a marker, and pytest places that
+    report at the item's line: a None line was an INTERNALERROR that ended the whole session."""
+    (project.path / "suites" / "known-failures.yaml").write_text(
+        "- id: needs-a-flag\n  suite: good\n  backend: inproc\n  check: no-crash\n  cpu_flags: [no-cpu-has-this-flag]\n"
+        "  evidence: 'x'\n  llama_cpp_commit: 0c1e570\n  upstream: none\n  reason: a demo\n")
+    result = project.runpytest("-p", "no:xdist", "-rs", "suites/known-failures.yaml")
+    result.assert_outcomes(skipped=1)
+    result.stdout.fnmatch_lines(["*needs-a-flag shows only on a CPU with no-cpu-has-this-flag*"])
+    assert "INTERNALERROR" not in result.stdout.str()

@@ -17,6 +17,8 @@ from harness.report.files import item_name, status
 from harness.report.html import anchor
 from report_helpers import REPO, browser_or_skip, inside, make_checkout, parse_html
 
+pytestmark = pytest.mark.stress
+
 FAILING = "quicksort[Java-seq-none-tiny-dense-inproc]"
 NARROW = ["--suite", "quicksort", "--model", "tiny-dense", "--mode", "seq", "--spec", "none"]
 

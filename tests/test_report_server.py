@@ -2,50 +2,24 @@
 a model the server cannot load is a per-cell error in the report, not a crash of the run."""
 
 import json
-import signal
-import subprocess
-import sys
-import time
 import xml.etree.ElementTree as ET
-from pathlib import Path
 
-from report_helpers import REPO
+import pytest
 
+from interrupts import interrupt, left_behind, spawn, wait_for_phase
 
-def processes_mentioning(text: str) -> list[str]:
-    """Command lines of running processes that contain `text`."""
-    found = []
-    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
-        try:
-            args = cmdline.read_bytes().split(b"\0")
-        except OSError:
-            continue
-        line = " ".join(a.decode(errors="replace") for a in args)
-        if text in line and "llama-server" in line:
-            found.append(line)
-    return found
+pytestmark = pytest.mark.stress
 
 
 def test_sigint_during_a_server_run_reports_what_finished_and_stops_the_servers(tmp_path, tiny_models):
-    from harness.backends.build import ensure_server
-
-    ensure_server()  # the build (cached) is not part of the 20 s
-    out = tmp_path / "run"
-    # --repeat 3: every round three times, so each mode's cells take long enough to interrupt in the middle
-    proc = subprocess.Popen([sys.executable, "-m", "harness.cli", "run", "--backend", "server", "--model", "tiny-dense",
-                             "--repeat", "3", "--out", str(out)], cwd=REPO, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
-    # wait for the state, not for a time: the cells of one mode (none and draft-simple) run side by side, each
-    # with its own llama-server, so a third server log means the first mode's cells finished and the next began
-    deadline = time.monotonic() + 300
-    while (len(list((out / "server-logs").glob("llama-server-*.log"))) < 3 and proc.poll() is None
-           and time.monotonic() < deadline):
-        time.sleep(0.2)
-    assert proc.poll() is None, "the run ended before it could be interrupted"
-    proc.send_signal(signal.SIGINT)
-    output = proc.communicate(timeout=120)[0]
-    assert proc.returncode == 130, output[-2000:]
-    assert processes_mentioning(str(out)) == []
+    out, phases = tmp_path / "run", tmp_path / "phases"
+    # the cells of one mode (none and draft-simple) run side by side, each with its own llama-server: held as the
+    # second mode's servers are up, the first mode's cells finished
+    proc = spawn(["run", "--backend", "server", "--model", "tiny-dense", "--out", str(out)], phases, hold="serving:2")
+    wait_for_phase(proc, phases, "serving", 2)
+    status, output = interrupt(proc)
+    assert status == 130, output[-2000:]
+    assert left_behind(out) == []
     meta = json.loads((out / "run.json").read_text())
     statuses = {c["id"]: c["status"] for c in meta["cells"]}
     done = {cid for cid, s in statuses.items() if s == "done"}

@@ -119,6 +119,8 @@ def test_out_that_is_a_file_is_refused_before_running(tmp_path, capsys):
     (["run", "--suite", "nope"], "unknown suite 'nope'"),
     (["run", "--spec", "magic"], "unknown spec config 'magic'"),
     (["run", "--backend", "gpu"], "unknown backend 'gpu'"),
+    (["run", "--suite", "forced-rejection", "--backend", "inproc", "--spec", "synth-reject"], "nothing to run"),
+    (["run", "--suite", "grammar-json", "--backend", "server", "--spec", "scripted-reject"], "nothing to run"),
 ])
 def test_bad_options_are_one_line_errors(argv, message, capsys):
     assert main(argv) == 2

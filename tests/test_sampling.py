@@ -89,7 +89,7 @@ def test_every_field_is_sent_as_is_and_applied_by_the_server(build, tiny_models,
                    dry_multiplier=0.4, dry_base=2.0, dry_allowed_length=3, dry_penalty_last_n=32,
                    mirostat_tau=4.0, mirostat_eta=0.2, adaptive_target=0.5, adaptive_decay=0.5, min_keep=2,
                    ignore_eos=True, samplers=["top_k", "penalties", "temperature"], seed=1234, n_probs=3,
-                   n_predict=4)
+                   n_predict=4, n_keep=5, n_discard=7)
     with ServerBackend(build, run_dir=tmp_path).open(ServeConfig(model=tiny_models["tiny-dense"].path)) as session:
         client = LlamaClient(session.server.url)
         payload = {"prompt": "Hello", **odd.server_fields(), "n_probs": odd.n_probs}
@@ -97,7 +97,8 @@ def test_every_field_is_sent_as_is_and_applied_by_the_server(build, tiny_models,
     for name, value in payload.items():
         if name in echoed and name != "logit_bias":
             assert echoed[name] == (pytest.approx(value) if isinstance(value, float) else value), name
-    assert {"repeat_penalty", "dry_multiplier", "samplers", "ignore_eos", "min_keep", "xtc_threshold"} <= set(echoed)
+    assert {"repeat_penalty", "dry_multiplier", "samplers", "ignore_eos", "min_keep", "xtc_threshold", "n_keep",
+            "n_discard"} <= set(echoed)
     eog = Model(tiny_models["tiny-dense"].path)
     try:  # ignore_eos: the server adds its vocabulary's end-of-generation biases (-inf shows as null)
         assert echoed["logit_bias"] == [{"bias": None, "token": t} for t in eog.vocabulary.eog_tokens]

@@ -461,10 +461,15 @@ def test_missing_or_non_executable_binary(tmp_path, model):
     _one_line_error(excinfo)
 
 
-def test_prebuilt_server_reads_version_and_device(build):
-    info = prebuilt_server(build.server_bin)
-    assert info.server_bin == build.server_bin and info.commit and info.source_identity.startswith("0.")
-    assert info.backend == "cpu"  # --list-devices shows no GPU in a CPU build
+def test_prebuilt_server_reads_version_and_device(build, tmp_path):
+    info = prebuilt_server(build.server_bin)  # one of our builds: its record knows the commit `--version` does not
+    assert info.server_bin == build.server_bin and info.commit == build.commit != "unknown"
+    assert info.source_identity == build.source_identity and info.compiler == build.compiler
+    copy = tmp_path / "llama-server"
+    shutil.copy2(build.server_bin, copy)
+    elsewhere = prebuilt_server(copy)  # no build record beside it: what `--version` says
+    assert elsewhere.server_bin == copy and elsewhere.commit and elsewhere.source_identity.startswith("0.")
+    assert elsewhere.backend == "cpu"  # --list-devices shows no GPU in a CPU build
 
 
 def test_environment_names_device_and_commit(build):

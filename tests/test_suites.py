@@ -73,12 +73,13 @@ def test_vars_format_the_prompt_and_sampling_defaults_merge():
     assert case.prompt == "x 1" and case.sampling.n_predict == 7 and case.sampling.temperature == 0.5
 
 
-def test_matrix_expands_and_leaves_scripted_configs_out_of_server_cells():
-    matrix = {"backends": ["inproc", "server"], "modes": ["seq"], "specs": ["none", "scripted-reject"],
+def test_matrix_expands_and_leaves_scripted_configs_out_of_server_cells_and_synthetic_ones_out_of_inproc():
+    matrix = {"backends": ["inproc", "server"], "modes": ["seq"], "specs": ["none", "scripted-reject", "synth-reject"],
               "models": ["tiny-dense"]}
     got = cells(matrix)
     assert Cell("server", "seq", "scripted-reject", "tiny-dense") not in got
-    assert len(got) == 3
+    assert Cell("inproc", "seq", "synth-reject", "tiny-dense") not in got
+    assert len(got) == 4
     assert cells(matrix, {"backends": ["inproc"], "specs": None})[0].id == "seq-none-tiny-dense-inproc"
 
 
@@ -87,6 +88,9 @@ def test_spec_presets_chain_with_plus_and_reject_unknown_names():
     assert chained.options["spec-type"] == "draft-simple,ngram-mod"
     with pytest.raises(HarnessError, match="unknown spec config"):
         spec_preset("magic")
+    for name in ("synth-reject+ngram-mod", "none+ngram-mod", "scripted-reject+ngram-mod"):  # not a --spec-type
+        with pytest.raises(HarnessError, match="only presets named after their --spec-type combine"):
+            spec_preset(name)
 
 
 @pytest.mark.parametrize("extra, line, field", [

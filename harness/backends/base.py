@@ -49,6 +49,62 @@ class SpeedMeter:
             self.slowest = speed if self.slowest is None else min(self.slowest, speed)
 
 
+STALL_FLOOR_S = 5.0
+"""The shortest stall window: seconds without a token before a request counts as hung. The slowest generation
+step measured on the 2-core box was 0.54 s (gemma3-270m, draft-simple, 4 slots, in-process; 0.38 s on
+llama-server; tiny models 0.5-25 ms) and 2.0 s with three CPU-bound processes beside it; the floor also
+covers a session's first requests, before its steps are measured (README "Deadlines")."""
+STALL_FACTOR = 10.0
+"""How many times the slowest measured step (and prompt time) a step may take before it counts as hung: the
+slowest single step was at most 2.7 × the mean step of its request (gemma3-270m, ngram-mod; 1.0-2.0 ×
+elsewhere, both backends), and three CPU-bound processes beside it made steps 3.7 × slower."""
+ASSUMED_PROMPT_TOKENS_PER_S = 100.0
+"""The prompt speed assumed before a session has measured one (gemma3-270m reads 230-300 tok/s on one core
+of the 2-core box, 105-160 with its draft model reading the prompt too; tiny models thousands)."""
+MIN_PROMPT_TOKENS = 64
+"""Shorter prompts say more about the per-step overhead than about the prompt speed."""
+
+
+class StallMeter:
+    """The stall window of a session: no token (or prompt progress) for `window(...)` seconds ends a request
+    as `timeout`. Learns the slowest mean generation step (predicted_ms over the steps: tokens less
+    accepted drafts) and prompt speed from the session's finished Results; `floor_s` replaces
+    STALL_FLOOR_S (ServeConfig.stall_s)."""
+
+    def __init__(self, floor_s: Optional[float] = None) -> None:
+        self.floor_s = STALL_FLOOR_S if floor_s is None else floor_s
+        self.step_s: Optional[float] = None
+        self.prompt_token_s: Optional[float] = None
+
+    def record(self, result: Result) -> None:
+        """Learn from a finished request (ignored when too short to tell)."""
+        timings = result.timings
+        steps = timings.predicted_n - result.spec_stats.get("draft_n_accepted", 0)
+        if timings.predicted_n >= SpeedMeter.MIN_TOKENS and steps > 0 and timings.predicted_ms > 0:
+            self.step_s = max(self.step_s or 0.0, timings.predicted_ms / 1000.0 / steps)
+        if timings.prompt_n >= MIN_PROMPT_TOKENS and timings.prompt_ms > 0:
+            self.prompt_token_s = max(self.prompt_token_s or 0.0, timings.prompt_ms / 1000.0 / timings.prompt_n)
+
+    def window(self, prompt_tokens: int = 0) -> float:
+        """Seconds the next token may take when `prompt_tokens` prompt tokens may have to be read first:
+        max(floor, STALL_FACTOR × (slowest step + prompt_tokens × slowest prompt time per token))."""
+        return max(self.floor_s, STALL_FACTOR * self._step_s(prompt_tokens))
+
+    def explain(self, prompt_tokens: int = 0) -> str:
+        """How `window(prompt_tokens)` came about, for an error message."""
+        what = f"{1000 * self._step_s(0):.1f} ms per step" + ("" if self.step_s else " (assumed)")
+        if prompt_tokens:
+            per = 1000 * (self.prompt_token_s or 1.0 / ASSUMED_PROMPT_TOKENS_PER_S)
+            what = f"({what} + {prompt_tokens} prompt tokens × {per:.2f} ms" + \
+                ("" if self.prompt_token_s else " (assumed)") + ")"
+        return (f"stall window {self.window(prompt_tokens):.1f} s = max(floor {self.floor_s:g} s, "
+                f"{STALL_FACTOR:g} × {what})")
+
+    def _step_s(self, prompt_tokens: int) -> float:
+        step_s = self.step_s or 1.0 / ASSUMED_TOKENS_PER_S
+        return step_s + prompt_tokens * (self.prompt_token_s or 1.0 / ASSUMED_PROMPT_TOKENS_PER_S)
+
+
 def cpu_flags() -> frozenset[str]:
     """The CPU's feature flags (`/proc/cpuinfo`; empty where there is none)."""
     try:
@@ -93,6 +149,11 @@ class ServeConfig:
     seed: int = 42
     repack: bool = field(default_factory=default_repack)
     """llama-server's `--repack` / `--no-repack`: weights repacked into the CPU's extra buffer types."""
+    context_shift: bool = False
+    """llama-server's `--context-shift` / `--no-context-shift`: a slot that reaches the context end discards
+    `n_discard` tokens after the first `n_keep` (request fields) and generates on, instead of stopping there.
+    Off by default, as in llama-server; a model whose memory cannot shift (llama_memory_can_shift false:
+    M-RoPE models such as the qwen35 hybrids) has it switched off at start-up by both backends."""
     draft_model: Optional[Path] = None
     spec: dict = field(default_factory=dict)
     """Speculative options under llama-server's names without the leading dashes (`spec-type`, ...)."""
@@ -101,6 +162,8 @@ class ServeConfig:
     speculative `step` too."""
     logit_top_k: int = 0
     """Log the top-k candidates of every generated position (0 = off; llama-server's `n_probs`)."""
+    stall_s: Optional[float] = None
+    """The floor of the stall window in seconds (None: STALL_FLOOR_S; see StallMeter)."""
     engine: dict = field(default_factory=dict)
     """In-process only: options of the speculative engine llama-server does not have (`rollback`,
     `checkpoint_flags`, `checkpoint_attempts`, `fault`, `drafters`: drafter objects tried first, and
@@ -114,6 +177,8 @@ class ServeConfig:
             raise HarnessError(f"kv_scan must be one of {', '.join(KV_SCAN)}, not '{self.kv_scan}'")
         if self.flash_attn not in ("on", "off", "auto"):
             raise HarnessError(f"flash_attn must be on, off or auto, not '{self.flash_attn}'")
+        if self.stall_s is not None and self.stall_s <= 0:
+            raise HarnessError(f"stall_s must be a positive number of seconds, not {self.stall_s}")
 
     @property
     def n_slots(self) -> int:

@@ -20,19 +20,22 @@ import os
 import platform
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import tarfile
 import tempfile
 import time
 import zlib
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Optional
 
 from filelock import FileLock, Timeout
 
+from harness import interrupt
+from harness.backends.flags import server_version
 from harness.errors import HarnessError
 from harness.paths import cache_dir
 
@@ -323,6 +326,7 @@ def ensure_server(
     and only validates that binary. Raises HarnessError with a one-line reason (a failed build also
     carries the last lines of its log).
     """
+    interrupt.phase("building")
     if server_bin is not None:
         return prebuilt_server(server_bin)
     check_platform(backend)
@@ -373,21 +377,23 @@ def _locked(target: Path, what: str):
 
 
 def prebuilt_server(server_bin: Path) -> BuildInfo:
-    """BuildInfo for an existing llama-server binary (commit from `--version`); validates it runs."""
+    """BuildInfo for an existing llama-server binary (commit from `--version`); validates it runs.
+
+    A tree without git (the vendored sdist) builds a binary whose `--version` says `commit unknown`: when the
+    binary is one of this harness's builds (`<build>/bin/llama-server` beside its `build-info.json`), that
+    build's record is used instead, which knows the commit."""
     server_bin = require_executable(Path(server_bin).expanduser().resolve())
-    try:
-        proc = subprocess.run([str(server_bin), "--version"], capture_output=True, text=True, timeout=30)
-    except (OSError, subprocess.TimeoutExpired) as err:
-        raise HarnessError(f"{server_bin} does not run: {err}") from None
-    version = re.search(r"^version: (.+)$", proc.stdout + proc.stderr, re.M)
-    if proc.returncode != 0 or not version:
-        raise HarnessError(f"{server_bin} does not look like llama-server (`--version` printed no version)")
-    commit = re.search(r"(?:commit |\()(\w+)\)", version.group(1))  # "(build N, commit X)" or "(X)"
+    version = server_version(server_bin)
+    commit = re.search(r"(?:commit |\()(\w+)\)", version)  # "(build N, commit X)" or "(X)"
+    if not commit or commit.group(1) == "unknown":
+        built = load_build(server_bin.parent.parent)
+        if built is not None and built.server_bin.resolve() == server_bin:
+            return built
     quantize = server_bin.with_name("llama-quantize")
     return BuildInfo(
         server_bin=server_bin, quantize_bin=quantize if quantize.is_file() else None,
         commit=commit.group(1) if commit else "unknown", dirty=False, backend=_device_kind(server_bin), cmake_args=[],
-        compiler="unknown", built_at="unknown", source="unknown", source_identity=version.group(1), cached=True,
+        compiler="unknown", built_at="unknown", source="unknown", source_identity=version, cached=True,
     )
 
 
@@ -578,15 +584,18 @@ def _toolchain_args(backend: str) -> list[str]:
 
 
 def _run_logged(cmd: list[str], log, env: Optional[dict] = None) -> int:
-    """Run `cmd` with stdout and stderr appended to `log`; kills it (and re-raises) on Ctrl-C."""
+    """Run `cmd` with stdout and stderr appended to `log`, in a process group of its own; on Ctrl-C or
+    SIGTERM kills the whole group (cmake, ninja and every compiler) and re-raises."""
     try:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env)
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
+                                start_new_session=True)
     except OSError as err:
         raise HarnessError(f"cannot run {cmd[0]}: {err}") from None
     try:
         return proc.wait()
     except BaseException:
-        proc.kill()
+        with suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
         raise
 

@@ -9,12 +9,12 @@ A 4xx answer (a request the server refuses) becomes a Result with `stop_reason="
 from __future__ import annotations
 
 import time
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import requests
 
 from harness.logits import from_server_probs
-from harness.request import Request
+from harness.request import Request, Sampling
 from harness.result import Result, Timings
 
 CONNECT_TIMEOUT_S = 10.0
@@ -89,7 +89,7 @@ class LlamaClient:
         return self._post("/completion", payload, until)
 
     def complete(self, request: Request, n_probs: int = 0, fields: Optional[dict[str, Any]] = None,
-                 deadline_s: Optional[float] = None) -> Result:
+                 deadline_s: Optional[float] = None, on_prompt: Optional[Callable[[int], None]] = None) -> Result:
         """Serve one Request through /completion and fill a Result with prompt and output token ids.
 
         Chats are rendered with /apply-template (the same template code /v1/chat/completions runs),
@@ -99,7 +99,7 @@ class LlamaClient:
         `n_probs` > 0 fills `Result.logits` with the top-`n_probs` log-probabilities per token (the
         request's own `n_probs` wins). `fields` adds /completion fields from COMPLETION_FIELDS (e.g.
         `cache_prompt`, `id_slot`). `deadline_s` bounds the whole exchange instead of `timeout`
-        (RequestTimedOut past it).
+        (RequestTimedOut past it). `on_prompt(n_tokens)` learns the prompt's length before it is sent.
         """
         until = None if deadline_s is None else time.monotonic() + deadline_s
         sampling = request.sampling
@@ -110,15 +110,23 @@ class LlamaClient:
             else:
                 text = request.prompt if request.messages is None else self.apply_template(request.messages, until)
                 prompt_tokens = self.tokenize(text, until)
-            payload = {"prompt": prompt_tokens, **sampling.server_fields(),
-                       "n_probs": n_probs if sampling.n_probs is None else sampling.n_probs,
-                       "return_tokens": True, **(fields or {})}
-            data = self.completion(payload, until)
+            if on_prompt is not None:
+                on_prompt(len(prompt_tokens))
+            data = self.completion(completion_payload(prompt_tokens, sampling, n_probs, fields), until)
         except ServerError as err:
             if err.status >= 500:
                 raise
             return Result(prompt_tokens=prompt_tokens, stop_reason="error", error=str(err))
         return _result(prompt_tokens, data)
+
+
+def completion_payload(prompt_tokens: list[int], sampling: Sampling, n_probs: int = 0,
+                       fields: Optional[dict[str, Any]] = None) -> dict:
+    """The /completion request body for a prompt of token ids: every sampling field as it is, the top-`n_probs`
+    probabilities (the request's own `n_probs` wins), the generated token ids (`return_tokens`), `fields`."""
+    return {"prompt": list(prompt_tokens), **sampling.server_fields(),
+            "n_probs": n_probs if sampling.n_probs is None else sampling.n_probs,
+            "return_tokens": True, **(fields or {})}
 
 
 def _result(prompt_tokens: list[int], data: dict) -> Result:
@@ -139,9 +147,11 @@ def _result(prompt_tokens: list[int], data: dict) -> Result:
         tokens=tokens,
         text=data.get("content", ""),
         stop_reason=data.get("stop_type", "none"),
+        truncated=bool(data.get("truncated", False)),
         slot_id=data.get("id_slot", -1),
         timings=Timings(
             prompt_n=timings.get("prompt_n", 0), prompt_ms=timings.get("prompt_ms", 0.0),
+            cache_n=timings.get("cache_n", 0),
             predicted_n=timings.get("predicted_n", 0), predicted_ms=timings.get("predicted_ms", 0.0),
         ),
         spec_stats=spec_stats,

@@ -3,26 +3,30 @@
 The engine runs in a worker process (`harness.engine.worker`), one per session: a model load per cell,
 as before, but an abort, a segfault or an OOM kill inside llama.cpp ends only the worker. The requests it
 had not finished become `crashed` Results naming the assert (with the log tail), exactly like a crashed
-llama-server; the next `run` starts a fresh worker and reloads the model. A request past its deadline
-ends as `timeout` and the worker is killed. Workers fork from a server process that has already imported
-llama.cpp, so starting one costs milliseconds, not an interpreter start.
+llama-server; the next `run` starts a fresh worker and reloads the model. The worker counts its steps in
+shared memory: when the count stops moving for the stall window (StallMeter), or a batch is past its
+deadline, the worker is killed and its unfinished requests end as `timeout`. Workers fork from a server
+process that has already imported llama.cpp, so starting one costs milliseconds, not an interpreter start.
 """
 
 import multiprocessing
 import multiprocessing.connection
+# RawArray's module, loaded with this one: a second copy (pytester restores sys.modules between tests and the
+# next RawArray imports it again) makes objects pickle can no longer match to their class
+import multiprocessing.sharedctypes  # noqa: F401
 import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Optional
 
-from harness.backends.base import ServeConfig, SpeedMeter, request_deadline
+from harness.backends.base import ServeConfig, SpeedMeter, StallMeter, request_deadline
 from harness.backends.process import crash_report, free_log_name
 from harness.engine import ContextParams
 from harness.engine.logging import is_verbose
 from harness.engine.speculative import SpecConfig
 from harness.engine.drafters.scripted import from_script
-from harness.engine.worker import EngineArgs, serve
+from harness.engine.worker import PROMPT, STEPS, EngineArgs, serve
 from harness.errors import HarnessBug, HarnessError
 from harness.request import Request
 from harness.result import Result
@@ -30,6 +34,10 @@ from harness.result import Result
 OPEN_TIMEOUT_S = 300.0
 """Model load and context creation in the worker (a multi-GB model on a slow disk included)."""
 STOP_GRACE_S = 5.0
+PROGRESS_POLL_S = 0.25
+"""How often the parent looks at the worker's step count while it waits for results."""
+QUIET = ("quiet",)
+"""What `_receive` returns when the worker, still running, sent nothing in time."""
 WHO = "the in-process engine's worker"
 
 
@@ -47,6 +55,7 @@ def context_params(config: ServeConfig) -> ContextParams:
         threads=config.threads,
         seed=config.seed,
         repack=config.repack,
+        context_shift=config.context_shift,
     )
 
 
@@ -90,6 +99,7 @@ class InprocSession:
         self.config = config
         self.log_dir = log_dir
         self.speed = SpeedMeter()
+        self.stall = StallMeter(config.stall_s)
         self.args = EngineArgs(config.model, context_params(config), spec_config(config), config.logit_top_k,
                                config.kv_scan)
         self.process = None
@@ -104,15 +114,20 @@ class InprocSession:
         self.log_path = free_log_name(self.log_dir, f"engine-{self.config.mode}")
         ctx = _context()
         self.conn, child = ctx.Pipe()
-        self.process = ctx.Process(target=serve, args=(child, str(self.log_path), is_verbose()), daemon=True,
-                                   name="specharness-engine")
+        self.progress = ctx.RawArray("q", 2)
+        self.process = ctx.Process(target=serve, args=(child, str(self.log_path), is_verbose(), self.progress),
+                                   daemon=True, name="specharness-engine")
         _start_without_main(self.process)
         child.close()
         self.conn.send(("open", self.args))
-        reply = self._receive(OPEN_TIMEOUT_S)
+        try:
+            reply = self._receive(OPEN_TIMEOUT_S)
+        except KeyboardInterrupt:  # Ctrl-C or SIGTERM while the model loads
+            self._kill()
+            raise
         if reply is not None and reply[0] == "ready":
             return
-        if reply is None and self.process.is_alive():
+        if reply is QUIET:
             why = f"{WHO} did not load {self.config.model.name} within {OPEN_TIMEOUT_S:.0f} s (log: {self.log_path})"
         elif reply is None:
             self.process.join(STOP_GRACE_S)
@@ -125,10 +140,12 @@ class InprocSession:
         raise HarnessError(why)
 
     def _receive(self, timeout: float):
-        """The next message, or None when the worker ended or sent nothing within `timeout` (waiting on the
-        process too: a worker that dies does not always close the pipe's other end at once)."""
+        """The next message; QUIET when the worker sent nothing within `timeout`, None when it ended
+        (waiting on the process too: a worker that dies does not always close the pipe's other end at once)."""
         try:
             ready = multiprocessing.connection.wait([self.conn, self.process.sentinel], max(0.0, timeout))
+            if not ready:
+                return QUIET
             if self.conn not in ready and not self.conn.poll():
                 return None
             return self.conn.recv()
@@ -141,17 +158,41 @@ class InprocSession:
             self._kill()
             self._start()
         self.conn.send(("run", list(requests)))
+        try:
+            return self._results(requests)
+        except KeyboardInterrupt:  # Ctrl-C or SIGTERM mid-batch: the worker is killed, not waited for
+            self._kill()
+            raise
+
+    def _results(self, requests: list[Request]) -> list[Result]:
+        """The worker's answers to the `run` just sent (see `run`)."""
         results: list[Optional[Result]] = [None] * len(requests)
         budget = self._budget(requests)
-        started = time.monotonic()
+        started = last = time.monotonic()
+        steps = self.progress[STEPS]
         while True:
-            message = self._receive(started + budget - time.monotonic())
+            prompt_tokens = self.progress[PROMPT]
+            window = self.stall.window(prompt_tokens)
+            message = self._receive(min(PROGRESS_POLL_S, min(started + budget, last + window) - time.monotonic()))
+            now = time.monotonic()
             if message is None:
-                return self._unfinished(requests, results, budget, time.monotonic() - started >= budget)
+                return self._crashed(results)
+            if message is QUIET:
+                if now >= started + budget:
+                    return self._timed_out(requests, results, f"did not finish within its deadline ({budget:.1f} s "
+                                           f"for this batch of {len(requests)})")
+                if self.progress[STEPS] != steps:
+                    steps, last = self.progress[STEPS], now
+                elif now >= last + window:
+                    return self._timed_out(requests, results, f"got no token for {now - last:.1f} s "
+                                           f"({self.stall.explain(prompt_tokens)})")
+                continue
+            last = now
             if message[0] == "result":
                 results[message[1]] = result = message[2]
                 if result.ok:
-                    self.speed.record(len(result.tokens), time.monotonic() - started)
+                    self.speed.record(len(result.tokens), now - started)
+                    self.stall.record(result)
             elif message[0] == "done":
                 return results
             else:
@@ -167,15 +208,15 @@ class InprocSession:
                            reverse=True)
         return sum(deadlines[:: self.config.n_slots])
 
-    def _unfinished(self, requests: list[Request], results: list[Optional[Result]], budget: float,
-                    overran: bool) -> list[Result]:
-        """The worker died or overran: what it finished stays, the rest becomes `crashed` / `timeout`."""
-        if overran and self.process.is_alive():
-            self._kill()
-            return [r if r is not None else Result(stop_reason="timeout", error=(
-                f"timeout: case {q.tag or 'the request'} did not finish within its deadline ({budget:.1f} s for "
-                f"this batch of {len(requests)}); the in-process engine's worker was killed"))
-                for q, r in zip(requests, results)]
+    def _timed_out(self, requests: list[Request], results: list[Optional[Result]], why: str) -> list[Result]:
+        """The worker overran or stalled: it is killed, what it finished stays, the rest ends `timeout`."""
+        self._kill()
+        return [r if r is not None else Result(stop_reason="timeout", error=(
+            f"timeout: case {q.tag or 'the request'} {why}; the in-process engine's worker was killed"))
+            for q, r in zip(requests, results)]
+
+    def _crashed(self, results: list[Optional[Result]]) -> list[Result]:
+        """The worker died: what it finished stays, the rest becomes `crashed` with its exit and log tail."""
         self.process.join(STOP_GRACE_S)
         error = crash_report(WHO, self.process.exitcode, self.log_path)
         self._kill()

@@ -8,7 +8,6 @@ on context-manager exit (exceptions, Ctrl-C) and at interpreter exit.
 from __future__ import annotations
 
 import atexit
-import functools
 import os
 import signal
 import socket
@@ -23,6 +22,7 @@ import requests
 
 from harness.backends.base import ServeConfig, default_threads
 from harness.backends.build import require_executable
+from harness.backends.flags import fit_to_build, server_flags, server_version
 from harness.backends.process import crash_report, describe_exit, log_tail
 from harness.errors import HarnessError
 
@@ -49,6 +49,7 @@ class LlamaServer:
     threads: int = field(default_factory=default_threads)  # -t
     seed: int = 42  # -s
     repack: bool = True  # --no-repack when False
+    context_shift: bool = False  # --context-shift / --no-context-shift
     spec: dict = field(default_factory=dict)  # --<key> <value> for every speculative option
     cache_prompt: bool = True  # --no-cache-prompt when False
     slot_save_path: Optional[Path] = None  # --slot-save-path
@@ -69,7 +70,8 @@ class LlamaServer:
             ctx_size=config.n_ctx, batch_size=config.n_batch, ubatch_size=config.n_ubatch,
             parallel=config.n_slots, kv_unified=config.kv_unified, flash_attn=config.flash_attn,
             cache_type_k=config.cache_type_k, cache_type_v=config.cache_type_v, threads=config.threads,
-            seed=config.seed, repack=config.repack, spec=dict(config.spec), **options,
+            seed=config.seed, repack=config.repack, context_shift=config.context_shift, spec=dict(config.spec),
+            **options,
         )
 
     @property
@@ -91,6 +93,10 @@ class LlamaServer:
             cmd += _spec_flag(key, value)
         if not self.repack and "--no-repack" in server_flags(self.server_bin):  # older builds always repack
             cmd.append("--no-repack")
+        if self.context_shift:
+            cmd.append("--context-shift")
+        elif "--no-context-shift" in server_flags(self.server_bin):  # older builds shift by default
+            cmd.append("--no-context-shift")
         if not self.cache_prompt:
             cmd.append("--no-cache-prompt")
         if self.slot_save_path:
@@ -101,7 +107,7 @@ class LlamaServer:
             cmd.append("--no-warmup")
         if "-fit" in server_flags(self.server_bin):
             cmd += ["-fit", "off"]  # otherwise -c may be shrunk to fit free device memory
-        return cmd
+        return fit_to_build(cmd, server_flags(self.server_bin), server_version(self.server_bin))
 
     # ------------------------------------------------------------------------------ life cycle
 
@@ -158,20 +164,20 @@ class LlamaServer:
 
     def stop(self, kill: bool = False) -> None:
         """SIGTERM the process group, SIGKILL it after a grace period (`kill`: SIGKILL at once, for a
-        process that no longer answers, even a stopped one); safe to call repeatedly."""
+        process that no longer answers, even a stopped one); safe to call repeatedly. The server stays on the
+        list the interpreter's exit stops until it has exited (a second Ctrl-C may cut this wait short)."""
+        if self.process is not None and self.process.returncode is None:
+            for sig in (signal.SIGKILL,) if kill else (signal.SIGTERM, signal.SIGKILL):
+                try:
+                    os.killpg(self.process.pid, sig)
+                except ProcessLookupError:
+                    pass
+                try:
+                    self.process.wait(timeout=STOP_GRACE_S)
+                    break
+                except subprocess.TimeoutExpired:
+                    continue
         _RUNNING.discard(self)
-        if self.process is None or self.process.returncode is not None:
-            return
-        for sig in (signal.SIGKILL,) if kill else (signal.SIGTERM, signal.SIGKILL):
-            try:
-                os.killpg(self.process.pid, sig)
-            except ProcessLookupError:
-                pass
-            try:
-                self.process.wait(timeout=STOP_GRACE_S)
-                return
-            except subprocess.TimeoutExpired:
-                continue
 
     def __enter__(self) -> "LlamaServer":
         return self.start()
@@ -234,16 +240,6 @@ def port_is_free(port: int) -> bool:
         except OSError:
             return False
     return True
-
-
-@functools.lru_cache(maxsize=None)
-def server_flags(server_bin: Path) -> frozenset[str]:
-    """The flags a llama-server binary accepts, parsed once from its `--help`."""
-    try:
-        proc = subprocess.run([str(server_bin), "--help"], capture_output=True, text=True, timeout=30)
-    except (OSError, subprocess.TimeoutExpired) as err:
-        raise HarnessError(f"cannot run {server_bin} --help: {err}") from None
-    return frozenset(word.rstrip(",") for word in (proc.stdout + proc.stderr).split() if word.startswith("-"))
 
 
 @atexit.register

@@ -5,15 +5,18 @@
 
 A server that dies during a request (assert → SIGABRT, segfault, SIGKILL, fatal decode error)
 turns that request into a Result with `stop_reason="crashed"`; the session starts a fresh server
-and goes on with the next request. A request that has not finished by its deadline
+and goes on with the next request. A server whose slots make no progress for the stall window
+(harness.backends.slots_watch, StallMeter) is killed and restarted, and the requests in flight on it end
+as `stop_reason="timeout"` naming their cases. A request that has not finished by its deadline
 (`request_deadline`: the suite's `deadline_s`, else derived from n_predict and the slowest speed the
-session measured) ends as `stop_reason="timeout"` naming its case; the server is killed and restarted
-(requests in flight on it end as errors saying so) and the next request goes on.
+session measured) ends as `timeout` too; the server is killed and restarted (requests in flight on it end
+as errors saying so) and the next request goes on.
 """
 
 from __future__ import annotations
 
 import itertools
+import sys
 import tempfile
 import threading
 import time
@@ -21,12 +24,14 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Optional
 
-from harness.backends.base import ServeConfig, SpeedMeter, request_deadline
+from harness.backends.base import ServeConfig, SpeedMeter, StallMeter, request_deadline
 from harness.backends.build import BuildInfo, ensure_server
+from harness.backends.flags import server_version
 from harness.backends.process import free_log_name
 from harness.backends.client import COMPLETION_FIELDS, ConnectionLost, LlamaClient, RequestTimedOut, ServerError
 from harness.backends.server import LlamaServer
-from harness.kvscan import layout_from_model, scan_file
+from harness.backends.slots_watch import SlotsWatch
+from harness.kvscan import OtherFormatVersion, layout_from_model, scan_file
 from harness.errors import HarnessError
 from harness.request import Request
 from harness.result import Result
@@ -96,11 +101,17 @@ class ServerSession:
         self.server: Optional[LlamaServer] = None
         self.starts = 0
         self.speed = SpeedMeter()
+        self.stall = StallMeter(config.stall_s)
+        self.watch = SlotsWatch(lambda: self.server, self.stall, self._stalled)
         self._killed: dict[LlamaServer, str] = {}
         """Servers this session killed on purpose (a request past its deadline) → why."""
+        self._stalls: dict[LlamaServer, str] = {}
+        """Servers this session killed because their slots stalled → for how long (StallMeter's words)."""
         self._lock = threading.Lock()
         self._closed = False
         self._saves = itertools.count()
+        self.unscannable: Optional[str] = None
+        """Why this build's slot files cannot be scanned (another format version), once found."""
         if config.kv_scan != "off":
             self.slots_dir = run_dir / "slots"
             self.slots_dir.mkdir(parents=True, exist_ok=True)
@@ -137,38 +148,55 @@ class ServerSession:
         started = time.monotonic()
         try:
             client = LlamaClient(server.url, self.request_timeout)
-            result = client.complete(request, n_probs=self.config.logit_top_k, fields=self.fields, deadline_s=deadline)
+            with self.watch.tracking() as on_prompt:
+                result = client.complete(request, n_probs=self.config.logit_top_k, fields=self.fields,
+                                         deadline_s=deadline, on_prompt=on_prompt)
             if result.ok:
                 self.speed.record(len(result.tokens), time.monotonic() - started)
-            if self.config.kv_scan != "off" and result.ok and result.slot_id >= 0:
+                self.stall.record(result)
+            if self.config.kv_scan != "off" and result.ok and result.slot_id >= 0 and self.unscannable is None:
                 result.kv_scan = self._scan_slot(client, result.slot_id)
             return result
         except (ConnectionLost, ServerError) as err:
-            return self._failed(server, err)
+            return self._failed(server, err, request)
         except RequestTimedOut:
-            what = f"case {request.tag}" if request.tag else "the request"
-            reason = f"timeout: {what} did not finish within its deadline of {deadline:.1f} s"
+            reason = f"timeout: {_case(request)} did not finish within its deadline of {deadline:.1f} s"
             with self._lock:
                 self._killed.setdefault(server, reason)
                 self._restart(server, kill=True)
             return Result(stop_reason="timeout", error=f"{reason}; llama-server was killed and restarted")
 
-    def _scan_slot(self, client: LlamaClient, slot_id: int) -> dict:
-        """Save the slot's state and scan it; an unhealthy file is kept in run_dir/slots as evidence."""
+    def _scan_slot(self, client: LlamaClient, slot_id: int) -> Optional[dict]:
+        """Save the slot's state and scan it; an unhealthy file is kept in run_dir/slots as evidence. A build
+        that saves slots in a format version the scanner does not read (another llama.cpp) is not scanned: None,
+        said once on stderr, and `kv-healthy` does not apply to its requests."""
         name = f"slot{slot_id}-{next(self._saves)}.bin"
         client.save_slot(slot_id, name)
         path = self.slots_dir / name
-        verdict = scan_file(path, layout=self.layout).brief()
+        try:
+            verdict = scan_file(path, layout=self.layout).brief()
+        except OtherFormatVersion as err:
+            path.unlink()
+            with self._lock:
+                first, self.unscannable = self.unscannable is None, str(err).split(": ", 1)[1]
+            if first:
+                print(f"specharness: no KV scan on llama-server {server_version(self.build.server_bin)}: it saves "
+                      f"slots in {self.unscannable}", file=sys.stderr)
+            return None
         if verdict["healthy"]:
             path.unlink()
         else:
             verdict["file"] = str(path)
         return verdict
 
-    def _failed(self, server: LlamaServer, err: Exception) -> Result:
-        """A dropped connection or a 5xx: `crashed` if the process ended, else a plain error; an error
-        saying so when this session killed the server because another request was past its deadline."""
+    def _failed(self, server: LlamaServer, err: Exception, request: Request) -> Result:
+        """A dropped connection or a 5xx: `crashed` if the process ended, else a plain error; `timeout` when
+        this session killed the server because its slots stalled, an error saying so when it killed it because
+        another request was past its deadline."""
         with self._lock:
+            if server in self._stalls:
+                return Result(stop_reason="timeout", error=f"timeout: {_case(request)} {self._stalls[server]}; "
+                                                           "llama-server was killed and restarted")
             if server in self._killed:
                 return Result(stop_reason="error", error=f"cut off: llama-server was restarted because {self._killed[server]}")
             if server.wait_exit(CRASH_GRACE_S) is None:
@@ -177,16 +205,26 @@ class ServerSession:
             self._restart(server)
         return Result(stop_reason="crashed", error=report)
 
+    def _stalled(self, server: LlamaServer, why: str) -> None:
+        """The watch saw no progress for the stall window: kill and restart the server; the requests in flight
+        on it end `timeout` (`_failed`)."""
+        with self._lock:
+            self._stalls.setdefault(server, why)
+            self._restart(server, kill=True)
+
     def _restart(self, server: LlamaServer, kill: bool = False) -> None:
         """Replace `server` (stopped if still running; `kill`: at once, it no longer answers) unless another
         thread already did or we are closed."""
         server.stop(kill=kill)
         if server is self.server and not self._closed:
             self.start()
+            if self._closed:  # closed (Ctrl-C) while this thread started the new one
+                self.server.stop()
 
     def close(self) -> None:
         """Stop the server; the session cannot be used afterwards."""
         self._closed = True
+        self.watch.close()
         if self.server is not None:
             self.server.stop()
 
@@ -195,3 +233,8 @@ class ServerSession:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _case(request: Request) -> str:
+    """How errors name a request: its case, when it has a tag."""
+    return f"case {request.tag}" if request.tag else "the request"

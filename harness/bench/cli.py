@@ -8,6 +8,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
+from harness import interrupt
 from harness.bench import costs, speed
 from harness.bench.builds import bench_build_step
 from harness.bench.page import write_html, write_json
@@ -69,6 +70,8 @@ def harness_costs(quick: bool, console: Console) -> dict:
             out[name] = measure()
         except HarnessError as err:
             out[name] = {"error": str(err).splitlines()[0]}
+        except KeyboardInterrupt:  # Ctrl-C or SIGTERM: keep the costs measured so far
+            break
     return out
 
 
@@ -105,7 +108,8 @@ def cmd_speed(args: argparse.Namespace, console: Console) -> int:
             "machine": machine, "repeat": repeat, "n_predict": n_predict,
             "environment": {name: backend_facts(name, b) for name, b in measured.pop("backends").items()},
             **measured}
-    data["costs"] = {} if args.no_costs else harness_costs(args.quick, console)
+    data["costs"] = {} if args.no_costs or data["interrupted"] else harness_costs(args.quick, console)
+    data["interrupted"] = interrupt.received() is not None
     data["machine"]["load_after"] = round(os.getloadavg()[0], 2)
     console.print(_table("per workload", data["rows"], "workload"))
     console.print(_table("aggregate", data["aggregate"], "group"))
@@ -119,12 +123,16 @@ def cmd_speed(args: argparse.Namespace, console: Console) -> int:
                       f"{p['repeats']} paired repeats (target ≥ {p['target']}) {mark}")
     for name, row in data["costs"].items():
         console.print(f"[bold]{name}[/bold]: " + ", ".join(f"{k} {v}" for k, v in row.items()))
-    out.mkdir(parents=True, exist_ok=True)
-    write_json(out / "bench.json", data)
-    page = write_html(out, data)
-    if args.json:
-        write_json(Path(args.json), data)
+    with interrupt.deferred():  # what was measured is written in full
+        interrupt.phase("writing")
+        out.mkdir(parents=True, exist_ok=True)
+        write_json(out / "bench.json", data)
+        page = write_html(out, data)
+        if args.json:
+            write_json(Path(args.json), data)
     console.print(f"bench: {out / 'bench.json'} · report: {page}")
+    if data["interrupted"]:
+        console.print("bench: interrupted; bench.json holds the models measured before it")
     return 0
 
 

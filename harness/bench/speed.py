@@ -17,6 +17,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
+from harness import interrupt
 from harness.backends.base import Backend, Session
 from harness.errors import HarnessError
 from harness.execute import ExecOptions, serve_config
@@ -143,6 +144,9 @@ class ModelBench:
             except HarnessError as err:
                 self.failed[config] = str(err).splitlines()[0]
                 warn(f"{model} {config.label}: {self.failed[config]}")
+            except KeyboardInterrupt:  # Ctrl-C or SIGTERM: stop the sessions opened so far
+                self.close()
+                raise
 
     def request(self, workload: Workload, n_predict: Optional[int] = None) -> Request:
         sampling = Sampling(n_predict=n_predict or self.n_predict, temperature=0.0)
@@ -157,6 +161,7 @@ class ModelBench:
 
     def prepare(self, workloads: list[Workload]) -> None:
         """Warm every session up and generate the chat replies the later turns carry."""
+        interrupt.phase("serving")
         first = next(iter(self.sessions.values()), None)
         longest = max((w for w in workloads if w.turns), key=lambda w: len(w.turns), default=None)
         if first is not None and longest is not None:
@@ -298,6 +303,7 @@ def run_speed(models: list[str], engines: list[str], specs: list[str], logits: l
     backends = {name: factories[name]() for name in engines}
     measured: dict[tuple[str, str, Config], Measured] = {}
     skipped: dict[str, str] = {}
+    interrupted = False
     for model in models:
         try:
             resolve(model)
@@ -308,13 +314,18 @@ def run_speed(models: list[str], engines: list[str], specs: list[str], logits: l
         configs = [c for c in configs_of(engines, specs, logits)
                    if (c.spec != "draft-simple" or draft_for(model)) and (model, c.spec) not in skip]
         progress(f"{model}: {len(configs)} sessions × {len(workloads)} workloads × {repeat} repeats")
-        bench = ModelBench(model, configs, backends, n_predict, warn)
+        bench = None
         try:
+            bench = ModelBench(model, configs, backends, n_predict, warn)
             bench.prepare(workloads)
             for (workload, config), m in bench.measure(workloads, repeat).items():
                 measured[(model, workload, config)] = m
+        except KeyboardInterrupt:  # Ctrl-C or SIGTERM: keep the models measured so far
+            interrupted = True
+            break
         finally:
-            bench.close()
+            if bench is not None:
+                bench.close()
     rows, aggregate = tables(measured, workloads, repeat)
     return {"rows": rows, "aggregate": aggregate, "parity": parity(aggregate, workloads), "skipped": skipped,
-            "backends": backends}
+            "backends": backends, "interrupted": interrupted}

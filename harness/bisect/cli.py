@@ -1,8 +1,8 @@
 """`specharness bisect`: find the llama.cpp commit (or release) that broke one pinned case.
 
 Exit status: 0 a first bad commit (or release) was found, 1 none could be named (the ends do not
-give good and bad, or only unbuildable commits are left), 2 bad input, 130 interrupted (the checkout
-is back where it started; `--resume RUN_DIR` goes on).
+give good and bad, or only unbuildable commits are left), 2 bad input, 130 interrupted by Ctrl-C, 143 by
+SIGTERM (the checkout is back where it started; `--resume RUN_DIR` goes on).
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 from typing import Optional
 
+from harness import interrupt
 from harness.backends.build import BACKENDS
 from harness.backends.build_cli import accept_cmake_definitions
 from harness.bisect import plan as plans
@@ -80,8 +81,10 @@ def cmd_bisect(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:
         print(f"specharness: bisect interrupted; the checkout is back where it started. Continue with: "
               f"specharness bisect --resume {run_dir}", file=sys.stderr)
-        return 130
-    html = write(run_dir, plan, outcome, stop)
+        return interrupt.status()
+    with interrupt.deferred():  # the result of a finished bisect is written in full
+        interrupt.phase("writing")
+        html = write(run_dir, plan, outcome, stop)
     print(describe(outcome, stop))
     print(f"report: {html}")
     return EXIT_FOUND if outcome else EXIT_NOT_FOUND

@@ -3,8 +3,9 @@
 Order of work: refuse a checkout that is not clean or already bisecting; `git bisect start`; judge the
 good and the bad commit first (each must give its verdict, else the bisect stops and says why); mark
 them, replay the verdicts of an interrupted run's log (`--resume`), then `git bisect run` with our step;
-judge the first bad commit's parent when no step did. Whatever happens (an error, Ctrl-C, SIGTERM),
-`git bisect reset` ends it and the checkout is back on the branch or commit it started on.
+judge the first bad commit's parent when no step did. Whatever happens (an error, Ctrl-C, SIGTERM, SIGHUP:
+harness.interrupt makes each a KeyboardInterrupt), `git bisect reset` ends it and the checkout is back on
+the branch or commit it started on.
 
 Steps run in their own process group, so an interrupt reaches the driver alone, which then stops the
 step (its build, its llama-server) and waits for it before resetting the checkout.
@@ -76,21 +77,6 @@ def stop_group(proc: subprocess.Popen) -> None:
             except ProcessLookupError:
                 return
             time.sleep(0.2)
-
-
-def _interrupt(signum, frame):
-    raise KeyboardInterrupt(f"signal {signum}")
-
-
-@contextmanager
-def interrupts_as_keyboard_interrupt():
-    """SIGTERM (and SIGHUP) end the bisect the way Ctrl-C does: through every `finally`."""
-    previous = {sig: signal.signal(sig, _interrupt) for sig in (signal.SIGTERM, signal.SIGHUP)}
-    try:
-        yield
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
 
 
 @contextmanager
@@ -231,5 +217,5 @@ def bisect_checkout(plan: Plan, run_dir: Path) -> Outcome:
     prepare_checkout(plan)
     plan.save(run_dir)
     git = Git(Path(plan.source))
-    with interrupts_as_keyboard_interrupt(), bisect_session(git, plan.original_head):
+    with bisect_session(git, plan.original_head):  # Ctrl-C, SIGTERM, SIGHUP: harness.interrupt
         return Bisection(plan, run_dir).run()

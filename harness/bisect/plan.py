@@ -109,7 +109,7 @@ def _check_names(checks: Optional[list[str]], suite: Suite) -> list[str]:
 
 def _validated(plan: Plan) -> Plan:
     narrowing(modes=[plan.mode], specs=[plan.spec])
-    if spec_preset(plan.spec).scripted:
+    if not spec_preset(plan.spec).runs_on("server"):
         raise HarnessError(f"spec config '{plan.spec}' exists only in the in-process engine; a bisect judges llama-server")
     from harness.models import resolve
 
@@ -126,7 +126,7 @@ def from_suite(suite_name: str, case: Optional[str] = None, checks: Optional[lis
     def axis(name: str) -> list[str]:  # the values the suite's matrix blocks name, in order
         return list(dict.fromkeys(v for block in suite.matrix for v in block[name]))
 
-    specs = [s for s in axis("specs") if not spec_preset(s).scripted]
+    specs = [s for s in axis("specs") if spec_preset(s).runs_on("server")]
     return _validated(Plan(
         suite=str(Path(suite.path).resolve()), case=_case_key(suite, case), checks=_check_names(checks, suite),
         mode=_pick(mode, axis("modes"), "--mode", suite.name),
@@ -136,12 +136,13 @@ def from_suite(suite_name: str, case: Optional[str] = None, checks: Optional[lis
     ))
 
 
-def from_run(run_dir: Path, case: Optional[str], checks: Optional[list[str]] = None, mode: Optional[str] = None,
-             spec: Optional[str] = None, model: Optional[str] = None, strict: bool = False) -> Plan:
-    """The plan for a failing case of a run directory (its `checks.json`), narrowed by the given dimensions."""
+def failing_records(run_dir: Path, case: Optional[str], checks: Optional[list[str]] = None,
+                    what: str = "bisect", **cell: Optional[str]) -> list[dict]:
+    """The failing verdicts of `case` in a run directory's `checks.json` (of the given checks, in the cells
+    matching the given `mode`, `spec`, `model`, `backend`); a one-line error when there are none."""
     path = Path(run_dir) / "checks.json"
     if case is None:
-        raise HarnessError("--from-run needs --case ID (the failing case to bisect)")
+        raise HarnessError(f"--from-run needs --case ID (the failing case to {what})")
     try:
         records = json.loads(path.read_text())
     except FileNotFoundError:
@@ -150,14 +151,21 @@ def from_run(run_dir: Path, case: Optional[str], checks: Optional[list[str]] = N
         raise HarnessError(f"unreadable {path}: {' '.join(str(err).split())}") from None
     if not isinstance(records, list) or not all(isinstance(r, dict) for r in records):
         raise HarnessError(f"{path} is not a list of check records")
-    wanted = {"case": case, "mode": mode, "spec": spec, "model": model}
+    wanted = {"case": case, **cell}
     mine = [r for r in records if all(v is None or r.get(k) == v for k, v in wanted.items())]
     failing = [r for r in mine if r.get("passed") is False and (not checks or r.get("check") in checks)]
     if not mine:
         known = sorted({str(r.get("case")) for r in records})
         raise HarnessError(f"{run_dir} has no case '{case}' in the given cell (cases: {', '.join(known) or 'none'})")
     if not failing:
-        raise HarnessError(f"case '{case}' did not fail in {run_dir}: nothing to bisect")
+        raise HarnessError(f"case '{case}' did not fail in {run_dir}: nothing to {what}")
+    return failing
+
+
+def from_run(run_dir: Path, case: Optional[str], checks: Optional[list[str]] = None, mode: Optional[str] = None,
+             spec: Optional[str] = None, model: Optional[str] = None, strict: bool = False) -> Plan:
+    """The plan for a failing case of a run directory (its `checks.json`), narrowed by the given dimensions."""
+    failing = failing_records(run_dir, case, checks, mode=mode, spec=spec, model=model)
     on_server = [r for r in failing if r.get("backend") == BACKEND]
     if not on_server:
         raise HarnessError(f"case '{case}' failed only on the {failing[0].get('backend')} backend; a bisect rebuilds "

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Optional
 
 from harness.backends.build import source_identity, vendored_source
-from harness.bisect.driver import check_end, interrupts_as_keyboard_interrupt
+from harness.bisect.driver import check_end
 from harness.bisect.git import Commit
 from harness.bisect.judge import BAD, GOOD
 from harness.bisect.plan import Plan
@@ -110,5 +110,4 @@ def bisect_releases(plan: Plan, spec: Optional[str], run_dir: Path) -> Outcome:
     if not plan.releases:
         plan.releases = release_range(spec)
         plan.save(run_dir)
-    with interrupts_as_keyboard_interrupt():
-        return ReleaseBisection(plan, run_dir).run()
+    return ReleaseBisection(plan, run_dir).run()

@@ -15,13 +15,13 @@ import glob
 import json
 import os
 import re
-import signal
 import sys
 import time
 import traceback
 from pathlib import Path
 from typing import Any, Optional
 
+from harness import interrupt
 from harness.backends.build import BuildInfo, ensure_server, prebuilt_server
 from harness.bisect.git import Git
 from harness.bisect.judge import BAD, GOOD, SKIP, judge
@@ -105,23 +105,28 @@ def evaluate(plan: Plan, source: Path, run_dir: Path, facts: dict) -> dict:
     """Build and judge the tree in `source`; append the step to the log and return it.
 
     `facts` describe the tree (commit, subject, date, role, ...) and start the log entry."""
+    interrupt.phase(f"bisect-{facts.get('role', 'step')}")
     started = time.monotonic()
     entry = dict(facts, started=time.strftime("%Y-%m-%dT%H:%M:%S%z"))
     label = str(entry.get("commit") or entry.get("version") or "tree")[:12]
-    _phase(run_dir, entry, "build")
-    info, build_facts = build_at(plan, source, run_dir, label)
-    entry.update(build_facts)
-    if info is None:
-        lines = build_facts["build_error"].splitlines()
-        first = next((line.strip() for line in lines[1:] if re.search(r"\berror\b", line)), lines[0])
-        entry.update(verdict=SKIP, reason=f"does not build ({BUILD_ATTEMPTS} attempts): {first}", checks=[])
-    else:
-        entry["server"] = {"server_bin": str(info.server_bin), "source_identity": info.source_identity}
-        _phase(run_dir, entry, "judge")
-        entry.update(judge(plan, info, run_dir / "server-logs" / label))
-    entry["seconds"] = round(time.monotonic() - started, 1)
-    append_log(run_dir, entry)
-    (run_dir / CURRENT).unlink(missing_ok=True)
+    try:
+        _phase(run_dir, entry, "build")
+        info, build_facts = build_at(plan, source, run_dir, label)
+        entry.update(build_facts)
+        if info is None:
+            lines = build_facts["build_error"].splitlines()
+            first = next((line.strip() for line in lines[1:] if re.search(r"\berror\b", line)), lines[0])
+            entry.update(verdict=SKIP, reason=f"does not build ({BUILD_ATTEMPTS} attempts): {first}", checks=[])
+        else:
+            entry["server"] = {"server_bin": str(info.server_bin), "source_identity": info.source_identity}
+            _phase(run_dir, entry, "judge")
+            entry.update(judge(plan, info, run_dir / "server-logs" / label))
+        entry["seconds"] = round(time.monotonic() - started, 1)
+        with interrupt.deferred():  # a judged step is logged whole (what --resume goes on from)
+            append_log(run_dir, entry)
+    finally:
+        (run_dir / CURRENT).unlink(missing_ok=True)
+    interrupt.check()
     return entry
 
 
@@ -132,26 +137,21 @@ def summary(entry: dict) -> str:
     return f"bisect: {what} {entry['verdict']:<4} ({entry.get('role', 'step')}, {build}) {entry['reason']}"
 
 
-def _interrupt(signum, frame):
-    raise KeyboardInterrupt(f"signal {signum}")
-
-
 def main(argv: Optional[list[str]] = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m harness.bisect.step", description=__doc__.splitlines()[0])
     parser.add_argument("run_dir", type=Path)
     parser.add_argument("--role", default="step", help="what the step is for (step, verify-good, verify-bad, parent)")
     args = parser.parse_args(argv)
-    signal.signal(signal.SIGTERM, _interrupt)  # stop builds and servers on the way out, like Ctrl-C
     run_dir = args.run_dir.resolve()
     facts: dict[str, Any] = {"role": args.role}
     try:
-        plan = Plan.load(run_dir)
-        facts.update(Git(Path(plan.source)).commit("HEAD").to_json())
-        entry = evaluate(plan, Path(plan.source), run_dir, facts)
+        with interrupt.handled():  # the driver's SIGTERM stops builds and servers on the way out, like Ctrl-C
+            plan = Plan.load(run_dir)
+            facts.update(Git(Path(plan.source)).commit("HEAD").to_json())
+            entry = evaluate(plan, Path(plan.source), run_dir, facts)
     except KeyboardInterrupt:
-        (run_dir / CURRENT).unlink(missing_ok=True)
         print("bisect: step interrupted", file=sys.stderr)
-        return 130
+        return interrupt.status()
     except HarnessError as err:
         entry = dict(facts, verdict="error", reason=str(err))
     except Exception as err:  # a harness bug: stop the bisect, keep the traceback in the log

@@ -11,11 +11,16 @@ from typing import Callable, Optional
 import jsonschema
 
 from harness.checks.acceptance import Acceptance, fall, summed
-from harness.checks.base import CheckContext, CheckResult
+from harness.checks.base import CheckContext, CheckResult, past_returned
+from harness.checks.budget import within_n_predict
 from harness.checks.compare import compare_outcome
+from harness.checks.probs import probs_complete
+from harness.checks.reuse import prompt_reuse
+from harness import interrupt
 from harness.errors import HarnessBug, HarnessError
 from harness.logits import check as logits_within, compare as compare_logits
 from harness.matrix import spec_preset
+from harness.result import Result
 
 Check = Callable[[CheckContext], Optional[CheckResult]]
 
@@ -96,9 +101,14 @@ def baseline(ctx: CheckContext) -> Optional[CheckResult]:
 
 def spec_ran(ctx: CheckContext) -> Optional[CheckResult]:
     """Drafts were generated for the case (and some accepted, where both the config and the case expect
-    it: a grammar the drafter does not see may reject every draft)."""
+    it: a grammar the drafter does not see may reject every draft). Under forced rejection
+    (`SpecPreset.rejects_all`) every request drafted (each that generated more than one token: a request ending
+    at its first token has no step to draft in) and none accepted a drafted token. A case none of whose
+    requests completed is `no-crash`'s to report; one with `n_predict` 1 or 2 never drafts (the first token is
+    sampled after the prompt, and a step's draft must leave room for the token sampled after it: at most
+    `n_remaining - 1` tokens, llama-server's get_n_draft_max)."""
     preset = spec_preset(ctx.cell.spec)
-    if not preset.speculative:
+    if not preset.speculative or not ctx.completed() or 0 < ctx.case_def.sampling.n_predict <= 2:
         return None
     stats = [o.result.spec_stats for o in ctx.completed()]
     drafted = sum(s.get("draft_n", 0) for s in stats)
@@ -110,6 +120,13 @@ def spec_ran(ctx: CheckContext) -> Optional[CheckResult]:
         return CheckResult("spec-ran", False, f"no drafts at all for the case ({len(stats)} requests)", evidence)
     if expect_accepts and accepted == 0:
         return CheckResult("spec-ran", False, f"{drafted} tokens drafted, none accepted", evidence)
+    if preset.rejects_all:
+        failures = [f"round {o.round}: {s.get('draft_n', 0)} drafted, {s.get('draft_n_accepted', 0)} accepted"
+                    for o, s in zip(ctx.completed(), stats)
+                    if s.get("draft_n_accepted", 0) > 0 or (s.get("draft_n", 0) == 0 and len(o.result.tokens) > 1)]
+        if failures:
+            return CheckResult("spec-ran", False, f"forced rejection: every request must draft and accept nothing; "
+                               f"{failures[0]}", evidence, failures=failures)
     return CheckResult("spec-ran", True, evidence=evidence)
 
 
@@ -136,10 +153,11 @@ def acceptance(ctx: CheckContext) -> Optional[CheckResult]:
     mine = {o.round: Acceptance.of(o.result.spec_stats, len(o.result.tokens)) for o in ctx.completed()}
     references: list[tuple[str, dict[int, Acceptance]]] = []
     problems = []
-    if stored is None:
+    pending = ctx.baselines.not_recorded(ctx) if stored is None else None
+    if stored is None and not pending:
         problems.append(f"no acceptance baseline for {ctx.cell.mode}/{ctx.cell.spec} in {path.name}; create it "
-                        f"with: {ctx.repro} --update-baselines")
-    else:
+                        f"with: {ctx.repro} --update-baselines{ctx.baselines.option}")
+    elif stored is not None:
         references.append(("baseline", {row["round"]: Acceptance.of(row, mine[row["round"]].generated)
                                         for row in stored if row["round"] in mine}))
     if ctx.cell.mode != "seq" and not preset.learns_across_requests:
@@ -150,7 +168,7 @@ def acceptance(ctx: CheckContext) -> Optional[CheckResult]:
         missing = sorted(set(mine) - set(before))
         if label == "baseline" and missing:
             problems.append(f"round {missing[0]}: no acceptance baseline for it; create it with: {ctx.repro} "
-                            "--update-baselines")
+                            f"--update-baselines{ctx.baselines.option}")
         for r in sorted(set(mine) & set(before)):
             limit = across_modes if label == "seq" else at_once.get(r, tolerance)
             why = fall(before[r], mine[r], limit)
@@ -162,11 +180,13 @@ def acceptance(ctx: CheckContext) -> Optional[CheckResult]:
                 "after": summed(list(mine.values())).to_evidence()}
     for label, before in references:
         evidence[label] = summed(list(before.values())).to_evidence()
+    if pending:
+        evidence["no_baseline"] = True
     if problems:
         more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
         return CheckResult("acceptance", False, f"{ctx.cell.id}, {problems[0]}{more}; tolerances: {source}",
                            evidence, failures=problems)
-    return CheckResult("acceptance", True, evidence=evidence)
+    return CheckResult("acceptance", True, pending or "", evidence)
 
 
 def grammar_valid(ctx: CheckContext) -> Optional[CheckResult]:
@@ -187,32 +207,56 @@ def grammar_valid(ctx: CheckContext) -> Optional[CheckResult]:
     return CheckResult("grammar-valid", True, evidence=evidence)
 
 
+def kv_problems(result: Result) -> list[str]:
+    """What the KV scan of one request found wrong, one phrase per kind (empty: healthy, or not scanned)."""
+    scan = result.kv_scan
+    if scan is None:
+        return []
+    problems = []
+    if not scan["healthy"]:
+        t = scan["totals"]
+        problems.append(f"{t['duplicate_cells']} duplicate cells, {t['orphans']} orphans: " + "; ".join(
+            [f"{d['count']} cells at (seq {d['seq_id']}, pos {d['pos']})" for d in scan["duplicates"]]
+            + [f"orphan at (seq {o['seq_id']}, pos {o['pos']})" for o in scan["orphans"]]
+            + [f"hole at seq {h['seq_id']} pos {h['first']}..{h['last']}" for h in scan["holes"]]))
+    past = past_returned(result)
+    if past is not None:
+        n = past[1] - past[0] + 1
+        problems.append(f"{n} position{'s' if n > 1 else ''} past the returned tokens: the slot keeps positions "
+                        f"{past[0]}..{past[1]} after {len(result.prompt_tokens)} prompt + {len(result.tokens)} "
+                        f"returned tokens (stop: {result.stop_reason})")
+    return problems
+
+
 def kv_healthy(ctx: CheckContext) -> Optional[CheckResult]:
-    """The KV scanner found no duplicate (seq_id, pos) cells, orphans past the sequence or holes."""
+    """The KV scanner found no duplicate (seq_id, pos) cells, orphans past the sequence or holes, and the
+    sequence holds no position past the request's prompt and returned tokens (`past_returned`)."""
     scanned = [o for o in ctx.completed() if o.result.kv_scan is not None]
     if not scanned:
         return None
-    bad = [o for o in scanned if not o.result.kv_scan["healthy"]]
+    problems = {id(o): kv_problems(o.result) for o in scanned}
+    bad = [o for o in scanned if problems[id(o)]]
     totals = [o.result.kv_scan["totals"] for o in scanned]
     evidence = {"scanned": len(scanned), "unhealthy": len(bad),
-                **{k: sum(t[k] for t in totals) for k in ("duplicate_cells", "orphans", "missing_positions")}}
+                **{k: sum(t[k] for t in totals) for k in ("duplicate_cells", "orphans", "missing_positions")},
+                "past_returned": sum(p[1] - p[0] + 1 for p in map(past_returned, (o.result for o in scanned)) if p)}
     if not bad:
         return CheckResult("kv-healthy", True, evidence=evidence)
-    scan = bad[0].result.kv_scan
-    where = "; ".join(
-        [f"{d['count']} cells at (seq {d['seq_id']}, pos {d['pos']})" for d in scan["duplicates"]]
-        + [f"orphan at (seq {o['seq_id']}, pos {o['pos']})" for o in scan["orphans"]]
-        + [f"hole at seq {h['seq_id']} pos {h['first']}..{h['last']}" for h in scan["holes"]])
-    evidence["first"] = scan
+    evidence["first"] = bad[0].result.kv_scan
+    failures = [f"round {o.round}: {p}" for o in bad for p in problems[id(o)]]  # one finding a line
     return CheckResult("kv-healthy", False, f"{len(bad)} of {len(scanned)} requests left an unhealthy KV cache "
-                       f"(round {bad[0].round}: {scan['totals']['duplicate_cells']} duplicate cells, "
-                       f"{scan['totals']['orphans']} orphans): {where}", evidence,
-                       failures=[f"round {o.round}: {o.result.kv_scan['totals']}" for o in bad])
+                       f"({evidence['duplicate_cells']} duplicate cells, {evidence['orphans']} orphans, "
+                       f"{evidence['past_returned']} positions past the returned tokens in all); first: "
+                       f"{failures[0]}", evidence, failures=failures)
 
 
 def logits_close(ctx: CheckContext) -> Optional[CheckResult]:
     """Logits agree with the reference cell's (seq mode, no speculation) within the calibrated tolerances
-    of this (model, backend, device), over the positions where both produced the same tokens."""
+    of this (model, backend, device), over the positions where both produced the same tokens. A case asking
+    for `post_sampling_probs` logs the sampler chain's probabilities, not the model's: `probs-complete`
+    judges those."""
+    if ctx.case_def.sampling.post_sampling_probs:
+        return None
     canonical = ctx.cell.reference(mode="seq", spec="none")
     reference = ctx.reference_outcome(canonical) if ctx.cell != canonical else None
     if reference is None or not reference.result.logits:
@@ -289,6 +333,9 @@ CHECKS: dict[str, Check] = {
     "kv-healthy": kv_healthy,
     "logits-close": logits_close,
     "exercised": exercised,
+    "probs-complete": probs_complete,
+    "prompt-reuse": prompt_reuse,
+    "within-n-predict": within_n_predict,
 }
 
 
@@ -297,6 +344,7 @@ def evaluate(ctx: CheckContext, names: list[str]) -> list[CheckResult]:
 
     A cell that could not be served at all (no model, no server) fails `no-crash` and nothing else; a
     cell the harness itself broke on raises HarnessBug (a harness error is never a check verdict)."""
+    interrupt.phase("checking")
     if ctx.run.harness_error is not None:
         raise HarnessBug(ctx.run.harness_error)
     if ctx.run.error is not None:

@@ -63,7 +63,8 @@ class CheckContext:
         """The calibrated noise floor of this cell's (model, backend, device), with the suite's own
         `tolerances:` applied on top when it declares any (the verdicts then say so)."""
         device = self.executor.environment(self.cell)["device"]
-        floor = noise.load(self.cell.model, self.cell.backend, device)
+        floor = noise.load(self.cell.model, self.cell.backend, device,
+                           self.baselines.calibration_of(self.run.suite) if self.baselines else None)
         declared = dict(self.run.suite.tolerances)
         if not declared:
             return floor
@@ -98,3 +99,22 @@ def kv_findings(result: Result, who: str) -> list[str]:
     t = scan["totals"]
     return [f"the KV scan of the {who} found {t['duplicate_cells']} duplicate (seq_id, pos) cells, "
             f"{t['orphans']} orphans and {t['missing_positions']} missing positions"]
+
+
+def past_returned(result: Result) -> Optional[tuple[int, int]]:
+    """(first, last) position of the request's sequence that its KV scan found at or past its prompt plus the
+    tokens it returned, or None. Without speculation a slot never holds more (the token a request ends on,
+    an end-of-generation token included, is sampled, never decoded); a slot that does keeps tokens it never
+    returned, e.g. drafts accepted past an end-of-generation token (ggml-org/llama.cpp#28049), which the next
+    turn's prompt does not continue (a hybrid model then re-processes it, `prompt-reuse`).
+
+    A request that reached the end of the context (`truncated`) is not judged: a speculative step there decodes
+    positions past the token the context limit ends the request on, on both backends (llama-server 0c1e570
+    keeps them, seen in kv-fill, par: positions 509..510 after 447 + 62 tokens; the engine keeps the step's
+    positions too while it returns the non-speculative tokens). The context end is judged by
+    `within-n-predict` and `lossless` in the draft-budget suite (ggml-org/llama.cpp#10641)."""
+    if result.truncated:
+        return None
+    last = max((int(p) for p in (result.kv_scan or {}).get("pos_max", {}).values()), default=-1)
+    bound = len(result.prompt_tokens) + len(result.tokens)
+    return (bound, last) if last >= bound else None

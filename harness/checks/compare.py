@@ -3,6 +3,7 @@ policy for every token comparison (`CheckContext.excuses_near_ties`)."""
 
 from typing import Optional
 
+from harness import interrupt
 from harness.checks.base import CheckContext, kv_findings
 from harness.execute import Outcome
 from harness.logits import PositionLogits
@@ -30,6 +31,8 @@ def compare_tokens(ctx: CheckContext, ref_tokens: list[int], ref_logits: list[Po
     floor = ctx.noise_floor
     sampling = ctx.case_def.sampling
     greedy = sampling.picks_argmax  # a logit margin says nothing about a penalized or sampled pick
+    if sampling.post_sampling_probs:  # the sampler chain's probabilities are not the model's: re-score instead
+        ref_logits = []
     mine = ctx.completed()
     diffs: list[tuple[Outcome, Divergence]] = []
     with ctx.executor.rescorer() as rescorer:
@@ -42,9 +45,11 @@ def compare_tokens(ctx: CheckContext, ref_tokens: list[int], ref_logits: list[Po
                     return rescorer.score(ctx.run.suite, ctx.cell, o.result, pos)
                 return rescorer.score(ctx.run.suite, ref_cell, ref_result, pos) if ref_cell and ref_result else None
 
+            interrupt.phase("triage")
             findings = kv_findings(o.result, f"request (round {o.round})")
             findings += kv_findings(ref_result, "reference request") if ref_result is not None else []
-            diffs.append((o, triage(ref_tokens, o.result.tokens, ref_logits or None, o.result.logits or None,
+            other_logits = None if sampling.post_sampling_probs else o.result.logits or None
+            diffs.append((o, triage(ref_tokens, o.result.tokens, ref_logits or None, other_logits,
                                     detokenize=ctx.detokenize, floor=floor, greedy=greedy, kv_findings=findings,
                                     rescore=rescore, state_follows_tokens=sampling.state_follows_tokens)))
     excused = [(o, d) for o, d in diffs if d.kind == "near-tie" and ctx.excuses_near_ties]
@@ -61,6 +66,14 @@ def compare_tokens(ctx: CheckContext, ref_tokens: list[int], ref_logits: list[Po
     if not failing:
         return True, (f"{len(excused)} of {len(mine)} outputs differ from the {label} at proven near-ties "
                       f"(reported, not failed in {ctx.cell.mode} mode); round {outcome.round}: {first.describe()}"), evidence
-    evidence["failures"] = [f"round {o.round}: {d.kind} at token {d.index}" for o, d in failing]
+    evidence["failures"] = [f"round {o.round}: {d.kind} at token {d.index}{_ended(o.result, d, len(ref_tokens))}"
+                            for o, d in failing]
     return False, (f"{len(failing)} of {len(mine)} outputs differ from the {label}; round {outcome.round}: "
                    f"{first.describe()}"), evidence
+
+
+def _ended(result: Result, divergence: Divergence, n_reference: int) -> str:
+    """What a failure line adds when the output is a prefix of the reference: it ended there, and why."""
+    if divergence.other_token is not None:
+        return ""
+    return f" (the output ended there, stop: {result.stop_reason}; the reference has {n_reference} tokens)"

@@ -49,6 +49,9 @@ class ContextParams:
     """llama-server's `--repack` (a model-loading option, llama_model_params.use_extra_bufts): weights
     repacked into the CPU's extra buffer types; on by default except on a CPU whose AMX path crashes
     llama.cpp (backends.base.default_repack)."""
+    context_shift: bool = False
+    """llama-server's `--context-shift` (common_params.ctx_shift): not a llama_context option; the scheduler
+    shifts a generating slot's sequence at the context end (harness.engine.ctxshift) where the memory can."""
 
     def to_llama(self) -> llama_cpp.llama_context_params:
         """The C struct for `llama_init_from_model`."""
@@ -88,6 +91,8 @@ class Context:
         self.n_ctx_seq = llama_cpp.llama_n_ctx_seq(self.ptr)
         self.n_batch = llama_cpp.llama_n_batch(self.ptr)
         self.n_rs_seq = llama_cpp.llama_n_rs_seq(self.ptr)
+        self.can_shift = bool(llama_cpp.llama_memory_can_shift(self.memory))
+        """Whether positions can be shifted (`seq_add`): false for M-RoPE models (the qwen35 hybrids)."""
         self._state_buf = None
 
     def new_batch(self) -> Batch:
@@ -108,6 +113,10 @@ class Context:
     def seq_rm(self, seq_id: int, p0: int = -1, p1: int = -1) -> bool:
         """Remove positions [p0, p1) of a sequence (-1 = open end); False when the memory refuses."""
         return bool(llama_cpp.llama_memory_seq_rm(self.memory, seq_id, p0, p1))
+
+    def seq_add(self, seq_id: int, p0: int, p1: int, delta: int) -> None:
+        """Add `delta` to positions [p0, p1) of a sequence (-1 = open end; llama_memory_seq_add)."""
+        llama_cpp.llama_memory_seq_add(self.memory, seq_id, p0, p1, delta)
 
     def seq_pos_max(self, seq_id: int) -> int:
         """The last cached position of a sequence, -1 when empty."""

@@ -30,11 +30,11 @@ class Engine:
             self.close()
             raise
 
-    def run(self, requests: list[Request],
-            on_result: Optional[Callable[[int, Result], None]] = None) -> list[Result]:
+    def run(self, requests: list[Request], on_result: Optional[Callable[[int, Result], None]] = None,
+            on_step: Optional[Callable[[int], None]] = None) -> list[Result]:
         """Serve the requests on the slots (concurrently when there are several); Results in order,
-        each also passed to `on_result(index, result)` as soon as it finishes."""
-        return self.scheduler.run(requests, on_result)
+        each also passed to `on_result(index, result)` as soon as it finishes; `on_step` as in Scheduler.run."""
+        return self.scheduler.run(requests, on_result, on_step)
 
     def close(self) -> None:
         """Free the drafters, the batch, the context and the model."""

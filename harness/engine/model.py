@@ -120,6 +120,8 @@ class Model:
         self.arch = self.meta("general.architecture") or "unknown"
         self.n_swa = llama_cpp.llama_model_n_swa(self.ptr)
         """Sliding-window size of the attention layers (0: none)."""
+        self.add_bos = bool(llama_cpp.llama_vocab_get_add_bos(self.vocab))
+        """The tokenizer adds a BOS token (llama-server's `add_bos_token`: a context shift keeps one more)."""
 
     def meta(self, key: str) -> str | None:
         """A GGUF metadata value as a string, or None when absent."""

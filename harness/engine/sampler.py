@@ -158,7 +158,22 @@ class Candidates:
             llama_cpp.llama_sampler_apply(smpl, ctypes.byref(array))
         if not 0 <= array.selected < array.size:
             raise RuntimeError("the sampler chain selected no token (check the sampling configuration)")
+        self.last = array
         return array.data[array.selected].id
+
+    def top_probs(self, n: int) -> tuple[np.ndarray, np.ndarray]:
+        """The last `apply`'s candidates as llama-server reports them with `post_sampling_probs`
+        (`populate_token_probs`): the chain's candidate list sorted by probability, its first `n`, ending
+        at the first zero probability; (ids int32, probabilities float32), ties by the lower id."""
+        array = self.last
+        address = ctypes.addressof(array.data.contents)
+        left = np.frombuffer((llama_cpp.llama_token_data * array.size).from_address(address), dtype=_CANDIDATE)
+        p = left["p"]
+        k = min(n, len(left))
+        cut = np.argpartition(-p, k - 1)[:k] if 0 < k < len(left) else np.arange(k)
+        order = cut[np.lexsort((left["id"][cut], -p[cut]))]
+        order = order[p[order] > 0]
+        return left["id"][order].astype(np.int32), p[order].astype(np.float32)
 
 
 def _allows(grammar, token: int) -> bool:
@@ -182,8 +197,10 @@ class Sampler:
 
     @classmethod
     def for_request(cls, sampling: Sampling, default_seed: int, model: Model) -> "Sampler":
-        """The request's sampler; ValueError (one line) when llama.cpp cannot parse its grammar."""
-        if plain_greedy(sampling, model):
+        """The request's sampler; ValueError (one line) when llama.cpp cannot parse its grammar. Plain
+        greedy requests get the chain too when they ask for `post_sampling_probs`: those are the chain's
+        candidates after sampling (`Candidates.top_probs`)."""
+        if plain_greedy(sampling, model) and not sampling.post_sampling_probs:
             return cls(None, None, None)
         seed = (default_seed if sampling.seed is None else sampling.seed) & UINT32
         grammar = None

@@ -6,11 +6,13 @@ planned first and committed to the slots only after a successful decode, so a fa
 retried with another plan. Requests wait in a FIFO queue for a free slot.
 """
 
+import sys
 from collections import deque
 from dataclasses import dataclass
 from typing import Callable, Optional
 
 from harness.engine.context import Context
+from harness.engine.ctxshift import needs_shift, shift_span
 from harness.engine.kvcheck import KvChecker
 from harness.engine.slot import Phase, Slot
 from harness.engine.speculative import SpecConfig, Speculation, StepPlan
@@ -22,6 +24,10 @@ DECODE_ERRORS = {
     2: "the decode was aborted",
     -1: "llama.cpp rejected the batch as invalid (inconsistent sequence positions)",
 }
+
+
+CONTEXT_SHIFT_OFF = "ctx_shift is not supported by this context, it will be disabled"
+"""llama-server's start-up warning (and what the engine does) when the memory cannot shift positions."""
 
 
 def decode_error(status: int) -> str:
@@ -52,22 +58,31 @@ class Part:
 class Scheduler:
     """Runs requests on `ctx` with `ctx.params.parallel` slots, speculating when `spec` is enabled,
     logging the top `logit_top_k` logits of every generated position when it is > 0, and scanning each
-    slot's KV state after every request (`kv_scan="request"`) or also after every speculative step (`"step"`)."""
+    slot's KV state after every request (`kv_scan="request"`) or also after every speculative step (`"step"`).
+    With `ctx.params.context_shift` (and a memory that can shift) a generating slot whose sequence is full
+    shifts its context before the next step, as llama-server does; otherwise it ends at the context end."""
 
     def __init__(self, ctx: Context, spec: Optional[SpecConfig] = None, logit_top_k: int = 0, kv_scan: str = "off"):
         self.ctx = ctx
         self.kv = KvChecker(ctx) if kv_scan != "off" else None
         self.scan_steps = kv_scan == "step"
         breaks = prompt_breaks(ctx)
-        self.slots = [Slot(i, ctx.model, ctx.n_ctx_seq, ctx.params.seed, logit_top_k, breaks)
+        self.context_shift = ctx.params.context_shift and ctx.can_shift
+        if ctx.params.context_shift and not ctx.can_shift:
+            print(f"warning: {CONTEXT_SHIFT_OFF}", file=sys.stderr)
+        self.slots = [Slot(i, ctx.model, ctx.n_ctx_seq, ctx.params.seed, logit_top_k, breaks, self.context_shift)
                       for i in range(ctx.params.parallel)]
         self.batch = ctx.new_batch()
         self.spec = Speculation(spec, ctx) if spec is not None and spec.enabled else None
 
     def run(self, requests: list[Request],
-            on_result: Optional[Callable[[int, Result], None]] = None) -> list[Result]:
+            on_result: Optional[Callable[[int, Result], None]] = None,
+            on_step: Optional[Callable[[int], None]] = None) -> list[Result]:
         """Serve all requests (concurrently up to the number of slots); Results in request order.
-        `on_result(index, result)` is called as each request finishes (the worker process streams them)."""
+        `on_result(index, result)` is called as each request finishes (the worker process streams them);
+        `on_step(prompt_tokens)` before every step, with the prompt lengths of the slots that have not yet
+        generated two tokens (the prompt and a draft model's first read of it may come first): the progress
+        the worker reports for the stall window."""
         results: list[Result | None] = [None] * len(requests)
 
         def finished(index: int, result: Result) -> None:
@@ -83,6 +98,8 @@ class Scheduler:
                     failed = slot.start(index, request)
                     if failed is not None:
                         finished(index, failed)
+            if on_step is not None:
+                on_step(sum(len(s.prompt) for s in self._active() if len(s.result.tokens) < 2))
             for slot, result in self.step():
                 if self.kv and result.ok:
                     self._scan(slot)
@@ -135,7 +152,35 @@ class Scheduler:
         return self.ctx.decode(self.batch), rows
 
     def step(self) -> list[tuple[Slot, Result]]:
-        """Plan, decode, sample / verify; returns the slots that finished with their Results."""
+        """Shift full contexts (context shift on), plan, decode, sample / verify; returns the slots that
+        finished with their Results."""
+        failed = self._shift_contexts() if self.context_shift else []
+        return failed + self._step()
+
+    def _shift_contexts(self) -> list[tuple[Slot, Result]]:
+        """llama-server's context shift (server-context.cpp, pre_decode) for every generating slot whose
+        sequence is full: keep `n_keep` positions, discard the `n_discard` after them, move the rest down
+        (harness.engine.ctxshift), and let the drafters follow. Returns the slots whose shift llama.cpp
+        refused (llama-server aborts there), ended with an error."""
+        failed = []
+        for slot in self._active():
+            if slot.phase is not Phase.GENERATE or not needs_shift(slot.n_past, slot.n_ctx_seq):
+                continue
+            sampling = slot.request.sampling
+            n_keep, n_discard = shift_span(slot.n_past, len(slot.prompt), slot.n_ctx_seq, sampling.n_keep,
+                                           sampling.n_discard, self.ctx.model.add_bos)
+            if not self.ctx.seq_rm(slot.id, n_keep, n_keep + n_discard):
+                why = (f"llama.cpp refused to remove positions {n_keep}..{n_keep + n_discard - 1} of sequence "
+                       f"{slot.id} for a context shift (llama-server aborts there)")
+                failed.append((slot, slot.fail(why)))
+                continue
+            self.ctx.seq_add(slot.id, n_keep + n_discard, slot.n_past, -n_discard)
+            slot.shift(n_keep, n_discard)
+            if self.spec:
+                self.spec.shift(slot, n_keep, n_discard)
+        return failed
+
+    def _step(self) -> list[tuple[Slot, Result]]:
         parts = self._plan(speculate=True)
         if not parts:
             return []

@@ -4,7 +4,10 @@ import codecs
 import time
 from enum import Enum
 
+import numpy as np
+
 from harness.engine.context import Context
+from harness.engine.ctxshift import needs_shift
 from harness.engine.model import Model
 from harness.engine.sampler import Sampler
 from harness.logits import PositionLogits, capture
@@ -22,12 +25,14 @@ class Slot:
     """A slot serves one request at a time in its own sequence (seq id = slot id).
 
     Invariant: the slot's sequence holds exactly `n_past` positions `0..n_past-1`; `pending` is the
-    last sampled token, not yet decoded (llama-server's `sampled`).
+    last sampled token, not yet decoded (llama-server's `sampled`). With `context_shift` a full sequence is
+    shifted (`shift`) instead of ending the request at the context end.
     """
 
     def __init__(self, slot_id: int, model: Model, n_ctx_seq: int, seed: int, logit_top_k: int = 0,
-                 prompt_breaks: tuple[int, ...] = ()):
+                 prompt_breaks: tuple[int, ...] = (), context_shift: bool = False):
         self.id = slot_id
+        self.context_shift = context_shift
         self.prompt_breaks = prompt_breaks
         """Prompt chunks stop this many tokens before the prompt's end (see `prompt_chunk`)."""
         self.seed = seed
@@ -65,6 +70,9 @@ class Slot:
         self.n_past = 0
         self.pending = -1
         self._history: list[int] = []
+        self.n_kept = 0
+        self.n_discarded = 0
+        """Context shifts: the tokens after the first `n_kept` of prompt + output that left the sequence."""
         stops = request.sampling.stop
         if stops:
             self._stop_decoder = codecs.getincrementaldecoder("utf-8")(errors="ignore")
@@ -92,19 +100,40 @@ class Slot:
 
     @property
     def history(self) -> list[int]:
-        """Every token decoded into the sequence, positions 0..n_past-1 (prompt, then output).
+        """Every token decoded into the sequence, positions 0..n_past-1 (prompt, then output, less the
+        `n_discarded` tokens after the first `n_kept` that context shifts removed).
 
         The slot's own list, brought up to date from the output (which only grows) and `n_past` (which a
         rollback lowers) at each call, so a step costs what changed since the last: read it, but neither
         modify it nor keep it across steps."""
-        history, n, n_prompt = self._history, self.n_past, len(self.prompt)
+        history, n, kept, skipped = self._history, self.n_past, self.n_kept, self.n_discarded
         if len(history) > n:
             del history[n:]
-        if len(history) < min(n, n_prompt):
-            history += self.prompt[len(history) : n]
-        if n_prompt <= len(history) < n:
-            history += self.result.tokens[len(history) - n_prompt : n - n_prompt]
+        while len(history) < n:
+            lo = len(history)
+            skip = skipped if lo >= kept else 0
+            hi = n if skip or not skipped else min(n, kept)
+            history += self._decoded(lo + skip, hi + skip)
         return history
+
+    def _decoded(self, i0: int, i1: int) -> list[int]:
+        """Tokens i0..i1-1 of prompt + output."""
+        n_prompt = len(self.prompt)
+        part = self.prompt[i0 : min(i1, n_prompt)]
+        if i1 > n_prompt:
+            part += self.result.tokens[max(i0, n_prompt) - n_prompt : i1 - n_prompt]
+        return part
+
+    def shift(self, n_keep: int, n_discard: int) -> None:
+        """The sequence lost positions [n_keep, n_keep + n_discard) and the rest moved down (a context
+        shift): so does the history. `n_keep` is the same at every shift of a request (it depends on the
+        request and the context size only), so all discarded tokens follow the first `n_keep`."""
+        history = self.history
+        del history[n_keep : n_keep + n_discard]
+        self.n_kept = n_keep
+        self.n_discarded += n_discard
+        self.n_past -= n_discard
+        self.result.truncated = True
 
     @property
     def n_remaining(self) -> int:
@@ -114,23 +143,36 @@ class Slot:
 
     def sample(self, ctx: Context, row: int) -> tuple[int, PositionLogits | None]:
         """Sample output row `row` with the slot's sampler; its top-k logits too when logging is on
-        (the row's logits are fetched once for both)."""
+        (the row's logits are fetched once for both), or with `post_sampling_probs` the log of the top-k
+        probabilities the sampler chain left (as llama-server reports them)."""
         if not self.top_k:
             return self.sampler.sample(ctx, row), None
         logits = ctx.logits(row)
-        return self.sampler.sample(ctx, row, logits), capture(logits, self.top_k, deferred=True)
+        token = self.sampler.sample(ctx, row, logits)
+        if self.request.sampling.post_sampling_probs:
+            ids, probs = self.sampler.candidates.top_probs(self.top_k)
+            return token, PositionLogits(ids, np.log(probs))
+        return token, capture(logits, self.top_k, deferred=True)
 
     def emit_all(self, tokens: list[int], logits: list[PositionLogits | None]) -> bool:
-        """Emit tokens in order until the request is done; the rest are discarded."""
-        return any(self.emit(t, lg) for t, lg in zip(tokens, logits))
+        """Emit a speculative step's tokens in order until the request is done; the rest are discarded. The
+        i-th token meets the context limit with the positions a step without speculation would hold when it
+        is sampled: `n_past` (the whole step's) less the step's tokens after it."""
+        last = len(tokens) - 1
+        return any(self.emit(t, lg, self.n_past - (last - i)) for i, (t, lg) in enumerate(zip(tokens, logits)))
 
-    def emit(self, token: int, logits: PositionLogits | None = None) -> bool:
+    def emit(self, token: int, logits: PositionLogits | None = None, n_tokens: int | None = None) -> bool:
         """Record a sampled token (and its logits) and apply llama-server's stop rules in its order (a stop
-        string, then the context limit, then n_predict); True when the request is done.
+        string, then the context limit, then n_predict, which a stop string already met leaves `word`); True
+        when the request is done.
 
         An end-of-generation token ends the request without being recorded. The context limit is
-        llama-server's `n_tokens + 1 >= n_ctx` (context shift off), `n_past` being the positions decoded
-        so far (after a speculative step: all of the step's, for each of its tokens)."""
+        llama-server's `n_tokens + 1 >= n_ctx` (only with context shift off; it marks the result
+        `truncated`), `n_tokens` being the positions decoded when the token was sampled (default `n_past`).
+        llama-server counts all of a speculative step's positions for each of its tokens instead, so a step
+        whose draft filled the budget left by the context (`n_ctx - n_tokens - 2`) and was wholly accepted
+        ends the request at its first token, with fewer tokens than without speculation (known failure
+        server-spec-context-end-early-stop); the engine keeps the non-speculative output there."""
         now = time.perf_counter()
         if self.phase is Phase.PROMPT:
             self.phase = Phase.GENERATE
@@ -151,8 +193,10 @@ class Slot:
             hits = [i for i in (text.find(s) for s in sampling.stop) if i >= 0]
             self.text_bytes = bytearray(text[: min(hits)].encode())
             stop = "word"
-        if self.n_past + 1 >= self.n_ctx_seq or (sampling.n_predict != -1 and self.n_remaining <= 0):
-            stop = "limit"
+        full = not self.context_shift and needs_shift(self.n_past if n_tokens is None else n_tokens, self.n_ctx_seq)
+        if full or (stop is None and sampling.n_predict != -1 and self.n_remaining <= 0):
+            stop = "limit"  # the context limit overrides a stop string, n_predict does not (process_token)
+        self.result.truncated |= full
         return self._finish(stop) if stop else False
 
     def _stop_reached(self, piece: bytes) -> bool:

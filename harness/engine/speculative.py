@@ -12,7 +12,7 @@ from typing import Any, Optional
 
 from harness.engine import rollback
 from harness.engine.batch import Batch
-from harness.engine.context import Context
+from harness.engine.context import CACHE_TYPES, Context
 from harness.engine.drafters.base import Drafter, DraftRequest
 from harness.engine.faults import check_fault
 from harness.errors import HarnessError
@@ -32,6 +32,9 @@ class SpecConfig:
     spec_draft_n_max: int = 3
     spec_draft_n_min: int = 0
     spec_draft_p_min: float = 0.0
+    spec_draft_type_k: str = "f16"
+    spec_draft_type_v: str = "f16"
+    """The draft context's KV cache types (llama-server's `-ctkd` / `-ctvd`; a quantized V needs flash attention)."""
     spec_ngram_simple_size_n: int = 12
     spec_ngram_simple_size_m: int = 48
     spec_ngram_map_k_size_n: int = 12
@@ -59,6 +62,10 @@ class SpecConfig:
             types = ()
         if "draft-simple" in types and self.spec_draft_model is None:
             raise HarnessError("spec type draft-simple needs a draft model (--spec-draft-model NAME|PATH)")
+        for flag, value in (("spec-draft-type-k", self.spec_draft_type_k),
+                            ("spec-draft-type-v", self.spec_draft_type_v)):
+            if value not in CACHE_TYPES:
+                raise HarnessError(f"{flag} must be one of {', '.join(CACHE_TYPES)}, not '{value}'")
         if self.checkpoint_flags not in rollback.CHECKPOINT_FLAGS:
             raise HarnessError(f"checkpoint_flags must be partial or full, not '{self.checkpoint_flags}'")
         self.spec_type = types
@@ -111,7 +118,8 @@ def build_drafters(config: SpecConfig, target: Context) -> list[Drafter]:
         "ngram-mod": lambda: NgramMod(c.spec_ngram_mod_n_match, c.spec_ngram_mod_n_min, c.spec_ngram_mod_n_max),
         "draft-simple": lambda: DraftSimple(c.spec_draft_model, target, c.spec_draft_n_max,
                                             c.spec_draft_n_min, c.spec_draft_p_min,
-                                            stale=c.fault == "stale-draft-context"),
+                                            stale=c.fault == "stale-draft-context",
+                                            cache_types=(c.spec_draft_type_k, c.spec_draft_type_v)),
     }
     return list(c.drafters) + [make[t]() for t in SPEC_TYPES if t in c.spec_type]
 
@@ -184,6 +192,12 @@ class Speculation:
         if "draft_ms" in stats:
             stats["draft_ms"] = round(stats["draft_ms"], 3)
 
+    def shift(self, slot, n_keep: int, n_discard: int) -> None:
+        """The slot's sequence was shifted (positions [n_keep, n_keep + n_discard) discarded): every drafter
+        follows (`Drafter.shift_context`) with the history the slot holds now."""
+        for d in self.drafters:
+            d.shift_context(self._seq(slot.id, d), n_keep, n_discard, list(slot.history))
+
     def plan(self, slot, room: int) -> StepPlan:
         """The slot's tokens for this step: pending + replay, or pending + a fresh draft (maybe empty)."""
         base = slot.n_past
@@ -253,11 +267,12 @@ class Speculation:
             token, row_logits = slot.sample(self.ctx, row)
             sampled.append(token)
             logits.append(row_logits)
-            if i == k or token != draft[i]:
+            # an end-of-generation token ends the step as its sampled token, even where the draft has it too:
+            # never counted as accepted, never kept in the sequence (a request without speculation never
+            # decodes it either; ggml-org/llama.cpp#28049)
+            if i == k or token != draft[i] or is_eog(token):
                 break
-            n_match += 1  # an end-of-generation token that matches the draft counts as accepted
-            if is_eog(token):
-                break
+            n_match += 1
         if plan.replay:
             stats["n_redecoded"] += k
         else:
@@ -313,7 +328,9 @@ class Speculation:
             slot.sampler.free()
             slot.sampler = plan.sampler_backup
         slot.n_past = base
-        self.replays[slot.id] = sampled
+        # the replay decodes the sampled tokens again, less an end-of-generation token (it is sampled again after
+        # them; with nothing before it, the replay is a plain step)
+        self.replays[slot.id] = sampled[:-1] if slot.model.is_eog(sampled[-1]) else sampled
         self.attempts[slot.id] += 1
         return False
 

@@ -8,6 +8,9 @@ Messages (tuples, pickled by multiprocessing):
   parent → worker: ("open", EngineArgs) · ("run", [Request, ...]) · ("close",)
   worker → parent: ("ready",) · ("result", index, Result) per finished request, then ("done",) ·
                    ("refused", one-line reason) for bad input · ("bug", traceback) for a harness exception
+Progress goes through shared memory instead, read by the parent whenever it likes: `progress[STEPS]` counts
+the engine's steps, `progress[PROMPT]` holds the prompt tokens the current step may have to read first
+(Scheduler.run's `on_step`). A worker whose count stops moving is hung (the stall window).
 """
 
 import os
@@ -23,6 +26,9 @@ from harness.engine.logging import set_llama_verbose
 from harness.engine.speculative import SpecConfig
 from harness.errors import HarnessError
 
+STEPS, PROMPT = 0, 1
+"""Indices into the shared progress array (a RawArray of two 64-bit integers)."""
+
 
 @dataclass
 class EngineArgs:
@@ -35,14 +41,19 @@ class EngineArgs:
     kv_scan: str
 
 
-def serve(conn, log_path: str, verbose: bool) -> None:
-    """The worker's main loop (the target of the child process)."""
+def serve(conn, log_path: str, verbose: bool, progress) -> None:
+    """The worker's main loop (the target of the child process); `progress`: see the module docstring."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle; it stops the worker
     log = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
     os.dup2(log, 1)
     os.dup2(log, 2)  # where llama.cpp prints `file:line: GGML_ASSERT(...) failed` and the backtrace
     set_llama_verbose(verbose)
     engine = None
+
+    def step(prompt_tokens: int) -> None:
+        progress[PROMPT] = prompt_tokens
+        progress[STEPS] += 1
+
     try:
         while True:
             try:
@@ -56,7 +67,8 @@ def serve(conn, log_path: str, verbose: bool) -> None:
                     engine = Engine(a.model, a.params, a.spec, a.logit_top_k, a.kv_scan)
                     conn.send(("ready",))
                 elif kind == "run":
-                    engine.run(message[1], on_result=lambda index, result: conn.send(("result", index, result)))
+                    engine.run(message[1], on_result=lambda index, result: conn.send(("result", index, result)),
+                               on_step=step)
                     conn.send(("done",))
                 elif kind == "close":
                     return

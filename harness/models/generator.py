@@ -78,6 +78,11 @@ _RECURRENT = Recipe(
     Hparams(n_layer=2, ssm_conv=4, ssm_state=16, ssm_inner=256, ssm_dt_rank=8, ssm_group=1),
     seed=3,
 )
+_LONG = Recipe("tiny-long", "llama", Hparams(n_layer=1, n_embd=64, n_ctx=32768, n_ff=128, n_head=2, n_head_kv=1),
+               seed=4)
+"""A dense model trained (by its GGUF's word) for 32768 positions, one layer and half the width of tiny-dense so
+that a 16k-token prompt takes seconds: llama-server caps a slot's context at the model's n_ctx_train, and the
+other tiny models say 4096."""
 
 # Draft noise S: teacher-forced greedy agreement with the target, measured with
 # harness.models.agreement.teacher_forced_agreement (4 prompts x 64 tokens; 2 x 48 in brackets).
@@ -91,6 +96,8 @@ RECIPES: dict[str, Recipe] = {
         _draft(_HYBRID, noise=0.03, seed=7),  # 0.738 (0.750)
         _RECURRENT,
         _draft(_RECURRENT, noise=0.05, seed=7),  # 0.766 (0.760)
+        _LONG,
+        _draft(_LONG, noise=0.05, seed=7),  # 0.766 (0.792)
         # Loop variants for the n-gram drafters (greedy, 3 quicksort prompts x 128 tokens, size-n 3 / size-m 8,
         # accepted/drafted): dense ngram-simple 100/218, ngram-mod 145/330; hybrid 6/121, 11/224;
         # recurrent 9/91, 92/239. Same seeds as the targets, so the layers are theirs.

@@ -190,6 +190,11 @@ def _requantize(source: Path, dest: Path) -> None:
         raise HarnessError(f"llama-quantize failed making {GEMMA_DRAFT}: {last}")
 
 
+def _names_a_file(name_or_path: str) -> bool:
+    """A model argument that is a file path (not a registry name)."""
+    return Path(name_or_path).suffix == ".gguf" or os.sep in name_or_path or Path(name_or_path).expanduser().exists()
+
+
 def resolve(name_or_path: str, make: bool = True) -> ModelInfo:
     """A registry name or a path to a .gguf file, as a ModelInfo; builds a missing generated model if `make`."""
     if name_or_path in generator.RECIPES:
@@ -199,7 +204,7 @@ def resolve(name_or_path: str, make: bool = True) -> ModelInfo:
     if name_or_path == GEMMA_DRAFT:
         return _gemma_draft(make)
     path = Path(name_or_path).expanduser()
-    if path.suffix == ".gguf" or os.sep in name_or_path or path.exists():
+    if _names_a_file(name_or_path):
         if not path.exists():
             raise HarnessError(
                 f"model file not found: {name_or_path} "
@@ -208,6 +213,14 @@ def resolve(name_or_path: str, make: bool = True) -> ModelInfo:
         return _file_info(path.stem, path.resolve())
     valid = ", ".join([*generator.RECIPES, GEMMA, GEMMA_DRAFT])
     raise HarnessError(f"unknown model '{name_or_path}': valid names are {valid}, or a path to a .gguf")
+
+
+def model_key(name_or_path: str) -> str:
+    """What baselines and calibration files know a model by: a registry name as it is, a model file by its
+    content (`gguf-<first 16 hex digits of its sha256>`), so moving or renaming the file keeps them."""
+    if name_or_path in generator.RECIPES or name_or_path in (GEMMA, GEMMA_DRAFT) or not _names_a_file(name_or_path):
+        return name_or_path
+    return f"gguf-{resolve(name_or_path).sha256[:16]}"
 
 
 def make(names: list[str] | None = None) -> list[ModelInfo]:

@@ -22,6 +22,7 @@ from typing import Optional
 from harness.paths import write_atomic
 from harness.report.files import (RunDir, cell_id, item_name, joined, llama_cpp_identity, logits_key, speedups,
                                   status, throughput)
+from harness.signatures.group import by_verdict
 from harness.triage import triage
 
 SPEED_THRESHOLD = 0.10
@@ -45,6 +46,8 @@ class RunDiff:
     only_a: list[str] = field(default_factory=list)
     only_b: list[str] = field(default_factory=list)
     thresholds: dict = field(default_factory=dict)
+    signatures: list[dict] = field(default_factory=list)
+    """B's distinct failures that have newly failing verdicts (group_newly_failing)."""
 
     @property
     def slower(self) -> list[dict]:
@@ -97,6 +100,7 @@ def compare(a: RunDir, b: RunDir, speed_threshold: float = SPEED_THRESHOLD,
             diff.newly_passing.append(entry)
         elif sa is not None:
             diff.other_changes.append(entry)
+    group_newly_failing(diff)
     items_a, items_b = {k[0] for k in va}, {k[0] for k in vb}
     diff.only_a, diff.only_b = sorted(items_a - items_b), sorted(items_b - items_a)
 
@@ -128,6 +132,22 @@ def compare(a: RunDir, b: RunDir, speed_threshold: float = SPEED_THRESHOLD,
                                  "a_acceptance": acc_a, "b_acceptance": acc_b, "speed_regressed": speed_bad,
                                  "acceptance_regressed": acc_bad, "flagged": speed_bad or speed_good or acc_bad or acc_good})
     return diff
+
+
+def group_newly_failing(diff: RunDiff) -> None:
+    """Give each newly failing verdict its failure signature in B (and whether it only restates it), order
+    them by B's distinct failures, and list those failures (`diff.signatures`): each with its newly failing
+    verdicts, its pattern in B, and whether A failed with the same signature too."""
+    found_b = diff.b.failures()
+    in_b = by_verdict([f for f, _ in found_b])
+    in_a = {f.signature for f, _ in diff.a.failures()}
+    for entry in diff.newly_failing:
+        entry["signature"], entry["restates"] = in_b[id(entry["row"])]
+    order = {f.signature: n for n, (f, _) in enumerate(found_b)}
+    diff.newly_failing.sort(key=lambda e: (order[e["signature"]], e["restates"]))
+    diff.signatures = [{"signature": f.signature, "kind": f.kind, "pattern": p, "in_a": f.signature in in_a,
+                        "newly_failing": [e for e in diff.newly_failing if e["signature"] == f.signature]}
+                       for f, p in found_b if any(e["signature"] == f.signature for e in diff.newly_failing)]
 
 
 def properties(run: RunDir) -> dict[str, str]:
@@ -163,6 +183,13 @@ def print_diff(diff: RunDiff, console) -> None:
     console.print(f"diff {diff.a.run_id} → {diff.b.run_id}", style="bold", markup=False)
     for prop, va, vb in differing_properties(diff.a, diff.b):
         console.print(f"  {prop}: {va} → {vb}", markup=False, highlight=False)
+    if diff.signatures:
+        n = len(diff.signatures)
+        console.print(f"{n} distinct failure{'s' if n != 1 else ''} newly failing: " + "; ".join(
+            f"{s['signature']} ({len(s['newly_failing'])} verdicts{', failed in A too' if s['in_a'] else ''})"
+            for s in diff.signatures), style="bold red", markup=False, highlight=False)
+        for s in diff.signatures:
+            console.print(f"  {s['signature']}: {s['pattern'].reading}", markup=False, highlight=False)
     sections = (("newly failing", diff.newly_failing, "red"), ("newly passing", diff.newly_passing, "green"),
                 ("other status changes", diff.other_changes, "yellow"))
     for title, rows, color in sections:

@@ -17,23 +17,27 @@ import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Callable, Optional
+from typing import TYPE_CHECKING, Callable, Optional
 
 import pandas as pd
 
 from harness import __version__
+from harness.backends.flags import server_version
 from harness.errors import HarnessError
-from harness.execute import CellRun
 from harness.logits import PositionLogits, from_frame, load_parquet, save_parquet, to_frame
 from harness.paths import write_atomic
+from harness.signatures import Failure, Pattern, failure_patterns
+
+if TYPE_CHECKING:  # reports read stored runs: only the writer gets live runs, from the caller
+    from harness.execute import CellRun
 
 FORMAT = 1
 """Version of the run directory layout (`run.json` `format`)."""
-STATUSES = ("failed", "known", "near-tie", "passed")
+STATUSES = ("failed", "known", "near-tie", "no-baseline", "passed")
 """A verdict's status in reports, worst first."""
 
 
-def records(runs: list[CellRun]) -> list[dict]:
+def records(runs: list["CellRun"]) -> list[dict]:
     """One JSON-able record per request of every cell run."""
     out = []
     for run in runs:
@@ -63,14 +67,16 @@ def frame(rows: list[dict]) -> pd.DataFrame:
 
 
 def status(verdict: dict) -> str:
-    """`known` (a recorded llama.cpp defect), `failed`, `near-tie` (passed by excusing proven near-ties)
-    or `passed`."""
+    """`known` (a recorded llama.cpp defect), `failed`, `near-tie` (passed by excusing proven near-ties),
+    `no-baseline` (passed; the model has no baseline yet to compare with) or `passed`."""
     evidence = verdict.get("evidence") or {}
     if "known_failure" in evidence:
         return "known"
     if not verdict.get("passed"):
         return "failed"
-    return "near-tie" if evidence.get("near_ties") else "passed"
+    if evidence.get("near_ties"):
+        return "near-tie"
+    return "no-baseline" if evidence.get("no_baseline") else "passed"
 
 
 def worst(statuses) -> str:
@@ -157,7 +163,7 @@ def _dump(path: Path, data) -> None:
     write_atomic(path, lambda p: p.write_text(json.dumps(data, indent=1, default=str) + "\n"))
 
 
-def write_run(out: Path, runs: list[CellRun], checks: list, meta: Optional[dict] = None,
+def write_run(out: Path, runs: list["CellRun"], checks: list, meta: Optional[dict] = None,
               detokenizer: Callable[[str], Optional[Callable]] = lambda model: None) -> Path:
     """Write the run directory (refusing to overwrite an existing results.json); returns results.json.
 
@@ -221,13 +227,14 @@ def host() -> dict:
 
 def backend_facts(name: str, backend) -> dict:
     """A started backend's environment plus how its llama.cpp was built: llama-server's build (commit,
-    CMake options, compiler; no paths) or llama-cpp-python's system info."""
+    CMake options, compiler; no paths) and its `--version`, or llama-cpp-python's system info."""
     facts = dict(backend.environment())
     build = getattr(backend, "build", None)
     if build is not None:
         data = build.to_json()
         facts["build"] = {k: data[k] for k in ("commit", "dirty", "backend", "cmake_args", "compiler", "built_at")
                           if k in data}
+        facts["version"] = server_version(build.server_bin)
     elif name == "inproc":
         import llama_cpp
 
@@ -374,3 +381,7 @@ class RunDir:
         """The text of each token (None where vocab.json does not have it)."""
         pieces = self.vocab.get(model, {})
         return [pieces.get(str(t)) for t in tokens]
+
+    def failures(self) -> list[tuple[Failure, Pattern]]:
+        """The run's distinct failures, each with its pattern (harness.signatures), from the stored files."""
+        return failure_patterns(self.checks, self.records, self.meta, lambda v: status(v) == "failed")

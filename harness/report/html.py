@@ -19,6 +19,7 @@ from jinja2 import ChainableUndefined, Environment, PackageLoader, select_autoes
 from harness.paths import write_atomic
 from harness.report.charts import bar_chart, margin_chart, position_chart
 from harness.report.files import STATUSES, RunDir, cell_id, item_name, joined, speedups, status, throughput, worst
+from harness.signatures.group import by_verdict
 
 CONTEXT_TOKENS = 12
 """Tokens of common prefix shown before the first divergence in a token diff."""
@@ -243,7 +244,8 @@ def case_view(run: RunDir, item: Item) -> dict:
 
 
 def run_status(run: RunDir) -> str:
-    """`failed`, `known`, `near-tie` or `passed` for the whole run (a cell that could not be served fails)."""
+    """`failed`, `known`, `near-tie`, `no-baseline` or `passed` for the whole run (a cell that could not be served
+    fails)."""
     cells = run.meta.get("cells") or []
     statuses = [status(v) for v in run.checks] + ["failed" for c in cells if c.get("status") == "error"]
     return worst(statuses)
@@ -264,14 +266,19 @@ def known_view(run: RunDir) -> list[dict]:
 def render_index(run: RunDir) -> str:
     """The report of one run directory."""
     all_items = items(run)
-    shown = [i for i in all_items if i.status != "passed"]
+    shown = [i for i in all_items if i.status not in ("passed", "no-baseline")]
     shown.sort(key=lambda i: STATUSES.index(i.status))
     perf = sorted(performance(run.records, run.checks),
                   key=lambda r: (r["suite"], r["model"], r["backend"], r["mode"], r["spec"]))
     cells = run.meta.get("cells") or []
+    found = run.failures()
+    grouped = [v for f, _ in found for v in f.verdicts + f.consequences]
+    signature = by_verdict([f for f, _ in found])
     return environment().get_template("index.html.j2").render(
-        run=run, meta=run.meta, run_status=run_status(run), items=all_items,
-        failing=[v for v in run.checks if status(v) != "passed"], cases=[case_view(run, i) for i in shown],
+        run=run, meta=run.meta, run_status=run_status(run), items=all_items, failures=found,
+        signature=lambda v: signature.get(id(v), (None, False)),
+        failing=grouped + [v for v in run.checks if status(v) not in ("passed", "failed", "no-baseline")],
+        cases=[case_view(run, i) for i in shown],
         counts={axis: counts(run.checks, axis) for axis in AXES},
         totals={s: sum(1 for v in run.checks if status(v) == s) for s in STATUSES},
         performance=perf, perf_bars=[(_label(p), p["tok_s"], f"{p['tok_s']:.1f} tok/s") for p in perf if p["tok_s"]],

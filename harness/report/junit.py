@@ -2,8 +2,11 @@
 
 `classname` is the suite file as pytest's junitxml writes it (`suites.quicksort.yaml`), `name` the
 pytest item plus the check (`quicksort[C-seq-none-tiny-dense-inproc]::baseline`), so a dashboard keeps
-one history per verdict. A failed verdict is a `<failure>`; a known llama.cpp defect is `<skipped
-type="known-failure">` with its upstream reference (pytest reports its xfails the same way); a cell
+one history per verdict. A failed verdict is a `<failure>` whose `type` is its failure
+signature (harness.signatures: one type per distinct failure; a verdict that only restates a crash, such as
+a check of the crashed request, also carries a `restates` property); a known llama.cpp defect is `<skipped
+type="known-failure">` with its upstream reference (pytest reports its xfails the same way); a verdict with no
+baseline yet to compare with (a model new to the harness) is `<skipped type="no-baseline">`; a cell
 that could not be served is an `<error>`; a cell an interrupted run never reached is `<skipped
 type="not-run">`; a verdict that passed by excusing proven near-ties passes, with a property saying so.
 """
@@ -14,6 +17,7 @@ from pathlib import Path
 
 from harness.paths import write_atomic
 from harness.report.files import RunDir, cell_id, item_name, status
+from harness.signatures.group import by_verdict
 
 
 def _classname(run: RunDir, suite: str) -> str:
@@ -28,6 +32,7 @@ def junit_xml(run: RunDir) -> bytes:
     upstream = {e["id"]: e.get("upstream") for e in run.meta.get("known_failures") or []}
     by_suite: dict[str, list[ET.Element]] = defaultdict(list)
     counts: dict[str, dict[str, int]] = defaultdict(lambda: {"tests": 0, "failures": 0, "errors": 0, "skipped": 0})
+    signature = by_verdict([f for f, _ in run.failures()])
     for v in run.checks:
         suite, st = v["suite"], status(v)
         case = ET.Element("testcase", classname=_classname(run, suite), name=f"{item_name(v)}::{v['check']}", time="0")
@@ -39,13 +44,19 @@ def junit_xml(run: RunDir) -> bytes:
             ET.SubElement(case, "error", message=first, type="cell-not-served").text = message
             tally["errors"] += 1
         elif st == "failed":
-            ET.SubElement(case, "failure", message=first, type=f"check:{v['check']}").text = message
+            sig, restates = signature[id(v)]
+            ET.SubElement(case, "failure", message=first, type=sig).text = message
+            if restates:
+                ET.SubElement(ET.SubElement(case, "properties"), "property", name="restates", value=sig)
             tally["failures"] += 1
         elif st == "known":
             known = v["evidence"]["known_failure"]
             ref = upstream.get(known)
             note = f"known llama.cpp defect {known}" + (f" ({ref})" if ref else "") + f": {first}"
             ET.SubElement(case, "skipped", message=note, type="known-failure").text = message
+            tally["skipped"] += 1
+        elif st == "no-baseline":
+            ET.SubElement(case, "skipped", message=first, type="no-baseline").text = message
             tally["skipped"] += 1
         elif st == "near-tie":
             props = ET.SubElement(case, "properties")

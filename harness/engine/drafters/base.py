@@ -22,8 +22,9 @@ class DraftRequest:
 class Drafter(ABC):
     """One drafter. The engine calls `begin` once per request after the prompt, `draft` at each step,
     `accept` after each verification of a step that had a draft (`is_other`: another drafter of the
-    chain produced it), `process` after every target decode, `truncate` after every rollback and `end`
-    when the request ends (only draft models need the last three)."""
+    chain produced it), `process` after every target decode, `truncate` after every rollback, `shift_context`
+    after a context shift and `end` when the request ends (only draft models need `process`, `truncate`
+    and `end`)."""
 
     name: str = ""
     n_max: int = 16
@@ -45,6 +46,12 @@ class Drafter(ABC):
 
     def truncate(self, seq_id: int, n_keep: int) -> None:
         """The target rolled `seq_id` back to its first `n_keep` positions."""
+
+    def shift_context(self, seq_id: int, n_keep: int, n_discard: int, history: list[int]) -> None:
+        """A context shift: the target discarded positions [n_keep, n_keep + n_discard) of `seq_id` and
+        moved the rest down; `history` is what it holds now. By default the drafter begins again on it
+        (what llama.cpp PR #21815 adds to llama-server; at 0c1e570 it does not, and ngram-map aborts)."""
+        self.begin(seq_id, history)
 
     def end(self, seq_id: int) -> None:
         """The request on `seq_id` ended; its positions are gone from the target."""

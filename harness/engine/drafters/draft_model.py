@@ -52,7 +52,7 @@ class DraftSimple(Drafter):
     name = "draft-simple"
 
     def __init__(self, model_path: Path, target: Context, n_max: int = 3, n_min: int = 0, p_min: float = 0.0,
-                 stale: bool = False):
+                 stale: bool = False, cache_types: tuple[str, str] = ("f16", "f16")):
         self.n_max, self.n_min, self.p_min = n_max, n_min, p_min
         self.stale = stale
         self.shift: dict[int, int] = {}
@@ -63,7 +63,10 @@ class DraftSimple(Drafter):
         self.ctx = None
         try:
             self._check_vocab(target.model)
-            self.ctx = Context(self.model, replace(target.params, n_rs_seq=0, cache_type_k="f16", cache_type_v="f16"))
+            # as llama-server sizes it (common_speculative_init_result): the target's n_ctx, slots and batch sizes,
+            # no recurrent snapshots, its own KV cache types (`cache_types`: -ctkd / -ctvd)
+            self.ctx = Context(self.model, replace(target.params, n_rs_seq=0, cache_type_k=cache_types[0],
+                                                   cache_type_v=cache_types[1]))
         except BaseException:
             self.close()
             raise
@@ -172,6 +175,20 @@ class DraftSimple(Drafter):
         redo = m.tokens[: max(0, n_keep - m.pos0)]
         if redo and self._decode([(t, m.pos0 + i, seq_id, i == len(redo) - 1) for i, t in enumerate(redo)]) != 0:
             self.broken.add(seq_id)
+
+    def shift_context(self, seq_id: int, n_keep: int, n_discard: int, history: list[int]) -> None:
+        """The draft context shifts with the target, as llama-server's common_memory does it for both: positions
+        [n_keep, n_keep + n_discard) removed, the rest moved down (a refused removal stops drafting)."""
+        if seq_id in self.broken:
+            return
+        self.mirrored.pop(seq_id, None)  # its positions are gone; the next `process` records a new one
+        self.at_checkpoint.pop(seq_id, None)
+        if not self.ctx.seq_rm(seq_id, n_keep, n_keep + n_discard):
+            self.broken.add(seq_id)
+            return
+        self.ctx.seq_add(seq_id, n_keep + n_discard, -1, -n_discard)
+        if seq_id in self.n_mirrored:
+            self.n_mirrored[seq_id] -= n_discard
 
     def end(self, seq_id: int) -> None:
         """Clear the sequence from the draft context."""

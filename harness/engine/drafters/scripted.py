@@ -76,6 +76,10 @@ class Scripted(Drafter):
         if callable(self.continuation):
             self._by_prompt[seq_id] = self.continuation(prompt)
 
+    def shift_context(self, seq_id: int, n_keep: int, n_discard: int, history: list[int]) -> None:
+        """A context shift: the history is `n_discard` tokens shorter, the script's position unchanged."""
+        self._prompt_len[seq_id] -= n_discard
+
     def _script(self, seq_id: int) -> list[int]:
         if callable(self.continuation):
             return self._by_prompt.get(seq_id, [])

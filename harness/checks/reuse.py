@@ -1,0 +1,56 @@
+"""`prompt-reuse`: speculation changes nothing about how much of a prompt a slot reuses from its cache.
+
+A request reuses the prompt tokens its slot still holds from the previous request (llama-server's timings
+`cache_n`: a chat turn reuses the earlier turns and the reply). What the slot holds after a reply must not
+depend on speculation: a slot that kept tokens it never returned (drafts accepted past an end-of-generation
+token, ggml-org/llama.cpp#28049) no longer ends in a prefix of the next turn's prompt; a dense model then
+drops the extra cells and reuses the same prefix, but a hybrid or recurrent model cannot drop cells and
+re-processes the prompt from a context checkpoint or from the start: the same output, at the cost of time.
+"""
+
+from typing import Optional
+
+from harness.checks.base import CheckContext, CheckResult, past_returned
+from harness.execute import Outcome
+from harness.matrix import spec_preset
+
+
+def left_behind(ctx: CheckContext, outcome: Outcome) -> str:
+    """' (<previous turn> left positions a..b past its returned tokens)' for a chat turn whose previous turn's
+    KV scan found the slot holding more than that turn returned (`past_returned`), else ''."""
+    name, _, turn = ctx.case.rpartition(".turn")
+    if not name or not turn.isdigit() or int(turn) < 2:
+        return ""
+    before = f"{name}.turn{int(turn) - 1}"
+    previous = next((o for o in ctx.run.of_case(before) if o.round == outcome.round and o.result.ok), None)
+    past = past_returned(previous.result) if previous is not None else None
+    if past is None:
+        return ""
+    return (f" ({before} left positions {past[0]}..{past[1]} past its {len(previous.result.tokens)} returned tokens, "
+            f"stop: {previous.result.stop_reason})")
+
+
+def prompt_reuse(ctx: CheckContext) -> Optional[CheckResult]:
+    """Per round, the speculative cell's request of this case (a chat turn) reuses as many prompt tokens from
+    the slot's cache (`Result.timings.cache_n`) as the non-speculative cell's request of the same round, where
+    both sent the same prompt (a prompt that differs follows an earlier reply that differed: `lossless`'s to
+    report). The in-process engine reuses none (0 in both cells). Meaningful where the slot a request lands on
+    and what it served before follow from the suite: one case at a time (`run_order: [seq]`, or one case). A
+    failing chat turn names what its previous turn left in the slot (`left_behind`)."""
+    if not spec_preset(ctx.cell.spec).speculative or not ctx.completed():
+        return None
+    reference = ctx.cell.reference(spec="none")
+    theirs = {o.round: o.result for o in ctx.other(reference) if o.result.ok}
+    pairs = [(o, theirs[o.round]) for o in ctx.completed()
+             if o.round in theirs and theirs[o.round].prompt_tokens == o.result.prompt_tokens]
+    if not pairs:
+        return None
+    failures = [f"round {o.round}: {ctx.case} reused {o.result.timings.cache_n} of its {len(o.result.prompt_tokens)} "
+                f"prompt tokens from the cache, {ref.timings.cache_n} in {reference.id}{left_behind(ctx, o)}"
+                for o, ref in pairs if o.result.timings.cache_n != ref.timings.cache_n]
+    evidence = {"compared": len(pairs), "cache_n": [o.result.timings.cache_n for o, _ in pairs],
+                "reference_cache_n": [ref.timings.cache_n for _, ref in pairs]}
+    if failures:
+        more = f" (and {len(failures) - 1} more)" if len(failures) > 1 else ""
+        return CheckResult("prompt-reuse", False, f"{ctx.cell.id}, {failures[0]}{more}", evidence, failures=failures)
+    return CheckResult("prompt-reuse", True, evidence=evidence)

@@ -1,0 +1,108 @@
+"""What `repro.py` runs: the legs of a bundle's `case.json` on the in-process engine, judged as repro.sh judges.
+
+`$MODEL` and `$DRAFT_MODEL` replace the run's models; `$SPECHARNESS_FAULT` replaces the run's in-process fault
+switch (`none`: the clean engine). Exit status: 1 the failure reproduces, 0 it does not, 2 it could not be told.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from dataclasses import fields
+from pathlib import Path
+
+from harness.backends.base import ServeConfig
+from harness.backends.inproc import InprocBackend
+from harness.errors import HarnessError
+from harness.repro.legs import JUDGES, REFERENCE, SUBJECT
+from harness.request import Request, Sampling
+
+REPRODUCED, NOT_REPRODUCED, UNDECIDED = 1, 0, 2
+
+
+def _config(case: dict, leg: dict) -> ServeConfig:
+    serve = dict(leg["serve"])
+    engine = dict(serve.pop("engine"))
+    fault = os.environ.get("SPECHARNESS_FAULT")
+    if fault is not None:
+        engine["fault"] = None if fault in ("", "none") else fault
+    script = engine.pop("script", None)
+    if script:
+        engine["script"] = {"kind": script["kind"], "outputs": {tuple(k): v for k, v in script["outputs"]}}
+    draft = os.environ.get("DRAFT_MODEL") or (case.get("draft_model") or {}).get("path")
+    return ServeConfig(model=Path(os.environ.get("MODEL") or case["model"]["path"]),
+                       draft_model=Path(draft) if draft and serve["spec"] else None, engine=engine, **serve)
+
+
+def _request(payload: dict) -> Request:
+    names = {f.name for f in fields(Sampling)}
+    sampling = Sampling(**{k: v for k, v in payload.items() if k in names})
+    return Request(prompt=list(payload["prompt"]), sampling=sampling)
+
+
+def run_leg(case: dict, leg: dict) -> dict[str, list]:
+    """Serve one leg; request key → its Results, in the order sent."""
+    session = InprocBackend().open(_config(case, leg))
+    results: dict[str, list] = {}
+    try:
+        for batch in leg["batches"]:
+            requests = [_request(r["payload"]) for r in batch["requests"]]
+            if batch["how"] == "par":
+                done = session.run(requests)
+            else:
+                done = [session.run([request])[0] for request in requests]
+            for request, result in zip(batch["requests"], done):
+                results.setdefault(request["key"], []).append(result)
+    finally:
+        session.close()
+    return results
+
+
+def judge(case: dict, outputs: dict[str, dict[str, list]]) -> tuple[int, str]:
+    """(exit status, what was seen) for the judge of `case` over each leg's results of the failing request."""
+    kind, subject = case["judge"], outputs[SUBJECT][case["key"]]
+    failed = [r for r in subject if not r.ok]
+    if kind in ("crash", "error"):
+        bad = [r for r in failed if (r.stop_reason in ("crashed", "timeout")) == (kind == "crash")]
+        return (REPRODUCED, f"REPRODUCED: {bad[0].error.splitlines()[0]}") if bad else \
+            (NOT_REPRODUCED, "not reproduced: every request completed")
+    if failed:
+        return UNDECIDED, f"the subject did not complete: {failed[0].error.splitlines()[0]}"
+    if kind == "kv":
+        unhealthy = [r for r in subject if r.kv_scan and not r.kv_scan["healthy"]]
+        return (REPRODUCED, f"REPRODUCED: KV scan totals {unhealthy[0].kv_scan['totals']}") if unhealthy else \
+            (NOT_REPRODUCED, "not reproduced: the KV cache is healthy")
+    if kind == "rounds-differ":
+        lines = [f"round {i + 1}: {r.tokens}" for i, r in enumerate(subject)]
+        differ = len({tuple(r.tokens) for r in subject}) > 1
+        return (REPRODUCED if differ else NOT_REPRODUCED), "\n".join(lines)
+    expected = outputs[REFERENCE][case["key"]][0]
+    if not expected.ok:
+        return UNDECIDED, f"the reference did not complete: {expected.error.splitlines()[0]}"
+    lines = [f"expected ({case['reference_what']}): {expected.tokens}"]
+    status = NOT_REPRODUCED
+    for r in subject:
+        lines.append(f"actual   (subject):   {r.tokens}")
+        if r.tokens != expected.tokens:
+            index = next((i for i, (a, b) in enumerate(zip(expected.tokens, r.tokens)) if a != b),
+                         min(len(expected.tokens), len(r.tokens)))
+            lines.append(f"first divergence at generated token {index}")
+            status = REPRODUCED
+    return status, "\n".join(lines + ["REPRODUCED" if status else "not reproduced: the outputs are equal"])
+
+
+def main(case_file: Path) -> int:
+    case = json.loads(Path(case_file).read_text())
+    if case["judge"] not in JUDGES:
+        print(f"this failure ({case['signature']}) is judged by specharness's own check: specharness run", file=sys.stderr)
+        return UNDECIDED
+    print(f"{case['signature']}: {case['suite']}[{case['key']}] {case['cell_id']} on the in-process engine")
+    try:
+        outputs = {leg["role"]: run_leg(case, leg) for leg in case["legs"]}
+    except HarnessError as err:
+        print(f"could not run: {err}", file=sys.stderr)
+        return UNDECIDED
+    status, seen = judge(case, outputs)
+    print(seen)
+    return status

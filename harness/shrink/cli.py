@@ -1,0 +1,202 @@
+"""`specharness shrink` and `specharness repro`: the smallest case that still fails with the same signature,
+and the reproducer bundle of a failing case (repro.sh, repro.py, ISSUE.md).
+
+Exit status: 0 a bundle was written, 1 the failure did not reproduce, 2 bad input, 130 interrupted by
+Ctrl-C, 143 by SIGTERM (the smallest case found so far is still written).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+from pathlib import Path
+from typing import Optional
+
+from harness import interrupt
+from harness.bisect.plan import failing_records
+from harness.errors import HarnessError
+from harness.matrix import Cell
+from harness.paths import reports_dir
+from harness.report.files import status
+from harness.runner import DEFAULTS, csv, count, new_run_dir, prepare_out
+from harness.shrink.candidate import Candidate, initial
+from harness.shrink.trial import Policy, Runner
+from harness.signatures import classify
+
+EXIT_WRITTEN, EXIT_NOT_REPRODUCED = 0, 1
+
+
+def _load(path: Path, what: str):
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        raise HarnessError(f"{path.parent} is not a complete run directory: no {path.name} ({what})") from None
+    except (OSError, ValueError) as err:
+        raise HarnessError(f"unreadable {path}: {' '.join(str(err).split())}") from None
+
+
+class Origin:
+    """The failing verdict a shrink starts from: its run, cell, check, signature and the run's options."""
+
+    def __init__(self, args: argparse.Namespace, what: str):
+        run_dir = Path(args.from_run)
+        self.meta = _load(run_dir / "run.json", "what ran")
+        self.results = _load(run_dir / "results.json", "the requests")
+        self.checks = _load(run_dir / "checks.json", "the verdicts")
+        failing = failing_records(run_dir, args.case, csv(args.check), what=what, mode=args.mode, spec=args.spec,
+                                  model=args.model, backend=args.backend)
+
+        def requests(v: dict) -> list[dict]:
+            return [r for r in self.results if all(r.get(k) == v.get(k) for k in ("suite", "case", "model", "backend",
+                                                                                  "mode", "spec"))]
+
+        own = [v for v in failing if not classify(v, requests(v)).consequence]
+        self.verdict = (own or failing)[0]
+        self.signature = classify(self.verdict, requests(self.verdict)).text
+        v = self.verdict
+        self.cell = Cell(v["backend"], v["mode"], v["spec"], v["model"])
+        self.check = v["check"]
+        self.suite = (self.meta.get("suites") or {}).get(v["suite"]) or v["suite"]
+        if not DEFAULTS:
+            from harness.cli import build_parser
+
+            build_parser()  # fills the `run` defaults
+        self.options = argparse.Namespace(**{**DEFAULTS, **(self.meta.get("options") or {})})
+        self.server_bin = args.server_bin or self.options.server_bin
+        self.source = args.source or self.options.source
+        self.describe = f"{v['suite']}[{v['case']}-{self.cell.id}] {self.check}: {self.signature}"
+
+    def pattern(self) -> Optional[str]:
+        """The run's failure pattern of this signature, as one reading plus its axes."""
+        from harness.signatures.pattern import failure_patterns
+
+        for failure, p in failure_patterns(self.checks, self.results, self.meta, lambda v: status(v) == "failed"):
+            if failure.signature == self.signature:
+                axes = [f"- {axis}: " + ", ".join(f"{value} {state}" for value, state in values.items())
+                        for axis, values in p.axes.items()]
+                return "\n".join([p.reading, "", *axes])
+        return None
+
+
+def _reproduce(runner: Runner, start: Candidate, tries: int, say) -> tuple[Policy, list]:
+    """Run the original case `tries` times: how often it shows the signature decides each step's policy."""
+    attempts = [runner.attempt(start) for _ in range(tries)]
+    shown = sum(a.shows(runner.signature) for a in attempts)
+    if shown == 0:
+        seen = sorted({s for a in attempts for s in a.signatures} or {"passed"})
+        raise NotReproduced(f"the failure did not reproduce (0 of {tries} runs; seen: {'; '.join(seen)})")
+    policy = Policy(1, 1) if shown == tries else Policy(1, tries)
+    say(f"shrink: the original case shows the signature {shown} of {tries} runs: "
+        + ("deterministic, each step runs once" if shown == tries else
+           f"nondeterministic, a step holds when it shows the signature {policy} runs"))
+    return policy, attempts
+
+
+class NotReproduced(Exception):
+    pass
+
+
+def _say(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
+
+
+def cmd_shrink(args: argparse.Namespace, shrink: bool = True) -> int:
+    from harness.repro.write import write_bundle
+    from harness.shrink.driver import Shrinker, require_shrinkable
+    from harness.shrink.trial import Trial
+
+    origin = Origin(args, "shrink" if shrink else "reproduce")
+    if shrink:
+        require_shrinkable(origin.check)
+    start = initial(origin.suite, args.case, origin.check, origin.cell)
+    out = prepare_out(Path(args.out) if args.out else new_run_dir(reports_dir()))
+    _say(f"shrink: {origin.describe}")
+    stopped = None
+    with tempfile.TemporaryDirectory(prefix="specharness-shrink-") as logs:
+        runner = Runner(origin.options, origin.server_bin, origin.source, origin.signature, Policy(), Path(logs))
+        try:
+            runner.policy, attempts = _reproduce(runner, start, args.tries, _say)
+        except NotReproduced as err:
+            _say(f"shrink: {err}")
+            return EXIT_NOT_REPRODUCED
+        except KeyboardInterrupt:
+            _say("shrink: interrupted before the failure was reproduced; nothing written")
+            return interrupt.status()
+        if args.reproduce:
+            runner.policy = args.reproduce
+        best, trial = start, Trial(start, attempts, holds=True)
+        shrinker = None
+        if shrink:
+            shrinker = Shrinker(runner, trial, out / "shrink-log.jsonl", _say, args.time_limit)
+            best = shrinker.run()
+            trial, stopped = shrinker.best_trial, shrinker.stopped
+        with interrupt.deferred():  # the bundle of the smallest case so far is written in full
+            interrupt.phase("writing")
+            attempt = trial.showing(origin.signature)
+            note = _summary(start, best, runner, shrinker, args.from_run)
+            build = runner.build() if best.cell.backend == "server" else None
+            files = write_bundle(out, best, attempt, build, origin.options.draft_model, origin.pattern(), note)
+            stopped = stopped or ("interrupted" if interrupt.received() else None)
+            (out / "shrink.json").write_text(json.dumps({
+                "from_run": str(args.from_run), "signature": origin.signature, "policy": str(runner.policy),
+                "original": start.to_json(), "final": best.to_json(), "trials": runner.count,
+                "seconds": round(shrinker.elapsed(), 1) if shrinker else None, "stopped": stopped,
+                "files": {k: str(v) for k, v in files.items()}}, indent=1) + "\n")
+    print(note)
+    for name, path in files.items():
+        print(f"{name}: {path}")
+    if stopped:
+        _say(f"shrink: stopped ({stopped}): the bundle holds the smallest failing case found")
+    return interrupt.status() if stopped == "interrupted" else EXIT_WRITTEN
+
+
+def _summary(start: Candidate, best: Candidate, runner: Runner, shrinker, run_dir) -> str:
+    if shrinker is None:
+        return f"Reproducer of a failing case of run {run_dir} (not shrunk: `specharness shrink` makes it smaller)."
+    return (f"Shrunk by `specharness shrink` from run {run_dir} in {runner.count} trials, {shrinker.elapsed():.0f} s "
+            f"(a step held when the signature showed {runner.policy} runs): {start.describe()} → {best.describe()}.")
+
+
+def cmd_repro(args: argparse.Namespace) -> int:
+    return cmd_shrink(args, shrink=False)
+
+
+def _policy(text: str) -> Policy:
+    try:
+        k, n = (int(p) for p in text.split("/"))
+    except ValueError:
+        k = n = 0
+    if not 1 <= k <= n:
+        raise argparse.ArgumentTypeError(f"expected K/N with 1 <= K <= N (e.g. 2/3), got '{text}'")
+    return Policy(k, n)
+
+
+def _common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--from-run", type=Path, required=True, metavar="RUN_DIR", help="run directory with the failure")
+    p.add_argument("--case", required=True, metavar="ID", help="the failing case (a chat turn: name.turnN)")
+    p.add_argument("--check", metavar="NAME", help="the failing check whose signature is kept (default: the case's "
+                                                   "first failure that is not a consequence of another)")
+    for axis in ("mode", "spec", "model", "backend"):
+        p.add_argument(f"--{axis}", help=f"the failing cell's {axis}, when the case failed in several")
+    p.add_argument("--server-bin", type=Path, metavar="PATH", help="llama-server binary (default: the run's)")
+    p.add_argument("--source", type=Path, metavar="DIR", help="llama.cpp tree to build llama-server from (default: the run's)")
+    p.add_argument("--tries", type=count(1), default=3,
+                   help="runs of the original case that decide whether the failure is deterministic (default 3)")
+    p.add_argument("--out", metavar="DIR", help="where the bundle goes (default reports/<run-id>)")
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    """Register `specharness shrink` and `specharness repro`."""
+    p = sub.add_parser("shrink", help="delta-debug a failing case down to the smallest one with the same signature")
+    _common(p)
+    p.add_argument("--reproduce", type=_policy, metavar="K/N",
+                   help="a step holds when K of N runs show the signature (default: 1/1 for a deterministic failure, "
+                        "1/tries for a nondeterministic one)")
+    p.add_argument("--time-limit", type=float, default=900.0, metavar="S",
+                   help="stop after S seconds with the smallest failing case found (default 900)")
+    p.set_defaults(func=cmd_shrink)
+    r = sub.add_parser("repro", help="write the reproducer bundle (repro.sh, repro.py, ISSUE.md) of a failing case")
+    _common(r)
+    r.set_defaults(func=cmd_repro, reproduce=None, time_limit=None)

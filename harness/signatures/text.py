@@ -1,0 +1,44 @@
+"""The distinct failures and their patterns on the console: the headline, then per failure its signature,
+its reading and its grid (mode × drafter rows, model kind × backend columns)."""
+
+from rich.table import Table
+
+from harness.signatures.group import Failure, headline
+from harness.signatures.pattern import FAILED, NOT_RUN, PASSED, Pattern
+
+MARKS = {FAILED: "[red]✗ {failed}/{cases}[/]", PASSED: "[green]✓ {cases}[/]", NOT_RUN: "[dim]not run[/]"}
+"""A grid cell on the console: failed (cases with the failure / cases run), passed (cases run), not run."""
+
+
+def grid_table(p: Pattern) -> Table:
+    """The pattern's grid as a rich table."""
+    table = Table(show_edge=False, pad_edge=False, box=None)
+    table.add_column("mode · drafter")
+    for kind, backend in p.columns:
+        table.add_column(f"{kind} · {backend}", justify="center")
+    for row in p.rows:
+        spots = [p.grid.get((row, col), {"state": NOT_RUN}) for col in p.columns]
+        table.add_row(" · ".join(row), *(MARKS[s["state"]].format(**s) for s in spots))
+    return table
+
+
+def summary_lines(found: list[tuple[Failure, Pattern]]) -> list[str]:
+    """The headline, then per failure `N. <signature>` and its reading, indented ([] when there are none)."""
+    if not found:
+        return []
+    out = [headline([f for f, _ in found])]
+    for n, (failure, p) in enumerate(found, 1):
+        out += [f"{n}. {failure.signature}", f"   {p.reading}"]
+    return out
+
+
+def print_failures(found: list[tuple[Failure, Pattern]], console) -> None:
+    """The run's distinct failures, most severe first, each with its reading and grid (nothing when none)."""
+    lines = summary_lines(found)
+    if not lines:
+        return
+    console.print(lines[0], style="bold red", markup=False, highlight=False)
+    for (_, p), title, reading in zip(found, lines[1::2], lines[2::2]):
+        console.print(title, style="bold", markup=False, highlight=False)
+        console.print(reading, markup=False, highlight=False)
+        console.print(grid_table(p))

@@ -1,0 +1,60 @@
+"""A model the project does not ship: `no baseline yet` (exit 0, counted apart), baselines recorded outside the
+package with `--baselines-dir`, compared on the next run, and known by content, not by the file's path."""
+
+import json
+import shutil
+import xml.etree.ElementTree as ET
+
+from harness.cli import main
+from harness.models import model_key, resolve
+
+ARGV = ["run", "--suite", "quicksort", "--backend", "inproc", "--mode", "seq", "--spec", "none,ngram-mod"]
+
+
+def verdicts(out, check):
+    return [c for c in json.loads((out / "checks.json").read_text()) if c["check"] == check]
+
+
+def test_a_new_model_runs_with_no_baseline_yet_then_records_and_compares(tmp_path, capsys):
+    model = tmp_path / "models" / "my-model.gguf"  # a generated model under a path the project does not know
+    model.parent.mkdir()
+    shutil.copyfile(resolve("tiny-dense-loop").path, model)
+    key = model_key(str(model))
+    assert key.startswith("gguf-") and key == model_key(str(shutil.copyfile(model, tmp_path / "other-name.gguf")))
+
+    assert main([*ARGV, "--model", str(model), "--out", str(tmp_path / "r1")]) == 0
+    baseline = verdicts(tmp_path / "r1", "baseline")
+    assert len(baseline) == 6 and all(v["passed"] and v["evidence"]["no_baseline"] for v in baseline)
+    assert all(v["evidence"].get("no_baseline") for v in verdicts(tmp_path / "r1", "acceptance"))
+    assert f"no baseline yet for {key} (quicksort, inproc, cpu)" in baseline[0]["message"]
+    assert "--update-baselines" in baseline[0]["message"]
+    out, err = capsys.readouterr()
+    assert "no baseline yet" in out  # the summary table counts them apart
+    assert "uncalibrated: " in err and f"specharness calibrate --model {model} --backend inproc --write" in err
+    junit = ET.parse(tmp_path / "r1" / "junit.xml").getroot()
+    assert len(junit.findall(".//skipped[@type='no-baseline']")) == 9  # 6 baseline verdicts, 3 of acceptance (ngram-mod)
+    html = (tmp_path / "r1" / "index.html").read_text()
+    assert "9 of them with no baseline yet" in html and "uncalibrated: " in html
+
+    recorded = tmp_path / "my-baselines"
+    assert main([*ARGV, "--model", str(model), "--update-baselines", "--baselines-dir", str(recorded),
+                 "--out", str(tmp_path / "r2")]) == 0
+    files = sorted(p.name for p in (recorded / "quicksort").glob("*.json"))
+    assert files == [f"{case}--{key}--inproc--cpu.json" for case in ("C", "Java", "Python")]
+    assert "seq/ngram-mod" in json.loads((recorded / "quicksort" / files[0]).read_text())["acceptance"]
+
+    moved = tmp_path / "elsewhere" / "renamed.gguf"  # moving or renaming the file keeps its baselines
+    moved.parent.mkdir()
+    model.rename(moved)
+    assert main([*ARGV, "--model", str(moved), "--baselines-dir", str(recorded), "--out", str(tmp_path / "r3")]) == 0
+    baseline = verdicts(tmp_path / "r3", "baseline")
+    assert len(baseline) == 6 and all(v["passed"] and "no_baseline" not in v["evidence"] for v in baseline)
+    assert all(str(recorded) in v["evidence"]["baseline"] for v in baseline)
+
+    edited = recorded / "quicksort" / files[0]  # and they are compared: an edited token fails that case
+    data = json.loads(edited.read_text())
+    data["tokens"][5] += 1
+    edited.write_text(json.dumps(data))
+    assert main([*ARGV, "--model", str(moved), "--baselines-dir", str(recorded), "--out", str(tmp_path / "r4")]) == 1
+    failed = [v for v in verdicts(tmp_path / "r4", "baseline") if not v["passed"]]
+    assert {v["case"] for v in failed} == {"C"} and "at token 5" in failed[0]["message"]

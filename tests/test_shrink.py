@@ -1,0 +1,113 @@
+"""`specharness shrink` and its reproducer bundle on real failures: an in-process fault switch, and a llama-server
+built with a seeded defect (the regression commit of the bisect fixture history, whose builds the bisect tests
+cache). Each shrink must end with a small prompt that still fails with the run's signature; the bundle's
+repro.sh, run on its own with bash and curl, must fail on the seeded build and pass on the clean one."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from bisect_history import REGRESSION, builds_at
+
+ROOT = Path(__file__).resolve().parents[1]
+SEEDED_SUITE = ROOT / "tests" / "data" / "shrink-seeded.yaml"
+
+
+def specharness(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "harness.cli", *args], cwd=ROOT, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def shrunk(bundle: Path) -> tuple[dict, dict]:
+    """(shrink.json, case.json) of a bundle."""
+    return json.loads((bundle / "shrink.json").read_text()), json.loads((bundle / "case.json").read_text())
+
+
+def assert_small(summary: dict, case: dict) -> None:
+    """A prompt of at most 16 tokens (the original is 22), with the run's signature, in every request of the case."""
+    final = summary["final"]["prompt"]
+    assert final is not None and len(final) <= 16, summary["final"]
+    assert case["signature"] == summary["signature"]
+    target = [r for leg in case["legs"] if leg["role"] == "subject" for b in leg["batches"] for r in b["requests"]
+              if r["key"] == case["key"]]
+    assert target and all(r["payload"]["prompt"] == final for r in target)
+
+
+@pytest.fixture(scope="module")
+def fault_bundle(tmp_path_factory) -> Path:
+    """A run with an in-process fault (rejected drafts' attention cells kept after a checkpoint restore), shrunk."""
+    tmp = tmp_path_factory.mktemp("shrink-fault")
+    run = specharness("run", "--suite", "quicksort", "--model", "tiny-hybrid", "--mode", "seq", "--spec",
+                      "scripted-wrong-at-2", "--backend", "inproc", "--fault", "skip-seq-rm-after-restore",
+                      "--out", str(tmp / "run"))
+    assert run.returncode == 1, run.stderr[-2000:]
+    done = specharness("shrink", "--from-run", str(tmp / "run"), "--case", "C", "--out", str(tmp / "bundle"))
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "shrink: trial" in done.stderr  # progress as it goes
+    return tmp / "bundle"
+
+
+def test_shrink_of_an_in_process_fault_keeps_its_signature(fault_bundle):
+    summary, case = shrunk(fault_bundle)
+    assert summary["signature"] == "kv-healthy: duplicate cells" and summary["policy"] == "1 of 1"
+    assert_small(summary, case)
+    assert summary["final"]["n_predict"] < summary["original"]["n_predict"]
+    assert summary["final"]["companions"] == [] and len(summary["final"]["rounds"]) == 1
+    issue = (fault_bundle / "ISSUE.md").read_text()
+    assert "duplicate cells" in issue and "specharness models make tiny-hybrid" in issue and case["model"]["sha256"] in issue
+
+
+def test_repro_py_fails_with_the_fault_and_passes_without(fault_bundle):
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    faulty = subprocess.run([sys.executable, "repro.py"], cwd=fault_bundle, env=env, capture_output=True, text=True,
+                            timeout=300)
+    assert faulty.returncode == 1 and "REPRODUCED" in faulty.stdout, faulty.stdout + faulty.stderr
+    clean = subprocess.run([sys.executable, "repro.py"], cwd=fault_bundle, env=dict(env, SPECHARNESS_FAULT="none"),
+                           capture_output=True, text=True, timeout=300)
+    assert clean.returncode == 0, clean.stdout + clean.stderr
+
+
+@pytest.fixture(scope="module")
+def seeded(tmp_path_factory):
+    """llama-server at the bisect history's regression commit and at its parent, a run of the bisect case on the
+    seeded build, and its shrunk bundle (judged by `lossless`: repro.sh compares with the run without drafts)."""
+    clean, bad = builds_at(REGRESSION - 1, REGRESSION)
+    tmp = tmp_path_factory.mktemp("shrink-seeded")
+    run = specharness("run", "--suite", str(SEEDED_SUITE), "--server-bin", str(bad.server_bin), "--out", str(tmp / "run"))
+    assert run.returncode == 1, run.stderr[-2000:]
+    done = specharness("shrink", "--from-run", str(tmp / "run"), "--case", "Python", "--check", "lossless",
+                       "--out", str(tmp / "bundle"))
+    assert done.returncode == 0, done.stderr[-3000:]
+    return clean, bad, tmp / "bundle"
+
+
+@pytest.mark.xdist_group("bisect-history")  # the fixture repository's builds
+def test_shrink_of_a_seeded_llama_server_defect(seeded):
+    _, _, bundle = seeded
+    summary, case = shrunk(bundle)
+    # the divergence is triaged kv-corrupt: the lossless verdict restates the KV scan's signature
+    assert summary["signature"] == "kv-healthy: duplicate cells" and case["judge"] == "differs"
+    assert_small(summary, case)
+    assert (bundle / "repro.sh").is_file() and (bundle / "requests").is_dir()
+
+
+@pytest.mark.xdist_group("bisect-history")  # the fixture repository's builds
+def test_repro_sh_alone_fails_on_the_seeded_build_and_passes_on_the_clean_one(seeded, tmp_path):
+    clean, bad, bundle = seeded
+    alone = tmp_path / "bundle"
+    shutil.copytree(bundle, alone)  # nothing of the checkout: bash, curl and the files of the bundle
+    env = {"PATH": os.environ["PATH"], "HOME": str(tmp_path)}
+    failing = subprocess.run(["bash", str(alone / "repro.sh")], env=dict(env, LLAMA_SERVER=str(bad.server_bin)),
+                             cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert failing.returncode == 1 and "REPRODUCED" in failing.stdout, failing.stdout + failing.stderr
+    assert "expected (" in failing.stdout and "actual" in failing.stdout
+    passing = subprocess.run(["bash", str(alone / "repro.sh")], env=dict(env, LLAMA_SERVER=str(clean.server_bin)),
+                             cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert passing.returncode == 0, passing.stdout + passing.stderr

@@ -1,0 +1,179 @@
+"""Failure signatures and patterns on real runs of the tiny models: a real llama.cpp abort (in-process), an
+engine fault and a llama-server with a seeded defect each show as one signature whose pattern matches
+checks.json, two defects in one run as exactly two, in index.html, junit.xml, the console and `diff`; a
+check that only restates a crash is its consequence, not another failure."""
+
+import contextlib
+import io
+import json
+import shutil
+import subprocess
+import sys
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+import pytest
+
+from harness.cli import main
+from harness.signatures import classify, signature_of
+from report_helpers import inside, make_checkout, parse_html
+
+ABORT = "crash: GGML_ASSERT(n_ubatch > n_keep_tail) failed"
+DUPLICATES = "kv-healthy: duplicate cells"
+RUNS = {
+    # a real abort inside llama.cpp (split_equal, recurrent snapshots): the hybrid model with a drafter only
+    "abort": ["--suite", "small-ubatch"],
+    # the engine fault: only a checkpoint restore (hybrid) after a rejection (scripted drafts) leaves cells; its
+    # lossless, baseline, logits and acceptance failures are consequences of the damaged cache
+    "fault": ["--suite", "quicksort", "--model", "tiny-hybrid", "--model", "tiny-dense", "--mode", "seq",
+              "--spec", "none,scripted-wrong-at-2", "--fault", "skip-seq-rm-after-restore"],
+}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, tiny_models):
+    """The two runs (with no known-failure entries: the abort fails) and their merge; the console of each."""
+    root = make_checkout(tmp_path_factory.mktemp("signatures"))
+    (root / "suites" / "known-failures.yaml").write_text("[]\n")
+    console = {}
+    with inside(root):
+        for name, args in RUNS.items():
+            with contextlib.redirect_stderr(io.StringIO()) as err:
+                assert main(["run", *args, "--out", name]) == 1
+            console[name] = err.getvalue()
+        assert main(["report", "--merge", "abort", "fault", "--out", "both"]) == 0
+    return root, console
+
+
+@pytest.fixture(scope="module")
+def seeded(runs):
+    """The same bug class in a real llama-server: the bisect fixture's regression commit (no seq_rm after a
+    checkpoint restore), built once (cached; the bisect tests build it too); merged with the abort run."""
+    from bisect_history import REGRESSION, builds_at
+
+    build, = builds_at(REGRESSION)
+    root, console = runs
+    with inside(root):
+        with contextlib.redirect_stderr(io.StringIO()) as err:
+            assert main(["run", "--suite", "quicksort", "--backend", "server", "--model", "tiny-hybrid", "--model",
+                         "tiny-dense", "--mode", "seq", "--spec", "none,draft-simple", "--server-bin",
+                         str(build.server_bin), "--out", "server"]) == 1
+        console["server"] = err.getvalue()
+        assert main(["report", "--merge", "abort", "server", "--out", "abort+server"]) == 0
+    return root
+
+
+def load(path: Path):
+    return json.loads(path.read_text())
+
+
+def expected_grid(run: Path) -> dict[tuple[str, str], str]:
+    """From checks.json and run.json alone: ("mode · drafter", "kind · backend") → failed / passed."""
+    kinds = {name: m["kind"] for name, m in load(run / "run.json")["models"].items()}
+    grid: dict[tuple[str, str], str] = {}
+    for v in load(run / "checks.json"):
+        spot = (f"{v['mode']} · {v['spec']}", f"{kinds[v['model']]} · {v['backend']}")
+        failed = not v["passed"] and "known_failure" not in v["evidence"]
+        grid[spot] = "failed" if failed or grid.get(spot) == "failed" else "passed"
+    return grid
+
+
+@pytest.mark.parametrize("name, signature, reading", [
+    ("abort", ABORT, "only draft-simple; none clean"),
+    ("fault", DUPLICATES, "only scripted-wrong-at-2, only hybrid; none clean, dense clean"),
+    ("server", DUPLICATES, "only draft-simple, only hybrid; none clean, dense clean"),
+])
+def test_one_defect_is_one_signature_whose_pattern_matches_checks_json(runs, request, name, signature, reading):
+    root, console = runs
+    if name == "server":
+        request.getfixturevalue("seeded")
+    run = root / name
+    doc = parse_html((run / "index.html").read_text())
+    found = doc.find_all("div", class_="signature")
+    assert [a.attrs["data-signature"] for a in found] == [signature]
+    assert doc.find(id="distinct-failures").text.startswith("1 distinct failure")
+    assert found[0].find("p", class_="reading").text.startswith(reading)
+    shown = {(td.attrs["data-row"], td.attrs["data-col"]): td.attrs["data-state"]
+             for td in found[0].find_all("td", class_="spot")}
+    assert shown == expected_grid(run)
+    failing = [v for v in load(run / "checks.json") if not v["passed"]]
+    cases = {(v["suite"], v["case"], v["mode"], v["spec"], v["model"], v["backend"]) for v in failing}
+    assert int(found[0].attrs["data-cases"]) == len(cases)
+    types = {f.get("type") for f in ET.parse(run / "junit.xml").getroot().iter("failure")}
+    assert types == {signature}
+    lines = console[name].splitlines()
+    assert lines[lines.index(next(x for x in lines if x.startswith("1 distinct failure"))) + 1] == f"1. {signature}"
+    assert f"   {reading}" in console[name]
+
+
+def test_two_defects_in_one_run_are_exactly_two_signatures_and_diff_groups_by_them(runs, capsys):
+    root, _ = runs
+    doc = parse_html((root / "both" / "index.html").read_text())
+    assert [a.attrs["data-signature"] for a in doc.find_all("div", class_="signature")] == [ABORT, DUPLICATES]
+    assert doc.find(id="distinct-failures").text.startswith("2 distinct failures")
+    rows = doc.find(id="failing").find_all("tr", data_status="failed")
+    assert [r.attrs["data-signature"] for r in rows] == sorted((r.attrs["data-signature"] for r in rows),
+                                                               key=[ABORT, DUPLICATES].index)  # grouped
+    assert main(["diff", str(root / "fault"), str(root / "both")]) == 1
+    out = capsys.readouterr().out
+    assert f"1 distinct failure newly failing: {ABORT} (" in out
+    listed = parse_html((root / "both" / "diff.html").read_text()).find(id="newly-failing-signatures").find_all("li")
+    assert [li.attrs["data-signature"] for li in listed] == [ABORT] and listed[0].attrs["data-in-a"] == "0"
+
+
+def test_a_seeded_llama_server_and_an_engine_abort_in_one_run_are_two_signatures(seeded):
+    doc = parse_html((seeded / "abort+server" / "index.html").read_text())
+    found = {d.attrs["data-signature"]: d for d in doc.find_all("div", class_="signature")}
+    assert list(found) == [ABORT, DUPLICATES]
+    columns = {th.text for th in found[DUPLICATES].find_all("th") if "data-col" in th.attrs}
+    assert columns == {"hybrid · inproc", "hybrid · server", "dense · server"}
+    failed = {(td.attrs["data-row"], td.attrs["data-col"]) for td in found[DUPLICATES].find_all("td", data_state="failed")}
+    assert failed == {("seq · draft-simple", "hybrid · server")}
+
+
+def test_a_check_of_a_crashed_request_is_a_consequence_not_another_failure(runs, tmp_path):
+    root, _ = runs
+    run = tmp_path / "run"
+    shutil.copytree(root / "abort", run)
+    checks = load(run / "checks.json")
+    crash = next(v for v in checks if not v["passed"])
+    error = next(r["error"] for r in load(run / "results.json") if r["stop_reason"] == "crashed")
+    restating = [  # what spec-ran and lossless say of a case whose request (or reference) crashed
+        {**crash, "check": "spec-ran", "message": "no drafts at all for the case (1 requests)", "evidence": {}},
+        {**crash, "mode": "seq", "check": "lossless", "message": f"non-speculative output reference failed: {error}",
+         "evidence": {}},
+    ]
+    (run / "checks.json").write_text(json.dumps(checks + restating))
+    assert main(["report", str(run)]) == 0
+    doc = parse_html((run / "index.html").read_text())
+    block = doc.find("div", class_="signature")
+    assert len(doc.find_all("div", class_="signature")) == 1
+    assert block.attrs["data-signature"] == ABORT and block.attrs["data-consequences"] == "2"
+    rows = doc.find(id="failing").find_all("tr", data_consequence="1")
+    assert {r.find_all("td")[2].text for r in rows} == {"spec-ran", "lossless"}
+    restates = [p.get("value") for p in ET.parse(run / "junit.xml").getroot().iter("property") if p.get("name") == "restates"]
+    assert restates == [ABORT, ABORT]
+
+
+def test_signatures_drop_paths_numbers_and_the_backend_but_keep_the_assert():
+    server = ("llama-server was killed by SIGABRT: /home/ci/llama.cpp/src/llama-batch.cpp:412: "
+              "GGML_ASSERT(n_ubatch > 0 && ubatch.n_seqs <= 4) failed; log /tmp/r/server-3.log ends with:\n...")
+    engine = ("the in-process engine's worker was killed by SIGABRT: /opt/src/llama-batch.cpp:415: "
+              "GGML_ASSERT(n_ubatch > 0 && ubatch.n_seqs <= 4) failed; log /tmp/q/engine-1.log ends with:\n...")
+    crash = {"check": "no-crash", "passed": False, "evidence": {}}
+    assert signature_of({**crash, "message": f"1 of 2 requests failed; C round 0: {server}"}) == \
+        signature_of({**crash, "message": f"2 of 2 requests failed; Java round 1: {engine}"}) == \
+        "crash: GGML_ASSERT(n_ubatch > 0 && ubatch.n_seqs <= 4) failed"
+    thrown = "llama-server was killed by SIGABRT; log /x/y.log ends with:\nterminate called after\n  what():  failed to remove sequence 7"
+    assert signature_of({**crash, "message": "x"}, [{"error": thrown, "stop_reason": "crashed"}]) == \
+        "crash: failed to remove sequence N"
+    spec_ran = classify({"check": "spec-ran", "passed": False, "message": "no drafts at all for the case (2 requests)"},
+                        [{"error": thrown, "stop_reason": "crashed"}], [{**crash, "message": "1 of 2 requests failed"}])
+    assert (spec_ran.text, spec_ran.consequence) == ("crash: failed to remove sequence N", True)
+
+
+def test_reports_read_stored_runs_without_importing_the_engine():
+    code = ("import sys, harness.report, harness.report.diff, harness.report.cli, harness.report.history, "
+            "harness.report.merge; print(sorted(m for m in sys.modules if m.startswith(('harness.engine', "
+            "'harness.detok', 'harness.execute'))))")
+    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip() == "[]"
