@@ -185,9 +185,22 @@ class BaselineStore:
                 return CheckResult("baseline", True, pending, {"no_baseline": True, "baseline": shown(path)})
             return CheckResult("baseline", False, f"no baseline {shown(path)}; create it with: {ctx.repro} "
                                f"--update-baselines{self.option}")
-        result = verdict("baseline", compare_tokens(ctx, data["tokens"], self.load_logits(path), f"baseline {shown(path)}"))
+        result = verdict("baseline", compare_tokens(ctx, data["tokens"], self.load_logits(path),
+                                                    f"baseline {shown(path)}", earlier=self.earlier_replies(ctx)))
         result.evidence["baseline"] = shown(path)
         return result
+
+    def earlier_replies(self, ctx: CheckContext) -> list[Optional[list[int]]]:
+        """The baseline's replies to a chat turn's earlier turns (None where not recorded or unreadable)."""
+        env, root = ctx.executor.environment(ctx.cell), self.root_of(ctx.run.suite)
+        out = []
+        for key in ctx.earlier_turns:
+            try:
+                data = self.load(self.path(ctx.run.suite.name, key, ctx.cell.model, ctx.cell.backend, env["device"], root))
+            except BaselineError:
+                data = None
+            out.append(data["tokens"] if data else None)
+        return out
 
     def acceptance(self, ctx: CheckContext) -> tuple[Optional[list[dict]], Path]:
         """The stored acceptance of this speculative cell's case, one record per round (None when the

@@ -59,7 +59,8 @@ UBATCH = 7
 
 def prompts(model: str) -> list[Case]:
     """The calibration prompts: every case of every suite whose matrix names `model` (a chat's first turn),
-    greedy, as long as that suite runs it for the model; each distinct prompt once. A model no suite names (a
+    greedy, as long as that suite runs it for the model (a case generating to the context end, `n_predict`
+    -1, is left out); each distinct prompt once. A model no suite names (a
     model file of your own) takes the cases of the default suite, `quicksort`."""
     cases, seen = [], set()
     suites = [load_suite(str(path)) for path in suite_files()]
@@ -67,6 +68,8 @@ def prompts(model: str) -> list[Case]:
     for suite in named or [s for s in suites if s.name == DEFAULT_SUITE]:
         for c in suite.cases:
             case = suite.cell_case(c, model)
+            if case.sampling.n_predict < 0:  # runs to the context end by design (draft-budget's ctx_end_*)
+                continue
             case = replace(case, name=f"{suite.name}.{case.name}", turns=case.turns[:1],
                            sampling=replace(case.sampling, temperature=0.0, seed=None))
             key = (case.prompt, tuple(case.turns), case.sampling.n_predict, repr(case.sampling.json_schema),

@@ -36,6 +36,11 @@ class NoiseFloor:
     """Spec config → {"fixed": …, "concurrent": …, "modes": …}: the calibrated drop of a request's acceptance
     that passes against a run of the same cell in a fixed request order, with the requests sent all at once,
     and against seq (see harness.calibrate.acceptance_spread)."""
+    seq_bit_exact: bool = True
+    """Whether calibration measured every `seq` speculative run bit-identical to no speculation (max |Δ| 0 at
+    every position: the tiny models). Where it measured differences (the verification batch takes other kernels
+    than a one-token decode: Gemma's repacked Q4_K weights on x86), a proven near-tie in `seq` is numerics too.
+    Uncalibrated: assumed exact, so every `seq` divergence fails."""
 
     @property
     def calibrated(self) -> bool:
@@ -80,7 +85,9 @@ def from_data(data: dict, source: str) -> NoiseFloor:
                              "concurrent": float(v.get("tolerance_concurrent", v["tolerance"])),
                              "modes": float(v.get("tolerance_modes", v["tolerance"]))}
                       for spec, v in data.get("acceptance", {}).items()}
-        return NoiseFloor(tol, float(raw["near_tie"]), source, acceptance)
+        exact = all(float(v.get("max_abs_max", 0.0)) == 0.0 for k, v in data.get("measured", {}).items()
+                    if k.startswith("seq/"))
+        return NoiseFloor(tol, float(raw["near_tie"]), source, acceptance, exact)
     except (KeyError, TypeError, ValueError) as err:
         raise HarnessError(f"corrupt calibration file {source}: {err!r}; re-run `specharness calibrate`") from None
 

@@ -94,7 +94,9 @@ def test_prompt_reuse_compares_each_turn_with_the_same_turn_without_speculation(
     assert prompt_reuse(ctx_of({SPEC: turns(27, 57), PLAIN: other_prompt}, "chat.turn2")) is None
 
 
-def test_the_entry_explains_its_stop_and_nothing_else():
+@pytest.mark.parametrize("entry", ["server-spec-keeps-eog", "server-spec-keeps-eog-sampled"])
+def test_the_entry_explains_its_stop_and_nothing_else(entry):
+    EOG = KNOWN[entry]  # noqa: N806 (the module's name for the entry, per parameter)
     eog = CheckResult("kv-healthy", False, "x", failures=["round 0: 1 position past the returned tokens: the slot "
                                                           "keeps positions 21..21 after 12 prompt + 9 returned "
                                                           "tokens (stop: eos)"])
@@ -106,6 +108,9 @@ def test_the_entry_explains_its_stop_and_nothing_else():
     unexplained = CheckResult("prompt-reuse", False, "x", failures=[
         "round 0: chat.turn2 reused 27 of its 94 prompt tokens from the cache, 57 in seq-none-tiny-hybrid-server"])
     assert not EOG.explains(unexplained)  # less reuse the previous turn's leftover does not account for
+    if entry.endswith("-sampled"):  # only kv-healthy, only the cells it names
+        assert EOG.covers("sampling", Cell("server", "par", "draft-simple", "tiny-recurrent"))
+        assert not EOG.covers("sampling", Cell("server", "par", "draft-simple", "tiny-hybrid"))
 
 
 # ---------------------------------------------------------------------------------------------- real runs

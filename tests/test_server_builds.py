@@ -21,13 +21,13 @@ OLD_COMMIT = "e3a74b299085cd00013804f7fca2e03441b2da20"
 @pytest.fixture(scope="module")
 def old_build():
     """The cached llama-server of OLD_RELEASE. Building it is a full compile (463 s measured on two shared cores,
-    a third of the whole test suite's budget), so the test is skipped, saying how to build it, when absent."""
+    a third of the whole test suite's budget), so a plain `pytest` skips the test, saying how to build it, when
+    absent; `.ci/run` builds it first (cached after the first CI run), so CI runs it."""
     found = [b for p in (cache_dir() / "builds").glob(f"cpu-{OLD_COMMIT[:8]}-*/build-info.json")
              if (b := load_build(p.parent)) is not None]
     if not found:
         pytest.skip(f"no cached llama-server of llama-cpp-python {OLD_RELEASE} (llama.cpp {OLD_COMMIT[:10]}); build it "
-                    "once (about 8 min on 2 cores) with: python -c \"from harness.backends.build import ensure_server, "
-                    f"vendored_source; ensure_server(vendored_source('{OLD_RELEASE}'))\"")
+                    f"once (about 8 min on 2 cores; .ci/run does) with: specharness build --release {OLD_RELEASE}")
     return found[0]
 
 

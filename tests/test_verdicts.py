@@ -111,7 +111,9 @@ def test_acceptance_spread_compares_modes_only_for_drafters_without_state_betwee
 
 def test_a_model_without_calibration_uses_the_stated_defaults(tmp_path):
     floor = noise.load("no-such-model", "inproc", "cpu")
-    assert floor is noise.DEFAULT and not floor.calibrated and "uncalibrated" in floor.describe()
+    assert floor.tolerances == noise.DEFAULT.tolerances and floor.near_tie == noise.DEFAULT.near_tie
+    assert floor.seq_bit_exact and not floor.calibrated and "uncalibrated" in floor.describe()
+    assert "specharness calibrate --model no-such-model --backend inproc --write" in floor.describe()
     bad = tmp_path / "m--inproc--cpu.json"
     bad.write_text('{"tolerances": {}}')
     with pytest.raises(Exception) as err:

@@ -8,13 +8,17 @@ import re
 import time
 from pathlib import Path
 
-from harness.backends.build import BACKENDS, ensure_server
+from harness.backends.build import BACKENDS, ensure_server, vendored_source
+from harness.errors import HarnessError
 
 
 def cmd_build(args: argparse.Namespace) -> int:
     """Build or reuse llama-server and print where it is (`--json`: the whole BuildInfo)."""
     started = time.monotonic()
-    info = ensure_server(args.source, args.backend, args.cmake_arg, args.jobs, server_bin=args.server_bin)
+    if args.release and args.source:
+        raise HarnessError("give --source DIR or --release VERSION, not both")
+    source = vendored_source(args.release) if args.release else args.source
+    info = ensure_server(source, args.backend, args.cmake_arg, args.jobs, server_bin=args.server_bin)
     if args.json:
         print(json.dumps(dict(info.to_json(), cached=info.cached), indent=1))
         return 0
@@ -29,6 +33,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("build", help="build llama-server from llama.cpp sources (cached by source identity)")
     p.add_argument("--source", type=Path, metavar="DIR",
                    help="llama.cpp checkout or plain tree (default: the tree vendored in llama-cpp-python)")
+    p.add_argument("--release", metavar="VERSION",
+                   help="the tree vendored in llama-cpp-python VERSION (its sdist fetched from the package index once), "
+                        "e.g. an older release's llama-server for tests/test_server_builds.py")
     p.add_argument("--backend", choices=BACKENDS, default="cpu", help="GPU backend to compile in (default cpu)")
     p.add_argument("--cmake-arg", action="append", default=[], metavar="ARG",
                    help="extra CMake argument: --cmake-arg -DX=Y, or --cmake-arg=ARG for any other one starting "

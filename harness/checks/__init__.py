@@ -1,8 +1,10 @@
 """Named checks: each a small function of a CheckContext returning pass/fail plus evidence.
 
 A check that does not apply to a case (e.g. `lossless` without speculation) returns None. Every token
-comparison follows one policy (harness.checks.compare): a proven near-tie is reported but excused outside
-`seq` mode; any other divergence fails.
+comparison follows one policy (harness.checks.compare): a proven near-tie is reported but excused where
+numerics can move a token (outside `seq` mode, and in `seq` for a model whose calibrated speculative runs are
+not bit-identical to no speculation); any other divergence fails. A chat turn is compared only with a run that
+sent it the same prompt.
 """
 
 import json
@@ -135,7 +137,8 @@ def acceptance(ctx: CheckContext) -> Optional[CheckResult]:
     generated) against the baseline's same request in the same cell (so the same request order, for drafters
     that learn across a slot's requests) and, in `par` / `no-kv-unified` with drafters that keep no state
     between requests, against the same request in `seq` (a drafter state leaking between slots shows as a
-    skew on some slots). A drop beyond the calibrated tolerance of (model, backend, device, spec) fails."""
+    skew on some slots). A drop beyond the calibrated tolerance of (model, backend, device, spec) fails. A chat
+    turn whose earlier replies differ from the reference's (another prompt) is not compared with it."""
     preset = spec_preset(ctx.cell.spec)
     if not preset.speculative or not ctx.completed():
         return None
@@ -157,15 +160,19 @@ def acceptance(ctx: CheckContext) -> Optional[CheckResult]:
     if stored is None and not pending:
         problems.append(f"no acceptance baseline for {ctx.cell.mode}/{ctx.cell.spec} in {path.name}; create it "
                         f"with: {ctx.repro} --update-baselines{ctx.baselines.option}")
-    elif stored is not None:
+    # a chat turn whose earlier replies differ from the reference's has another prompt: not compared
+    done = {o.round: o for o in ctx.completed()}
+    moot = {r for r, o in done.items() if ctx.prompt_differs(o, ctx.baselines.earlier_replies(ctx))}
+    if stored is not None:
         references.append(("baseline", {row["round"]: Acceptance.of(row, mine[row["round"]].generated)
-                                        for row in stored if row["round"] in mine}))
+                                        for row in stored if row["round"] in mine and row["round"] not in moot}))
     if ctx.cell.mode != "seq" and not preset.learns_across_requests:
-        seq = ctx.other(ctx.cell.reference(mode="seq"))
+        seq_cell = ctx.cell.reference(mode="seq")
         references.append(("seq", {o.round: Acceptance.of(o.result.spec_stats, len(o.result.tokens))
-                                   for o in seq if o.result.ok and o.round in mine}))
+                                   for o in ctx.other(seq_cell) if o.result.ok and o.round in mine
+                                   and not ctx.prompt_differs(done[o.round], ctx.earlier_replies(seq_cell, o.round))}))
     for label, before in references:
-        missing = sorted(set(mine) - set(before))
+        missing = sorted(set(mine) - set(before) - moot)
         if label == "baseline" and missing:
             problems.append(f"round {missing[0]}: no acceptance baseline for it; create it with: {ctx.repro} "
                             f"--update-baselines{ctx.baselines.option}")
@@ -182,6 +189,8 @@ def acceptance(ctx: CheckContext) -> Optional[CheckResult]:
         evidence[label] = summed(list(before.values())).to_evidence()
     if pending:
         evidence["no_baseline"] = True
+    if moot:
+        evidence["not_compared_with_baseline"] = len(moot)
     if problems:
         more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
         return CheckResult("acceptance", False, f"{ctx.cell.id}, {problems[0]}{more}; tolerances: {source}",
@@ -252,7 +261,8 @@ def kv_healthy(ctx: CheckContext) -> Optional[CheckResult]:
 
 def logits_close(ctx: CheckContext) -> Optional[CheckResult]:
     """Logits agree with the reference cell's (seq mode, no speculation) within the calibrated tolerances
-    of this (model, backend, device), over the positions where both produced the same tokens. A case asking
+    of this (model, backend, device), over the positions where both produced the same tokens (a chat turn only
+    where the reference sent it the same prompt: the same earlier replies). A case asking
     for `post_sampling_probs` logs the sampler chain's probabilities, not the model's: `probs-complete`
     judges those."""
     if ctx.case_def.sampling.post_sampling_probs:
@@ -264,8 +274,9 @@ def logits_close(ctx: CheckContext) -> Optional[CheckResult]:
     floor = ctx.noise_floor
     worst, problems = None, []
     evidence = {"compared_runs": 0, "noise_floor": floor.describe()}
+    earlier = ctx.earlier_replies(canonical, reference.round)
     for o in ctx.completed():
-        if not o.result.logits:
+        if not o.result.logits or ctx.prompt_differs(o, earlier):
             continue
         same = next((i for i, (a, b) in enumerate(zip(reference.result.tokens, o.result.tokens)) if a != b),
                     min(len(reference.result.tokens), len(o.result.tokens)))

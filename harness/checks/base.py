@@ -54,9 +54,11 @@ class CheckContext:
 
     @property
     def excuses_near_ties(self) -> bool:
-        """The one policy for modes other than `seq`: there a proven near-tie is reported, not failed (the
-        batch a slot shares with others changes kernels and numerics); in `seq` every divergence fails."""
-        return self.cell.mode != "seq"
+        """The one policy: a proven near-tie is reported, not failed, where numerics can move a token: outside
+        `seq` (the batch a slot shares with others changes kernels), and in `seq` where calibration measured
+        this model's speculative runs not bit-identical to no speculation (NoiseFloor.seq_bit_exact: the
+        verification batch takes other kernels than a one-token decode). Elsewhere every divergence fails."""
+        return self.cell.mode != "seq" or not self.noise_floor.seq_bit_exact
 
     @property
     def noise_floor(self) -> NoiseFloor:
@@ -71,8 +73,8 @@ class CheckContext:
         near_tie = declared.pop("near_tie", floor.near_tie)
         names = {f.name for f in fields(Tolerances)}
         tol = replace(floor.tolerances, **{k: v for k, v in declared.items() if k in names})
-        return NoiseFloor(tol, near_tie, f"suite {self.run.suite.name} tolerances over {floor.source}",
-                          floor.acceptance)
+        return replace(floor, tolerances=tol, near_tie=near_tie,
+                       source=f"suite {self.run.suite.name} tolerances over {floor.source}")
 
     def allowed(self, outcome: Outcome) -> bool:
         """True when an error outcome is one the suite allows (e.g. context_full in kv-fill)."""
@@ -89,6 +91,25 @@ class CheckContext:
 
     def reference_outcome(self, cell: Cell, round_: int = 0) -> Optional[Outcome]:
         return next((o for o in self.other(cell) if o.round == round_), None)
+
+    @property
+    def earlier_turns(self) -> list[str]:
+        """The record names of a chat turn's earlier turns, whose replies its prompt carries ([] for a prompt)."""
+        keys = case_keys(next(c for c in self.run.suite.cases if self.case in case_keys(c)))
+        return keys[:keys.index(self.case)]
+
+    def earlier_replies(self, cell: Cell, round_: int = 0) -> list[Optional[list[int]]]:
+        """The tokens `cell` replied to this chat turn's earlier turns in round `round_` (None: no reply)."""
+        run = self.run if cell == self.cell else self.executor.run(self.run.suite, cell)
+        return [next((o.result.tokens for o in run.of_case(k) if o.round == round_ and o.result.ok), None)
+                for k in self.earlier_turns]
+
+    def prompt_differs(self, outcome: Outcome, reference: list[Optional[list[int]]]) -> Optional[str]:
+        """The first earlier turn whose reply in `outcome`'s round differs from the reference's (`reference`: its
+        earlier replies, None where unknown), so that this turn's prompt is another conversation's; None when
+        the prompts are the same (or it cannot tell)."""
+        mine = self.earlier_replies(self.cell, outcome.round)
+        return next((k for k, a, b in zip(self.earlier_turns, reference, mine) if a is not None and a != b), None)
 
 
 def kv_findings(result: Result, who: str) -> list[str]:

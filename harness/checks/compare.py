@@ -1,5 +1,6 @@
 """Comparing outputs of the same case: match, or the first divergence with its triage, judged by the one
-policy for every token comparison (`CheckContext.excuses_near_ties`)."""
+policy for every token comparison (`CheckContext.excuses_near_ties`); a chat turn is compared only with a
+reference that sent it the same prompt (the same earlier replies)."""
 
 from typing import Optional
 
@@ -18,22 +19,34 @@ def compare_outcome(ctx: CheckContext, reference: Optional[Outcome], label: str,
     if reference is None or not reference.result.ok:
         why = "missing" if reference is None else f"failed: {reference.result.error}"
         return (ctx.allowed(reference) if reference else False), f"{label} reference {why}", {}
-    return compare_tokens(ctx, reference.result.tokens, reference.result.logits, label, reference.result, ref_cell)
+    earlier = ctx.earlier_replies(ref_cell, reference.round) if ref_cell else None
+    return compare_tokens(ctx, reference.result.tokens, reference.result.logits, label, reference.result, ref_cell,
+                          earlier)
 
 
 def compare_tokens(ctx: CheckContext, ref_tokens: list[int], ref_logits: list[PositionLogits], label: str,
-                   ref_result: Optional[Result] = None, ref_cell: Optional[Cell] = None) -> tuple[bool, str, dict]:
+                   ref_result: Optional[Result] = None, ref_cell: Optional[Cell] = None,
+                   earlier: Optional[list[Optional[list[int]]]] = None) -> tuple[bool, str, dict]:
     """Compare every completed outcome of this case with reference tokens; (passed, message, evidence).
 
     Each divergence is triaged with this cell's noise floor, the KV findings of both requests and, where
-    llama-server withheld logits, a re-score. A proven near-tie is excused outside `seq` mode (counted in
-    `evidence["near_ties"]`); every other divergence fails, with one line per output in `failures`."""
+    llama-server withheld logits, a re-score. A proven near-tie is excused where numerics can move a token
+    (`CheckContext.excuses_near_ties`, counted in `evidence["near_ties"]`); every other divergence fails, with
+    one line per output in `failures`. A chat turn whose earlier replies (`earlier`: the reference's) differ
+    from this run's has another prompt: it is not compared (`evidence["not_compared"]`); the earlier turn's
+    verdict reports that divergence."""
     floor = ctx.noise_floor
     sampling = ctx.case_def.sampling
     greedy = sampling.picks_argmax  # a logit margin says nothing about a penalized or sampled pick
     if sampling.post_sampling_probs:  # the sampler chain's probabilities are not the model's: re-score instead
         ref_logits = []
-    mine = ctx.completed()
+    moot = {o.round: key for o in ctx.completed() if (key := ctx.prompt_differs(o, earlier or []))}
+    mine = [o for o in ctx.completed() if o.round not in moot]
+    if moot and not mine:
+        first = min(moot)
+        return True, (f"not compared: round {first}'s prompt carries the reply to {moot[first]}, which already "
+                      f"differs from the {label}'s (that turn's verdict reports it)"), {
+            "compared": 0, "not_compared": len(moot), "prompt_differs_at": moot[first]}
     diffs: list[tuple[Outcome, Divergence]] = []
     with ctx.executor.rescorer() as rescorer:
         for o in mine:
@@ -55,6 +68,8 @@ def compare_tokens(ctx: CheckContext, ref_tokens: list[int], ref_logits: list[Po
     excused = [(o, d) for o, d in diffs if d.kind == "near-tie" and ctx.excuses_near_ties]
     failing = [(o, d) for o, d in diffs if (o, d) not in excused]
     evidence = {"compared": len(mine), "matching": len(mine) - len(diffs), "noise_floor": floor.describe()}
+    if moot:
+        evidence.update(not_compared=len(moot), prompt_differs_at=moot[min(moot)])
     if excused:
         evidence["near_ties"] = len(excused)
     if any(d.same_logits for _, d in diffs):

@@ -35,18 +35,24 @@ free_port() {
 
 start_server() {  # LEG ARGS...: start llama-server and wait until /health answers
   local leg="$1"; shift
-  PORT="$(free_port)"
-  echo "\$ $LLAMA_SERVER --host 127.0.0.1 --port $PORT $*"
-  "$LLAMA_SERVER" --host 127.0.0.1 --port "$PORT" "$@" >"$WORK/$leg.log" 2>&1 &
-  PID=$!
-  for _ in $(seq 1 600); do
-    if ! kill -0 "$PID" 2>/dev/null; then
-      echo "llama-server exited during start-up:"; tail -n 5 "$WORK/$leg.log"; exit 2
-    fi
-    if curl -sf "http://127.0.0.1:$PORT/health" >/dev/null 2>&1; then return 0; fi
-    sleep 0.1
+  local try
+  for try in 1 2 3 4 5; do  # another process may take the free port before llama-server binds it
+    PORT="$(free_port)"
+    echo "\$ $LLAMA_SERVER --host 127.0.0.1 --port $PORT $*"
+    "$LLAMA_SERVER" --host 127.0.0.1 --port "$PORT" "$@" >"$WORK/$leg.log" 2>&1 &
+    PID=$!
+    for _ in $(seq 1 600); do
+      if ! kill -0 "$PID" 2>/dev/null; then
+        wait "$PID" 2>/dev/null; PID=""
+        if grep -q "couldn't bind HTTP server socket" "$WORK/$leg.log"; then continue 2; fi
+        echo "llama-server exited during start-up:"; tail -n 5 "$WORK/$leg.log"; exit 2
+      fi
+      if curl -sf "http://127.0.0.1:$PORT/health" >/dev/null 2>&1; then return 0; fi
+      sleep 0.1
+    done
+    echo "llama-server did not answer /health within 60 s"; exit 2
   done
-  echo "llama-server did not answer /health within 60 s"; exit 2
+  echo "llama-server could not bind a free loopback port in 5 tries:"; tail -n 5 "$WORK/$leg.log"; exit 2
 }
 
 stop_server() {
