@@ -418,3 +418,27 @@ def test_an_acceptance_change_one_token_undoes_is_no_finding():
 
     assert fall(Acceptance(41, 35, 64), Acceptance(42, 34, 64), 0.0) is None
     assert fall(Acceptance(41, 35, 64), Acceptance(43, 33, 64), 0.0) is not None
+
+
+def test_acceptance_of_a_chat_turn_is_compared_only_with_a_baseline_of_the_same_prompt(tmp_path):
+    s = Suite(name="demo", path=None, cases=[Case("c", Sampling(), turns=["u1", "u2"])], matrix={},
+              checks=list(CHECKS), rounds=["par"])
+    spec = SEQ.reference(spec="draft-simple")
+    t1, t2 = list(range(40)), list(range(50, 90))
+
+    def ctx(cells, turn, store):
+        runs = ChatRuns(s, cells)
+        return CheckContext(runs.run(s, spec), f"c.turn{turn}", runs, store, str, "repro")
+
+    clean = {SEQ: [ok(t1), ok(t2)], spec: [spec_ok(t1, 40, 24), spec_ok(t2, 40, 24)]}
+    writer = BaselineStore(tmp_path, update=True)
+    for turn in (1, 2):  # the tokens, then the acceptance (recorded by the check when updating)
+        writer.check(ctx(clean, turn, writer))
+        verdict(ctx(clean, turn, writer), "acceptance")
+    store = BaselineStore(tmp_path)
+    worse = spec_ok(t2, 40, 6)
+    same_prompt = {SEQ: [ok(t1), ok(t2)], spec: [spec_ok(t1, 40, 24), worse]}
+    assert not verdict(ctx(same_prompt, 2, store), "acceptance").passed
+    other_reply = [99] + t1[1:]  # this run's turn-1 reply differs from the baseline's: turn 2 had another prompt
+    moot = verdict(ctx({SEQ: [ok(t1), ok(t2)], spec: [spec_ok(other_reply, 40, 24), worse]}, 2, store), "acceptance")
+    assert moot.passed and moot.evidence["not_compared_with_baseline"] == 1
