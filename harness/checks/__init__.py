@@ -162,7 +162,8 @@ def acceptance(ctx: CheckContext) -> Optional[CheckResult]:
                         f"with: {ctx.repro} --update-baselines{ctx.baselines.option}")
     # a chat turn whose earlier replies differ from the reference's has another prompt: not compared
     done = {o.round: o for o in ctx.completed()}
-    moot = {r for r, o in done.items() if ctx.prompt_differs(o, ctx.baselines.earlier_replies(ctx))}
+    recorded = ctx.baselines.earlier_replies(ctx)
+    moot = {r for r, o in done.items() if ctx.prompt_differs(o, recorded)}
     if stored is not None:
         references.append(("baseline", {row["round"]: Acceptance.of(row, mine[row["round"]].generated)
                                         for row in stored if row["round"] in mine and row["round"] not in moot}))
