@@ -594,6 +594,12 @@ def scan_file(path: Path, model: Optional[Path] = None, kind: str = "auto", layo
     return scan_bytes(data, kind, layout, expected_len, name=str(path))
 
 
+def damaged(brief: Optional[dict]) -> bool:
+    """Whether a request's scan verdict (`ScanReport.brief`; the in-process engine adds the draft model's context
+    under `draft`) found damage in the target's cache or in the draft context."""
+    return bool(brief) and not (brief.get("healthy", True) and (brief.get("draft") or {}).get("healthy", True))
+
+
 def layout_from_model(model: Path) -> Layout:
     """The layout facts of a GGUF model (memory class, cell ext, MLA, recurrent layer count) from its metadata."""
     from harness.models import kind_of_arch

@@ -31,7 +31,7 @@ from harness.report import describe_run, publish, write_run
 from harness.report.merge import merge
 from harness.report.files import RunDir, now
 from harness.runner import count, csv, known_failures
-from harness.signatures.text import summary_lines
+from harness.signatures.text import known_lines, summary_lines
 from harness.suites import load_suite, user_suites_dir
 
 STATE = pytest.StashKey[dict]()
@@ -393,6 +393,7 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config: pytest.Config)
     for line in not_recorded_lines(state["checks"]) if state else []:
         terminalreporter.write_line(f"specharness: {line}")
     if state and state.get("report"):
-        for line in summary_lines(RunDir.load(state["report"].parent).failures()):
+        stored = RunDir.load(state["report"].parent)
+        for line in known_lines(stored.known()) + summary_lines(stored.failures()):
             terminalreporter.write_line(f"specharness: {line}")
         terminalreporter.write_line(f"specharness report: {state['report']}")

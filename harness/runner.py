@@ -281,7 +281,8 @@ def cmd_run(args: argparse.Namespace) -> int:
         meta["uncalibrated"] = uncalibrated
         results = write_run(out, runs, verdicts, meta, detokenizers.for_model)
         interrupt.phase("report")
-        print_failures(RunDir.load(out).failures(), console)  # from the stored run, as every report
+        stored = RunDir.load(out)  # the summary comes from the stored run, as every report
+        print_failures(stored.failures(), console, stored.known())
         console.print(f"results: {results}", markup=False)
         console.print(f"report: {publish(out)}", markup=False)
         if interrupt.received():

@@ -58,7 +58,8 @@ EXPECTED: dict[str, list[tuple[str, str]]] = {
                             ("no-crash", r"rejected the batch as invalid")],
     "partial-checkpoint-only": [("kv-healthy", r"[1-9]\d* (duplicate cells|orphans)"),
                                 ("lossless", r"Class (hard|drift|kv-corrupt)")],
-    "stale-draft-context": [("acceptance", r"against baseline \(tolerance [\d.e-]+\): (acceptance|accepted tokens)")],
+    "stale-draft-context": [("kv-healthy", r"[1-9]\d* orphans in the draft context"),
+                            ("acceptance", r"against baseline \(tolerance [\d.e-]+\): (acceptance|accepted tokens)")],
     "shared-drafter-state": [("acceptance", r"against baseline \(tolerance [\d.e-]+\): (acceptance|accepted tokens)")],
 }
 """Per fault, the (check, evidence) pairs that count as catching it (any one): the check must fail and its

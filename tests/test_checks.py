@@ -13,6 +13,7 @@ from harness.matrix import Cell
 from harness.request import Sampling
 from harness.result import Result
 from harness.suites import Case, Suite
+from harness.signatures import signature_of
 
 SCHEMA = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
 
@@ -315,6 +316,19 @@ def test_kv_healthy_reports_the_duplicate_positions():
     failed = verdict(context({SEQ: [dirty]}, SEQ), "kv-healthy")
     assert not failed.passed and "(seq 0, pos 22)" in failed.message and failed.evidence["duplicate_cells"] == 2
     assert CHECKS["kv-healthy"](context({SEQ: [ok([1])]}, SEQ)) is None
+
+
+def test_kv_healthy_fails_on_a_draft_context_that_keeps_cells_the_target_dropped():
+    stale = scan(True)
+    stale["draft"] = {**scan(False), "totals": {"duplicate_cells": 0, "orphans": 3, "missing_positions": 0},
+                      "orphans": [{"part": "kv", "stream": 0, "seq_id": 0, "pos": p} for p in (7, 8, 9)]}
+    dirty = ok([1]); dirty.kv_scan = stale
+    failed = verdict(context({SEQ: [dirty]}, SEQ), "kv-healthy")
+    assert not failed.passed and "the draft context: 0 duplicate cells, 3 orphans: orphan at (seq 0, pos 7)" in failed.message
+    assert failed.evidence["orphans"] == 0 and failed.evidence["draft_context"]["orphans"] == 3
+    assert signature_of(failed) == "kv-healthy: orphans in the draft context"
+    clean = ok([1]); clean.kv_scan = {**scan(True), "draft": scan(True)}
+    assert verdict(context({SEQ: [clean]}, SEQ), "kv-healthy").passed
 
 
 def test_logits_close():

@@ -74,6 +74,27 @@ def test_repro_py_fails_with_the_fault_and_passes_without(fault_bundle):
     assert clean.returncode == 0, clean.stdout + clean.stderr
 
 
+def test_shrink_of_a_failing_chat_turn_drops_the_other_turns_then_shrinks_it_as_a_prompt(tmp_path):
+    """A real chat failure: kv-fill's concurrent chats with the draft context not rolled back, its third turn
+    judged by kv-healthy. The shrink drops the chats in flight beside it, then the earlier turns, then sends the
+    failing turn as one prompt of token ids and cuts that, keeping the signature at every step."""
+    run = specharness("run", "--suite", "kv-fill", "--model", "tiny-dense", "--backend", "inproc",
+                      "--fault", "stale-draft-context", "--out", str(tmp_path / "run"))
+    assert run.returncode == 1, run.stderr[-2000:]
+    done = specharness("shrink", "--from-run", str(tmp_path / "run"), "--case", "sorts.turn3", "--check", "kv-healthy",
+                       "--out", str(tmp_path / "bundle"))
+    assert done.returncode == 0, done.stderr[-3000:]
+    summary, case = shrunk(tmp_path / "bundle")
+    assert summary["signature"] == "kv-healthy: orphans in the draft context"
+    assert summary["original"]["turn"] == 2 and summary["original"]["turns"] is None and summary["original"]["companions"]
+    steps = [json.loads(line) for line in (tmp_path / "bundle" / "shrink-log.jsonl").read_text().splitlines()]
+    held = [s["what"] for s in steps if s["holds"]]
+    assert "only the failing turn" in held and any(w.startswith("the failing turn as a prompt of") for w in held)
+    assert all(s["seen"] == [summary["signature"]] for s in steps if s["holds"])
+    assert summary["final"]["turns"] == [2] and summary["final"]["companions"] == []
+    assert_small(summary, case)
+
+
 @pytest.fixture(scope="module")
 def seeded(tmp_path_factory):
     """llama-server at the bisect history's regression commit and at its parent, a run of the bisect case on the

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from harness.backends.process import INVALID_BATCH, invalid_batch, invalid_batch_in_log
 from harness.cli import main
 from harness.signatures import classify, signature_of
 from report_helpers import inside, make_checkout, parse_html
@@ -117,6 +118,8 @@ def test_two_defects_in_one_run_are_exactly_two_signatures_and_diff_groups_by_th
     assert main(["diff", str(root / "fault"), str(root / "both")]) == 1
     out = capsys.readouterr().out
     assert f"1 distinct failure newly failing: {ABORT} (" in out
+    table = out[out.index("newly failing ("):]
+    assert "signature" in table.splitlines()[2] and "GGML_ASSERT" in table  # the newly failing table's column
     listed = parse_html((root / "both" / "diff.html").read_text()).find(id="newly-failing-signatures").find_all("li")
     assert [li.attrs["data-signature"] for li in listed] == [ABORT] and listed[0].attrs["data-in-a"] == "0"
 
@@ -170,6 +173,40 @@ def test_signatures_drop_paths_numbers_and_the_backend_but_keep_the_assert():
     spec_ran = classify({"check": "spec-ran", "passed": False, "message": "no drafts at all for the case (2 requests)"},
                         [{"error": thrown, "stop_reason": "crashed"}], [{**crash, "message": "1 of 2 requests failed"}])
     assert (spec_ran.text, spec_ran.consequence) == ("crash: failed to remove sequence N", True)
+
+
+def test_what_a_known_llama_cpp_defect_explains_is_grouped_by_signature_too(tmp_path, tiny_models):
+    """The same abort with its known-failure entry in place: the run passes, and the console and the report's
+    known-defects table say what the entry explained, by signature (a second signature would show there)."""
+    root = make_checkout(tmp_path)
+    with inside(root):
+        with contextlib.redirect_stderr(io.StringIO()) as err:
+            assert main(["run", "--suite", "small-ubatch", "--out", "known"]) == 0
+    line = next(x for x in err.getvalue().splitlines() if x.startswith("known llama.cpp defect "))
+    assert line.startswith(f"known llama.cpp defect split-equal-keep-tail-exceeds-ubatch: 1 signature: {ABORT} (")
+    row = parse_html((root / "known" / "index.html").read_text()).find("tr", data_known="split-equal-keep-tail-exceeds-ubatch")
+    assert [c.text for c in row.find_all("code", class_="known-signature")] == [ABORT]
+
+
+def test_a_batch_llama_cpp_refuses_is_the_kv_damage_it_would_make_from_either_backend(tmp_path):
+    """A batch that starts a sequence at a position the KV cache already holds is the damage the scan finds as
+    duplicate cells (where llama.cpp's check does not look); one that skips positions, holes. llama-server
+    says only `Invalid input batch.`: its log's reason is added, as the engine words it."""
+    crash = {"check": "no-crash", "passed": False, "evidence": {}}
+    assert signature_of({**crash, "message": f"C round 0: {invalid_batch(0, 41, 41)}"}) == "kv-healthy: duplicate cells"
+    assert signature_of({**crash, "message": f"C round 0: {invalid_batch(2, 41, 45)}"}) == "kv-healthy: holes"
+    assert signature_of({**crash, "message": f"C round 0: {INVALID_BATCH}"}) == f"error: {INVALID_BATCH}"
+    log = tmp_path / "server.log"
+    log.write_text("init: the tokens of sequence 3 in the input batch have inconsistent sequence positions:\n"
+                   " - the last position stored in the memory module of the context (i.e. the KV cache) for sequence 3 is X = 57\n"
+                   " - the tokens for sequence 3 in the input batch have a starting position of Y = 56\n"
+                   " it is required that the sequence positions remain consecutive: Y = X + 1\n"
+                   "decode: failed to initialize batch\nsrv  update_slots: Invalid input batch. off = 0, n_batch = 2048, ret = -1\n")
+    assert invalid_batch_in_log(log) == invalid_batch(3, 57, 56)
+    assert signature_of({**crash, "message": f"C round 0: HTTP 500: Invalid input batch. {invalid_batch_in_log(log)}"}) \
+        == "kv-healthy: duplicate cells"
+    log.write_text("srv  update_slots: Compute error.\n")
+    assert invalid_batch_in_log(log) is None
 
 
 def test_reports_read_stored_runs_without_importing_the_engine():

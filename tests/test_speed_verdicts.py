@@ -1,7 +1,7 @@
 """Speed is judged by what one run measures side by side: acceptance against the baselines and the speed-up
 over no speculation in the same run. A diff of two clean runs, the second made while busy loops took every
 core, flags nothing; a diff against a run whose draft context goes stale flags exactly its speculative
-cells, by their acceptance; a speed-up lost beyond both runs' noise bands is flagged, a machine that is
+cells, by their acceptance (and the draft context's scan); a speed-up lost beyond both runs' noise bands is flagged, a machine that is
 slower for everything is not."""
 
 import contextlib
@@ -76,7 +76,10 @@ def test_diff_against_a_stale_draft_context_flags_only_the_speculative_cells_by_
     assert set(flagged) == {"quicksort seq-draft-simple-tiny-dense-inproc"}
     cell = flagged["quicksort seq-draft-simple-tiny-dense-inproc"]
     assert cell["acceptance_regressed"] and cell["b_acceptance"] < cell["a_acceptance"] - 0.1
-    assert {v["check"] for v in diff.newly_failing} == {"acceptance"}
+    # the draft context's scan finds the rejected drafts it kept; the fallen acceptance restates that finding
+    assert {v["check"] for v in diff.newly_failing} == {"acceptance", "kv-healthy"}
+    assert [s["signature"] for s in diff.signatures] == ["kv-healthy: orphans in the draft context"]
+    assert {v["check"] for v in diff.newly_failing if v["restates"]} == {"acceptance"}
     html = (runs / "stale" / "diff.html").read_text()
     assert "acceptance" in html and "machine-dependent" in html
 

@@ -27,7 +27,7 @@ from typing import Any, Optional
 from harness.backends.base import ServeConfig, SpeedMeter, StallMeter, request_deadline
 from harness.backends.build import BuildInfo, ensure_server
 from harness.backends.flags import server_version
-from harness.backends.process import free_log_name
+from harness.backends.process import free_log_name, invalid_batch_in_log
 from harness.backends.client import COMPLETION_FIELDS, ConnectionLost, LlamaClient, RequestTimedOut, ServerError
 from harness.backends.server import LlamaServer
 from harness.backends.slots_watch import SlotsWatch
@@ -200,7 +200,7 @@ class ServerSession:
             if server in self._killed:
                 return Result(stop_reason="error", error=f"cut off: llama-server was restarted because {self._killed[server]}")
             if server.wait_exit(CRASH_GRACE_S) is None:
-                return Result(stop_reason="error", error=str(err))
+                return Result(stop_reason="error", error=_explained(err, server))
             report = server.crash_report()
             self._restart(server)
         return Result(stop_reason="crashed", error=report)
@@ -233,6 +233,16 @@ class ServerSession:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _explained(err: Exception, server: LlamaServer) -> str:
+    """An error answer as the Result's error; llama-server's `Invalid input batch.` with llama.cpp's reason
+    from the server's log (the sequence's last position X and the batch's first Y), as the engine says it."""
+    if isinstance(err, ServerError) and "Invalid input batch" in str(err):
+        reason = invalid_batch_in_log(server.log_path)
+        if reason:
+            return f"{err} {reason}"
+    return str(err)
 
 
 def _case(request: Request) -> str:

@@ -217,18 +217,28 @@ def grammar_valid(ctx: CheckContext) -> Optional[CheckResult]:
     return CheckResult("grammar-valid", True, evidence=evidence)
 
 
+def _damage(scan: dict) -> str:
+    """One scan verdict's damage, counted and with its first cells."""
+    t = scan["totals"]
+    return f"{t['duplicate_cells']} duplicate cells, {t['orphans']} orphans: " + "; ".join(
+        [f"{d['count']} cells at (seq {d['seq_id']}, pos {d['pos']})" for d in scan["duplicates"]]
+        + [f"orphan at (seq {o['seq_id']}, pos {o['pos']})" for o in scan["orphans"]]
+        + [f"hole at seq {h['seq_id']} pos {h['first']}..{h['last']}" for h in scan["holes"]])
+
+
 def kv_problems(result: Result) -> list[str]:
-    """What the KV scan of one request found wrong, one phrase per kind (empty: healthy, or not scanned)."""
+    """What the KV scan of one request found wrong, one phrase per kind (empty: healthy, or not scanned): in the
+    target's cache, in the draft model's context (the in-process engine scans it too) and past the returned
+    tokens."""
     scan = result.kv_scan
     if scan is None:
         return []
     problems = []
     if not scan["healthy"]:
-        t = scan["totals"]
-        problems.append(f"{t['duplicate_cells']} duplicate cells, {t['orphans']} orphans: " + "; ".join(
-            [f"{d['count']} cells at (seq {d['seq_id']}, pos {d['pos']})" for d in scan["duplicates"]]
-            + [f"orphan at (seq {o['seq_id']}, pos {o['pos']})" for o in scan["orphans"]]
-            + [f"hole at seq {h['seq_id']} pos {h['first']}..{h['last']}" for h in scan["holes"]]))
+        problems.append(_damage(scan))
+    draft = scan.get("draft")
+    if draft and not draft["healthy"]:
+        problems.append("the draft context: " + _damage(draft))
     past = past_returned(result)
     if past is not None:
         n = past[1] - past[0] + 1
@@ -240,23 +250,31 @@ def kv_problems(result: Result) -> list[str]:
 
 def kv_healthy(ctx: CheckContext) -> Optional[CheckResult]:
     """The KV scanner found no duplicate (seq_id, pos) cells, orphans past the sequence or holes, and the
-    sequence holds no position past the request's prompt and returned tokens (`past_returned`)."""
+    sequence holds no position past the request's prompt and returned tokens (`past_returned`); where a draft
+    model's context was scanned too (in-process), its copy of the sequence holds exactly the target's positions
+    (a draft context not rolled back keeps the rejected drafts' cells: orphans past the sequence)."""
     scanned = [o for o in ctx.completed() if o.result.kv_scan is not None]
     if not scanned:
         return None
     problems = {id(o): kv_problems(o.result) for o in scanned}
     bad = [o for o in scanned if problems[id(o)]]
     totals = [o.result.kv_scan["totals"] for o in scanned]
-    evidence = {"scanned": len(scanned), "unhealthy": len(bad),
-                **{k: sum(t[k] for t in totals) for k in ("duplicate_cells", "orphans", "missing_positions")},
+    counts = ("duplicate_cells", "orphans", "missing_positions")
+    evidence = {"scanned": len(scanned), "unhealthy": len(bad), **{k: sum(t[k] for t in totals) for k in counts},
                 "past_returned": sum(p[1] - p[0] + 1 for p in map(past_returned, (o.result for o in scanned)) if p)}
+    drafts = [o.result.kv_scan["draft"]["totals"] for o in scanned if o.result.kv_scan.get("draft")]
+    if drafts:
+        evidence["draft_context"] = {"scanned": len(drafts), **{k: sum(t[k] for t in drafts) for k in counts}}
     if not bad:
         return CheckResult("kv-healthy", True, evidence=evidence)
     evidence["first"] = bad[0].result.kv_scan
     failures = [f"round {o.round}: {p}" for o in bad for p in problems[id(o)]]  # one finding a line
+    draft = evidence.get("draft_context", {})
+    in_draft = (f", {draft['duplicate_cells']} duplicate cells and {draft['orphans']} orphans in the draft context"
+                if draft.get("duplicate_cells") or draft.get("orphans") or draft.get("missing_positions") else "")
     return CheckResult("kv-healthy", False, f"{len(bad)} of {len(scanned)} requests left an unhealthy KV cache "
                        f"({evidence['duplicate_cells']} duplicate cells, {evidence['orphans']} orphans, "
-                       f"{evidence['past_returned']} positions past the returned tokens in all); first: "
+                       f"{evidence['past_returned']} positions past the returned tokens{in_draft} in all); first: "
                        f"{failures[0]}", evidence, failures=failures)
 
 

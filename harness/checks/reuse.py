@@ -45,12 +45,14 @@ def prompt_reuse(ctx: CheckContext) -> Optional[CheckResult]:
              if o.round in theirs and theirs[o.round].prompt_tokens == o.result.prompt_tokens]
     if not pairs:
         return None
+    differ = [(o, ref, left_behind(ctx, o)) for o, ref in pairs if o.result.timings.cache_n != ref.timings.cache_n]
     failures = [f"round {o.round}: {ctx.case} reused {o.result.timings.cache_n} of its {len(o.result.prompt_tokens)} "
-                f"prompt tokens from the cache, {ref.timings.cache_n} in {reference.id}{left_behind(ctx, o)}"
-                for o, ref in pairs if o.result.timings.cache_n != ref.timings.cache_n]
+                f"prompt tokens from the cache, {ref.timings.cache_n} in {reference.id}{behind}" for o, ref, behind in differ]
     evidence = {"compared": len(pairs), "cache_n": [o.result.timings.cache_n for o, _ in pairs],
                 "reference_cache_n": [ref.timings.cache_n for _, ref in pairs]}
     if failures:
+        # the differing rounds that follow a turn which left positions past its returned tokens (signatures: a consequence)
+        evidence["left_behind"] = sum(1 for *_, behind in differ if behind)
         more = f" (and {len(failures) - 1} more)" if len(failures) > 1 else ""
         return CheckResult("prompt-reuse", False, f"{ctx.cell.id}, {failures[0]}{more}", evidence, failures=failures)
     return CheckResult("prompt-reuse", True, evidence=evidence)

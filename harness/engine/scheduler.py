@@ -11,6 +11,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Callable, Optional
 
+from harness.backends.process import INVALID_BATCH, invalid_batch
 from harness.engine.context import Context
 from harness.engine.ctxshift import needs_shift, shift_span
 from harness.engine.kvcheck import KvChecker
@@ -22,7 +23,7 @@ from harness.result import Result
 DECODE_ERRORS = {
     1: "context_full: no free KV cells for this step (raise n_ctx or lower parallel)",
     2: "the decode was aborted",
-    -1: "llama.cpp rejected the batch as invalid (inconsistent sequence positions)",
+    -1: INVALID_BATCH,
 }
 
 
@@ -103,6 +104,8 @@ class Scheduler:
             for slot, result in self.step():
                 if self.kv and result.ok:
                     self._scan(slot)
+                    if self.spec:
+                        self._scan_draft(slot)
                 if self.spec:
                     self.spec.end(slot)
                 self.ctx.seq_rm(slot.id)
@@ -114,6 +117,13 @@ class Scheduler:
         verdict = self.kv.scan(slot.id, slot.n_past)
         if slot.result.kv_scan is None or slot.result.kv_scan["healthy"]:
             slot.result.kv_scan = verdict
+
+    def _scan_draft(self, slot: Slot) -> None:
+        """Scan the draft context's copy of the slot's sequence at the request's end, kept under the request's
+        verdict as `draft` (its own `healthy`: the target's verdict stays the target's)."""
+        verdict = self.spec.scan(slot)
+        if verdict is not None and slot.result.kv_scan is not None:
+            slot.result.kv_scan["draft"] = verdict
 
     def _active(self) -> list[Slot]:
         return [s for s in self.slots if s.phase is not Phase.IDLE]
@@ -191,8 +201,21 @@ class Scheduler:
         if status == 1 and len(parts) > 1:
             return self._evict_until_fit(parts)
         if status != 0:
-            return [(p.slot, p.slot.fail(decode_error(status))) for p in parts]
+            return self._fail(parts, status)
         return self._finish_step(parts, rows)
+
+    def _fail(self, parts: list[Part], status: int) -> list[tuple[Slot, Result]]:
+        """End every part's request with the decode's error; a refused batch (-1) names a sequence whose
+        positions do not follow what the memory holds, as llama.cpp's log does (nothing was decoded): one that
+        starts at a position the memory already holds, else one that skips positions (M-RoPE allows that)."""
+        error = decode_error(status)
+        if status == -1:
+            last = {p.slot.id: self.ctx.seq_pos_max(p.slot.id) for p in parts}
+            wrong = (next((p for p in parts if last[p.slot.id] >= p.pos0), None)
+                     or next((p for p in parts if 0 <= last[p.slot.id] < p.pos0 - 1), None))
+            if wrong is not None:
+                error = invalid_batch(wrong.slot.id, last[wrong.slot.id], wrong.pos0)
+        return [(p.slot, p.slot.fail(error)) for p in parts]
 
     def _drop_drafts(self, parts: list[Part]) -> list[Part]:
         """A speculative step did not fit: forget its drafts and plan a plain step instead."""
@@ -215,7 +238,7 @@ class Scheduler:
             if status == 0:
                 return finished + self._finish_step(parts, rows)
             if status != 1 or len(parts) == 1:
-                return finished + [(p.slot, p.slot.fail(decode_error(status))) for p in parts]
+                return finished + self._fail(parts, status)
 
     def _finish_step(self, parts: list[Part], rows: list[list[int]]) -> list[tuple[Slot, Result]]:
         if self.spec:

@@ -192,6 +192,12 @@ class Speculation:
         if "draft_ms" in stats:
             stats["draft_ms"] = round(stats["draft_ms"], 3)
 
+    def scan(self, slot) -> Optional[dict]:
+        """The KV scanner's verdict on the draft context's copy of the slot's sequence (the first draft model's
+        that still follows it; None without one), which must hold the target's positions 0..n_past-1."""
+        return next((v for v in (d.scan(self._seq(slot.id, d), slot.n_past) for d in self.mirrors) if v is not None),
+                    None)
+
     def shift(self, slot, n_keep: int, n_discard: int) -> None:
         """The slot's sequence was shifted (positions [n_keep, n_keep + n_discard) discarded): every drafter
         follows (`Drafter.shift_context`) with the history the slot holds now."""

@@ -195,10 +195,12 @@ def print_diff(diff: RunDiff, console) -> None:
     for title, rows, color in sections:
         if rows:
             table = Table(title=f"{title} ({len(rows)})", title_style=f"bold {color}", title_justify="left")
-            for column in ("case", "check", "before → after", "message"):
+            signed = "signature" in rows[0]  # the newly failing verdicts: their failure signature in B
+            for column in ("case", "check", *(("signature",) if signed else ()), "before → after", "message"):
                 table.add_column(column)
             for r in rows:
-                table.add_row(r["item"], r["check"], f"{r['a']} → {r['b']}", triage_line(r["row"]))
+                sig = (("restates " if r["restates"] else "") + r["signature"],) if signed else ()
+                table.add_row(r["item"], r["check"], *sig, f"{r['a']} → {r['b']}", triage_line(r["row"]))
             console.print(table)
     if diff.changed_outputs:
         table = Table(title=f"changed output ({len(diff.changed_outputs)})", title_style="bold", title_justify="left")

@@ -26,7 +26,7 @@ from harness.backends.flags import server_version
 from harness.errors import HarnessError
 from harness.logits import PositionLogits, from_frame, load_parquet, save_parquet, to_frame
 from harness.paths import write_atomic
-from harness.signatures import Failure, Pattern, failure_patterns
+from harness.signatures import Failure, Pattern, failure_patterns, group
 
 if TYPE_CHECKING:  # reports read stored runs: only the writer gets live runs, from the caller
     from harness.execute import CellRun
@@ -385,3 +385,10 @@ class RunDir:
     def failures(self) -> list[tuple[Failure, Pattern]]:
         """The run's distinct failures, each with its pattern (harness.signatures), from the stored files."""
         return failure_patterns(self.checks, self.records, self.meta, lambda v: status(v) == "failed")
+
+    def known(self) -> dict[str, list[Failure]]:
+        """Per known llama.cpp defect that explained verdicts of this run (its id), what it explained grouped by
+        signature the way failures are: a known entry that shows a second signature is visible as such."""
+        ids = sorted({v["evidence"]["known_failure"] for v in self.checks if status(v) == "known"})
+        return {kid: group(self.checks, self.records, lambda v, k=kid: (v.get("evidence") or {}).get("known_failure") == k)
+                for kid in ids}

@@ -19,6 +19,7 @@ from jinja2 import ChainableUndefined, Environment, PackageLoader, select_autoes
 from harness.paths import write_atomic
 from harness.report.charts import bar_chart, margin_chart, position_chart
 from harness.report.files import STATUSES, RunDir, cell_id, item_name, joined, speedups, status, throughput, worst
+from harness.signatures import Failure
 from harness.signatures.group import by_verdict
 
 CONTEXT_TOKENS = 12
@@ -237,7 +238,9 @@ def case_view(run: RunDir, item: Item) -> dict:
     for v in item.verdicts:
         view = divergence_view(pieces, (v.get("evidence") or {}).get("first_divergence"))
         verdicts.append({"verdict": v, "status": status(v), "divergence": view})
-    kv = [r for r in item.records if r.get("kv_scan") and not r["kv_scan"].get("healthy", True)]
+    kv = [(r["repeat"], where, scan) for r in item.records if r.get("kv_scan")
+          for where, scan in (("", r["kv_scan"]), (" of the draft context", r["kv_scan"].get("draft")))
+          if scan and not scan.get("healthy", True)]  # (round, which context, its unhealthy verdict)
     errors = [r for r in item.records if r.get("error")]
     return {"item": item, "verdicts": verdicts, "counters": spec_counters([r for r in item.records if r.get("error") is None]),
             "kv": kv, "errors": errors, "rerun": rerun_command(run.meta, item.row)}
@@ -251,16 +254,13 @@ def run_status(run: RunDir) -> str:
     return worst(statuses)
 
 
-def known_view(run: RunDir) -> list[dict]:
-    """The known-failure entries with the items each explains in this run."""
-    explained: dict[str, list[str]] = defaultdict(list)
-    for v in run.checks:
-        known = (v.get("evidence") or {}).get("known_failure")
-        if known:
-            explained[known].append(item_name(v))
+def known_view(run: RunDir, known: dict[str, list[Failure]]) -> list[dict]:
+    """The known-failure entries with the items each explains in this run and, by signature, what it explained
+    (`known`: RunDir.known)."""
     entries = {e["id"]: e for e in run.meta.get("known_failures") or []}
-    return [{"id": kid, "entry": entries.get(kid, {}), "cases": sorted(set(names))}
-            for kid, names in sorted(explained.items())]
+    return [{"id": kid, "entry": entries.get(kid, {}), "failures": failures,
+             "cases": sorted({item_name(v) for f in failures for v in f.verdicts + f.consequences})}
+            for kid, failures in known.items()]
 
 
 def render_index(run: RunDir) -> str:
@@ -271,9 +271,9 @@ def render_index(run: RunDir) -> str:
     perf = sorted(performance(run.records, run.checks),
                   key=lambda r: (r["suite"], r["model"], r["backend"], r["mode"], r["spec"]))
     cells = run.meta.get("cells") or []
-    found = run.failures()
+    found, known = run.failures(), run.known()
     grouped = [v for f, _ in found for v in f.verdicts + f.consequences]
-    signature = by_verdict([f for f, _ in found])
+    signature = by_verdict([f for f, _ in found] + [f for failures in known.values() for f in failures])
     return environment().get_template("index.html.j2").render(
         run=run, meta=run.meta, run_status=run_status(run), items=all_items, failures=found,
         signature=lambda v: signature.get(id(v), (None, False)),
@@ -286,7 +286,7 @@ def render_index(run: RunDir) -> str:
         speedup_bars=[(_label(p), p["speedup"]["speedup"], f"{p['speedup']['speedup']:.2f}x "
                        f"({p['speedup']['low']:.2f}–{p['speedup']['high']:.2f})") for p in perf if p["speedup"]],
         position_chart=position_chart,
-        known=known_view(run), not_run=[c for c in cells if c.get("status") == "not run"],
+        known=known_view(run, known), not_run=[c for c in cells if c.get("status") == "not run"],
         cell_errors=[c for c in cells if c.get("status") == "error"], cell_id=cell_id, item_name=item_name,
         status=status,
     )

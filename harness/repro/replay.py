@@ -15,6 +15,7 @@ from pathlib import Path
 from harness.backends.base import ServeConfig
 from harness.backends.inproc import InprocBackend
 from harness.errors import HarnessError
+from harness.kvscan import damaged
 from harness.repro.legs import JUDGES, REFERENCE, SUBJECT
 from harness.request import Request, Sampling
 
@@ -70,9 +71,12 @@ def judge(case: dict, outputs: dict[str, dict[str, list]]) -> tuple[int, str]:
     if failed:
         return UNDECIDED, f"the subject did not complete: {failed[0].error.splitlines()[0]}"
     if kind == "kv":
-        unhealthy = [r for r in subject if r.kv_scan and not r.kv_scan["healthy"]]
-        return (REPRODUCED, f"REPRODUCED: KV scan totals {unhealthy[0].kv_scan['totals']}") if unhealthy else \
-            (NOT_REPRODUCED, "not reproduced: the KV cache is healthy")
+        scan = next((r.kv_scan for r in subject if damaged(r.kv_scan)), None)
+        if scan is None:
+            return NOT_REPRODUCED, "not reproduced: the KV cache is healthy"
+        if scan["healthy"]:
+            return REPRODUCED, f"REPRODUCED: KV scan totals of the draft context {scan['draft']['totals']}"
+        return REPRODUCED, f"REPRODUCED: KV scan totals {scan['totals']}"
     if kind == "rounds-differ":
         lines = [f"round {i + 1}: {r.tokens}" for i, r in enumerate(subject)]
         differ = len({tuple(r.tokens) for r in subject}) > 1

@@ -1,6 +1,6 @@
 """Delta debugging: the smallest failing sublist (Zeller and Hildebrandt's ddmin) and the smallest failing
-integer. `fails` runs a trial; both keep the smallest failing value found so far in `best` so an interrupt
-loses nothing."""
+integer. `fails` runs a trial; the caller (shrink.driver.Shrinker) memoizes trials and keeps the smallest
+failing case found so far, so an interrupt loses nothing. Tested on known predicates in tests/test_ddmin.py."""
 
 from __future__ import annotations
 

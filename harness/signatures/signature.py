@@ -7,16 +7,20 @@
 * a timeout or another error: its message, normalised the same way, without the case it names;
 * a divergence: the check and the triage class (`lossless: hard divergence`);
 * a KV cache the scanner found corrupt: the first kind of damage (`kv-healthy: duplicate cells`), also for
-  a divergence triaged `kv-corrupt` (which only restates the scan);
+  a divergence triaged `kv-corrupt` (which only restates the scan) and for a batch llama.cpp refused because
+  of it: one that starts a sequence at a position the KV cache already holds is the damage the scanner finds
+  as duplicate cells where llama.cpp's check does not look (a hybrid memory's last position is its recurrent
+  part's), one that skips positions the scanner's holes (backends.process.invalid_batch);
 * any other check: the check and what failed, without the details (`grammar-valid: invalid output`,
   `acceptance: fell against baseline`, `spec-ran: no drafts at all for the case (N requests)`).
 
 A verdict that only restates another failure of its case and cell takes that failure's signature and is
 marked a consequence: a report shows it under that failure, not as another one. So are a check of a request
 that did not complete (`spec-ran: no drafts at all` on a crashed case), a comparison whose reference crashed,
-a chat turn not sent because an earlier one failed, the checks of requests whose KV cache is damaged, and
-the checks of an output whose divergence another check already reports (`classify`, ROOTS). A divergence of a
-request that completed is evidence of its own, whatever else failed.
+a chat turn not sent because an earlier one failed, a chat turn that reused less of its prompt because the
+turn before it left positions past its returned tokens (`prompt-reuse` after `kv-healthy`), the checks of
+requests whose KV cache is damaged, and the checks of an output whose divergence another check already reports
+(`classify`, ROOTS). A divergence of a request that completed is evidence of its own, whatever else failed.
 
 Works on checks.json records and on `CheckResult`s alike; reads nothing but the verdicts (and, when given,
 the results.json records of its case and cell).
@@ -36,6 +40,8 @@ KV_FINDING = re.compile(r"found (\d+) duplicate \(seq_id, pos\) cells, (\d+) orp
 """A `kv-corrupt` triage reason's findings (checks.base.kv_findings)."""
 EXIT = re.compile(r"\b(?:was killed by (?:signal \d+|[A-Z][A-Z0-9]*)|exited with code -?\d+)")
 """How a crashed process ended, as backends.process.describe_exit says it."""
+REFUSED_BATCH = re.compile(r"inconsistent sequence positions\).*?\bX = (-?\d+).*?\bY = (-?\d+)")
+"""A batch llama.cpp refused, with the sequence's last cached position X and the batch's first Y."""
 REFERENCE_FAILED = re.compile(r"reference failed: (.*)", re.S)
 """A comparison whose reference request did not complete (checks.compare.compare_outcome)."""
 ASSERT = re.compile(r"(GGML_ASSERT\(.*\)(?: failed)?|GGML_ABORT\(.*\))")
@@ -48,7 +54,8 @@ CASE = re.compile(r"\bcase \S+")
 NOT_SENT = re.compile(r" \(so \S+ was not sent\)$")
 """A later chat turn's error when an earlier turn failed (execute.Executor)."""
 LIMIT = 160
-SHAPES = {"grammar-valid": "invalid output", "logits-close": "logits beyond the noise floor"}
+SHAPES = {"grammar-valid": "invalid output", "logits-close": "logits beyond the noise floor",
+          "prompt-reuse": "a prompt's cache reuse differs from no speculation"}
 """Checks whose failure is one thing whatever the details: the signature names only that."""
 ROOTS = ("no-crash", "kv-healthy", "lossless", "mode-invariant", "repeat-identical", "baseline")
 """Checks whose failure makes the other failing verdicts of its case and cell (those of checks after it here,
@@ -113,6 +120,10 @@ def of_error(error: str) -> Signature:
     if ended:
         reason = abort_reason(error)
         return Signature("crash: " + normalise(reason or ended.group(0).replace("was ", "")), CRASH)
+    refused = REFUSED_BATCH.search(first)
+    if refused:
+        last, start = map(int, refused.groups())
+        return Signature(f"kv-healthy: {'duplicate cells' if start <= last else 'holes'}", CHECK)
     return Signature("error: " + normalise(first), ERROR)
 
 
@@ -125,7 +136,12 @@ def _as_record(verdict: Any) -> dict:
 
 
 def _kv_damage(evidence: dict) -> Optional[str]:
-    return next((name for key, name in KV_DAMAGE if evidence.get(key)), None)
+    """The first kind of damage in the target's cache, else in the draft model's context (`... in the draft
+    context`), None when the evidence names none."""
+    found = next((name for key, name in KV_DAMAGE if evidence.get(key)), None)
+    draft = evidence.get("draft_context") or {}
+    in_draft = next((f"{name} in the draft context" for key, name in KV_DAMAGE if draft.get(key)), None)
+    return found or in_draft
 
 
 def _first_error(verdict: dict, records: Iterable[dict]) -> Optional[str]:
@@ -183,6 +199,8 @@ def _own(v: dict, records: list[dict]) -> Signature:
     reference = REFERENCE_FAILED.search(message)
     if reference:
         return _restating(of_error(reference.group(1).split("\n  reproduce: ")[0]))
+    if check == "prompt-reuse" and evidence.get("left_behind"):  # the previous turn's kv-healthy finding
+        return _restating(Signature(f"kv-healthy: {dict(KV_DAMAGE)['past_returned']}", CHECK))
     return Signature(f"{check}: {_shape(v)}", CHECK)
 
 

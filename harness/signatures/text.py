@@ -32,8 +32,17 @@ def summary_lines(found: list[tuple[Failure, Pattern]]) -> list[str]:
     return out
 
 
-def print_failures(found: list[tuple[Failure, Pattern]], console) -> None:
-    """The run's distinct failures, most severe first, each with its reading and grid (nothing when none)."""
+def known_lines(known: dict[str, list[Failure]]) -> list[str]:
+    """One line per known llama.cpp defect of a run: what it explained, by signature ([] when none)."""
+    return [f"known llama.cpp defect {kid}: " + headline(failures).replace("distinct failure", "signature")
+            for kid, failures in known.items()]
+
+
+def print_failures(found: list[tuple[Failure, Pattern]], console, known: dict[str, list[Failure]]) -> None:
+    """The run's distinct failures, most severe first, each with its reading and grid (nothing when none), then
+    what each known llama.cpp defect explained, by signature."""
+    for line in known_lines(known):
+        console.print(line, style="yellow", markup=False, highlight=False)
     lines = summary_lines(found)
     if not lines:
         return

@@ -2,6 +2,7 @@
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
+from typing import Optional
 
 
 @dataclass
@@ -52,6 +53,11 @@ class Drafter(ABC):
         moved the rest down; `history` is what it holds now. By default the drafter begins again on it
         (what llama.cpp PR #21815 adds to llama-server; at 0c1e570 it does not, and ngram-map aborts)."""
         self.begin(seq_id, history)
+
+    def scan(self, seq_id: int, n_past: int) -> Optional[dict]:
+        """The KV scanner's brief verdict on this drafter's own context for `seq_id`, which mirrors the target's
+        positions 0..n_past-1; None when the drafter has no context (or stopped following the sequence)."""
+        return None
 
     def end(self, seq_id: int) -> None:
         """The request on `seq_id` ended; its positions are gone from the target."""

@@ -2,12 +2,14 @@
 
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Optional
 
 import numpy as np
 
 from harness.engine import rollback
 from harness.engine.context import Context
 from harness.engine.drafters.base import Drafter, DraftRequest
+from harness.engine.kvcheck import KvChecker
 from harness.engine.model import Model
 from harness.errors import HarnessError
 
@@ -77,6 +79,10 @@ class DraftSimple(Drafter):
         """seq → (n_past, state): the sequence is exactly this checkpoint (`draft` restored it and nothing was
         decoded into the sequence since), so `process` takes these bytes instead of serializing it again."""
         self.broken: set[int] = set()
+        self.left: dict[int, dict] = {}
+        """seq → the scan of its draft-context copy when a decode into the draft context failed and drafting
+        stopped for it (`broken`): what the context held then, against the target's positions before the batch."""
+        self.checker: Optional[KvChecker] = None
 
     def _check_vocab(self, target: Model) -> None:
         if abs(self.model.n_vocab - target.n_vocab) > 128 or any(
@@ -100,6 +106,10 @@ class DraftSimple(Drafter):
         entries = [e for e in entries if e[2] not in self.broken]
         if not entries:
             return
+        before = {}
+        """seq → the target position of its first entry: the draft context should hold the positions before it."""
+        for _, pos, seq_id, _ in entries:
+            before.setdefault(seq_id, pos)
         if self.stale:
             for _, pos, seq_id, _ in entries:
                 self.n_mirrored[seq_id] = max(self.n_mirrored.get(seq_id, 0), pos + 1)
@@ -115,7 +125,9 @@ class DraftSimple(Drafter):
                 self.mirrored[seq_id] = _Mirrored(mine[0][1], [e[0] for e in mine], state)
         last = len(entries) - 1
         if self._decode([(t, p, s, i == last) for i, (t, p, s, _) in enumerate(entries)]) != 0:
-            self.broken |= {e[2] for e in entries}
+            # a failed decode leaves the memory as it was: scan what each sequence held when drafting stopped
+            self.left.update((seq_id, self._scan(seq_id, n)) for seq_id, n in before.items())
+            self.broken |= set(before)
 
     def draft(self, req: DraftRequest) -> list[int]:
         """Argmax drafting in the draft context; the drafted positions are removed again afterwards."""
@@ -190,6 +202,19 @@ class DraftSimple(Drafter):
         if seq_id in self.n_mirrored:
             self.n_mirrored[seq_id] -= n_discard
 
+    def scan(self, seq_id: int, n_past: int) -> Optional[dict]:
+        """Scan the draft context's sequence, which must hold what the target holds. Where drafting stopped for
+        the sequence (`broken`) its context is no longer followed: the scan taken when a decode into it failed
+        (a draft context that keeps what it should have dropped fills before the target's), else None."""
+        if seq_id in self.broken:
+            return self.left.get(seq_id)
+        return self._scan(seq_id, n_past)
+
+    def _scan(self, seq_id: int, n_past: int) -> dict:
+        if self.checker is None:
+            self.checker = KvChecker(self.ctx)
+        return self.checker.scan(seq_id, n_past)
+
     def end(self, seq_id: int) -> None:
         """Clear the sequence from the draft context."""
         if self.ctx is not None:
@@ -197,6 +222,7 @@ class DraftSimple(Drafter):
         self.mirrored.pop(seq_id, None)
         self.at_checkpoint.pop(seq_id, None)
         self.broken.discard(seq_id)
+        self.left.pop(seq_id, None)
         self.shift.pop(seq_id, None)
         self.n_mirrored.pop(seq_id, None)
 
