@@ -210,8 +210,10 @@ class BaselineStore:
         key = f"{cell.mode}/{cell.spec}"
         data = self.load(path)
         if self.update and data is not None and ctx.completed() and all(o.result.ok for o in ctx.outcomes):
-            rows = [{"round": o.round, **{k: o.result.spec_stats[k] for k in ACCEPTANCE_FIELDS
-                                          if k in o.result.spec_stats}} for o in ctx.outcomes]
+            # a request that ended before its first draft (n_predict 1) has no counters yet: it drafted none
+            rows = [{"round": o.round, "draft_n": 0, "draft_n_accepted": 0,
+                     **{k: o.result.spec_stats[k] for k in ACCEPTANCE_FIELDS if k in o.result.spec_stats}}
+                    for o in ctx.outcomes]
             if data.get("acceptance", {}).get(key) != rows:
                 data["acceptance"] = {**data.get("acceptance", {}), key: rows}
                 self._write(path, lambda t: t.write_text(render(data)))

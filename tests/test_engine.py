@@ -101,6 +101,20 @@ def test_par_four_concurrent_requests_each_equal_their_seq_output(tiny_models, n
         assert a.tokens == b.tokens, f"{lang}: first divergence at token {first_divergence(a.tokens, b.tokens)}"
 
 
+def test_a_batch_as_small_as_the_slots_bounds_the_drafts_and_keeps_the_output(tiny_models):
+    """n_batch = parallel = 2 with an n-gram drafter: the first slot's draft leaves a token for the second
+    (found by `specharness shrink`: the planner overflowed the batch), and the output is no speculation's."""
+    model = resolve("tiny-dense-loop")
+    requests = [quicksort(lang) for lang in LANGS[:2]]
+    plain = serve(model, "par", requests, parallel=2, n_batch=2, n_ubatch=2)
+    drafted = serve(model, "par", requests, parallel=2, n_batch=2, n_ubatch=2,
+                    spec={"spec-type": "ngram-map-k", "spec-ngram-map-k-size-n": 1, "spec-ngram-map-k-size-m": 1,
+                          "spec-ngram-map-k-min-hits": 1})
+    assert all(r.ok for r in plain + drafted), [r.error for r in plain + drafted]
+    assert sum(r.spec_stats.get("draft_n", 0) for r in drafted) > 0
+    assert [r.tokens for r in drafted] == [r.tokens for r in plain]
+
+
 def test_seeded_sampling_is_reproducible_and_seed_dependent(tiny_models):
     model = tiny_models["tiny-dense"]
     sampled = [quicksort("C", temperature=0.8, seed=s) for s in (1, 1, 2)]

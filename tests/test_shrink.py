@@ -132,3 +132,49 @@ def test_repro_sh_alone_fails_on_the_seeded_build_and_passes_on_the_clean_one(se
     passing = subprocess.run(["bash", str(alone / "repro.sh")], env=dict(env, LLAMA_SERVER=str(clean.server_bin)),
                              cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert passing.returncode == 0, passing.stdout + passing.stderr
+
+
+def test_a_smaller_case_of_an_acceptance_failure_is_judged_against_a_baseline_recorded_for_it(tmp_path):
+    """`acceptance` compares with the baseline stored for the original case. Judged that way, a one-token case
+    that drafts nothing 'falls' too: the signature for the wrong reason. Judged against a baseline the reference
+    configuration (no --fault) records for it, it passes, while the original case still fails."""
+    from argparse import Namespace
+
+    from harness.repro.legs import tokenize
+    from harness.models import resolve
+    from harness.shrink.candidate import initial
+    from harness.shrink.cli import Origin
+    from harness.shrink.trial import Policy, Runner
+
+    run = specharness("run", "--suite", "quicksort", "--model", "tiny-dense-loop", "--mode", "par", "--spec",
+                      "ngram-map-k", "--backend", "inproc", "--fault", "shared-drafter-state", "--out", str(tmp_path / "run"))
+    assert run.returncode == 1, run.stderr[-2000:]
+    args = Namespace(from_run=str(tmp_path / "run"), case="C", check="acceptance", mode=None, spec=None, model=None,
+                     backend=None, server_bin=None, source=None)
+    origin = Origin(args, "shrink")
+    assert origin.signature == "acceptance: fell against baseline"
+    start = initial(origin.suite, "C", origin.check, origin.cell)
+    tiny = start.with_(prompt=tuple(tokenize(resolve("tiny-dense-loop").path, "Write")), n_predict=1, companions=())
+    runner = Runner(origin.options, None, None, origin.signature, Policy(), tmp_path / "logs", origin=start)
+    assert runner.attempt(start).shows(origin.signature)
+    assert runner.attempt(tiny).signatures == []
+    stored = Runner(origin.options, None, None, origin.signature, Policy(), tmp_path / "logs2", origin=tiny)
+    assert stored.attempt(tiny).shows(origin.signature)  # what the shrink kept before: C's baseline, another case
+
+
+def test_a_baseline_relative_failure_without_a_reference_configuration_is_refused_in_one_line():
+    from argparse import Namespace
+
+    from harness.errors import HarnessError
+    from harness.shrink.driver import require_shrinkable
+    from harness.shrink.trial import reference_of
+
+    assert reference_of(Namespace(fault="stale-draft-context"), None, None, "inproc") == "without --fault"
+    assert reference_of(Namespace(fault=None), Path("llama-server"), None, "server") == "the vendored llama-server"
+    assert reference_of(Namespace(fault=None), None, None, "inproc") is None
+    require_shrinkable("acceptance", "without --fault")
+    require_shrinkable("lossless", None)
+    for check in ("acceptance", "baseline"):
+        with pytest.raises(HarnessError, match=f"a `{check}` failure compares with the baseline stored for the "
+                                               "original case"):
+            require_shrinkable(check, None)

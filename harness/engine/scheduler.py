@@ -129,17 +129,23 @@ class Scheduler:
         return [s for s in self.slots if s.phase is not Phase.IDLE]
 
     def _plan(self, speculate: bool) -> list[Part]:
+        """The step's parts: each generating slot's pending token (and draft, within the room left after one
+        token for each generating slot after it), then prompt chunks in the room left. A batch smaller than the
+        generating slots (n_batch < parallel) takes as many as fit; the others generate in a later step."""
         parts: list[Part] = []
         room = self.batch.capacity
-        for slot in self._active():
-            if slot.phase is Phase.GENERATE:
-                if speculate and self.spec:
-                    plan = self.spec.plan(slot, room)
-                    tokens = plan.tokens
-                else:
-                    plan, tokens = None, [slot.pending]
-                parts.append(Part(slot, tokens, slot.n_past, [True] * len(tokens), plan))
-                room -= len(tokens)
+        generating = [slot for slot in self._active() if slot.phase is Phase.GENERATE]
+        for i, slot in enumerate(generating):
+            if room == 0:
+                break
+            own = room - min(len(generating) - i - 1, room - 1)
+            if speculate and self.spec:
+                plan = self.spec.plan(slot, own)
+                tokens = plan.tokens
+            else:
+                plan, tokens = None, [slot.pending]
+            parts.append(Part(slot, tokens, slot.n_past, [True] * len(tokens), plan))
+            room -= len(tokens)
         for slot in self._active():
             if slot.phase is Phase.PROMPT and room > 0:
                 chunk = slot.prompt_chunk(room)

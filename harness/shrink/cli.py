@@ -22,7 +22,7 @@ from harness.paths import reports_dir
 from harness.report.files import status
 from harness.runner import DEFAULTS, csv, count, new_run_dir, prepare_out
 from harness.shrink.candidate import Candidate, initial
-from harness.shrink.trial import Policy, Runner
+from harness.shrink.trial import BASELINE_CHECKS, Policy, Runner, reference_of
 from harness.signatures import classify
 
 EXIT_WRITTEN, EXIT_NOT_REPRODUCED = 0, 1
@@ -109,13 +109,15 @@ def cmd_shrink(args: argparse.Namespace, shrink: bool = True) -> int:
 
     origin = Origin(args, "shrink" if shrink else "reproduce")
     if shrink:
-        require_shrinkable(origin.check)
+        require_shrinkable(origin.check, reference_of(origin.options, origin.server_bin, origin.source,
+                                                      origin.cell.backend))
     start = initial(origin.suite, args.case, origin.check, origin.cell)
     out = prepare_out(Path(args.out) if args.out else new_run_dir(reports_dir()))
     _say(f"shrink: {origin.describe}")
     stopped = None
     with tempfile.TemporaryDirectory(prefix="specharness-shrink-") as logs:
-        runner = Runner(origin.options, origin.server_bin, origin.source, origin.signature, Policy(), Path(logs))
+        runner = Runner(origin.options, origin.server_bin, origin.source, origin.signature, Policy(), Path(logs),
+                        origin=start)
         try:
             runner.policy, attempts = _reproduce(runner, start, args.tries, _say)
         except NotReproduced as err:
@@ -155,8 +157,12 @@ def cmd_shrink(args: argparse.Namespace, shrink: bool = True) -> int:
 def _summary(start: Candidate, best: Candidate, runner: Runner, shrinker, run_dir) -> str:
     if shrinker is None:
         return f"Reproducer of a failing case of run {run_dir} (not shrunk: `specharness shrink` makes it smaller)."
+    reference = reference_of(runner.options, runner.server_bin, runner.source, start.cell.backend)
+    judged = (f" Each smaller case's `{start.check}` was judged against a baseline recorded for it {reference}."
+              if start.check in BASELINE_CHECKS else "")
     return (f"Shrunk by `specharness shrink` from run {run_dir} in {runner.count} trials, {shrinker.elapsed():.0f} s "
-            f"(a step held when the signature showed {runner.policy} runs): {start.describe()} → {best.describe()}.")
+            f"(a step held when the signature showed {runner.policy} runs): {start.describe()} → {best.describe()}."
+            + judged)
 
 
 def cmd_repro(args: argparse.Namespace) -> int:

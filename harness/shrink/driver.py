@@ -20,7 +20,7 @@ from harness.models import resolve
 from harness.repro.legs import tokenize
 from harness.shrink.candidate import SERVE_KEYS, Candidate
 from harness.shrink.ddmin import ddmin, smallest
-from harness.shrink.trial import Runner, Trial
+from harness.shrink.trial import BASELINE_CHECKS, Runner, Trial
 
 TINY = {"dense": "tiny-dense", "hybrid": "tiny-hybrid", "recurrent": "tiny-recurrent"}
 """The tiny model tried first for a real model of each kind."""
@@ -170,8 +170,13 @@ class Shrinker:
                     self.best.with_serve(name, v), f"{name} {v}"))
 
 
-def require_shrinkable(check: str) -> None:
-    """`baseline` compares with tokens stored for the original prompt: no reduced case can keep its meaning."""
-    if check == "baseline":
-        raise HarnessError("a `baseline` failure compares with the tokens stored for the original case; shrink the "
-                           "failing comparison instead (--check lossless, mode-invariant, ...)")
+def require_shrinkable(check: str, reference: Optional[str]) -> None:
+    """`baseline` and `acceptance` compare with what is stored for the original case: a smaller case needs a
+    reference configuration to record its own (trial.Runner.baselines), which a run of the reference
+    configuration itself (no --fault in-process, the vendored llama-server) does not have (`reference`:
+    trial.reference_of)."""
+    if check in BASELINE_CHECKS and reference is None:
+        raise HarnessError(f"a `{check}` failure compares with the baseline stored for the original case, and this "
+                           "run has no other configuration to record one for a smaller case (no --fault; llama-server "
+                           "without --server-bin / --source): shrink a comparison within the run instead (--check "
+                           "lossless, mode-invariant, kv-healthy, no-crash)")

@@ -5,6 +5,11 @@ A trial runs the candidate's one-cell suite in a fresh executor (fresh sessions,
 worker per cell), with the run's options; the check's reference cells (spec `none` for `lossless`, `seq` for
 `mode-invariant`) run on demand in the same executor. A nondeterministic failure is judged k of n: the trial
 repeats until k runs show the signature (it holds) or that can no longer happen (it does not).
+
+`baseline` and `acceptance` compare with what is stored for the original case, which says nothing about a
+smaller one: a candidate other than the original is judged against a baseline that the reference
+configuration records for it first (the run's options without `--fault`; for llama-server, the vendored build
+instead of `--server-bin` / `--source`), as the stored one was recorded with the harness's own build.
 """
 
 from __future__ import annotations
@@ -66,19 +71,35 @@ class Trial:
         return next((a for a in reversed(self.attempts) if a.shows(signature)), None)
 
 
+BASELINE_CHECKS = ("baseline", "acceptance")
+"""Checks that compare with the baseline stored for the original case."""
+
+
+def reference_of(options: argparse.Namespace, server_bin: Optional[Path], source: Optional[Path],
+                 backend: str) -> Optional[str]:
+    """What the reference configuration of a run's cell differs in from the run's (`without --fault`, `the
+    vendored llama-server`); None when the run's configuration is the reference itself."""
+    if backend == "server":
+        return "the vendored llama-server" if server_bin or source else None
+    return "without --fault" if options.fault else None
+
+
 class Runner:
     """Serves candidates with a stored run's options on one backend and build (llama-server is built, or found
-    in the cache, once for every trial)."""
+    in the cache, once for every trial). `origin`: the original case, judged against the stored baselines."""
 
     def __init__(self, options: argparse.Namespace, server_bin: Optional[Path], source: Optional[Path],
-                 signature: str, policy: Policy, logs: Optional[Path] = None):
+                 signature: str, policy: Policy, logs: Optional[Path] = None, origin: Optional[Candidate] = None):
         self.options = options
         self.server_bin, self.source = server_bin, source
         self.signature = signature
         self.policy = policy
         self.logs = Path(logs or tempfile.mkdtemp(prefix="specharness-shrink-"))
+        self.origin = origin
         self.count = 0
         self._build: Optional[BuildInfo] = None
+        self._references: dict[Candidate, BaselineStore] = {}
+
 
     def build(self) -> BuildInfo:
         """The llama-server every trial serves with (the run's, or --server-bin / --source)."""
@@ -94,18 +115,46 @@ class Runner:
         build = self.build() if backend == "server" else None
         return backend_factories(self.server_bin, self.source, self.logs, build=build)
 
+    def _serve(self, candidate: Candidate, reference: bool = False) -> tuple[CellRun, Executor]:
+        """The candidate's cell served with the run's options (`reference`: the reference configuration's)."""
+        backend = candidate.cell.backend
+        if reference and backend == "server":
+            backends = backend_factories(None, None, self.logs, build=ensure_server())
+        else:
+            backends = self._backends(backend)
+        options = exec_options(self.options, backends)
+        options.spec_overrides = {**options.spec_overrides, **dict(candidate.spec)}
+        if reference:
+            options.engine = {**options.engine, "fault": None}
+        executor = Executor(options)
+        return executor.run(candidate.materialize(), candidate.cell), executor
+
+    def baselines(self, candidate: Candidate) -> BaselineStore:
+        """The stored baselines for the original case (and for checks that do not read them); for a smaller
+        case of a `baseline` / `acceptance` failure, a store the reference configuration recorded it in."""
+        if candidate.check not in BASELINE_CHECKS or candidate == self.origin:
+            return BaselineStore(default_root())
+        if candidate not in self._references:
+            reference = reference_of(self.options, self.server_bin, self.source, candidate.cell.backend)
+            if reference is None:
+                raise HarnessBug("a baseline-relative shrink without a reference configuration (require_shrinkable)")
+            root = self.logs / "baselines" / str(len(self._references))
+            run, executor = self._serve(candidate, reference=True)
+            recording = BaselineStore(root, update=True)
+            if run.error is None and run.harness_error is None:
+                evaluate(CheckContext(run, candidate.key, executor, recording, str, "specharness shrink"),
+                         list(BASELINE_CHECKS))
+            self._references[candidate] = BaselineStore(root)
+        return self._references[candidate]
+
     def attempt(self, candidate: Candidate) -> Attempt:
         """Run the candidate once and evaluate its check."""
         self.count += 1
-        options = exec_options(self.options, self._backends(candidate.cell.backend))
-        options.spec_overrides = {**options.spec_overrides, **dict(candidate.spec)}
-        executor = Executor(options)
-        suite = candidate.materialize()
-        run = executor.run(suite, candidate.cell)
+        run, executor = self._serve(candidate)
         if run.harness_error is not None:
             return Attempt([], None, run, executor, harness_error=run.harness_error)
         detok = detokenizers.for_model(candidate.cell.model) or str if run.error is None else str
-        ctx = CheckContext(run, candidate.key, executor, BaselineStore(default_root()), detok, "specharness shrink")
+        ctx = CheckContext(run, candidate.key, executor, self.baselines(candidate), detok, "specharness shrink")
         try:
             results = evaluate(ctx, [candidate.check])
         except HarnessBug as err:
