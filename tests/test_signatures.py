@@ -167,6 +167,13 @@ def test_signatures_drop_paths_numbers_and_the_backend_but_keep_the_assert():
     assert signature_of({**crash, "message": f"1 of 2 requests failed; C round 0: {server}"}) == \
         signature_of({**crash, "message": f"2 of 2 requests failed; Java round 1: {engine}"}) == \
         "crash: GGML_ASSERT(n_ubatch > 0 && ubatch.n_seqs <= 4) failed"
+    startup = ("llama-server was killed by SIGABRT during start-up: /ci/src/llama-context.cpp:2273: "
+               "GGML_ASSERT(n_outputs_max <= cparams.n_outputs_max) failed (log: /tmp/r/server-logs/llama-server-par-1.log)")
+    in_engine = ("the in-process engine's worker was killed by SIGABRT: /opt/src/llama-context.cpp:2273: "
+                 "GGML_ASSERT(n_outputs_max <= cparams.n_outputs_max) failed; log /tmp/q/engine-1.log ends with:\n...")
+    assert signature_of({**crash, "message": f"C round 0: {startup}"}) == \
+        signature_of({**crash, "message": f"C round 0: {in_engine}"}) == \
+        "crash: GGML_ASSERT(n_outputs_max <= cparams.n_outputs_max) failed"  # a warm-up abort reads the same
     thrown = "llama-server was killed by SIGABRT; log /x/y.log ends with:\nterminate called after\n  what():  failed to remove sequence 7"
     assert signature_of({**crash, "message": "x"}, [{"error": thrown, "stop_reason": "crashed"}]) == \
         "crash: failed to remove sequence N"

@@ -23,7 +23,7 @@ import requests
 from harness.backends.base import ServeConfig, default_threads
 from harness.backends.build import require_executable
 from harness.backends.flags import fit_to_build, server_flags, server_version
-from harness.backends.process import crash_report, describe_exit, log_tail
+from harness.backends.process import abort_line, crash_report, describe_exit, log_tail
 from harness.errors import HarnessError
 
 HOST = "127.0.0.1"
@@ -154,12 +154,18 @@ class LlamaServer:
         raise HarnessError(f"llama-server was not ready within {self.start_timeout:g} s (log: {self.log_path})")
 
     def _startup_failure(self) -> str:
-        """One line saying why the process exited before becoming healthy."""
+        """One line saying why the process exited before becoming healthy: the model it could not load, the
+        line llama.cpp aborted with (a warm-up decode can abort: the log then ends with a backtrace), else the
+        log's last line."""
         tail = log_tail(self.log_path)
         if "failed to load model" in tail or "error loading model" in tail:
             reason = _first_line_with(tail, ("error loading model", "failed to load model"))
             return f"llama-server could not load model {self.model}: {reason} (log: {self.log_path})"
-        last = (tail.strip().splitlines() or ["no output"])[-1].strip()
+        try:
+            aborted = abort_line(self.log_path.read_text(errors="replace"))
+        except OSError:
+            aborted = ""
+        last = aborted or (tail.strip().splitlines() or ["no output"])[-1].strip()
         return f"llama-server {describe_exit(self.process.returncode)} during start-up: {last} (log: {self.log_path})"
 
     def stop(self, kill: bool = False) -> None:

@@ -99,7 +99,8 @@ def abort_reason(error: str) -> Optional[str]:
     log; None when the report has neither."""
     first = error.split("\n", 1)[0]
     ended = EXIT.search(first)
-    reason = SOURCE.sub("", first[ended.end():].split("; log ", 1)[0].lstrip(":").strip()) if ended else ""
+    rest = re.split(r"; log | \(log: ", first[ended.end():], maxsplit=1)[0].removeprefix(" during start-up") if ended else ""
+    reason = SOURCE.sub("", rest.lstrip(":").strip())
     what = re.search(r"what\(\):\s*(.+)", error)
     if what and (not reason or reason.startswith("terminate called")):
         return what.group(1).strip()
