@@ -74,7 +74,7 @@ class Scheduler:
         self.slots = [Slot(i, ctx.model, ctx.n_ctx_seq, ctx.params.seed, logit_top_k, breaks, self.context_shift)
                       for i in range(ctx.params.parallel)]
         self.batch = ctx.new_batch()
-        self.spec = Speculation(spec, ctx) if spec is not None and spec.enabled else None
+        self.spec = Speculation(spec, ctx, scans=self.kv is not None) if spec is not None and spec.enabled else None
 
     def run(self, requests: list[Request],
             on_result: Optional[Callable[[int, Result], None]] = None,

@@ -153,7 +153,7 @@ Beside them two lists per draft position k (0-based), over the verification step
 class Speculation:
     """Drafts, verifies and rolls back for every generating slot of one target context."""
 
-    def __init__(self, config: SpecConfig, target: Context):
+    def __init__(self, config: SpecConfig, target: Context, scans: bool = False):
         self.config = config
         self.ctx = target
         self.strategy = rollback.choose_strategy(config.rollback, target.model.kind, target.model.arch)
@@ -164,6 +164,8 @@ class Speculation:
         self.drafters = build_drafters(config, target)
         self.mirrors = [d for d in self.drafters if type(d).process is not Drafter.process]
         """The drafters that follow the target's decodes (draft models); the others ignore `process`."""
+        for d in self.mirrors:
+            d.scans = scans  # the KV scan is on: keep what a draft context held when it stopped following
         self.replays: dict[int, list[int]] = {}
         self.attempts: dict[int, int] = {}
         self.producer: dict[int, int] = {}

@@ -28,6 +28,9 @@ class Drafter(ABC):
     and `end`)."""
 
     name: str = ""
+    scans: bool = False
+    """The engine scans KV state (`kv_scan` on): a drafter with a context of its own scans it where it stops
+    following a sequence (`scan`)."""
     n_max: int = 16
     """The longest draft this drafter proposes (sizes recurrent snapshots for `--rollback partial`)."""
 

@@ -126,7 +126,8 @@ class DraftSimple(Drafter):
         last = len(entries) - 1
         if self._decode([(t, p, s, i == last) for i, (t, p, s, _) in enumerate(entries)]) != 0:
             # a failed decode leaves the memory as it was: scan what each sequence held when drafting stopped
-            self.left.update((seq_id, self._scan(seq_id, n)) for seq_id, n in before.items())
+            if self.scans:
+                self.left.update((seq_id, self._scan(seq_id, n)) for seq_id, n in before.items())
             self.broken |= set(before)
 
     def draft(self, req: DraftRequest) -> list[int]:
