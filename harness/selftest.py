@@ -58,7 +58,7 @@ EXPECTED: dict[str, list[tuple[str, str]]] = {
                             ("no-crash", r"rejected the batch as invalid")],
     "partial-checkpoint-only": [("kv-healthy", r"[1-9]\d* (duplicate cells|orphans)"),
                                 ("lossless", r"Class (hard|drift|kv-corrupt)")],
-    "stale-draft-context": [("kv-healthy", r"[1-9]\d* orphans in the draft context"),
+    "stale-draft-context": [("kv-healthy", r"the draft context: \d+ duplicate cells, [1-9]\d* orphans"),
                             ("acceptance", r"against baseline \(tolerance [\d.e-]+\): (acceptance|accepted tokens)")],
     "shared-drafter-state": [("acceptance", r"against baseline \(tolerance [\d.e-]+\): (acceptance|accepted tokens)")],
 }

@@ -14,7 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from harness.backends.process import INVALID_BATCH, invalid_batch, invalid_batch_in_log
+from harness.backends.base import INVALID_BATCH, invalid_batch
+from harness.backends.process import invalid_batch_in_log
 from harness.cli import main
 from harness.signatures import classify, signature_of
 from report_helpers import inside, make_checkout, parse_html

@@ -21,6 +21,18 @@ ASSUMED_TOKENS_PER_S = 5.0
 """The speed assumed before a session has measured one (a small model on a busy 2-core machine does more)."""
 
 
+INVALID_BATCH = "llama.cpp rejected the batch as invalid (inconsistent sequence positions)"
+"""llama_decode's -1: llama_batch_allocr::init refused the batch (llama-server answers `Invalid input batch.`)."""
+
+
+def invalid_batch(seq_id: int, last: int, start: int) -> str:
+    """Why llama.cpp refused a batch, in one line with llama.cpp's own names, the same from both backends: the
+    last position X the memory holds for the sequence and the batch's first position Y, which must be X + 1
+    (X < Y for M-RoPE)."""
+    return (f"{INVALID_BATCH}: the KV cache's last position of sequence {seq_id} is X = {last}, the batch "
+            f"starts it at Y = {start} (required: Y = X + 1)")
+
+
 def request_deadline(request: Request, n_ctx: int, tokens_per_second: Optional[float] = None) -> float:
     """Seconds a request may take before it ends as `stop_reason: timeout`: the request's (suite's)
     `deadline_s` when set, else DEADLINE_FLOOR_S + DEADLINE_SLACK × n_predict / the measured speed

@@ -1,12 +1,14 @@
 """How a child process that runs llama.cpp ended: shared by the llama-server process and the in-process
 engine's worker, so a crash reads the same from both backends (how it ended, the abort line, the log tail);
-and why llama.cpp refused a batch, said the same way by both."""
+and why llama.cpp refused a batch, from llama-server's log (worded as the engine words it: base.invalid_batch)."""
 
 import itertools
 import re
 import signal
 from pathlib import Path
 from typing import Optional
+
+from harness.backends.base import invalid_batch
 
 LOG_TAIL_LINES = 20
 ABORT_LINES = tuple(re.compile(p) for p in (r"GGML_ASSERT|GGML_ABORT", r"what\(\):|terminate called",
@@ -15,8 +17,6 @@ ABORT_LINES = tuple(re.compile(p) for p in (r"GGML_ASSERT|GGML_ABORT", r"what\(\
 uncaught C++ exception (`terminate called after throwing ...` / `what(): ...`), a fatal `<file>:<line>: ...`."""
 
 
-INVALID_BATCH = "llama.cpp rejected the batch as invalid (inconsistent sequence positions)"
-"""llama_decode's -1: llama_batch_allocr::init refused the batch (llama-server answers `Invalid input batch.`)."""
 INVALID_BATCH_LOG = re.compile(
     r"tokens of sequence (\d+) in the input batch have inconsistent sequence positions:\s*"
     r"- the last position stored in the memory module .*? is X = (-?\d+)\s*"
@@ -26,18 +26,10 @@ INVALID_BATCH_LOG_LINES = 400
 """How far back in a log `invalid_batch_in_log` looks (llama-server logs a few lines per request)."""
 
 
-def invalid_batch(seq_id: int, last: int, start: int) -> str:
-    """Why llama.cpp refused a batch, in one line with llama.cpp's own names: the last position X the
-    memory holds for the sequence and the batch's first position Y, which must be X + 1 (X < Y for M-RoPE)."""
-    return (f"{INVALID_BATCH}: the KV cache's last position of sequence {seq_id} is X = {last}, the batch "
-            f"starts it at Y = {start} (required: Y = X + 1)")
-
-
 def invalid_batch_in_log(path: Optional[Path]) -> Optional[str]:
     """`invalid_batch` for the last batch llama.cpp's log at `path` says it refused, None if it says none."""
     found = list(INVALID_BATCH_LOG.finditer(log_tail(path, INVALID_BATCH_LOG_LINES)))
     return invalid_batch(*map(int, found[-1].groups())) if found else None
-
 
 
 def describe_exit(returncode: Optional[int]) -> str:

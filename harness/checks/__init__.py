@@ -270,8 +270,9 @@ def kv_healthy(ctx: CheckContext) -> Optional[CheckResult]:
     evidence["first"] = bad[0].result.kv_scan
     failures = [f"round {o.round}: {p}" for o in bad for p in problems[id(o)]]  # one finding a line
     draft = evidence.get("draft_context", {})
-    in_draft = (f", {draft['duplicate_cells']} duplicate cells and {draft['orphans']} orphans in the draft context"
-                if draft.get("duplicate_cells") or draft.get("orphans") or draft.get("missing_positions") else "")
+    in_draft = (f", {draft['duplicate_cells']} duplicate cells, {draft['orphans']} orphans and "
+                f"{draft['missing_positions']} missing positions in the draft context"
+                if any(draft.get(k) for k in counts) else "")
     return CheckResult("kv-healthy", False, f"{len(bad)} of {len(scanned)} requests left an unhealthy KV cache "
                        f"({evidence['duplicate_cells']} duplicate cells, {evidence['orphans']} orphans, "
                        f"{evidence['past_returned']} positions past the returned tokens{in_draft} in all); first: "

@@ -11,7 +11,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Callable, Optional
 
-from harness.backends.process import INVALID_BATCH, invalid_batch
+from harness.backends.base import INVALID_BATCH, invalid_batch
 from harness.engine.context import Context
 from harness.engine.ctxshift import needs_shift, shift_span
 from harness.engine.kvcheck import KvChecker

@@ -100,7 +100,6 @@ class Runner:
         self._build: Optional[BuildInfo] = None
         self._references: dict[Candidate, BaselineStore] = {}
 
-
     def build(self) -> BuildInfo:
         """The llama-server every trial serves with (the run's, or --server-bin / --source)."""
         if self._build is None:

@@ -10,7 +10,7 @@
   a divergence triaged `kv-corrupt` (which only restates the scan) and for a batch llama.cpp refused because
   of it: one that starts a sequence at a position the KV cache already holds is the damage the scanner finds
   as duplicate cells where llama.cpp's check does not look (a hybrid memory's last position is its recurrent
-  part's), one that skips positions the scanner's holes (backends.process.invalid_batch);
+  part's), one that skips positions the scanner's holes (backends.base.invalid_batch);
 * any other check: the check and what failed, without the details (`grammar-valid: invalid output`,
   `acceptance: fell against baseline`, `spec-ran: no drafts at all for the case (N requests)`).
 
