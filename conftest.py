@@ -33,17 +33,25 @@ BUSY_LOOP = "import os\nparent = os.getppid()\nwhile os.getppid() == parent:\n  
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
-    parser.addoption("--stress", type=int, default=0, metavar="N",
-                     help="run N busy loops (N CPU-bound processes, e.g. $(nproc)) for the whole session, as on a "
-                          "busy machine; `-m stress` selects the interrupt, server, bisect and report tests")
+    parser.addoption(
+        "--stress",
+        type=int,
+        default=0,
+        metavar="N",
+        help="run N busy loops (N CPU-bound processes, e.g. $(nproc)) for the whole session, as on a "
+        "busy machine; `-m stress` selects the interrupt, server, bisect and report tests",
+    )
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    config.addinivalue_line("markers", "stress: a test of signals, servers, bisect or reports, run under load "
-                                       "in CI (`pytest -m stress --stress N`)")
+    config.addinivalue_line(
+        "markers",
+        "stress: a test of signals, servers, bisect or reports, run under load in CI (`pytest -m stress --stress N`)",
+    )
     if config.getoption("--stress") > 0 and not hasattr(config, "workerinput"):  # the controller only, once
-        config.stash[BUSY] = [subprocess.Popen([sys.executable, "-c", BUSY_LOOP])
-                              for _ in range(config.getoption("--stress"))]
+        config.stash[BUSY] = [
+            subprocess.Popen([sys.executable, "-c", BUSY_LOOP]) for _ in range(config.getoption("--stress"))
+        ]
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:

@@ -18,7 +18,10 @@ class BuildWithSuites(build_py):
         super().run()
         if not self.editable_mode:
             for name in BUNDLED:
-                self.copy_tree(str(Path(__file__).parent / name), str(Path(self.build_lib) / "harness" / "bundled" / name))
+                self.copy_tree(
+                    str(Path(__file__).parent / name),
+                    str(Path(self.build_lib) / "harness" / "bundled" / name),
+                )
 
 
 setup(cmdclass={"build_py": BuildWithSuites})

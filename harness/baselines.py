@@ -21,13 +21,34 @@ from harness.checks import verdict
 from harness.checks.base import CheckContext, CheckResult
 from harness.checks.compare import compare_tokens
 from harness.errors import HarnessError
-from harness.logits import PositionLogits, from_frame, load_parquet, save_parquet, to_frame
+from harness.logits import (
+    PositionLogits,
+    from_frame,
+    load_parquet,
+    save_parquet,
+    to_frame,
+)
 from harness.models import model_key
 from harness.paths import write_atomic
 from harness.suites import suites_dir
 
-FIELDS = ("suite", "case", "model", "backend", "device", "text", "tokens", "environment", "acceptance")
-ACCEPTANCE_FIELDS = ("draft_n", "draft_n_accepted", "drafted_per_pos", "accepted_per_pos")
+FIELDS = (
+    "suite",
+    "case",
+    "model",
+    "backend",
+    "device",
+    "text",
+    "tokens",
+    "environment",
+    "acceptance",
+)
+ACCEPTANCE_FIELDS = (
+    "draft_n",
+    "draft_n_accepted",
+    "drafted_per_pos",
+    "accepted_per_pos",
+)
 """What a baseline keeps of a request's `spec_stats` (the per-position lists only where the backend reports them)."""
 
 
@@ -80,8 +101,13 @@ class BaselineStore:
     DIR`; empty for the default one). Checks read calibration files from `calibration_dir` (None: `calibration`
     beside each suite's baselines root) before the default root (harness.noise.load)."""
 
-    def __init__(self, root: Optional[Path] = None, update: bool = False, option: str = "",
-                 calibration_dir: Optional[Path] = None):
+    def __init__(
+        self,
+        root: Optional[Path] = None,
+        update: bool = False,
+        option: str = "",
+        calibration_dir: Optional[Path] = None,
+    ):
         self.root = Path(root) if root else None
         self.update = update
         self.option = option
@@ -95,23 +121,46 @@ class BaselineStore:
         """Where this suite's checks look for calibration files before the default root."""
         return self.calibration_dir or suite_root(suite).parent / "calibration"
 
-    def path(self, suite: str, case: str, model: str, backend: str, device: str, root: Optional[Path] = None) -> Path:
-        return (root or self.root) / _safe(suite) / f"{_safe(case)}--{_safe(model_key(model))}--{backend}--{device}.json"
+    def path(
+        self,
+        suite: str,
+        case: str,
+        model: str,
+        backend: str,
+        device: str,
+        root: Optional[Path] = None,
+    ) -> Path:
+        return (
+            (root or self.root) / _safe(suite) / f"{_safe(case)}--{_safe(model_key(model))}--{backend}--{device}.json"
+        )
 
     def file_of(self, ctx: CheckContext) -> Path:
         """The baseline file of a check's case and cell."""
         cell, env = ctx.cell, ctx.executor.environment(ctx.cell)
-        return self.path(ctx.run.suite.name, ctx.case, cell.model, cell.backend, env["device"], self.root_of(ctx.run.suite))
+        return self.path(
+            ctx.run.suite.name,
+            ctx.case,
+            cell.model,
+            cell.backend,
+            env["device"],
+            self.root_of(ctx.run.suite),
+        )
 
     def not_recorded(self, ctx: CheckContext) -> Optional[str]:
         """`no baseline yet ...` with the command that records them when this cell's model has no baseline at
         all for the suite, backend and device (a model new to the harness); None when it has some."""
-        cell, device, root = ctx.cell, ctx.executor.environment(ctx.cell)["device"], self.root_of(ctx.run.suite)
+        cell, device, root = (
+            ctx.cell,
+            ctx.executor.environment(ctx.cell)["device"],
+            self.root_of(ctx.run.suite),
+        )
         key = _safe(model_key(cell.model))
         if any(root.glob(f"{_safe(ctx.run.suite.name)}/*--{key}--{cell.backend}--{device}.json")):
             return None
-        return (f"no baseline yet for {key} ({ctx.run.suite.name}, {cell.backend}, {device}) in {shown(root)}; "
-                f"record them with: {ctx.repro} --update-baselines{self.option}")
+        return (
+            f"no baseline yet for {key} ({ctx.run.suite.name}, {cell.backend}, {device}) in {shown(root)}; "
+            f"record them with: {ctx.repro} --update-baselines{self.option}"
+        )
 
     def load(self, path: Path) -> Optional[dict]:
         """The baseline at `path`, None when there is none; BaselineError when it is corrupt."""
@@ -121,18 +170,25 @@ class BaselineStore:
             data = json.loads(path.read_text())
         except (OSError, UnicodeDecodeError, ValueError) as err:
             raise BaselineError(f"corrupt baseline file {shown(path)}: {err}") from None
-        if not isinstance(data, dict) or not isinstance(data.get("tokens"), list) or not all(
-            isinstance(t, int) for t in data["tokens"]
+        if (
+            not isinstance(data, dict)
+            or not isinstance(data.get("tokens"), list)
+            or not all(isinstance(t, int) for t in data["tokens"])
         ):
             raise BaselineError(f"corrupt baseline file {shown(path)}: no list of integer `tokens`")
         acceptance = data.get("acceptance", {})
         if not isinstance(acceptance, dict) or not all(
-            isinstance(rows, list) and all(isinstance(r, dict) and isinstance(r.get("round"), int)
-                                           and isinstance(r.get("draft_n"), int) for r in rows)
+            isinstance(rows, list)
+            and all(
+                isinstance(r, dict) and isinstance(r.get("round"), int) and isinstance(r.get("draft_n"), int)
+                for r in rows
+            )
             for rows in acceptance.values()
         ):
-            raise BaselineError(f"corrupt baseline file {shown(path)}: `acceptance` is not "
-                                "{\"<mode>/<spec>\": [{\"round\": int, \"draft_n\": int, ...}]}")
+            raise BaselineError(
+                f"corrupt baseline file {shown(path)}: `acceptance` is not "
+                '{"<mode>/<spec>": [{"round": int, "draft_n": int, ...}]}'
+            )
         return data
 
     @staticmethod
@@ -156,11 +212,17 @@ class BaselineStore:
             data = {**data, "acceptance": old["acceptance"]}
         if old is not None and old["tokens"] == data["tokens"] and old.get("text") == data["text"]:
             if logits and not self.logits_path(path).exists():
-                self._write(self.logits_path(path), lambda t: save_parquet(t, {"baseline": to_frame(logits)}))
+                self._write(
+                    self.logits_path(path),
+                    lambda t: save_parquet(t, {"baseline": to_frame(logits)}),
+                )
             return False
         path.parent.mkdir(parents=True, exist_ok=True)
         if logits:
-            self._write(self.logits_path(path), lambda t: save_parquet(t, {"baseline": to_frame(logits)}))
+            self._write(
+                self.logits_path(path),
+                lambda t: save_parquet(t, {"baseline": to_frame(logits)}),
+            )
         else:
             self.logits_path(path).unlink(missing_ok=True)
         self._write(path, lambda t: t.write_text(render(data)))
@@ -178,15 +240,35 @@ class BaselineStore:
                 self._update(ctx, path, env)
             data = self.load(path)
         except BaselineError as err:
-            return CheckResult("baseline", False, f"{err} (fix or delete it; it is never replaced silently)")
+            return CheckResult(
+                "baseline",
+                False,
+                f"{err} (fix or delete it; it is never replaced silently)",
+            )
         if data is None:
             pending = self.not_recorded(ctx)
             if pending:
-                return CheckResult("baseline", True, pending, {"no_baseline": True, "baseline": shown(path)})
-            return CheckResult("baseline", False, f"no baseline {shown(path)}; create it with: {ctx.repro} "
-                               f"--update-baselines{self.option}")
-        result = verdict("baseline", compare_tokens(ctx, data["tokens"], self.load_logits(path),
-                                                    f"baseline {shown(path)}", earlier=self.earlier_replies(ctx)))
+                return CheckResult(
+                    "baseline",
+                    True,
+                    pending,
+                    {"no_baseline": True, "baseline": shown(path)},
+                )
+            return CheckResult(
+                "baseline",
+                False,
+                f"no baseline {shown(path)}; create it with: {ctx.repro} --update-baselines{self.option}",
+            )
+        result = verdict(
+            "baseline",
+            compare_tokens(
+                ctx,
+                data["tokens"],
+                self.load_logits(path),
+                f"baseline {shown(path)}",
+                earlier=self.earlier_replies(ctx),
+            ),
+        )
         result.evidence["baseline"] = shown(path)
         return result
 
@@ -196,7 +278,16 @@ class BaselineStore:
         out = []
         for key in ctx.earlier_turns:
             try:
-                data = self.load(self.path(ctx.run.suite.name, key, ctx.cell.model, ctx.cell.backend, env["device"], root))
+                data = self.load(
+                    self.path(
+                        ctx.run.suite.name,
+                        key,
+                        ctx.cell.model,
+                        ctx.cell.backend,
+                        env["device"],
+                        root,
+                    )
+                )
             except BaselineError:
                 data = None
             out.append(data["tokens"] if data else None)
@@ -211,9 +302,15 @@ class BaselineStore:
         data = self.load(path)
         if self.update and data is not None and ctx.completed() and all(o.result.ok for o in ctx.outcomes):
             # a request that ended before its first draft (n_predict 1) has no counters yet: it drafted none
-            rows = [{"round": o.round, "draft_n": 0, "draft_n_accepted": 0,
-                     **{k: o.result.spec_stats[k] for k in ACCEPTANCE_FIELDS if k in o.result.spec_stats}}
-                    for o in ctx.outcomes]
+            rows = [
+                {
+                    "round": o.round,
+                    "draft_n": 0,
+                    "draft_n_accepted": 0,
+                    **{k: o.result.spec_stats[k] for k in ACCEPTANCE_FIELDS if k in o.result.spec_stats},
+                }
+                for o in ctx.outcomes
+            ]
             if data.get("acceptance", {}).get(key) != rows:
                 data["acceptance"] = {**data.get("acceptance", {}), key: rows}
                 self._write(path, lambda t: t.write_text(render(data)))
@@ -225,11 +322,20 @@ class BaselineStore:
         if canonical is None or not canonical.result.ok:
             return
         cell = ctx.cell
-        self.store(path, {
-            "suite": ctx.run.suite.name, "case": ctx.case, "model": model_key(cell.model), "backend": cell.backend,
-            "device": env["device"], "text": canonical.result.text, "tokens": canonical.result.tokens,
-            "environment": env,
-        }, canonical.result.logits)
+        self.store(
+            path,
+            {
+                "suite": ctx.run.suite.name,
+                "case": ctx.case,
+                "model": model_key(cell.model),
+                "backend": cell.backend,
+                "device": env["device"],
+                "text": canonical.result.text,
+                "tokens": canonical.result.tokens,
+                "environment": env,
+            },
+            canonical.result.logits,
+        )
 
 
 def not_recorded_lines(verdicts: list) -> list[str]:
@@ -251,6 +357,7 @@ def uncalibrated_lines(executor, store: BaselineStore) -> list[str]:
         if run.error is None and (cell.model, cell.backend) not in lines:
             device = executor.environment(cell)["device"]
             floor = noise.load(cell.model, cell.backend, device, store.calibration_of(run.suite))
-            lines[(cell.model, cell.backend)] = None if floor.calibrated else \
-                f"{cell.model} on {cell.backend} ({device}): {floor.source}"
+            lines[(cell.model, cell.backend)] = (
+                None if floor.calibrated else f"{cell.model} on {cell.backend} ({device}): {floor.source}"
+            )
     return [line for line in lines.values() if line]

@@ -50,8 +50,10 @@ MINIMUM = {"nmse": 1e-9, "kl": 1e-9, "max_abs": 1e-5, "near_tie": 1e-4}
 """Floors for bit-exact measurements (float32 rounding of a log-probability is ~1e-7 nats)."""
 SPREAD_FLOOR = 0.1
 """A re-measurement may differ by the observed spread × 2, and at least by this fraction."""
-SPECS = {"inproc": ["none", "scripted-accept", "draft-simple", "ngram-mod", "ngram-map-k"],
-         "server": ["none", "draft-simple", "ngram-mod", "ngram-map-k"]}
+SPECS = {
+    "inproc": ["none", "scripted-accept", "draft-simple", "ngram-mod", "ngram-map-k"],
+    "server": ["none", "draft-simple", "ngram-mod", "ngram-map-k"],
+}
 """The speculative configs of each backend's equivalent runs (`scripted-accept` drafts the reference's own
 output, so every draft is accepted: only the batch shape changes)."""
 UBATCH = 7
@@ -70,10 +72,19 @@ def prompts(model: str) -> list[Case]:
             case = suite.cell_case(c, model)
             if case.sampling.n_predict < 0:  # runs to the context end by design (draft-budget's ctx_end_*)
                 continue
-            case = replace(case, name=f"{suite.name}.{case.name}", turns=case.turns[:1],
-                           sampling=replace(case.sampling, temperature=0.0, seed=None))
-            key = (case.prompt, tuple(case.turns), case.sampling.n_predict, repr(case.sampling.json_schema),
-                   case.sampling.grammar)
+            case = replace(
+                case,
+                name=f"{suite.name}.{case.name}",
+                turns=case.turns[:1],
+                sampling=replace(case.sampling, temperature=0.0, seed=None),
+            )
+            key = (
+                case.prompt,
+                tuple(case.turns),
+                case.sampling.n_predict,
+                repr(case.sampling.json_schema),
+                case.sampling.grammar,
+            )
             if key not in seen:
                 seen.add(key)
                 cases.append(case)
@@ -89,17 +100,38 @@ def variants(backend: str, model: str) -> list[tuple[str, Cell, dict]]:
     each spec with a 7-token micro-batch split, and each drafter that learns across requests once more
     with the requests sent one at a time (served in a fixed order, which its acceptance depends on)."""
     specs = [s for s in SPECS[backend] if s != "draft-simple" or draft_for(model)]
-    out = [(f"{mode}/{spec}", Cell(backend, mode, spec, model), {}) for mode in MODES for spec in specs
-           if (mode, spec) != ("seq", "none")]
-    out += [(f"seq/{spec}/n_ubatch={UBATCH}", Cell(backend, "seq", spec, model), {"n_ubatch": UBATCH})
-            for spec in specs]
-    return out + [(f"seq/{spec}/{IN_ORDER}", Cell(backend, "seq", spec, model), {}) for spec in specs
-                  if spec_preset(spec).learns_across_requests]
+    out = [
+        (f"{mode}/{spec}", Cell(backend, mode, spec, model), {})
+        for mode in MODES
+        for spec in specs
+        if (mode, spec) != ("seq", "none")
+    ]
+    out += [
+        (
+            f"seq/{spec}/n_ubatch={UBATCH}",
+            Cell(backend, "seq", spec, model),
+            {"n_ubatch": UBATCH},
+        )
+        for spec in specs
+    ]
+    return out + [
+        (f"seq/{spec}/{IN_ORDER}", Cell(backend, "seq", spec, model), {})
+        for spec in specs
+        if spec_preset(spec).learns_across_requests
+    ]
 
 
 def _suite(name: str, model: str, serve: dict) -> Suite:
     rounds = ["seq"] if name.endswith(IN_ORDER) else ["par"]
-    return Suite(name=name, path=None, cases=prompts(model), matrix=[], checks=[], serve=serve, rounds=rounds)
+    return Suite(
+        name=name,
+        path=None,
+        cases=prompts(model),
+        matrix=[],
+        checks=[],
+        serve=serve,
+        rounds=rounds,
+    )
 
 
 def measure(model: str, backend: str, executor: Executor) -> dict:
@@ -127,29 +159,53 @@ def _pair_stats(reference, run) -> dict:
         a, b = ref.result, other.result
         if not (a.ok and b.ok):
             raise HarnessError(f"calibration request {ref.case} failed: {a.error or b.error}")
-        same = next((i for i, (x, y) in enumerate(zip(a.tokens, b.tokens)) if x != y), min(len(a.tokens), len(b.tokens)))
+        same = next(
+            (i for i, (x, y) in enumerate(zip(a.tokens, b.tokens)) if x != y),
+            min(len(a.tokens), len(b.tokens)),
+        )
         comparison = compare(a.logits[:same], b.logits[:same])
         if comparison.n_compared:
-            runs.append({"nmse": comparison.nmse, "kl_mean": comparison.kl_mean,
-                         "max_abs_p95": max_abs_quantile(comparison, 0.95), "max_abs": comparison.max_abs})
+            runs.append(
+                {
+                    "nmse": comparison.nmse,
+                    "kl_mean": comparison.kl_mean,
+                    "max_abs_p95": max_abs_quantile(comparison, 0.95),
+                    "max_abs": comparison.max_abs,
+                }
+            )
         for pos in comparison.per_position["position"]:
             x, y = at(a.logits, pos), at(b.logits, pos)
             if x.margin is not None and y.margin is not None and x.top_ids[0] == y.top_ids[0]:
                 rows.append(abs(x.margin - y.margin))
         if same < min(len(a.tokens), len(b.tokens)) and (x := at(a.logits, same)) is not None:
             flip = gap(x, a.tokens[same], b.tokens[same])
-            flips.append({"case": ref.case, "index": same, "reference_gap": None if flip is None else round(flip, 6)})
+            flips.append(
+                {
+                    "case": ref.case,
+                    "index": same,
+                    "reference_gap": None if flip is None else round(flip, 6),
+                }
+            )
     frame = pd.DataFrame(runs)
-    acceptance = {o.case: [o.result.spec_stats.get("draft_n", 0), o.result.spec_stats.get("draft_n_accepted", 0),
-                           len(o.result.tokens)] for o in run.outcomes if spec_preset(run.cell.spec).speculative}
+    acceptance = {
+        o.case: [
+            o.result.spec_stats.get("draft_n", 0),
+            o.result.spec_stats.get("draft_n_accepted", 0),
+            len(o.result.tokens),
+        ]
+        for o in run.outcomes
+        if spec_preset(run.cell.spec).speculative
+    }
     deltas = np.array(rows) if rows else np.zeros(1)
     return {
-        "runs": len(runs), "positions": len(rows),
+        "runs": len(runs),
+        "positions": len(rows),
         "nmse_max": float(frame["nmse"].max()) if runs else 0.0,
         "kl_mean_max": float(frame["kl_mean"].max()) if runs else 0.0,
         "max_abs_p95_max": float(frame["max_abs_p95"].max()) if runs else 0.0,
         "max_abs_max": float(frame["max_abs"].max()) if runs else 0.0,
-        "margin_delta_max": float(deltas.max()), "margin_delta_p99": float(np.quantile(deltas, 0.99)),
+        "margin_delta_max": float(deltas.max()),
+        "margin_delta_p99": float(np.quantile(deltas, 0.99)),
         "flips": flips,
         **({"acceptance": acceptance} if acceptance else {}),
     }
@@ -181,23 +237,48 @@ def acceptance_spread(measurements: list[dict]) -> dict:
     specs = {name.split("/")[1] for m in measurements for name, v in m.items() if "acceptance" in v}
     for spec in sorted(specs):
         learns = spec_preset(spec).learns_across_requests
-        ours = [name for name in measurements[0] if name.split("/")[1] == spec and "acceptance" in measurements[0][name]]
+        ours = [
+            name for name in measurements[0] if name.split("/")[1] == spec and "acceptance" in measurements[0][name]
+        ]
         gap = lambda pairs: round(max([_acceptance_gap(a, b) for a, b in pairs], default=0.0), 4)  # noqa: E731
-        seq, ubatch, in_order = f"seq/{spec}", f"seq/{spec}/n_ubatch={UBATCH}", f"seq/{spec}/{IN_ORDER}"
-        repeats = {n: gap([(m[n]["acceptance"], m2[n]["acceptance"]) for i, m in enumerate(measurements)
-                           for m2 in measurements[i + 1:]]) for n in ours}
+        seq, ubatch, in_order = (
+            f"seq/{spec}",
+            f"seq/{spec}/n_ubatch={UBATCH}",
+            f"seq/{spec}/{IN_ORDER}",
+        )
+        repeats = {
+            n: gap(
+                [
+                    (m[n]["acceptance"], m2[n]["acceptance"])
+                    for i, m in enumerate(measurements)
+                    for m2 in measurements[i + 1 :]
+                ]
+            )
+            for n in ours
+        }
         split = gap([(m[ubatch]["acceptance"], m[seq]["acceptance"]) for m in measurements if ubatch in m])
-        spread = {"repeat_spread": max(repeats.values(), default=0.0), "ubatch_spread": split}
+        spread = {
+            "repeat_spread": max(repeats.values(), default=0.0),
+            "ubatch_spread": split,
+        }
         if learns:
             spread["in_order_spread"] = repeats.get(in_order, 0.0)
-            fixed, concurrent = spread["in_order_spread"], max(spread["repeat_spread"], split)
+            fixed, concurrent = (
+                spread["in_order_spread"],
+                max(spread["repeat_spread"], split),
+            )
         else:
             modes = [n for n in ours if n.split("/")[0] != "seq"]
-            spread["mode_spread"] = gap([(m[n]["acceptance"], m[seq]["acceptance"]) for m in measurements for n in modes])
+            spread["mode_spread"] = gap(
+                [(m[n]["acceptance"], m[seq]["acceptance"]) for m in measurements for n in modes]
+            )
             fixed = concurrent = max(spread["repeat_spread"], split)
             spread["tolerance_modes"] = round(SAFETY * max(fixed, spread["mode_spread"]), 4)
-        out[spec] = {**spread, "tolerance": round(SAFETY * fixed, 4),
-                     "tolerance_concurrent": round(SAFETY * concurrent, 4)}
+        out[spec] = {
+            **spread,
+            "tolerance": round(SAFETY * fixed, 4),
+            "tolerance_concurrent": round(SAFETY * concurrent, 4),
+        }
     return out
 
 
@@ -217,12 +298,21 @@ def _largest(measured: dict) -> dict:
 def tolerances_of(largest: dict) -> dict:
     """The tolerances a measurement sets (SAFETY × largest, at least MINIMUM)."""
     tol = {k: max(SAFETY * largest[k], MINIMUM[k]) for k in ("nmse", "kl", "max_abs", "near_tie")}
-    return {**asdict(Tolerances()), **{k: v for k, v in tol.items() if k != "near_tie"},
-            "near_tie": tol["near_tie"]}
+    return {
+        **asdict(Tolerances()),
+        **{k: v for k, v in tol.items() if k != "near_tie"},
+        "near_tie": tol["near_tie"],
+    }
 
 
-def calibrate(model: str, backend: str, repeats: int = 2, server_bin: Optional[Path] = None,
-              source: Optional[Path] = None, logs: Optional[Path] = None) -> dict:
+def calibrate(
+    model: str,
+    backend: str,
+    repeats: int = 2,
+    server_bin: Optional[Path] = None,
+    source: Optional[Path] = None,
+    logs: Optional[Path] = None,
+) -> dict:
     """Measure `repeats` times on fresh sessions; the content of the calibration file."""
     info = resolve(model)
     measurements, env = [], {}
@@ -233,28 +323,42 @@ def calibrate(model: str, backend: str, repeats: int = 2, server_bin: Optional[P
     largest = [_largest(m) for m in measurements]
     overall = {k: max(l[k] for l in largest) for k in ("nmse", "kl", "max_abs", "near_tie")}
     if any(l["unbounded_flip"] for l in largest):
-        raise HarnessError(f"an equivalent run of {model} on {backend} flipped a token the reference ranks "
-                           "beyond its top-k: that is no near-tie but a logic bug; fix it before calibrating")
-    spread = {k: max(SPREAD_FLOOR, 2 * (max(l[k] for l in largest) - min(l[k] for l in largest)) / overall[k])
-              if overall[k] > 0 else SPREAD_FLOOR for k in overall}
+        raise HarnessError(
+            f"an equivalent run of {model} on {backend} flipped a token the reference ranks "
+            "beyond its top-k: that is no near-tie but a logic bug; fix it before calibrating"
+        )
+    spread = {
+        k: max(
+            SPREAD_FLOOR,
+            2 * (max(l[k] for l in largest) - min(l[k] for l in largest)) / overall[k],
+        )
+        if overall[k] > 0
+        else SPREAD_FLOOR
+        for k in overall
+    }
     return {
-        "model": model, "backend": backend, "device": env["device"], "model_sha256": info.sha256,
+        "model": model,
+        "backend": backend,
+        "device": env["device"],
+        "model_sha256": info.sha256,
         "environment": {k: v for k, v in env.items() if k != "model_sha256"},
         "harness_version": __version__,
         "measured_on": datetime.date.today().isoformat(),
         "command": f"specharness calibrate --model {model} --backend {backend} --repeats {repeats} --write",
-        "method": (f"reference: seq, no speculation; equivalent runs: {len(measurements[0])} variants "
-                   f"(modes x speculative configs, n_ubatch {UBATCH}); prompts: the {len(prompts(model))} "
-                   f"distinct cases of the suites that run this model (chats: first turn), greedy, n_predict as "
-                   f"the suites run them; tolerance = {SAFETY:g} x the largest value over "
-                   f"{repeats} measurements (nmse: pooled NMSE of a run; kl: mean KL of a run; max_abs: p95 of "
-                   "the per-position max |dlogprob|; near_tie: the largest top1-top2 margin change or flipped "
-                   "margin); acceptance: per spec, tolerance = "
-                   f"{SAFETY:g} x the largest difference of a request's accepted/drafted or accepted/generated "
-                   "between runs of the same cell in the same request order (repeats and the n_ubatch split; for "
-                   "drafters that learn across requests, repeats with the requests sent one at a time), "
-                   "tolerance_concurrent the same with requests sent at once, tolerance_modes (drafters without "
-                   "state between requests) also between modes; a drop that one token undoes always passes"),
+        "method": (
+            f"reference: seq, no speculation; equivalent runs: {len(measurements[0])} variants "
+            f"(modes x speculative configs, n_ubatch {UBATCH}); prompts: the {len(prompts(model))} "
+            f"distinct cases of the suites that run this model (chats: first turn), greedy, n_predict as "
+            f"the suites run them; tolerance = {SAFETY:g} x the largest value over "
+            f"{repeats} measurements (nmse: pooled NMSE of a run; kl: mean KL of a run; max_abs: p95 of "
+            "the per-position max |dlogprob|; near_tie: the largest top1-top2 margin change or flipped "
+            "margin); acceptance: per spec, tolerance = "
+            f"{SAFETY:g} x the largest difference of a request's accepted/drafted or accepted/generated "
+            "between runs of the same cell in the same request order (repeats and the n_ubatch split; for "
+            "drafters that learn across requests, repeats with the requests sent one at a time), "
+            "tolerance_concurrent the same with requests sent at once, tolerance_modes (drafters without "
+            "state between requests) also between modes; a drop that one token undoes always passes"
+        ),
         "tolerances": tolerances_of(overall),
         "acceptance": acceptance_spread(measurements),
         "spread": spread,
@@ -297,17 +401,28 @@ def merged(new: dict, committed: dict) -> dict:
             for key in ("tolerance", "tolerance_concurrent", "tolerance_modes"):
                 if key in old and key in out["acceptance"][spec]:
                     out["acceptance"][spec][key] = max(out["acceptance"][spec][key], old[key])
-    earlier = committed.get("machines") or [{"measured_on": committed.get("measured_on"),
-                                             "largest": committed.get("largest")}]
+    earlier = committed.get("machines") or [
+        {
+            "measured_on": committed.get("measured_on"),
+            "largest": committed.get("largest"),
+        }
+    ]
     out["machines"] = earlier + [{"measured_on": new["measured_on"], "largest": new["largest"]}]
-    out["method"] += ("; merged (--merge): each tolerance is the largest of these measurements' "
-                      f"({len(out['machines'])} machines, see `machines`)")
+    out["method"] += (
+        "; merged (--merge): each tolerance is the largest of these measurements' "
+        f"({len(out['machines'])} machines, see `machines`)"
+    )
     return out
 
 
 def cmd_calibrate(args: argparse.Namespace) -> int:
     """Measure each (model, backend); print the tolerances; `--write` stores them in fixtures/calibration."""
-    models = args.model or ["tiny-dense", "tiny-hybrid", "tiny-recurrent", "gemma3-270m"]
+    models = args.model or [
+        "tiny-dense",
+        "tiny-hybrid",
+        "tiny-recurrent",
+        "gemma3-270m",
+    ]
     backends = args.backend.split(",") if args.backend else list(BACKEND_NAMES)
     bad = [b for b in backends if b not in BACKEND_NAMES]
     if bad:
@@ -319,13 +434,21 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
             data = calibrate(model, backend, args.repeats, args.server_bin, args.source)
             committed_path = calibration_path(model_key(model), backend, data["device"], args.calibration_dir)
             tol = data["tolerances"]
-            print(f"{model} {backend} {data['device']}: near_tie {tol['near_tie']:.3g} nats, nmse {tol['nmse']:.3g}, "
-                  f"kl {tol['kl']:.3g}, max_abs (p95) {tol['max_abs']:.3g}")
+            print(
+                f"{model} {backend} {data['device']}: near_tie {tol['near_tie']:.3g} nats, nmse {tol['nmse']:.3g}, "
+                f"kl {tol['kl']:.3g}, max_abs (p95) {tol['max_abs']:.3g}"
+            )
             if committed_path.is_file():
                 committed = json.loads(committed_path.read_text())
                 drift = within_spread(data, committed)
-                print(f"  committed {committed_path.name}: " + ("holds (no tolerance above it beyond its spread)"
-                                                                 if not drift else "EXCEEDED: " + "; ".join(drift)))
+                print(
+                    f"  committed {committed_path.name}: "
+                    + (
+                        "holds (no tolerance above it beyond its spread)"
+                        if not drift
+                        else "EXCEEDED: " + "; ".join(drift)
+                    )
+                )
                 status |= bool(drift) and not args.write
                 if args.merge:
                     data = merged(data, committed)
@@ -336,16 +459,49 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     """Register `specharness calibrate`."""
-    p = sub.add_parser("calibrate", help="measure the logit noise floor of equivalent runs and write tolerances")
-    p.add_argument("--model", action="append", metavar="NAME|PATH",
-                   help="registry name or .gguf, repeatable (default: the tiny models and gemma3-270m)")
+    p = sub.add_parser(
+        "calibrate",
+        help="measure the logit noise floor of equivalent runs and write tolerances",
+    )
+    p.add_argument(
+        "--model",
+        action="append",
+        metavar="NAME|PATH",
+        help="registry name or .gguf, repeatable (default: the tiny models and gemma3-270m)",
+    )
     p.add_argument("--backend", help="comma-separated: inproc,server (default both)")
-    p.add_argument("--repeats", type=int, default=2, help="whole measurements, for the spread (default 2)")
-    p.add_argument("--server-bin", type=Path, metavar="PATH", help="llama-server binary to use instead of building one")
-    p.add_argument("--source", type=Path, metavar="DIR", help="llama.cpp tree to build llama-server from")
-    p.add_argument("--write", action="store_true", help=f"write the tolerances into {calibration_root().name}/")
-    p.add_argument("--calibration-dir", type=Path, metavar="DIR",
-                   help="read and write the calibration files here (a model of your own; `run --calibration-dir`)")
-    p.add_argument("--merge", action="store_true",
-                   help="keep each committed tolerance where it is larger (a floor measured on several machines)")
+    p.add_argument(
+        "--repeats",
+        type=int,
+        default=2,
+        help="whole measurements, for the spread (default 2)",
+    )
+    p.add_argument(
+        "--server-bin",
+        type=Path,
+        metavar="PATH",
+        help="llama-server binary to use instead of building one",
+    )
+    p.add_argument(
+        "--source",
+        type=Path,
+        metavar="DIR",
+        help="llama.cpp tree to build llama-server from",
+    )
+    p.add_argument(
+        "--write",
+        action="store_true",
+        help=f"write the tolerances into {calibration_root().name}/",
+    )
+    p.add_argument(
+        "--calibration-dir",
+        type=Path,
+        metavar="DIR",
+        help="read and write the calibration files here (a model of your own; `run --calibration-dir`)",
+    )
+    p.add_argument(
+        "--merge",
+        action="store_true",
+        help="keep each committed tolerance where it is larger (a floor measured on several machines)",
+    )
     p.set_defaults(func=cmd_calibrate)

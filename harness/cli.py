@@ -24,8 +24,19 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"specharness {__version__}")
     parser.add_argument("--verbose", action="store_true", help="show llama.cpp's own log output")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    for module in (runner, report_cli, models_cli, kvscan, build_cli, bisect_cli, shrink_cli, selftest, calibrate,
-                   bench, scaffold):
+    for module in (
+        runner,
+        report_cli,
+        models_cli,
+        kvscan,
+        build_cli,
+        bisect_cli,
+        shrink_cli,
+        selftest,
+        calibrate,
+        bench,
+        scaffold,
+    ):
         module.add_parser(sub)
     return parser
 

@@ -65,8 +65,12 @@ class ExecOptions:
     """The stall window's floor (ServeConfig.stall_s) where a suite's `serve` does not set one."""
 
 
-def serve_config(cell: Cell, options: ExecOptions, serve: Optional[dict] = None,
-                 engine: Optional[dict] = None) -> ServeConfig:
+def serve_config(
+    cell: Cell,
+    options: ExecOptions,
+    serve: Optional[dict] = None,
+    engine: Optional[dict] = None,
+) -> ServeConfig:
     """How a cell is served: its model, mode and speculative preset (with the draft model a `draft-simple`
     preset needs), the run's logging options, and a suite's `serve` / in-process `engine` settings."""
     preset = spec_preset(cell.spec)
@@ -79,10 +83,16 @@ def serve_config(cell: Cell, options: ExecOptions, serve: Optional[dict] = None,
         draft = resolve(name).path
     serve = dict(serve or {})
     return ServeConfig(
-        model=resolve(cell.model).path, mode=cell.mode, parallel=serve.pop("parallel", options.parallel),
+        model=resolve(cell.model).path,
+        mode=cell.mode,
+        parallel=serve.pop("parallel", options.parallel),
         stall_s=serve.pop("stall_s", options.stall_s),
-        draft_model=draft, spec=spec, engine=dict(options.engine if engine is None else engine),
-        logit_top_k=options.logit_top_k, kv_scan=options.kv_scan, **serve,
+        draft_model=draft,
+        spec=spec,
+        engine=dict(options.engine if engine is None else engine),
+        logit_top_k=options.logit_top_k,
+        kv_scan=options.kv_scan,
+        **serve,
     )
 
 
@@ -112,8 +122,11 @@ class Executor:
         after each request of this cell and of the other planned cells run with it)."""
         key = (suite.name, cell)
         if key not in self._runs:
-            group = [c for c in self._expected.get((suite.name, cell.backend, cell.model, cell.mode), [])
-                     if (suite.name, c) not in self._runs]
+            group = [
+                c
+                for c in self._expected.get((suite.name, cell.backend, cell.model, cell.mode), [])
+                if (suite.name, c) not in self._runs
+            ]
             cells = group if cell in group else [cell]
             ticks = {c: on_request if c == cell or (suite.name, c) in self._planned else None for c in cells}
             for c, run in self._execute(suite, cells, ticks).items():
@@ -151,7 +164,10 @@ class Executor:
         if preset.scripted:
             reference = self.run(suite, cell.reference(spec="none"))
             script = {tuple(o.result.prompt_tokens): o.result.tokens for o in reference.outcomes if o.round == 0}
-            engine["script"] = {"kind": preset.scripted, "outputs": script}  # the backend builds the drafter
+            engine["script"] = {
+                "kind": preset.scripted,
+                "outputs": script,
+            }  # the backend builds the drafter
         return serve_config(cell, self.options, serve=suite.serve, engine=engine)
 
     def _execute(self, suite: Suite, cells: list[Cell], ticks: dict) -> dict[Cell, CellRun]:
@@ -168,7 +184,7 @@ class Executor:
                     _harness_error(runs[cell], err)
             interrupt.phase("serving")  # the cells' servers or engine workers are up
             for r, how in enumerate(suite.rounds):
-                for cell, session in (list(sessions.items()) if r % 2 == 0 else list(sessions.items())[::-1]):
+                for cell, session in list(sessions.items()) if r % 2 == 0 else list(sessions.items())[::-1]:
                     run = runs[cell]
                     if run.error is not None:
                         continue
@@ -189,7 +205,13 @@ class Executor:
                     for case in suite.cases:
                         for key in case_keys(case):
                             if (key, r) not in done:
-                                run.outcomes.append(Outcome(key, r, Result(stop_reason="error", error=run.error)))
+                                run.outcomes.append(
+                                    Outcome(
+                                        key,
+                                        r,
+                                        Result(stop_reason="error", error=run.error),
+                                    )
+                                )
                                 if on_request:
                                     on_request()
         return runs
@@ -199,8 +221,11 @@ class Executor:
         histories = {case.name: [] for case in cases if case.is_chat}
         alive = {case.name for case in cases}
         for step in range(max(len(case.turns) or 1 for case in cases)):
-            todo = [(case, self._request(case, step, histories, suite.deadline_s)) for case in cases
-                    if case.name in alive and step < (len(case.turns) or 1)]
+            todo = [
+                (case, self._request(case, step, histories, suite.deadline_s))
+                for case in cases
+                if case.name in alive and step < (len(case.turns) or 1)
+            ]
             if how == "seq":
                 results = [session.run([request])[0] for _, request in todo]
             else:
@@ -214,19 +239,32 @@ class Executor:
                         histories[case.name] += [{"role": "assistant", "content": result.text}]
                     else:
                         alive.discard(case.name)
-                        for key in case_keys(case)[step + 1:]:
-                            skipped = Result(stop_reason="error", error=f"{result.error} (so {key} was not sent)")
+                        for key in case_keys(case)[step + 1 :]:
+                            skipped = Result(
+                                stop_reason="error",
+                                error=f"{result.error} (so {key} was not sent)",
+                            )
                             run.outcomes.append(Outcome(key, r, skipped))
                             if on_request:
                                 on_request()
 
     @staticmethod
-    def _request(case: Case, step: int, histories: dict[str, list[dict]], deadline_s: Optional[float]) -> Request:
+    def _request(
+        case: Case,
+        step: int,
+        histories: dict[str, list[dict]],
+        deadline_s: Optional[float],
+    ) -> Request:
         if not case.is_chat:
             return case.request(deadline_s)
         history = histories[case.name]
         history.append({"role": "user", "content": case.turns[step]})
-        return Request(messages=list(history), sampling=case.sampling, tag=case_keys(case)[step], deadline_s=deadline_s)
+        return Request(
+            messages=list(history),
+            sampling=case.sampling,
+            tag=case_keys(case)[step],
+            deadline_s=deadline_s,
+        )
 
 
 class Rescorer:
@@ -250,7 +288,8 @@ class Rescorer:
             session = self.sessions.get((suite.name, plain))
             if session is None:
                 session = self.sessions[(suite.name, plain)] = self.executor._backend(plain.backend).open(
-                    self.executor._config(suite, plain))
+                    self.executor._config(suite, plain)
+                )
             scored = session.run([Request(prompt=prompt, sampling=Sampling(n_predict=1, temperature=0.0))])[0]
             self.cache[key] = scored.logits[0] if scored.ok and scored.logits else None
         return self.cache[key]

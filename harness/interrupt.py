@@ -127,7 +127,11 @@ def phase(name: str) -> None:
     hold, _, nth = os.environ.get(HOLD_PHASE, "").partition(":")
     if hold != name or _entries(path, name) != int(nth or 1):
         return
-    print(f"specharness: holding in phase {name} until a signal comes ({HOLD_PHASE})", file=sys.stderr, flush=True)
+    print(
+        f"specharness: holding in phase {name} until a signal comes ({HOLD_PHASE})",
+        file=sys.stderr,
+        flush=True,
+    )
     while not _received:  # the handler raises inside sleep(), or (deferred) records and returns
         time.sleep(HOLD_POLL_S)
     check()

@@ -23,17 +23,35 @@ from harness.matrix import Cell, narrowing
 
 FILE_NAME = "known-failures.yaml"
 _ENTRY = {
-    "type": "object", "additionalProperties": False,
-    "required": ["id", "suite", "backend", "check", "evidence", "llama_cpp_commit", "reason", "upstream"],
+    "type": "object",
+    "additionalProperties": False,
+    "required": [
+        "id",
+        "suite",
+        "backend",
+        "check",
+        "evidence",
+        "llama_cpp_commit",
+        "reason",
+        "upstream",
+    ],
     "properties": {
         "id": {"type": "string", "pattern": r"^[a-z0-9-]+$"},
-        "suite": {"type": "string"}, "backend": {"type": "string"},
+        "suite": {"type": "string"},
+        "backend": {"type": "string"},
         "modes": {"type": "array", "items": {"type": "string"}},
         "specs": {"type": "array", "items": {"type": "string"}},
         "models": {"type": "array", "items": {"type": "string"}},
-        "check": {"oneOf": [{"type": "string"}, {"type": "array", "items": {"type": "string"}, "minItems": 1}]},
+        "check": {
+            "oneOf": [
+                {"type": "string"},
+                {"type": "array", "items": {"type": "string"}, "minItems": 1},
+            ]
+        },
         "evidence": {"type": "string"},
-        "llama_cpp_commit": {"type": "string"}, "found": {"type": "string"}, "reason": {"type": "string"},
+        "llama_cpp_commit": {"type": "string"},
+        "found": {"type": "string"},
+        "reason": {"type": "string"},
         "cpu_flags": {"type": "array", "items": {"type": "string"}, "minItems": 1},
         "upstream": {"type": "string", "minLength": 1},
     },
@@ -70,9 +88,19 @@ class KnownFailure:
     def covers(self, suite: str, cell: Cell) -> bool:
         """True for the cells the defect shows in (an empty list of modes, specs or models means all) on a
         CPU it shows on."""
-        return (suite == self.suite and cell.backend == self.backend and not self.missing_cpu_flags
-                and all(not allowed or value in allowed for value, allowed in
-                        ((cell.mode, self.modes), (cell.spec, self.specs), (cell.model, self.models))))
+        return (
+            suite == self.suite
+            and cell.backend == self.backend
+            and not self.missing_cpu_flags
+            and all(
+                not allowed or value in allowed
+                for value, allowed in (
+                    (cell.mode, self.modes),
+                    (cell.spec, self.specs),
+                    (cell.model, self.models),
+                )
+            )
+        )
 
     def explained(self, result: CheckResult) -> tuple[int, int]:
         """(failing items this defect explains, failing items) of a failed verdict of its check: the
@@ -110,13 +138,18 @@ def load(path: Path) -> list[KnownFailure]:
         try:
             jsonschema.validate(raw, _ENTRY)
             if re.search(raw["evidence"], "") is not None:
-                raise HarnessError(f"evidence pattern {raw['evidence']!r} matches an empty string, so it would "
-                                   "explain any failure; make it name the defect's message")
+                raise HarnessError(
+                    f"evidence pattern {raw['evidence']!r} matches an empty string, so it would "
+                    "explain any failure; make it name the defect's message"
+                )
             narrowing([raw["backend"]], list(raw.get("modes", [])), list(raw.get("specs", [])))
         except (jsonschema.ValidationError, re.error, HarnessError) as err:
             raise HarnessError(f"{path}: entry {i}: {str(err).splitlines()[0]}") from None
         raw["check"] = [raw["check"]] if isinstance(raw["check"], str) else raw["check"]
-        for value, known, what in ((raw["suite"], suites, "suite"), *((c, CHECK_NAMES, "check") for c in raw["check"])):
+        for value, known, what in (
+            (raw["suite"], suites, "suite"),
+            *((c, CHECK_NAMES, "check") for c in raw["check"]),
+        ):
             if value not in known:
                 raise HarnessError(f"{path}: entry {i}: unknown {what} '{value}' (known: {', '.join(sorted(known))})")
         entries.append(KnownFailure(**{k: tuple(v) if isinstance(v, list) else v for k, v in raw.items()}))
@@ -141,8 +174,10 @@ def tag(entries: list[KnownFailure], suite: str, cell: Cell, results: list[Check
             for e, hits, total in partial:
                 if hits:
                     r.evidence["known_failure_partial"] = f"{e.id} explains {hits} of {total} failing requests"
-                    r.message += (f"\n  ({e.id} explains {hits} of {total} failing requests; the other "
-                                  f"{total - hits} stay failures)")
+                    r.message += (
+                        f"\n  ({e.id} explains {hits} of {total} failing requests; the other "
+                        f"{total - hits} stay failures)"
+                    )
         else:
             r.evidence["known_failure"] = entry.id
     return unexplained

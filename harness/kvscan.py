@@ -41,6 +41,7 @@ KINDS = ("auto", "context", "seq", "ggsq", "ggsn")
 class OtherFormatVersion(HarnessError):
     """A state file whose format version is not the one this scanner reads (written by another llama.cpp)."""
 
+
 MEMORIES = {
     # memory class: (part names with flags 0, part names with PARTIAL_ONLY), in blob order (§1.4)
     "kv": (("kv",), ("kv",)),
@@ -52,13 +53,50 @@ MEMORIES = {
 
 # Architecture facts from the vendored llama.cpp (llama-model.cpp llama_model_rope_type/create_memory,
 # models/*.cpp reading `attention.sliding_window`); recurrent/hybrid come from harness.models.kind_of_arch.
-_UNSUPPORTED_ARCHS = {"deepseek4", "glm5-next", "qwen4exp", "glm-dsa", "deepseek32", "dots3note", "minimax-m3"}
-_MROPE_ARCHS = {"qwen2vl", "paddleocr", "qwen3vl", "qwen3vlmoe", "qwen35", "qwen35moe", "qwen3tts"}
+_UNSUPPORTED_ARCHS = {
+    "deepseek4",
+    "glm5-next",
+    "qwen4exp",
+    "glm-dsa",
+    "deepseek32",
+    "dots3note",
+    "minimax-m3",
+}
+_MROPE_ARCHS = {
+    "qwen2vl",
+    "paddleocr",
+    "qwen3vl",
+    "qwen3vlmoe",
+    "qwen35",
+    "qwen35moe",
+    "qwen3tts",
+}
 _MROPE_IF_SECTIONS_ARCHS = {"bailingmoe3", "glm4", "glm4moe", "hunyuan_vl", "dflash"}
 _SWA_ARCHS = {
-    "gemma2", "gemma3", "gemma3n", "gemma4", "gemma4-assistant", "gemma-embedding", "cohere2", "cohere2moe",
-    "exaone4", "exaone-moe", "olmo2", "plamo3", "step35", "lfm2", "openai-moe", "afmoe", "laguna",
-    "granite-swa", "mellum", "mimo2", "smallthinker", "maple", "spark2-5", "muse-glimmer",
+    "gemma2",
+    "gemma3",
+    "gemma3n",
+    "gemma4",
+    "gemma4-assistant",
+    "gemma-embedding",
+    "cohere2",
+    "cohere2moe",
+    "exaone4",
+    "exaone-moe",
+    "olmo2",
+    "plamo3",
+    "step35",
+    "lfm2",
+    "openai-moe",
+    "afmoe",
+    "laguna",
+    "granite-swa",
+    "mellum",
+    "mimo2",
+    "smallthinker",
+    "maple",
+    "spark2-5",
+    "muse-glimmer",
 }
 _RECURRENT_INTERVAL_ARCHS = {"qwen3next", "qwen35", "qwen35moe"}
 
@@ -129,7 +167,11 @@ class Part:
         """Each cell as (stream, pos, seq ids), in blob order."""
         groups = np.split(self.seq_of, np.searchsorted(self.cell_of, np.arange(1, self.n_cells)))
         for i in range(self.n_cells):
-            yield int(self.stream[i]), int(self.pos[i]), tuple(int(s) for s in groups[i])
+            yield (
+                int(self.stream[i]),
+                int(self.pos[i]),
+                tuple(int(s) for s in groups[i]),
+            )
 
     def sequences(self) -> dict[int, dict]:
         """Per sequence: how many cells it has and their position range."""
@@ -137,15 +179,25 @@ class Part:
         out = {}
         for seq in np.unique(self.seq_of):
             p = pos[self.seq_of == seq]
-            out[int(seq)] = {"cells": int(len(p)), "pos_min": int(p.min()), "pos_max": int(p.max())}
+            out[int(seq)] = {
+                "cells": int(len(p)),
+                "pos_min": int(p.min()),
+                "pos_max": int(p.max()),
+            }
         return out
 
     def summary(self, cells: bool = False) -> dict:
         """JSON-able description of the part; `cells=True` adds every cell."""
         out = {
-            "name": self.name, "kind": self.kind, "n_stream": self.n_stream, "n_layer": self.n_layer,
-            "v_trans": self.v_trans, "n_recurrent_layers": self.n_recurrent_layers, "cells": self.n_cells,
-            "tensor_bytes": self.tensor_bytes, "sequences": {str(s): v for s, v in self.sequences().items()},
+            "name": self.name,
+            "kind": self.kind,
+            "n_stream": self.n_stream,
+            "n_layer": self.n_layer,
+            "v_trans": self.v_trans,
+            "n_recurrent_layers": self.n_recurrent_layers,
+            "cells": self.n_cells,
+            "tensor_bytes": self.tensor_bytes,
+            "sequences": {str(s): v for s, v in self.sequences().items()},
         }
         if cells:
             out["cell_list"] = [{"stream": s, "pos": p, "seq_ids": list(q)} for s, p, q in self.cells()]
@@ -187,9 +239,14 @@ class ScanReport:
         rs = sum(p.n_cells for p in self.parts if p.kind == "rs")
         seqs = set(itertools.chain.from_iterable(p.seq_of.tolist() for p in self.parts))
         return {
-            "bytes": self.size, "tensor_bytes": sum(p.tensor_bytes for p in self.parts), "cells": kv + rs,
-            "kv_cells": kv, "rs_cells": rs, "sequences": len(seqs),
-            "duplicate_cells": sum(d[4] - 1 for d in self.duplicates), "orphans": len(self.orphans),
+            "bytes": self.size,
+            "tensor_bytes": sum(p.tensor_bytes for p in self.parts),
+            "cells": kv + rs,
+            "kv_cells": kv,
+            "rs_cells": rs,
+            "sequences": len(seqs),
+            "duplicate_cells": sum(d[4] - 1 for d in self.duplicates),
+            "orphans": len(self.orphans),
             "missing_positions": sum(h[4] - h[3] + 1 for h in self.holes),
             "duplicate_tails": len(self.duplicate_tails),
         }
@@ -213,7 +270,8 @@ class ScanReport:
         problems (the entries of `to_dict`, built straight from the report's lists: this runs after every step
         with `--kv-scan step`)."""
         return {
-            "healthy": self.healthy, "totals": self.totals,
+            "healthy": self.healthy,
+            "totals": self.totals,
             "pos_max": {str(s): p for s, p in self.pos_max.items()},
             "duplicates": [dict(zip(("part", "stream", "seq_id", "pos", "count"), d)) for d in self.duplicates[:limit]],
             "orphans": [dict(zip(("part", "stream", "seq_id", "pos"), o)) for o in self.orphans[:limit]],
@@ -224,8 +282,12 @@ class ScanReport:
     def to_dict(self, cells: bool = False) -> dict:
         """JSON-able form of the report; `cells=True` lists every cell of every part."""
         return {
-            "source": self.source, "framing": self.framing, "arch": self.arch, "seq_id": self.seq_id,
-            "tokens": self.tokens, "layout": asdict(self.layout),
+            "source": self.source,
+            "framing": self.framing,
+            "arch": self.arch,
+            "seq_id": self.seq_id,
+            "tokens": self.tokens,
+            "layout": asdict(self.layout),
             "expected_len": {str(s): n for s, n in self.expected_len.items()},
             "parts": [p.summary(cells) for p in self.parts],
             "duplicates": [dict(zip(("part", "stream", "seq_id", "pos", "count"), d)) for d in self.duplicates],
@@ -233,7 +295,9 @@ class ScanReport:
             "holes": [dict(zip(("part", "stream", "seq_id", "first", "last"), h)) for h in self.holes],
             "recurrent_cells_per_seq": {str(s): n for s, n in self.recurrent_cells_per_seq.items()},
             "duplicate_tails": {str(s): n for s, n in self.duplicate_tails.items()},
-            "totals": self.totals, "notes": self.notes, "healthy": self.healthy,
+            "totals": self.totals,
+            "notes": self.notes,
+            "healthy": self.healthy,
         }
 
 
@@ -283,10 +347,16 @@ class _Parser:
             other = np.flatnonzero(rec[:, 1] != n_seq)
             run = int(other[0]) if len(other) else rows
             rec = rec[:run]
-            pos, seq_of = rec[:, 0], rec[:, 2 + skip:].reshape(-1)
+            pos, seq_of = rec[:, 0], rec[:, 2 + skip :].reshape(-1)
             if pos.min() < (0 if kv else -1) or (n_seq and not 0 <= seq_of.min() <= seq_of.max() < _MAX_SEQ):
                 raise _Mismatch(off, "cell position or sequence id out of range")
-            runs.append((pos, np.repeat(np.arange(done, done + run, dtype=np.int32), n_seq), seq_of))
+            runs.append(
+                (
+                    pos,
+                    np.repeat(np.arange(done, done + run, dtype=np.int32), n_seq),
+                    seq_of,
+                )
+            )
             done, off = done + run, off + 4 * words * run
             window = window * 4 if run == window else 64
         if not runs:
@@ -306,7 +376,10 @@ class _Parser:
             ggml_type, row = _TYPE_ROW.unpack_from(self.data, off)
             off += _TYPE_ROW.size
         if row == 0 or not 0 <= ggml_type < _MAX_GGML_TYPE:
-            raise _Mismatch(off, f"implausible tensor block header (type {ggml_type}, {row} bytes per cell)")
+            raise _Mismatch(
+                off,
+                f"implausible tensor block header (type {ggml_type}, {row} bytes per cell)",
+            )
         if dev:
             return off
         self.need(off, row * cells, "tensor data")
@@ -341,9 +414,15 @@ class _Parser:
             if count == 0:
                 continue
             pos, cell_of, seq_of, off = self.meta(off, count, ext, kv=True)
-            v_trans, n_layer = self.u32(off, "v_trans"), self.u32(off + 4, "layer count")
+            v_trans, n_layer = (
+                self.u32(off, "v_trans"),
+                self.u32(off + 4, "layer count"),
+            )
             if v_trans > 1 or not 1 <= n_layer <= _MAX_LAYERS or header not in (None, (v_trans, n_layer)):
-                raise _Mismatch(off, f"implausible KV data header (v_trans {v_trans}, {n_layer} layers)")
+                raise _Mismatch(
+                    off,
+                    f"implausible KV data header (v_trans {v_trans}, {n_layer} layers)",
+                )
             header, start, off = (v_trans, n_layer), off + 8, off + 8
             for _ in range(n_layer):
                 off = self.block(off, count, False, dev)
@@ -355,17 +434,38 @@ class _Parser:
             n_before += count
         stream, pos, cell_of, seq_of = (np.concatenate(c) if c else np.zeros(0, np.int32) for c in cols)
         v_trans, n_layer = header or (None, 0)
-        return Part("", "kv", n_stream, n_layer, v_trans, None, stream, pos, cell_of, seq_of, tensor_bytes), off
+        return Part(
+            "",
+            "kv",
+            n_stream,
+            n_layer,
+            v_trans,
+            None,
+            stream,
+            pos,
+            cell_of,
+            seq_of,
+            tensor_bytes,
+        ), off
 
     def rs(self, off: int, n_recurrent: Optional[int], dev: bool) -> list[tuple[Part, int]]:
         """A recurrent section (§1.6) → (Part, end offset) for every recurrent-layer count that fits."""
         part, data_off = self.memoized(("rs", off), self._rs_head, off)
         ends = self.memoized(("rs-blocks", data_off, dev), self._block_ends, data_off, part, dev)
         counts = [n_recurrent] if n_recurrent else range(1, part.n_layer + 1)
-        fits = [(replace(part, n_recurrent_layers=k, tensor_bytes=ends[2 * k - 1] - data_off), ends[2 * k - 1])
-                for k in counts if 2 * k <= len(ends)]
+        fits = [
+            (
+                replace(part, n_recurrent_layers=k, tensor_bytes=ends[2 * k - 1] - data_off),
+                ends[2 * k - 1],
+            )
+            for k in counts
+            if 2 * k <= len(ends)
+        ]
         if not fits:
-            raise _Mismatch(data_off, f"fewer than {2 * min(counts, default=1)} recurrent tensor blocks")
+            raise _Mismatch(
+                data_off,
+                f"fewer than {2 * min(counts, default=1)} recurrent tensor blocks",
+            )
         return fits
 
     def _rs_head(self, off: int) -> tuple[Part, int]:
@@ -373,8 +473,23 @@ class _Parser:
         pos, cell_of, seq_of, off = self.meta(off + 4, count, False, kv=False)
         s_trans, n_layer = self.u32(off, "s_trans"), self.u32(off + 4, "layer count")
         if s_trans != 0 or not 1 <= n_layer <= _MAX_LAYERS:
-            raise _Mismatch(off, f"implausible recurrent data header (s_trans {s_trans}, {n_layer} layers)")
-        part = Part("", "rs", 1, n_layer, None, None, np.zeros(count, np.int32), pos, cell_of, seq_of, 0)
+            raise _Mismatch(
+                off,
+                f"implausible recurrent data header (s_trans {s_trans}, {n_layer} layers)",
+            )
+        part = Part(
+            "",
+            "rs",
+            1,
+            n_layer,
+            None,
+            None,
+            np.zeros(count, np.int32),
+            pos,
+            cell_of,
+            seq_of,
+            0,
+        )
         return part, off + 8
 
     def _block_ends(self, off: int, part: Part, dev: bool) -> list[int]:
@@ -413,7 +528,7 @@ def _arch_at(data, off: int) -> Optional[tuple[str, int]]:
     if off + 4 > len(data):
         return None
     length = _U32.unpack_from(data, off)[0]
-    raw = bytes(data[off + 4:off + 4 + min(length, 65)])
+    raw = bytes(data[off + 4 : off + 4 + min(length, 65)])
     if len(raw) != length or not _ARCH_NAME.fullmatch(raw):
         return None
     return raw.decode(), off + 4 + length
@@ -440,8 +555,10 @@ def _read_framing(data, kind: str, name: str) -> _Framing:
     if found is None and _arch_at(data, 0):
         found = "context"
     if found is None:
-        raise HarnessError(f"{name}: unknown magic 0x{magic:08X} (not a llama.cpp seq blob 0x{SEQ_MAGIC:08X}, "
-                           f"'ggsq' or 'ggsn' file, or whole-context state starting with an arch name)")
+        raise HarnessError(
+            f"{name}: unknown magic 0x{magic:08X} (not a llama.cpp seq blob 0x{SEQ_MAGIC:08X}, "
+            f"'ggsq' or 'ggsn' file, or whole-context state starting with an arch name)"
+        )
     if kind not in ("auto", found):
         raise HarnessError(f"{name}: expected a {kind} state, found a {found} state (magic 0x{magic:08X})")
     if found == "context":
@@ -469,8 +586,10 @@ def _read_framing(data, kind: str, name: str) -> _Framing:
     if n_tokens == 0 or words[0] != 0xFFFFFFFF:
         return _Framing("ggsq", body, tokens=n_tokens)
     if n_tokens < 3 or words[1] != SLOT_TOKENS_VERSION or 3 + int(words[2]) > n_tokens:
-        raise OtherFormatVersion(f"{name}: llama-server slot token blob with version {words[1] if n_tokens > 1 else '?'} "
-                           f"or bad length; this scanner reads version {SLOT_TOKENS_VERSION}")
+        raise OtherFormatVersion(
+            f"{name}: llama-server slot token blob with version {words[1] if n_tokens > 1 else '?'} "
+            f"or bad length; this scanner reads version {SLOT_TOKENS_VERSION}"
+        )
     return _Framing("ggsq-slot", body, tokens=int(words[2]))
 
 
@@ -496,7 +615,16 @@ def _hypotheses(layout: Layout, framing: str, name: str) -> list[Layout]:
 
 
 def _cells_signature(parts: list[Part]) -> tuple:
-    return tuple((q.kind, q.stream.tobytes(), q.pos.tobytes(), q.cell_of.tobytes(), q.seq_of.tobytes()) for q in parts)
+    return tuple(
+        (
+            q.kind,
+            q.stream.tobytes(),
+            q.pos.tobytes(),
+            q.cell_of.tobytes(),
+            q.seq_of.tobytes(),
+        )
+        for q in parts
+    )
 
 
 def _parse(data, fr: _Framing, layout: Layout, name: str) -> tuple[Layout, list[Part], list[str]]:
@@ -514,21 +642,26 @@ def _parse(data, fr: _Framing, layout: Layout, name: str) -> tuple[Layout, list[
         fits.append((replace(hyp, n_recurrent_layers=rs[0] if rs else None), parts))
     hint = f" with {layout.describe()}" if layout != Layout() else ""
     if not fits:
-        raise HarnessError(f"{name}: no {fr.framing} layout{hint} consumes exactly its {len(data)} bytes; the "
-                           f"furthest parse stopped at byte {furthest.offset}: {furthest.reason} (truncated, or "
-                           f"a memory format this scanner does not know)")
+        raise HarnessError(
+            f"{name}: no {fr.framing} layout{hint} consumes exactly its {len(data)} bytes; the "
+            f"furthest parse stopped at byte {furthest.offset}: {furthest.reason} (truncated, or "
+            f"a memory format this scanner does not know)"
+        )
     distinct = {}
     for hyp, parts in fits:
         distinct.setdefault(_cells_signature(parts), hyp)
     if len(distinct) > 1:
-        raise HarnessError(f"{name}: ambiguous: {len(distinct)} layouts fit all {len(data)} bytes with different "
-                           f"cells ({'; '.join(h.describe() for h in distinct.values())}); give the model")
+        raise HarnessError(
+            f"{name}: ambiguous: {len(distinct)} layouts fit all {len(data)} bytes with different "
+            f"cells ({'; '.join(h.describe() for h in distinct.values())}); give the model"
+        )
     agreed = {f.name: {getattr(h, f.name) for h, _ in fits} for f in fields(Layout)}
     chosen = Layout(**{k: next(iter(v)) if len(v) == 1 else None for k, v in agreed.items()})
     notes = []
     if chosen.memory is None:
-        notes.append(f"memory class undetermined ({', '.join(sorted(agreed['memory']))}); "
-                     f"part names follow {fits[0][0].memory}")
+        notes.append(
+            f"memory class undetermined ({', '.join(sorted(agreed['memory']))}); part names follow {fits[0][0].memory}"
+        )
     return chosen, fits[0][1], notes
 
 
@@ -554,33 +687,77 @@ def _analyse(report: ScanReport) -> None:
             group, kpos = keys >> 32, keys & 0xFFFFFFFF
             kstream, kseq = group // 512, group % 512 - 1
             for i in np.nonzero(counts > 1)[0]:
-                report.duplicates.append((part.name, int(kstream[i]), int(kseq[i]), int(kpos[i]), int(counts[i])))
+                report.duplicates.append(
+                    (
+                        part.name,
+                        int(kstream[i]),
+                        int(kseq[i]),
+                        int(kpos[i]),
+                        int(counts[i]),
+                    )
+                )
             for i in np.nonzero((group[1:] == group[:-1]) & (kpos[1:] - kpos[:-1] > 1))[0]:
-                report.holes.append((part.name, int(kstream[i]), int(kseq[i]), int(kpos[i]) + 1, int(kpos[i + 1]) - 1))
+                report.holes.append(
+                    (
+                        part.name,
+                        int(kstream[i]),
+                        int(kseq[i]),
+                        int(kpos[i]) + 1,
+                        int(kpos[i + 1]) - 1,
+                    )
+                )
         for s, length in report.expected_len.items():
             for i in np.nonzero((seq == s) & (pos >= length))[0]:
                 report.orphans.append((part.name, int(stream[i]), s, int(pos[i])))
 
 
-def scan_bytes(data, kind: str = "auto", layout: Optional[Layout] = None,
-               expected_len: Optional[dict[int, int]] = None, name: str = "state blob") -> ScanReport:
+def scan_bytes(
+    data,
+    kind: str = "auto",
+    layout: Optional[Layout] = None,
+    expected_len: Optional[dict[int, int]] = None,
+    name: str = "state blob",
+) -> ScanReport:
     """Parse a state blob or file image and check its cells; `expected_len` maps seq id → cached token count."""
     fr = _read_framing(data, kind, name)
     chosen, parts, notes = _parse(data, fr, layout or Layout(), name)
     if fr.framing in ("seq", "ggsq", "ggsq-slot"):
         own = _own_sequence(parts, fr)
-        parts = [replace(q, cell_of=np.arange(q.n_cells, dtype=np.int32), seq_of=np.full(q.n_cells, own, np.int32))
-                 if q.kind == "rs" and len(q.seq_of) == 0 else q for q in parts]
+        parts = [
+            replace(
+                q,
+                cell_of=np.arange(q.n_cells, dtype=np.int32),
+                seq_of=np.full(q.n_cells, own, np.int32),
+            )
+            if q.kind == "rs" and len(q.seq_of) == 0
+            else q
+            for q in parts
+        ]
     if expected_len is None and fr.tokens is not None and fr.framing in ("ggsq", "ggsq-slot"):
         expected_len = {_own_sequence(parts, fr): fr.tokens}  # a file says how many tokens it caches
-    report = ScanReport(name, fr.framing, len(data), chosen, parts, arch=fr.arch, seq_id=fr.seq_id,
-                        tokens=fr.tokens, expected_len=dict(expected_len or {}), notes=notes)
+    report = ScanReport(
+        name,
+        fr.framing,
+        len(data),
+        chosen,
+        parts,
+        arch=fr.arch,
+        seq_id=fr.seq_id,
+        tokens=fr.tokens,
+        expected_len=dict(expected_len or {}),
+        notes=notes,
+    )
     _analyse(report)
     return report
 
 
-def scan_file(path: Path, model: Optional[Path] = None, kind: str = "auto", layout: Optional[Layout] = None,
-              expected_len: Optional[dict[int, int]] = None) -> ScanReport:
+def scan_file(
+    path: Path,
+    model: Optional[Path] = None,
+    kind: str = "auto",
+    layout: Optional[Layout] = None,
+    expected_len: Optional[dict[int, int]] = None,
+) -> ScanReport:
     """`scan_bytes` on a file; `model` (a GGUF) supplies the layout facts the blob does not store."""
     path = Path(path)
     if model is not None and layout is not None:
@@ -641,17 +818,31 @@ def layout_from_model(model: Path) -> Layout:
 def add_parser(subparsers) -> None:
     """Register `specharness scan`."""
     p = subparsers.add_parser(
-        "scan", help="list the cells of a llama.cpp state blob or file and check them",
+        "scan",
+        help="list the cells of a llama.cpp state blob or file and check them",
         description="Parse a llama.cpp state (whole-context blob, seq blob, .ggsq / llama-server slot file, "
-                    ".ggsn session file) and report duplicate positions, orphans past a known length, holes and "
-                    "recurrent tails. Exit status 1 when the cache is unhealthy.")
+        ".ggsn session file) and report duplicate positions, orphans past a known length, holes and "
+        "recurrent tails. Exit status 1 when the cache is unhealthy.",
+    )
     p.add_argument("file", type=Path, help="the state blob or file")
-    p.add_argument("--model", help="the model the state came from, a registry name or a .gguf path "
-                                    "(facts the blob does not store)")
-    p.add_argument("--kind", choices=KINDS, default="auto", help="what the file is (default: from its magic)")
-    p.add_argument("--expect", action="append", default=[], metavar="SEQ=LEN",
-                   help="sequence SEQ holds LEN tokens: cells at positions >= LEN are orphans (repeatable; default for "
-                        ".ggsq and slot files: the file's own token count)")
+    p.add_argument(
+        "--model",
+        help="the model the state came from, a registry name or a .gguf path (facts the blob does not store)",
+    )
+    p.add_argument(
+        "--kind",
+        choices=KINDS,
+        default="auto",
+        help="what the file is (default: from its magic)",
+    )
+    p.add_argument(
+        "--expect",
+        action="append",
+        default=[],
+        metavar="SEQ=LEN",
+        help="sequence SEQ holds LEN tokens: cells at positions >= LEN are orphans (repeatable; default for "
+        ".ggsq and slot files: the file's own token count)",
+    )
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.add_argument("--cells", action="store_true", help="also list every cell")
     p.set_defaults(func=_cmd_scan)
@@ -694,8 +885,15 @@ def _render(report: ScanReport, cells: bool) -> None:
 
     console = Console()
     facts = [report.framing, f"{report.size} bytes"]
-    facts += [f"{k} {v}" for k, v in (("arch", report.arch), ("seq", report.seq_id), ("tokens", report.tokens))
-              if v is not None]
+    facts += [
+        f"{k} {v}"
+        for k, v in (
+            ("arch", report.arch),
+            ("seq", report.seq_id),
+            ("tokens", report.tokens),
+        )
+        if v is not None
+    ]
     console.print(f"[bold]{report.source}[/]: {', '.join(facts)}")
     console.print(f"layout: {report.layout.describe()}")
     for note in report.notes:
@@ -707,8 +905,15 @@ def _render(report: ScanReport, cells: bool) -> None:
     for part in report.parts:
         for seq, info in part.sequences().items():
             extra = info["cells"] - 1 if part.kind == "rs" else dups[part.name, seq]
-            table.add_row(part.name, str(seq), str(info["cells"]), f"{info['pos_min']}..{info['pos_max']}",
-                          str(extra), str(orphans[part.name, seq]), str(holes[part.name, seq]))
+            table.add_row(
+                part.name,
+                str(seq),
+                str(info["cells"]),
+                f"{info['pos_min']}..{info['pos_max']}",
+                str(extra),
+                str(orphans[part.name, seq]),
+                str(holes[part.name, seq]),
+            )
         if not part.n_cells:
             table.add_row(part.name, "-", "0", "-", "0", "0", "0")
     console.print(table)
@@ -721,9 +926,14 @@ def _render(report: ScanReport, cells: bool) -> None:
     if report.healthy:
         console.print("[green]healthy[/]")
         return
-    console.print("[red]UNHEALTHY[/]: " + ", ".join(f"{v} {k.replace('_', ' ')}" for k, v in report.totals.items()
-                                                   if k in ("duplicate_cells", "orphans", "missing_positions",
-                                                            "duplicate_tails") and v))
+    console.print(
+        "[red]UNHEALTHY[/]: "
+        + ", ".join(
+            f"{v} {k.replace('_', ' ')}"
+            for k, v in report.totals.items()
+            if k in ("duplicate_cells", "orphans", "missing_positions", "duplicate_tails") and v
+        )
+    )
     for part, stream, seq, pos, count in report.duplicates[:10]:
         console.print(f"  duplicate: {part} stream {stream} seq {seq} pos {pos} x{count}")
     for part, stream, seq, pos in report.orphans[:10]:

@@ -46,7 +46,11 @@ class PositionLogits:
         if self.pending is not None:
             future, self.pending = self.pending, None
             done = future.result()
-            self.top_ids, self.top_logits, self.digest = done.top_ids, done.top_logits, done.digest
+            self.top_ids, self.top_logits, self.digest = (
+                done.top_ids,
+                done.top_logits,
+                done.digest,
+            )
             self.head, self.tail, self.log_z = done.head, done.tail, done.log_z
         return self
 
@@ -137,22 +141,32 @@ def capture(row: np.ndarray, k: int, deferred: bool = False) -> PositionLogits:
     while the caller goes on (the next `llama_decode` releases the GIL); the record is empty until
     `settle()`, then holds exactly the values of an immediate capture."""
     if deferred:
-        return PositionLogits(np.empty(0, np.int32), np.empty(0, np.float32),
-                              pending=_pool().submit(capture, row.copy(), k))
+        return PositionLogits(
+            np.empty(0, np.int32),
+            np.empty(0, np.float32),
+            pending=_pool().submit(capture, row.copy(), k),
+        )
     k = min(k, row.shape[0])
     order = _top_k(row, k) if k > 0 else None
     full = order is None
     if full:
         order = _top_k_full(row, k)
     peak = float(row[order[0]])
-    record = PositionLogits(top_ids=order.astype(np.int32), top_logits=row[order].astype(np.float32),
-                            head=tuple(float(x) for x in row[:3]), tail=tuple(float(x) for x in row[-3:]))
+    record = PositionLogits(
+        top_ids=order.astype(np.int32),
+        top_logits=row[order].astype(np.float32),
+        head=tuple(float(x) for x in row[:3]),
+        tail=tuple(float(x) for x in row[-3:]),
+    )
     scratch = _exp_buffer(row)
     total = _normaliser(row, peak, scratch)
     if math.isnan(total) and not full:
         order = _top_k_full(row, k)
         peak = float(row[order[0]])
-        record.top_ids, record.top_logits = order.astype(np.int32), row[order].astype(np.float32)
+        record.top_ids, record.top_logits = (
+            order.astype(np.int32),
+            row[order].astype(np.float32),
+        )
         total = _normaliser(row, peak, scratch)
     record.digest = f"{zlib.crc32(memoryview(row)):08x}"
     record.log_z = peak + math.log(total)
@@ -160,6 +174,7 @@ def capture(row: np.ndarray, k: int, deferred: bool = False) -> PositionLogits:
 
 
 # --- llama-server -------------------------------------------------------------------------------------
+
 
 def from_server_probs(completion_probabilities: list[dict]) -> list[PositionLogits]:
     """llama-server's `completion_probabilities` (request field `n_probs`) → one record per token.
@@ -177,40 +192,46 @@ def from_server_probs(completion_probabilities: list[dict]) -> list[PositionLogi
             lowest = float(np.finfo(np.float32).min)
             top = [(c["id"], math.log(c["prob"]) if c["prob"] > 0 else lowest) for c in entry.get("top_probs", [])]
         top.sort(key=lambda c: (-c[1], c[0]))
-        out.append(PositionLogits(
-            top_ids=np.array([i for i, _ in top], dtype=np.int32),
-            top_logits=np.array([v for _, v in top], dtype=np.float32),
-        ))
+        out.append(
+            PositionLogits(
+                top_ids=np.array([i for i, _ in top], dtype=np.int32),
+                top_logits=np.array([v for _, v in top], dtype=np.float32),
+            )
+        )
     return out
 
 
 # --- Parquet --------------------------------------------------------------------------------------------
 
-SCHEMA = pa.schema([
-    ("case", pa.string()),
-    ("position", pa.int32()),
-    ("top_ids", pa.list_(pa.int32())),
-    ("top_logits", pa.list_(pa.float32())),
-    ("log_z", pa.float64()),
-    ("digest", pa.string()),
-    ("head", pa.list_(pa.float32())),
-    ("tail", pa.list_(pa.float32())),
-])
+SCHEMA = pa.schema(
+    [
+        ("case", pa.string()),
+        ("position", pa.int32()),
+        ("top_ids", pa.list_(pa.int32())),
+        ("top_logits", pa.list_(pa.float32())),
+        ("log_z", pa.float64()),
+        ("digest", pa.string()),
+        ("head", pa.list_(pa.float32())),
+        ("tail", pa.list_(pa.float32())),
+    ]
+)
 """One row per generated position; `case` names the case (and request) the position belongs to."""
 
 
 def to_frame(logits: list[PositionLogits]) -> pd.DataFrame:
     """One row per position: `position`, list columns `top_ids` (int32) / `top_logits` (float32),
     `log_z`, `digest`, and `head` / `tail` (float32 lists)."""
-    return pd.DataFrame({
-        "position": np.arange(len(logits), dtype=np.int32),
-        "top_ids": [np.asarray(p.top_ids, dtype=np.int32) for p in logits],
-        "top_logits": [np.asarray(p.top_logits, dtype=np.float32) for p in logits],
-        "log_z": np.array([p.log_z for p in logits], dtype=np.float64),
-        "digest": [p.digest for p in logits],
-        "head": [np.array(p.head, dtype=np.float32) for p in logits],
-        "tail": [np.array(p.tail, dtype=np.float32) for p in logits],
-    })
+    return pd.DataFrame(
+        {
+            "position": np.arange(len(logits), dtype=np.int32),
+            "top_ids": [np.asarray(p.top_ids, dtype=np.int32) for p in logits],
+            "top_logits": [np.asarray(p.top_logits, dtype=np.float32) for p in logits],
+            "log_z": np.array([p.log_z for p in logits], dtype=np.float64),
+            "digest": [p.digest for p in logits],
+            "head": [np.array(p.head, dtype=np.float32) for p in logits],
+            "tail": [np.array(p.tail, dtype=np.float32) for p in logits],
+        }
+    )
 
 
 def from_frame(df: pd.DataFrame) -> list[PositionLogits]:
@@ -228,28 +249,45 @@ def from_frame(df: pd.DataFrame) -> list[PositionLogits]:
     ]
 
 
-FLOAT_COLUMNS = ("top_logits.list.element", "log_z", "head.list.element", "tail.list.element")
+FLOAT_COLUMNS = (
+    "top_logits.list.element",
+    "log_z",
+    "head.list.element",
+    "tail.list.element",
+)
 
 
 def save_parquet(path: Path, frames_by_case: dict[str, pd.DataFrame]) -> None:
     """Write the frames of a run into one Parquet file with a `case` column (zstd; floats byte-stream-split,
     which compresses them where dictionaries would grow them: about 16 kB per 128 positions at k = 10)."""
     frames = [frame.assign(case=case) for case, frame in frames_by_case.items() if len(frame)]
-    table = (pa.Table.from_pandas(pd.concat(frames, ignore_index=True)[SCHEMA.names], schema=SCHEMA,
-                                  preserve_index=False) if frames else SCHEMA.empty_table())
-    pq.write_table(table.replace_schema_metadata(None), Path(path), compression="zstd", use_dictionary=["case"],
-                   column_encoding=dict.fromkeys(FLOAT_COLUMNS, "BYTE_STREAM_SPLIT"))
+    table = (
+        pa.Table.from_pandas(
+            pd.concat(frames, ignore_index=True)[SCHEMA.names],
+            schema=SCHEMA,
+            preserve_index=False,
+        )
+        if frames
+        else SCHEMA.empty_table()
+    )
+    pq.write_table(
+        table.replace_schema_metadata(None),
+        Path(path),
+        compression="zstd",
+        use_dictionary=["case"],
+        column_encoding=dict.fromkeys(FLOAT_COLUMNS, "BYTE_STREAM_SPLIT"),
+    )
 
 
 def load_parquet(path: Path) -> dict[str, pd.DataFrame]:
     """case → frame (as `to_frame` made it) from a `save_parquet` file, cases in file order (a case
     without positions has no rows, so it is absent)."""
     df = pq.read_table(Path(path), schema=SCHEMA).to_pandas()
-    return {case: group.drop(columns="case").reset_index(drop=True)
-            for case, group in df.groupby("case", sort=False)}
+    return {case: group.drop(columns="case").reset_index(drop=True) for case, group in df.groupby("case", sort=False)}
 
 
 # --- comparison -------------------------------------------------------------------------------------------
+
 
 @dataclass(frozen=True)
 class Tolerances:
@@ -309,17 +347,22 @@ def _position_diff(a: PositionLogits, b: PositionLogits, k: int) -> dict:
     deltas.update({i: max(0.0, vb[i] - la[-1]) for i in vb if i not in va})
     worst = max(deltas, key=lambda i: (deltas[i], -i))
     xa, xb = np.array([va[i] for i in shared]), np.array([vb[i] for i in shared])
-    err, ref = float(np.sum((xa - xb) ** 2)), float(np.sum(xa ** 2))
+    err, ref = float(np.sum((xa - xb) ** 2)), float(np.sum(xa**2))
     # KL over the shared ids plus one bucket holding each side's remaining mass
     p_a, p_b = np.exp(xa), np.exp(xb)
     p_a = np.append(p_a, max(1.0 - p_a.sum(), 0.0))
     p_b = np.maximum(np.append(p_b, max(1.0 - p_b.sum(), 0.0)), 1e-12)
     kl = float(np.sum(np.where(p_a > 0, p_a * np.log(np.maximum(p_a, 1e-300) / p_b), 0.0)))
     return {
-        "a_top1": int(ia[0]), "b_top1": int(ib[0]), "top1_agree": bool(ia[0] == ib[0]),
-        "max_abs": float(deltas[worst]), "max_abs_id": int(worst),
-        "nmse": err / ref if ref > 0 else (0.0 if err == 0 else math.inf), "kl": max(kl, 0.0),
-        "_err": err, "_ref": ref,
+        "a_top1": int(ia[0]),
+        "b_top1": int(ib[0]),
+        "top1_agree": bool(ia[0] == ib[0]),
+        "max_abs": float(deltas[worst]),
+        "max_abs_id": int(worst),
+        "nmse": err / ref if ref > 0 else (0.0 if err == 0 else math.inf),
+        "kl": max(kl, 0.0),
+        "_err": err,
+        "_ref": ref,
     }
 
 
@@ -343,13 +386,24 @@ def compare(a: list[PositionLogits], b: list[PositionLogits], k: int = 10) -> Lo
             n_skipped += 1
             continue
         rows.append({"position": pos, **_position_diff(x, y, k)})
-    columns = ["position", "a_top1", "b_top1", "top1_agree", "max_abs", "max_abs_id", "nmse", "kl"]
+    columns = [
+        "position",
+        "a_top1",
+        "b_top1",
+        "top1_agree",
+        "max_abs",
+        "max_abs_id",
+        "nmse",
+        "kl",
+    ]
     df = pd.DataFrame(rows, columns=columns + ["_err", "_ref"])
     err, ref = float(df["_err"].sum()), float(df["_ref"].sum())
     empty = df.empty
     return LogitsComparison(
         per_position=df[columns].reset_index(drop=True),
-        n_a=len(a), n_b=len(b), n_skipped=n_skipped,
+        n_a=len(a),
+        n_b=len(b),
+        n_skipped=n_skipped,
         top1_agreement=1.0 if empty else float(df["top1_agree"].mean()),
         max_abs=0.0 if empty else float(df["max_abs"].max()),
         nmse=err / ref if ref > 0 else (0.0 if err == 0 else math.inf),
@@ -374,8 +428,10 @@ def check(comparison: LogitsComparison, tol: Tolerances) -> tuple[bool, str]:
     problems = []
     if c.top1_agreement < tol.top1_agreement:
         first = df[~df["top1_agree"]].iloc[0]
-        problems.append(f"top-1 agreement {c.top1_agreement:.4f} < {tol.top1_agreement} (first disagreement at "
-                        f"position {int(first.position)}: id {int(first.a_top1)} vs {int(first.b_top1)})")
+        problems.append(
+            f"top-1 agreement {c.top1_agreement:.4f} < {tol.top1_agreement} (first disagreement at "
+            f"position {int(first.position)}: id {int(first.a_top1)} vs {int(first.b_top1)})"
+        )
     if c.nmse > tol.nmse:
         problems.append(f"NMSE {c.nmse:.3g} > {tol.nmse:.3g}")
     if c.kl_mean > tol.kl:
@@ -387,5 +443,7 @@ def check(comparison: LogitsComparison, tol: Tolerances) -> tuple[bool, str]:
     at = f"max |Δ| {c.max_abs:.3g} at position {int(worst.position)} on id {int(worst.max_abs_id)}"
     if problems:
         return False, f"logits differ over {scope}: " + "; ".join(problems) + f" ({at})"
-    return True, (f"logits close over {scope}: top-1 agreement {c.top1_agreement:.4f}, NMSE {c.nmse:.3g}, "
-                  f"mean KL {c.kl_mean:.3g}, p{100 * tol.max_abs_quantile:g} of max |Δ| {quantile:.3g} ({at})")
+    return True, (
+        f"logits close over {scope}: top-1 agreement {c.top1_agreement:.4f}, NMSE {c.nmse:.3g}, "
+        f"mean KL {c.kl_mean:.3g}, p{100 * tol.max_abs_quantile:g} of max |Δ| {quantile:.3g} ({at})"
+    )

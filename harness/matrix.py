@@ -53,20 +53,34 @@ _NGRAM_SMALL = {
     "ngram-simple": {"spec-ngram-simple-size-n": 3, "spec-ngram-simple-size-m": 8},
     "ngram-map-k": {"spec-ngram-map-k-size-n": 3, "spec-ngram-map-k-size-m": 8},
     "ngram-map-k4v": {"spec-ngram-map-k4v-size-n": 3, "spec-ngram-map-k4v-size-m": 8},
-    "ngram-mod": {"spec-ngram-mod-n-match": 3, "spec-ngram-mod-n-min": 1, "spec-ngram-mod-n-max": 8},
+    "ngram-mod": {
+        "spec-ngram-mod-n-match": 3,
+        "spec-ngram-mod-n-min": 1,
+        "spec-ngram-mod-n-max": 8,
+    },
 }
 SPEC_PRESETS: dict[str, SpecPreset] = {
     "none": SpecPreset({}),
     "draft-simple": SpecPreset({"spec-type": "draft-simple", "spec-draft-n-max": 4}),
     # the draft context's K cache in q8_0 while the target's stays f16 (a quantized V needs flash attention)
-    "draft-simple-q8": SpecPreset({"spec-type": "draft-simple", "spec-draft-n-max": 4, "spec-draft-type-k": "q8_0"}),
+    "draft-simple-q8": SpecPreset(
+        {
+            "spec-type": "draft-simple",
+            "spec-draft-n-max": 4,
+            "spec-draft-type-k": "q8_0",
+        }
+    ),
     **{name: SpecPreset({"spec-type": name, **opts}) for name, opts in _NGRAM_SMALL.items()},
     "scripted-accept": SpecPreset({}, scripted="accept-all"),
     # every draft rejected: a draft-simple draft is synthetically accepted with probability 0 (`--spec-synth-len 1`
     # resolves to rates 0,…,0 for any n_max); the target's token is still sampled and emitted, so the output is
     # the non-speculative one while every step rolls back (hybrid / recurrent targets: a checkpoint restore)
-    "synth-reject": SpecPreset({"spec-type": "draft-simple", "spec-draft-n-max": 4, "spec-synth-len": 1},
-                               expect_accepts=False, rejects_all=True, server_only=True),
+    "synth-reject": SpecPreset(
+        {"spec-type": "draft-simple", "spec-draft-n-max": 4, "spec-synth-len": 1},
+        expect_accepts=False,
+        rejects_all=True,
+        server_only=True,
+    ),
     # drafting stops at a token whose top-10 probability is below p_min: many short drafts, some rejected. The tiny
     # models' counterpart of upstream's `--spec-draft-p-min 0.99` (their drafts' top-10 probabilities lie in
     # 0.12-0.59, median 0.2: at 0.99 they never draft)
@@ -126,13 +140,16 @@ def cells(matrix: dict | list[dict], only: dict[str, Optional[list[str]]] | None
     for block in blocks:
         axes = {axis: (only or {}).get(axis) or block[axis] for axis in AXES}
         if chosen:
-            axes["models"] = [m for m in chosen if m in block["models"]
-                              or not any(m in b["models"] for b in blocks)]
+            axes["models"] = [m for m in chosen if m in block["models"] or not any(m in b["models"] for b in blocks)]
         for spec in axes["specs"]:
             spec_preset(spec)
-        for cell in (Cell(backend, mode, spec, model)
-                     for backend in axes["backends"] for mode in axes["modes"]
-                     for spec in axes["specs"] for model in axes["models"]):
+        for cell in (
+            Cell(backend, mode, spec, model)
+            for backend in axes["backends"]
+            for mode in axes["modes"]
+            for spec in axes["specs"]
+            for model in axes["models"]
+        ):
             if cell not in out and spec_preset(cell.spec).runs_on(cell.backend):
                 out.append(cell)
     return out
@@ -145,10 +162,17 @@ def block_of(matrix: dict | list[dict], model: str) -> dict:
     return next((b for b in blocks if model in b.get("models", ())), {})
 
 
-def narrowing(backends: Optional[list[str]] = None, modes: Optional[list[str]] = None,
-              specs: Optional[list[str]] = None, models: Optional[list[str]] = None) -> dict:
+def narrowing(
+    backends: Optional[list[str]] = None,
+    modes: Optional[list[str]] = None,
+    specs: Optional[list[str]] = None,
+    models: Optional[list[str]] = None,
+) -> dict:
     """Validated explicit choices for `cells(..., only=)` (None keeps a suite's own axis)."""
-    for values, allowed, what in ((backends, BACKEND_NAMES, "backend"), (modes, MODES, "mode")):
+    for values, allowed, what in (
+        (backends, BACKEND_NAMES, "backend"),
+        (modes, MODES, "mode"),
+    ):
         bad = [v for v in values or () if v not in allowed]
         if bad:
             raise HarnessError(f"unknown {what} '{bad[0]}' (use: {', '.join(allowed)})")
@@ -190,8 +214,9 @@ def estimated_cost(suite, cell: Cell) -> float:
     from harness.models import resolve
 
     cases = [suite.cell_case(c, cell.model) for c in suite.cases]
-    tokens = len(suite.rounds) * sum((len(c.turns) or 1) * (c.sampling.n_predict if c.sampling.n_predict > 0 else 128)
-                                     for c in cases)
+    tokens = len(suite.rounds) * sum(
+        (len(c.turns) or 1) * (c.sampling.n_predict if c.sampling.n_predict > 0 else 128) for c in cases
+    )
     try:
         weight = max(1.0, resolve(cell.model, make=False).size / MODEL_WEIGHT_BYTES)
     except HarnessError:
@@ -225,16 +250,39 @@ def shard(jobs: list[tuple], part: Shard, cost=estimated_cost) -> list[tuple]:
         units.sort(key=lambda u: (len(u[2]) > 1, u[0], u[1]))
         _, key, members = units.pop()
         for suite, cell in members:
-            refs = {cell.reference(spec="none"), cell.reference(mode="seq"), cell.reference(mode="seq", spec="none")}
-            units.append((sum(cost(suite, c) for c in refs | {cell}), (*key, cell.mode, cell.spec), [(suite, cell)]))
+            refs = {
+                cell.reference(spec="none"),
+                cell.reference(mode="seq"),
+                cell.reference(mode="seq", spec="none"),
+            }
+            units.append(
+                (
+                    sum(cost(suite, c) for c in refs | {cell}),
+                    (*key, cell.mode, cell.spec),
+                    [(suite, cell)],
+                )
+            )
     load = [0.0] * part.count
     held: list[set] = [set() for _ in range(part.count)]  # (suite, cell) each shard executes, references too
     mine = set()
     for _, key, members in sorted(units, key=lambda u: (-u[0], u[1])):
-        needs = {(s.name, ref): s for s, c in members for ref in
-                 ({c} if len(members) > 1 else {c, c.reference(spec="none"), c.reference(mode="seq"),
-                                                 c.reference(mode="seq", spec="none")})}
-        extra = [sum(cost(s, c) for (name, c), s in needs.items() if (name, c) not in held[i]) for i in range(part.count)]
+        needs = {
+            (s.name, ref): s
+            for s, c in members
+            for ref in (
+                {c}
+                if len(members) > 1
+                else {
+                    c,
+                    c.reference(spec="none"),
+                    c.reference(mode="seq"),
+                    c.reference(mode="seq", spec="none"),
+                }
+            )
+        }
+        extra = [
+            sum(cost(s, c) for (name, c), s in needs.items() if (name, c) not in held[i]) for i in range(part.count)
+        ]
         target = min(range(part.count), key=lambda i: (load[i] + extra[i], i))
         load[target] += extra[target]
         held[target].update(needs)

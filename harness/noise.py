@@ -62,7 +62,9 @@ DEFAULT = NoiseFloor()
 
 def calibration_root() -> Path:
     """`fixtures/calibration` beside the `suites/` directory in use."""
-    from harness.suites import suites_dir  # here: the suites' module reaches the engine, reports must not
+    from harness.suites import (
+        suites_dir,
+    )  # here: the suites' module reaches the engine, reports must not
 
     return suites_dir().parent / "fixtures" / "calibration"
 
@@ -81,12 +83,17 @@ def from_data(data: dict, source: str) -> NoiseFloor:
         raw = data["tolerances"]
         names = {f.name for f in fields(Tolerances)}
         tol = Tolerances(**{k: float(v) for k, v in raw.items() if k in names})
-        acceptance = {spec: {"fixed": float(v["tolerance"]),
-                             "concurrent": float(v.get("tolerance_concurrent", v["tolerance"])),
-                             "modes": float(v.get("tolerance_modes", v["tolerance"]))}
-                      for spec, v in data.get("acceptance", {}).items()}
-        exact = all(float(v.get("max_abs_max", 0.0)) == 0.0 for k, v in data.get("measured", {}).items()
-                    if k.startswith("seq/"))
+        acceptance = {
+            spec: {
+                "fixed": float(v["tolerance"]),
+                "concurrent": float(v.get("tolerance_concurrent", v["tolerance"])),
+                "modes": float(v.get("tolerance_modes", v["tolerance"])),
+            }
+            for spec, v in data.get("acceptance", {}).items()
+        }
+        exact = all(
+            float(v.get("max_abs_max", 0.0)) == 0.0 for k, v in data.get("measured", {}).items() if k.startswith("seq/")
+        )
         return NoiseFloor(tol, float(raw["near_tie"]), source, acceptance, exact)
     except (KeyError, TypeError, ValueError) as err:
         raise HarnessError(f"corrupt calibration file {source}: {err!r}; re-run `specharness calibrate`") from None
@@ -96,19 +103,31 @@ def uncalibrated(model: str, backend: str, root: Optional[Path] = None) -> Noise
     """DEFAULT, its source naming the default tolerances and the command that would measure the real ones."""
     t = DEFAULT.tolerances
     where = f" --calibration-dir {root}" if root and Path(root).resolve() != calibration_root().resolve() else ""
-    return replace(DEFAULT, source=(
-        f"default (uncalibrated: nmse {t.nmse:g}, kl {t.kl:g}, max_abs {t.max_abs:g}, near-tie {DEFAULT.near_tie:g} "
-        f"nats; measure them with: specharness calibrate --model {model} --backend {backend} --write{where})"))
+    return replace(
+        DEFAULT,
+        source=(
+            f"default (uncalibrated: nmse {t.nmse:g}, kl {t.kl:g}, max_abs {t.max_abs:g}, near-tie {DEFAULT.near_tie:g} "
+            f"nats; measure them with: specharness calibrate --model {model} --backend {backend} --write{where})"
+        ),
+    )
 
 
 def load(model: str, backend: str, device: str, root: Optional[Path] = None) -> NoiseFloor:
     """The calibrated floor of (model, backend, device) — `model` a registry name or a model file — from `root`
     when given and calibrated there, else from the default root; `uncalibrated` when neither has it."""
-    from harness.models import model_key  # here: reports reach this module and need no model registry
+    from harness.models import (
+        model_key,
+    )  # here: reports reach this module and need no model registry
 
     key = model_key(model)
-    path = next((p for p in (calibration_path(key, backend, device, r) for r in ([root, None] if root else [None]))
-                 if p.is_file()), None)
+    path = next(
+        (
+            p
+            for p in (calibration_path(key, backend, device, r) for r in ([root, None] if root else [None]))
+            if p.is_file()
+        ),
+        None,
+    )
     if path is None:
         return uncalibrated(model, backend, root)
     try:

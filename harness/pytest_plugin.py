@@ -24,7 +24,12 @@ from harness.checks.base import CheckContext
 from harness import detok
 from harness.errors import HarnessBug, HarnessError
 from harness.execute import ExecOptions, Executor, case_keys
-from harness.known_failures import FILE_NAME as KNOWN_FAILURES, KnownFailure, load as load_known, tag
+from harness.known_failures import (
+    FILE_NAME as KNOWN_FAILURES,
+    KnownFailure,
+    load as load_known,
+    tag,
+)
 from harness.matrix import BACKEND_NAMES, Shard, cells, narrowing, shard
 from harness.models import ModelUnavailable, resolve
 from harness.report import describe_run, publish, write_run
@@ -39,31 +44,81 @@ STATE = pytest.StashKey[dict]()
 
 def pytest_addoption(parser: pytest.Parser) -> None:
     group = parser.getgroup("specharness", "specharness suites")
-    group.addoption("--backend", help=f"comma-separated backends ({', '.join(BACKEND_NAMES)}); default: each suite's matrix")
-    group.addoption("--mode", help=f"comma-separated modes ({', '.join(MODES)}); default: each suite's matrix")
-    group.addoption("--spec", help="comma-separated speculative configs (presets; `a+b` chains drafters); default: each suite's matrix")
-    group.addoption("--model", help="comma-separated models (registry names or .gguf paths); default: each suite's matrix")
+    group.addoption(
+        "--backend",
+        help=f"comma-separated backends ({', '.join(BACKEND_NAMES)}); default: each suite's matrix",
+    )
+    group.addoption(
+        "--mode",
+        help=f"comma-separated modes ({', '.join(MODES)}); default: each suite's matrix",
+    )
+    group.addoption(
+        "--spec",
+        help="comma-separated speculative configs (presets; `a+b` chains drafters); default: each suite's matrix",
+    )
+    group.addoption(
+        "--model",
+        help="comma-separated models (registry names or .gguf paths); default: each suite's matrix",
+    )
     group.addoption("--server-bin", help="use this llama-server binary instead of building one")
-    group.addoption("--source", help="build llama-server from this llama.cpp tree (default: the vendored one)")
+    group.addoption(
+        "--source",
+        help="build llama-server from this llama.cpp tree (default: the vendored one)",
+    )
     group.addoption("--update-baselines", action="store_true", help="write baselines from this run")
-    group.addoption("--baselines-dir", metavar="DIR",
-                    help="read (and with --update-baselines write) baselines here (ini: specharness_baselines_dir)")
-    group.addoption("--suites-dir", metavar="DIR",
-                    help="also collect your own suites from DIR (same name: replaces an installed suite; ini: "
-                         "specharness_suites_dir); their baselines are fixtures/baselines beside DIR")
-    group.addoption("--calibration-dir", metavar="DIR",
-                    help="read calibration files here first (ini: specharness_calibration_dir)")
-    parser.addini("specharness_suites_dir", "a directory of your own suites (relative to the ini file)")
+    group.addoption(
+        "--baselines-dir",
+        metavar="DIR",
+        help="read (and with --update-baselines write) baselines here (ini: specharness_baselines_dir)",
+    )
+    group.addoption(
+        "--suites-dir",
+        metavar="DIR",
+        help="also collect your own suites from DIR (same name: replaces an installed suite; ini: "
+        "specharness_suites_dir); their baselines are fixtures/baselines beside DIR",
+    )
+    group.addoption(
+        "--calibration-dir",
+        metavar="DIR",
+        help="read calibration files here first (ini: specharness_calibration_dir)",
+    )
+    parser.addini(
+        "specharness_suites_dir",
+        "a directory of your own suites (relative to the ini file)",
+    )
     parser.addini("specharness_baselines_dir", "baselines directory (relative to the ini file)")
-    parser.addini("specharness_calibration_dir", "calibration directory (relative to the ini file)")
-    group.addoption("--repeat", type=count(1), default=1, help="run every suite's rounds this many times")
-    group.addoption("--report", metavar="DIR",
-                    help="write the run directory here: results, checks, junit.xml and the HTML report index.html")
-    group.addoption("--shard", metavar="I/N",
-                    help="run the I-th of N balanced parts of the suite cells (merge with `specharness report --merge`)")
-    group.addoption("--kv-scan", default="request", choices=KV_SCAN,
-                    help="scan KV state after every request (default), also after every speculative step, or off")
-    group.addoption("--logit-top-k", type=count(0), default=10, help="top-k logits logged per position (0 = off)")
+    parser.addini(
+        "specharness_calibration_dir",
+        "calibration directory (relative to the ini file)",
+    )
+    group.addoption(
+        "--repeat",
+        type=count(1),
+        default=1,
+        help="run every suite's rounds this many times",
+    )
+    group.addoption(
+        "--report",
+        metavar="DIR",
+        help="write the run directory here: results, checks, junit.xml and the HTML report index.html",
+    )
+    group.addoption(
+        "--shard",
+        metavar="I/N",
+        help="run the I-th of N balanced parts of the suite cells (merge with `specharness report --merge`)",
+    )
+    group.addoption(
+        "--kv-scan",
+        default="request",
+        choices=KV_SCAN,
+        help="scan KV state after every request (default), also after every speculative step, or off",
+    )
+    group.addoption(
+        "--logit-top-k",
+        type=count(0),
+        default=10,
+        help="top-k logits logged per position (0 = off)",
+    )
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -73,7 +128,12 @@ def pytest_configure(config: pytest.Config) -> None:
     report = Path(opt("--report")) if opt("--report") else None
     baselines = path_setting(config, "baselines_dir")
     try:
-        only = narrowing(csv(opt("--backend")), csv(opt("--mode")), csv(opt("--spec")), csv(opt("--model")))
+        only = narrowing(
+            csv(opt("--backend")),
+            csv(opt("--mode")),
+            csv(opt("--spec")),
+            csv(opt("--model")),
+        )
         extra = user_suites_dir(path_setting(config, "suites_dir"))
         known = known_failures(extra)
         part = Shard.parse(opt("--shard")) if opt("--shard") else None
@@ -82,16 +142,31 @@ def pytest_configure(config: pytest.Config) -> None:
     if extra is not None and str(extra) not in config.args:
         config.args.append(str(extra))
     config.stash[STATE] = {
-        "extra": extra, "only": only, "shard": part, "started": now(), "planned": {}, "ran": set(), "suites": {},
+        "extra": extra,
+        "only": only,
+        "shard": part,
+        "started": now(),
+        "planned": {},
+        "ran": set(),
+        "suites": {},
         "signals": contextlib.ExitStack(),
-        "executor": Executor(ExecOptions(
-            backends=backend_factories(Path(opt("--server-bin")) if opt("--server-bin") else None,
-                                       Path(opt("--source")) if opt("--source") else None,
-                                       report),
-            kv_scan=opt("--kv-scan"), logit_top_k=opt("--logit-top-k"))),
-        "baselines": BaselineStore(baselines, update=opt("--update-baselines"),
-                                   option=f" --baselines-dir {baselines}" if baselines else "",
-                                   calibration_dir=path_setting(config, "calibration_dir")),
+        "executor": Executor(
+            ExecOptions(
+                backends=backend_factories(
+                    Path(opt("--server-bin")) if opt("--server-bin") else None,
+                    Path(opt("--source")) if opt("--source") else None,
+                    report,
+                ),
+                kv_scan=opt("--kv-scan"),
+                logit_top_k=opt("--logit-top-k"),
+            )
+        ),
+        "baselines": BaselineStore(
+            baselines,
+            update=opt("--update-baselines"),
+            option=f" --baselines-dir {baselines}" if baselines else "",
+            calibration_dir=path_setting(config, "calibration_dir"),
+        ),
         "checks": [],
         "known": known,
     }
@@ -118,8 +193,12 @@ def pytest_collect_file(parent: pytest.Collector, file_path: Path):
     extra = parent.config.stash[STATE]["extra"]
     if file_path.suffix != ".yaml" or file_path.parent.name != "suites" and file_path.parent != extra:
         return None
-    if extra is not None and file_path.parent != extra and (extra / file_path.name).is_file() \
-            and file_path.name != KNOWN_FAILURES:
+    if (
+        extra is not None
+        and file_path.parent != extra
+        and (extra / file_path.name).is_file()
+        and file_path.name != KNOWN_FAILURES
+    ):
         return None  # replaced by the --suites-dir suite of that name
     if file_path.name == KNOWN_FAILURES:
         return KnownFailuresFile.from_parent(parent, path=file_path)
@@ -149,7 +228,13 @@ class SuiteFile(pytest.File):
         for cell in cells(suite.matrix, _only(self.config)):
             for case in suite.cases:
                 for key in case_keys(case):
-                    item = SuiteItem.from_parent(self, name=f"{suite.name}[{key}-{cell.id}]", suite=suite, cell=cell, key=key)
+                    item = SuiteItem.from_parent(
+                        self,
+                        name=f"{suite.name}[{key}-{cell.id}]",
+                        suite=suite,
+                        cell=cell,
+                        key=key,
+                    )
                     item.add_marker(pytest.mark.xdist_group(worker_group(suite.name, cell)))
                     if suite.slow:
                         item.add_marker(pytest.mark.slow)
@@ -192,8 +277,10 @@ class SuiteItem(pytest.Item):
         except ModelUnavailable as err:  # an optional model (Gemma without the [real] extra)
             pytest.skip(str(err))
         run = executor.run(self.suite, self.cell)
-        repro = (f"pytest {shlex.quote(self.nodeid)} --backend {self.cell.backend} --mode {self.cell.mode} "
-                 f"--spec {self.cell.spec} --model {self.cell.model}")
+        repro = (
+            f"pytest {shlex.quote(self.nodeid)} --backend {self.cell.backend} --mode {self.cell.mode} "
+            f"--spec {self.cell.spec} --model {self.cell.model}"
+        )
         ctx = CheckContext(run, self.key, executor, state["baselines"], _detok(self.cell.model), repro)
         results = evaluate(ctx, self.suite.checks)
         state["checks"] += [(self.suite.name, self.key, self.cell, r) for r in results]
@@ -229,20 +316,39 @@ class KnownFailuresFile(pytest.File):
         for entry in entries:
             suite = load_suite(entry.suite, self.path.parent)
             if entry.missing_cpu_flags:
-                item = KnownFailureItem.from_parent(self, name=f"known-failures[{entry.id}]", entry=entry,
-                                                    suite=suite, cells=[])
-                item.add_marker(pytest.mark.skip(reason=(
-                    f"{entry.id} shows only on a CPU with {', '.join(entry.cpu_flags)}; this one lacks "
-                    f"{', '.join(entry.missing_cpu_flags)}")))
+                item = KnownFailureItem.from_parent(
+                    self,
+                    name=f"known-failures[{entry.id}]",
+                    entry=entry,
+                    suite=suite,
+                    cells=[],
+                )
+                item.add_marker(
+                    pytest.mark.skip(
+                        reason=(
+                            f"{entry.id} shows only on a CPU with {', '.join(entry.cpu_flags)}; this one lacks "
+                            f"{', '.join(entry.missing_cpu_flags)}"
+                        )
+                    )
+                )
                 yield item
                 continue
             chosen = [c for c in cells(suite.matrix, _only(self.config)) if entry.covers(suite.name, c)]
             if chosen:
-                item = KnownFailureItem.from_parent(self, name=f"known-failures[{entry.id}]", entry=entry,
-                                                    suite=suite, cells=chosen)
+                item = KnownFailureItem.from_parent(
+                    self,
+                    name=f"known-failures[{entry.id}]",
+                    entry=entry,
+                    suite=suite,
+                    cells=chosen,
+                )
                 item.add_marker(pytest.mark.xdist_group(worker_group(suite.name, chosen[0])))
-                item.add_marker(pytest.mark.xfail(strict=True, reason=(
-                    f"{entry.summary} — if this passes, the defect no longer reproduces: remove the entry")))
+                item.add_marker(
+                    pytest.mark.xfail(
+                        strict=True,
+                        reason=(f"{entry.summary} — if this passes, the defect no longer reproduces: remove the entry"),
+                    )
+                )
                 yield item
 
 
@@ -277,7 +383,13 @@ def _detok(model: str):
     return detok.for_model(model) or (lambda tokens: " ".join(map(str, tokens)))
 
 
-REPORT_DEFAULTS = {"server_bin": None, "source": None, "kv_scan": "request", "logit_top_k": 10, "repeat": 1}
+REPORT_DEFAULTS = {
+    "server_bin": None,
+    "source": None,
+    "kv_scan": "request",
+    "logit_top_k": 10,
+    "repeat": 1,
+}
 """The options a case's re-run command repeats when this session changed them."""
 
 
@@ -356,17 +468,28 @@ def _write_report(session: pytest.Session, state: dict, exitstatus) -> None:
     interrupt.phase("writing")
     planned = list(state["planned"])
     done = [cell for cell, ids in state["planned"].items() if ids <= state["ran"]]
-    options = {k: v for k, default in REPORT_DEFAULTS.items()
-               if (v := config.getoption("--" + k.replace("_", "-"))) not in (None, default)}
+    options = {
+        k: v
+        for k, default in REPORT_DEFAULTS.items()
+        if (v := config.getoption("--" + k.replace("_", "-"))) not in (None, default)
+    }
     target = parts / worker["workerid"] if worker else Path(report)
     if worker:  # a worker reports the cells whose items it ran (xdist_group keeps a cell's items together)
         planned = [cell for cell, ids in state["planned"].items() if ids & state["ran"]]
     try:
         meta = describe_run(
-            state["executor"], tool="pytest", command=["pytest", *config.invocation_params.args], options=options,
-            started=state["started"], planned=planned, done=done, suites=state["suites"], known=state["known"],
+            state["executor"],
+            tool="pytest",
+            command=["pytest", *config.invocation_params.args],
+            options=options,
+            started=state["started"],
+            planned=planned,
+            done=done,
+            suites=state["suites"],
+            known=state["known"],
             shard=str(state["shard"]) if state["shard"] else None,
-            interrupted=exitstatus == pytest.ExitCode.INTERRUPTED or interrupt.received() is not None)
+            interrupted=exitstatus == pytest.ExitCode.INTERRUPTED or interrupt.received() is not None,
+        )
         meta["uncalibrated"] = uncalibrated_lines(state["executor"], state["baselines"])
         write_run(target, state["executor"].runs(), state["checks"], meta, detok.for_model)
         if not worker:

@@ -11,22 +11,53 @@ llama.cpp's `common_sampler` chain from them (harness.engine.sampler).
 from dataclasses import dataclass, field, fields
 from typing import Optional, Union
 
-SAMPLER_NAMES = ("penalties", "dry", "top_n_sigma", "top_k", "typ_p", "top_p", "min_p", "xtc", "temperature",
-                 "infill", "adaptive_p")
+SAMPLER_NAMES = (
+    "penalties",
+    "dry",
+    "top_n_sigma",
+    "top_k",
+    "typ_p",
+    "top_p",
+    "min_p",
+    "xtc",
+    "temperature",
+    "infill",
+    "adaptive_p",
+)
 """Sampler names llama-server accepts in `samplers` (common_sampler_types_from_names, canonical spellings)."""
-DEFAULT_SAMPLERS = ("penalties", "dry", "top_n_sigma", "top_k", "typ_p", "top_p", "min_p", "xtc", "temperature")
+DEFAULT_SAMPLERS = (
+    "penalties",
+    "dry",
+    "top_n_sigma",
+    "top_k",
+    "typ_p",
+    "top_p",
+    "min_p",
+    "xtc",
+    "temperature",
+)
 """llama-server's default order (common_params_sampling::samplers)."""
-DEFAULT_DRY_BREAKERS = ("\n", ":", "\"", "*")
+DEFAULT_DRY_BREAKERS = ("\n", ":", '"', "*")
 UINT32 = 0xFFFFFFFF
 
 _NUMBER = {"type": "number"}
 _COUNT = {"type": "integer", "minimum": 0}
-_BIAS = {"description": "a number or false", "anyOf": [{"type": "number"}, {"const": False}]}
+_BIAS = {
+    "description": "a number or false",
+    "anyOf": [{"type": "number"}, {"const": False}],
+}
 _LOGIT_BIAS = {
     "description": "a list of [token id or text, bias] pairs or a mapping token id or text: bias",
     "anyOf": [
-        {"type": "array", "items": {"type": "array", "prefixItems": [{"type": ["integer", "string"]}, _BIAS],
-                                    "minItems": 2, "maxItems": 2}},
+        {
+            "type": "array",
+            "items": {
+                "type": "array",
+                "prefixItems": [{"type": ["integer", "string"]}, _BIAS],
+                "minItems": 2,
+                "maxItems": 2,
+            },
+        },
         {"type": "object", "additionalProperties": _BIAS},
     ],
 }
@@ -61,12 +92,16 @@ class Sampling:
     dry_base: float = _f(1.75, {"type": "number", "minimum": 1})
     dry_allowed_length: int = _f(2, _COUNT)
     dry_penalty_last_n: int = _f(64, _COUNT)
-    dry_sequence_breakers: list[str] = _f(DEFAULT_DRY_BREAKERS, {"type": "array", "items": {"type": "string"},
-                                                                 "minItems": 1})
+    dry_sequence_breakers: list[str] = _f(
+        DEFAULT_DRY_BREAKERS,
+        {"type": "array", "items": {"type": "string"}, "minItems": 1},
+    )
     mirostat: int = _f(0, {"enum": [0, 1, 2]})
     mirostat_tau: float = _f(5.0, _NUMBER)
     mirostat_eta: float = _f(0.1, _NUMBER)
-    adaptive_target: float = _f(-1.0, {"type": "number", "maximum": 1})  # < 0 = off; used when `samplers` has adaptive_p
+    adaptive_target: float = _f(
+        -1.0, {"type": "number", "maximum": 1}
+    )  # < 0 = off; used when `samplers` has adaptive_p
     adaptive_decay: float = _f(0.9, {"type": "number", "minimum": 0, "maximum": 0.99})
     min_keep: int = _f(0, _COUNT)
     logit_bias: Union[list, dict] = _f([], _LOGIT_BIAS)
@@ -81,8 +116,14 @@ class Sampling:
     post_sampling_probs: bool = _f(False, {"type": "boolean"})
     """The top `n_probs` are the sampler chain's candidates after sampling (`prob` / `top_probs`, zero
     probabilities dropped) instead of the softmax of the raw logits over the vocabulary (`logprob`)."""
-    n_predict: int = _f(128, {"type": "integer", "description": "-1 (until the context is full) or a count >= 1",
-                              "anyOf": [{"const": -1}, {"minimum": 1}]})
+    n_predict: int = _f(
+        128,
+        {
+            "type": "integer",
+            "description": "-1 (until the context is full) or a count >= 1",
+            "anyOf": [{"const": -1}, {"minimum": 1}],
+        },
+    )
     n_keep: int = _f(0, {"type": "integer", "minimum": -1})
     """Context shift (`context_shift` on): prompt tokens kept at the start of the context (-1: the whole prompt;
     llama-server adds one for a model that adds BOS)."""
@@ -98,9 +139,14 @@ class Sampling:
     def greedy(self) -> bool:
         """True when the output does not depend on the random number generator: temperature 0 (and no
         dynamic temperature, mirostat, XTC or sampler order without `temperature`, which still draw)."""
-        return (self.temperature <= 0.0 and self.dynatemp_range <= 0.0 and self.mirostat == 0
-                and "temperature" in self.samplers and "adaptive_p" not in self.samplers
-                and not (self.xtc_probability > 0.0 and self.xtc_threshold <= 0.5))
+        return (
+            self.temperature <= 0.0
+            and self.dynatemp_range <= 0.0
+            and self.mirostat == 0
+            and "temperature" in self.samplers
+            and "adaptive_p" not in self.samplers
+            and not (self.xtc_probability > 0.0 and self.xtc_threshold <= 0.5)
+        )
 
     @property
     def picks_argmax(self) -> bool:
@@ -108,12 +154,20 @@ class Sampling:
         the top token (penalties, DRY, typical, infill): the token is the argmax of the model's logits (up
         to the model's own suppressed tokens), so a logit margin speaks about it."""
         active = set(self.samplers)
-        penalties = "penalties" in active and self.repeat_last_n != 0 and (
-            self.repeat_penalty != 1.0 or self.frequency_penalty != 0.0 or self.presence_penalty != 0.0)
+        penalties = (
+            "penalties" in active
+            and self.repeat_last_n != 0
+            and (self.repeat_penalty != 1.0 or self.frequency_penalty != 0.0 or self.presence_penalty != 0.0)
+        )
         dry = "dry" in active and self.dry_multiplier != 0.0 and self.dry_penalty_last_n != 0
         typical = "typ_p" in active and self.typical_p < 1.0
-        return (self.greedy and not (penalties or dry or typical or "infill" in active)
-                and self.grammar is None and self.json_schema is None and not self.logit_bias)
+        return (
+            self.greedy
+            and not (penalties or dry or typical or "infill" in active)
+            and self.grammar is None
+            and self.json_schema is None
+            and not self.logit_bias
+        )
 
     @property
     def state_follows_tokens(self) -> bool:
@@ -122,8 +176,13 @@ class Sampling:
         (draws only over two or more candidates), mirostat and adaptive-p (they learn from probabilities)
         depend on the earlier logits too."""
         xtc = "xtc" in self.samplers and self.xtc_probability > 0 and self.xtc_threshold <= 0.5
-        return (self.grammar is None and self.json_schema is None and self.mirostat == 0
-                and "adaptive_p" not in self.samplers and not xtc)
+        return (
+            self.grammar is None
+            and self.json_schema is None
+            and self.mirostat == 0
+            and "adaptive_p" not in self.samplers
+            and not xtc
+        )
 
     @property
     def random_seed(self) -> bool:
@@ -140,7 +199,8 @@ class Sampling:
 
 
 SAMPLING_SCHEMA = {
-    "type": "object", "additionalProperties": False,
+    "type": "object",
+    "additionalProperties": False,
     "properties": {f.name: f.metadata["schema"] for f in fields(Sampling) if "schema" in f.metadata},
 }
 """The JSON schema of a suite file's `sampling:` mapping (every field above but grammar and json_schema,

@@ -42,7 +42,10 @@ def init(target: Path) -> list[Path]:
     """Write the starter files into `target` (creating it); returns the files written (existing ones are kept)."""
     if target.exists() and not target.is_dir():
         raise HarnessError(f"cannot initialise {target}: it is a file, not a directory")
-    files = {target / "suites" / "starter.yaml": STARTER, target / "pytest.ini": PYTEST_INI}
+    files = {
+        target / "suites" / "starter.yaml": STARTER,
+        target / "pytest.ini": PYTEST_INI,
+    }
     written = []
     for sub in ("suites", "fixtures/baselines", "fixtures/calibration"):
         (target / sub).mkdir(parents=True, exist_ok=True)
@@ -61,9 +64,11 @@ def cmd_init(args: argparse.Namespace) -> int:
     kept = {target / "suites" / "starter.yaml", target / "pytest.ini"} - set(written)
     for path in sorted(kept):
         print(f"kept (exists): {path}")
-    print(f"next: specharness run --suites-dir {target / 'suites'} --update-baselines   (records the baselines)\n"
-          f"      specharness run --suites-dir {target / 'suites'}                      (compares against them)\n"
-          f"      or: cd {target} && pytest")
+    print(
+        f"next: specharness run --suites-dir {target / 'suites'} --update-baselines   (records the baselines)\n"
+        f"      specharness run --suites-dir {target / 'suites'}                      (compares against them)\n"
+        f"      or: cd {target} && pytest"
+    )
     return 0
 
 

@@ -28,21 +28,69 @@ from harness.signatures import group
 from harness.suites import load_suite, suite_files, suites_dir
 
 PLAN = [
-    ("quicksort", {"models": ["tiny-dense", "tiny-hybrid"], "modes": ["seq", "par"],
-                   "specs": ["none", "scripted-wrong-at-2"], "backends": ["inproc"]}),
-    ("grammar-json", {"models": ["tiny-hybrid"], "modes": ["seq"], "specs": ["none", "scripted-reject"],
-                      "backends": ["inproc"]}),
-    ("kv-fill", {"models": ["tiny-dense"], "modes": ["par"], "specs": ["draft-simple"], "backends": ["inproc"]}),
-    ("sampling", {"models": ["tiny-hybrid"], "modes": ["seq"], "specs": ["none", "draft-simple"], "backends": ["inproc"]}),
+    (
+        "quicksort",
+        {
+            "models": ["tiny-dense", "tiny-hybrid"],
+            "modes": ["seq", "par"],
+            "specs": ["none", "scripted-wrong-at-2"],
+            "backends": ["inproc"],
+        },
+    ),
+    (
+        "grammar-json",
+        {
+            "models": ["tiny-hybrid"],
+            "modes": ["seq"],
+            "specs": ["none", "scripted-reject"],
+            "backends": ["inproc"],
+        },
+    ),
+    (
+        "kv-fill",
+        {
+            "models": ["tiny-dense"],
+            "modes": ["par"],
+            "specs": ["draft-simple"],
+            "backends": ["inproc"],
+        },
+    ),
+    (
+        "sampling",
+        {
+            "models": ["tiny-hybrid"],
+            "modes": ["seq"],
+            "specs": ["none", "draft-simple"],
+            "backends": ["inproc"],
+        },
+    ),
 ]
 """Suites and the matrix part each runs: rollbacks by seq_rm (dense) and by checkpoint (hybrid), a
 grammar under forced rejections, decode failures during speculative steps, and penalties under
 checkpoint rollbacks."""
 FAULT_PLAN = {
-    "stale-draft-context": [("quicksort", {"models": ["tiny-dense", "tiny-hybrid"], "modes": ["seq"],
-                                           "specs": ["draft-simple"], "backends": ["inproc"]})],
-    "shared-drafter-state": [("quicksort", {"models": ["tiny-dense-loop"], "modes": ["seq", "par"],
-                                            "specs": ["ngram-map-k"], "backends": ["inproc"]})],
+    "stale-draft-context": [
+        (
+            "quicksort",
+            {
+                "models": ["tiny-dense", "tiny-hybrid"],
+                "modes": ["seq"],
+                "specs": ["draft-simple"],
+                "backends": ["inproc"],
+            },
+        )
+    ],
+    "shared-drafter-state": [
+        (
+            "quicksort",
+            {
+                "models": ["tiny-dense-loop"],
+                "modes": ["seq", "par"],
+                "specs": ["ngram-map-k"],
+                "backends": ["inproc"],
+            },
+        )
+    ],
 }
 """What a fault needs beyond the plan: draft-model speculation, and an n-gram drafter with a state per slot
 on a model whose text repeats (the dense `-loop` model: on Gemma's three quicksort prompts, nearly the same
@@ -51,16 +99,33 @@ the plan and every fault's part."""
 
 EXPECTED: dict[str, list[tuple[str, str]]] = {
     "skip-seq-rm-after-restore": [("kv-healthy", r"[1-9]\d* duplicate cells")],
-    "no-sampler-restore": [("grammar-valid", r"invalid outputs"), ("lossless", r"Class (hard|drift)")],
+    "no-sampler-restore": [
+        ("grammar-valid", r"invalid outputs"),
+        ("lossless", r"Class (hard|drift)"),
+    ],
     "no-penalty-restore": [("lossless", r"the sampler's state differed")],
     "keep-drafts-on-decode-failure": [("no-crash", r"rejected the batch as invalid")],
-    "rollback-off-by-one": [("kv-healthy", r"[1-9]\d* (duplicate cells|orphans)"),
-                            ("no-crash", r"rejected the batch as invalid")],
-    "partial-checkpoint-only": [("kv-healthy", r"[1-9]\d* (duplicate cells|orphans)"),
-                                ("lossless", r"Class (hard|drift|kv-corrupt)")],
-    "stale-draft-context": [("kv-healthy", r"the draft context: \d+ duplicate cells, [1-9]\d* orphans"),
-                            ("acceptance", r"against baseline \(tolerance [\d.e-]+\): (acceptance|accepted tokens)")],
-    "shared-drafter-state": [("acceptance", r"against baseline \(tolerance [\d.e-]+\): (acceptance|accepted tokens)")],
+    "rollback-off-by-one": [
+        ("kv-healthy", r"[1-9]\d* (duplicate cells|orphans)"),
+        ("no-crash", r"rejected the batch as invalid"),
+    ],
+    "partial-checkpoint-only": [
+        ("kv-healthy", r"[1-9]\d* (duplicate cells|orphans)"),
+        ("lossless", r"Class (hard|drift|kv-corrupt)"),
+    ],
+    "stale-draft-context": [
+        ("kv-healthy", r"the draft context: \d+ duplicate cells, [1-9]\d* orphans"),
+        (
+            "acceptance",
+            r"against baseline \(tolerance [\d.e-]+\): (acceptance|accepted tokens)",
+        ),
+    ],
+    "shared-drafter-state": [
+        (
+            "acceptance",
+            r"against baseline \(tolerance [\d.e-]+\): (acceptance|accepted tokens)",
+        )
+    ],
 }
 """Per fault, the (check, evidence) pairs that count as catching it (any one): the check must fail and its
 message must match the evidence — the bug class, not just any failure."""
@@ -101,8 +166,9 @@ def run_plan(fault: str | None, plan: list | None = None) -> Row:
     row = Row(fault or "none", dict.fromkeys(CHECKS, 0), dict.fromkeys(CHECKS, 0), label=label)
     expected = dict(EXPECTED.get(fault or "", []))
     known = load_known(suites_dir() / KNOWN_FAILURES)
-    failing = [(suite, key, cell, r) for suite, key, cell, r in verdicts
-               if not r.passed and tag(known, suite, cell, [r])]  # a recorded llama.cpp defect is no false positive
+    failing = [
+        (suite, key, cell, r) for suite, key, cell, r in verdicts if not r.passed and tag(known, suite, cell, [r])
+    ]  # a recorded llama.cpp defect is no false positive
     row.distinct = [f.signature for f in group(check_records(failing), (), lambda v: True)]
     for suite, _, cell, r in failing:
         row.failures[r.name] += 1
@@ -110,7 +176,9 @@ def run_plan(fault: str | None, plan: list | None = None) -> Row:
         pattern = expected.get(r.name)
         if pattern and re.search(pattern, r.message):
             row.caught[r.name] += 1
-    row.harness_errors = [f"{run.suite.name} {run.cell.id}: {run.error}" for run in executor.runs() if run.harness_error]
+    row.harness_errors = [
+        f"{run.suite.name} {run.cell.id}: {run.error}" for run in executor.runs() if run.harness_error
+    ]
     return row
 
 
@@ -126,8 +194,12 @@ def catch_matrix(clean_runs: int = 0, faults: list[str] | None = None) -> Iterat
         yield run_plan(fault)
     yield run_plan(None)
     if clean_runs:
-        clean = Row("none", dict.fromkeys(CHECKS, 0), dict.fromkeys(CHECKS, 0),
-                    label=f"none (default matrices, {clean_runs} runs)")
+        clean = Row(
+            "none",
+            dict.fromkeys(CHECKS, 0),
+            dict.fromkeys(CHECKS, 0),
+            label=f"none (default matrices, {clean_runs} runs)",
+        )
         for _ in range(clean_runs):
             row = run_plan(None, default_matrices())
             for name, n in row.failures.items():
@@ -146,15 +218,22 @@ def table(rows: list[Row]) -> Table:
     t.add_column("distinct failures", justify="right")
     t.add_column("verdict")
     for row in rows:
-        cells = [("·" if not n else f"[bold]{n}[/]" if row.caught.get(name) else str(n)) for name, n in row.failures.items()]
+        cells = [
+            ("·" if not n else f"[bold]{n}[/]" if row.caught.get(name) else str(n)) for name, n in row.failures.items()
+        ]
         if row.harness_errors:
             verdict = "[red]HARNESS ERROR[/]"
         elif row.fault == "none":
             verdict = "[green]clean[/]" if row.ok else "[red]false positives[/]"
         else:
             verdict = "[green]caught[/]" if row.ok else "[red]NOT CAUGHT[/]"
-        t.add_row(row.label, *cells, str(len(row.harness_errors)) if row.harness_errors else "·",
-                  str(len(row.distinct)) if row.distinct else "·", verdict)
+        t.add_row(
+            row.label,
+            *cells,
+            str(len(row.harness_errors)) if row.harness_errors else "·",
+            str(len(row.distinct)) if row.distinct else "·",
+            verdict,
+        )
     return t
 
 
@@ -174,10 +253,17 @@ def cmd_selftest(args: argparse.Namespace) -> int:
         for row in rows:
             if row.distinct:
                 plural = "s" if len(row.distinct) > 1 else ""
-                console.print(f"{row.label}: {len(row.distinct)} distinct failure{plural}: " + "; ".join(row.distinct),
-                              markup=False, highlight=False)
+                console.print(
+                    f"{row.label}: {len(row.distinct)} distinct failure{plural}: " + "; ".join(row.distinct),
+                    markup=False,
+                    highlight=False,
+                )
             for error in row.harness_errors:
-                console.print(f"harness error with fault {row.fault}: {error}", markup=False, highlight=False)
+                console.print(
+                    f"harness error with fault {row.fault}: {error}",
+                    markup=False,
+                    highlight=False,
+                )
         if interrupt.received():
             planned = len(args.fault or FAULTS) + 1 + bool(args.clean_runs)
             console.print(f"interrupted: {len(rows)} of {planned} rows ran", markup=False)
@@ -188,8 +274,17 @@ def cmd_selftest(args: argparse.Namespace) -> int:
 def add_parser(sub: argparse._SubParsersAction) -> None:
     """Register `specharness selftest`."""
     p = sub.add_parser("selftest", help="prove every fault switch is caught by the expected check")
-    p.add_argument("--clean-runs", type=int, default=1,
-                   help="runs of every suite's default matrix with no fault, which must report zero failures "
-                        "(default 1; the selftest plan's own clean row always runs)")
-    p.add_argument("--fault", action="append", choices=sorted(FAULTS), help="only these faults (default all)")
+    p.add_argument(
+        "--clean-runs",
+        type=int,
+        default=1,
+        help="runs of every suite's default matrix with no fault, which must report zero failures "
+        "(default 1; the selftest plan's own clean row always runs)",
+    )
+    p.add_argument(
+        "--fault",
+        action="append",
+        choices=sorted(FAULTS),
+        help="only these faults (default all)",
+    )
     p.set_defaults(func=cmd_selftest)

@@ -20,16 +20,28 @@ from harness.errors import HarnessError
 from harness.matrix import SPEC_PRESETS, block_of
 from harness.request import SAMPLING_SCHEMA, Request, Sampling
 
-SERVE_FIELDS = {"n_ctx": "integer", "n_batch": "integer", "n_ubatch": "integer", "parallel": "integer",
-                "repack": "boolean", "context_shift": "boolean", "stall_s": "number"}
+SERVE_FIELDS = {
+    "n_ctx": "integer",
+    "n_batch": "integer",
+    "n_ubatch": "integer",
+    "parallel": "integer",
+    "repack": "boolean",
+    "context_shift": "boolean",
+    "stall_s": "number",
+}
 
 _NAMES = {"type": "array", "items": {"type": "string"}, "minItems": 1}
 _CASE = {
-    "type": "object", "additionalProperties": False, "required": ["name"],
+    "type": "object",
+    "additionalProperties": False,
+    "required": ["name"],
     "properties": {
         "name": {"type": "string", "pattern": r"^[A-Za-z0-9_.+]+$"},
         "prompt": {"type": "string"},
-        "vars": {"type": "object", "additionalProperties": {"type": ["string", "number"]}},
+        "vars": {
+            "type": "object",
+            "additionalProperties": {"type": ["string", "number"]},
+        },
         "prompt_repeat": {"type": "integer", "minimum": 1},
         "chat": {"type": "array", "items": {"type": "string"}, "minItems": 1},
         "json_schema": {"type": "object"},
@@ -41,55 +53,118 @@ _CASE = {
     "dependentRequired": {"prompt_repeat": ["prompt"]},
 }
 _BLOCK = {
-    "type": "object", "additionalProperties": False,
-    "properties": {"backends": _NAMES, "modes": {"type": "array", "items": {"enum": list(MODES)}, "minItems": 1},
-                   "specs": _NAMES, "models": _NAMES, "sampling": SAMPLING_SCHEMA},
+    "type": "object",
+    "additionalProperties": False,
+    "properties": {
+        "backends": _NAMES,
+        "modes": {"type": "array", "items": {"enum": list(MODES)}, "minItems": 1},
+        "specs": _NAMES,
+        "models": _NAMES,
+        "sampling": SAMPLING_SCHEMA,
+    },
 }
 """One block of the matrix: its axes (missing ones take DEFAULT_MATRIX's) and sampling fields that override
 the suite's for the block's models (e.g. a shorter n_predict for a slower real model)."""
 SUITE_SCHEMA = {
-    "type": "object", "additionalProperties": False, "required": ["suite", "cases"],
+    "type": "object",
+    "additionalProperties": False,
+    "required": ["suite", "cases"],
     "properties": {
         "suite": {"type": "string", "pattern": r"^[a-z0-9-]+$"},
         "description": {"type": "string"},
         "slow": {"type": "boolean"},
         "matrix": {"oneOf": [_BLOCK, {"type": "array", "items": _BLOCK, "minItems": 1}]},
         "sampling": SAMPLING_SCHEMA,
-        "serve": {"type": "object", "additionalProperties": False,
-                  "properties": {k: {"type": t, **({"minimum": 1} if t == "integer" else
-                                                   {"exclusiveMinimum": 0} if t == "number" else {})}
-                                 for k, t in SERVE_FIELDS.items()}},
-        "engine": {"type": "object", "additionalProperties": False,
-                   "properties": {"rollback": {"enum": list(STRATEGIES)},
-                                  "checkpoint_flags": {"enum": list(CHECKPOINT_FLAGS)},
-                                  "checkpoint_attempts": {"type": "integer", "minimum": 0}}},
+        "serve": {
+            "type": "object",
+            "additionalProperties": False,
+            "properties": {
+                k: {
+                    "type": t,
+                    **({"minimum": 1} if t == "integer" else {"exclusiveMinimum": 0} if t == "number" else {}),
+                }
+                for k, t in SERVE_FIELDS.items()
+            },
+        },
+        "engine": {
+            "type": "object",
+            "additionalProperties": False,
+            "properties": {
+                "rollback": {"enum": list(STRATEGIES)},
+                "checkpoint_flags": {"enum": list(CHECKPOINT_FLAGS)},
+                "checkpoint_attempts": {"type": "integer", "minimum": 0},
+            },
+        },
         "repeats": {"type": "integer", "minimum": 1},
-        "run_order": {"type": "array", "items": {"enum": ["seq", "par"]}, "minItems": 1},
+        "run_order": {
+            "type": "array",
+            "items": {"enum": ["seq", "par"]},
+            "minItems": 1,
+        },
         "checks": _NAMES,
         "allow_errors": {"type": "array", "items": {"enum": ["context_full"]}},
-        "expect": {"type": "object", "additionalProperties": False,
-                   "properties": {"completed_min": {"type": "number", "minimum": 0, "maximum": 1},
-                                  "spec_stats_min": {"type": "object",
-                                                     "additionalProperties": {"type": "integer", "minimum": 1}}}},
+        "expect": {
+            "type": "object",
+            "additionalProperties": False,
+            "properties": {
+                "completed_min": {"type": "number", "minimum": 0, "maximum": 1},
+                "spec_stats_min": {
+                    "type": "object",
+                    "additionalProperties": {"type": "integer", "minimum": 1},
+                },
+            },
+        },
         "expect_accepts": {"type": "boolean"},
         "deadline_s": {"type": "number", "exclusiveMinimum": 0},
-        "tolerances": {"type": "object", "additionalProperties": False,
-                       "properties": {"top1_agreement": {"type": "number", "minimum": 0, "maximum": 1},
-                                      "max_abs": {"type": "number", "minimum": 0},
-                                      "nmse": {"type": "number", "minimum": 0},
-                                      "kl": {"type": "number", "minimum": 0},
-                                      "near_tie": {"type": "number", "minimum": 0}}},
+        "tolerances": {
+            "type": "object",
+            "additionalProperties": False,
+            "properties": {
+                "top1_agreement": {"type": "number", "minimum": 0, "maximum": 1},
+                "max_abs": {"type": "number", "minimum": 0},
+                "nmse": {"type": "number", "minimum": 0},
+                "kl": {"type": "number", "minimum": 0},
+                "near_tie": {"type": "number", "minimum": 0},
+            },
+        },
         "cases": {"type": "array", "items": _CASE, "minItems": 1},
     },
 }
 
-DEFAULT_MATRIX = {"backends": ["inproc"], "modes": list(MODES), "specs": ["none"], "models": ["tiny-dense", "tiny-hybrid", "tiny-recurrent"]}
-CHECK_NAMES = ("no-crash", "repeat-identical", "lossless", "mode-invariant", "baseline", "spec-ran",
-               "acceptance", "grammar-valid", "kv-healthy", "logits-close", "exercised", "probs-complete",
-               "prompt-reuse", "within-n-predict")
+DEFAULT_MATRIX = {
+    "backends": ["inproc"],
+    "modes": list(MODES),
+    "specs": ["none"],
+    "models": ["tiny-dense", "tiny-hybrid", "tiny-recurrent"],
+}
+CHECK_NAMES = (
+    "no-crash",
+    "repeat-identical",
+    "lossless",
+    "mode-invariant",
+    "baseline",
+    "spec-ran",
+    "acceptance",
+    "grammar-valid",
+    "kv-healthy",
+    "logits-close",
+    "exercised",
+    "probs-complete",
+    "prompt-reuse",
+    "within-n-predict",
+)
 """The checks a suite may name (their functions live in harness.checks, which must define exactly these)."""
-DEFAULT_CHECKS = ["no-crash", "repeat-identical", "lossless", "mode-invariant", "baseline", "spec-ran",
-                  "kv-healthy", "logits-close", "acceptance"]
+DEFAULT_CHECKS = [
+    "no-crash",
+    "repeat-identical",
+    "lossless",
+    "mode-invariant",
+    "baseline",
+    "spec-ran",
+    "kv-healthy",
+    "logits-close",
+    "acceptance",
+]
 
 
 @dataclass
@@ -110,7 +185,12 @@ class Case:
 
     def request(self, deadline_s: Optional[float] = None) -> Request:
         """The completion request (chats are built turn by turn by the runner)."""
-        return Request(prompt=self.prompt, sampling=self.sampling, tag=self.name, deadline_s=deadline_s)
+        return Request(
+            prompt=self.prompt,
+            sampling=self.sampling,
+            tag=self.name,
+            deadline_s=deadline_s,
+        )
 
 
 @dataclass
@@ -257,17 +337,24 @@ def parse_suite(text: str, path: Optional[Path] = None) -> Suite:
         field_path = ".".join(str(p) for p in path_) or "(top level)"
         raise HarnessError(f"{where}:{_line_of(root, path_)}: {field_path}: {message}")
     if path is not None and data["suite"] != path.stem:
-        raise HarnessError(f"{where}:{_line_of(root, ['suite'])}: suite: '{data['suite']}' must match the file name '{path.stem}'")
+        raise HarnessError(
+            f"{where}:{_line_of(root, ['suite'])}: suite: '{data['suite']}' must match the file name '{path.stem}'"
+        )
     named = [(["checks", i], v, CHECK_NAMES) for i, v in enumerate(data.get("checks", []))]
     raw_blocks = data.get("matrix", {})
     blocks = raw_blocks if isinstance(raw_blocks, list) else [raw_blocks]
     where_block = (lambda b: ["matrix", b]) if isinstance(raw_blocks, list) else (lambda b: ["matrix"])
-    named += [([*where_block(b), "specs", i], v, SPEC_PRESETS)
-              for b, block in enumerate(blocks) for i, v in enumerate(block.get("specs", []))]
+    named += [
+        ([*where_block(b), "specs", i], v, SPEC_PRESETS)
+        for b, block in enumerate(blocks)
+        for i, v in enumerate(block.get("specs", []))
+    ]
     for field_path, value, known in named:
         if any(part not in known for part in value.split("+")):
-            raise HarnessError(f"{where}:{_line_of(root, field_path)}: {'.'.join(map(str, field_path))}: "
-                               f"unknown name '{value}' (known: {', '.join(known)})")
+            raise HarnessError(
+                f"{where}:{_line_of(root, field_path)}: {'.'.join(map(str, field_path))}: "
+                f"unknown name '{value}' (known: {', '.join(known)})"
+            )
     names = [c["name"] for c in data["cases"]]
     dupes = sorted({n for n in names if names.count(n) > 1})
     if dupes:
@@ -278,15 +365,24 @@ def parse_suite(text: str, path: Optional[Path] = None) -> Suite:
         try:
             cases.append(_case(raw, base, path, data.get("expect_accepts", True)))
         except (KeyError, IndexError, ValueError) as err:
-            raise HarnessError(f"{where}:{_line_of(root, ['cases', i, 'prompt'])}: cases.{i}.prompt: cannot fill "
-                               f"in vars ({type(err).__name__}: {err}; write literal braces as {{{{ and }}}})") from None
+            raise HarnessError(
+                f"{where}:{_line_of(root, ['cases', i, 'prompt'])}: cases.{i}.prompt: cannot fill "
+                f"in vars ({type(err).__name__}: {err}; write literal braces as {{{{ and }}}})"
+            ) from None
     return Suite(
-        name=data["suite"], path=path, cases=cases,
+        name=data["suite"],
+        path=path,
+        cases=cases,
         matrix=[{**DEFAULT_MATRIX, **block} for block in blocks],
-        checks=data.get("checks", DEFAULT_CHECKS), serve=data.get("serve", {}), engine=data.get("engine", {}),
-        rounds=data.get("run_order", ["par"]) * data.get("repeats", 1), allow_errors=data.get("allow_errors", []),
+        checks=data.get("checks", DEFAULT_CHECKS),
+        serve=data.get("serve", {}),
+        engine=data.get("engine", {}),
+        rounds=data.get("run_order", ["par"]) * data.get("repeats", 1),
+        allow_errors=data.get("allow_errors", []),
         expect=data.get("expect", {}),
-        tolerances=data.get("tolerances", {}), slow=data.get("slow", False), deadline_s=data.get("deadline_s"),
+        tolerances=data.get("tolerances", {}),
+        slow=data.get("slow", False),
+        deadline_s=data.get("deadline_s"),
     )
 
 
@@ -303,5 +399,10 @@ def _case(raw: dict[str, Any], base: dict, path: Optional[Path], expect_accepts:
         prompt = prompt.format(**raw["vars"])
     if prompt is not None:
         prompt *= raw.get("prompt_repeat", 1)  # a long context from a short line
-    return Case(name=raw["name"], sampling=sampling, prompt=prompt, turns=raw.get("chat", []),
-                expect_accepts=raw.get("expect_accepts", expect_accepts))
+    return Case(
+        name=raw["name"],
+        sampling=sampling,
+        prompt=prompt,
+        turns=raw.get("chat", []),
+        expect_accepts=raw.get("expect_accepts", expect_accepts),
+    )

@@ -72,8 +72,10 @@ class Divergence:
     def describe(self) -> str:
         """One paragraph for a failing check's message and the report."""
         after = f" after {self.before!r}" if self.before else ""
-        text = (f"First divergence at token {self.index}{after}: reference {_token(self.ref_token, self.ref_text)}, "
-                f"other {_token(self.other_token, self.other_text)}.")
+        text = (
+            f"First divergence at token {self.index}{after}: reference {_token(self.ref_token, self.ref_text)}, "
+            f"other {_token(self.other_token, self.other_text)}."
+        )
         if any(m is not None for m in self.margins.values()):
             here = "unknown" if self.margin is None else f"{self.margin:.4g} nats"
             text += f" Reference top1−top2 margin there {here}"
@@ -84,18 +86,40 @@ class Divergence:
             text += "."
         return f"{text} Class {self.kind}: {self.reason}."
 
-    def to_evidence(self, round_: int, reference: str, ref_tokens: list[int], tokens: list[int],
-                    ref_logits: Optional[list[PositionLogits]]) -> dict:
+    def to_evidence(
+        self,
+        round_: int,
+        reference: str,
+        ref_tokens: list[int],
+        tokens: list[int],
+        ref_logits: Optional[list[PositionLogits]],
+    ) -> dict:
         """The JSON form kept as a check's `first_divergence` evidence (and in run diffs): the class and its
         evidence, both token streams and the reference's margin at every position (for the report)."""
-        margins = [None if (p := at(ref_logits, i)) is None or p.margin is None else round(p.margin, 5)
-                   for i in range(len(ref_tokens))]
-        return {"round": round_, "index": self.index, "kind": self.kind, "reason": self.reason,
-                "ref_token": self.ref_token, "other_token": self.other_token, "ref_text": self.ref_text,
-                "other_text": self.other_text, "before": self.before, "margin": self.margin,
-                "noise_floor": self.noise_floor, "floor_source": self.floor_source, "rescored": self.rescored,
-                "same_logits": self.same_logits, "reference": reference, "reference_tokens": list(ref_tokens),
-                "tokens": list(tokens), "reference_margins": margins}
+        margins = [
+            None if (p := at(ref_logits, i)) is None or p.margin is None else round(p.margin, 5)
+            for i in range(len(ref_tokens))
+        ]
+        return {
+            "round": round_,
+            "index": self.index,
+            "kind": self.kind,
+            "reason": self.reason,
+            "ref_token": self.ref_token,
+            "other_token": self.other_token,
+            "ref_text": self.ref_text,
+            "other_text": self.other_text,
+            "before": self.before,
+            "margin": self.margin,
+            "noise_floor": self.noise_floor,
+            "floor_source": self.floor_source,
+            "rescored": self.rescored,
+            "same_logits": self.same_logits,
+            "reference": reference,
+            "reference_tokens": list(ref_tokens),
+            "tokens": list(tokens),
+            "reference_margins": margins,
+        }
 
 
 def _token(token: Optional[int], text: str) -> str:
@@ -149,8 +173,18 @@ def triage(
     ref_token = ref_tokens[index] if index < len(ref_tokens) else None
     other_token = other_tokens[index] if index < len(other_tokens) else None
     same = _same_rows(ref_logits, other_logits, index)
-    judge = _Judge(index, ref_token, other_token, ref_logits, other_logits, floor, greedy, rescore, context,
-                   same_logits=bool(same) and same[-1] and (state_follows_tokens or all(same)))
+    judge = _Judge(
+        index,
+        ref_token,
+        other_token,
+        ref_logits,
+        other_logits,
+        floor,
+        greedy,
+        rescore,
+        context,
+        same_logits=bool(same) and same[-1] and (state_follows_tokens or all(same)),
+    )
     kind, reason = judge.classify(kv_findings)
 
     def text(tokens: list[int]) -> str:
@@ -160,11 +194,18 @@ def triage(
     if margins[index] is None and judge.ref_here is not None:
         margins[index] = judge.ref_here.margin
     return Divergence(
-        index=index, kind=kind, reason=reason, ref_token=ref_token, other_token=other_token,
+        index=index,
+        kind=kind,
+        reason=reason,
+        ref_token=ref_token,
+        other_token=other_token,
         ref_text=text([ref_token]) if ref_token is not None else "",
         other_text=text([other_token]) if other_token is not None else "",
-        before=text(ref_tokens[max(0, index - BEFORE_CHARS):index])[-BEFORE_CHARS:],
-        margins=margins, noise_floor=floor.near_tie, floor_source=floor.source, rescored=judge.rescored,
+        before=text(ref_tokens[max(0, index - BEFORE_CHARS) : index])[-BEFORE_CHARS:],
+        margins=margins,
+        noise_floor=floor.near_tie,
+        floor_source=floor.source,
+        rescored=judge.rescored,
         same_logits=judge.same_logits,
     )
 
@@ -210,7 +251,7 @@ class _Judge:
         ones of both runs, else (when none overlap) the last `context` positions, re-scored where needed."""
         tol = replace(self.floor.tolerances, top1_agreement=0.0)  # equal tokens before it: a flip is a near-tie
         a, b = self.ref_logits or [], self.other_logits or []
-        comparison = compare(a[:self.index], b[:self.index])
+        comparison = compare(a[: self.index], b[: self.index])
         if comparison.n_compared == 0 and self.index > 0 and self.rescore is not None:
             window = range(max(0, self.index - self.context), self.index)
             pairs = [(self.logits("reference", p), self.logits("other", p)) for p in window]
@@ -223,52 +264,77 @@ class _Judge:
 
     def classify(self, kv_findings: Sequence[str]) -> tuple[str, str]:
         if kv_findings:
-            return "kv-corrupt", (f"{'; '.join(kv_findings)} — a corrupted KV cache is a logic bug, never "
-                                  "a near-tie, whatever the margin")
+            return "kv-corrupt", (
+                f"{'; '.join(kv_findings)} — a corrupted KV cache is a logic bug, never a near-tie, whatever the margin"
+            )
         if self.same_logits and self.ref_token is not None and self.other_token is not None:
-            return "hard", ("the logit rows behind the two picks are bit-identical in both runs (CRC-32 of the "
-                            "full vector), yet the picks differ: the sampler's state differed (penalty history, "
-                            "DRY, grammar or random number generator)")
+            return "hard", (
+                "the logit rows behind the two picks are bit-identical in both runs (CRC-32 of the "
+                "full vector), yet the picks differ: the sampler's state differed (penalty history, "
+                "DRY, grammar or random number generator)"
+            )
         drift, compared = self.agreement()
         if drift:
             return "drift", drift
-        agreed = (f"logits agree within tolerance over the {compared} compared positions before it"
-                  if compared else "it is the first generated token" if self.index == 0 else "")
+        agreed = (
+            f"logits agree within tolerance over the {compared} compared positions before it"
+            if compared
+            else "it is the first generated token"
+            if self.index == 0
+            else ""
+        )
         if self.ref_token is None or self.other_token is None:
-            return "unexplained", ("one stream ended there (an end-of-generation token or a stop string, whose "
-                                   "logits are not logged): no margin to judge")
+            return "unexplained", (
+                "one stream ended there (an end-of-generation token or a stop string, whose "
+                "logits are not logged): no margin to judge"
+            )
         if not self.greedy:
-            return "unexplained", ("a sampled or penalized pick (temperature > 0, penalties, DRY, a grammar or a "
-                                   "logit bias): the model's logit margin cannot prove a near-tie"
-                                   + (f"; {agreed}" if agreed else ""))
+            return "unexplained", (
+                "a sampled or penalized pick (temperature > 0, penalties, DRY, a grammar or a "
+                "logit bias): the model's logit margin cannot prove a near-tie" + (f"; {agreed}" if agreed else "")
+            )
         self.ref_here = self.logits("reference", self.index)
         if self.ref_here is None:
-            return "unexplained", ("the reference has no logits at the divergence (llama-server withholds those "
-                                   "of tokens accepted through speculation) and it could not be re-scored")
+            return "unexplained", (
+                "the reference has no logits at the divergence (llama-server withholds those "
+                "of tokens accepted through speculation) and it could not be re-scored"
+            )
         margin = gap(self.ref_here, self.ref_token, self.other_token)
         floor = self.floor.near_tie
         if margin is None or margin >= floor:
             shown = "beyond its top-k" if margin is None else f"{margin:.3g} nats"
             if not agreed:
-                return "unexplained", (f"the reference prefers its token by {shown} (≥ the {self.floor.describe()}), "
-                                       "but no position before it has logits in both runs to tell a logic bug "
-                                       "from drift")
-            return "hard", (f"{agreed}, and the reference prefers its token by {shown} (≥ the "
-                            f"{self.floor.describe()}): numerics cannot explain it, look for a logic bug (state, "
-                            "rollback, verification, sampling)")
+                return "unexplained", (
+                    f"the reference prefers its token by {shown} (≥ the {self.floor.describe()}), "
+                    "but no position before it has logits in both runs to tell a logic bug "
+                    "from drift"
+                )
+            return "hard", (
+                f"{agreed}, and the reference prefers its token by {shown} (≥ the "
+                f"{self.floor.describe()}): numerics cannot explain it, look for a logic bug (state, "
+                "rollback, verification, sampling)"
+            )
         other_here = self.logits("other", self.index)
         if other_here is None:
-            return "unexplained", (f"the reference's margin {margin:.3g} nats is inside the {self.floor.describe()}, "
-                                   "but the other run's logits at the divergence are missing (withheld by "
-                                   "llama-server for speculatively accepted tokens) and could not be re-scored")
+            return "unexplained", (
+                f"the reference's margin {margin:.3g} nats is inside the {self.floor.describe()}, "
+                "but the other run's logits at the divergence are missing (withheld by "
+                "llama-server for speculatively accepted tokens) and could not be re-scored"
+            )
         other_gap = gap(other_here, self.other_token, self.ref_token)
         if other_gap is None or other_gap >= floor:
             shown = "beyond its top-k" if other_gap is None else f"{other_gap:.3g} nats"
-            return "drift", (f"at the divergence the other run prefers its token by {shown}, beyond the "
-                             f"{self.floor.describe()}: the runs' logits are apart there")
+            return "drift", (
+                f"at the divergence the other run prefers its token by {shown}, beyond the "
+                f"{self.floor.describe()}: the runs' logits are apart there"
+            )
         if not agreed:
-            return "unexplained", ("the margins at the divergence are inside the floor, but no position before it "
-                                   "has logits in both runs to show they agreed")
+            return "unexplained", (
+                "the margins at the divergence are inside the floor, but no position before it "
+                "has logits in both runs to show they agreed"
+            )
         via = f" (re-scored by a plain decode: {', '.join(self.rescored)})" if self.rescored else ""
-        return "near-tie", (f"the reference prefers its token by {margin:.3g} nats and the other run its own by "
-                            f"{other_gap:.3g} nats, both inside the {self.floor.describe()}; {agreed}{via}")
+        return "near-tie", (
+            f"the reference prefers its token by {margin:.3g} nats and the other run its own by "
+            f"{other_gap:.3g} nats, both inside the {self.floor.describe()}; {agreed}{via}"
+        )

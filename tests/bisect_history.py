@@ -33,6 +33,7 @@ def _replace(path: str, old: str, new: str):
         text = (tree / path).read_text()
         assert text.count(old) == 1, f"{path}: expected exactly one {old!r}"
         (tree / path).write_text(text.replace(old, new))
+
     return edit
 
 
@@ -40,42 +41,98 @@ def _append(path: str, text: str):
     def edit(tree: Path) -> None:
         with open(tree / path, "a") as f:
             f.write(text)
+
     return edit
 
 
 COMMITS = [
-    ("docs: note how the server restores speculative checkpoints",
-     _append("tools/server/README.md", "\nSpeculative checkpoints of hybrid models are restored before replaying.\n")),
-    ("server: reword a comment of the HTTP layer",
-     _replace("tools/server/server-http.cpp", "#include <thread>\n", "#include <thread> // worker threads\n")),
-    ("server: start moving task bookkeeping into the queue (WIP)",
-     _append("tools/server/server-queue.cpp", "\nstatic int server_queue_wip = ;\n")),
-    ("server: finish moving task bookkeeping",
-     _replace("tools/server/server-queue.cpp", "\nstatic int server_queue_wip = ;\n", "")),
-    ("server: drop the seq_rm after restoring a speculative checkpoint",
-     _replace("tools/server/server-context.cpp", SEQ_RM_AFTER_RESTORE, "")),
-    ("common: reword a comment of the speculative helpers",
-     _replace("common/speculative.cpp", "#include <cstring>\n", "#include <cstring> // memcpy\n")),
-    ("docs: speculative decoding notes",
-     _append("docs/speculative.md", "\nDraft models and n-gram drafters share the verification path.\n")),
+    (
+        "docs: note how the server restores speculative checkpoints",
+        _append(
+            "tools/server/README.md",
+            "\nSpeculative checkpoints of hybrid models are restored before replaying.\n",
+        ),
+    ),
+    (
+        "server: reword a comment of the HTTP layer",
+        _replace(
+            "tools/server/server-http.cpp",
+            "#include <thread>\n",
+            "#include <thread> // worker threads\n",
+        ),
+    ),
+    (
+        "server: start moving task bookkeeping into the queue (WIP)",
+        _append("tools/server/server-queue.cpp", "\nstatic int server_queue_wip = ;\n"),
+    ),
+    (
+        "server: finish moving task bookkeeping",
+        _replace("tools/server/server-queue.cpp", "\nstatic int server_queue_wip = ;\n", ""),
+    ),
+    (
+        "server: drop the seq_rm after restoring a speculative checkpoint",
+        _replace("tools/server/server-context.cpp", SEQ_RM_AFTER_RESTORE, ""),
+    ),
+    (
+        "common: reword a comment of the speculative helpers",
+        _replace(
+            "common/speculative.cpp",
+            "#include <cstring>\n",
+            "#include <cstring> // memcpy\n",
+        ),
+    ),
+    (
+        "docs: speculative decoding notes",
+        _append(
+            "docs/speculative.md",
+            "\nDraft models and n-gram drafters share the verification path.\n",
+        ),
+    ),
 ]
 
 
 def _git(repo: Path, *args: str, date: str = "2026-01-01T12:00:00+00:00") -> str:
-    env = dict(os.environ, GIT_AUTHOR_NAME="specharness fixture", GIT_AUTHOR_EMAIL="fixture@specharness.invalid",
-               GIT_COMMITTER_NAME="specharness fixture", GIT_COMMITTER_EMAIL="fixture@specharness.invalid",
-               GIT_AUTHOR_DATE=date, GIT_COMMITTER_DATE=date, GIT_CONFIG_GLOBAL=os.devnull, GIT_CONFIG_NOSYSTEM="1")
-    proc = subprocess.run(["git", "-C", str(repo), *args], env=env, capture_output=True, text=True, check=True)
+    env = dict(
+        os.environ,
+        GIT_AUTHOR_NAME="specharness fixture",
+        GIT_AUTHOR_EMAIL="fixture@specharness.invalid",
+        GIT_COMMITTER_NAME="specharness fixture",
+        GIT_COMMITTER_EMAIL="fixture@specharness.invalid",
+        GIT_AUTHOR_DATE=date,
+        GIT_COMMITTER_DATE=date,
+        GIT_CONFIG_GLOBAL=os.devnull,
+        GIT_CONFIG_NOSYSTEM="1",
+    )
+    proc = subprocess.run(
+        ["git", "-C", str(repo), *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     return proc.stdout.strip()
 
 
 def _make(repo: Path) -> None:
     vendored = vendored_source()
-    top_only = {"models", SOURCE_MARKER}  # the vocabulary files of models/ are not build inputs
-    shutil.copytree(vendored, repo, ignore=lambda d, names: top_only & set(names) if Path(d) == vendored else ())
+    top_only = {
+        "models",
+        SOURCE_MARKER,
+    }  # the vocabulary files of models/ are not build inputs
+    shutil.copytree(
+        vendored,
+        repo,
+        ignore=lambda d, names: top_only & set(names) if Path(d) == vendored else (),
+    )
     _git(repo, "init", "-q", "-b", "main")
     _git(repo, "add", "-A")
-    _git(repo, "commit", "-q", "-m", f"import llama.cpp {read_marker(vendored / SOURCE_MARKER)[:10]}")
+    _git(
+        repo,
+        "commit",
+        "-q",
+        "-m",
+        f"import llama.cpp {read_marker(vendored / SOURCE_MARKER)[:10]}",
+    )
     for i, (subject, edit) in enumerate(COMMITS, start=2):
         edit(repo)
         _git(repo, "add", "-A")
@@ -128,4 +185,3 @@ def builds_at(*numbers: int) -> list:
             return out
         finally:
             _git(repo, "checkout", "-q", "-f", "main")
-

@@ -8,7 +8,10 @@ LANGS = ("C", "Java", "Python", "Rust")
 
 def quicksort(lang: str, n_predict: int = 64, **sampling) -> Request:
     """The field reports' quicksort prompt for one language."""
-    return Request(prompt=QUICKSORT_PROMPT.format(lang=lang), sampling=Sampling(n_predict=n_predict, **sampling))
+    return Request(
+        prompt=QUICKSORT_PROMPT.format(lang=lang),
+        sampling=Sampling(n_predict=n_predict, **sampling),
+    )
 
 
 def first_divergence(a: list[int], b: list[int]) -> int:

@@ -29,17 +29,30 @@ def _default_signals() -> None:
         signal.signal(sig, signal.SIG_DFL)
 
 
-def spawn(args: list[str], phases: Path, hold: Optional[str] = None, env: Optional[dict] = None,
-          module: str = "harness.cli", **kw) -> subprocess.Popen:
+def spawn(
+    args: list[str],
+    phases: Path,
+    hold: Optional[str] = None,
+    env: Optional[dict] = None,
+    module: str = "harness.cli",
+    **kw,
+) -> subprocess.Popen:
     """`python -m harness.cli ARGS` (or `module`) as a process of its own, recording its phases in `phases`
     and holding at `hold` (NAME or NAME:N) when given; stdout and stderr together, as text."""
     env = {**os.environ, **(env or {}), PHASE_FILE: str(phases)}
     env.pop(HOLD_PHASE, None)
     if hold:
         env[HOLD_PHASE] = hold
-    return subprocess.Popen([sys.executable, "-m", module, *args], cwd=kw.pop("cwd", REPO), env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, preexec_fn=_default_signals,
-                            **kw)
+    return subprocess.Popen(
+        [sys.executable, "-m", module, *args],
+        cwd=kw.pop("cwd", REPO),
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        preexec_fn=_default_signals,
+        **kw,
+    )
 
 
 def entered(phases: Path) -> list[str]:
@@ -56,8 +69,10 @@ def wait_for_phase(proc: subprocess.Popen, phases: Path, name: str, n: int = 1) 
     deadline = time.monotonic() + WAIT_S
     while entered(phases).count(name) < n:
         if proc.poll() is not None:
-            raise AssertionError(f"exited {proc.returncode} before phase {name} #{n} (phases: {entered(phases)}):\n"
-                                 + proc.stdout.read()[-3000:])
+            raise AssertionError(
+                f"exited {proc.returncode} before phase {name} #{n} (phases: {entered(phases)}):\n"
+                + proc.stdout.read()[-3000:]
+            )
         if time.monotonic() > deadline:
             proc.kill()
             raise AssertionError(f"phase {name} #{n} not reached in {WAIT_S:.0f} s (phases: {entered(phases)})")

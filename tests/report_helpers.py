@@ -38,7 +38,13 @@ class Node:
     """An HTML element: tag, attributes, children, text."""
 
     def __init__(self, tag: str, attrs: dict, parent: Optional["Node"]):
-        self.tag, self.attrs, self.parent, self.children, self.parts = tag, attrs, parent, [], []
+        self.tag, self.attrs, self.parent, self.children, self.parts = (
+            tag,
+            attrs,
+            parent,
+            [],
+            [],
+        )
 
     @property
     def text(self) -> str:
@@ -105,11 +111,19 @@ def browser_or_skip() -> None:
     possible); skip the test with the reason otherwise."""
     from harness.report.browser import chromium_path, unavailable
 
-    for step in (["apt-get", "install", "-y", "-q", "chromium"], ["apt-get", "update", "-q"],
-                 ["apt-get", "install", "-y", "-q", "chromium"]):
+    for step in (
+        ["apt-get", "install", "-y", "-q", "chromium"],
+        ["apt-get", "update", "-q"],
+        ["apt-get", "install", "-y", "-q", "chromium"],
+    ):
         if chromium_path() is not None or not shutil.which("apt-get"):
             break
-        subprocess.run(step, capture_output=True, timeout=900, env={**os.environ, "DEBIAN_FRONTEND": "noninteractive"})
+        subprocess.run(
+            step,
+            capture_output=True,
+            timeout=900,
+            env={**os.environ, "DEBIAN_FRONTEND": "noninteractive"},
+        )
     reason = unavailable()
     if reason:
         print(f"browser test skipped: {reason}")

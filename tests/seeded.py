@@ -12,14 +12,18 @@ from pathlib import Path
 
 from filelock import FileLock
 
-from harness.backends.build import SOURCE_MARKER, BuildInfo, ensure_server, read_marker, vendored_source
+from harness.backends.build import (
+    SOURCE_MARKER,
+    BuildInfo,
+    ensure_server,
+    read_marker,
+    vendored_source,
+)
 from harness.paths import cache_dir
 
 SEEDED = {
-    "                        slot.mem.seq_rm(slot.id, ckpt.pos_max + 1, -1);\n":
-        "                        // seeded bug: no seq_rm after the checkpoint restore\n",
-    "            slot.mem.seq_rm(slot.id, slot.prompt.tokens.pos_next(), -1);\n":
-        "            // seeded bug: no seq_rm of the rejected drafts\n",
+    "                        slot.mem.seq_rm(slot.id, ckpt.pos_max + 1, -1);\n": "                        // seeded bug: no seq_rm after the checkpoint restore\n",
+    "            slot.mem.seq_rm(slot.id, slot.prompt.tokens.pos_next(), -1);\n": "            // seeded bug: no seq_rm of the rejected drafts\n",
 }
 
 
@@ -40,8 +44,15 @@ def seeded_tree() -> Path:
                 text = text.replace(line, replacement)
             path.write_text(text)
             commit = read_marker(source / SOURCE_MARKER)
-            (staging / SOURCE_MARKER).write_text(json.dumps({"commit": f"{commit[:12]}-seeded-no-seq-rm",
-                                                             "origin": "tests/seeded.py"}) + "\n")
+            (staging / SOURCE_MARKER).write_text(
+                json.dumps(
+                    {
+                        "commit": f"{commit[:12]}-seeded-no-seq-rm",
+                        "origin": "tests/seeded.py",
+                    }
+                )
+                + "\n"
+            )
             staging.rename(tree)
     return tree
 

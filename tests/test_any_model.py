@@ -8,7 +8,17 @@ import xml.etree.ElementTree as ET
 from harness.cli import main
 from harness.models import model_key, resolve
 
-ARGV = ["run", "--suite", "quicksort", "--backend", "inproc", "--mode", "seq", "--spec", "none,ngram-mod"]
+ARGV = [
+    "run",
+    "--suite",
+    "quicksort",
+    "--backend",
+    "inproc",
+    "--mode",
+    "seq",
+    "--spec",
+    "none,ngram-mod",
+]
 
 
 def verdicts(out, check):
@@ -32,13 +42,28 @@ def test_a_new_model_runs_with_no_baseline_yet_then_records_and_compares(tmp_pat
     assert "no baseline yet" in out  # the summary table counts them apart
     assert "uncalibrated: " in err and f"specharness calibrate --model {model} --backend inproc --write" in err
     junit = ET.parse(tmp_path / "r1" / "junit.xml").getroot()
-    assert len(junit.findall(".//skipped[@type='no-baseline']")) == 9  # 6 baseline verdicts, 3 of acceptance (ngram-mod)
+    assert (
+        len(junit.findall(".//skipped[@type='no-baseline']")) == 9
+    )  # 6 baseline verdicts, 3 of acceptance (ngram-mod)
     html = (tmp_path / "r1" / "index.html").read_text()
     assert "9 of them with no baseline yet" in html and "uncalibrated: " in html
 
     recorded = tmp_path / "my-baselines"
-    assert main([*ARGV, "--model", str(model), "--update-baselines", "--baselines-dir", str(recorded),
-                 "--out", str(tmp_path / "r2")]) == 0
+    assert (
+        main(
+            [
+                *ARGV,
+                "--model",
+                str(model),
+                "--update-baselines",
+                "--baselines-dir",
+                str(recorded),
+                "--out",
+                str(tmp_path / "r2"),
+            ]
+        )
+        == 0
+    )
     files = sorted(p.name for p in (recorded / "quicksort").glob("*.json"))
     assert files == [f"{case}--{key}--inproc--cpu.json" for case in ("C", "Java", "Python")]
     assert "seq/ngram-mod" in json.loads((recorded / "quicksort" / files[0]).read_text())["acceptance"]
@@ -46,7 +71,20 @@ def test_a_new_model_runs_with_no_baseline_yet_then_records_and_compares(tmp_pat
     moved = tmp_path / "elsewhere" / "renamed.gguf"  # moving or renaming the file keeps its baselines
     moved.parent.mkdir()
     model.rename(moved)
-    assert main([*ARGV, "--model", str(moved), "--baselines-dir", str(recorded), "--out", str(tmp_path / "r3")]) == 0
+    assert (
+        main(
+            [
+                *ARGV,
+                "--model",
+                str(moved),
+                "--baselines-dir",
+                str(recorded),
+                "--out",
+                str(tmp_path / "r3"),
+            ]
+        )
+        == 0
+    )
     baseline = verdicts(tmp_path / "r3", "baseline")
     assert len(baseline) == 6 and all(v["passed"] and "no_baseline" not in v["evidence"] for v in baseline)
     assert all(str(recorded) in v["evidence"]["baseline"] for v in baseline)
@@ -55,6 +93,19 @@ def test_a_new_model_runs_with_no_baseline_yet_then_records_and_compares(tmp_pat
     data = json.loads(edited.read_text())
     data["tokens"][5] += 1
     edited.write_text(json.dumps(data))
-    assert main([*ARGV, "--model", str(moved), "--baselines-dir", str(recorded), "--out", str(tmp_path / "r4")]) == 1
+    assert (
+        main(
+            [
+                *ARGV,
+                "--model",
+                str(moved),
+                "--baselines-dir",
+                str(recorded),
+                "--out",
+                str(tmp_path / "r4"),
+            ]
+        )
+        == 1
+    )
     failed = [v for v in verdicts(tmp_path / "r4", "baseline") if not v["passed"]]
     assert {v["case"] for v in failed} == {"C"} and "at token 5" in failed[0]["message"]

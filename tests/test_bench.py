@@ -26,7 +26,10 @@ def test_tables_speedup_over_no_spec_and_inproc_over_server_ratio():
     rows, aggregate = speed.tables(measured, workloads, 3)
     row = {(r["workload"], r["engine"], r["spec"]): r for r in rows}
     c_none = row[("quicksort.C", "inproc", "none")]
-    assert c_none["tok_s"] == pytest.approx(50) and (c_none["tok_s_min"], c_none["tok_s_max"]) == pytest.approx((40, 60))
+    assert c_none["tok_s"] == pytest.approx(50) and (
+        c_none["tok_s_min"],
+        c_none["tok_s_max"],
+    ) == pytest.approx((40, 60))
     assert c_none["spread_pct"] == pytest.approx(40)
     assert c_none["ratio"] == pytest.approx(1.0) and c_none["speedup"] == pytest.approx(1.0)
     assert (c_none["ratio_min"], c_none["ratio_max"]) == pytest.approx((0.8, 1.2))
@@ -40,26 +43,40 @@ def test_tables_speedup_over_no_spec_and_inproc_over_server_ratio():
     assert agg[("all", "inproc", "ngram-mod")]["drafted"] == 80
     assert speed.parity(aggregate, workloads) == []  # two of the three quicksort prompts: no verdict
     held = {(p["spec"], p["holds"]) for p in speed.parity(aggregate, speed.select_workloads(["quicksort"]))}
-    assert held == {("none", True), ("ngram-mod", False)}  # 1.0 ≥ 1.0 holds; 0.8 < 1.0 misses
+    assert held == {
+        ("none", True),
+        ("ngram-mod", False),
+    }  # 1.0 ≥ 1.0 holds; 0.8 < 1.0 misses
 
 
 def test_inproc_over_server_ratio_is_paired_within_each_repeat():
     workloads = speed.select_workloads(["quicksort.C"])
     # the machine slowed down in repeat 2 for both engines: the medians' ratio (60 / 50) would call the
     # engine 20 % faster, while within every repeat it was 20 % slower or at best even
-    measured = {("gemma3-270m", "quicksort.C", Config("inproc", "none", 0)): _samples([40, 60, 80]),
-                ("gemma3-270m", "quicksort.C", Config("server", "none", 0)): _samples([50, 50, 100])}
+    measured = {
+        ("gemma3-270m", "quicksort.C", Config("inproc", "none", 0)): _samples([40, 60, 80]),
+        ("gemma3-270m", "quicksort.C", Config("server", "none", 0)): _samples([50, 50, 100]),
+    }
     rows, _ = speed.tables(measured, workloads, 3)
     inproc = next(r for r in rows if r["engine"] == "inproc")
     assert inproc["tok_s"] == pytest.approx(60)
-    assert inproc["ratio"] == pytest.approx(0.8) and (inproc["ratio_min"], inproc["ratio_max"]) == pytest.approx((0.8, 1.2))
-    one_sided = {**measured, ("gemma3-270m", "quicksort.C", Config("server", "none", 0)): Measured([Sample(1, 100, 2000.0, 0, 0, 0, None)])}
+    assert inproc["ratio"] == pytest.approx(0.8) and (
+        inproc["ratio_min"],
+        inproc["ratio_max"],
+    ) == pytest.approx((0.8, 1.2))
+    one_sided = {
+        **measured,
+        ("gemma3-270m", "quicksort.C", Config("server", "none", 0)): Measured([Sample(1, 100, 2000.0, 0, 0, 0, None)]),
+    }
     rows, _ = speed.tables(one_sided, workloads, 3)  # repeats the server did not finish are left out
     assert next(r for r in rows if r["engine"] == "inproc")["ratio"] == pytest.approx(1.2)
 
 
 def test_counts_that_differ_between_repeats_are_averaged_and_flagged():
-    learning = [[Sample(0, 100, 2000.0, 0.0, 0, 0, 0)], [Sample(1, 100, 1000.0, 0.0, 60, 50, 10)]]
+    learning = [
+        [Sample(0, 100, 2000.0, 0.0, 0, 0, 0)],
+        [Sample(1, 100, 1000.0, 0.0, 60, 50, 10)],
+    ]
     row = speed.summarize({}, learning)  # ngram-mod's pool drafts nothing on the first request, then learns
     assert row["counts_vary"] and (row["drafted"], row["accepted"]) == (30, 25)
     assert row["accepted_per_draft"] == pytest.approx(5.0) and row["tok_s"] == pytest.approx(75.0)
@@ -71,7 +88,10 @@ def test_workloads_by_group_id_or_name_and_unknown_names_refused():
     every = speed.all_workloads()
     assert [w.id for w in every if w.group == "w1"] == [f"w1.iterative.turn{i}" for i in range(1, 5)]
     assert len(speed.select_workloads(["w1"])) == 4
-    assert [w.id for w in speed.select_workloads(["summarize", "quicksort.C"])] == ["categories.summarize", "quicksort.C"]
+    assert [w.id for w in speed.select_workloads(["summarize", "quicksort.C"])] == [
+        "categories.summarize",
+        "quicksort.C",
+    ]
     turn3 = speed.select_workloads(["w1.iterative.turn3"])[0]
     assert len(turn3.turns) == 3 and turn3.prompt is None
     with pytest.raises(HarnessError, match="unknown workload nope"):
@@ -80,8 +100,22 @@ def test_workloads_by_group_id_or_name_and_unknown_names_refused():
 
 def test_bench_runs_both_engines_side_by_side_and_never_overwrites(tmp_path, capsys, tiny_models):
     out = tmp_path / "bench"
-    argv = ["bench", "--model", "tiny-dense", "--workload", "quicksort.C,w1.iterative.turn2", "--spec",
-            "none,ngram-mod", "--repeat", "1", "--no-costs", "--out", str(out), "--json", str(tmp_path / "b.json")]
+    argv = [
+        "bench",
+        "--model",
+        "tiny-dense",
+        "--workload",
+        "quicksort.C,w1.iterative.turn2",
+        "--spec",
+        "none,ngram-mod",
+        "--repeat",
+        "1",
+        "--no-costs",
+        "--out",
+        str(out),
+        "--json",
+        str(tmp_path / "b.json"),
+    ]
     assert main(argv) == 0
     printed = capsys.readouterr().out
     assert "aggregate" in printed and "inproc/server" in printed
@@ -90,10 +124,16 @@ def test_bench_runs_both_engines_side_by_side_and_never_overwrites(tmp_path, cap
     assert len(data["rows"]) == 2 * 2 * 2 and not any(r["errors"] for r in data["rows"])
     by = {(r["workload"], r["engine"], r["spec"]): r for r in data["rows"]}
     for workload in ("quicksort.C", "w1.iterative.turn2"):
-        inproc, server = by[(workload, "inproc", "ngram-mod")], by[(workload, "server", "ngram-mod")]
+        inproc, server = (
+            by[(workload, "inproc", "ngram-mod")],
+            by[(workload, "server", "ngram-mod")],
+        )
         # the same greedy tokens and the same n-gram drafts on both engines
-        assert (inproc["predicted_n"], inproc["drafted"], inproc["accepted"]) == \
-            (server["predicted_n"], server["drafted"], server["accepted"])
+        assert (inproc["predicted_n"], inproc["drafted"], inproc["accepted"]) == (
+            server["predicted_n"],
+            server["drafted"],
+            server["accepted"],
+        )
         assert inproc["tok_s"] > 0 and inproc["ratio"] > 0
     html = (out / "bench.html").read_text()
     assert 'id="aggregate-table"' in html and "<svg" in html
@@ -107,9 +147,19 @@ def test_bench_runs_both_engines_side_by_side_and_never_overwrites(tmp_path, cap
 def test_skipped_model_spec_pairs_are_not_served(tiny_models):
     from harness.backends.choose import backend_factories
 
-    measured = speed.run_speed(["tiny-dense"], ["inproc"], ["none", "draft-simple"], [0],
-                               speed.select_workloads(["quicksort.C"]), 1, 8, backend_factories(None, None),
-                               warn=print, progress=print, skip=(("tiny-dense", "draft-simple"),))
+    measured = speed.run_speed(
+        ["tiny-dense"],
+        ["inproc"],
+        ["none", "draft-simple"],
+        [0],
+        speed.select_workloads(["quicksort.C"]),
+        1,
+        8,
+        backend_factories(None, None),
+        warn=print,
+        progress=print,
+        skip=(("tiny-dense", "draft-simple"),),
+    )
     assert {(r["engine"], r["spec"]) for r in measured["rows"]} == {("inproc", "none")}
 
 

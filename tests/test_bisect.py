@@ -29,8 +29,10 @@ from harness.errors import HarnessError
 from harness.paths import cache_dir
 
 
-pytestmark = [pytest.mark.xdist_group("bisect-history"),  # one fixture repository: its tests run on one worker
-              pytest.mark.stress]
+pytestmark = [
+    pytest.mark.xdist_group("bisect-history"),  # one fixture repository: its tests run on one worker
+    pytest.mark.stress,
+]
 
 ROOT = Path(__file__).resolve().parents[1]
 SUITE = ROOT / "tests" / "data" / "bisect-quicksort.yaml"
@@ -38,8 +40,14 @@ SUITE = ROOT / "tests" / "data" / "bisect-quicksort.yaml"
 
 def specharness(*args: str, **kw) -> subprocess.Popen:
     """`python -m harness.cli ...` of this checkout as a process of its own (real signals, real exit status)."""
-    return subprocess.Popen([sys.executable, "-m", "harness.cli", *args], cwd=ROOT, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, **kw)
+    return subprocess.Popen(
+        [sys.executable, "-m", "harness.cli", *args],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        **kw,
+    )
 
 
 def finish(proc: subprocess.Popen, timeout: float = 1800) -> tuple[int, str, str]:
@@ -69,8 +77,19 @@ def history():
 
 def bisect_args(repo: Path, out: Path, good: int = 1) -> list[str]:
     """Bisect from commit #`good` (1 = the imported tree) to the tip."""
-    return ["bisect", "--source", str(repo), "--good", commits(repo)[good - 1], "--bad", "main",
-            "--suite", str(SUITE), "--out", str(out)]
+    return [
+        "bisect",
+        "--source",
+        str(repo),
+        "--good",
+        commits(repo)[good - 1],
+        "--bad",
+        "main",
+        "--suite",
+        str(SUITE),
+        "--out",
+        str(out),
+    ]
 
 
 def check_outcome(repo: Path, out: Path, stdout: str, good: int = 1) -> None:
@@ -139,9 +158,11 @@ def test_sigterm_between_bisect_steps_keeps_the_log_and_the_checkout(history, tm
     assert not (run_dir / CURRENT).exists()
 
 
-STEP_CMD = (f"{sys.executable} -m harness.cli build --source . --json | {sys.executable} -c \"import json, shutil, sys, os; "
-            "os.makedirs('build-step-cmd', exist_ok=True); "
-            "shutil.copy(json.load(sys.stdin)['server_bin'], 'build-step-cmd/llama-server')\"")
+STEP_CMD = (
+    f'{sys.executable} -m harness.cli build --source . --json | {sys.executable} -c "import json, shutil, sys, os; '
+    "os.makedirs('build-step-cmd', exist_ok=True); "
+    "shutil.copy(json.load(sys.stdin)['server_bin'], 'build-step-cmd/llama-server')\""
+)
 """A bring-your-own build: any command that leaves a llama-server in the checkout (here: specharness's own
 build, copied to an ignored directory)."""
 
@@ -151,10 +172,25 @@ def test_step_cmd_replaces_the_built_in_build(history, tmp_path):
     regression = shas[REGRESSION - 1]
     out = tmp_path / "run"
     try:
-        status, stdout, err = finish(specharness(
-            "bisect", "--source", str(history), "--good", shas[REGRESSION - 2], "--bad", shas[REGRESSION],
-            "--suite", str(SUITE), "--step-cmd", STEP_CMD, "--server-bin-pattern", "build-step-cmd/llama-*",
-            "--out", str(out)))
+        status, stdout, err = finish(
+            specharness(
+                "bisect",
+                "--source",
+                str(history),
+                "--good",
+                shas[REGRESSION - 2],
+                "--bad",
+                shas[REGRESSION],
+                "--suite",
+                str(SUITE),
+                "--step-cmd",
+                STEP_CMD,
+                "--server-bin-pattern",
+                "build-step-cmd/llama-*",
+                "--out",
+                str(out),
+            )
+        )
     finally:
         shutil.rmtree(history / "build-step-cmd", ignore_errors=True)
     assert status == 0, err[-3000:]
@@ -172,8 +208,11 @@ def small_repo(tmp_path) -> Path:
     repo = tmp_path / "llama.cpp"
     repo.mkdir()
     (repo / "CMakeLists.txt").write_text("project(x)\n")
-    for args in (["init", "-q", "-b", "main"], ["add", "-A"],
-                 ["-c", "user.name=t", "-c", "user.email=t@t", "commit", "-q", "-m", "one"]):
+    for args in (
+        ["init", "-q", "-b", "main"],
+        ["add", "-A"],
+        ["-c", "user.name=t", "-c", "user.email=t@t", "commit", "-q", "-m", "one"],
+    ):
         git(repo, *args)
     return repo
 
@@ -186,19 +225,58 @@ def _one_line_error(args: list[str]) -> str:
 
 def test_dirty_checkout_is_refused_in_one_line(small_repo, tmp_path):
     (small_repo / "CMakeLists.txt").write_text("project(y)\n")
-    err = _one_line_error(["bisect", "--source", str(small_repo), "--good", "main", "--bad", "main",
-                           "--suite", str(SUITE), "--out", str(tmp_path / "run")])
+    err = _one_line_error(
+        [
+            "bisect",
+            "--source",
+            str(small_repo),
+            "--good",
+            "main",
+            "--bad",
+            "main",
+            "--suite",
+            str(SUITE),
+            "--out",
+            str(tmp_path / "run"),
+        ]
+    )
     assert "uncommitted changes" in err and "CMakeLists.txt" in err
 
 
 def test_unknown_revision_and_non_checkout_are_one_line_errors(small_repo, tmp_path):
-    err = _one_line_error(["bisect", "--source", str(small_repo), "--good", "v9.9", "--bad", "main",
-                           "--suite", str(SUITE), "--out", str(tmp_path / "a")])
+    err = _one_line_error(
+        [
+            "bisect",
+            "--source",
+            str(small_repo),
+            "--good",
+            "v9.9",
+            "--bad",
+            "main",
+            "--suite",
+            str(SUITE),
+            "--out",
+            str(tmp_path / "a"),
+        ]
+    )
     assert "unknown revision 'v9.9'" in err
     plain = tmp_path / "plain"
     plain.mkdir()
-    err = _one_line_error(["bisect", "--source", str(plain), "--good", "a", "--bad", "b",
-                           "--suite", str(SUITE), "--out", str(tmp_path / "b")])
+    err = _one_line_error(
+        [
+            "bisect",
+            "--source",
+            str(plain),
+            "--good",
+            "a",
+            "--bad",
+            "b",
+            "--suite",
+            str(SUITE),
+            "--out",
+            str(tmp_path / "b"),
+        ]
+    )
     assert "not the top of a git checkout" in err
 
 
@@ -208,7 +286,12 @@ def test_every_dimension_of_the_cell_is_pinned():
     with pytest.raises(HarnessError, match="several values of mode .*--mode"):
         from_suite("quicksort", case="C")
     plan = from_suite(str(SUITE))
-    assert (plan.case, plan.mode, plan.spec, plan.model) == ("C", "seq", "draft-simple", "tiny-hybrid")
+    assert (plan.case, plan.mode, plan.spec, plan.model) == (
+        "C",
+        "seq",
+        "draft-simple",
+        "tiny-hybrid",
+    )
     assert plan.checks == ["no-crash", "lossless", "kv-healthy"] and plan.cell.backend == "server"
 
 
@@ -220,15 +303,29 @@ def _checks_json(run_dir: Path, records: list[dict]) -> Path:
 
 
 def test_from_run_pins_the_failing_cell_and_names_what_is_wrong(tmp_path):
-    cell = {"backend": "server", "mode": "par", "spec": "draft-simple", "model": "tiny-hybrid"}
-    run = _checks_json(tmp_path / "run", [
-        dict(cell, case="C", check="lossless", passed=False), dict(cell, case="C", check="no-crash", passed=True),
-        dict(cell, case="Java", check="lossless", passed=True),
-        dict(cell, backend="inproc", case="Python", check="lossless", passed=False),
-    ])
+    cell = {
+        "backend": "server",
+        "mode": "par",
+        "spec": "draft-simple",
+        "model": "tiny-hybrid",
+    }
+    run = _checks_json(
+        tmp_path / "run",
+        [
+            dict(cell, case="C", check="lossless", passed=False),
+            dict(cell, case="C", check="no-crash", passed=True),
+            dict(cell, case="Java", check="lossless", passed=True),
+            dict(cell, backend="inproc", case="Python", check="lossless", passed=False),
+        ],
+    )
     plan = from_run(run, "C")
-    assert (plan.case, plan.mode, plan.spec, plan.model, plan.checks) == ("C", "par", "draft-simple", "tiny-hybrid",
-                                                                          ["lossless"])
+    assert (plan.case, plan.mode, plan.spec, plan.model, plan.checks) == (
+        "C",
+        "par",
+        "draft-simple",
+        "tiny-hybrid",
+        ["lossless"],
+    )
     with pytest.raises(HarnessError, match="did not fail"):
         from_run(run, "Java")
     with pytest.raises(HarnessError, match="no case 'Rust'"):
@@ -240,12 +337,27 @@ def test_from_run_pins_the_failing_cell_and_names_what_is_wrong(tmp_path):
 
 
 def test_a_near_tie_is_bad_only_when_strict():
-    near = CheckResult("lossless", False, "differs", {"first_divergence": {"kind": "near-tie", "index": 3}},
-                       failures=["round 0: near-tie at token 3"])
-    hard = CheckResult("lossless", False, "differs", {"first_divergence": {"kind": "hard", "index": 3}},
-                       failures=["round 0: hard at token 3"])
-    mixed = CheckResult("lossless", False, "differs", {"first_divergence": {"kind": "near-tie", "index": 3}},
-                        failures=["round 0: near-tie at token 3", "round 1: hard at token 9"])
+    near = CheckResult(
+        "lossless",
+        False,
+        "differs",
+        {"first_divergence": {"kind": "near-tie", "index": 3}},
+        failures=["round 0: near-tie at token 3"],
+    )
+    hard = CheckResult(
+        "lossless",
+        False,
+        "differs",
+        {"first_divergence": {"kind": "hard", "index": 3}},
+        failures=["round 0: hard at token 3"],
+    )
+    mixed = CheckResult(
+        "lossless",
+        False,
+        "differs",
+        {"first_divergence": {"kind": "near-tie", "index": 3}},
+        failures=["round 0: near-tie at token 3", "round 1: hard at token 9"],
+    )
     assert excused(near, strict=False) and not excused(near, strict=True)
     assert not excused(hard, strict=False) and not excused(mixed, strict=False)
 
@@ -253,6 +365,10 @@ def test_a_near_tie_is_bad_only_when_strict():
 def test_release_ranges_are_validated():
     available = ["0.3.29", "0.3.30", "0.3.31", "0.3.32", "0.3.33"]
     assert release_range("0.3.30..0.3.32", available) == ["0.3.30", "0.3.31", "0.3.32"]
-    for bad, message in (("0.3.32..0.3.30", "not older"), ("latest", "OLD..NEW"), ("0.3.30..0.3.99", "not on the package index")):
+    for bad, message in (
+        ("0.3.32..0.3.30", "not older"),
+        ("latest", "OLD..NEW"),
+        ("0.3.30..0.3.99", "not on the package index"),
+    ):
         with pytest.raises(HarnessError, match=message):
             release_range(bad, available)

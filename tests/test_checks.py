@@ -20,12 +20,25 @@ SCHEMA = {"type": "object", "properties": {"n": {"type": "integer"}}, "required"
 
 def suite(rounds=("par",), schema=None, allow=(), expect_accepts=True, **sampling):
     sampling = Sampling(json_schema=schema, **sampling)
-    return Suite(name="demo", path=None, cases=[Case("a", sampling, prompt="x", expect_accepts=expect_accepts)],
-                 matrix={}, checks=list(CHECKS), rounds=list(rounds), allow_errors=list(allow))
+    return Suite(
+        name="demo",
+        path=None,
+        cases=[Case("a", sampling, prompt="x", expect_accepts=expect_accepts)],
+        matrix={},
+        checks=list(CHECKS),
+        rounds=list(rounds),
+        allow_errors=list(allow),
+    )
 
 
 def ok(tokens, text="", logits=(), **stats):
-    return Result(tokens=list(tokens), text=text, stop_reason="limit", spec_stats=stats, logits=list(logits))
+    return Result(
+        tokens=list(tokens),
+        text=text,
+        stop_reason="limit",
+        spec_stats=stats,
+        logits=list(logits),
+    )
 
 
 def rows(*digests):
@@ -50,8 +63,10 @@ class Runs:
     """Stands in for the Executor: the cells' outcomes are given, nothing is run."""
 
     def __init__(self, s, cells):
-        self.cells = {cell: CellRun(s, cell, [Outcome("a", r, res) for r, res in enumerate(results)])
-                      for cell, results in cells.items()}
+        self.cells = {
+            cell: CellRun(s, cell, [Outcome("a", r, res) for r, res in enumerate(results)])
+            for cell, results in cells.items()
+        }
 
     def run(self, _suite, cell):
         return self.cells[cell]
@@ -69,7 +84,14 @@ SEQ = Cell("inproc", "seq", "none", "m")
 def context(cells, cell, s=None, baselines=None):
     s = s or suite()
     runs = Runs(s, cells)
-    return CheckContext(runs.run(s, cell), "a", runs, baselines, lambda t: " ".join(map(str, t)), "repro")
+    return CheckContext(
+        runs.run(s, cell),
+        "a",
+        runs,
+        baselines,
+        lambda t: " ".join(map(str, t)),
+        "repro",
+    )
 
 
 def verdict(ctx, name):
@@ -80,7 +102,10 @@ def verdict(ctx, name):
 
 def test_no_crash():
     assert verdict(context({SEQ: [ok([1])]}, SEQ), "no-crash").passed
-    failed = verdict(context({SEQ: [Result(stop_reason="crashed", error="killed by SIGABRT")]}, SEQ), "no-crash")
+    failed = verdict(
+        context({SEQ: [Result(stop_reason="crashed", error="killed by SIGABRT")]}, SEQ),
+        "no-crash",
+    )
     assert not failed.passed and "SIGABRT" in failed.message
     allowed = Result(stop_reason="error", error="context_full: no free KV cells")
     assert verdict(context({SEQ: [allowed]}, SEQ, suite(allow=["context_full"])), "no-crash").passed
@@ -100,14 +125,18 @@ def test_lossless():
     assert not failed.passed and "at token 1" in failed.message
     assert CHECKS["lossless"](context({SEQ: [ok([1])]}, SEQ)) is None
     shorter = verdict(context({SEQ: [ok([1, 2, 3])], spec: [ok([1])]}, spec), "lossless")  # ended at the context end
-    assert shorter.failures == ["round 0: unexplained at token 1 (the output ended there, stop: limit; the reference "
-                                "has 3 tokens)"]
+    assert shorter.failures == [
+        "round 0: unexplained at token 1 (the output ended there, stop: limit; the reference has 3 tokens)"
+    ]
 
 
 def test_within_n_predict():
     five = suite(n_predict=5)
     assert verdict(context({SEQ: [ok([1, 2, 3, 4, 5]), ok([1, 2])]}, SEQ, five), "within-n-predict").passed
-    over = verdict(context({SEQ: [ok([1, 2, 3, 4, 5]), ok([1, 2, 3, 4, 5, 6])]}, SEQ, five), "within-n-predict")
+    over = verdict(
+        context({SEQ: [ok([1, 2, 3, 4, 5]), ok([1, 2, 3, 4, 5, 6])]}, SEQ, five),
+        "within-n-predict",
+    )
     assert not over.passed and over.failures == ["round 1: 6 tokens returned for n_predict 5"]
     eos = Result(tokens=[1, 2, 3, 4, 5], stop_reason="eos")
     wrong_stop = verdict(context({SEQ: [eos]}, SEQ, five), "within-n-predict")
@@ -122,8 +151,9 @@ def logged(tokens, rows):
     from harness.logits import PositionLogits
 
     result = ok(tokens)
-    result.logits = [PositionLogits(np.array([a, b], dtype=np.int32), np.array([x, y], dtype=np.float32))
-                     for a, x, b, y in rows]
+    result.logits = [
+        PositionLogits(np.array([a, b], dtype=np.int32), np.array([x, y], dtype=np.float32)) for a, x, b, y in rows
+    ]
     return result
 
 
@@ -131,11 +161,23 @@ def test_lossless_under_seeded_sampling_fails_only_where_the_logits_are_identica
     spec = SEQ.reference(spec="draft-simple")
     sampled = suite(temperature=0.7, seed=42, repeat_penalty=1.5)
     reference = ok([1, 2, 3], logits=rows("a", "b", "c"))
-    proven = verdict(context({SEQ: [reference], spec: [ok([1, 9, 3], logits=rows("a", "b", "c"))]}, spec, sampled),
-                     "lossless")
+    proven = verdict(
+        context(
+            {SEQ: [reference], spec: [ok([1, 9, 3], logits=rows("a", "b", "c"))]},
+            spec,
+            sampled,
+        ),
+        "lossless",
+    )
     assert not proven.passed and "bit-identical" in proven.message and "at token 1" in proven.message
-    numerics = verdict(context({SEQ: [reference], spec: [ok([1, 9, 3], logits=rows("a", "B", "c"))]}, spec, sampled),
-                       "lossless")
+    numerics = verdict(
+        context(
+            {SEQ: [reference], spec: [ok([1, 9, 3], logits=rows("a", "B", "c"))]},
+            spec,
+            sampled,
+        ),
+        "lossless",
+    )
     assert numerics.passed and numerics.evidence["reported_only"] and numerics.evidence["matching"] == 0
     # under a grammar the sampler state also depends on earlier logits (re-samples): every row must match
     grammar = suite(temperature=0.7, seed=42, grammar='root ::= "x"')
@@ -145,8 +187,14 @@ def test_lossless_under_seeded_sampling_fails_only_where_the_logits_are_identica
     unseeded = suite(temperature=0.7, seed=-1)
     assert CHECKS["lossless"](context({SEQ: [reference], spec: [ok([5])]}, spec, unseeded)) is None
     greedy = suite(temperature=0, repeat_penalty=1.5)  # greedy with penalties always fails on a divergence
-    assert not verdict(context({SEQ: [reference], spec: [ok([1, 9, 3], logits=rows("a", "B", "c"))]}, spec, greedy),
-                       "lossless").passed
+    assert not verdict(
+        context(
+            {SEQ: [reference], spec: [ok([1, 9, 3], logits=rows("a", "B", "c"))]},
+            spec,
+            greedy,
+        ),
+        "lossless",
+    ).passed
 
 
 def test_mode_invariant_fails_par_and_no_kv_unified_unless_a_proven_near_tie():
@@ -175,11 +223,16 @@ def test_in_seq_mode_even_a_proven_near_tie_fails():
     assert not failed.passed and failed.evidence["first_divergence"]["kind"] == "near-tie"
 
 
-def test_in_seq_mode_a_proven_near_tie_is_excused_where_calibration_measured_speculation_not_bit_exact(monkeypatch):
+def test_in_seq_mode_a_proven_near_tie_is_excused_where_calibration_measured_speculation_not_bit_exact(
+    monkeypatch,
+):
     spec = SEQ.reference(spec="draft-simple")
     tie_ref = logged([1, 2], [(1, 5.0, 2, 1.0), (2, 3.0, 5, 2.99)])
     tie_spec = logged([1, 5], [(1, 5.0, 2, 1.0), (5, 3.0, 2, 2.995)])
-    measured = {"tolerances": {"near_tie": 0.05}, "measured": {"seq/draft-simple": {"max_abs_max": 0.0}}}
+    measured = {
+        "tolerances": {"near_tie": 0.05},
+        "measured": {"seq/draft-simple": {"max_abs_max": 0.0}},
+    }
     exact = noise.from_data(measured, "calibrated (exact)")
     monkeypatch.setattr(noise, "load", lambda *a, **k: exact)
     assert exact.seq_bit_exact and not verdict(context({SEQ: [tie_ref], spec: [tie_spec]}, spec), "lossless").passed
@@ -196,21 +249,38 @@ class ChatRuns(Runs):
     """Runs of a two-turn chat `c`: each cell's replies to turn 1 and turn 2."""
 
     def __init__(self, s, cells):
-        self.cells = {cell: CellRun(s, cell, [Outcome(f"c.turn{i + 1}", 0, res) for i, res in enumerate(turns)])
-                      for cell, turns in cells.items()}
+        self.cells = {
+            cell: CellRun(
+                s,
+                cell,
+                [Outcome(f"c.turn{i + 1}", 0, res) for i, res in enumerate(turns)],
+            )
+            for cell, turns in cells.items()
+        }
 
 
 def test_a_chat_turn_is_compared_only_with_a_reference_that_sent_it_the_same_prompt():
-    s = Suite(name="demo", path=None, cases=[Case("c", Sampling(), turns=["u1", "u2"])], matrix={},
-              checks=list(CHECKS), rounds=["par"])
+    s = Suite(
+        name="demo",
+        path=None,
+        cases=[Case("c", Sampling(), turns=["u1", "u2"])],
+        matrix={},
+        checks=list(CHECKS),
+        rounds=["par"],
+    )
     spec = SEQ.reference(spec="draft-simple")
 
     def lossless(turn, ref, other):
         runs = ChatRuns(s, {SEQ: ref, spec: other})
-        return verdict(CheckContext(runs.run(s, spec), f"c.turn{turn}", runs, None, str, "repro"), "lossless")
+        return verdict(
+            CheckContext(runs.run(s, spec), f"c.turn{turn}", runs, None, str, "repro"),
+            "lossless",
+        )
 
-    first, second = lossless(1, [ok([1, 2]), ok([5])], [ok([1, 9]), ok([7])]), lossless(2, [ok([1, 2]), ok([5])],
-                                                                                         [ok([1, 9]), ok([7])])
+    first, second = (
+        lossless(1, [ok([1, 2]), ok([5])], [ok([1, 9]), ok([7])]),
+        lossless(2, [ok([1, 2]), ok([5])], [ok([1, 9]), ok([7])]),
+    )
     assert not first.passed  # the divergence is reported once, on the turn it happened in
     assert second.passed and second.evidence["not_compared"] == 1 and second.evidence["prompt_differs_at"] == "c.turn1"
     assert "not compared" in second.message and "c.turn1" in second.message
@@ -251,31 +321,54 @@ def test_spec_ran():
     reject = SEQ.reference(spec="scripted-reject")
     assert verdict(context({reject: [ok([1], draft_n=4, draft_n_accepted=0)]}, reject), "spec-ran").passed
     grammar_case = suite(expect_accepts=False)  # a drafter that does not see the grammar: drafts suffice
-    assert verdict(context({spec: [ok([1], draft_n=4, draft_n_accepted=0)]}, spec, grammar_case), "spec-ran").passed
+    assert verdict(
+        context({spec: [ok([1], draft_n=4, draft_n_accepted=0)]}, spec, grammar_case),
+        "spec-ran",
+    ).passed
     assert not verdict(context({spec: [ok([1])]}, spec, grammar_case), "spec-ran").passed
 
 
 @pytest.mark.parametrize("spec", ["synth-reject", "scripted-reject"])
-def test_spec_ran_under_forced_rejection_fails_on_any_accepted_token_or_a_request_without_drafts(spec):
+def test_spec_ran_under_forced_rejection_fails_on_any_accepted_token_or_a_request_without_drafts(
+    spec,
+):
     cell = Cell("server" if spec == "synth-reject" else "inproc", "seq", spec, "m")
     rejected = ok([1, 2, 3], draft_n=8, draft_n_accepted=0)
     assert verdict(context({cell: [rejected, rejected]}, cell), "spec-ran").passed
     one_token = ok([1], draft_n=0, draft_n_accepted=0)  # ended at its first token: no step to draft in
     assert verdict(context({cell: [rejected, one_token]}, cell), "spec-ran").passed
-    accepted = verdict(context({cell: [rejected, ok([1, 2, 3], draft_n=8, draft_n_accepted=1)]}, cell), "spec-ran")
+    accepted = verdict(
+        context({cell: [rejected, ok([1, 2, 3], draft_n=8, draft_n_accepted=1)]}, cell),
+        "spec-ran",
+    )
     assert not accepted.passed and accepted.failures == ["round 1: 8 drafted, 1 accepted"]
     undrafted = verdict(context({cell: [ok([1, 2, 3], draft_n=0), rejected]}, cell), "spec-ran")
     assert not undrafted.passed and undrafted.failures == ["round 0: 0 drafted, 0 accepted"]
     # the same accepted token is no finding where drafts are merely not expected to be accepted
     p_min = Cell("server", "seq", "draft-p-min-0.2", "m")
-    assert verdict(context({p_min: [rejected, ok([1, 2, 3], draft_n=8, draft_n_accepted=1)]}, p_min), "spec-ran").passed
+    assert verdict(
+        context({p_min: [rejected, ok([1, 2, 3], draft_n=8, draft_n_accepted=1)]}, p_min),
+        "spec-ran",
+    ).passed
 
 
 def test_spec_ran_counts_per_case_not_per_cell():
     spec = SEQ.reference(spec="draft-simple")
-    two = Suite(name="demo", path=None, cases=[Case("a", Sampling(), prompt="x"), Case("b", Sampling(), prompt="y")],
-                matrix={}, checks=list(CHECKS))
-    run = CellRun(two, spec, [Outcome("a", 0, ok([1], draft_n=8, draft_n_accepted=3)), Outcome("b", 0, ok([1]))])
+    two = Suite(
+        name="demo",
+        path=None,
+        cases=[Case("a", Sampling(), prompt="x"), Case("b", Sampling(), prompt="y")],
+        matrix={},
+        checks=list(CHECKS),
+    )
+    run = CellRun(
+        two,
+        spec,
+        [
+            Outcome("a", 0, ok([1], draft_n=8, draft_n_accepted=3)),
+            Outcome("b", 0, ok([1])),
+        ],
+    )
     runs = Runs(two, {})
     runs.cells[spec] = run
     check = lambda case: CHECKS["spec-ran"](CheckContext(run, case, runs, None, str, "repro"))
@@ -306,13 +399,21 @@ def test_every_check_is_documented(name):
 def scan(healthy, duplicates=()):
     dups = [{"part": "kv", "stream": 0, "seq_id": 0, "pos": p, "count": 2} for p in duplicates]
     totals = {"duplicate_cells": len(dups), "orphans": 0, "missing_positions": 0}
-    return {"healthy": healthy, "totals": totals, "duplicates": dups, "orphans": [], "holes": []}
+    return {
+        "healthy": healthy,
+        "totals": totals,
+        "duplicates": dups,
+        "orphans": [],
+        "holes": [],
+    }
 
 
 def test_kv_healthy_reports_the_duplicate_positions():
-    clean = ok([1]); clean.kv_scan = scan(True)
+    clean = ok([1])
+    clean.kv_scan = scan(True)
     assert verdict(context({SEQ: [clean]}, SEQ), "kv-healthy").passed
-    dirty = ok([1]); dirty.kv_scan = scan(False, duplicates=(22, 23))
+    dirty = ok([1])
+    dirty.kv_scan = scan(False, duplicates=(22, 23))
     failed = verdict(context({SEQ: [dirty]}, SEQ), "kv-healthy")
     assert not failed.passed and "(seq 0, pos 22)" in failed.message and failed.evidence["duplicate_cells"] == 2
     assert CHECKS["kv-healthy"](context({SEQ: [ok([1])]}, SEQ)) is None
@@ -320,14 +421,22 @@ def test_kv_healthy_reports_the_duplicate_positions():
 
 def test_kv_healthy_fails_on_a_draft_context_that_keeps_cells_the_target_dropped():
     stale = scan(True)
-    stale["draft"] = {**scan(False), "totals": {"duplicate_cells": 0, "orphans": 3, "missing_positions": 0},
-                      "orphans": [{"part": "kv", "stream": 0, "seq_id": 0, "pos": p} for p in (7, 8, 9)]}
-    dirty = ok([1]); dirty.kv_scan = stale
+    stale["draft"] = {
+        **scan(False),
+        "totals": {"duplicate_cells": 0, "orphans": 3, "missing_positions": 0},
+        "orphans": [{"part": "kv", "stream": 0, "seq_id": 0, "pos": p} for p in (7, 8, 9)],
+    }
+    dirty = ok([1])
+    dirty.kv_scan = stale
     failed = verdict(context({SEQ: [dirty]}, SEQ), "kv-healthy")
-    assert not failed.passed and "the draft context: 0 duplicate cells, 3 orphans: orphan at (seq 0, pos 7)" in failed.message
+    assert (
+        not failed.passed
+        and "the draft context: 0 duplicate cells, 3 orphans: orphan at (seq 0, pos 7)" in failed.message
+    )
     assert failed.evidence["orphans"] == 0 and failed.evidence["draft_context"]["orphans"] == 3
     assert signature_of(failed) == "kv-healthy: orphans in the draft context"
-    clean = ok([1]); clean.kv_scan = {**scan(True), "draft": scan(True)}
+    clean = ok([1])
+    clean.kv_scan = {**scan(True), "draft": scan(True)}
     assert verdict(context({SEQ: [clean]}, SEQ), "kv-healthy").passed
 
 
@@ -337,9 +446,12 @@ def test_logits_close():
     from harness.logits import capture
 
     rows = np.random.default_rng(0).standard_normal((3, 50)).astype(np.float32)
-    ref = ok([1, 2, 3]); ref.logits = [capture(r, 10) for r in rows]
-    near = ok([1, 2, 3]); near.logits = [capture(r + 1e-4, 10) for r in rows]
-    far = ok([1, 2, 3]); far.logits = [capture(r * 1.5, 10) for r in rows]
+    ref = ok([1, 2, 3])
+    ref.logits = [capture(r, 10) for r in rows]
+    near = ok([1, 2, 3])
+    near.logits = [capture(r + 1e-4, 10) for r in rows]
+    far = ok([1, 2, 3])
+    far.logits = [capture(r * 1.5, 10) for r in rows]
     spec = SEQ.reference(spec="draft-simple")
     assert verdict(context({SEQ: [ref], spec: [near]}, spec), "logits-close").passed
     failed = verdict(context({SEQ: [ref], spec: [far]}, spec), "logits-close")
@@ -373,7 +485,9 @@ def spec_ok(tokens, drafted, accepted, per_pos=None):
     return ok(tokens, **stats)
 
 
-def test_acceptance_against_the_baseline_fails_a_drop_and_names_the_draft_position(tmp_path):
+def test_acceptance_against_the_baseline_fails_a_drop_and_names_the_draft_position(
+    tmp_path,
+):
     spec = SEQ.reference(spec="draft-simple")
     tokens = list(range(40))
     store = BaselineStore(tmp_path)
@@ -385,7 +499,10 @@ def test_acceptance_against_the_baseline_fails_a_drop_and_names_the_draft_positi
     missing = verdict(context(clean, spec, baselines=store), "acceptance")
     assert not missing.passed and "no acceptance baseline for seq/draft-simple" in missing.message
     assert verdict(context(clean, spec, baselines=writer), "acceptance").passed
-    one_token = {SEQ: [ok(tokens)], spec: [spec_ok(tokens, 40, 23, ([20, 20], [14, 9]))]}
+    one_token = {
+        SEQ: [ok(tokens)],
+        spec: [spec_ok(tokens, 40, 23, ([20, 20], [14, 9]))],
+    }
     assert verdict(context(one_token, spec, baselines=store), "acceptance").passed  # below one token: no verdict
     worse = {SEQ: [ok(tokens)], spec: [spec_ok(tokens, 40, 12, ([20, 20], [12, 0]))]}
     failed = verdict(context(worse, spec, baselines=store), "acceptance")
@@ -393,19 +510,28 @@ def test_acceptance_against_the_baseline_fails_a_drop_and_names_the_draft_positi
     assert "acceptance 60.0 % (24/40 drafted, 1.20 accepted per draft) -> 30.0 % (12/40" in failed.message
     assert "steepest fall at draft position 2 (50 % -> 0 % accepted)" in failed.message
     assert "uncalibrated" in failed.message and failed.evidence["baseline"]["accepted"] == 24
-    fewer_drafts = {SEQ: [ok(tokens)], spec: [spec_ok(tokens, 10, 6)]}  # as good a rate, far fewer accepted
+    fewer_drafts = {
+        SEQ: [ok(tokens)],
+        spec: [spec_ok(tokens, 10, 6)],
+    }  # as good a rate, far fewer accepted
     failed = verdict(context(fewer_drafts, spec, baselines=store), "acceptance")
     assert not failed.passed and "accepted tokens 24 -> 6 of 40 generated" in failed.message
     assert CHECKS["acceptance"](context(clean, SEQ, baselines=store)) is None  # nothing drafted without speculation
 
 
-def test_acceptance_in_par_compares_each_request_with_seq_unless_the_drafter_learns(tmp_path):
+def test_acceptance_in_par_compares_each_request_with_seq_unless_the_drafter_learns(
+    tmp_path,
+):
     store = BaselineStore(tmp_path, update=True)
     tokens = list(range(40))
     for spec_name in ("draft-simple", "ngram-map-k"):
         seq, par = (Cell("inproc", mode, spec_name, "m") for mode in ("seq", "par"))
-        skewed = {SEQ: [ok(tokens)], SEQ.reference(mode="par"): [ok(tokens)], seq: [spec_ok(tokens, 40, 30)],
-                  par: [spec_ok(tokens, 40, 10)]}
+        skewed = {
+            SEQ: [ok(tokens)],
+            SEQ.reference(mode="par"): [ok(tokens)],
+            seq: [spec_ok(tokens, 40, 30)],
+            par: [spec_ok(tokens, 40, 10)],
+        }
         store.check(context(skewed, par, baselines=store))
         result = verdict(context(skewed, par, baselines=store), "acceptance")  # its own baseline holds: 10 of 40
         if spec_name == "draft-simple":
@@ -434,9 +560,17 @@ def test_an_acceptance_change_one_token_undoes_is_no_finding():
     assert fall(Acceptance(41, 35, 64), Acceptance(43, 33, 64), 0.0) is not None
 
 
-def test_acceptance_of_a_chat_turn_is_compared_only_with_a_baseline_of_the_same_prompt(tmp_path):
-    s = Suite(name="demo", path=None, cases=[Case("c", Sampling(), turns=["u1", "u2"])], matrix={},
-              checks=list(CHECKS), rounds=["par"])
+def test_acceptance_of_a_chat_turn_is_compared_only_with_a_baseline_of_the_same_prompt(
+    tmp_path,
+):
+    s = Suite(
+        name="demo",
+        path=None,
+        cases=[Case("c", Sampling(), turns=["u1", "u2"])],
+        matrix={},
+        checks=list(CHECKS),
+        rounds=["par"],
+    )
     spec = SEQ.reference(spec="draft-simple")
     t1, t2 = list(range(40)), list(range(50, 90))
 
@@ -446,7 +580,10 @@ def test_acceptance_of_a_chat_turn_is_compared_only_with_a_baseline_of_the_same_
 
     clean = {SEQ: [ok(t1), ok(t2)], spec: [spec_ok(t1, 40, 24), spec_ok(t2, 40, 24)]}
     writer = BaselineStore(tmp_path, update=True)
-    for turn in (1, 2):  # the tokens, then the acceptance (recorded by the check when updating)
+    for turn in (
+        1,
+        2,
+    ):  # the tokens, then the acceptance (recorded by the check when updating)
         writer.check(ctx(clean, turn, writer))
         verdict(ctx(clean, turn, writer), "acceptance")
     store = BaselineStore(tmp_path)
@@ -454,5 +591,12 @@ def test_acceptance_of_a_chat_turn_is_compared_only_with_a_baseline_of_the_same_
     same_prompt = {SEQ: [ok(t1), ok(t2)], spec: [spec_ok(t1, 40, 24), worse]}
     assert not verdict(ctx(same_prompt, 2, store), "acceptance").passed
     other_reply = [99] + t1[1:]  # this run's turn-1 reply differs from the baseline's: turn 2 had another prompt
-    moot = verdict(ctx({SEQ: [ok(t1), ok(t2)], spec: [spec_ok(other_reply, 40, 24), worse]}, 2, store), "acceptance")
+    moot = verdict(
+        ctx(
+            {SEQ: [ok(t1), ok(t2)], spec: [spec_ok(other_reply, 40, 24), worse]},
+            2,
+            store,
+        ),
+        "acceptance",
+    )
     assert moot.passed and moot.evidence["not_compared_with_baseline"] == 1

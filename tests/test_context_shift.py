@@ -30,15 +30,32 @@ PROMPT = "one two three four five six seven eight nine ten one two three four fi
 SHIFT_LOG = re.compile(r"slot context shift, n_keep = (\d+), n_left = (\d+), n_discard = (\d+)")
 
 
-@pytest.mark.parametrize("n_tokens, n_prompt, n_keep, n_discard, add_bos, expected", [
-    (255, 30, 0, 0, True, (1, 127)),  # the defaults: BOS kept, half of the other 254 discarded
-    (255, 30, 0, 0, False, (0, 127)),  # 255 // 2
-    (255, 30, -1, 0, True, (31, 112)),  # -1 keeps the prompt, and BOS adds one more
-    (255, 30, 10, 50, False, (10, 50)),
-    (255, 30, 10, 500, False, (10, 244)),  # at most n_left - 1: one token after the kept ones stays
-    (255, 30, 300, 0, True, (252, 1)),  # n_keep at most n_ctx - 4
-    (2, 30, 5, 0, False, (5, 0)),  # nothing left to discard
-])
+@pytest.mark.parametrize(
+    "n_tokens, n_prompt, n_keep, n_discard, add_bos, expected",
+    [
+        (
+            255,
+            30,
+            0,
+            0,
+            True,
+            (1, 127),
+        ),  # the defaults: BOS kept, half of the other 254 discarded
+        (255, 30, 0, 0, False, (0, 127)),  # 255 // 2
+        (255, 30, -1, 0, True, (31, 112)),  # -1 keeps the prompt, and BOS adds one more
+        (255, 30, 10, 50, False, (10, 50)),
+        (
+            255,
+            30,
+            10,
+            500,
+            False,
+            (10, 244),
+        ),  # at most n_left - 1: one token after the kept ones stays
+        (255, 30, 300, 0, True, (252, 1)),  # n_keep at most n_ctx - 4
+        (2, 30, 5, 0, False, (5, 0)),  # nothing left to discard
+    ],
+)
 def test_shift_span_is_llama_servers_arithmetic(n_tokens, n_prompt, n_keep, n_discard, add_bos, expected):
     assert shift_span(n_tokens, n_prompt, N_CTX, n_keep, n_discard, add_bos) == expected
 
@@ -91,8 +108,13 @@ def serve(backend, model: Path, context_shift: bool, requests: list[Request], **
 
 
 def requests() -> list[Request]:
-    return [Request(prompt=PROMPT, sampling=Sampling(n_predict=400, ignore_eos=True)),
-            Request(prompt=PROMPT, sampling=Sampling(n_predict=400, ignore_eos=True, n_keep=-1, n_discard=50))]
+    return [
+        Request(prompt=PROMPT, sampling=Sampling(n_predict=400, ignore_eos=True)),
+        Request(
+            prompt=PROMPT,
+            sampling=Sampling(n_predict=400, ignore_eos=True, n_keep=-1, n_discard=50),
+        ),
+    ]
 
 
 def test_engine_shifts_as_llama_server_does(build, tiny_models, tmp_path):
@@ -121,7 +143,10 @@ def test_draft_model_context_shifts_with_the_target(build, tiny_models, tmp_path
     """llama-server shifts the draft model's context with the target's (common_memory); so does the engine's
     draft-simple, which then drafts exactly what llama-server's does (a draft context left unshifted drafts
     from stale positions: other drafts, other counts)."""
-    draft = dict(draft_model=resolve(draft_for("tiny-dense")).path, spec=dict(SPEC_PRESETS["draft-simple"].options))
+    draft = dict(
+        draft_model=resolve(draft_for("tiny-dense")).path,
+        spec=dict(SPEC_PRESETS["draft-simple"].options),
+    )
     model = tiny_models["tiny-dense"].path
     [s] = serve(ServerBackend(build, run_dir=tmp_path), model, True, requests()[:1], **draft)
     [e] = serve(InprocBackend(), model, True, requests()[:1], **draft)
@@ -156,17 +181,27 @@ def test_command_maps_context_shift(build, tiny_models):
 def test_known_failure_explains_only_the_ngram_map_abort_in_its_cells():
     [entry] = [e for e in load(REPO / "suites" / "known-failures.yaml") if e.id == "server-ngram-map-context-shift"]
     cell = Cell("server", "seq", "ngram-map-k", "tiny-dense")
-    abort = ("round 0: llama-server was killed by SIGABRT: /src/common/ngram-map.cpp:242: common_ngram_map_draft: "
-             "map.idx_last_check > cur_len: 253 > 128; log server.log ends with: ...")
+    abort = (
+        "round 0: llama-server was killed by SIGABRT: /src/common/ngram-map.cpp:242: common_ngram_map_draft: "
+        "map.idx_last_check > cur_len: 253 > 128; log server.log ends with: ..."
+    )
     crash = CheckResult("no-crash", False, "1 of 1 requests failed", failures=[abort])
     assert tag([entry], "context-shift", cell, [crash]) == [] and crash.evidence["known_failure"] == entry.id
     other = "round 0: llama-server was killed by SIGABRT: /src/common/ngram-map.cpp:257: map.size_last_begin > cur_len"
-    for failures in ([other], [abort, other], ["round 0: llama-server was killed by SIGSEGV"]):
+    for failures in (
+        [other],
+        [abort, other],
+        ["round 0: llama-server was killed by SIGSEGV"],
+    ):
         unexplained = CheckResult("no-crash", False, "requests failed", failures=list(failures))
         assert tag([entry], "context-shift", cell, [unexplained]) == [unexplained]
     lossless = CheckResult("lossless", False, abort)  # another check of the same cell stays a failure
     assert tag([entry], "context-shift", cell, [lossless]) == [lossless]
-    for elsewhere in (replace(cell, backend="inproc"), replace(cell, spec="ngram-simple"),
-                      replace(cell, spec="ngram-mod"), replace(cell, spec="draft-simple")):
+    for elsewhere in (
+        replace(cell, backend="inproc"),
+        replace(cell, spec="ngram-simple"),
+        replace(cell, spec="ngram-mod"),
+        replace(cell, spec="draft-simple"),
+    ):
         fresh = CheckResult("no-crash", False, "1 of 1 requests failed", failures=[abort])
         assert tag([entry], "context-shift", elsewhere, [fresh]) == [fresh]

@@ -26,7 +26,10 @@ def test_the_draft_context_takes_its_own_kv_cache_types(tiny_models):
         for types in (("f16", "f16"), ("q8_0", "f16")):
             draft = DraftSimple(resolve(draft_for("tiny-dense")).path, target, cache_types=types)
             try:
-                assert (draft.ctx.params.cache_type_k, draft.ctx.params.cache_type_v) == types
+                assert (
+                    draft.ctx.params.cache_type_k,
+                    draft.ctx.params.cache_type_v,
+                ) == types
                 draft.process([(t, i, 0, i == 7) for i, t in enumerate(range(100, 108))])
                 sizes[types[0]] = len(draft.ctx.state_seq(0))
             finally:
@@ -45,8 +48,12 @@ def test_a_bad_draft_cache_type_is_a_one_line_error_naming_the_option():
 @pytest.mark.parametrize("backend", ["inproc", "server"])
 def test_a_quantized_draft_v_cache_without_flash_attention_is_refused(tiny_models, tmp_path, backend):
     spec = {**SPEC_PRESETS["draft-simple"].options, "spec-draft-type-v": "q8_0"}
-    config = ServeConfig(model=tiny_models["tiny-dense"].path, draft_model=resolve(draft_for("tiny-dense")).path,
-                         spec=spec, flash_attn="off")
+    config = ServeConfig(
+        model=tiny_models["tiny-dense"].path,
+        draft_model=resolve(draft_for("tiny-dense")).path,
+        spec=spec,
+        flash_attn="off",
+    )
     opener = InprocBackend(tmp_path) if backend == "inproc" else ServerBackend(ensure_server(), run_dir=tmp_path)
     with pytest.raises(HarnessError) as err:
         opener.open(config).close()

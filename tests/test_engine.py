@@ -31,8 +31,6 @@ def serve(model, mode, requests, **config):
         session.close()
 
 
-
-
 @pytest.mark.parametrize("name", ARCHS)
 def test_tiny_model_loads_with_its_kind(tiny_models, name):
     model = Model(tiny_models[name].path)
@@ -68,11 +66,17 @@ def test_engine_context_keeps_a_window_sized_swa_cache_as_llama_server():
         assert ctx.decode(batch) == 0
         size = llama_cpp.llama_state_get_size(ctx.ptr)
         buf = (ctypes.c_uint8 * size)()
-        state = scan_bytes(bytes(buf[: llama_cpp.llama_state_get_data(ctx.ptr, buf, size)]),
-                           layout=layout_from_model(path))
-        cells = {p.name: {s: (v["cells"], v["pos_min"], v["pos_max"]) for s, v in p.sequences().items()}
-                 for p in state.parts}
-        assert cells == {"kv-base": {0: (1100, 0, 1099)}, "kv-swa": {0: (1024, 76, 1099)}}
+        state = scan_bytes(
+            bytes(buf[: llama_cpp.llama_state_get_data(ctx.ptr, buf, size)]),
+            layout=layout_from_model(path),
+        )
+        cells = {
+            p.name: {s: (v["cells"], v["pos_min"], v["pos_max"]) for s, v in p.sequences().items()} for p in state.parts
+        }
+        assert cells == {
+            "kv-base": {0: (1100, 0, 1099)},
+            "kv-swa": {0: (1024, 76, 1099)},
+        }
     finally:
         batch.free()
         ctx.close()
@@ -101,15 +105,28 @@ def test_par_four_concurrent_requests_each_equal_their_seq_output(tiny_models, n
         assert a.tokens == b.tokens, f"{lang}: first divergence at token {first_divergence(a.tokens, b.tokens)}"
 
 
-def test_a_batch_as_small_as_the_slots_bounds_the_drafts_and_keeps_the_output(tiny_models):
+def test_a_batch_as_small_as_the_slots_bounds_the_drafts_and_keeps_the_output(
+    tiny_models,
+):
     """n_batch = parallel = 2 with an n-gram drafter: the first slot's draft leaves a token for the second
     (found by `specharness shrink`: the planner overflowed the batch), and the output is no speculation's."""
     model = resolve("tiny-dense-loop")
     requests = [quicksort(lang) for lang in LANGS[:2]]
     plain = serve(model, "par", requests, parallel=2, n_batch=2, n_ubatch=2)
-    drafted = serve(model, "par", requests, parallel=2, n_batch=2, n_ubatch=2,
-                    spec={"spec-type": "ngram-map-k", "spec-ngram-map-k-size-n": 1, "spec-ngram-map-k-size-m": 1,
-                          "spec-ngram-map-k-min-hits": 1})
+    drafted = serve(
+        model,
+        "par",
+        requests,
+        parallel=2,
+        n_batch=2,
+        n_ubatch=2,
+        spec={
+            "spec-type": "ngram-map-k",
+            "spec-ngram-map-k-size-n": 1,
+            "spec-ngram-map-k-size-m": 1,
+            "spec-ngram-map-k-min-hits": 1,
+        },
+    )
     assert all(r.ok for r in plain + drafted), [r.error for r in plain + drafted]
     assert sum(r.spec_stats.get("draft_n", 0) for r in drafted) > 0
     assert [r.tokens for r in drafted] == [r.tokens for r in plain]
@@ -125,8 +142,13 @@ def test_seeded_sampling_is_reproducible_and_seed_dependent(tiny_models):
 
 def test_overlong_prompt_is_an_error_result_while_other_slots_finish(tiny_models):
     too_long = Request(prompt=" ".join(["word"] * 400), sampling=Sampling(n_predict=16))
-    results = serve(tiny_models["tiny-dense"], "no-kv-unified", [quicksort("C"), too_long, quicksort("Java")],
-                    n_ctx=1024, parallel=4)
+    results = serve(
+        tiny_models["tiny-dense"],
+        "no-kv-unified",
+        [quicksort("C"), too_long, quicksort("Java")],
+        n_ctx=1024,
+        parallel=4,
+    )
     assert results[1].error and "slot holds 256" in results[1].error and results[1].stop_reason == "error"
     assert results[0].ok and results[2].ok and len(results[0].tokens) == 64
 
@@ -142,7 +164,10 @@ def test_kv_cache_full_ends_only_the_request_that_does_not_fit(tiny_models):
 
 
 def test_chat_request_is_rendered_with_a_template(tiny_models):
-    chat = Request(messages=[{"role": "user", "content": "Write a quicksort in C."}], sampling=Sampling(n_predict=8))
+    chat = Request(
+        messages=[{"role": "user", "content": "Write a quicksort in C."}],
+        sampling=Sampling(n_predict=8),
+    )
     plain = Request(prompt="Write a quicksort in C.", sampling=Sampling(n_predict=8))
     results = serve(tiny_models["tiny-dense"], "seq", [chat, plain])
     assert all(r.ok for r in results)
@@ -211,7 +236,10 @@ def test_stop_strings_searched_in_the_tail_match_a_whole_text_search():
         tokens = [rng.randrange(1, len(pieces)) for _ in range(50)]
         stop = ["".join(rng.choice(chars) for _ in range(rng.randrange(1, 4))) for _ in range(rng.randrange(1, 3))]
         expected = _whole_text_stop(pieces, tokens, stop)
-        assert _emit_until_stop(pieces, tokens, stop) == expected, (stop, [pieces[t] for t in tokens])
+        assert _emit_until_stop(pieces, tokens, stop) == expected, (
+            stop,
+            [pieces[t] for t in tokens],
+        )
         stopped += expected[0] is not None
     assert stopped > 500  # most cases stop, many of them over a token boundary
 
@@ -219,7 +247,16 @@ def test_stop_strings_searched_in_the_tail_match_a_whole_text_search():
 def test_history_follows_n_past_through_growth_and_rollback():
     slot = Slot(0, _PieceModel([b"", b"x"]), 10_000, seed=1)
     slot.start(0, Request(prompt=[1, 1, 1], sampling=Sampling(n_predict=100)))
-    for n_past, n_out in ((2, 0), (3, 0), (3, 2), (5, 4), (4, 4), (7, 6), (3, 6), (8, 9)):
+    for n_past, n_out in (
+        (2, 0),
+        (3, 0),
+        (3, 2),
+        (5, 4),
+        (4, 4),
+        (7, 6),
+        (3, 6),
+        (8, 9),
+    ):
         slot.n_past = n_past
         slot.result.tokens = list(range(10, 10 + n_out))
         assert slot.history == (slot.prompt + slot.result.tokens)[:n_past]
@@ -231,7 +268,9 @@ def test_detokenizer_shows_the_engines_text(tiny_models):
     assert result.ok and detokenizer(info.path)(result.tokens) == result.text
 
 
-def test_a_killed_engine_worker_crashes_its_requests_and_the_next_run_restarts_it(tiny_models):
+def test_a_killed_engine_worker_crashes_its_requests_and_the_next_run_restarts_it(
+    tiny_models,
+):
     import os
     import signal
     import threading
@@ -251,7 +290,9 @@ def test_a_killed_engine_worker_crashes_its_requests_and_the_next_run_restarts_i
         session.close()
 
 
-def test_an_engine_request_past_its_deadline_times_out_and_the_next_run_goes_on(tiny_models):
+def test_an_engine_request_past_its_deadline_times_out_and_the_next_run_goes_on(
+    tiny_models,
+):
     session = InprocBackend().open(ServeConfig(model=tiny_models["tiny-dense"].path, mode="seq"))
     try:
         stalled = quicksort("C", n_predict=-1)

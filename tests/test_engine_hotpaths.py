@@ -31,8 +31,14 @@ def capture_before(row: np.ndarray, k: int) -> tuple:
     order = top[np.lexsort((top, -row[top]))]
     peak = float(row[order[0]])
     log_z = peak + math.log(float(np.exp(row - np.float32(peak)).sum(dtype=np.float64)))
-    return (order.astype(np.int32), row[order].astype(np.float32), f"{zlib.crc32(memoryview(row)):08x}",
-            tuple(float(x) for x in row[:3]), tuple(float(x) for x in row[-3:]), log_z)
+    return (
+        order.astype(np.int32),
+        row[order].astype(np.float32),
+        f"{zlib.crc32(memoryview(row)):08x}",
+        tuple(float(x) for x in row[:3]),
+        tuple(float(x) for x in row[-3:]),
+        log_z,
+    )
 
 
 def reference_ids(row: np.ndarray, k: int) -> np.ndarray:
@@ -82,7 +88,12 @@ def test_capture_without_ties_at_the_kth_value_is_what_it_was():
         ids, values, digest, head, tail, log_z = capture_before(row, k)
         np.testing.assert_array_equal(rec.top_ids, ids)
         assert rec.top_logits.tobytes() == values.tobytes()
-        assert (rec.digest, rec.head, rec.tail, rec.log_z) == (digest, head, tail, log_z)
+        assert (rec.digest, rec.head, rec.tail, rec.log_z) == (
+            digest,
+            head,
+            tail,
+            log_z,
+        )
 
 
 @pytest.mark.filterwarnings("ignore:invalid value:RuntimeWarning")
@@ -114,7 +125,10 @@ def test_capture_sample_bound_holds_when_the_top_k_hide_between_samples():
 
 
 def rfind_brute(tokens, pattern, lo, hi):
-    return max((j for j in range(lo, hi + 1) if tokens[j : j + len(pattern)] == pattern), default=0)
+    return max(
+        (j for j in range(lo, hi + 1) if tokens[j : j + len(pattern)] == pattern),
+        default=0,
+    )
 
 
 def test_rfind_ngram_equals_a_brute_force_search():
@@ -208,8 +222,12 @@ def test_draft_simple_at_p_min_0_drafts_the_argmax_without_top10(tiny_models, mo
     requests = [quicksort("C", 48), quicksort("Python", 48)]
 
     def run(p_min):
-        spec = SpecConfig(spec_type=("draft-simple",), spec_draft_model=draft, spec_draft_n_max=4,
-                          spec_draft_p_min=p_min)
+        spec = SpecConfig(
+            spec_type=("draft-simple",),
+            spec_draft_model=draft,
+            spec_draft_n_max=4,
+            spec_draft_p_min=p_min,
+        )
         with Engine(target.path, ContextParams(), spec) as engine:
             return engine.run(requests)
 

@@ -28,17 +28,35 @@ EOG = KNOWN["server-spec-keeps-eog"]
 
 # ---------------------------------------------------------------------------------------------- hand-made
 
+
 def scanned(prompt: int, tokens: int, pos_max: int, stop: str = "eos", **timings) -> Result:
     """A request whose KV scan found a healthy sequence reaching position `pos_max`."""
-    scan = {"healthy": True, "totals": {"duplicate_cells": 0, "orphans": 0, "missing_positions": 0},
-            "pos_max": {"0": pos_max}, "duplicates": [], "orphans": [], "holes": []}
-    return Result(prompt_tokens=list(range(prompt)), tokens=list(range(tokens)), stop_reason=stop, kv_scan=scan,
-                  timings=Timings(**timings))
+    scan = {
+        "healthy": True,
+        "totals": {"duplicate_cells": 0, "orphans": 0, "missing_positions": 0},
+        "pos_max": {"0": pos_max},
+        "duplicates": [],
+        "orphans": [],
+        "holes": [],
+    }
+    return Result(
+        prompt_tokens=list(range(prompt)),
+        tokens=list(range(tokens)),
+        stop_reason=stop,
+        kv_scan=scan,
+        timings=Timings(**timings),
+    )
 
 
 def chat_suite() -> Suite:
-    return Suite(name="demo", path=None, cases=[Case("chat", Sampling(), turns=["a", "b"])], matrix=[],
-                 checks=list(CHECKS), rounds=["seq"])
+    return Suite(
+        name="demo",
+        path=None,
+        cases=[Case("chat", Sampling(), turns=["a", "b"])],
+        matrix=[],
+        checks=list(CHECKS),
+        rounds=["seq"],
+    )
 
 
 class Cells:
@@ -67,8 +85,10 @@ def test_kv_healthy_fails_a_slot_that_keeps_positions_past_the_returned_tokens()
     kept = scanned(31, 26, 57)
     failed = kv_healthy(ctx_of({SPEC: [Outcome("chat.turn1", 0, kept)]}, "chat.turn1"))
     assert not failed.passed and failed.evidence["past_returned"] == 1
-    assert failed.failures == ["round 0: 1 position past the returned tokens: the slot keeps positions 57..57 after "
-                               "31 prompt + 26 returned tokens (stop: eos)"]
+    assert failed.failures == [
+        "round 0: 1 position past the returned tokens: the slot keeps positions 57..57 after "
+        "31 prompt + 26 returned tokens (stop: eos)"
+    ]
     limit = scanned(31, 26, 55, stop="limit")  # a request stopped by n_predict holds one position less
     assert kv_healthy(ctx_of({SPEC: [Outcome("chat.turn1", 0, limit)]}, "chat.turn1")).passed
     at_context_end = scanned(31, 26, 58, stop="limit")
@@ -78,16 +98,20 @@ def test_kv_healthy_fails_a_slot_that_keeps_positions_past_the_returned_tokens()
 
 def test_prompt_reuse_compares_each_turn_with_the_same_turn_without_speculation():
     def turns(cache_n: int, kept: int) -> list[Outcome]:
-        return [Outcome("chat.turn1", 0, scanned(31, 26, kept)),
-                Outcome("chat.turn2", 0, scanned(94, 8, 101, cache_n=cache_n))]
+        return [
+            Outcome("chat.turn1", 0, scanned(31, 26, kept)),
+            Outcome("chat.turn2", 0, scanned(94, 8, 101, cache_n=cache_n)),
+        ]
 
     same = ctx_of({SPEC: turns(57, 56), PLAIN: turns(57, 56)}, "chat.turn2")
     assert prompt_reuse(same).passed and prompt_reuse(same).evidence["cache_n"] == [57]
     less = prompt_reuse(ctx_of({SPEC: turns(27, 57), PLAIN: turns(57, 56)}, "chat.turn2"))
     assert not less.passed
-    assert less.failures == ["round 0: chat.turn2 reused 27 of its 94 prompt tokens from the cache, 57 in "
-                             "seq-none-tiny-hybrid-server (chat.turn1 left positions 57..57 past its 26 returned "
-                             "tokens, stop: eos)"]
+    assert less.failures == [
+        "round 0: chat.turn2 reused 27 of its 94 prompt tokens from the cache, 57 in "
+        "seq-none-tiny-hybrid-server (chat.turn1 left positions 57..57 past its 26 returned "
+        "tokens, stop: eos)"
+    ]
     assert prompt_reuse(ctx_of({PLAIN: turns(57, 56)}, "chat.turn2", PLAIN)) is None  # no speculation
     other_prompt = turns(57, 56)
     other_prompt[1].result.prompt_tokens = list(range(95))  # an earlier reply differed: lossless reports it
@@ -97,16 +121,39 @@ def test_prompt_reuse_compares_each_turn_with_the_same_turn_without_speculation(
 @pytest.mark.parametrize("entry", ["server-spec-keeps-eog", "server-spec-keeps-eog-sampled"])
 def test_the_entry_explains_its_stop_and_nothing_else(entry):
     EOG = KNOWN[entry]  # noqa: N806 (the module's name for the entry, per parameter)
-    eog = CheckResult("kv-healthy", False, "x", failures=["round 0: 1 position past the returned tokens: the slot "
-                                                          "keeps positions 21..21 after 12 prompt + 9 returned "
-                                                          "tokens (stop: eos)"])
-    for other in ("limit", "word"):  # positions kept past a stop string or n_predict are something else
-        assert not EOG.explains(CheckResult("kv-healthy", False, "x", failures=[eog.failures[0].replace("eos", other)]))
+    eog = CheckResult(
+        "kv-healthy",
+        False,
+        "x",
+        failures=[
+            "round 0: 1 position past the returned tokens: the slot "
+            "keeps positions 21..21 after 12 prompt + 9 returned "
+            "tokens (stop: eos)"
+        ],
+    )
+    for other in (
+        "limit",
+        "word",
+    ):  # positions kept past a stop string or n_predict are something else
+        assert not EOG.explains(
+            CheckResult(
+                "kv-healthy",
+                False,
+                "x",
+                failures=[eog.failures[0].replace("eos", other)],
+            )
+        )
     assert EOG.explains(eog)
     dup = "round 0: 2 duplicate cells, 0 orphans: 3 cells at (seq 0, pos 3)"
     assert not EOG.explains(CheckResult("kv-healthy", False, "x", failures=[eog.failures[0], dup]))
-    unexplained = CheckResult("prompt-reuse", False, "x", failures=[
-        "round 0: chat.turn2 reused 27 of its 94 prompt tokens from the cache, 57 in seq-none-tiny-hybrid-server"])
+    unexplained = CheckResult(
+        "prompt-reuse",
+        False,
+        "x",
+        failures=[
+            "round 0: chat.turn2 reused 27 of its 94 prompt tokens from the cache, 57 in seq-none-tiny-hybrid-server"
+        ],
+    )
     assert not EOG.explains(unexplained)  # less reuse the previous turn's leftover does not account for
     if entry.endswith("-sampled"):  # only kv-healthy, only the cells it names
         assert EOG.covers("sampling", Cell("server", "par", "draft-simple", "tiny-recurrent"))
@@ -115,9 +162,12 @@ def test_the_entry_explains_its_stop_and_nothing_else(entry):
 
 # ---------------------------------------------------------------------------------------------- real runs
 
-CELLS = {(backend, model, spec): Cell(backend, "seq", spec, model)
-         for backend in ("inproc", "server") for model in ("tiny-dense", "tiny-hybrid", "tiny-recurrent")
-         for spec in ("none", "draft-simple")}
+CELLS = {
+    (backend, model, spec): Cell(backend, "seq", spec, model)
+    for backend in ("inproc", "server")
+    for model in ("tiny-dense", "tiny-hybrid", "tiny-recurrent")
+    for spec in ("none", "draft-simple")
+}
 
 
 @pytest.fixture(scope="module")
@@ -136,7 +186,11 @@ def check(executor, name: str, backend: str, model: str, case: str, run: CellRun
     return CHECKS[name](CheckContext(run or executor.run(SUITE, cell), case, executor, None, str, "repro"))
 
 
-REPRODUCED = [("tiny-dense", "last_draft"), ("tiny-recurrent", "replay"), ("tiny-hybrid", "chat.turn1")]
+REPRODUCED = [
+    ("tiny-dense", "last_draft"),
+    ("tiny-recurrent", "replay"),
+    ("tiny-hybrid", "chat.turn1"),
+]
 
 
 @pytest.mark.parametrize("model, case", REPRODUCED)
@@ -152,17 +206,23 @@ def test_llama_server_keeps_the_eog_token_and_the_engine_does_not(executor, mode
     verdict = check(executor, "kv-healthy", "server", model, case)
     assert not verdict.passed and verdict.failures == [
         f"round 0: 1 position past the returned tokens: the slot keeps positions {bound}..{bound} after "
-        f"{len(served.prompt_tokens)} prompt + {len(served.tokens)} returned tokens (stop: eos)"]
+        f"{len(served.prompt_tokens)} prompt + {len(served.tokens)} returned tokens (stop: eos)"
+    ]
     cell = CELLS[("server", model, "draft-simple")]
     assert tag([EOG], "eog", cell, [verdict]) == [] and verdict.evidence["known_failure"] == EOG.id
     assert check(executor, "kv-healthy", "inproc", model, case).passed
 
 
-def test_the_hybrids_next_turn_reprocesses_the_previous_answer_on_llama_server_only(executor):
+def test_the_hybrids_next_turn_reprocesses_the_previous_answer_on_llama_server_only(
+    executor,
+):
     verdict = check(executor, "prompt-reuse", "server", "tiny-hybrid", "chat.turn2")
     turn1 = result_of(executor, "server", "tiny-hybrid", "none", "chat.turn1")
-    found = re.match(r"round 0: chat\.turn2 reused (\d+) of its (\d+) prompt tokens from the cache, (\d+) in "
-                     r"seq-none-tiny-hybrid-server \(chat\.turn1 left positions (\d+)\.\.\d+ past", verdict.failures[0])
+    found = re.match(
+        r"round 0: chat\.turn2 reused (\d+) of its (\d+) prompt tokens from the cache, (\d+) in "
+        r"seq-none-tiny-hybrid-server \(chat\.turn1 left positions (\d+)\.\.\d+ past",
+        verdict.failures[0],
+    )
     assert not verdict.passed and found, verdict.message
     kept, _, plain, left = map(int, found.groups())
     assert plain == len(turn1.prompt_tokens) + len(turn1.tokens) == left  # without speculation: all of turn 1
@@ -187,7 +247,10 @@ def test_the_entry_does_not_hide_another_failure_of_the_same_cells(executor):
     cell = CELLS[("server", "tiny-dense", "draft-simple")]
     run = copy.deepcopy(executor.run(SUITE, cell))
     result = next(o.result for o in run.outcomes if o.case == "last_draft")
-    result.kv_scan.update(healthy=False, duplicates=[{"part": "kv", "stream": 0, "seq_id": 0, "pos": 4, "count": 2}])
+    result.kv_scan.update(
+        healthy=False,
+        duplicates=[{"part": "kv", "stream": 0, "seq_id": 0, "pos": 4, "count": 2}],
+    )
     result.kv_scan["totals"]["duplicate_cells"] = 1
     both = check(executor, "kv-healthy", "server", "tiny-dense", "last_draft", run)
     assert len(both.failures) == 2 and tag([EOG], "eog", cell, [both]) == [both]

@@ -11,17 +11,43 @@ from pathlib import Path
 from harness.cli import main
 
 REPO = Path(__file__).resolve().parents[1]
-SOURCES = ("pyproject.toml", "setup.py", "MANIFEST.in", "README.md", "harness", "suites", "fixtures")
-SELECTION = ["--model", "tiny-dense", "--mode", "seq", "--spec", "none", "--backend", "inproc"]
+SOURCES = (
+    "pyproject.toml",
+    "setup.py",
+    "MANIFEST.in",
+    "README.md",
+    "harness",
+    "suites",
+    "fixtures",
+)
+SELECTION = [
+    "--model",
+    "tiny-dense",
+    "--mode",
+    "seq",
+    "--spec",
+    "none",
+    "--backend",
+    "inproc",
+]
 
 
 def run(cmd: list, cwd: Path, env: dict) -> subprocess.CompletedProcess:
-    proc = subprocess.run([str(c) for c in cmd], cwd=cwd, env=env, capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [str(c) for c in cmd],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, f"{cmd} exited {proc.returncode}:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
     return proc
 
 
-def test_the_wheel_runs_the_default_job_and_the_pytest_plugin_outside_the_checkout(tmp_path):
+def test_the_wheel_runs_the_default_job_and_the_pytest_plugin_outside_the_checkout(
+    tmp_path,
+):
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTEST_ADDOPTS", "VIRTUAL_ENV")}
     source = tmp_path / "source"  # a copy: the build leaves build/ and *.egg-info beside the sources
     source.mkdir()
@@ -30,13 +56,44 @@ def test_the_wheel_runs_the_default_job_and_the_pytest_plugin_outside_the_checko
             shutil.copytree(REPO / name, source / name, ignore=shutil.ignore_patterns("__pycache__"))
         else:
             shutil.copyfile(REPO / name, source / name)
-    run([sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w", tmp_path / "dist", source], tmp_path, env)
+    run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "--no-deps",
+            "-q",
+            "-w",
+            tmp_path / "dist",
+            source,
+        ],
+        tmp_path,
+        env,
+    )
     wheel = next((tmp_path / "dist").glob("specharness-*.whl"))
 
     # a fresh venv that sees the llama-cpp-python (and the other dependencies) already installed: no compile
-    run([sys.executable, "-m", "venv", "--system-site-packages", tmp_path / "venv"], tmp_path, env)
+    run(
+        [sys.executable, "-m", "venv", "--system-site-packages", tmp_path / "venv"],
+        tmp_path,
+        env,
+    )
     bin_dir = tmp_path / "venv" / "bin"
-    run([bin_dir / "python", "-m", "pip", "install", "-q", "--no-deps", "--ignore-installed", wheel], tmp_path, env)
+    run(
+        [
+            bin_dir / "python",
+            "-m",
+            "pip",
+            "install",
+            "-q",
+            "--no-deps",
+            "--ignore-installed",
+            wheel,
+        ],
+        tmp_path,
+        env,
+    )
     work = tmp_path / "elsewhere"
     work.mkdir()
     where = run([bin_dir / "python", "-c", "import harness; print(harness.__file__)"], work, env).stdout
@@ -48,8 +105,24 @@ def test_the_wheel_runs_the_default_job_and_the_pytest_plugin_outside_the_checko
     assert len(baselines) == 3 and all(c["passed"] and "no_baseline" not in c["evidence"] for c in baselines)
     assert all("harness/bundled/fixtures/baselines/quicksort/" in c["evidence"]["baseline"] for c in baselines)
 
-    proc = run([bin_dir / "python", "-m", "pytest", "-p", "no:cacheprovider", "--pyargs", "harness",
-                "-k", "quicksort.yaml", *SELECTION, "--report", "r2"], work, env)
+    proc = run(
+        [
+            bin_dir / "python",
+            "-m",
+            "pytest",
+            "-p",
+            "no:cacheprovider",
+            "--pyargs",
+            "harness",
+            "-k",
+            "quicksort.yaml",
+            *SELECTION,
+            "--report",
+            "r2",
+        ],
+        work,
+        env,
+    )
     assert "3 passed" in proc.stdout and (work / "r2" / "index.html").is_file()
     baselines = [c for c in json.loads((work / "r2" / "checks.json").read_text()) if c["check"] == "baseline"]
     assert all("harness/bundled/fixtures/baselines/quicksort/" in c["evidence"]["baseline"] for c in baselines)
@@ -65,7 +138,9 @@ def test_init_writes_a_suite_that_runs_and_records_its_own_baselines(tmp_path, m
     assert "--suite proj/suites/starter.yaml" in capsys.readouterr().err
     assert main([*argv, "--update-baselines", "--out", "r2"]) == 0
     assert sorted(p.name for p in (tmp_path / "proj/fixtures/baselines/starter").glob("*.json")) == [
-        "greeting--tiny-dense--inproc--cpu.json", "list--tiny-dense--inproc--cpu.json"]
+        "greeting--tiny-dense--inproc--cpu.json",
+        "list--tiny-dense--inproc--cpu.json",
+    ]
     checks = [c for c in json.loads((tmp_path / "r2/checks.json").read_text()) if c["check"] == "baseline"]
     assert checks and all(c["passed"] and "no_baseline" not in c["evidence"] for c in checks)
     assert main(["run", "--suites-dir", "proj/suites", "--suite", "nope", "--out", "r3"]) == 2
@@ -73,13 +148,37 @@ def test_init_writes_a_suite_that_runs_and_records_its_own_baselines(tmp_path, m
 
     # pytest in the directory: the ini key points the plugin at the suites; an edited baseline fails there
     env = {k: v for k, v in os.environ.items() if k != "PYTEST_ADDOPTS"}
-    pytest = [sys.executable, "-m", "pytest", "-p", "harness.pytest_plugin", "-p", "no:cacheprovider", "-q",
-              "--mode", "seq"]
-    proc = subprocess.run(pytest, cwd=tmp_path / "proj", env=env, capture_output=True, text=True, timeout=600)
+    pytest = [
+        sys.executable,
+        "-m",
+        "pytest",
+        "-p",
+        "harness.pytest_plugin",
+        "-p",
+        "no:cacheprovider",
+        "-q",
+        "--mode",
+        "seq",
+    ]
+    proc = subprocess.run(
+        pytest,
+        cwd=tmp_path / "proj",
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0 and "4 passed" in proc.stdout, proc.stdout[-2000:]
     edited = tmp_path / "proj/fixtures/baselines/starter/list--tiny-dense--inproc--cpu.json"
     data = json.loads(edited.read_text())
     data["tokens"][3] += 1
     edited.write_text(json.dumps(data))
-    proc = subprocess.run(pytest, cwd=tmp_path / "proj", env=env, capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        pytest,
+        cwd=tmp_path / "proj",
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 1 and "2 failed" in proc.stdout and "at token 3" in proc.stdout, proc.stdout[-2000:]

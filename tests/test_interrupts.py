@@ -26,8 +26,12 @@ CASES = 2
 def run(tmp_path, *options: str, hold: str, sig: int = signal.SIGINT) -> tuple[int, str]:
     """`specharness run` of the interrupt suite into tmp_path/run, held at `hold`, then sent `sig`."""
     phases = tmp_path / "phases"
-    proc = spawn(["run", "--suite", str(SUITE), "--out", str(tmp_path / "run"), *options], phases, hold,
-                 env={"TMPDIR": str(tmp_path)})
+    proc = spawn(
+        ["run", "--suite", str(SUITE), "--out", str(tmp_path / "run"), *options],
+        phases,
+        hold,
+        env={"TMPDIR": str(tmp_path)},
+    )
     name, _, n = hold.partition(":")
     wait_for_phase(proc, phases, name, int(n or 1))
     status, output = interrupt(proc, sig)
@@ -74,16 +78,24 @@ def test_ctrl_c_while_serving_keeps_the_finished_cell_and_stops_the_servers(tmp_
     status, output = run(tmp_path, *SERVER, hold="serving:2")  # seq finished; par's server is up
     out = tmp_path / "run"
     assert status == 130, output[-2000:]
-    assert statuses(out) == {SEQ.format("server"): "done", PAR.format("server"): "not run"}
+    assert statuses(out) == {
+        SEQ.format("server"): "done",
+        PAR.format("server"): "not run",
+    }
     assert produced(out) == produced(out, "checks.json") == {SEQ.format("server")}
     assert 'id="interrupted"' in (out / "index.html").read_text()
 
 
-def test_sigterm_while_serving_in_process_exits_143_and_stops_the_engine_workers(tmp_path):
+def test_sigterm_while_serving_in_process_exits_143_and_stops_the_engine_workers(
+    tmp_path,
+):
     status, output = run(tmp_path, *INPROC, hold="serving:2", sig=signal.SIGTERM)
     out = tmp_path / "run"
     assert status == 143, output[-2000:]
-    assert statuses(out) == {SEQ.format("inproc"): "done", PAR.format("inproc"): "not run"}
+    assert statuses(out) == {
+        SEQ.format("inproc"): "done",
+        PAR.format("inproc"): "not run",
+    }
     assert produced(out) == {SEQ.format("inproc")}
 
 
@@ -91,19 +103,34 @@ def test_ctrl_c_while_checking_keeps_what_was_served_and_checked(tmp_path):
     status, output = run(tmp_path, *INPROC, hold=f"checking:{CASES + 1}")  # par served, its checks begun
     out = tmp_path / "run"
     assert status == 130, output[-2000:]
-    assert statuses(out) == {SEQ.format("inproc"): "done", PAR.format("inproc"): "not run"}
+    assert statuses(out) == {
+        SEQ.format("inproc"): "done",
+        PAR.format("inproc"): "not run",
+    }
     assert produced(out) == {SEQ.format("inproc"), PAR.format("inproc")}
     assert produced(out, "checks.json") == {SEQ.format("inproc")}
 
 
 def test_ctrl_c_while_triaging_a_divergence(tmp_path):
     # a fault of the in-process engine makes the scripted cell diverge; its checks triage the divergence
-    status, output = run(tmp_path, "--backend", "inproc", "--mode", "seq", "--model", "tiny-hybrid",
-                         "--fault", "partial-checkpoint-only", hold="triage")
+    status, output = run(
+        tmp_path,
+        "--backend",
+        "inproc",
+        "--mode",
+        "seq",
+        "--model",
+        "tiny-hybrid",
+        "--fault",
+        "partial-checkpoint-only",
+        hold="triage",
+    )
     out = tmp_path / "run"
     assert status == 130, output[-2000:]
-    assert statuses(out) == {"seq-none-tiny-hybrid-inproc": "done",
-                             "seq-scripted-wrong-at-2-tiny-hybrid-inproc": "not run"}
+    assert statuses(out) == {
+        "seq-none-tiny-hybrid-inproc": "done",
+        "seq-scripted-wrong-at-2-tiny-hybrid-inproc": "not run",
+    }
     assert "seq-scripted-wrong-at-2-tiny-hybrid-inproc" in produced(out)
 
 
@@ -131,13 +158,45 @@ def test_ctrl_c_while_the_finished_run_exits_is_not_lost(tmp_path):
 
 def test_ctrl_c_during_shrink_writes_the_smallest_case_found(tmp_path):
     failing, phases = tmp_path / "failing", tmp_path / "phases"
-    made = spawn(["run", "--suite", str(SUITE), "--backend", "inproc", "--mode", "seq", "--model", "tiny-hybrid",
-                  "--fault", "partial-checkpoint-only", "--out", str(failing)], tmp_path / "run-phases")
+    made = spawn(
+        [
+            "run",
+            "--suite",
+            str(SUITE),
+            "--backend",
+            "inproc",
+            "--mode",
+            "seq",
+            "--model",
+            "tiny-hybrid",
+            "--fault",
+            "partial-checkpoint-only",
+            "--out",
+            str(failing),
+        ],
+        tmp_path / "run-phases",
+    )
     output = made.communicate(timeout=300)[0]
     assert made.returncode == 1, output[-2000:]
     out = tmp_path / "bundle"
-    proc = spawn(["shrink", "--from-run", str(failing), "--case", "C", "--check", "lossless", "--tries", "1",
-                  "--out", str(out)], phases, "serving:10", env={"TMPDIR": str(tmp_path)})
+    proc = spawn(
+        [
+            "shrink",
+            "--from-run",
+            str(failing),
+            "--case",
+            "C",
+            "--check",
+            "lossless",
+            "--tries",
+            "1",
+            "--out",
+            str(out),
+        ],
+        phases,
+        "serving:10",
+        env={"TMPDIR": str(tmp_path)},
+    )
     wait_for_phase(proc, phases, "serving", 10)  # a few trials in (each serves the reference and the failing cell)
     status, output = interrupt(proc)
     assert status == 130, output[-2000:]
@@ -154,9 +213,25 @@ def pytest_session(tmp_path, hold: str, sig: int = signal.SIGINT, workers: int =
     shutil.copy(SUITE, suites)
     phases = tmp_path / "phases"
     xdist = ["-n", str(workers)] if workers else ["-p", "no:xdist"]
-    proc = spawn(["-p", "harness.pytest_plugin", "-p", "no:cacheprovider", *xdist, "suites",
-                  "--report", str(tmp_path / "report"), *SERVER], phases, hold, env={"TMPDIR": str(tmp_path)},
-                 module="pytest", cwd=tmp_path, start_new_session=bool(workers))
+    proc = spawn(
+        [
+            "-p",
+            "harness.pytest_plugin",
+            "-p",
+            "no:cacheprovider",
+            *xdist,
+            "suites",
+            "--report",
+            str(tmp_path / "report"),
+            *SERVER,
+        ],
+        phases,
+        hold,
+        env={"TMPDIR": str(tmp_path)},
+        module="pytest",
+        cwd=tmp_path,
+        start_new_session=bool(workers),
+    )
     name, _, n = hold.partition(":")
     wait_for_phase(proc, phases, name, int(n or 1))
     status, output = interrupt(proc, sig, group=bool(workers))
@@ -168,7 +243,10 @@ def test_ctrl_c_in_a_pytest_session_reports_what_finished(tmp_path):
     status, output = pytest_session(tmp_path, "serving:2")
     out = tmp_path / "report"
     assert status == 130, output[-2000:]
-    assert statuses(out) == {SEQ.format("server"): "done", PAR.format("server"): "not run"}
+    assert statuses(out) == {
+        SEQ.format("server"): "done",
+        PAR.format("server"): "not run",
+    }
     assert produced(out, "checks.json") == {SEQ.format("server")}
 
 
@@ -191,8 +269,12 @@ def test_sigterm_while_pytest_collects_the_suites_exits_143(tmp_path):
 
 def test_ctrl_c_during_selftest_shows_the_rows_that_finished(tmp_path):
     phases = tmp_path / "phases"
-    proc = spawn(["selftest", "--fault", "no-penalty-restore", "--clean-runs", "0"], phases, "serving",
-                 env={"TMPDIR": str(tmp_path)})
+    proc = spawn(
+        ["selftest", "--fault", "no-penalty-restore", "--clean-runs", "0"],
+        phases,
+        "serving",
+        env={"TMPDIR": str(tmp_path)},
+    )
     wait_for_phase(proc, phases, "serving")
     status, output = interrupt(proc)
     assert status == 130, output[-2000:]
@@ -202,8 +284,23 @@ def test_ctrl_c_during_selftest_shows_the_rows_that_finished(tmp_path):
 
 def test_ctrl_c_during_calibrate_stops_its_workers(tmp_path):
     phases = tmp_path / "phases"
-    proc = spawn(["calibrate", "--model", "tiny-dense", "--backend", "inproc", "--repeats", "1", "--write",
-                  "--calibration-dir", str(tmp_path / "calibration")], phases, "serving", env={"TMPDIR": str(tmp_path)})
+    proc = spawn(
+        [
+            "calibrate",
+            "--model",
+            "tiny-dense",
+            "--backend",
+            "inproc",
+            "--repeats",
+            "1",
+            "--write",
+            "--calibration-dir",
+            str(tmp_path / "calibration"),
+        ],
+        phases,
+        "serving",
+        env={"TMPDIR": str(tmp_path)},
+    )
     wait_for_phase(proc, phases, "serving")
     status, output = interrupt(proc)
     assert status == 130, output[-2000:]
@@ -213,9 +310,29 @@ def test_ctrl_c_during_calibrate_stops_its_workers(tmp_path):
 
 def test_ctrl_c_during_bench_keeps_the_models_measured(tmp_path):
     phases, out = tmp_path / "phases", tmp_path / "bench"
-    proc = spawn(["bench", "--model", "tiny-dense,tiny-hybrid", "--engine", "inproc", "--spec", "none",
-                  "--workload", "quicksort.C", "--repeat", "1", "--n-predict", "8", "--no-costs", "--out", str(out)],
-                 phases, "serving:2", env={"TMPDIR": str(tmp_path)})
+    proc = spawn(
+        [
+            "bench",
+            "--model",
+            "tiny-dense,tiny-hybrid",
+            "--engine",
+            "inproc",
+            "--spec",
+            "none",
+            "--workload",
+            "quicksort.C",
+            "--repeat",
+            "1",
+            "--n-predict",
+            "8",
+            "--no-costs",
+            "--out",
+            str(out),
+        ],
+        phases,
+        "serving:2",
+        env={"TMPDIR": str(tmp_path)},
+    )
     wait_for_phase(proc, phases, "serving", 2)  # tiny-dense measured, tiny-hybrid's sessions open
     status, output = interrupt(proc)
     assert status == 130, output[-2000:]
@@ -229,5 +346,14 @@ def test_a_phase_file_records_a_whole_run_in_order(tmp_path):
     proc = spawn(["run", "--suite", str(SUITE), "--out", str(tmp_path / "run"), *SERVER], phases)
     output = proc.communicate(timeout=300)[0]
     assert proc.returncode == 0, output[-2000:]
-    assert entered(phases) == ["planning", "building", "serving", *["checking"] * CASES, "serving",
-                               *["checking"] * CASES, "writing", "report", "exit"]
+    assert entered(phases) == [
+        "planning",
+        "building",
+        "serving",
+        *["checking"] * CASES,
+        "serving",
+        *["checking"] * CASES,
+        "writing",
+        "report",
+        "exit",
+    ]

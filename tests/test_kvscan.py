@@ -39,7 +39,12 @@ class Blobs:
         """Decode token 10+pos at each position for `seq` (one batch, last row outputs)."""
         b = self.batch
         for i, pos in enumerate(positions):
-            b.token[i], b.pos[i], b.n_seq_id[i], b.logits[i] = 10 + pos, pos, 1, i == len(positions) - 1
+            b.token[i], b.pos[i], b.n_seq_id[i], b.logits[i] = (
+                10 + pos,
+                pos,
+                1,
+                i == len(positions) - 1,
+            )
             b.seq_id[i][0] = seq
         b.n_tokens = len(positions)
         assert llama_cpp.llama_decode(self.ctx, b) == 0
@@ -47,12 +52,12 @@ class Blobs:
     def state(self):
         size = llama_cpp.llama_state_get_size(self.ctx)
         buf = (ctypes.c_uint8 * size)()
-        return bytes(buf[:llama_cpp.llama_state_get_data(self.ctx, buf, size)])
+        return bytes(buf[: llama_cpp.llama_state_get_data(self.ctx, buf, size)])
 
     def seq_state(self, seq, flags=0):
         size = llama_cpp.llama_state_seq_get_size_ext(self.ctx, seq, flags)
         buf = (ctypes.c_uint8 * size)()
-        return bytes(buf[:llama_cpp.llama_state_seq_get_data_ext(self.ctx, buf, size, seq, flags)])
+        return bytes(buf[: llama_cpp.llama_state_seq_get_data_ext(self.ctx, buf, size, seq, flags)])
 
     def save_seq_file(self, path, seq, words):
         arr = (llama_cpp.llama_token * len(words))(*words)
@@ -79,7 +84,10 @@ def load():
                 pytest.skip(f"{name} unavailable: {err}")
             params = llama_cpp.llama_model_default_params()
             params.use_extra_bufts = default_repack()  # off on a CPU whose AMX path crashes (known failure)
-            loaded[name] = (llama_cpp.llama_model_load_from_file(str(path).encode(), params), path)
+            loaded[name] = (
+                llama_cpp.llama_model_load_from_file(str(path).encode(), params),
+                path,
+            )
             assert loaded[name][0], f"could not load {path}"
         return loaded[name]
 
@@ -114,7 +122,11 @@ def test_dense_whole_context_two_sequences(blobs, unified, flash, v_trans):
     b.decode(1, range(7))
     for layout in (None, layout_from_model(b.path)):
         r = scan_bytes(b.state(), layout=layout, expected_len={0: 10, 1: 7})
-        assert (r.framing, r.arch, [p.name for p in r.parts]) == ("context", "llama", ["kv"])
+        assert (r.framing, r.arch, [p.name for p in r.parts]) == (
+            "context",
+            "llama",
+            ["kv"],
+        )
         kv = r.parts[0]
         assert (kv.n_stream, kv.v_trans) == (1 if unified else 2, v_trans)
         assert seqs(kv) == {0: (10, 0, 9), 1: (7, 0, 6)}
@@ -128,7 +140,12 @@ def test_dense_seq_blob_and_ggsq_file(blobs, tmp_path, unified):
     b.decode(0, range(4))
     b.decode(1, range(7))
     r = scan_bytes(b.seq_state(1), layout=layout_from_model(b.path))
-    assert (r.framing, r.seq_id, r.layout.memory, r.layout.cell_ext) == ("seq", 1, "kv", False)
+    assert (r.framing, r.seq_id, r.layout.memory, r.layout.cell_ext) == (
+        "seq",
+        1,
+        "kv",
+        False,
+    )
     assert seqs(r.parts[0]) == {1: (7, 0, 6)} and r.healthy
     assert (r.parts[0].n_stream, set(r.parts[0].stream.tolist())) == ((1, {0}) if unified else (2, {1}))
     path = b.save_seq_file(tmp_path / "s1.ggsq", 1, [10 + i for i in range(7)])
@@ -141,7 +158,13 @@ def test_slot_file_and_session_file(blobs, tmp_path):
     b = blobs("tiny-dense", n_seq=1)
     b.decode(0, range(5))
     tokens = [10 + i for i in range(5)]
-    packed = [-1, 1, len(tokens), *tokens, 0]  # llama-server's server_tokens::serialize layout (§1.8)
+    packed = [
+        -1,
+        1,
+        len(tokens),
+        *tokens,
+        0,
+    ]  # llama-server's server_tokens::serialize layout (§1.8)
     r = scan_file(b.save_seq_file(tmp_path / "slot0.bin", 0, packed))
     assert (r.framing, r.tokens) == ("ggsq-slot", 5)
     assert seqs(r.parts[0]) == {0: (5, 0, 4)}
@@ -204,7 +227,6 @@ def test_orphans_and_holes(blobs, tmp_path, capsys):
     assert r.holes == [("kv", 0, 0, 3, 4)] and r.totals["missing_positions"] == 2 and not r.healthy
 
 
-
 @pytest.mark.parametrize("slot_file", (False, True))
 def test_scan_command_uses_a_sequence_files_own_token_count(blobs, tmp_path, capsys, slot_file):
     """Cells past a file's token list are the leak of llama.cpp PR #20925: without --expect the command
@@ -221,12 +243,16 @@ def test_scan_command_uses_a_sequence_files_own_token_count(blobs, tmp_path, cap
     assert json.loads(capsys.readouterr().out)["totals"]["orphans"] == 5
     assert cli.main(["scan", str(path), "--expect", "0=12"]) == 0  # --expect overrides the file's count
 
+
 def test_hybrid_seq_blobs_and_whole_context(blobs, tmp_path):
     b = blobs("tiny-hybrid")
     b.decode(0, range(9))
     b.decode(1, range(4))
     hint = layout_from_model(b.path)
-    assert (hint.memory, hint.cell_ext) == ("hybrid", True) and hint.n_recurrent_layers >= 1
+    assert (hint.memory, hint.cell_ext) == (
+        "hybrid",
+        True,
+    ) and hint.n_recurrent_layers >= 1
     full = scan_bytes(b.seq_state(0))
     assert [p.name for p in full.parts] == ["kv", "rs"]
     assert full.layout.cell_ext is True and full.layout.n_recurrent_layers == hint.n_recurrent_layers
@@ -275,7 +301,10 @@ def test_duplicate_recurrent_tail_in_a_patched_real_blob(blobs):
     b.decode(1, range(2))
     data = bytearray(b.state())
     first = 4 + len("mamba2") + 4 + 8  # arch string, cell count, pos and n_seq_id of cell 0 → its seq id
-    seq0, seq1 = struct.unpack_from("<i", data, first)[0], struct.unpack_from("<i", data, first + 12)[0]
+    seq0, seq1 = (
+        struct.unpack_from("<i", data, first)[0],
+        struct.unpack_from("<i", data, first + 12)[0],
+    )
     assert {seq0, seq1} == {0, 1}
     struct.pack_into("<i", data, first + 12, seq0)  # both recurrent cells now claim the same sequence
     r = scan_bytes(bytes(data))

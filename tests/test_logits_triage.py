@@ -12,7 +12,15 @@ from harness.engine.drafters.scripted import Scripted
 from harness.engine.model import Model
 from harness.engine.speculative import SpecConfig
 from harness.logits import (
-    PositionLogits, Tolerances, capture, check, compare, from_frame, from_server_probs, load_parquet, save_parquet,
+    PositionLogits,
+    Tolerances,
+    capture,
+    check,
+    compare,
+    from_frame,
+    from_server_probs,
+    load_parquet,
+    save_parquet,
     to_frame,
 )
 from harness.request import Request, Sampling
@@ -33,6 +41,7 @@ def same(n, ids=(1, 2, 3), values=(-1.0, -2.0, -3.0)):
 
 # --- records ---------------------------------------------------------------------------------------------
 
+
 def test_capture_records_the_normaliser_of_the_whole_row():
     row = np.array([0.5, 3.0, -1.0, 2.0, 2.0], dtype=np.float32)
     rec = capture(row, 3)
@@ -44,8 +53,15 @@ def test_capture_records_the_normaliser_of_the_whole_row():
 
 def test_server_logprobs_convert_sorted_with_empty_speculative_entries():
     probs = [
-        {"id": 7, "logprob": -0.4, "top_logprobs": [{"id": 9, "logprob": -2.5}, {"id": 7, "logprob": -0.4},
-                                                    {"id": 4, "logprob": -2.5}]},
+        {
+            "id": 7,
+            "logprob": -0.4,
+            "top_logprobs": [
+                {"id": 9, "logprob": -2.5},
+                {"id": 7, "logprob": -0.4},
+                {"id": 4, "logprob": -2.5},
+            ],
+        },
         {"id": 5, "logprob": 0.0, "top_logprobs": []},  # accepted through speculation
     ]
     first, spec = from_server_probs(probs)
@@ -56,8 +72,19 @@ def test_server_logprobs_convert_sorted_with_empty_speculative_entries():
 
 
 def test_server_post_sampling_probs_become_logs_and_zero_becomes_float_lowest():
-    (rec,) = from_server_probs([{"id": 3, "prob": 0.6, "top_probs": [{"id": 3, "prob": 0.6}, {"id": 8, "prob": 0.0},
-                                                                    {"id": 2, "prob": 0.3}]}])
+    (rec,) = from_server_probs(
+        [
+            {
+                "id": 3,
+                "prob": 0.6,
+                "top_probs": [
+                    {"id": 3, "prob": 0.6},
+                    {"id": 8, "prob": 0.0},
+                    {"id": 2, "prob": 0.3},
+                ],
+            }
+        ]
+    )
     assert rec.top_ids.tolist() == [3, 2, 8]
     assert rec.top_logits[:2] == pytest.approx([math.log(0.6), math.log(0.3)])
     assert rec.top_logits[2] == np.finfo(np.float32).min
@@ -67,8 +94,9 @@ def test_server_margin_equals_the_raw_logit_margin():
     row = np.array([1.25, 4.0, 3.5, -2.0], dtype=np.float32)
     raw = capture(row, 3)
     logprobs = raw.logprobs()
-    server = from_server_probs([{"top_logprobs": [{"id": int(i), "logprob": float(v)}
-                                                  for i, v in zip(raw.top_ids, logprobs)]}])[0]
+    server = from_server_probs(
+        [{"top_logprobs": [{"id": int(i), "logprob": float(v)} for i, v in zip(raw.top_ids, logprobs)]}]
+    )[0]
     assert server.margin == pytest.approx(raw.margin, abs=1e-6)
 
 
@@ -77,22 +105,38 @@ def test_parquet_round_trip_keeps_dtypes_and_exact_values(tmp_path):
     run = [capture(rng.normal(0, 2, 500).astype(np.float32), 10) for _ in range(128)]
     served = from_server_probs([{"top_logprobs": [{"id": 1, "logprob": -0.5}]}, {"top_logprobs": []}])
     path = tmp_path / "logits.parquet"
-    save_parquet(path, {"dense/C": to_frame(run), "silent/C": to_frame([]), "server/C": to_frame(served)})
+    save_parquet(
+        path,
+        {
+            "dense/C": to_frame(run),
+            "silent/C": to_frame([]),
+            "server/C": to_frame(served),
+        },
+    )
     loaded = load_parquet(path)
-    assert list(loaded) == ["dense/C", "server/C"]  # a case without positions has no rows
+    assert list(loaded) == [
+        "dense/C",
+        "server/C",
+    ]  # a case without positions has no rows
     for original, frame in ((run, loaded["dense/C"]), (served, loaded["server/C"])):
         back = from_frame(frame)
         assert len(back) == len(original)
         for x, y in zip(original, back):
             assert y.top_ids.dtype == np.int32 and y.top_logits.dtype == np.float32
             assert np.array_equal(x.top_ids, y.top_ids) and np.array_equal(x.top_logits, y.top_logits)
-            assert (x.digest, x.head, x.tail, x.log_z) == (y.digest, y.head, y.tail, y.log_z)
+            assert (x.digest, x.head, x.tail, x.log_z) == (
+                y.digest,
+                y.head,
+                y.tail,
+                y.log_z,
+            )
     assert len(from_frame(loaded["server/C"])[1].top_ids) == 0
     # 128 positions × k = 10 plus both runs' digests: a baseline stays small (real tiny-model logits: ~16.6 kB)
     assert path.stat().st_size < 20_000
 
 
 # --- comparison -------------------------------------------------------------------------------------------
+
 
 def test_compare_metrics_on_hand_computed_numbers():
     half, quarter = math.log(0.5), math.log(0.25)
@@ -136,13 +180,17 @@ def test_check_judges_aggregates_names_the_worst_position_and_fails_without_posi
     # one outlier position of five does not decide alone through max |Δ|: its p60 is 0.01
     ok, message = check(compare(a, b), Tolerances(nmse=1, kl=1, max_abs=0.02, max_abs_quantile=0.6))
     assert ok, message
-    ok, message = check(compare(a, [lp([2, 1, 3], [-1.0, -1.01, -3.0])] + b[1:]), Tolerances(max_abs=1, nmse=1, kl=1))
+    ok, message = check(
+        compare(a, [lp([2, 1, 3], [-1.0, -1.01, -3.0])] + b[1:]),
+        Tolerances(max_abs=1, nmse=1, kl=1),
+    )
     assert not ok and "top-1 agreement 0.8000" in message and "position 0: id 1 vs 2" in message
     ok, message = check(compare(a, [lp([], [])] * 5), Tolerances())
     assert not ok and "no position has logits on both sides" in message
 
 
 # --- triage -----------------------------------------------------------------------------------------------
+
 
 def test_equal_streams_have_no_divergence():
     assert triage([1, 2, 3], [1, 2, 3], same(3), same(3)) is None
@@ -153,7 +201,13 @@ def test_near_tie_when_logits_agree_and_both_margins_are_small():
     ref[2] = lp([5, 6], [-0.70, -0.72])
     other = same(4)
     other[2] = lp([6, 5], [-0.70, -0.71])
-    d = triage([9, 9, 5, 9], [9, 9, 6, 9], ref, other, detokenize=lambda ts: "".join(f"<{t}>" for t in ts))
+    d = triage(
+        [9, 9, 5, 9],
+        [9, 9, 6, 9],
+        ref,
+        other,
+        detokenize=lambda ts: "".join(f"<{t}>" for t in ts),
+    )
     assert (d.index, d.kind, d.ref_token, d.other_token) == (2, "near-tie", 5, 6)
     assert d.margin == pytest.approx(0.02, abs=1e-6) and d.before == "<9><9>"
     assert list(d.margins) == [0, 1, 2]
@@ -169,8 +223,13 @@ def test_near_tie_needs_the_other_runs_logits_at_the_divergence():
     other[2] = lp([], [])  # llama-server withholds the logits of a speculatively accepted token
     d = triage([9, 9, 5], [9, 9, 6], ref, other)
     assert d.kind == "unexplained" and "withheld" in d.reason
-    rescored = triage([9, 9, 5], [9, 9, 6], ref, other,
-                      rescore=lambda side, pos: lp([6, 5], [-0.70, -0.71]) if side == "other" else None)
+    rescored = triage(
+        [9, 9, 5],
+        [9, 9, 6],
+        ref,
+        other,
+        rescore=lambda side, pos: lp([6, 5], [-0.70, -0.71]) if side == "other" else None,
+    )
     assert rescored.kind == "near-tie" and rescored.rescored == ["other at 2"] and "re-scored" in rescored.reason
 
 
@@ -190,7 +249,13 @@ def test_a_kv_finding_makes_any_divergence_kv_corrupt():
     ref[2] = lp([5, 6], [-0.70, -0.72])
     other = same(3)
     other[2] = lp([6, 5], [-0.70, -0.71])
-    d = triage([9, 9, 5], [9, 9, 6], ref, other, kv_findings=["the KV scan of the request found 3 duplicate cells"])
+    d = triage(
+        [9, 9, 5],
+        [9, 9, 6],
+        ref,
+        other,
+        kv_findings=["the KV scan of the request found 3 duplicate cells"],
+    )
     assert d.kind == "kv-corrupt" and "never a near-tie" in d.reason
 
 
@@ -212,8 +277,12 @@ def test_hard_when_logits_agree_and_the_margin_is_large():
 def test_unexplained_without_the_evidence_a_class_needs():
     assert triage([1, 2], [1, 3]).kind == "unexplained"
     assert triage([1, 2], [1, 3], same(2)).kind == "unexplained"  # large margin, nothing to rule out drift
-    server = from_server_probs([{"top_logprobs": [{"id": 1, "logprob": -1.0}, {"id": 2, "logprob": -2.0}]},
-                                {"top_logprobs": []}])
+    server = from_server_probs(
+        [
+            {"top_logprobs": [{"id": 1, "logprob": -1.0}, {"id": 2, "logprob": -2.0}]},
+            {"top_logprobs": []},
+        ]
+    )
     d = triage([1, 2], [1, 3], server, same(2))
     assert d.kind == "unexplained" and d.margin is None and "margin there unknown (positions 0–0: 1)" in d.describe()
     assert triage([1, 2], [1, 3], same(2), same(2), greedy=False).kind == "unexplained"
@@ -227,6 +296,7 @@ def test_prefix_divergence_is_at_the_shorter_length():
 
 
 # --- real tiny models -------------------------------------------------------------------------------------
+
 
 def generate(model, prompt, n_predict, spec=None, **params):
     with Engine(model.path, ContextParams(n_ctx=512, **params), spec, logit_top_k=10) as engine:
@@ -252,16 +322,24 @@ def detokenizer():
 def test_rollback_fault_divergence_is_hard(tiny_models, detokenizer):
     model = tiny_models["tiny-hybrid"]
     reference = generate(model, QUICKSORT_C, 64)
-    spec = SpecConfig(drafters=[Scripted(reference.tokens, wrong_at=lambda s, j, k: k == 1)],
-                      fault="partial-checkpoint-only")
+    spec = SpecConfig(
+        drafters=[Scripted(reference.tokens, wrong_at=lambda s, j, k: k == 1)],
+        fault="partial-checkpoint-only",
+    )
     faulty = generate(model, QUICKSORT_C, 64, spec)
-    d = triage(reference.tokens, faulty.tokens, reference.logits, faulty.logits, detokenizer(model))
+    d = triage(
+        reference.tokens,
+        faulty.tokens,
+        reference.logits,
+        faulty.logits,
+        detokenizer(model),
+    )
     # Measured: divergence at token 3, reference margin 0.854 nats; before it the two runs' logits differ
     # by ~1e-6 (verification batches vs single-token decodes), far inside tolerance. The fault corrupts
     # the recurrent state at the first partial acceptance, so the step's logits jump with nothing
     # leading up to it: not drift, not a near-tie, a logic bug → `hard`.
     assert d is not None and d.kind == "hard", d.describe()
-    assert compare(reference.logits[:d.index], faulty.logits[:d.index]).max_abs < 1e-4
+    assert compare(reference.logits[: d.index], faulty.logits[: d.index]).max_abs < 1e-4
     assert d.margin > NEAR_TIE
     text = d.describe()
     assert f"token {d.index}" in text and f"{d.margin:.4g} nats" in text

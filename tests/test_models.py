@@ -15,9 +15,17 @@ from harness.models import registry
 from harness.models.agreement import PROMPTS, teacher_forced_agreement
 from harness.models.generator import RECIPES
 
-KIND = {"tiny-dense": "dense", "tiny-hybrid": "hybrid", "tiny-recurrent": "recurrent", "tiny-long": "dense"}
-FLAGS = {"dense": (False, False), "hybrid": (False, True), "recurrent": (True, False)}  # (is_recurrent, is_hybrid)
-
+KIND = {
+    "tiny-dense": "dense",
+    "tiny-hybrid": "hybrid",
+    "tiny-recurrent": "recurrent",
+    "tiny-long": "dense",
+}
+FLAGS = {
+    "dense": (False, False),
+    "hybrid": (False, True),
+    "recurrent": (True, False),
+}  # (is_recurrent, is_hybrid)
 
 
 @pytest.fixture(scope="session")
@@ -33,7 +41,10 @@ def test_generated_model_loads_as_its_kind(built, name):
     model = llama_cpp.llama_model_load_from_file(str(info.path).encode(), llama_cpp.llama_model_default_params())
     assert model, f"llama.cpp could not load {info.path}"
     try:
-        flags = (llama_cpp.llama_model_is_recurrent(model), llama_cpp.llama_model_is_hybrid(model))
+        flags = (
+            llama_cpp.llama_model_is_recurrent(model),
+            llama_cpp.llama_model_is_hybrid(model),
+        )
     finally:
         llama_cpp.llama_model_free(model)
     assert flags == FLAGS[info.kind]
@@ -82,7 +93,11 @@ def test_draft_agrees_with_target_in_band(built, target):
 
 def test_gguf_path_reads_arch_from_header(built):
     info = resolve(str(built["tiny-hybrid"].path))
-    assert (info.arch, info.kind, info.sha256) == ("qwen35", "hybrid", built["tiny-hybrid"].sha256)
+    assert (info.arch, info.kind, info.sha256) == (
+        "qwen35",
+        "hybrid",
+        built["tiny-hybrid"].sha256,
+    )
 
 
 def test_arch_found_after_other_header_keys(tmp_path):
@@ -130,8 +145,7 @@ def _error(name_or_path: str) -> str:
 def test_missing_path_error(tmp_path):
     missing = tmp_path / "absent.gguf"
     assert _error(str(missing)) == (
-        f"model file not found: {missing} "
-        "(pass a registry name from `specharness models list` or an existing .gguf)"
+        f"model file not found: {missing} (pass a registry name from `specharness models list` or an existing .gguf)"
     )
 
 

@@ -66,9 +66,18 @@ def test_report_option_writes_the_run_directory_with_its_html_report(project):
     result = project.runpytest("suites", "-q", "--report", "out")
     result.assert_outcomes(passed=2)
     out = project.path / "out"
-    assert {"results.json", "checks.json", "run.json", "vocab.json", "junit.xml", "index.html"} <= {p.name for p in out.iterdir()}
-    assert any(line == f"specharness report: {out / 'index.html'}" or line.endswith("out/index.html")
-               for line in result.outlines)
+    assert {
+        "results.json",
+        "checks.json",
+        "run.json",
+        "vocab.json",
+        "junit.xml",
+        "index.html",
+    } <= {p.name for p in out.iterdir()}
+    assert any(
+        line == f"specharness report: {out / 'index.html'}" or line.endswith("out/index.html")
+        for line in result.outlines
+    )
     import json
 
     meta = json.loads((out / "run.json").read_text())
@@ -97,18 +106,24 @@ def test_report_under_xdist_merges_the_workers_parts_into_one_run(project):
     assert not (out / ".workers").exists() and (out / "index.html").is_file()
     meta = json.loads((out / "run.json").read_text())
     assert sorted((c["id"], c["status"]) for c in meta["cells"]) == sorted(
-        (f"{mode}-none-{model}-inproc", "done") for mode in ("seq", "no-kv-unified") for model in ("tiny-dense", "tiny-hybrid"))
+        (f"{mode}-none-{model}-inproc", "done")
+        for mode in ("seq", "no-kv-unified")
+        for model in ("tiny-dense", "tiny-hybrid")
+    )
     records = json.loads((out / "results.json").read_text())
     assert len(records) == 4 and all(r["error"] is None for r in records)
     assert "All 6 check verdicts passed" in (out / "index.html").read_text()
 
 
-def test_a_known_failure_for_a_cpu_feature_this_cpu_lacks_is_reported_skipped_with_its_reason(project):
+def test_a_known_failure_for_a_cpu_feature_this_cpu_lacks_is_reported_skipped_with_its_reason(
+    project,
+):
     """On a CPU without the entry's feature the item is skipped through a marker, and pytest places that
     report at the item's line: a None line was an INTERNALERROR that ended the whole session."""
     (project.path / "suites" / "known-failures.yaml").write_text(
         "- id: needs-a-flag\n  suite: good\n  backend: inproc\n  check: no-crash\n  cpu_flags: [no-cpu-has-this-flag]\n"
-        "  evidence: 'x'\n  llama_cpp_commit: 0c1e570\n  upstream: none\n  reason: a demo\n")
+        "  evidence: 'x'\n  llama_cpp_commit: 0c1e570\n  upstream: none\n  reason: a demo\n"
+    )
     result = project.runpytest("-p", "no:xdist", "-rs", "suites/known-failures.yaml")
     result.assert_outcomes(skipped=1)
     result.stdout.fnmatch_lines(["*needs-a-flag shows only on a CPU with no-cpu-has-this-flag*"])

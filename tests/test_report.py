@@ -20,7 +20,16 @@ from report_helpers import REPO, browser_or_skip, inside, make_checkout, parse_h
 pytestmark = pytest.mark.stress
 
 FAILING = "quicksort[Java-seq-none-tiny-dense-inproc]"
-NARROW = ["--suite", "quicksort", "--model", "tiny-dense", "--mode", "seq", "--spec", "none"]
+NARROW = [
+    "--suite",
+    "quicksort",
+    "--model",
+    "tiny-dense",
+    "--mode",
+    "seq",
+    "--spec",
+    "none",
+]
 
 
 @pytest.fixture(scope="module")
@@ -57,8 +66,16 @@ def test_first_screen_of_the_report_is_the_failure_and_counts_match_checks_json(
             if "data-key" not in row.attrs:
                 continue
             for cell in row.find_all("td"):
-                if cell.attrs.get("data-status") in ("failed", "known", "near-tie", "passed"):
-                    assert int(cell.text) == expected[(row.attrs["data-key"], cell.attrs["data-status"])], (axis, row.attrs)
+                if cell.attrs.get("data-status") in (
+                    "failed",
+                    "known",
+                    "near-tie",
+                    "passed",
+                ):
+                    assert int(cell.text) == expected[(row.attrs["data-key"], cell.attrs["data-status"])], (
+                        axis,
+                        row.attrs,
+                    )
     banner = doc.find("section", id="failures").find("div", class_="banner").text
     assert "1 failed" in banner and f"of {len(checks)} check verdicts" in banner
 
@@ -83,8 +100,14 @@ def test_rerun_command_from_the_report_reproduces_exactly_that_case(runs):
     argv = shlex.split(command)
     assert argv[:2] == ["pytest", f"suites/quicksort.yaml::{FAILING}"]
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    done = subprocess.run([sys.executable, "-m", *argv, "-p", "no:cacheprovider"], cwd=runs, env=env,
-                          capture_output=True, text=True, timeout=600)
+    done = subprocess.run(
+        [sys.executable, "-m", *argv, "-p", "no:cacheprovider"],
+        cwd=runs,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert done.returncode == 1, done.stdout[-2000:]
     assert f"FAILED suites/quicksort.yaml::{FAILING}" in done.stdout
     assert "1 failed" in done.stdout and "passed" not in done.stdout.splitlines()[-1]
@@ -153,10 +176,24 @@ def test_diff_lists_exactly_the_changed_case_and_exits_1(runs, capsys):
     assert listed == {"Java"}
     assert "newly failing (1)" in out and "REGRESSED" in out
     doc = parse_html((runs / "r1/diff.html").read_text())
-    assert [r.attrs["data-name"] for r in doc.find(id="newly-failing").find_all("tr") if "data-name" in r.attrs] == [FAILING]
+    assert [r.attrs["data-name"] for r in doc.find(id="newly-failing").find_all("tr") if "data-name" in r.attrs] == [
+        FAILING
+    ]
     assert not doc.find_all(id="changed") and doc.find(id="diff-status").text == "REGRESSED"
-    assert main(["diff", str(runs / "r1"), str(runs / "r0"), "--speed-threshold", "1",
-                 "--out", str(runs / "back.html")]) == 0
+    assert (
+        main(
+            [
+                "diff",
+                str(runs / "r1"),
+                str(runs / "r0"),
+                "--speed-threshold",
+                "1",
+                "--out",
+                str(runs / "back.html"),
+            ]
+        )
+        == 0
+    )
     assert "newly passing (1)" in capsys.readouterr().out
 
 
@@ -185,23 +222,62 @@ def test_history_marks_new_failures_fixed_flaky_and_stable(runs, tmp_path, capsy
     rows = load(flaky / "results.json")
     next(r for r in rows if r["case"] == "C")["tokens"][5] += 1
     (flaky / "results.json").write_text(json.dumps(rows))
-    assert main(["report", "--history", str(runs / "r0"), str(flaky), str(runs / "r1"),
-                 "--out", str(tmp_path / "h.html")]) == 1
+    assert (
+        main(
+            [
+                "report",
+                "--history",
+                str(runs / "r0"),
+                str(flaky),
+                str(runs / "r1"),
+                "--out",
+                str(tmp_path / "h.html"),
+            ]
+        )
+        == 1
+    )
     doc = parse_html((tmp_path / "h.html").read_text())
-    category = {r.attrs["data-name"]: r.attrs["data-status"] for r in doc.find(id="all-items").find_all("tr")
-                if "data-name" in r.attrs}
-    assert category == {FAILING: "new failure", "quicksort[C-seq-none-tiny-dense-inproc]": "flaky",
-                        "quicksort[Python-seq-none-tiny-dense-inproc]": "stable"}
-    assert main(["report", "--history", str(runs / "r1"), str(runs / "r0"), "--out", str(tmp_path / "h2.html")]) == 0
+    category = {
+        r.attrs["data-name"]: r.attrs["data-status"]
+        for r in doc.find(id="all-items").find_all("tr")
+        if "data-name" in r.attrs
+    }
+    assert category == {
+        FAILING: "new failure",
+        "quicksort[C-seq-none-tiny-dense-inproc]": "flaky",
+        "quicksort[Python-seq-none-tiny-dense-inproc]": "stable",
+    }
+    assert (
+        main(
+            [
+                "report",
+                "--history",
+                str(runs / "r1"),
+                str(runs / "r0"),
+                "--out",
+                str(tmp_path / "h2.html"),
+            ]
+        )
+        == 0
+    )
     assert "1 fixed" in capsys.readouterr().out
 
 
 def test_report_of_records_without_the_new_fields_says_not_recorded(tmp_path):
     run = tmp_path / "old"
     run.mkdir()
-    verdict = {"suite": "s", "case": "c", "model": "m", "backend": "inproc", "mode": "par", "spec": "none",
-               "check": "mode-invariant", "passed": False, "message": "differs",
-               "evidence": {"first_divergence": {"round": 0, "index": 3, "kind": "hard"}}}
+    verdict = {
+        "suite": "s",
+        "case": "c",
+        "model": "m",
+        "backend": "inproc",
+        "mode": "par",
+        "spec": "none",
+        "check": "mode-invariant",
+        "passed": False,
+        "message": "differs",
+        "evidence": {"first_divergence": {"round": 0, "index": 3, "kind": "hard"}},
+    }
     (run / "checks.json").write_text(json.dumps([verdict]))
     (run / "results.json").write_text("[]")
     assert main(["report", str(run)]) == 0
@@ -212,12 +288,15 @@ def test_report_of_records_without_the_new_fields_says_not_recorded(tmp_path):
     assert doc.find(id="command").text == "not recorded"
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["report", "nowhere"], "nowhere: no such run directory"),
-    (["report"], "report takes one of"),
-    (["report", "--merge", "a", "b"], "--merge needs --out"),
-    (["diff", "nowhere", "also-nowhere"], "nowhere: no such run directory"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["report", "nowhere"], "nowhere: no such run directory"),
+        (["report"], "report takes one of"),
+        (["report", "--merge", "a", "b"], "--merge needs --out"),
+        (["diff", "nowhere", "also-nowhere"], "nowhere: no such run directory"),
+    ],
+)
 def test_report_commands_bad_input_is_one_line(argv, message, capsys):
     assert main(argv) == 2
     err = capsys.readouterr().err.strip()
@@ -226,22 +305,42 @@ def test_report_commands_bad_input_is_one_line(argv, message, capsys):
 
 def test_lossless_failure_shows_the_margin_chart_and_a_specharness_rerun(tmp_path, tiny_models):
     out = tmp_path / "fault"
-    argv = ["run", "--suite", "quicksort", "--model", "tiny-hybrid", "--mode", "seq", "--spec",
-            "none,scripted-wrong-at-2", "--fault", "skip-seq-rm-after-restore", "--out", str(out)]
+    argv = [
+        "run",
+        "--suite",
+        "quicksort",
+        "--model",
+        "tiny-hybrid",
+        "--mode",
+        "seq",
+        "--spec",
+        "none,scripted-wrong-at-2",
+        "--fault",
+        "skip-seq-rm-after-restore",
+        "--out",
+        str(out),
+    ]
     assert main(argv) == 1
     lossless = [v for v in load(out / "checks.json") if v["check"] == "lossless" and not v["passed"]]
     assert lossless
     first = lossless[0]["evidence"]["first_divergence"]
-    assert first["reference"] == "non-speculative output" and len(first["reference_margins"]) == len(first["reference_tokens"])
+    assert first["reference"] == "non-speculative output" and len(first["reference_margins"]) == len(
+        first["reference_tokens"]
+    )
     doc = parse_html((out / "index.html").read_text())
-    block = next(d for d in doc.find_all("div", class_="divergence") if d.attrs["data-check"] == "lossless"
-                 and item_name(lossless[0]) in d.parent.find("h3").text)
+    block = next(
+        d
+        for d in doc.find_all("div", class_="divergence")
+        if d.attrs["data-check"] == "lossless" and item_name(lossless[0]) in d.parent.find("h3").text
+    )
     assert block.find("mark", class_="first-divergence").attrs["data-index"] == str(first["index"])
     chart = block.find("svg", class_="chart")
     assert chart.find("line", class_="divergence") and "divergence @ " + str(first["index"]) in chart.text
     command = block.parent.find("pre", class_="rerun-command").text
-    assert command.startswith("specharness run --suite quicksort --backend inproc --mode seq --spec scripted-wrong-at-2 "
-                              "--model tiny-hybrid --fault skip-seq-rm-after-restore")
+    assert command.startswith(
+        "specharness run --suite quicksort --backend inproc --mode seq --spec scripted-wrong-at-2 "
+        "--model tiny-hybrid --fault skip-seq-rm-after-restore"
+    )
 
 
 def test_known_defects_near_ties_and_unserved_cells_in_html_and_junit(tmp_path):
@@ -249,22 +348,64 @@ def test_known_defects_near_ties_and_unserved_cells_in_html_and_junit(tmp_path):
 
     run = tmp_path / "synthetic"
     run.mkdir()
-    base = {"suite": "kv-fill", "model": "tiny-dense", "backend": "server", "spec": "draft-simple", "message": ""}
+    base = {
+        "suite": "kv-fill",
+        "model": "tiny-dense",
+        "backend": "server",
+        "spec": "draft-simple",
+        "message": "",
+    }
     checks = [
-        {**base, "case": "chat1.turn1", "mode": "par", "check": "no-crash", "passed": False,
-         "message": "HTTP 500: speculative batch index 3 is not inside the current sub-batch [0, 2)",
-         "evidence": {"known_failure": "server-spec-batch-split-on-kv-full"}},
-        {**base, "case": "chat1.turn1", "mode": "no-kv-unified", "check": "mode-invariant", "passed": True,
-         "evidence": {"near_ties": 2}},
-        {**base, "case": "chat1.turn1", "mode": "seq", "check": "no-crash", "passed": False,
-         "message": "the cell could not be served: llama-server could not load model tiny-dense", "evidence": {}},
+        {
+            **base,
+            "case": "chat1.turn1",
+            "mode": "par",
+            "check": "no-crash",
+            "passed": False,
+            "message": "HTTP 500: speculative batch index 3 is not inside the current sub-batch [0, 2)",
+            "evidence": {"known_failure": "server-spec-batch-split-on-kv-full"},
+        },
+        {
+            **base,
+            "case": "chat1.turn1",
+            "mode": "no-kv-unified",
+            "check": "mode-invariant",
+            "passed": True,
+            "evidence": {"near_ties": 2},
+        },
+        {
+            **base,
+            "case": "chat1.turn1",
+            "mode": "seq",
+            "check": "no-crash",
+            "passed": False,
+            "message": "the cell could not be served: llama-server could not load model tiny-dense",
+            "evidence": {},
+        },
     ]
-    meta = {"cells": [{"suite": "kv-fill", "id": "seq-draft-simple-tiny-dense-server", "status": "error",
-                       "error": "llama-server could not load model tiny-dense: unknown architecture"}],
-            "known_failures": [{"id": "server-spec-batch-split-on-kv-full", "reason": "the batch split",
-                                "llama_cpp_commit": "0c1e57098bba43ac29e6e3b677cdceebdd22334f",
-                                "upstream": "https://github.com/ggml-org/llama.cpp/issues/24840"}]}
-    for name, data in (("checks.json", checks), ("results.json", []), ("run.json", meta)):
+    meta = {
+        "cells": [
+            {
+                "suite": "kv-fill",
+                "id": "seq-draft-simple-tiny-dense-server",
+                "status": "error",
+                "error": "llama-server could not load model tiny-dense: unknown architecture",
+            }
+        ],
+        "known_failures": [
+            {
+                "id": "server-spec-batch-split-on-kv-full",
+                "reason": "the batch split",
+                "llama_cpp_commit": "0c1e57098bba43ac29e6e3b677cdceebdd22334f",
+                "upstream": "https://github.com/ggml-org/llama.cpp/issues/24840",
+            }
+        ],
+    }
+    for name, data in (
+        ("checks.json", checks),
+        ("results.json", []),
+        ("run.json", meta),
+    ):
         (run / name).write_text(json.dumps(data))
     assert main(["report", str(run)]) == 0
     doc = parse_html((run / "index.html").read_text())
@@ -272,8 +413,11 @@ def test_known_defects_near_ties_and_unserved_cells_in_html_and_junit(tmp_path):
     assert known.find("a").attrs["href"] == "https://github.com/ggml-org/llama.cpp/issues/24840"
     assert "kv-fill[chat1.turn1-par-draft-simple-tiny-dense-server]" in known.text
     assert "unknown architecture" in doc.find(id="cell-errors").text
-    per_check = {r.attrs["data-key"]: {c.attrs["data-status"]: c.text for c in r.find_all("td") if "data-status" in c.attrs}
-                 for r in doc.find("table", data_axis="check").find_all("tr") if "data-key" in r.attrs}
+    per_check = {
+        r.attrs["data-key"]: {c.attrs["data-status"]: c.text for c in r.find_all("td") if "data-status" in c.attrs}
+        for r in doc.find("table", data_axis="check").find_all("tr")
+        if "data-key" in r.attrs
+    }
     assert per_check["no-crash"]["known"] == "1" and per_check["no-crash"]["failed"] == "1"
     assert per_check["mode-invariant"]["near-tie"] == "1"
     cases = {c.get("name"): c for c in ET.parse(run / "junit.xml").getroot().iter("testcase")}

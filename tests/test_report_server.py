@@ -15,7 +15,11 @@ def test_sigint_during_a_server_run_reports_what_finished_and_stops_the_servers(
     out, phases = tmp_path / "run", tmp_path / "phases"
     # the cells of one mode (none and draft-simple) run side by side, each with its own llama-server: held as the
     # second mode's servers are up, the first mode's cells finished
-    proc = spawn(["run", "--backend", "server", "--model", "tiny-dense", "--out", str(out)], phases, hold="serving:2")
+    proc = spawn(
+        ["run", "--backend", "server", "--model", "tiny-dense", "--out", str(out)],
+        phases,
+        hold="serving:2",
+    )
     wait_for_phase(proc, phases, "serving", 2)
     status, output = interrupt(proc)
     assert status == 130, output[-2000:]
@@ -32,8 +36,11 @@ def test_sigint_during_a_server_run_reports_what_finished_and_stops_the_servers(
     assert {f"{v['mode']}-{v['spec']}-{v['model']}-{v['backend']}" for v in checks} == done
     html = (out / "index.html").read_text()
     assert 'id="interrupted"' in html and all(f"quicksort {cid}" in html for cid in not_run)
-    skipped = [c for c in ET.parse(out / "junit.xml").getroot().iter("testcase")
-               if c.find("skipped") is not None and c.find("skipped").get("type") == "not-run"]
+    skipped = [
+        c
+        for c in ET.parse(out / "junit.xml").getroot().iter("testcase")
+        if c.find("skipped") is not None and c.find("skipped").get("type") == "not-run"
+    ]
     assert len(skipped) == len(not_run)
     assert f"interrupted: {len(not_run)} of 6 cells did not run" in output and f"report: {out / 'index.html'}" in output
 
@@ -44,12 +51,25 @@ def test_a_model_the_server_cannot_load_is_a_per_cell_error_and_the_run_goes_on(
     data = bytearray(tiny_models["tiny-dense"].path.read_bytes())
     key = data.index(b"general.architecture")
     at = data.index(b"llama", key + len("general.architecture"))
-    data[at:at + 5] = b"llamz"  # an architecture this llama.cpp does not know, as a newer model is to an older build
+    data[at : at + 5] = b"llamz"  # an architecture this llama.cpp does not know, as a newer model is to an older build
     unknown = tmp_path / "future-arch.gguf"
     unknown.write_bytes(bytes(data))
     out = tmp_path / "run"
-    argv = ["run", "--backend", "server", "--mode", "seq", "--spec", "none", "--model", str(unknown),
-            "--model", "tiny-dense", "--out", str(out)]
+    argv = [
+        "run",
+        "--backend",
+        "server",
+        "--mode",
+        "seq",
+        "--spec",
+        "none",
+        "--model",
+        str(unknown),
+        "--model",
+        "tiny-dense",
+        "--out",
+        str(out),
+    ]
     assert main(argv) == 3
     err = capsys.readouterr().err
     assert "could not load model" in err and "llamz" in err

@@ -31,24 +31,48 @@ TINY = ("tiny-dense", "tiny-hybrid", "tiny-recurrent")
 PROJECT_DEFAULTS = {"temperature", "n_predict", "seed", "n_probs"}
 """Fields whose default is the project's, not llama-server's (greedy, 128 tokens, the backend's seed,
 the run's --logit-top-k)."""
-ACCEPTANCE = {"repeat_penalty": 1.5, "repeat_last_n": 64, "temperature": 0.7, "seed": 42}
-JSON_GRAMMAR = r'''
+ACCEPTANCE = {
+    "repeat_penalty": 1.5,
+    "repeat_last_n": 64,
+    "temperature": 0.7,
+    "seed": 42,
+}
+JSON_GRAMMAR = r"""
 root ::= "{" ws "\"lang\":" ws ("\"C\"" | "\"Java\"") "," ws "\"n\":" ws [0-9] [0-9]? ws "}"
 ws   ::= " "?
-'''
+"""
 CHAINS = {
     "greedy, penalties": dict(temperature=0, repeat_penalty=1.5, repeat_last_n=64),
-    "greedy, frequency, presence, DRY": dict(temperature=0, repeat_penalty=1.3, frequency_penalty=0.5,
-                                             presence_penalty=0.5, dry_multiplier=0.8),
-    "greedy, logit bias, ignore_eos": dict(temperature=0, logit_bias=[[" the", -5], [15, 3], [29871, False]],
-                                           ignore_eos=True),
+    "greedy, frequency, presence, DRY": dict(
+        temperature=0,
+        repeat_penalty=1.3,
+        frequency_penalty=0.5,
+        presence_penalty=0.5,
+        dry_multiplier=0.8,
+    ),
+    "greedy, logit bias, ignore_eos": dict(
+        temperature=0,
+        logit_bias=[[" the", -5], [15, 3], [29871, False]],
+        ignore_eos=True,
+    ),
     "sampled, penalties": ACCEPTANCE,
-    "sampled, DRY, XTC, typical, top-n-sigma": dict(temperature=0.9, seed=7, dry_multiplier=0.8,
-                                                     xtc_probability=0.5, xtc_threshold=0.1, typical_p=0.9,
-                                                     top_n_sigma=2.0),
+    "sampled, DRY, XTC, typical, top-n-sigma": dict(
+        temperature=0.9,
+        seed=7,
+        dry_multiplier=0.8,
+        xtc_probability=0.5,
+        xtc_threshold=0.1,
+        typical_p=0.9,
+        top_n_sigma=2.0,
+    ),
     "mirostat 2": dict(temperature=0.8, seed=3, mirostat=2),
-    "dynamic temperature, sampler order": dict(temperature=0.8, seed=5, dynatemp_range=0.5, repeat_penalty=1.2,
-                                               samplers=["top_k", "temperature", "penalties", "min_p"]),
+    "dynamic temperature, sampler order": dict(
+        temperature=0.8,
+        seed=5,
+        dynatemp_range=0.5,
+        repeat_penalty=1.2,
+        samplers=["top_k", "temperature", "penalties", "min_p"],
+    ),
     "sampled under a grammar": dict(temperature=1.0, seed=11, grammar=JSON_GRAMMAR),
 }
 
@@ -79,17 +103,42 @@ def test_defaults_are_llama_servers_own(build, tiny_models, tmp_path):
             assert server[f.name] == (pytest.approx(value) if isinstance(value, float) else value), f.name
             compared += 1
     assert compared >= 25
-    assert ours.dry_sequence_breakers == ["\n", ":", "\"", "*"] and ours.logit_bias == []  # common.h
+    assert ours.dry_sequence_breakers == ["\n", ":", '"', "*"] and ours.logit_bias == []  # common.h
 
 
 def test_every_field_is_sent_as_is_and_applied_by_the_server(build, tiny_models, tmp_path):
-    odd = Sampling(temperature=0.55, top_k=7, top_p=0.8, min_p=0.02, typical_p=0.97, top_n_sigma=1.5,
-                   xtc_probability=0.25, xtc_threshold=0.2, dynatemp_range=0.1, dynatemp_exponent=1.3,
-                   repeat_last_n=16, repeat_penalty=1.25, frequency_penalty=0.1, presence_penalty=0.2,
-                   dry_multiplier=0.4, dry_base=2.0, dry_allowed_length=3, dry_penalty_last_n=32,
-                   mirostat_tau=4.0, mirostat_eta=0.2, adaptive_target=0.5, adaptive_decay=0.5, min_keep=2,
-                   ignore_eos=True, samplers=["top_k", "penalties", "temperature"], seed=1234, n_probs=3,
-                   n_predict=4, n_keep=5, n_discard=7)
+    odd = Sampling(
+        temperature=0.55,
+        top_k=7,
+        top_p=0.8,
+        min_p=0.02,
+        typical_p=0.97,
+        top_n_sigma=1.5,
+        xtc_probability=0.25,
+        xtc_threshold=0.2,
+        dynatemp_range=0.1,
+        dynatemp_exponent=1.3,
+        repeat_last_n=16,
+        repeat_penalty=1.25,
+        frequency_penalty=0.1,
+        presence_penalty=0.2,
+        dry_multiplier=0.4,
+        dry_base=2.0,
+        dry_allowed_length=3,
+        dry_penalty_last_n=32,
+        mirostat_tau=4.0,
+        mirostat_eta=0.2,
+        adaptive_target=0.5,
+        adaptive_decay=0.5,
+        min_keep=2,
+        ignore_eos=True,
+        samplers=["top_k", "penalties", "temperature"],
+        seed=1234,
+        n_probs=3,
+        n_predict=4,
+        n_keep=5,
+        n_discard=7,
+    )
     with ServerBackend(build, run_dir=tmp_path).open(ServeConfig(model=tiny_models["tiny-dense"].path)) as session:
         client = LlamaClient(session.server.url)
         payload = {"prompt": "Hello", **odd.server_fields(), "n_probs": odd.n_probs}
@@ -97,8 +146,16 @@ def test_every_field_is_sent_as_is_and_applied_by_the_server(build, tiny_models,
     for name, value in payload.items():
         if name in echoed and name != "logit_bias":
             assert echoed[name] == (pytest.approx(value) if isinstance(value, float) else value), name
-    assert {"repeat_penalty", "dry_multiplier", "samplers", "ignore_eos", "min_keep", "xtc_threshold", "n_keep",
-            "n_discard"} <= set(echoed)
+    assert {
+        "repeat_penalty",
+        "dry_multiplier",
+        "samplers",
+        "ignore_eos",
+        "min_keep",
+        "xtc_threshold",
+        "n_keep",
+        "n_discard",
+    } <= set(echoed)
     eog = Model(tiny_models["tiny-dense"].path)
     try:  # ignore_eos: the server adds its vocabulary's end-of-generation biases (-inf shows as null)
         assert echoed["logit_bias"] == [{"bias": None, "token": t} for t in eog.vocabulary.eog_tokens]
@@ -106,15 +163,53 @@ def test_every_field_is_sent_as_is_and_applied_by_the_server(build, tiny_models,
         eog.close()
 
 
-@pytest.mark.parametrize("text, line, where, says", [
-    ("    sampling: {repeat_penalt: 1.5}\n", 5, "cases.0.sampling.repeat_penalt", "did you mean 'repeat_penalty'"),
-    ("    sampling: {repeat_penalty: high}\n", 5, "cases.0.sampling.repeat_penalty", "'high' is not of type 'number'"),
-    ("    sampling:\n      samplers: [top_k, nucleus]\n", 6, "cases.0.sampling.samplers.1", "'nucleus' is not one of"),
-    ("    sampling:\n      logit_bias: [[15, true]]\n", 6, "cases.0.sampling.logit_bias.0.1", "not a number or false"),
-    ("    sampling: {n_predict: 0}\n", 5, "cases.0.sampling.n_predict", "-1 (until the context is full)"),
-    ("    sampling: {mirostat: 3}\n", 5, "cases.0.sampling.mirostat", "3 is not one of [0, 1, 2]"),
-    ("    sampling: {repeat_penalty: 0}\n", 5, "cases.0.sampling.repeat_penalty", "less than or equal to the minimum"),
-])
+@pytest.mark.parametrize(
+    "text, line, where, says",
+    [
+        (
+            "    sampling: {repeat_penalt: 1.5}\n",
+            5,
+            "cases.0.sampling.repeat_penalt",
+            "did you mean 'repeat_penalty'",
+        ),
+        (
+            "    sampling: {repeat_penalty: high}\n",
+            5,
+            "cases.0.sampling.repeat_penalty",
+            "'high' is not of type 'number'",
+        ),
+        (
+            "    sampling:\n      samplers: [top_k, nucleus]\n",
+            6,
+            "cases.0.sampling.samplers.1",
+            "'nucleus' is not one of",
+        ),
+        (
+            "    sampling:\n      logit_bias: [[15, true]]\n",
+            6,
+            "cases.0.sampling.logit_bias.0.1",
+            "not a number or false",
+        ),
+        (
+            "    sampling: {n_predict: 0}\n",
+            5,
+            "cases.0.sampling.n_predict",
+            "-1 (until the context is full)",
+        ),
+        (
+            "    sampling: {mirostat: 3}\n",
+            5,
+            "cases.0.sampling.mirostat",
+            "3 is not one of [0, 1, 2]",
+        ),
+        (
+            "    sampling: {repeat_penalty: 0}\n",
+            5,
+            "cases.0.sampling.repeat_penalty",
+            "less than or equal to the minimum",
+        ),
+    ],
+)
 def test_a_wrong_sampling_field_is_one_line_with_file_line_and_field(tmp_path, text, line, where, says):
     path = tmp_path / "demo.yaml"
     path.write_text("suite: demo\ncases:\n  - name: one\n    prompt: hello\n" + text)
@@ -125,10 +220,17 @@ def test_a_wrong_sampling_field_is_one_line_with_file_line_and_field(tmp_path, t
 
 
 def test_acceptance_penalty_config_parses_from_a_suite_file():
-    suite = parse_suite("suite: d\nsampling: {repeat_penalty: 1.5, repeat_last_n: 64, temperature: 0.7, seed: 42}\n"
-                        "cases:\n  - {name: a, prompt: x, sampling: {logit_bias: {'15': -1, hello: false}}}\n")
+    suite = parse_suite(
+        "suite: d\nsampling: {repeat_penalty: 1.5, repeat_last_n: 64, temperature: 0.7, seed: 42}\n"
+        "cases:\n  - {name: a, prompt: x, sampling: {logit_bias: {'15': -1, hello: false}}}\n"
+    )
     sampling = suite.cases[0].sampling
-    assert (sampling.repeat_penalty, sampling.repeat_last_n, sampling.temperature, sampling.seed) == (1.5, 64, 0.7, 42)
+    assert (
+        sampling.repeat_penalty,
+        sampling.repeat_last_n,
+        sampling.temperature,
+        sampling.seed,
+    ) == (1.5, 64, 0.7, 42)
     assert not sampling.greedy and Sampling(temperature=0, repeat_penalty=2).greedy
 
 
@@ -138,7 +240,10 @@ def test_acceptance_penalty_config_parses_from_a_suite_file():
 def test_logit_bias_follows_llama_servers_parsing(vocab_model):
     model = vocab_model
     hello = model.tokenize("hello", add_special=False, parse_special=False)
-    as_list = logit_biases(Sampling(logit_bias=[[15, 2.0], ["hello", False], [10**9, 1.0], [3, True], [4.5, 1]]), model)
+    as_list = logit_biases(
+        Sampling(logit_bias=[[15, 2.0], ["hello", False], [10**9, 1.0], [3, True], [4.5, 1]]),
+        model,
+    )
     assert as_list == [(15, 2.0)] + [(t, -math.inf) for t in hello]
     as_mapping = logit_biases(Sampling(logit_bias={"15": 2.0, " 16": -1, "hello": False, 17: 0.5}), model)
     assert as_mapping == [(15, 2.0), (16, -1.0)] + [(t, -math.inf) for t in hello] + [(17, 0.5)]
@@ -175,8 +280,14 @@ def test_clone_restores_penalties_dry_grammar_and_rng(vocab_model):
     model = vocab_model
     rng = np.random.RandomState(0)
     rows = [rng.randn(model.n_vocab).astype(np.float32) * 3 for _ in range(12)]
-    sampling = Sampling(temperature=0.9, seed=5, repeat_penalty=1.5, dry_multiplier=0.8, xtc_probability=0.3,
-                        grammar='root ::= [^\\x00]*')
+    sampling = Sampling(
+        temperature=0.9,
+        seed=5,
+        repeat_penalty=1.5,
+        dry_multiplier=0.8,
+        xtc_probability=0.3,
+        grammar="root ::= [^\\x00]*",
+    )
     sampler = Sampler.for_request(sampling, 42, model)
     first = [sampler.sample(None, 0, r) for r in rows[:6]]
     backup = sampler.clone()
@@ -244,7 +355,10 @@ def test_same_seed_and_config_five_times_gives_identical_tokens(tiny_models, bac
 
 
 def test_context_limit_and_unlimited_n_predict_match_the_server(tiny_models):
-    unlimited = Request(prompt="Write a quicksort demo in C.", sampling=Sampling(n_predict=-1, ignore_eos=True))
+    unlimited = Request(
+        prompt="Write a quicksort demo in C.",
+        sampling=Sampling(n_predict=-1, ignore_eos=True),
+    )
     ours, theirs = _serve_both(tiny_models["tiny-dense"].path, [unlimited], n_ctx=256)
     assert ours[0].stop_reason == theirs[0].stop_reason == "limit"
     assert ours[0].tokens == theirs[0].tokens
@@ -257,7 +371,12 @@ def test_context_limit_and_unlimited_n_predict_match_the_server(tiny_models):
 
 def test_sampling_suite_catches_no_penalty_restore():
     """(Clean runs of the same cells pass in `pytest suites/`; the selftest checks the catch matrix.)"""
-    only = {"backends": ["inproc"], "modes": ["seq"], "specs": ["draft-simple"], "models": ["tiny-hybrid"]}
+    only = {
+        "backends": ["inproc"],
+        "modes": ["seq"],
+        "specs": ["draft-simple"],
+        "models": ["tiny-hybrid"],
+    }
     executor = Executor(ExecOptions(backends=backend_factories(), engine={"fault": "no-penalty-restore"}))
     verdicts = run_suites([(load_suite("sampling"), only)], executor, BaselineStore(default_root()))
     failing = {(case, r.name) for _, case, _, r in verdicts if not r.passed}

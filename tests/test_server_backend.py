@@ -87,7 +87,10 @@ def test_mode_returns_complete_greedy_results(mode_results, mode):
         assert result.prompt_tokens and result.tokens and result.text
         assert result.timings.predicted_n == len(result.tokens)
         assert result.timings.prompt_n > 0
-        assert (result.stop_reason, len(result.tokens)) == ("limit", 128) or result.stop_reason == "eos"
+        assert (result.stop_reason, len(result.tokens)) == (
+            "limit",
+            128,
+        ) or result.stop_reason == "eos"
         assert 0 <= result.slot_id < (1 if mode == "seq" else len(LANGS))
 
 
@@ -103,7 +106,10 @@ def test_seq_equals_no_kv_unified_without_flash_attention(mode_results):
 
 
 def test_chat_request_yields_token_ids(build, model, tmp_path):
-    chat = Request(messages=[{"role": "user", "content": "Say hi."}], sampling=Sampling(n_predict=16))
+    chat = Request(
+        messages=[{"role": "user", "content": "Say hi."}],
+        sampling=Sampling(n_predict=16),
+    )
     with ServerBackend(build, run_dir=tmp_path).open(config(model, "seq")) as session:
         [result] = session.run([chat])
     assert result.ok, result.error
@@ -237,7 +243,12 @@ def test_plain_tree_identity_follows_source_files_only(plain_tree):
 
 def test_git_checkout_identity_is_commit_plus_uncommitted_changes(plain_tree):
     def git(*args) -> str:
-        return subprocess.run(["git", "-C", str(plain_tree), *args], check=True, capture_output=True, text=True).stdout
+        return subprocess.run(
+            ["git", "-C", str(plain_tree), *args],
+            check=True,
+            capture_output=True,
+            text=True,
+        ).stdout
 
     git("init", "-q")
     git("add", "CMakeLists.txt", "src")
@@ -299,7 +310,10 @@ def test_failed_build_leaves_no_cache_entry(fake_tree, tmp_path):
     assert log.endswith(".failed.log")
 
 
-@pytest.mark.parametrize("corrupt", ["truncated", "not-an-object", "schema-changed", "wrong-type", "no-binary"])
+@pytest.mark.parametrize(
+    "corrupt",
+    ["truncated", "not-an-object", "schema-changed", "wrong-type", "no-binary"],
+)
 def test_unusable_cache_entry_is_rebuilt_and_replaced(fake_tree, tmp_path, corrupt, capsys):
     first = ensure_server(fake_tree, "cpu", [], jobs=2)
     root = first.server_bin.parent.parent
@@ -406,23 +420,42 @@ def test_corrupt_sdist_download_is_fetched_again_once(tmp_path, monkeypatch):
 def test_cmake_arg_takes_a_separate_definition():
     from harness.cli import build_parser
 
-    args = build_parser().parse_args(["build", "--cmake-arg", "-DGGML_NATIVE=OFF", "--cmake-arg=-G", "--cmake-arg",
-                                      "-UFOO", "--jobs", "2"])
+    args = build_parser().parse_args(
+        [
+            "build",
+            "--cmake-arg",
+            "-DGGML_NATIVE=OFF",
+            "--cmake-arg=-G",
+            "--cmake-arg",
+            "-UFOO",
+            "--jobs",
+            "2",
+        ]
+    )
     assert args.cmake_arg == ["-DGGML_NATIVE=OFF", "-G", "-UFOO"] and args.jobs == 2
     with pytest.raises(SystemExit):
         build_parser().parse_args(["build", "-DGGML_NATIVE=OFF"])  # a definition without --cmake-arg
 
 
-@pytest.mark.parametrize("backend, on, off", [
-    ("cpu", (), ("-DGGML_CUDA=OFF", "-DGGML_METAL=OFF")),
-    ("cuda", ("-DGGML_CUDA=ON",), ("-DGGML_METAL=OFF",)),
-    ("metal", ("-DGGML_METAL=ON",), ("-DGGML_CUDA=OFF",)),
-])
+@pytest.mark.parametrize(
+    "backend, on, off",
+    [
+        ("cpu", (), ("-DGGML_CUDA=OFF", "-DGGML_METAL=OFF")),
+        ("cuda", ("-DGGML_CUDA=ON",), ("-DGGML_METAL=OFF",)),
+        ("metal", ("-DGGML_METAL=ON",), ("-DGGML_CUDA=OFF",)),
+    ],
+)
 def test_cmake_args_per_backend(backend, on, off):
     args = cmake_options(backend, ["-DGGML_NATIVE=OFF"])
     assert set(on) | set(off) <= set(args)
-    assert {"-DCMAKE_BUILD_TYPE=Release", "-DBUILD_SHARED_LIBS=OFF", "-DLLAMA_CURL=OFF", "-DLLAMA_OPENSSL=OFF",
-            "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF"} <= set(args)
+    assert {
+        "-DCMAKE_BUILD_TYPE=Release",
+        "-DBUILD_SHARED_LIBS=OFF",
+        "-DLLAMA_CURL=OFF",
+        "-DLLAMA_OPENSSL=OFF",
+        "-DLLAMA_BUILD_TESTS=OFF",
+        "-DLLAMA_BUILD_EXAMPLES=OFF",
+    } <= set(args)
     assert args[-1] == "-DGGML_NATIVE=OFF"  # user arguments come last, so they win
 
 
@@ -504,7 +537,12 @@ def test_port_in_use(build, model, tmp_path):
         busy.bind(("127.0.0.1", 0))
         busy.listen()
         port = busy.getsockname()[1]
-        server = LlamaServer(server_bin=build.server_bin, model=model, port=port, log_path=tmp_path / "server.log")
+        server = LlamaServer(
+            server_bin=build.server_bin,
+            model=model,
+            port=port,
+            log_path=tmp_path / "server.log",
+        )
         with pytest.raises(HarnessError, match=f"port {port} .* in use") as excinfo:
             server.start()
     _one_line_error(excinfo)
@@ -512,7 +550,12 @@ def test_port_in_use(build, model, tmp_path):
 
 
 def test_health_timeout_stops_the_process(build, model, tmp_path):
-    server = LlamaServer(server_bin=build.server_bin, model=model, start_timeout=0.05, log_path=tmp_path / "server.log")
+    server = LlamaServer(
+        server_bin=build.server_bin,
+        model=model,
+        start_timeout=0.05,
+        log_path=tmp_path / "server.log",
+    )
     started = time.monotonic()
     with pytest.raises(HarnessError, match="not ready within") as excinfo:
         server.start()
@@ -522,8 +565,11 @@ def test_health_timeout_stops_the_process(build, model, tmp_path):
 
 def test_command_maps_config_one_to_one(build, model):
     par = LlamaServer.from_config(
-        config(model, "par", spec={"spec-type": "ngram-simple", "spec-draft-n-max": 8}), build.server_bin,
-        cache_prompt=False, metrics=True, warmup=False,
+        config(model, "par", spec={"spec-type": "ngram-simple", "spec-draft-n-max": 8}),
+        build.server_bin,
+        cache_prompt=False,
+        metrics=True,
+        warmup=False,
     )
     par.port = 1234
     cmd = par.command()
@@ -536,7 +582,11 @@ def test_command_maps_config_one_to_one(build, model):
     seq.port = 1234
     assert "--no-kv-unified" in seq.command() and seq.command()[seq.command().index("-np") + 1] == "1"
     from dataclasses import replace
-    for repack in (True, False):  # --repack is llama-server's default: only its negation is passed
+
+    for repack in (
+        True,
+        False,
+    ):  # --repack is llama-server's default: only its negation is passed
         server = LlamaServer.from_config(replace(config(model, "seq"), repack=repack), build.server_bin)
         server.port = 1234
         assert ("--no-repack" in server.command()) is not repack
@@ -559,7 +609,10 @@ def test_slot_save_files_scan_healthy_and_a_planted_duplicate_is_found(build, ti
     backend = ServerBackend(build, run_dir=tmp_path)
     with backend.open(ServeConfig(model=tiny_models[name].path, mode="seq", kv_scan="request")) as session:
         result = session.run([quicksort("C", n_predict=16)])[0]
-        assert result.kv_scan["healthy"] and result.kv_scan["totals"]["kv_cells" if name != "tiny-recurrent" else "rs_cells"] > 0
+        assert (
+            result.kv_scan["healthy"]
+            and result.kv_scan["totals"]["kv_cells" if name != "tiny-recurrent" else "rs_cells"] > 0
+        )
         LlamaClient(session.server.url).save_slot(0, "state.bin")
     path = tmp_path / "slots" / "state.bin"
     assert main(["scan", str(path), "--model", name]) == 0
@@ -582,7 +635,10 @@ def test_llama_server_context_errors_read_as_context_full_and_others_do_not():
     from harness.backends.client import KV_FULL_MESSAGE, ServerError
 
     assert str(ServerError(500, KV_FULL_MESSAGE, "server_error")).startswith("context_full: HTTP 500")
-    too_long = ServerError(400, "request (600 tokens) exceeds the available context size (512 tokens)",
-                           "exceed_context_size_error")
+    too_long = ServerError(
+        400,
+        "request (600 tokens) exceeds the available context size (512 tokens)",
+        "exceed_context_size_error",
+    )
     assert str(too_long).startswith("context_full: HTTP 400")
     assert not str(ServerError(500, "Invalid input batch.", "server_error")).startswith("context_full")

@@ -23,19 +23,40 @@ def old_build():
     """The cached llama-server of OLD_RELEASE. Building it is a full compile (463 s measured on two shared cores,
     a third of the whole test suite's budget), so a plain `pytest` skips the test, saying how to build it, when
     absent; `.ci/run` builds it first (cached after the first CI run), so CI runs it."""
-    found = [b for p in (cache_dir() / "builds").glob(f"cpu-{OLD_COMMIT[:8]}-*/build-info.json")
-             if (b := load_build(p.parent)) is not None]
+    found = [
+        b
+        for p in (cache_dir() / "builds").glob(f"cpu-{OLD_COMMIT[:8]}-*/build-info.json")
+        if (b := load_build(p.parent)) is not None
+    ]
     if not found:
-        pytest.skip(f"no cached llama-server of llama-cpp-python {OLD_RELEASE} (llama.cpp {OLD_COMMIT[:10]}); build it "
-                    f"once (about 8 min on 2 cores; .ci/run does) with: specharness build --release {OLD_RELEASE}")
+        pytest.skip(
+            f"no cached llama-server of llama-cpp-python {OLD_RELEASE} (llama.cpp {OLD_COMMIT[:10]}); build it "
+            f"once (about 8 min on 2 cores; .ci/run does) with: specharness build --release {OLD_RELEASE}"
+        )
     return found[0]
 
 
-def test_an_older_release_runs_with_its_commit_in_the_header_and_a_missing_flag_is_one_line(old_build, tmp_path,
-                                                                                              capsys):
+def test_an_older_release_runs_with_its_commit_in_the_header_and_a_missing_flag_is_one_line(
+    old_build, tmp_path, capsys
+):
     out = tmp_path / "run"
-    argv = ["run", "--suite", "quicksort", "--backend", "server", "--server-bin", str(old_build.server_bin),
-            "--model", "tiny-dense", "--mode", "seq", "--spec", "none,synth-reject", "--out", str(out)]
+    argv = [
+        "run",
+        "--suite",
+        "quicksort",
+        "--backend",
+        "server",
+        "--server-bin",
+        str(old_build.server_bin),
+        "--model",
+        "tiny-dense",
+        "--mode",
+        "seq",
+        "--spec",
+        "none,synth-reject",
+        "--out",
+        str(out),
+    ]
     assert main(argv) == 3  # the synth-reject cell could not be served
     meta = json.loads((out / "run.json").read_text())
     server = meta["backends"]["server"]
@@ -44,8 +65,10 @@ def test_an_older_release_runs_with_its_commit_in_the_header_and_a_missing_flag_
     cells = {c["spec"]: c for c in meta["cells"]}
     assert cells["none"]["status"] == "done"
     error = cells["synth-reject"]["error"]
-    assert "\n" not in error and error.startswith(f"llama-server {server['version']} (llama-server) has no "
-                                                  "--spec-synth-len, which the speculative option spec-synth-len = 1")
+    assert "\n" not in error and error.startswith(
+        f"llama-server {server['version']} (llama-server) has no "
+        "--spec-synth-len, which the speculative option spec-synth-len = 1"
+    )
     err = capsys.readouterr().err
     assert f"error: quicksort seq-synth-reject-tiny-dense-server: {error}" in err
     # the cell without the missing flag runs and is judged (on Java this llama.cpp answers HTTP 500 "The model
@@ -61,12 +84,27 @@ def test_a_renamed_flag_takes_the_older_spelling(old_build, tmp_path):
     """A build from before the speculative options were renamed: the older build's real flags with the new
     spellings taken out and the old ones put in."""
     pre_rename = (server_flags(old_build.server_bin) - set(RENAMED)) | set(RENAMED.values())
-    server = LlamaServer(server_bin=old_build.server_bin, model=tmp_path / "m.gguf", port=1,
-                         spec={"spec-type": "draft-simple", "spec-draft-n-max": 4, "spec-draft-p-min": 0.2})
+    server = LlamaServer(
+        server_bin=old_build.server_bin,
+        model=tmp_path / "m.gguf",
+        port=1,
+        spec={
+            "spec-type": "draft-simple",
+            "spec-draft-n-max": 4,
+            "spec-draft-p-min": 0.2,
+        },
+    )
     cmd = fit_to_build(server.command(), pre_rename, "0.0.1 (build 1, commit abc1234)")
     assert cmd[cmd.index("--draft-max") + 1] == "4" and cmd[cmd.index("--draft-p-min") + 1] == "0.2"
     assert "--spec-draft-n-max" not in cmd and "--spec-type" in cmd
-    with pytest.raises(HarnessError, match=r"^llama-server 0.0.1 \(build 1, commit abc1234\) \(llama-server\) has no "
-                                           r"--spec-draft-n-max \(nor its older spelling --draft-max\), which the "
-                                           r"speculative option spec-draft-n-max = 4 needs"):
-        fit_to_build(server.command(), pre_rename - {"--draft-max"}, "0.0.1 (build 1, commit abc1234)")
+    with pytest.raises(
+        HarnessError,
+        match=r"^llama-server 0.0.1 \(build 1, commit abc1234\) \(llama-server\) has no "
+        r"--spec-draft-n-max \(nor its older spelling --draft-max\), which the "
+        r"speculative option spec-draft-n-max = 4 needs",
+    ):
+        fit_to_build(
+            server.command(),
+            pre_rename - {"--draft-max"},
+            "0.0.1 (build 1, commit abc1234)",
+        )

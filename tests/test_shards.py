@@ -12,7 +12,16 @@ from harness.report.files import item_name, status
 from harness.suites import load_suite
 from report_helpers import REPO
 
-SMALL = ["--suite", "quicksort", "--model", "tiny-dense", "--mode", "seq,no-kv-unified", "--spec", "none,draft-simple"]
+SMALL = [
+    "--suite",
+    "quicksort",
+    "--model",
+    "tiny-dense",
+    "--mode",
+    "seq,no-kv-unified",
+    "--spec",
+    "none,draft-simple",
+]
 
 
 def verdicts(run) -> set:
@@ -29,7 +38,9 @@ def test_three_shards_merged_give_the_unsharded_verdicts(tmp_path, tiny_models, 
     for i, part in enumerate(parts, 1):
         assert main(["run", *SMALL, "--shard", f"{i}/3", "--out", str(part)]) == 0
     owned = [[c["id"] for c in json.loads((p / "run.json").read_text())["cells"]] for p in parts]
-    assert sorted(sum(owned, [])) == sorted(c["id"] for c in json.loads((tmp_path / "all/run.json").read_text())["cells"])
+    assert sorted(sum(owned, [])) == sorted(
+        c["id"] for c in json.loads((tmp_path / "all/run.json").read_text())["cells"]
+    )
     assert all(owned), "every shard got work"
     ran = sum(len(json.loads((p / "results.json").read_text())) for p in parts)
     assert ran > len(outputs(tmp_path / "all")), "some shard ran reference cells it does not own"
@@ -49,12 +60,36 @@ def test_three_shards_merged_give_the_unsharded_verdicts(tmp_path, tiny_models, 
     data = json.loads((parts[0] / "run.json").read_text())
     data["harness_version"] = "0.0.1"
     (other / "run.json").write_text(json.dumps(data))
-    assert main(["report", "--merge", str(other), str(parts[1]), "--out", str(tmp_path / "bad")]) == 2
+    assert (
+        main(
+            [
+                "report",
+                "--merge",
+                str(other),
+                str(parts[1]),
+                "--out",
+                str(tmp_path / "bad"),
+            ]
+        )
+        == 2
+    )
     assert "cannot merge" in capsys.readouterr().err and not (tmp_path / "bad/results.json").exists()
     data["harness_version"] = meta["harness_version"]
     data["backends"]["inproc"]["llama_cpp_python"] = "0.3.35"
     (other / "run.json").write_text(json.dumps(data))
-    assert main(["report", "--merge", str(other), str(parts[1]), "--out", str(tmp_path / "bad")]) == 2
+    assert (
+        main(
+            [
+                "report",
+                "--merge",
+                str(other),
+                str(parts[1]),
+                "--out",
+                str(tmp_path / "bad"),
+            ]
+        )
+        == 2
+    )
     assert "inproc llama.cpp 0.3.35" in capsys.readouterr().err
 
 
@@ -64,11 +99,23 @@ def test_shards_are_a_deterministic_balanced_partition_of_the_default_matrix():
     parts = [shard(jobs, Shard(i, 4)) for i in range(1, 5)]
     key = lambda j: (j[0].name, j[1])  # noqa: E731
     assert sorted(key(j) for p in parts for j in p) == sorted(key(j) for j in jobs)
-    assert [list(map(key, p)) for p in parts] == [list(map(key, shard(list(reversed(jobs)), Shard(i, 4))))[::-1]
-                                                   for i in range(1, 5)]
-    def executed(part):  # a shard runs its cells and, on demand, the cells they compare with
-        ran = {(s.name, ref): s for s, c in part
-               for ref in (c, c.reference(spec="none"), c.reference(mode="seq"), c.reference(mode="seq", spec="none"))}
+    assert [list(map(key, p)) for p in parts] == [
+        list(map(key, shard(list(reversed(jobs)), Shard(i, 4))))[::-1] for i in range(1, 5)
+    ]
+
+    def executed(
+        part,
+    ):  # a shard runs its cells and, on demand, the cells they compare with
+        ran = {
+            (s.name, ref): s
+            for s, c in part
+            for ref in (
+                c,
+                c.reference(spec="none"),
+                c.reference(mode="seq"),
+                c.reference(mode="seq", spec="none"),
+            )
+        }
         return sum(estimated_cost(s, c) for (_, c), s in ran.items())
 
     loads = [executed(p) for p in parts]
@@ -83,9 +130,26 @@ def test_bad_shard_is_a_one_line_error(text, capsys):
 
 def test_pytest_shards_split_the_suite_items_without_overlap():
     def collected(*extra):
-        done = subprocess.run([sys.executable, "-m", "pytest", "suites/quicksort.yaml", "suites/w1.yaml",
-                               "--collect-only", "-q", "-p", "no:cacheprovider", "-n", "0", *extra],
-                              cwd=REPO, capture_output=True, text=True, timeout=300)
+        done = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "pytest",
+                "suites/quicksort.yaml",
+                "suites/w1.yaml",
+                "--collect-only",
+                "-q",
+                "-p",
+                "no:cacheprovider",
+                "-n",
+                "0",
+                *extra,
+            ],
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
         return {line for line in done.stdout.splitlines() if "::" in line}
 
     everything = collected()

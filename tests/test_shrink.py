@@ -21,8 +21,13 @@ SEEDED_SUITE = ROOT / "tests" / "data" / "shrink-seeded.yaml"
 
 
 def specharness(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "harness.cli", *args], cwd=ROOT, capture_output=True, text=True,
-                          timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "harness.cli", *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 def shrunk(bundle: Path) -> tuple[dict, dict]:
@@ -35,8 +40,14 @@ def assert_small(summary: dict, case: dict) -> None:
     final = summary["final"]["prompt"]
     assert final is not None and len(final) <= 16, summary["final"]
     assert case["signature"] == summary["signature"]
-    target = [r for leg in case["legs"] if leg["role"] == "subject" for b in leg["batches"] for r in b["requests"]
-              if r["key"] == case["key"]]
+    target = [
+        r
+        for leg in case["legs"]
+        if leg["role"] == "subject"
+        for b in leg["batches"]
+        for r in b["requests"]
+        if r["key"] == case["key"]
+    ]
     assert target and all(r["payload"]["prompt"] == final for r in target)
 
 
@@ -44,11 +55,33 @@ def assert_small(summary: dict, case: dict) -> None:
 def fault_bundle(tmp_path_factory) -> Path:
     """A run with an in-process fault (rejected drafts' attention cells kept after a checkpoint restore), shrunk."""
     tmp = tmp_path_factory.mktemp("shrink-fault")
-    run = specharness("run", "--suite", "quicksort", "--model", "tiny-hybrid", "--mode", "seq", "--spec",
-                      "scripted-wrong-at-2", "--backend", "inproc", "--fault", "skip-seq-rm-after-restore",
-                      "--out", str(tmp / "run"))
+    run = specharness(
+        "run",
+        "--suite",
+        "quicksort",
+        "--model",
+        "tiny-hybrid",
+        "--mode",
+        "seq",
+        "--spec",
+        "scripted-wrong-at-2",
+        "--backend",
+        "inproc",
+        "--fault",
+        "skip-seq-rm-after-restore",
+        "--out",
+        str(tmp / "run"),
+    )
     assert run.returncode == 1, run.stderr[-2000:]
-    done = specharness("shrink", "--from-run", str(tmp / "run"), "--case", "C", "--out", str(tmp / "bundle"))
+    done = specharness(
+        "shrink",
+        "--from-run",
+        str(tmp / "run"),
+        "--case",
+        "C",
+        "--out",
+        str(tmp / "bundle"),
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     assert "shrink: trial" in done.stderr  # progress as it goes
     return tmp / "bundle"
@@ -61,32 +94,72 @@ def test_shrink_of_an_in_process_fault_keeps_its_signature(fault_bundle):
     assert summary["final"]["n_predict"] < summary["original"]["n_predict"]
     assert summary["final"]["companions"] == [] and len(summary["final"]["rounds"]) == 1
     issue = (fault_bundle / "ISSUE.md").read_text()
-    assert "duplicate cells" in issue and "specharness models make tiny-hybrid" in issue and case["model"]["sha256"] in issue
+    assert (
+        "duplicate cells" in issue
+        and "specharness models make tiny-hybrid" in issue
+        and case["model"]["sha256"] in issue
+    )
 
 
 def test_repro_py_fails_with_the_fault_and_passes_without(fault_bundle):
     env = dict(os.environ, PYTHONPATH=str(ROOT))
-    faulty = subprocess.run([sys.executable, "repro.py"], cwd=fault_bundle, env=env, capture_output=True, text=True,
-                            timeout=300)
+    faulty = subprocess.run(
+        [sys.executable, "repro.py"],
+        cwd=fault_bundle,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert faulty.returncode == 1 and "REPRODUCED" in faulty.stdout, faulty.stdout + faulty.stderr
-    clean = subprocess.run([sys.executable, "repro.py"], cwd=fault_bundle, env=dict(env, SPECHARNESS_FAULT="none"),
-                           capture_output=True, text=True, timeout=300)
+    clean = subprocess.run(
+        [sys.executable, "repro.py"],
+        cwd=fault_bundle,
+        env=dict(env, SPECHARNESS_FAULT="none"),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert clean.returncode == 0, clean.stdout + clean.stderr
 
 
-def test_shrink_of_a_failing_chat_turn_drops_the_other_turns_then_shrinks_it_as_a_prompt(tmp_path):
+def test_shrink_of_a_failing_chat_turn_drops_the_other_turns_then_shrinks_it_as_a_prompt(
+    tmp_path,
+):
     """A real chat failure: kv-fill's concurrent chats with the draft context not rolled back, its third turn
     judged by kv-healthy. The shrink drops the chats in flight beside it, then the earlier turns, then sends the
     failing turn as one prompt of token ids and cuts that, keeping the signature at every step."""
-    run = specharness("run", "--suite", "kv-fill", "--model", "tiny-dense", "--backend", "inproc",
-                      "--fault", "stale-draft-context", "--out", str(tmp_path / "run"))
+    run = specharness(
+        "run",
+        "--suite",
+        "kv-fill",
+        "--model",
+        "tiny-dense",
+        "--backend",
+        "inproc",
+        "--fault",
+        "stale-draft-context",
+        "--out",
+        str(tmp_path / "run"),
+    )
     assert run.returncode == 1, run.stderr[-2000:]
-    done = specharness("shrink", "--from-run", str(tmp_path / "run"), "--case", "sorts.turn3", "--check", "kv-healthy",
-                       "--out", str(tmp_path / "bundle"))
+    done = specharness(
+        "shrink",
+        "--from-run",
+        str(tmp_path / "run"),
+        "--case",
+        "sorts.turn3",
+        "--check",
+        "kv-healthy",
+        "--out",
+        str(tmp_path / "bundle"),
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     summary, case = shrunk(tmp_path / "bundle")
     assert summary["signature"] == "kv-healthy: orphans in the draft context"
-    assert summary["original"]["turn"] == 2 and summary["original"]["turns"] is None and summary["original"]["companions"]
+    assert (
+        summary["original"]["turn"] == 2 and summary["original"]["turns"] is None and summary["original"]["companions"]
+    )
     steps = [json.loads(line) for line in (tmp_path / "bundle" / "shrink-log.jsonl").read_text().splitlines()]
     held = [s["what"] for s in steps if s["holds"]]
     assert "only the failing turn" in held and any(w.startswith("the failing turn as a prompt of") for w in held)
@@ -101,10 +174,27 @@ def seeded(tmp_path_factory):
     seeded build, and its shrunk bundle (judged by `lossless`: repro.sh compares with the run without drafts)."""
     clean, bad = builds_at(REGRESSION - 1, REGRESSION)
     tmp = tmp_path_factory.mktemp("shrink-seeded")
-    run = specharness("run", "--suite", str(SEEDED_SUITE), "--server-bin", str(bad.server_bin), "--out", str(tmp / "run"))
+    run = specharness(
+        "run",
+        "--suite",
+        str(SEEDED_SUITE),
+        "--server-bin",
+        str(bad.server_bin),
+        "--out",
+        str(tmp / "run"),
+    )
     assert run.returncode == 1, run.stderr[-2000:]
-    done = specharness("shrink", "--from-run", str(tmp / "run"), "--case", "Python", "--check", "lossless",
-                       "--out", str(tmp / "bundle"))
+    done = specharness(
+        "shrink",
+        "--from-run",
+        str(tmp / "run"),
+        "--case",
+        "Python",
+        "--check",
+        "lossless",
+        "--out",
+        str(tmp / "bundle"),
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     return clean, bad, tmp / "bundle"
 
@@ -125,16 +215,30 @@ def test_repro_sh_alone_fails_on_the_seeded_build_and_passes_on_the_clean_one(se
     alone = tmp_path / "bundle"
     shutil.copytree(bundle, alone)  # nothing of the checkout: bash, curl and the files of the bundle
     env = {"PATH": os.environ["PATH"], "HOME": str(tmp_path)}
-    failing = subprocess.run(["bash", str(alone / "repro.sh")], env=dict(env, LLAMA_SERVER=str(bad.server_bin)),
-                             cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    failing = subprocess.run(
+        ["bash", str(alone / "repro.sh")],
+        env=dict(env, LLAMA_SERVER=str(bad.server_bin)),
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert failing.returncode == 1 and "REPRODUCED" in failing.stdout, failing.stdout + failing.stderr
     assert "expected (" in failing.stdout and "actual" in failing.stdout
-    passing = subprocess.run(["bash", str(alone / "repro.sh")], env=dict(env, LLAMA_SERVER=str(clean.server_bin)),
-                             cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    passing = subprocess.run(
+        ["bash", str(alone / "repro.sh")],
+        env=dict(env, LLAMA_SERVER=str(clean.server_bin)),
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert passing.returncode == 0, passing.stdout + passing.stderr
 
 
-def test_a_smaller_case_of_an_acceptance_failure_is_judged_against_a_baseline_recorded_for_it(tmp_path):
+def test_a_smaller_case_of_an_acceptance_failure_is_judged_against_a_baseline_recorded_for_it(
+    tmp_path,
+):
     """`acceptance` compares with the baseline stored for the original case. Judged that way, a one-token case
     that drafts nothing 'falls' too: the signature for the wrong reason. Judged against a baseline the reference
     configuration (no --fault) records for it, it passes, while the original case still fails."""
@@ -146,19 +250,63 @@ def test_a_smaller_case_of_an_acceptance_failure_is_judged_against_a_baseline_re
     from harness.shrink.cli import Origin
     from harness.shrink.trial import Policy, Runner
 
-    run = specharness("run", "--suite", "quicksort", "--model", "tiny-dense-loop", "--mode", "par", "--spec",
-                      "ngram-map-k", "--backend", "inproc", "--fault", "shared-drafter-state", "--out", str(tmp_path / "run"))
+    run = specharness(
+        "run",
+        "--suite",
+        "quicksort",
+        "--model",
+        "tiny-dense-loop",
+        "--mode",
+        "par",
+        "--spec",
+        "ngram-map-k",
+        "--backend",
+        "inproc",
+        "--fault",
+        "shared-drafter-state",
+        "--out",
+        str(tmp_path / "run"),
+    )
     assert run.returncode == 1, run.stderr[-2000:]
-    args = Namespace(from_run=str(tmp_path / "run"), case="C", check="acceptance", mode=None, spec=None, model=None,
-                     backend=None, server_bin=None, source=None)
+    args = Namespace(
+        from_run=str(tmp_path / "run"),
+        case="C",
+        check="acceptance",
+        mode=None,
+        spec=None,
+        model=None,
+        backend=None,
+        server_bin=None,
+        source=None,
+    )
     origin = Origin(args, "shrink")
     assert origin.signature == "acceptance: fell against baseline"
     start = initial(origin.suite, "C", origin.check, origin.cell)
-    tiny = start.with_(prompt=tuple(tokenize(resolve("tiny-dense-loop").path, "Write")), n_predict=1, companions=())
-    runner = Runner(origin.options, None, None, origin.signature, Policy(), tmp_path / "logs", origin=start)
+    tiny = start.with_(
+        prompt=tuple(tokenize(resolve("tiny-dense-loop").path, "Write")),
+        n_predict=1,
+        companions=(),
+    )
+    runner = Runner(
+        origin.options,
+        None,
+        None,
+        origin.signature,
+        Policy(),
+        tmp_path / "logs",
+        origin=start,
+    )
     assert runner.attempt(start).shows(origin.signature)
     assert runner.attempt(tiny).signatures == []
-    stored = Runner(origin.options, None, None, origin.signature, Policy(), tmp_path / "logs2", origin=tiny)
+    stored = Runner(
+        origin.options,
+        None,
+        None,
+        origin.signature,
+        Policy(),
+        tmp_path / "logs2",
+        origin=tiny,
+    )
     assert stored.attempt(tiny).shows(origin.signature)  # what the shrink kept before: C's baseline, another case
 
 
@@ -175,6 +323,8 @@ def test_a_baseline_relative_failure_without_a_reference_configuration_is_refuse
     require_shrinkable("acceptance", "without --fault")
     require_shrinkable("lossless", None)
     for check in ("acceptance", "baseline"):
-        with pytest.raises(HarnessError, match=f"a `{check}` failure compares with the baseline stored for the "
-                                               "original case"):
+        with pytest.raises(
+            HarnessError,
+            match=f"a `{check}` failure compares with the baseline stored for the original case",
+        ):
             require_shrinkable(check, None)

@@ -27,8 +27,20 @@ RUNS = {
     "abort": ["--suite", "small-ubatch"],
     # the engine fault: only a checkpoint restore (hybrid) after a rejection (scripted drafts) leaves cells; its
     # lossless, baseline, logits and acceptance failures are consequences of the damaged cache
-    "fault": ["--suite", "quicksort", "--model", "tiny-hybrid", "--model", "tiny-dense", "--mode", "seq",
-              "--spec", "none,scripted-wrong-at-2", "--fault", "skip-seq-rm-after-restore"],
+    "fault": [
+        "--suite",
+        "quicksort",
+        "--model",
+        "tiny-hybrid",
+        "--model",
+        "tiny-dense",
+        "--mode",
+        "seq",
+        "--spec",
+        "none,scripted-wrong-at-2",
+        "--fault",
+        "skip-seq-rm-after-restore",
+    ],
 }
 
 
@@ -53,13 +65,34 @@ def seeded(runs):
     checkpoint restore), built once (cached; the bisect tests build it too); merged with the abort run."""
     from bisect_history import REGRESSION, builds_at
 
-    build, = builds_at(REGRESSION)
+    (build,) = builds_at(REGRESSION)
     root, console = runs
     with inside(root):
         with contextlib.redirect_stderr(io.StringIO()) as err:
-            assert main(["run", "--suite", "quicksort", "--backend", "server", "--model", "tiny-hybrid", "--model",
-                         "tiny-dense", "--mode", "seq", "--spec", "none,draft-simple", "--server-bin",
-                         str(build.server_bin), "--out", "server"]) == 1
+            assert (
+                main(
+                    [
+                        "run",
+                        "--suite",
+                        "quicksort",
+                        "--backend",
+                        "server",
+                        "--model",
+                        "tiny-hybrid",
+                        "--model",
+                        "tiny-dense",
+                        "--mode",
+                        "seq",
+                        "--spec",
+                        "none,draft-simple",
+                        "--server-bin",
+                        str(build.server_bin),
+                        "--out",
+                        "server",
+                    ]
+                )
+                == 1
+            )
         console["server"] = err.getvalue()
         assert main(["report", "--merge", "abort", "server", "--out", "abort+server"]) == 0
     return root
@@ -80,11 +113,22 @@ def expected_grid(run: Path) -> dict[tuple[str, str], str]:
     return grid
 
 
-@pytest.mark.parametrize("name, signature, reading", [
-    ("abort", ABORT, "only draft-simple; none clean"),
-    ("fault", DUPLICATES, "only scripted-wrong-at-2, only hybrid; none clean, dense clean"),
-    ("server", DUPLICATES, "only draft-simple, only hybrid; none clean, dense clean"),
-])
+@pytest.mark.parametrize(
+    "name, signature, reading",
+    [
+        ("abort", ABORT, "only draft-simple; none clean"),
+        (
+            "fault",
+            DUPLICATES,
+            "only scripted-wrong-at-2, only hybrid; none clean, dense clean",
+        ),
+        (
+            "server",
+            DUPLICATES,
+            "only draft-simple, only hybrid; none clean, dense clean",
+        ),
+    ],
+)
 def test_one_defect_is_one_signature_whose_pattern_matches_checks_json(runs, request, name, signature, reading):
     root, console = runs
     if name == "server":
@@ -95,8 +139,10 @@ def test_one_defect_is_one_signature_whose_pattern_matches_checks_json(runs, req
     assert [a.attrs["data-signature"] for a in found] == [signature]
     assert doc.find(id="distinct-failures").text.startswith("1 distinct failure")
     assert found[0].find("p", class_="reading").text.startswith(reading)
-    shown = {(td.attrs["data-row"], td.attrs["data-col"]): td.attrs["data-state"]
-             for td in found[0].find_all("td", class_="spot")}
+    shown = {
+        (td.attrs["data-row"], td.attrs["data-col"]): td.attrs["data-state"]
+        for td in found[0].find_all("td", class_="spot")
+    }
     assert shown == expected_grid(run)
     failing = [v for v in load(run / "checks.json") if not v["passed"]]
     cases = {(v["suite"], v["case"], v["mode"], v["spec"], v["model"], v["backend"]) for v in failing}
@@ -114,24 +160,29 @@ def test_two_defects_in_one_run_are_exactly_two_signatures_and_diff_groups_by_th
     assert [a.attrs["data-signature"] for a in doc.find_all("div", class_="signature")] == [ABORT, DUPLICATES]
     assert doc.find(id="distinct-failures").text.startswith("2 distinct failures")
     rows = doc.find(id="failing").find_all("tr", data_status="failed")
-    assert [r.attrs["data-signature"] for r in rows] == sorted((r.attrs["data-signature"] for r in rows),
-                                                               key=[ABORT, DUPLICATES].index)  # grouped
+    assert [r.attrs["data-signature"] for r in rows] == sorted(
+        (r.attrs["data-signature"] for r in rows), key=[ABORT, DUPLICATES].index
+    )  # grouped
     assert main(["diff", str(root / "fault"), str(root / "both")]) == 1
     out = capsys.readouterr().out
     assert f"1 distinct failure newly failing: {ABORT} (" in out
-    table = out[out.index("newly failing ("):]
+    table = out[out.index("newly failing (") :]
     assert "signature" in table.splitlines()[2] and "GGML_ASSERT" in table  # the newly failing table's column
     listed = parse_html((root / "both" / "diff.html").read_text()).find(id="newly-failing-signatures").find_all("li")
     assert [li.attrs["data-signature"] for li in listed] == [ABORT] and listed[0].attrs["data-in-a"] == "0"
 
 
-def test_a_seeded_llama_server_and_an_engine_abort_in_one_run_are_two_signatures(seeded):
+def test_a_seeded_llama_server_and_an_engine_abort_in_one_run_are_two_signatures(
+    seeded,
+):
     doc = parse_html((seeded / "abort+server" / "index.html").read_text())
     found = {d.attrs["data-signature"]: d for d in doc.find_all("div", class_="signature")}
     assert list(found) == [ABORT, DUPLICATES]
     columns = {th.text for th in found[DUPLICATES].find_all("th") if "data-col" in th.attrs}
     assert columns == {"hybrid · inproc", "hybrid · server", "dense · server"}
-    failed = {(td.attrs["data-row"], td.attrs["data-col"]) for td in found[DUPLICATES].find_all("td", data_state="failed")}
+    failed = {
+        (td.attrs["data-row"], td.attrs["data-col"]) for td in found[DUPLICATES].find_all("td", data_state="failed")
+    }
     assert failed == {("seq · draft-simple", "hybrid · server")}
 
 
@@ -143,9 +194,19 @@ def test_a_check_of_a_crashed_request_is_a_consequence_not_another_failure(runs,
     crash = next(v for v in checks if not v["passed"])
     error = next(r["error"] for r in load(run / "results.json") if r["stop_reason"] == "crashed")
     restating = [  # what spec-ran and lossless say of a case whose request (or reference) crashed
-        {**crash, "check": "spec-ran", "message": "no drafts at all for the case (1 requests)", "evidence": {}},
-        {**crash, "mode": "seq", "check": "lossless", "message": f"non-speculative output reference failed: {error}",
-         "evidence": {}},
+        {
+            **crash,
+            "check": "spec-ran",
+            "message": "no drafts at all for the case (1 requests)",
+            "evidence": {},
+        },
+        {
+            **crash,
+            "mode": "seq",
+            "check": "lossless",
+            "message": f"non-speculative output reference failed: {error}",
+            "evidence": {},
+        },
     ]
     (run / "checks.json").write_text(json.dumps(checks + restating))
     assert main(["report", str(run)]) == 0
@@ -155,32 +216,58 @@ def test_a_check_of_a_crashed_request_is_a_consequence_not_another_failure(runs,
     assert block.attrs["data-signature"] == ABORT and block.attrs["data-consequences"] == "2"
     rows = doc.find(id="failing").find_all("tr", data_consequence="1")
     assert {r.find_all("td")[2].text for r in rows} == {"spec-ran", "lossless"}
-    restates = [p.get("value") for p in ET.parse(run / "junit.xml").getroot().iter("property") if p.get("name") == "restates"]
+    restates = [
+        p.get("value") for p in ET.parse(run / "junit.xml").getroot().iter("property") if p.get("name") == "restates"
+    ]
     assert restates == [ABORT, ABORT]
 
 
 def test_signatures_drop_paths_numbers_and_the_backend_but_keep_the_assert():
-    server = ("llama-server was killed by SIGABRT: /home/ci/llama.cpp/src/llama-batch.cpp:412: "
-              "GGML_ASSERT(n_ubatch > 0 && ubatch.n_seqs <= 4) failed; log /tmp/r/server-3.log ends with:\n...")
-    engine = ("the in-process engine's worker was killed by SIGABRT: /opt/src/llama-batch.cpp:415: "
-              "GGML_ASSERT(n_ubatch > 0 && ubatch.n_seqs <= 4) failed; log /tmp/q/engine-1.log ends with:\n...")
+    server = (
+        "llama-server was killed by SIGABRT: /home/ci/llama.cpp/src/llama-batch.cpp:412: "
+        "GGML_ASSERT(n_ubatch > 0 && ubatch.n_seqs <= 4) failed; log /tmp/r/server-3.log ends with:\n..."
+    )
+    engine = (
+        "the in-process engine's worker was killed by SIGABRT: /opt/src/llama-batch.cpp:415: "
+        "GGML_ASSERT(n_ubatch > 0 && ubatch.n_seqs <= 4) failed; log /tmp/q/engine-1.log ends with:\n..."
+    )
     crash = {"check": "no-crash", "passed": False, "evidence": {}}
-    assert signature_of({**crash, "message": f"1 of 2 requests failed; C round 0: {server}"}) == \
-        signature_of({**crash, "message": f"2 of 2 requests failed; Java round 1: {engine}"}) == \
-        "crash: GGML_ASSERT(n_ubatch > 0 && ubatch.n_seqs <= 4) failed"
-    startup = ("llama-server was killed by SIGABRT during start-up: /ci/src/llama-context.cpp:2273: "
-               "GGML_ASSERT(n_outputs_max <= cparams.n_outputs_max) failed (log: /tmp/r/server-logs/llama-server-par-1.log)")
-    in_engine = ("the in-process engine's worker was killed by SIGABRT: /opt/src/llama-context.cpp:2273: "
-                 "GGML_ASSERT(n_outputs_max <= cparams.n_outputs_max) failed; log /tmp/q/engine-1.log ends with:\n...")
-    assert signature_of({**crash, "message": f"C round 0: {startup}"}) == \
-        signature_of({**crash, "message": f"C round 0: {in_engine}"}) == \
-        "crash: GGML_ASSERT(n_outputs_max <= cparams.n_outputs_max) failed"  # a warm-up abort reads the same
+    assert (
+        signature_of({**crash, "message": f"1 of 2 requests failed; C round 0: {server}"})
+        == signature_of({**crash, "message": f"2 of 2 requests failed; Java round 1: {engine}"})
+        == "crash: GGML_ASSERT(n_ubatch > 0 && ubatch.n_seqs <= 4) failed"
+    )
+    startup = (
+        "llama-server was killed by SIGABRT during start-up: /ci/src/llama-context.cpp:2273: "
+        "GGML_ASSERT(n_outputs_max <= cparams.n_outputs_max) failed (log: /tmp/r/server-logs/llama-server-par-1.log)"
+    )
+    in_engine = (
+        "the in-process engine's worker was killed by SIGABRT: /opt/src/llama-context.cpp:2273: "
+        "GGML_ASSERT(n_outputs_max <= cparams.n_outputs_max) failed; log /tmp/q/engine-1.log ends with:\n..."
+    )
+    assert (
+        signature_of({**crash, "message": f"C round 0: {startup}"})
+        == signature_of({**crash, "message": f"C round 0: {in_engine}"})
+        == "crash: GGML_ASSERT(n_outputs_max <= cparams.n_outputs_max) failed"
+    )  # a warm-up abort reads the same
     thrown = "llama-server was killed by SIGABRT; log /x/y.log ends with:\nterminate called after\n  what():  failed to remove sequence 7"
-    assert signature_of({**crash, "message": "x"}, [{"error": thrown, "stop_reason": "crashed"}]) == \
-        "crash: failed to remove sequence N"
-    spec_ran = classify({"check": "spec-ran", "passed": False, "message": "no drafts at all for the case (2 requests)"},
-                        [{"error": thrown, "stop_reason": "crashed"}], [{**crash, "message": "1 of 2 requests failed"}])
-    assert (spec_ran.text, spec_ran.consequence) == ("crash: failed to remove sequence N", True)
+    assert (
+        signature_of({**crash, "message": "x"}, [{"error": thrown, "stop_reason": "crashed"}])
+        == "crash: failed to remove sequence N"
+    )
+    spec_ran = classify(
+        {
+            "check": "spec-ran",
+            "passed": False,
+            "message": "no drafts at all for the case (2 requests)",
+        },
+        [{"error": thrown, "stop_reason": "crashed"}],
+        [{**crash, "message": "1 of 2 requests failed"}],
+    )
+    assert (spec_ran.text, spec_ran.consequence) == (
+        "crash: failed to remove sequence N",
+        True,
+    )
 
 
 def test_what_a_known_llama_cpp_defect_explains_is_grouped_by_signature_too(tmp_path, tiny_models):
@@ -192,11 +279,15 @@ def test_what_a_known_llama_cpp_defect_explains_is_grouped_by_signature_too(tmp_
             assert main(["run", "--suite", "small-ubatch", "--out", "known"]) == 0
     line = next(x for x in err.getvalue().splitlines() if x.startswith("known llama.cpp defect "))
     assert line.startswith(f"known llama.cpp defect split-equal-keep-tail-exceeds-ubatch: 1 signature: {ABORT} (")
-    row = parse_html((root / "known" / "index.html").read_text()).find("tr", data_known="split-equal-keep-tail-exceeds-ubatch")
+    row = parse_html((root / "known" / "index.html").read_text()).find(
+        "tr", data_known="split-equal-keep-tail-exceeds-ubatch"
+    )
     assert [c.text for c in row.find_all("code", class_="known-signature")] == [ABORT]
 
 
-def test_a_batch_llama_cpp_refuses_is_the_kv_damage_it_would_make_from_either_backend(tmp_path):
+def test_a_batch_llama_cpp_refuses_is_the_kv_damage_it_would_make_from_either_backend(
+    tmp_path,
+):
     """A batch that starts a sequence at a position the KV cache already holds is the damage the scan finds as
     duplicate cells (where llama.cpp's check does not look); one that skips positions, holes. llama-server
     says only `Invalid input batch.`: its log's reason is added, as the engine words it."""
@@ -205,20 +296,33 @@ def test_a_batch_llama_cpp_refuses_is_the_kv_damage_it_would_make_from_either_ba
     assert signature_of({**crash, "message": f"C round 0: {invalid_batch(2, 41, 45)}"}) == "kv-healthy: holes"
     assert signature_of({**crash, "message": f"C round 0: {INVALID_BATCH}"}) == f"error: {INVALID_BATCH}"
     log = tmp_path / "server.log"
-    log.write_text("init: the tokens of sequence 3 in the input batch have inconsistent sequence positions:\n"
-                   " - the last position stored in the memory module of the context (i.e. the KV cache) for sequence 3 is X = 57\n"
-                   " - the tokens for sequence 3 in the input batch have a starting position of Y = 56\n"
-                   " it is required that the sequence positions remain consecutive: Y = X + 1\n"
-                   "decode: failed to initialize batch\nsrv  update_slots: Invalid input batch. off = 0, n_batch = 2048, ret = -1\n")
+    log.write_text(
+        "init: the tokens of sequence 3 in the input batch have inconsistent sequence positions:\n"
+        " - the last position stored in the memory module of the context (i.e. the KV cache) for sequence 3 is X = 57\n"
+        " - the tokens for sequence 3 in the input batch have a starting position of Y = 56\n"
+        " it is required that the sequence positions remain consecutive: Y = X + 1\n"
+        "decode: failed to initialize batch\nsrv  update_slots: Invalid input batch. off = 0, n_batch = 2048, ret = -1\n"
+    )
     assert invalid_batch_in_log(log) == invalid_batch(3, 57, 56)
-    assert signature_of({**crash, "message": f"C round 0: HTTP 500: Invalid input batch. {invalid_batch_in_log(log)}"}) \
+    assert (
+        signature_of(
+            {
+                **crash,
+                "message": f"C round 0: HTTP 500: Invalid input batch. {invalid_batch_in_log(log)}",
+            }
+        )
         == "kv-healthy: duplicate cells"
+    )
     log.write_text("srv  update_slots: Compute error.\n")
     assert invalid_batch_in_log(log) is None
 
 
 def test_reports_read_stored_runs_without_importing_the_engine():
-    code = ("import sys, harness.report, harness.report.diff, harness.report.cli, harness.report.history, "
-            "harness.report.merge; print(sorted(m for m in sys.modules if m.startswith(('harness.engine', "
-            "'harness.detok', 'harness.execute'))))")
-    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip() == "[]"
+    code = (
+        "import sys, harness.report, harness.report.diff, harness.report.cli, harness.report.history, "
+        "harness.report.merge; print(sorted(m for m in sys.modules if m.startswith(('harness.engine', "
+        "'harness.detok', 'harness.execute'))))"
+    )
+    assert (
+        subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip() == "[]"
+    )

@@ -17,11 +17,13 @@ ARCHS = ("tiny-dense", "tiny-hybrid", "tiny-recurrent")
 MODES = {"seq": (1, False), "par": (4, True), "no-kv-unified": (4, False)}
 SCHEMA = {
     "type": "object",
-    "properties": {"lang": {"enum": ["C", "Java", "Python"]}, "stable": {"type": "boolean"},
-                   "n": {"type": "integer"}},
+    "properties": {
+        "lang": {"enum": ["C", "Java", "Python"]},
+        "stable": {"type": "boolean"},
+        "n": {"type": "integer"},
+    },
     "required": ["lang", "stable", "n"],
 }
-
 
 
 def run(model, requests, mode="seq", spec=None, **params):
@@ -38,7 +40,6 @@ def solo(model, requests, **params):
 def totals(results):
     keys = ("draft_n", "draft_n_accepted", "spec_skip", "ckpt_restored")
     return {k: sum(r.spec_stats.get(k, 0) for r in results) for k in keys}
-
 
 
 def assert_lossless(reference, results):
@@ -59,8 +60,14 @@ def test_scripted_drafts_with_planted_rejections_are_lossless(tiny_models, greed
     reference = greedy_reference[name]
     requests = [quicksort(lang) for lang in LANGS]
     if mode == "seq":
-        results = [run(tiny_models[name], [rq], spec=SpecConfig(drafters=[Scripted(ref.tokens, wrong_at=lambda s, j, k: k == 2)]))[0]
-                   for rq, ref in zip(requests, reference)]
+        results = [
+            run(
+                tiny_models[name],
+                [rq],
+                spec=SpecConfig(drafters=[Scripted(ref.tokens, wrong_at=lambda s, j, k: k == 2)]),
+            )[0]
+            for rq, ref in zip(requests, reference)
+        ]
     else:
         # slot i serves request i: the script is keyed by slot (sequence) id
         script = {i: ref.tokens for i, ref in enumerate(reference)}
@@ -74,7 +81,11 @@ def test_scripted_drafts_with_planted_rejections_are_lossless(tiny_models, greed
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("name", ARCHS)
 def test_draft_model_speculation_is_lossless(tiny_models, greedy_reference, name, mode):
-    spec = SpecConfig(spec_type=("draft-simple",), spec_draft_model=resolve(f"{name}-draft").path, spec_draft_n_max=4)
+    spec = SpecConfig(
+        spec_type=("draft-simple",),
+        spec_draft_model=resolve(f"{name}-draft").path,
+        spec_draft_n_max=4,
+    )
     results = run(tiny_models[name], [quicksort(lang) for lang in LANGS], mode, spec)
     assert_lossless(greedy_reference[name], results)
     t = totals(results)
@@ -84,8 +95,12 @@ def test_draft_model_speculation_is_lossless(tiny_models, greedy_reference, name
 
 
 def test_partial_rollback_with_recurrent_snapshots_is_lossless(tiny_models, greedy_reference):
-    spec = SpecConfig(spec_type=("draft-simple",), spec_draft_model=resolve("tiny-hybrid-draft").path,
-                      spec_draft_n_max=4, rollback="partial")
+    spec = SpecConfig(
+        spec_type=("draft-simple",),
+        spec_draft_model=resolve("tiny-hybrid-draft").path,
+        spec_draft_n_max=4,
+        rollback="partial",
+    )
     results = run(tiny_models["tiny-hybrid"], [quicksort(lang) for lang in LANGS], "par", spec)
     assert_lossless(greedy_reference["tiny-hybrid"], results)
     t = totals(results)
@@ -93,19 +108,34 @@ def test_partial_rollback_with_recurrent_snapshots_is_lossless(tiny_models, gree
 
 
 def test_full_state_checkpoints_are_lossless(tiny_models, greedy_reference):
-    spec = SpecConfig(drafters=[Scripted({i: r.tokens for i, r in enumerate(greedy_reference["tiny-hybrid"])},
-                                         reject_all=True)], checkpoint_flags="full")
-    results = run(tiny_models["tiny-hybrid"], [quicksort(lang) for lang in LANGS], "no-kv-unified", spec)
+    spec = SpecConfig(
+        drafters=[
+            Scripted(
+                {i: r.tokens for i, r in enumerate(greedy_reference["tiny-hybrid"])},
+                reject_all=True,
+            )
+        ],
+        checkpoint_flags="full",
+    )
+    results = run(
+        tiny_models["tiny-hybrid"],
+        [quicksort(lang) for lang in LANGS],
+        "no-kv-unified",
+        spec,
+    )
     assert_lossless(greedy_reference["tiny-hybrid"], results)
     assert totals(results)["ckpt_restored"] > 0
 
 
-@pytest.mark.parametrize("rollback, name, message", [
-    ("seq-rm", "tiny-hybrid", "cannot roll back the recurrent state"),
-    ("seq-rm", "tiny-recurrent", "cannot roll back the recurrent state"),
-    ("partial", "tiny-recurrent", "needs a hybrid model"),
-    ("partial", "tiny-dense", "needs a hybrid model"),
-])
+@pytest.mark.parametrize(
+    "rollback, name, message",
+    [
+        ("seq-rm", "tiny-hybrid", "cannot roll back the recurrent state"),
+        ("seq-rm", "tiny-recurrent", "cannot roll back the recurrent state"),
+        ("partial", "tiny-recurrent", "needs a hybrid model"),
+        ("partial", "tiny-dense", "needs a hybrid model"),
+    ],
+)
 def test_rollback_that_would_be_lossy_is_refused(tiny_models, rollback, name, message):
     spec = SpecConfig(drafters=[Scripted([])], rollback=rollback)
     with pytest.raises(HarnessError, match=message):
@@ -119,15 +149,22 @@ def test_forced_rejections_over_20_sequential_requests_stay_identical(tiny_model
     if drafter == "scripted-reject-all":
         spec = SpecConfig(drafters=[Scripted(reference.tokens, reject_all=True)])
     else:
-        spec = SpecConfig(spec_type=("draft-simple",), spec_draft_model=resolve("tiny-hybrid-draft").path,
-                          spec_draft_n_max=4, spec_draft_p_min=0.99)
+        spec = SpecConfig(
+            spec_type=("draft-simple",),
+            spec_draft_model=resolve("tiny-hybrid-draft").path,
+            spec_draft_n_max=4,
+            spec_draft_p_min=0.99,
+        )
     results = run(model, [quicksort("C") for _ in range(20)], spec=spec, n_ctx=256)
     assert all(r.ok for r in results), [r.error for r in results if not r.ok]
     assert len({tuple(r.tokens) for r in results}) == 1 and results[0].tokens == reference.tokens
 
 
 def json_request():
-    return Request(prompt="Describe quicksort as JSON.", sampling=Sampling(n_predict=64, json_schema=SCHEMA))
+    return Request(
+        prompt="Describe quicksort as JSON.",
+        sampling=Sampling(n_predict=64, json_schema=SCHEMA),
+    )
 
 
 def valid_json(text):
@@ -156,16 +193,29 @@ def test_json_schema_under_forced_rejections(tiny_models, fault, expect_intact):
 
 
 def chats(n_turns=3):
-    turns = ["Write a quicksort implementation in C with detailed comments.",
-             "Now write a merge sort in C with the same style and commenting pattern.",
-             "Add a benchmark harness that compares both sorting algorithms."]
-    return [Request(messages=[{"role": "user", "content": t} for t in turns[: i + 1]],
-                    sampling=Sampling(n_predict=200)) for i in range(n_turns)]
+    turns = [
+        "Write a quicksort implementation in C with detailed comments.",
+        "Now write a merge sort in C with the same style and commenting pattern.",
+        "Add a benchmark harness that compares both sorting algorithms.",
+    ]
+    return [
+        Request(
+            messages=[{"role": "user", "content": t} for t in turns[: i + 1]],
+            sampling=Sampling(n_predict=200),
+        )
+        for i in range(n_turns)
+    ]
 
 
-def test_concurrent_chats_filling_the_kv_cache_during_speculation_end_cleanly(tiny_models):
+def test_concurrent_chats_filling_the_kv_cache_during_speculation_end_cleanly(
+    tiny_models,
+):
     model = tiny_models["tiny-dense"]
-    spec = SpecConfig(spec_type=("draft-simple",), spec_draft_model=resolve("tiny-dense-draft").path, spec_draft_n_max=6)
+    spec = SpecConfig(
+        spec_type=("draft-simple",),
+        spec_draft_model=resolve("tiny-dense-draft").path,
+        spec_draft_n_max=6,
+    )
     requests = chats() + chats()[:1]
     results = run(model, requests, "par", spec, n_ctx=512)
     assert all(r.ok or r.error.startswith("context_full") for r in results), [r.error for r in results]
@@ -183,30 +233,50 @@ def test_keep_drafts_on_decode_failure_fault_breaks_the_next_decode(tiny_models)
     outcomes = {}
     for fault in (None, "keep-drafts-on-decode-failure"):
         spec = SpecConfig(drafters=[Scripted(script, n_max=8)], fault=fault)
-        results = run(model, [quicksort(lang, n_predict=300) for lang in LANGS[:2]], "par", spec, n_ctx=256)
+        results = run(
+            model,
+            [quicksort(lang, n_predict=300) for lang in LANGS[:2]],
+            "par",
+            spec,
+            n_ctx=256,
+        )
         outcomes[fault] = [r.error or "" for r in results]
     assert all(e == "" or e.startswith("context_full") for e in outcomes[None]), outcomes[None]
     assert any("invalid" in e for e in outcomes["keep-drafts-on-decode-failure"]), outcomes
 
 
-@pytest.mark.parametrize("fault, name", [
-    ("skip-seq-rm-after-restore", "tiny-hybrid"),
-    ("rollback-off-by-one", "tiny-hybrid"),
-    ("rollback-off-by-one", "tiny-dense"),
-    ("partial-checkpoint-only", "tiny-hybrid"),
-])
+@pytest.mark.parametrize(
+    "fault, name",
+    [
+        ("skip-seq-rm-after-restore", "tiny-hybrid"),
+        ("rollback-off-by-one", "tiny-hybrid"),
+        ("rollback-off-by-one", "tiny-dense"),
+        ("partial-checkpoint-only", "tiny-hybrid"),
+    ],
+)
 def test_rollback_faults_change_the_output(tiny_models, fault, name):
     model = tiny_models[name]
     reference = solo(model, [quicksort("C", n_predict=128)])[0]
-    spec = SpecConfig(drafters=[Scripted(reference.tokens, wrong_at=lambda s, j, k: k == 1)], fault=fault)
+    spec = SpecConfig(
+        drafters=[Scripted(reference.tokens, wrong_at=lambda s, j, k: k == 1)],
+        fault=fault,
+    )
     faulty = run(model, [quicksort("C", n_predict=128)], spec=spec)[0]
     assert not faulty.ok or faulty.tokens != reference.tokens
 
 
 NGRAM_TYPES = ("ngram-simple", "ngram-map-k", "ngram-map-k4v", "ngram-mod")
-SMALL_NGRAMS = dict(spec_ngram_simple_size_n=3, spec_ngram_simple_size_m=8, spec_ngram_map_k_size_n=3,
-                    spec_ngram_map_k_size_m=8, spec_ngram_map_k4v_size_n=3, spec_ngram_map_k4v_size_m=8,
-                    spec_ngram_mod_n_match=3, spec_ngram_mod_n_min=1, spec_ngram_mod_n_max=8)
+SMALL_NGRAMS = dict(
+    spec_ngram_simple_size_n=3,
+    spec_ngram_simple_size_m=8,
+    spec_ngram_map_k_size_n=3,
+    spec_ngram_map_k_size_m=8,
+    spec_ngram_map_k4v_size_n=3,
+    spec_ngram_map_k4v_size_m=8,
+    spec_ngram_mod_n_match=3,
+    spec_ngram_mod_n_min=1,
+    spec_ngram_mod_n_max=8,
+)
 
 
 @pytest.fixture(scope="module")
@@ -220,13 +290,20 @@ def loop_reference():
 @pytest.mark.parametrize("spec_type", NGRAM_TYPES)
 def test_ngram_speculation_is_lossless(loop_reference, spec_type, name, mode):
     spec = SpecConfig(spec_type=(spec_type,), **SMALL_NGRAMS)
-    results = run(resolve(f"{name}-loop"), [quicksort(lang, n_predict=128) for lang in LANGS], mode, spec)
+    results = run(
+        resolve(f"{name}-loop"),
+        [quicksort(lang, n_predict=128) for lang in LANGS],
+        mode,
+        spec,
+    )
     assert_lossless(loop_reference[name], results)
     t = totals(results)
     assert t["draft_n_accepted"] > 0 and t["draft_n"] > t["draft_n_accepted"], t
 
 
-def test_chained_drafters_follow_llama_cpps_priority_ngram_before_draft_model(tiny_models):
+def test_chained_drafters_follow_llama_cpps_priority_ngram_before_draft_model(
+    tiny_models,
+):
     """common/speculative.cpp tries the n-gram types before draft-simple, whatever order the user wrote."""
     from harness.engine.context import Context
     from harness.engine.model import Model
@@ -234,11 +311,17 @@ def test_chained_drafters_follow_llama_cpps_priority_ngram_before_draft_model(ti
 
     model = Model(tiny_models["tiny-dense"].path)
     ctx = Context(model, ContextParams())
-    config = SpecConfig(spec_type=("draft-simple", "ngram-mod", "ngram-simple"),
-                        spec_draft_model=resolve("tiny-dense-draft").path)
+    config = SpecConfig(
+        spec_type=("draft-simple", "ngram-mod", "ngram-simple"),
+        spec_draft_model=resolve("tiny-dense-draft").path,
+    )
     drafters = build_drafters(config, ctx)
     try:
-        assert [d.name for d in drafters] == ["ngram-simple", "ngram-mod", "draft-simple"]
+        assert [d.name for d in drafters] == [
+            "ngram-simple",
+            "ngram-mod",
+            "draft-simple",
+        ]
     finally:
         for d in drafters:
             getattr(d, "close", lambda: None)()
@@ -255,8 +338,11 @@ def test_per_position_counters_add_up_to_the_drafted_and_accepted_totals(tiny_mo
     """accepted_per_pos[k] (llama-server's n_accepted_per_pos) counts the steps whose token at draft position k
     was accepted; drafted_per_pos[k] the steps that drafted one there: their sums are the request's totals, and
     a token is accepted at k only after k-1 was."""
-    spec = SpecConfig(spec_type=("draft-simple",), spec_draft_model=resolve("tiny-hybrid-draft").path,
-                      spec_draft_n_max=4)
+    spec = SpecConfig(
+        spec_type=("draft-simple",),
+        spec_draft_model=resolve("tiny-hybrid-draft").path,
+        spec_draft_n_max=4,
+    )
     result = run(tiny_models["tiny-hybrid"], [quicksort("C")], spec=spec)[0]
     s = result.spec_stats
     assert sum(s["drafted_per_pos"]) == s["draft_n"] and sum(s["accepted_per_pos"]) == s["draft_n_accepted"], s
@@ -268,8 +354,12 @@ def test_per_position_counters_add_up_to_the_drafted_and_accepted_totals(tiny_mo
 @pytest.mark.parametrize("name", ARCHS)
 def test_stale_draft_context_fault_stays_lossless_and_lowers_acceptance(tiny_models, greedy_reference, name):
     """The draft context keeps its rejected tokens: the target never sees it (output unchanged), the drafts do."""
-    spec = lambda fault: SpecConfig(spec_type=("draft-simple",), spec_draft_model=resolve(f"{name}-draft").path,
-                                    spec_draft_n_max=4, fault=fault)
+    spec = lambda fault: SpecConfig(
+        spec_type=("draft-simple",),
+        spec_draft_model=resolve(f"{name}-draft").path,
+        spec_draft_n_max=4,
+        fault=fault,
+    )
     requests = [quicksort(lang) for lang in LANGS]
     clean = run(tiny_models[name], requests, spec=spec(None))
     stale = run(tiny_models[name], requests, spec=spec("stale-draft-context"))

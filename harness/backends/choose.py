@@ -7,8 +7,12 @@ from harness.backends.base import Backend
 from harness.backends.inproc import InprocBackend
 
 
-def backend_factories(server_bin: Optional[Path] = None, source: Optional[Path] = None,
-                      run_dir: Optional[Path] = None, build=None) -> dict[str, Callable[[], Backend]]:
+def backend_factories(
+    server_bin: Optional[Path] = None,
+    source: Optional[Path] = None,
+    run_dir: Optional[Path] = None,
+    build=None,
+) -> dict[str, Callable[[], Backend]]:
     """name → factory; `server` serves `build` (a BuildInfo) when given, else builds (or reuses) llama-server
     from `source` unless `server_bin` is given. Process logs go to `run_dir/server-logs` and
     `run_dir/engine-logs` (temp dirs when `run_dir` is None)."""
@@ -17,8 +21,10 @@ def backend_factories(server_bin: Optional[Path] = None, source: Optional[Path] 
         from harness.backends.build import ensure_server
         from harness.backends.server_backend import ServerBackend
 
-        return ServerBackend(build=build or ensure_server(source=source, server_bin=server_bin),
-                             run_dir=run_dir / "server-logs" if run_dir else None)
+        return ServerBackend(
+            build=build or ensure_server(source=source, server_bin=server_bin),
+            run_dir=run_dir / "server-logs" if run_dir else None,
+        )
 
     def inproc() -> Backend:
         return InprocBackend(run_dir / "engine-logs" if run_dir else None)

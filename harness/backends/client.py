@@ -58,10 +58,17 @@ class LlamaClient:
         """POST and return the JSON answer within `timeout` seconds, or by `until` (time.monotonic) if given."""
         timeout = self.timeout if until is None else max(0.01, until - time.monotonic())
         try:
-            resp = requests.post(self.base_url + path, json=payload, timeout=(min(CONNECT_TIMEOUT_S, timeout), timeout))
+            resp = requests.post(
+                self.base_url + path,
+                json=payload,
+                timeout=(min(CONNECT_TIMEOUT_S, timeout), timeout),
+            )
         except requests.Timeout:
             raise RequestTimedOut(f"{path} got no answer within {timeout:.1f} s") from None
-        except (requests.ConnectionError, requests.exceptions.ChunkedEncodingError) as err:
+        except (
+            requests.ConnectionError,
+            requests.exceptions.ChunkedEncodingError,
+        ) as err:
             raise ConnectionLost(f"{path}: {err}") from None
         if resp.status_code >= 400:
             try:
@@ -74,7 +81,11 @@ class LlamaClient:
 
     def tokenize(self, text: str, until: Optional[float] = None) -> list[int]:
         """Token ids of `text` exactly as /completion would evaluate it (special tokens added and parsed)."""
-        return self._post("/tokenize", {"content": text, "add_special": True, "parse_special": True}, until)["tokens"]
+        return self._post(
+            "/tokenize",
+            {"content": text, "add_special": True, "parse_special": True},
+            until,
+        )["tokens"]
 
     def apply_template(self, messages: list[dict], until: Optional[float] = None) -> str:
         """The prompt text the model's chat template renders for `messages` (with the generation prompt)."""
@@ -88,8 +99,14 @@ class LlamaClient:
         """POST /completion (non-streaming) and return the final response object."""
         return self._post("/completion", payload, until)
 
-    def complete(self, request: Request, n_probs: int = 0, fields: Optional[dict[str, Any]] = None,
-                 deadline_s: Optional[float] = None, on_prompt: Optional[Callable[[int], None]] = None) -> Result:
+    def complete(
+        self,
+        request: Request,
+        n_probs: int = 0,
+        fields: Optional[dict[str, Any]] = None,
+        deadline_s: Optional[float] = None,
+        on_prompt: Optional[Callable[[int], None]] = None,
+    ) -> Result:
         """Serve one Request through /completion and fill a Result with prompt and output token ids.
 
         Chats are rendered with /apply-template (the same template code /v1/chat/completions runs),
@@ -120,13 +137,21 @@ class LlamaClient:
         return _result(prompt_tokens, data)
 
 
-def completion_payload(prompt_tokens: list[int], sampling: Sampling, n_probs: int = 0,
-                       fields: Optional[dict[str, Any]] = None) -> dict:
+def completion_payload(
+    prompt_tokens: list[int],
+    sampling: Sampling,
+    n_probs: int = 0,
+    fields: Optional[dict[str, Any]] = None,
+) -> dict:
     """The /completion request body for a prompt of token ids: every sampling field as it is, the top-`n_probs`
     probabilities (the request's own `n_probs` wins), the generated token ids (`return_tokens`), `fields`."""
-    return {"prompt": list(prompt_tokens), **sampling.server_fields(),
-            "n_probs": n_probs if sampling.n_probs is None else sampling.n_probs,
-            "return_tokens": True, **(fields or {})}
+    return {
+        "prompt": list(prompt_tokens),
+        **sampling.server_fields(),
+        "n_probs": n_probs if sampling.n_probs is None else sampling.n_probs,
+        "return_tokens": True,
+        **(fields or {}),
+    }
 
 
 def _result(prompt_tokens: list[int], data: dict) -> Result:
@@ -139,7 +164,10 @@ def _result(prompt_tokens: list[int], data: dict) -> Result:
         # hold the generated tokens without it (its text is empty either way)
         tokens.pop()
         logits = logits[: len(tokens)]
-    spec_stats: dict[str, Any] = {"draft_n": 0, "draft_n_accepted": 0}  # the server omits them when nothing was drafted
+    spec_stats: dict[str, Any] = {
+        "draft_n": 0,
+        "draft_n_accepted": 0,
+    }  # the server omits them when nothing was drafted
     spec_stats.update({k: v for k, v in timings.items() if k.startswith("draft_")})
     spec_stats["types"] = data.get("generation_settings", {}).get("speculative.types", "")
     return Result(
@@ -150,9 +178,11 @@ def _result(prompt_tokens: list[int], data: dict) -> Result:
         truncated=bool(data.get("truncated", False)),
         slot_id=data.get("id_slot", -1),
         timings=Timings(
-            prompt_n=timings.get("prompt_n", 0), prompt_ms=timings.get("prompt_ms", 0.0),
+            prompt_n=timings.get("prompt_n", 0),
+            prompt_ms=timings.get("prompt_ms", 0.0),
             cache_n=timings.get("cache_n", 0),
-            predicted_n=timings.get("predicted_n", 0), predicted_ms=timings.get("predicted_ms", 0.0),
+            predicted_n=timings.get("predicted_n", 0),
+            predicted_ms=timings.get("predicted_ms", 0.0),
         ),
         spec_stats=spec_stats,
         logits=logits,

@@ -30,7 +30,8 @@ SETTINGS = {
     "--kv-unified": "mode seq / par (one KV stream)",
     "--no-kv-unified": "mode no-kv-unified (a KV stream per slot)",
     "-fa": "flash attention (on / off / auto)",
-    "-ctk": "the K cache type", "-ctv": "the V cache type",
+    "-ctk": "the K cache type",
+    "-ctv": "the V cache type",
     "-md": "the draft model of draft-simple",
     "--context-shift": "the suite's serve: context_shift",
     "--no-cache-prompt": "a request without the prompt cache",
@@ -82,6 +83,8 @@ def fit_to_build(cmd: list[str], accepted: frozenset[str], version: str) -> list
             value = cmd[i + 1] if i + 1 < len(cmd) and not _is_flag(cmd[i + 1]) else None
             setting = SETTINGS.get(word) or f"the speculative option {word[2:]}" + (f" = {value}" if value else "")
             older = f" (nor its older spelling {RENAMED[word]})" if word in RENAMED else ""
-            raise HarnessError(f"llama-server {version} ({Path(cmd[0]).name}) has no {word}{older}, which {setting} "
-                               "needs: use a newer build or another setting")
+            raise HarnessError(
+                f"llama-server {version} ({Path(cmd[0]).name}) has no {word}{older}, which {setting} "
+                "needs: use a newer build or another setting"
+            )
     return out

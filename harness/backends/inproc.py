@@ -11,6 +11,7 @@ process that has already imported llama.cpp, so starting one costs milliseconds,
 
 import multiprocessing
 import multiprocessing.connection
+
 # RawArray's module, loaded with this one: a second copy (pytester restores sys.modules between tests and the
 # next RawArray imports it again) makes objects pickle can no longer match to their class
 import multiprocessing.sharedctypes  # noqa: F401
@@ -100,8 +101,13 @@ class InprocSession:
         self.log_dir = log_dir
         self.speed = SpeedMeter()
         self.stall = StallMeter(config.stall_s)
-        self.args = EngineArgs(config.model, context_params(config), spec_config(config), config.logit_top_k,
-                               config.kv_scan)
+        self.args = EngineArgs(
+            config.model,
+            context_params(config),
+            spec_config(config),
+            config.logit_top_k,
+            config.kv_scan,
+        )
         self.process = None
         self.conn = None
         self.log_path: Optional[Path] = None
@@ -115,8 +121,12 @@ class InprocSession:
         ctx = _context()
         self.conn, child = ctx.Pipe()
         self.progress = ctx.RawArray("q", 2)
-        self.process = ctx.Process(target=serve, args=(child, str(self.log_path), is_verbose(), self.progress),
-                                   daemon=True, name="specharness-engine")
+        self.process = ctx.Process(
+            target=serve,
+            args=(child, str(self.log_path), is_verbose(), self.progress),
+            daemon=True,
+            name="specharness-engine",
+        )
         _start_without_main(self.process)
         child.close()
         self.conn.send(("open", self.args))
@@ -173,19 +183,30 @@ class InprocSession:
         while True:
             prompt_tokens = self.progress[PROMPT]
             window = self.stall.window(prompt_tokens)
-            message = self._receive(min(PROGRESS_POLL_S, min(started + budget, last + window) - time.monotonic()))
+            message = self._receive(
+                min(
+                    PROGRESS_POLL_S,
+                    min(started + budget, last + window) - time.monotonic(),
+                )
+            )
             now = time.monotonic()
             if message is None:
                 return self._crashed(results)
             if message is QUIET:
                 if now >= started + budget:
-                    return self._timed_out(requests, results, f"did not finish within its deadline ({budget:.1f} s "
-                                           f"for this batch of {len(requests)})")
+                    return self._timed_out(
+                        requests,
+                        results,
+                        f"did not finish within its deadline ({budget:.1f} s for this batch of {len(requests)})",
+                    )
                 if self.progress[STEPS] != steps:
                     steps, last = self.progress[STEPS], now
                 elif now >= last + window:
-                    return self._timed_out(requests, results, f"got no token for {now - last:.1f} s "
-                                           f"({self.stall.explain(prompt_tokens)})")
+                    return self._timed_out(
+                        requests,
+                        results,
+                        f"got no token for {now - last:.1f} s ({self.stall.explain(prompt_tokens)})",
+                    )
                 continue
             last = now
             if message[0] == "result":
@@ -204,16 +225,24 @@ class InprocSession:
     def _budget(self, requests: list[Request]) -> float:
         """Seconds the worker gets for a `run` call before its unfinished requests end `timeout`: each
         request's deadline (`request_deadline`), the slots serving them `n_slots` at a time."""
-        deadlines = sorted((request_deadline(r, self.config.n_ctx, self.speed.slowest) for r in requests),
-                           reverse=True)
+        deadlines = sorted(
+            (request_deadline(r, self.config.n_ctx, self.speed.slowest) for r in requests),
+            reverse=True,
+        )
         return sum(deadlines[:: self.config.n_slots])
 
     def _timed_out(self, requests: list[Request], results: list[Optional[Result]], why: str) -> list[Result]:
         """The worker overran or stalled: it is killed, what it finished stays, the rest ends `timeout`."""
         self._kill()
-        return [r if r is not None else Result(stop_reason="timeout", error=(
-            f"timeout: case {q.tag or 'the request'} {why}; the in-process engine's worker was killed"))
-            for q, r in zip(requests, results)]
+        return [
+            r
+            if r is not None
+            else Result(
+                stop_reason="timeout",
+                error=(f"timeout: case {q.tag or 'the request'} {why}; the in-process engine's worker was killed"),
+            )
+            for q, r in zip(requests, results)
+        ]
 
     def _crashed(self, results: list[Optional[Result]]) -> list[Result]:
         """The worker died: what it finished stays, the rest becomes `crashed` with its exit and log tail."""

@@ -11,8 +11,14 @@ from typing import Optional
 from harness.backends.base import invalid_batch
 
 LOG_TAIL_LINES = 20
-ABORT_LINES = tuple(re.compile(p) for p in (r"GGML_ASSERT|GGML_ABORT", r"what\(\):|terminate called",
-                                            r"\.(?:cpp|c|h):\d+: "))
+ABORT_LINES = tuple(
+    re.compile(p)
+    for p in (
+        r"GGML_ASSERT|GGML_ABORT",
+        r"what\(\):|terminate called",
+        r"\.(?:cpp|c|h):\d+: ",
+    )
+)
 """What llama.cpp prints when it aborts, most telling first: `<file>:<line>: GGML_ASSERT(...) failed`, an
 uncaught C++ exception (`terminate called after throwing ...` / `what(): ...`), a fatal `<file>:<line>: ...`."""
 
@@ -20,7 +26,8 @@ uncaught C++ exception (`terminate called after throwing ...` / `what(): ...`), 
 INVALID_BATCH_LOG = re.compile(
     r"tokens of sequence (\d+) in the input batch have inconsistent sequence positions:\s*"
     r"- the last position stored in the memory module .*? is X = (-?\d+)\s*"
-    r"- the tokens for sequence \d+ in the input batch have a starting position of Y = (-?\d+)")
+    r"- the tokens for sequence \d+ in the input batch have a starting position of Y = (-?\d+)"
+)
 """llama.cpp's log lines for a batch whose positions do not follow the sequence's (llama-batch.cpp)."""
 INVALID_BATCH_LOG_LINES = 400
 """How far back in a log `invalid_batch_in_log` looks (llama-server logs a few lines per request)."""

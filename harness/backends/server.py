@@ -66,11 +66,22 @@ class LlamaServer:
         """The server for a ServeConfig: `seq` = one slot, `par` = N slots sharing one KV stream,
         `no-kv-unified` = N slots with a KV stream each. `options` sets the remaining fields."""
         return cls(
-            server_bin=server_bin, model=config.model, draft_model=config.draft_model,
-            ctx_size=config.n_ctx, batch_size=config.n_batch, ubatch_size=config.n_ubatch,
-            parallel=config.n_slots, kv_unified=config.kv_unified, flash_attn=config.flash_attn,
-            cache_type_k=config.cache_type_k, cache_type_v=config.cache_type_v, threads=config.threads,
-            seed=config.seed, repack=config.repack, context_shift=config.context_shift, spec=dict(config.spec),
+            server_bin=server_bin,
+            model=config.model,
+            draft_model=config.draft_model,
+            ctx_size=config.n_ctx,
+            batch_size=config.n_batch,
+            ubatch_size=config.n_ubatch,
+            parallel=config.n_slots,
+            kv_unified=config.kv_unified,
+            flash_attn=config.flash_attn,
+            cache_type_k=config.cache_type_k,
+            cache_type_v=config.cache_type_v,
+            threads=config.threads,
+            seed=config.seed,
+            repack=config.repack,
+            context_shift=config.context_shift,
+            spec=dict(config.spec),
             **options,
         )
 
@@ -81,11 +92,32 @@ class LlamaServer:
     def command(self) -> list[str]:
         """The llama-server command line for the current fields (port must be set)."""
         cmd = [
-            str(self.server_bin), "--host", HOST, "--port", str(self.port), "-m", str(self.model),
-            "-c", str(self.ctx_size), "-b", str(self.batch_size), "-ub", str(self.ubatch_size),
-            "-np", str(self.parallel), "--kv-unified" if self.kv_unified else "--no-kv-unified",
-            "-fa", self.flash_attn, "-ctk", self.cache_type_k, "-ctv", self.cache_type_v,
-            "-t", str(self.threads), "-s", str(self.seed),
+            str(self.server_bin),
+            "--host",
+            HOST,
+            "--port",
+            str(self.port),
+            "-m",
+            str(self.model),
+            "-c",
+            str(self.ctx_size),
+            "-b",
+            str(self.batch_size),
+            "-ub",
+            str(self.ubatch_size),
+            "-np",
+            str(self.parallel),
+            "--kv-unified" if self.kv_unified else "--no-kv-unified",
+            "-fa",
+            self.flash_attn,
+            "-ctk",
+            self.cache_type_k,
+            "-ctv",
+            self.cache_type_v,
+            "-t",
+            str(self.threads),
+            "-s",
+            str(self.seed),
         ]
         if self.draft_model:
             cmd += ["-md", str(self.draft_model)]
@@ -106,7 +138,10 @@ class LlamaServer:
         if not self.warmup:
             cmd.append("--no-warmup")
         if "-fit" in server_flags(self.server_bin):
-            cmd += ["-fit", "off"]  # otherwise -c may be shrunk to fit free device memory
+            cmd += [
+                "-fit",
+                "off",
+            ]  # otherwise -c may be shrunk to fit free device memory
         return fit_to_build(cmd, server_flags(self.server_bin), server_version(self.server_bin))
 
     # ------------------------------------------------------------------------------ life cycle
@@ -129,7 +164,11 @@ class LlamaServer:
             log.write("$ " + " ".join(cmd) + "\n")
             log.flush()
             self.process = subprocess.Popen(
-                cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, env=env,
+                cmd,
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=env,
                 start_new_session=True,
             )
         _RUNNING.add(self)
@@ -226,7 +265,7 @@ def _first_line_with(text: str, needles: tuple[str, ...]) -> str:
     for line in text.splitlines():
         for needle in needles:
             if needle in line:
-                return line[line.index(needle):].strip()
+                return line[line.index(needle) :].strip()
     return ""
 
 

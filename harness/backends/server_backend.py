@@ -28,7 +28,13 @@ from harness.backends.base import ServeConfig, SpeedMeter, StallMeter, request_d
 from harness.backends.build import BuildInfo, ensure_server
 from harness.backends.flags import server_version
 from harness.backends.process import free_log_name, invalid_batch_in_log
-from harness.backends.client import COMPLETION_FIELDS, ConnectionLost, LlamaClient, RequestTimedOut, ServerError
+from harness.backends.client import (
+    COMPLETION_FIELDS,
+    ConnectionLost,
+    LlamaClient,
+    RequestTimedOut,
+    ServerError,
+)
 from harness.backends.server import LlamaServer
 from harness.backends.slots_watch import SlotsWatch
 from harness.kvscan import OtherFormatVersion, layout_from_model, scan_file
@@ -74,15 +80,24 @@ class ServerBackend:
         machine-specific, and these values go into committed baselines."""
         self.build = self.build or ensure_server()
         return {
-            "device": self.build.backend, "llama_cpp_commit": self.build.commit,
-            "source_identity": self.build.source_identity, "compiler": self.build.compiler,
+            "device": self.build.backend,
+            "llama_cpp_commit": self.build.commit,
+            "source_identity": self.build.source_identity,
+            "compiler": self.build.compiler,
         }
 
     def open(self, config: ServeConfig) -> "ServerSession":
         """Start llama-server for `config` and wait until it is healthy."""
         self.build = self.build or ensure_server()
         run_dir = Path(self.run_dir) if self.run_dir else Path(tempfile.mkdtemp(prefix="specharness-server-"))
-        session = ServerSession(config, self.build, run_dir, self.request_timeout, self.fields, self.server_options)
+        session = ServerSession(
+            config,
+            self.build,
+            run_dir,
+            self.request_timeout,
+            self.fields,
+            self.server_options,
+        )
         session.start()
         return session
 
@@ -90,8 +105,15 @@ class ServerBackend:
 class ServerSession:
     """A model served by llama-server in one mode; restarts the server after a crash."""
 
-    def __init__(self, config: ServeConfig, build: BuildInfo, run_dir: Path, request_timeout: float,
-                 fields: dict[str, Any], server_options: dict[str, Any]):
+    def __init__(
+        self,
+        config: ServeConfig,
+        build: BuildInfo,
+        run_dir: Path,
+        request_timeout: float,
+        fields: dict[str, Any],
+        server_options: dict[str, Any],
+    ):
         self.config = config
         self.build = build
         self.run_dir = run_dir
@@ -149,8 +171,13 @@ class ServerSession:
         try:
             client = LlamaClient(server.url, self.request_timeout)
             with self.watch.tracking() as on_prompt:
-                result = client.complete(request, n_probs=self.config.logit_top_k, fields=self.fields,
-                                         deadline_s=deadline, on_prompt=on_prompt)
+                result = client.complete(
+                    request,
+                    n_probs=self.config.logit_top_k,
+                    fields=self.fields,
+                    deadline_s=deadline,
+                    on_prompt=on_prompt,
+                )
             if result.ok:
                 self.speed.record(len(result.tokens), time.monotonic() - started)
                 self.stall.record(result)
@@ -164,7 +191,10 @@ class ServerSession:
             with self._lock:
                 self._killed.setdefault(server, reason)
                 self._restart(server, kill=True)
-            return Result(stop_reason="timeout", error=f"{reason}; llama-server was killed and restarted")
+            return Result(
+                stop_reason="timeout",
+                error=f"{reason}; llama-server was killed and restarted",
+            )
 
     def _scan_slot(self, client: LlamaClient, slot_id: int) -> Optional[dict]:
         """Save the slot's state and scan it; an unhealthy file is kept in run_dir/slots as evidence. A build
@@ -178,10 +208,16 @@ class ServerSession:
         except OtherFormatVersion as err:
             path.unlink()
             with self._lock:
-                first, self.unscannable = self.unscannable is None, str(err).split(": ", 1)[1]
+                first, self.unscannable = (
+                    self.unscannable is None,
+                    str(err).split(": ", 1)[1],
+                )
             if first:
-                print(f"specharness: no KV scan on llama-server {server_version(self.build.server_bin)}: it saves "
-                      f"slots in {self.unscannable}", file=sys.stderr)
+                print(
+                    f"specharness: no KV scan on llama-server {server_version(self.build.server_bin)}: it saves "
+                    f"slots in {self.unscannable}",
+                    file=sys.stderr,
+                )
             return None
         if verdict["healthy"]:
             path.unlink()
@@ -195,10 +231,15 @@ class ServerSession:
         another request was past its deadline."""
         with self._lock:
             if server in self._stalls:
-                return Result(stop_reason="timeout", error=f"timeout: {_case(request)} {self._stalls[server]}; "
-                                                           "llama-server was killed and restarted")
+                return Result(
+                    stop_reason="timeout",
+                    error=f"timeout: {_case(request)} {self._stalls[server]}; llama-server was killed and restarted",
+                )
             if server in self._killed:
-                return Result(stop_reason="error", error=f"cut off: llama-server was restarted because {self._killed[server]}")
+                return Result(
+                    stop_reason="error",
+                    error=f"cut off: llama-server was restarted because {self._killed[server]}",
+                )
             if server.wait_exit(CRASH_GRACE_S) is None:
                 return Result(stop_reason="error", error=_explained(err, server))
             report = server.crash_report()

@@ -29,9 +29,17 @@ ANSWER_WAIT_S = 60.0
 
 def progress(slots: list[dict]) -> tuple:
     """What moves while llama-server works: each slot's task, prompt tokens read and tokens generated."""
-    return tuple((s.get("id"), s.get("id_task"), s.get("is_processing"), s.get("n_prompt_tokens"),
-                  s.get("n_prompt_tokens_processed"), (s.get("next_token") or [{}])[0].get("n_decoded"))
-                 for s in slots)
+    return tuple(
+        (
+            s.get("id"),
+            s.get("id_task"),
+            s.get("is_processing"),
+            s.get("n_prompt_tokens"),
+            s.get("n_prompt_tokens_processed"),
+            (s.get("next_token") or [{}])[0].get("n_decoded"),
+        )
+        for s in slots
+    )
 
 
 def reading_prompts(slots: list[dict], in_flight: int) -> bool:
@@ -45,7 +53,12 @@ class SlotsWatch:
     """Watches the server `current()` returns while requests are `tracking()`; calls `on_stall(server, why)`
     once per server that makes no progress for the stall window of `meter`."""
 
-    def __init__(self, current: Callable[[], object], meter: StallMeter, on_stall: Callable[[object, str], None]):
+    def __init__(
+        self,
+        current: Callable[[], object],
+        meter: StallMeter,
+        on_stall: Callable[[object, str], None],
+    ):
         self.current = current
         self.meter = meter
         self.on_stall = on_stall
@@ -106,8 +119,10 @@ class SlotsWatch:
             window = self.meter.window(prompt_tokens)
             left = last + window - time.monotonic()
             if left <= 0:
-                self.on_stall(server, f"got no token for {time.monotonic() - last:.1f} s "
-                                      f"({self.meter.explain(prompt_tokens)})")
+                self.on_stall(
+                    server,
+                    f"got no token for {time.monotonic() - last:.1f} s ({self.meter.explain(prompt_tokens)})",
+                )
                 return True
             try:
                 answer = requests.get(f"{server.url}/slots", timeout=min(left, ANSWER_WAIT_S))
@@ -117,9 +132,15 @@ class SlotsWatch:
                         last, seen = time.monotonic(), progress(slots)
             except requests.Timeout:
                 continue
-            except (requests.RequestException, ValueError):  # the process is gone: the requests in flight say so
+            except (
+                requests.RequestException,
+                ValueError,
+            ):  # the process is gone: the requests in flight say so
                 return True
-            if answer.status_code not in (200, 503):  # no /slots endpoint: the deadlines alone apply
+            if answer.status_code not in (
+                200,
+                503,
+            ):  # no /slots endpoint: the deadlines alone apply
                 return True
             with self._cond:
                 self._cond.wait(POLL_S)

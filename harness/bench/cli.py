@@ -36,16 +36,38 @@ def _fmt(x, digits: int = 1) -> str:
 
 def _table(title: str, rows: list[dict], first: str) -> Table:
     table = Table(title=title, title_justify="left")
-    for name in (first, "model", "config", "tokens", "drafted", "accepted", "accept", "acc/draft", "tok/s",
-                 "spread", "speed-up", "inproc/server"):
+    for name in (
+        first,
+        "model",
+        "config",
+        "tokens",
+        "drafted",
+        "accepted",
+        "accept",
+        "acc/draft",
+        "tok/s",
+        "spread",
+        "speed-up",
+        "inproc/server",
+    ):
         table.add_column(name, justify="right" if name not in (first, "model", "config") else "left")
     for r in rows:
         config = f"{r['engine']} {r['spec']}" + (f" logits {r['logits']}" if r["logits"] else "")
         vary = "*" if r.get("counts_vary") else ""
-        table.add_row(r[first], r["model"], config, str(r["predicted_n"]), f"{r['drafted']}{vary}", f"{r['accepted']}{vary}",
-                      "—" if r["acceptance"] is None else f"{100 * r['acceptance']:.1f}%",
-                      _fmt(r["accepted_per_draft"], 2), _fmt(r["tok_s"]), f"{_fmt(r['spread_pct'])}%",
-                      _fmt(r["speedup"], 2), _fmt(r["ratio"], 3))
+        table.add_row(
+            r[first],
+            r["model"],
+            config,
+            str(r["predicted_n"]),
+            f"{r['drafted']}{vary}",
+            f"{r['accepted']}{vary}",
+            "—" if r["acceptance"] is None else f"{100 * r['acceptance']:.1f}%",
+            _fmt(r["accepted_per_draft"], 2),
+            _fmt(r["tok_s"]),
+            f"{_fmt(r['spread_pct'])}%",
+            _fmt(r["speedup"], 2),
+            _fmt(r["ratio"], 3),
+        )
     return table
 
 
@@ -57,12 +79,14 @@ def harness_costs(quick: bool, console: Console) -> dict:
         "scan_per_step": lambda: costs.scan_per_step("tiny-hybrid", repeats=2 if quick else 3),
     }
     if not quick:
-        parts.update({
-            "overhead": lambda: costs.bench_overhead("gemma3-270m", 256),
-            "scan_32k": lambda: costs.bench_scan("tiny-dense", 32768, 20),
-            "suite_wall": lambda: costs.suite_wall("quicksort", "tiny-dense", "inproc"),
-            "forward": lambda: costs.forward_times("gemma3-270m"),
-        })
+        parts.update(
+            {
+                "overhead": lambda: costs.bench_overhead("gemma3-270m", 256),
+                "scan_32k": lambda: costs.bench_scan("tiny-dense", 32768, 20),
+                "suite_wall": lambda: costs.suite_wall("quicksort", "tiny-dense", "inproc"),
+                "forward": lambda: costs.forward_times("gemma3-270m"),
+            }
+        )
     out = {}
     for name, measure in parts.items():
         console.print(f"[dim]harness cost: {name}[/dim]")
@@ -77,10 +101,14 @@ def harness_costs(quick: bool, console: Console) -> dict:
 
 def cmd_speed(args: argparse.Namespace, console: Console) -> int:
     quick = speed.QUICK if args.quick else {}
-    models = _choose(_csv(args.model), speed.MODELS, quick.get("models", list(speed.MODELS)),
-                     "model")
+    models = _choose(_csv(args.model), speed.MODELS, quick.get("models", list(speed.MODELS)), "model")
     engines = _choose(_csv(args.engine), speed.ENGINES, list(speed.ENGINES), "engine")
-    specs = _choose(_csv(args.spec), speed.SPECS, quick.get("specs", list(speed.SPECS)), "spec config")
+    specs = _choose(
+        _csv(args.spec),
+        speed.SPECS,
+        quick.get("specs", list(speed.SPECS)),
+        "spec config",
+    )
     try:
         logits = [int(v) for v in _csv(args.logits) or ["0"]]
     except ValueError:
@@ -98,29 +126,46 @@ def cmd_speed(args: argparse.Namespace, console: Console) -> int:
 
     machine = {**host(), "load_before": round(os.getloadavg()[0], 2)}
     started = now()
-    measured = speed.run_speed(models, engines, specs, logits, workloads, repeat, n_predict,
-                               backend_factories(args.server_bin and Path(args.server_bin),
-                                                 args.source and Path(args.source)),
-                               warn=lambda line: console.print(f"[yellow]{line}[/yellow]"),
-                               progress=lambda line: console.print(f"[dim]{line}[/dim]"),
-                               skip=() if args.spec else tuple(quick.get("skip", ())))
-    data = {"tool": "specharness bench", "started": started, "command": " ".join(args.command_line),
-            "machine": machine, "repeat": repeat, "n_predict": n_predict,
-            "environment": {name: backend_facts(name, b) for name, b in measured.pop("backends").items()},
-            **measured}
+    measured = speed.run_speed(
+        models,
+        engines,
+        specs,
+        logits,
+        workloads,
+        repeat,
+        n_predict,
+        backend_factories(args.server_bin and Path(args.server_bin), args.source and Path(args.source)),
+        warn=lambda line: console.print(f"[yellow]{line}[/yellow]"),
+        progress=lambda line: console.print(f"[dim]{line}[/dim]"),
+        skip=() if args.spec else tuple(quick.get("skip", ())),
+    )
+    data = {
+        "tool": "specharness bench",
+        "started": started,
+        "command": " ".join(args.command_line),
+        "machine": machine,
+        "repeat": repeat,
+        "n_predict": n_predict,
+        "environment": {name: backend_facts(name, b) for name, b in measured.pop("backends").items()},
+        **measured,
+    }
     data["costs"] = {} if args.no_costs or data["interrupted"] else harness_costs(args.quick, console)
     data["interrupted"] = interrupt.received() is not None
     data["machine"]["load_after"] = round(os.getloadavg()[0], 2)
     console.print(_table("per workload", data["rows"], "workload"))
     console.print(_table("aggregate", data["aggregate"], "group"))
     if any(r["counts_vary"] for r in data["rows"]):
-        console.print("* drafted / accepted differ between repeats (the mean is shown): ngram-mod's pool learns "
-                      "from every earlier request of its slot")
+        console.print(
+            "* drafted / accepted differ between repeats (the mean is shown): ngram-mod's pool learns "
+            "from every earlier request of its slot"
+        )
     for p in data["parity"]:
         mark = "[green]holds[/green]" if p["holds"] else "[red]misses[/red]"
-        console.print(f"parity {p['group']} {p['spec']} logits {'on' if p['logits'] else 'off'}: "
-                      f"in-process/server {p['ratio']:.3f}, {p['ratio_min']:.3f}–{p['ratio_max']:.3f} over "
-                      f"{p['repeats']} paired repeats (target ≥ {p['target']}) {mark}")
+        console.print(
+            f"parity {p['group']} {p['spec']} logits {'on' if p['logits'] else 'off'}: "
+            f"in-process/server {p['ratio']:.3f}, {p['ratio_min']:.3f}–{p['ratio_max']:.3f} over "
+            f"{p['repeats']} paired repeats (target ≥ {p['target']}) {mark}"
+        )
     for name, row in data["costs"].items():
         console.print(f"[bold]{name}[/bold]: " + ", ".join(f"{k} {v}" for k, v in row.items()))
     with interrupt.deferred():  # what was measured is written in full
@@ -160,36 +205,83 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     """Register `specharness bench`."""
-    p = sub.add_parser("bench", help="measure speed on this machine: speculative speed and acceptance per workload "
-                                     "(default), harness costs, KV scan, incremental builds, report loading")
-    p.add_argument("what", nargs="?", default="speed", choices=WHATS,
-                   help="speed (default): engines x spec configs x models x workloads; costs: what the harness costs; "
-                        "scan, overhead, build-step, report: single measurements")
-    p.add_argument("--quick", action="store_true",
-                   help=f"a small subset (under 5 minutes on 2 cores): models {', '.join(speed.QUICK['models'])}; "
-                        f"specs {', '.join(speed.QUICK['specs'])} (not "
-                        + ", ".join(f"{m} {s}" for m, s in speed.QUICK["skip"])
-                        + f"); {len(speed.QUICK['workloads'])} workloads")
-    p.add_argument("--model", help="models, comma-separated (speed: " + ", ".join(speed.MODELS)
-                   + "; scan: tiny-dense; overhead: gemma3-270m)")
+    p = sub.add_parser(
+        "bench",
+        help="measure speed on this machine: speculative speed and acceptance per workload "
+        "(default), harness costs, KV scan, incremental builds, report loading",
+    )
+    p.add_argument(
+        "what",
+        nargs="?",
+        default="speed",
+        choices=WHATS,
+        help="speed (default): engines x spec configs x models x workloads; costs: what the harness costs; "
+        "scan, overhead, build-step, report: single measurements",
+    )
+    p.add_argument(
+        "--quick",
+        action="store_true",
+        help=f"a small subset (under 5 minutes on 2 cores): models {', '.join(speed.QUICK['models'])}; "
+        f"specs {', '.join(speed.QUICK['specs'])} (not "
+        + ", ".join(f"{m} {s}" for m, s in speed.QUICK["skip"])
+        + f"); {len(speed.QUICK['workloads'])} workloads",
+    )
+    p.add_argument(
+        "--model",
+        help="models, comma-separated (speed: "
+        + ", ".join(speed.MODELS)
+        + "; scan: tiny-dense; overhead: gemma3-270m)",
+    )
     p.add_argument("--engine", help="engines, comma-separated (default: inproc,server)")
-    p.add_argument("--spec", help="speculative configs, comma-separated (default: " + ",".join(speed.SPECS) + ")")
-    p.add_argument("--workload", help="workloads, comma-separated: a group (" + ", ".join(speed.GROUPS)
-                   + "), a case id (quicksort.C, w1.iterative.turn2) or a case name (default: all)")
-    p.add_argument("--logits", help="logit logging settings to compare, comma-separated top-k counts (in-process "
-                                    "top-k, llama-server n_probs; 0 = off; default 0)")
+    p.add_argument(
+        "--spec",
+        help="speculative configs, comma-separated (default: " + ",".join(speed.SPECS) + ")",
+    )
+    p.add_argument(
+        "--workload",
+        help="workloads, comma-separated: a group ("
+        + ", ".join(speed.GROUPS)
+        + "), a case id (quicksort.C, w1.iterative.turn2) or a case name (default: all)",
+    )
+    p.add_argument(
+        "--logits",
+        help="logit logging settings to compare, comma-separated top-k counts (in-process "
+        "top-k, llama-server n_probs; 0 = off; default 0)",
+    )
     p.add_argument("--repeat", type=int, help="repeats of every workload (default 3; --quick 2)")
-    p.add_argument("--n-predict", type=int, help="generated tokens per request (speed: 128; overhead: 256)")
-    p.add_argument("--no-costs", action="store_true", help="speed: leave out the harness-cost block")
-    p.add_argument("--out", help="directory for bench.json and bench.html (default reports/bench-<UTC time>)")
+    p.add_argument(
+        "--n-predict",
+        type=int,
+        help="generated tokens per request (speed: 128; overhead: 256)",
+    )
+    p.add_argument(
+        "--no-costs",
+        action="store_true",
+        help="speed: leave out the harness-cost block",
+    )
+    p.add_argument(
+        "--out",
+        help="directory for bench.json and bench.html (default reports/bench-<UTC time>)",
+    )
     p.add_argument("--json", help="also write the numbers to this file")
     p.add_argument("--server-bin", help="a llama-server binary to use instead of building one")
-    p.add_argument("--source", help="a llama.cpp checkout to build llama-server from (default: the vendored tree)")
+    p.add_argument(
+        "--source",
+        help="a llama.cpp checkout to build llama-server from (default: the vendored tree)",
+    )
     p.add_argument("--cells", type=int, default=32768, help="cells in the scanned state (scan)")
     p.add_argument("--repeats", type=int, default=20, help="timed scans (scan)")
-    p.add_argument("--file", default="tools/server/server-context.cpp",
-                   help="source file the incremental step changes (build-step)")
+    p.add_argument(
+        "--file",
+        default="tools/server/server-context.cpp",
+        help="source file the incremental step changes (build-step)",
+    )
     p.add_argument("--jobs", type=int, help="parallel compile jobs (build-step; default all cores)")
-    p.add_argument("--verdicts", type=int, default=2000, help="check verdicts in the generated report (report)")
+    p.add_argument(
+        "--verdicts",
+        type=int,
+        default=2000,
+        help="check verdicts in the generated report (report)",
+    )
     p.add_argument("--loads", type=int, default=5, help="browser loads timed (report)")
     p.set_defaults(func=cmd_bench)

@@ -53,16 +53,28 @@ def bench_scan(model_name: str, n_cells: int, repeats: int) -> dict:
     batch.free()
     ctx.close()
     model.close()
-    return {"model": model_name, "cells": report.totals["cells"], "blob_mb": round(len(blob) / 2**20, 1),
-            "dump_ms": round(dump_ms, 1), "scan_ms_median": round(statistics.median(times), 2),
-            "scan_ms_max": round(max(times), 2), "healthy": report.healthy}
+    return {
+        "model": model_name,
+        "cells": report.totals["cells"],
+        "blob_mb": round(len(blob) / 2**20, 1),
+        "dump_ms": round(dump_ms, 1),
+        "scan_ms_median": round(statistics.median(times), 2),
+        "scan_ms_max": round(max(times), 2),
+        "healthy": report.healthy,
+    }
 
 
 class _Timed:
     """Sums the wall time spent in some functions of `owner` (a class or a module) while active."""
 
     def __init__(self, owner, *names: str):
-        self.owner, self.names, self.seconds, self.calls, self.originals = owner, names, 0.0, 0, {}
+        self.owner, self.names, self.seconds, self.calls, self.originals = (
+            owner,
+            names,
+            0.0,
+            0,
+            {},
+        )
 
     def __enter__(self) -> "_Timed":
         for name in self.names:
@@ -90,8 +102,19 @@ def _engine(model_name: str, spec: str = "none", logit_top_k: int = 0, kv_scan: 
 
     options = spec_preset(spec).options
     draft = resolve(draft_for(model_name)).path if "draft-simple" in options.get("spec-type", "") else None
-    config = ServeConfig(model=resolve(model_name).path, mode="seq", spec=dict(options), draft_model=draft)
-    return Engine(config.model, context_params(config), spec_config(config) if options else None, logit_top_k, kv_scan)
+    config = ServeConfig(
+        model=resolve(model_name).path,
+        mode="seq",
+        spec=dict(options),
+        draft_model=draft,
+    )
+    return Engine(
+        config.model,
+        context_params(config),
+        spec_config(config) if options else None,
+        logit_top_k,
+        kv_scan,
+    )
 
 
 def _generate(engine: Engine, n_predict: int, timer: Optional["_Timed"] = None) -> tuple[float, int]:
@@ -112,9 +135,13 @@ def bench_overhead(model_name: str, n_predict: int) -> dict:
         total, n = _generate(engine, n_predict, decode)
     n += 1
     outside = total - decode.seconds
-    return {"model": model_name, "tokens": n - 1, "ms_per_token": round(1000 * total / n, 3),
-            "outside_decode_ms_per_token": round(1000 * outside / n, 4),
-            "outside_share_pct": round(100 * outside / total, 2)}
+    return {
+        "model": model_name,
+        "tokens": n - 1,
+        "ms_per_token": round(1000 * total / n, 3),
+        "outside_decode_ms_per_token": round(1000 * outside / n, 4),
+        "outside_share_pct": round(100 * outside / total, 2),
+    }
 
 
 def _alternating(engines: dict, n_predict: int, repeats: int) -> dict:
@@ -142,18 +169,34 @@ def logit_logging(model_name: str, k: int = 10, n_predict: int = 128, repeats: i
     with _Timed(slot, "capture") as captures:
         ms = _alternating(engines, n_predict, repeats)
     off, on = ms[0], ms[k]
-    return {"model": model_name, "k": k, "tokens": n_predict, "ms_per_token_off": round(off, 3),
-            "ms_per_token_on": round(on, 3), "share_pct": round(100 * (on - off) / off, 2),
-            "capture_ms_in_thread": round(1000 * captures.seconds / max(captures.calls, 1), 3)}
+    return {
+        "model": model_name,
+        "k": k,
+        "tokens": n_predict,
+        "ms_per_token_off": round(off, 3),
+        "ms_per_token_on": round(on, 3),
+        "share_pct": round(100 * (on - off) / off, 2),
+        "capture_ms_in_thread": round(1000 * captures.seconds / max(captures.calls, 1), 3),
+    }
 
 
 def scan_per_step(model_name: str, spec: str = "ngram-mod", n_predict: int = 128, repeats: int = 3) -> dict:
     """ms per generated token with the KV state scanned after every speculative step, against none (medians
     over `repeats` alternating runs)."""
-    ms = _alternating({mode: _engine(model_name, spec, kv_scan=mode) for mode in ("off", "step")}, n_predict, repeats)
+    ms = _alternating(
+        {mode: _engine(model_name, spec, kv_scan=mode) for mode in ("off", "step")},
+        n_predict,
+        repeats,
+    )
     off, step = ms["off"], ms["step"]
-    return {"model": model_name, "spec": spec, "ms_per_token_off": round(off, 3), "ms_per_token_step": round(step, 3),
-            "scan_ms_per_token": round(step - off, 3), "share_pct": round(100 * (step - off) / step, 2)}
+    return {
+        "model": model_name,
+        "spec": spec,
+        "ms_per_token_off": round(off, 3),
+        "ms_per_token_step": round(step, 3),
+        "scan_ms_per_token": round(step - off, 3),
+        "share_pct": round(100 * (step - off) / step, 2),
+    }
 
 
 def state_copies(model_name: str = "tiny-hybrid", spec: str = "draft-simple", n_predict: int = 128) -> dict:
@@ -162,9 +205,15 @@ def state_copies(model_name: str = "tiny-hybrid", spec: str = "draft-simple", n_
     with _engine(model_name, spec) as engine:
         copies = _Timed(Context, "state_seq", "set_state_seq")
         wall, n = _generate(engine, n_predict, copies)
-    return {"model": model_name, "spec": spec, "tokens": n, "wall_ms": round(1000 * wall, 1),
-            "copy_ms": round(1000 * copies.seconds, 2), "copies": copies.calls,
-            "share_pct": round(100 * copies.seconds / wall, 2)}
+    return {
+        "model": model_name,
+        "spec": spec,
+        "tokens": n,
+        "wall_ms": round(1000 * wall, 1),
+        "copy_ms": round(1000 * copies.seconds, 2),
+        "copies": copies.calls,
+        "share_pct": round(100 * copies.seconds / wall, 2),
+    }
 
 
 def suite_wall(suite_name: str = "quicksort", model: str = "tiny-dense", backend: str = "inproc") -> dict:
@@ -183,12 +232,24 @@ def suite_wall(suite_name: str = "quicksort", model: str = "tiny-dense", backend
     wall = time.perf_counter() - t0
     results = [o.result for run in runs for o in run.outcomes]
     inference = sum(r.timings.prompt_ms + r.timings.predicted_ms for r in results) / 1000
-    return {"suite": suite_name, "model": model, "backend": backend, "cells": len(chosen), "requests": len(results),
-            "tokens": sum(len(r.tokens) for r in results), "wall_s": round(wall, 2),
-            "inference_s": round(inference, 2), "inference_share_pct": round(100 * inference / wall, 1)}
+    return {
+        "suite": suite_name,
+        "model": model,
+        "backend": backend,
+        "cells": len(chosen),
+        "requests": len(results),
+        "tokens": sum(len(r.tokens) for r in results),
+        "wall_s": round(wall, 2),
+        "inference_s": round(inference, 2),
+        "inference_share_pct": round(100 * inference / wall, 1),
+    }
 
 
-def forward_times(model_name: str = "gemma3-270m", sizes: tuple[int, ...] = (1, 2, 4, 8, 9), repeats: int = 20) -> dict:
+def forward_times(
+    model_name: str = "gemma3-270m",
+    sizes: tuple[int, ...] = (1, 2, 4, 8, 9),
+    repeats: int = 20,
+) -> dict:
     """ms of one target forward (`llama_decode`) of a batch of `sizes` tokens after a 128-token prefix, logits
     for every row (a speculative verification): the physical floor a speculative step cannot go below."""
     info = resolve(model_name)

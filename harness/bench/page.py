@@ -28,12 +28,18 @@ def charts(aggregate: list[dict]) -> list[dict]:
     for key in dict.fromkeys((r["group"], r["model"]) for r in aggregate):
         rows = [r for r in aggregate if (r["group"], r["model"]) == key and r["tok_s"]]
         label = lambda r: f"{r['engine']} {r['spec']}" + (f" logits {r['logits']}" if r["logits"] else "")  # noqa: E731
-        out.append({
-            "group": key[0], "model": key[1],
-            "speed": [(label(r), r["tok_s"], f"{r['tok_s']:.1f} tok/s") for r in rows],
-            "speedup": [(label(r), r["speedup"], f"{r['speedup']:.2f}×") for r in rows if r["spec"] != "none"
-                        and r["speedup"] is not None],
-        })
+        out.append(
+            {
+                "group": key[0],
+                "model": key[1],
+                "speed": [(label(r), r["tok_s"], f"{r['tok_s']:.1f} tok/s") for r in rows],
+                "speedup": [
+                    (label(r), r["speedup"], f"{r['speedup']:.2f}×")
+                    for r in rows
+                    if r["spec"] != "none" and r["speedup"] is not None
+                ],
+            }
+        )
     return out
 
 

@@ -32,14 +32,23 @@ GROUPS = ("categories", "quicksort", "w1")
 ENGINES = ("inproc", "server")
 SPECS = ("none", "ngram-simple", "ngram-map-k", "ngram-mod", "draft-simple")
 MODELS = ("tiny-dense", "tiny-hybrid", "tiny-recurrent", "gemma3-270m")
-QUICK = {"models": ["tiny-hybrid", "gemma3-270m"], "specs": ["none", "ngram-mod", "draft-simple"],
-         "skip": [("gemma3-270m", "draft-simple")],
-         "workloads": ["quicksort.C", "w1.iterative.turn1", "categories.summarize"], "repeat": 2}
+QUICK = {
+    "models": ["tiny-hybrid", "gemma3-270m"],
+    "specs": ["none", "ngram-mod", "draft-simple"],
+    "skip": [("gemma3-270m", "draft-simple")],
+    "workloads": ["quicksort.C", "w1.iterative.turn1", "categories.summarize"],
+    "repeat": 2,
+}
 """`--quick`: a subset that finishes in under 5 minutes on 2 cores. `skip`: (model, spec) pairs left out
 unless --spec names the specs: Gemma's Q2_K self-draft runs at 9–13 tok/s and took 130 s of a 4 min
 48 s quick run (tiny-hybrid's draft-simple rows still exercise a draft model)."""
-PARITY = {"model": "gemma3-270m", "groups": ("quicksort", "w1"), "specs": ("none", "ngram-mod"),
-          "off": 1.0, "on": 0.98}
+PARITY = {
+    "model": "gemma3-270m",
+    "groups": ("quicksort", "w1"),
+    "specs": ("none", "ngram-mod"),
+    "off": 1.0,
+    "on": 0.98,
+}
 """The parity targets of issue #13: in-process / llama-server tokens/s on Gemma's quicksort and W1 turns,
 without speculation and with ngram-mod: ≥ 1.0 with logit logging off, ≥ 0.98 with it on."""
 WARMUP_TOKENS = 8
@@ -116,22 +125,37 @@ def select_workloads(names: Optional[list[str]]) -> list[Workload]:
     chosen = [w for w in every if any(n in (w.group, w.id, w.name) or w.id.startswith(n + ".") for n in names)]
     unknown = [n for n in names if not any(n in (w.group, w.id, w.name) or w.id.startswith(n + ".") for w in every)]
     if unknown:
-        raise HarnessError(f"unknown workload {', '.join(unknown)} (use a group {', '.join(GROUPS)}, "
-                           f"or one of: {', '.join(w.id for w in every)})")
+        raise HarnessError(
+            f"unknown workload {', '.join(unknown)} (use a group {', '.join(GROUPS)}, "
+            f"or one of: {', '.join(w.id for w in every)})"
+        )
     return chosen
 
 
 def _sample(repeat: int, result: Result, wall_ms: float) -> Sample:
     stats = result.spec_stats or {}
-    return Sample(repeat, result.timings.predicted_n, result.timings.predicted_ms, wall_ms, stats.get("draft_n", 0),
-                  stats.get("draft_n_accepted", 0), stats.get("spec_cycles"))
+    return Sample(
+        repeat,
+        result.timings.predicted_n,
+        result.timings.predicted_ms,
+        wall_ms,
+        stats.get("draft_n", 0),
+        stats.get("draft_n_accepted", 0),
+        stats.get("spec_cycles"),
+    )
 
 
 class ModelBench:
     """The sessions of one model (one per config), its chat histories, and what they measured."""
 
-    def __init__(self, model: str, configs: list[Config], backends: dict[str, Backend], n_predict: int,
-                 warn: Callable[[str], None]):
+    def __init__(
+        self,
+        model: str,
+        configs: list[Config],
+        backends: dict[str, Backend],
+        n_predict: int,
+        warn: Callable[[str], None],
+    ):
         self.model, self.n_predict, self.warn = model, n_predict, warn
         self.sessions: dict[Config, Session] = {}
         self.failed: dict[Config, str] = {}
@@ -205,19 +229,34 @@ def summarize(key: dict, per_repeat: list[list[Sample]]) -> dict:
     done = [samples for samples in per_repeat if samples]
     speeds = [_tok_s(samples) for samples in done]
     by_repeat = [[samples[0].repeat, speed] for samples, speed in zip(done, speeds)]
-    counts = [(sum(s.predicted_n for s in x), sum(s.drafted for s in x), sum(s.accepted for s in x)) for x in done]
+    counts = [
+        (
+            sum(s.predicted_n for s in x),
+            sum(s.drafted for s in x),
+            sum(s.accepted for s in x),
+        )
+        for x in done
+    ]
     n, drafted, accepted = (round(statistics.mean(c[i] for c in counts)) if counts else 0 for i in range(3))
     drafts = [sum(s.drafts for s in x) for x in done if all(s.drafts is not None for s in x)]
     per_draft = sum(c[2] for c in counts) / sum(drafts) if drafts and len(drafts) == len(done) and sum(drafts) else None
     median = statistics.median(speeds) if speeds else None
-    return {**key, "predicted_n": n, "drafted": drafted, "accepted": accepted,
-            "acceptance": accepted / drafted if drafted else None, "accepted_per_draft": per_draft,
-            "counts_vary": len(set(counts)) > 1,
-            "tok_s": median, "tok_s_min": min(speeds) if speeds else None, "tok_s_max": max(speeds) if speeds else None,
-            "tok_s_by_repeat": by_repeat,
-            "spread_pct": 100 * (max(speeds) - min(speeds)) / median if median else None,
-            "wall_ms": statistics.mean(sum(s.wall_ms for s in x) for x in done) if done else None,
-            "repeats": len(speeds)}
+    return {
+        **key,
+        "predicted_n": n,
+        "drafted": drafted,
+        "accepted": accepted,
+        "acceptance": accepted / drafted if drafted else None,
+        "accepted_per_draft": per_draft,
+        "counts_vary": len(set(counts)) > 1,
+        "tok_s": median,
+        "tok_s_min": min(speeds) if speeds else None,
+        "tok_s_max": max(speeds) if speeds else None,
+        "tok_s_by_repeat": by_repeat,
+        "spread_pct": 100 * (max(speeds) - min(speeds)) / median if median else None,
+        "wall_ms": statistics.mean(sum(s.wall_ms for s in x) for x in done) if done else None,
+        "repeats": len(speeds),
+    }
 
 
 def _relate(rows: list[dict], keys: tuple[str, ...]) -> None:
@@ -247,14 +286,24 @@ ROW_KEYS = ("model", "workload", "engine", "spec", "logits")
 AGG_KEYS = ("group", "model", "engine", "spec", "logits")
 
 
-def tables(measured: dict[tuple[str, str, Config], Measured], workloads: list[Workload], repeat: int) -> tuple[list, list]:
+def tables(
+    measured: dict[tuple[str, str, Config], Measured],
+    workloads: list[Workload],
+    repeat: int,
+) -> tuple[list, list]:
     """The per-workload rows and the aggregate (per group and `all`) rows."""
     groups = {w.id: w.group for w in workloads}
     rows, agg_samples = [], {}
     for (model, workload, config), m in measured.items():
         per_repeat = [[s] for s in m.samples]
-        key = {"model": model, "workload": workload, "group": groups[workload], "engine": config.engine,
-               "spec": config.spec, "logits": config.logits}
+        key = {
+            "model": model,
+            "workload": workload,
+            "group": groups[workload],
+            "engine": config.engine,
+            "spec": config.spec,
+            "logits": config.logits,
+        }
         row = summarize(key, per_repeat)
         row["errors"] = m.errors
         rows.append(row)
@@ -263,12 +312,30 @@ def tables(measured: dict[tuple[str, str, Config], Measured], workloads: list[Wo
             for s in m.samples:
                 slots[s.repeat].append(s)
     _relate(rows, ROW_KEYS)
-    aggregate = [summarize({"group": g, "model": model, "engine": c.engine, "spec": c.spec, "logits": c.logits},
-                           per_repeat) for (g, model, c), per_repeat in agg_samples.items()]
+    aggregate = [
+        summarize(
+            {
+                "group": g,
+                "model": model,
+                "engine": c.engine,
+                "spec": c.spec,
+                "logits": c.logits,
+            },
+            per_repeat,
+        )
+        for (g, model, c), per_repeat in agg_samples.items()
+    ]
     _relate(aggregate, AGG_KEYS)
     order = {name: i for i, name in enumerate([*GROUPS, "all", *(w.id for w in workloads), *MODELS, *SPECS, *ENGINES])}
-    by = lambda first: lambda r: (order.get(r[first], 99), order.get(r["model"], 99), order.get(r["spec"], 99),  # noqa: E731
-                                  r["logits"], order.get(r["engine"], 99))
+    by = lambda first: (
+        lambda r: (
+            order.get(r[first], 99),
+            order.get(r["model"], 99),
+            order.get(r["spec"], 99),  # noqa: E731
+            r["logits"],
+            order.get(r["engine"], 99),
+        )
+    )
     return sorted(rows, key=by("workload")), sorted(aggregate, key=by("group"))
 
 
@@ -280,12 +347,27 @@ def parity(aggregate: list[dict], workloads: list[Workload]) -> list[dict]:
     whole = {g for g in PARITY["groups"] if all(w.id in ran for w in all_workloads() if w.group == g)}
     out = []
     for r in aggregate:
-        if (r["engine"] == "inproc" and r["model"] == PARITY["model"] and r["group"] in whole
-                and r["spec"] in PARITY["specs"] and r["ratio"] is not None):
+        if (
+            r["engine"] == "inproc"
+            and r["model"] == PARITY["model"]
+            and r["group"] in whole
+            and r["spec"] in PARITY["specs"]
+            and r["ratio"] is not None
+        ):
             target = PARITY["on"] if r["logits"] else PARITY["off"]
-            out.append({"group": r["group"], "spec": r["spec"], "logits": r["logits"], "ratio": r["ratio"],
-                        "ratio_min": r["ratio_min"], "ratio_max": r["ratio_max"], "repeats": r["repeats"],
-                        "target": target, "holds": r["ratio"] >= target})
+            out.append(
+                {
+                    "group": r["group"],
+                    "spec": r["spec"],
+                    "logits": r["logits"],
+                    "ratio": r["ratio"],
+                    "ratio_min": r["ratio_min"],
+                    "ratio_max": r["ratio_max"],
+                    "repeats": r["repeats"],
+                    "target": target,
+                    "holds": r["ratio"] >= target,
+                }
+            )
     return out
 
 
@@ -293,9 +375,19 @@ def configs_of(engines: list[str], specs: list[str], logits: list[int]) -> list[
     return [Config(e, s, k) for s in specs for k in logits for e in engines]
 
 
-def run_speed(models: list[str], engines: list[str], specs: list[str], logits: list[int], workloads: list[Workload],
-              repeat: int, n_predict: int, factories: dict[str, Callable[[], Backend]],
-              warn: Callable[[str], None], progress: Callable[[str], None], skip: tuple = ()) -> dict:
+def run_speed(
+    models: list[str],
+    engines: list[str],
+    specs: list[str],
+    logits: list[int],
+    workloads: list[Workload],
+    repeat: int,
+    n_predict: int,
+    factories: dict[str, Callable[[], Backend]],
+    warn: Callable[[str], None],
+    progress: Callable[[str], None],
+    skip: tuple = (),
+) -> dict:
     """Measure every (model, workload, config) but the (model, spec) pairs in `skip`; returns the rows,
     aggregate and parity (see `tables`), the models skipped (not installed) and the backends used."""
     if repeat < 1:
@@ -311,8 +403,11 @@ def run_speed(models: list[str], engines: list[str], specs: list[str], logits: l
             skipped[model] = str(err)
             warn(f"skipping {model}: {err}")
             continue
-        configs = [c for c in configs_of(engines, specs, logits)
-                   if (c.spec != "draft-simple" or draft_for(model)) and (model, c.spec) not in skip]
+        configs = [
+            c
+            for c in configs_of(engines, specs, logits)
+            if (c.spec != "draft-simple" or draft_for(model)) and (model, c.spec) not in skip
+        ]
         progress(f"{model}: {len(configs)} sessions × {len(workloads)} workloads × {repeat} repeats")
         bench = None
         try:
@@ -327,5 +422,11 @@ def run_speed(models: list[str], engines: list[str], specs: list[str], logits: l
             if bench is not None:
                 bench.close()
     rows, aggregate = tables(measured, workloads, repeat)
-    return {"rows": rows, "aggregate": aggregate, "parity": parity(aggregate, workloads), "skipped": skipped,
-            "backends": backends, "interrupted": interrupted}
+    return {
+        "rows": rows,
+        "aggregate": aggregate,
+        "parity": parity(aggregate, workloads),
+        "skipped": skipped,
+        "backends": backends,
+        "interrupted": interrupted,
+    }

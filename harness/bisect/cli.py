@@ -28,15 +28,29 @@ def _plan(args: argparse.Namespace) -> plans.Plan:
     """The pinned cell from --suite ... or --from-run ..., plus the build options."""
     checks = csv(args.check)
     if args.from_run:
-        plan = plans.from_run(args.from_run, args.case, checks, args.mode, args.spec, args.model, args.strict)
+        plan = plans.from_run(
+            args.from_run,
+            args.case,
+            checks,
+            args.mode,
+            args.spec,
+            args.model,
+            args.strict,
+        )
     elif args.suite:
         plan = plans.from_suite(args.suite, args.case, checks, args.mode, args.spec, args.model, args.strict)
     else:
         raise HarnessError("name the case to judge: --suite S [--case C ...] or --from-run RUN_DIR --case ID")
-    plan.build_backend, plan.cmake_args, plan.jobs = args.backend, list(args.cmake_arg), args.jobs
+    plan.build_backend, plan.cmake_args, plan.jobs = (
+        args.backend,
+        list(args.cmake_arg),
+        args.jobs,
+    )
     if bool(args.step_cmd) != bool(args.server_bin_pattern):
-        raise HarnessError("--step-cmd and --server-bin-pattern go together (the command builds, the pattern "
-                           "says where its llama-server appears)")
+        raise HarnessError(
+            "--step-cmd and --server-bin-pattern go together (the command builds, the pattern "
+            "says where its llama-server appears)"
+        )
     plan.step_cmd, plan.server_bin_pattern = args.step_cmd, args.server_bin_pattern
     return plan
 
@@ -63,12 +77,19 @@ def cmd_bisect(args: argparse.Namespace) -> int:
             raise HarnessError("--source needs --good REV and --bad REV")
         plan = _plan(args)
         if args.source:
-            plan.source, plan.good, plan.bad = str(Path(args.source).resolve()), args.good, args.bad
+            plan.source, plan.good, plan.bad = (
+                str(Path(args.source).resolve()),
+                args.good,
+                args.bad,
+            )
             prepare_checkout(plan)
         releases = bool(args.releases)
         run_dir = _run_dir(args)
         plan.save(run_dir)
-    print(f"bisect: judging {plan.describe()}; log: {run_dir / 'bisect-log.jsonl'}", file=sys.stderr)
+    print(
+        f"bisect: judging {plan.describe()}; log: {run_dir / 'bisect-log.jsonl'}",
+        file=sys.stderr,
+    )
     outcome: Optional[Outcome] = None
     stop: Optional[Stop] = None
     try:
@@ -79,8 +100,11 @@ def cmd_bisect(args: argparse.Namespace) -> int:
     except Stop as err:
         stop = err
     except KeyboardInterrupt:
-        print(f"specharness: bisect interrupted; the checkout is back where it started. Continue with: "
-              f"specharness bisect --resume {run_dir}", file=sys.stderr)
+        print(
+            f"specharness: bisect interrupted; the checkout is back where it started. Continue with: "
+            f"specharness bisect --resume {run_dir}",
+            file=sys.stderr,
+        )
         return interrupt.status()
     with interrupt.deferred():  # the result of a finished bisect is written in full
         interrupt.phase("writing")
@@ -92,34 +116,90 @@ def cmd_bisect(args: argparse.Namespace) -> int:
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     """Register `specharness bisect`."""
-    p = sub.add_parser("bisect", help="find the llama.cpp commit or release that made a case fail (git bisect run)")
+    p = sub.add_parser(
+        "bisect",
+        help="find the llama.cpp commit or release that made a case fail (git bisect run)",
+    )
     where = p.add_argument_group("what to bisect")
-    where.add_argument("--source", type=Path, metavar="DIR", help="llama.cpp git checkout (must be clean)")
+    where.add_argument(
+        "--source",
+        type=Path,
+        metavar="DIR",
+        help="llama.cpp git checkout (must be clean)",
+    )
     where.add_argument("--good", metavar="REV", help="a commit where the case passes")
     where.add_argument("--bad", metavar="REV", help="a later commit where it fails")
-    where.add_argument("--releases", metavar="OLD..NEW",
-                       help="instead of a checkout: the llama.cpp trees vendored in these llama-cpp-python releases")
-    where.add_argument("--resume", metavar="RUN_DIR", help="continue an interrupted bisect from its log")
+    where.add_argument(
+        "--releases",
+        metavar="OLD..NEW",
+        help="instead of a checkout: the llama.cpp trees vendored in these llama-cpp-python releases",
+    )
+    where.add_argument(
+        "--resume",
+        metavar="RUN_DIR",
+        help="continue an interrupted bisect from its log",
+    )
     case = p.add_argument_group("the judged case (every dimension pinned)")
     case.add_argument("--suite", metavar="NAME|PATH", help="suite of the case")
-    case.add_argument("--from-run", type=Path, metavar="RUN_DIR",
-                      help="take suite, cell and failing checks of --case from a run directory")
-    case.add_argument("--case", metavar="ID", help="case name (a chat turn: name.turnN); needed unless the suite has one")
-    case.add_argument("--check", metavar="NAME[,NAME...]", help="the checks that judge (default: the suite's, or the "
-                      "failing ones of --from-run)")
+    case.add_argument(
+        "--from-run",
+        type=Path,
+        metavar="RUN_DIR",
+        help="take suite, cell and failing checks of --case from a run directory",
+    )
+    case.add_argument(
+        "--case",
+        metavar="ID",
+        help="case name (a chat turn: name.turnN); needed unless the suite has one",
+    )
+    case.add_argument(
+        "--check",
+        metavar="NAME[,NAME...]",
+        help="the checks that judge (default: the suite's, or the failing ones of --from-run)",
+    )
     case.add_argument("--mode", help="seq, par or no-kv-unified (default: the suite's only one)")
-    case.add_argument("--spec", metavar="CONFIG", help="speculative config (default: the suite's only one)")
+    case.add_argument(
+        "--spec",
+        metavar="CONFIG",
+        help="speculative config (default: the suite's only one)",
+    )
     case.add_argument("--model", metavar="NAME|PATH", help="model (default: the suite's only one)")
-    case.add_argument("--strict", action="store_true",
-                      help="a divergence triage proves to be a near-tie counts as bad too")
+    case.add_argument(
+        "--strict",
+        action="store_true",
+        help="a divergence triage proves to be a near-tie counts as bad too",
+    )
     build = p.add_argument_group("building each step")
-    build.add_argument("--backend", choices=BACKENDS, default="cpu", help="what llama-server is built for (default cpu)")
-    build.add_argument("--cmake-arg", action="append", default=[], metavar="ARG", help="extra CMake argument (repeatable)")
-    build.add_argument("--jobs", type=count(1), metavar="N", help="parallel compile jobs (default: all cores)")
-    build.add_argument("--step-cmd", metavar="CMD", help="shell command that builds llama-server in the checkout "
-                       "instead of specharness (run at every step; a failure twice skips the commit)")
-    build.add_argument("--server-bin-pattern", metavar="GLOB",
-                       help="where --step-cmd's llama-server appears, relative to the checkout (e.g. build/bin/llama-server)")
+    build.add_argument(
+        "--backend",
+        choices=BACKENDS,
+        default="cpu",
+        help="what llama-server is built for (default cpu)",
+    )
+    build.add_argument(
+        "--cmake-arg",
+        action="append",
+        default=[],
+        metavar="ARG",
+        help="extra CMake argument (repeatable)",
+    )
+    build.add_argument(
+        "--jobs",
+        type=count(1),
+        metavar="N",
+        help="parallel compile jobs (default: all cores)",
+    )
+    build.add_argument(
+        "--step-cmd",
+        metavar="CMD",
+        help="shell command that builds llama-server in the checkout "
+        "instead of specharness (run at every step; a failure twice skips the commit)",
+    )
+    build.add_argument(
+        "--server-bin-pattern",
+        metavar="GLOB",
+        help="where --step-cmd's llama-server appears, relative to the checkout (e.g. build/bin/llama-server)",
+    )
     p.add_argument("--out", metavar="DIR", help="run directory (default reports/<run-id>)")
     p.set_defaults(func=cmd_bisect)
     accept_cmake_definitions(p)

@@ -52,8 +52,14 @@ def step_env() -> dict:
 
 def run_group(cmd: list[str], cwd: Path, stdout) -> int:
     """Run `cmd` in a process group of its own; on an interrupt stop the whole group, then re-raise."""
-    proc = subprocess.Popen(cmd, cwd=cwd, env=step_env(), stdout=stdout, stdin=subprocess.DEVNULL,
-                            start_new_session=True)
+    proc = subprocess.Popen(
+        cmd,
+        cwd=cwd,
+        env=step_env(),
+        stdout=stdout,
+        stdin=subprocess.DEVNULL,
+        start_new_session=True,
+    )
     try:
         return proc.wait()
     except BaseException:
@@ -98,8 +104,11 @@ def _reset(git: Git, original: str) -> None:
         git("checkout", "-q", original.removeprefix("refs/heads/"), check=False)
     where = git.head()
     if git.bisecting() or where != original:
-        print(f"specharness: warning: could not restore {git.dir} (git bisect reset; now on {where}, "
-              f"started on {original})", file=sys.stderr)
+        print(
+            f"specharness: warning: could not restore {git.dir} (git bisect reset; now on {where}, "
+            f"started on {original})",
+            file=sys.stderr,
+        )
 
 
 def check_end(entry: dict, expected: str, what: str) -> None:
@@ -110,10 +119,14 @@ def check_end(entry: dict, expected: str, what: str) -> None:
     if entry["verdict"] == expected:
         return
     if which == "good":
-        raise Stop(f"the good {what} already fails the case ({entry['reason']}): the regression is older, or the "
-                   "case fails for another reason; nothing to bisect")
-    raise Stop(f"the bad {what} passes the case: the failure does not reproduce on this cell with this build; "
-               "nothing to bisect")
+        raise Stop(
+            f"the good {what} already fails the case ({entry['reason']}): the regression is older, or the "
+            "case fails for another reason; nothing to bisect"
+        )
+    raise Stop(
+        f"the bad {what} passes the case: the failure does not reproduce on this cell with this build; "
+        "nothing to bisect"
+    )
 
 
 class Bisection:
@@ -128,8 +141,11 @@ class Bisection:
 
     def logged(self, commit: str, roles: Optional[tuple[str, ...]] = None) -> Optional[dict]:
         """The last logged verdict for `commit` (only `roles` when given); errors do not count."""
-        found = [e for e in read_log(self.run_dir) if e.get("commit") == commit and e.get("verdict") != "error"
-                 and (roles is None or e.get("role") in roles)]
+        found = [
+            e
+            for e in read_log(self.run_dir)
+            if e.get("commit") == commit and e.get("verdict") != "error" and (roles is None or e.get("role") in roles)
+        ]
         return found[-1] if found else None
 
     def judge_commit(self, commit: str, role: str) -> dict:
@@ -149,7 +165,10 @@ class Bisection:
 
     def verify_ends(self) -> None:
         """The good commit must pass and the bad one fail, or there is nothing to bisect."""
-        for role, rev, expected in (("verify-good", self.plan.good, GOOD), ("verify-bad", self.plan.bad, BAD)):
+        for role, rev, expected in (
+            ("verify-good", self.plan.good, GOOD),
+            ("verify-bad", self.plan.bad, BAD),
+        ):
             check_end(self.judge_commit(rev, role), expected, f"commit {rev[:10]}")
 
     def mark(self, verdict: str, commit: str) -> str:
@@ -170,13 +189,19 @@ class Bisection:
         found = FIRST_BAD.search(said)
         if not found:
             candidates = re.findall(r"^([0-9a-f]{40})$", said.split(ONLY_SKIPPED)[-1], re.M)
-            raise Stop("only commits that cannot be judged are left; the first bad commit is one of "
-                       + ", ".join(c[:10] for c in candidates), candidates=candidates)
+            raise Stop(
+                "only commits that cannot be judged are left; the first bad commit is one of "
+                + ", ".join(c[:10] for c in candidates),
+                candidates=candidates,
+            )
         first_bad = found.group(1)
         parent = self.git("rev-parse", f"{first_bad}^")
-        return Outcome(first_bad=self.git.commit(first_bad), parent=self.git.commit(parent),
-                       first_bad_entry=self.judge_commit(first_bad, "step"),
-                       parent_entry=self.judge_commit(parent, "parent"))
+        return Outcome(
+            first_bad=self.git.commit(first_bad),
+            parent=self.git.commit(parent),
+            first_bad_entry=self.judge_commit(first_bad, "step"),
+            parent_entry=self.judge_commit(parent, "parent"),
+        )
 
     def _bisect_run(self) -> str:
         """`git bisect run <step>` from the commit git checked out; returns what it printed."""
@@ -185,8 +210,18 @@ class Bisection:
         with open(log_path, "a") as out:
             out.write(f"$ git bisect run {' '.join(step_command(self.run_dir, 'step'))}\n")
             out.flush()
-            status = run_group(["git", "-C", str(self.git.dir), "bisect", "run",
-                                *step_command(self.run_dir, "step")], self.git.dir, out)
+            status = run_group(
+                [
+                    "git",
+                    "-C",
+                    str(self.git.dir),
+                    "bisect",
+                    "run",
+                    *step_command(self.run_dir, "step"),
+                ],
+                self.git.dir,
+                out,
+            )
         with open(log_path) as f:
             f.seek(start)
             said = f.read()
@@ -203,8 +238,9 @@ def prepare_checkout(plan: Plan) -> None:
     git = Git(Path(plan.source))
     git.require_checkout()
     if git.bisecting():
-        raise HarnessError(f"a git bisect is already in progress in {git.dir}: end it with "
-                           f"`git -C {git.dir} bisect reset` first")
+        raise HarnessError(
+            f"a git bisect is already in progress in {git.dir}: end it with `git -C {git.dir} bisect reset` first"
+        )
     git.require_clean()
     plan.good, plan.bad = git.resolve(plan.good), git.resolve(plan.bad)
     if plan.good == plan.bad or not git.is_ancestor(plan.good, plan.bad):

@@ -29,8 +29,12 @@ class Git:
     def __call__(self, *args: str, check: bool = True) -> str:
         """stdout of `git args` (without trailing whitespace); HarnessError with git's last line when it fails and `check`."""
         try:
-            proc = subprocess.run(["git", "-C", str(self.dir), *args], capture_output=True, text=True,
-                                  stdin=subprocess.DEVNULL)
+            proc = subprocess.run(
+                ["git", "-C", str(self.dir), *args],
+                capture_output=True,
+                text=True,
+                stdin=subprocess.DEVNULL,
+            )
         except OSError as err:
             raise HarnessError(f"cannot run git: {err}") from None
         if check and proc.returncode != 0:
@@ -44,14 +48,18 @@ class Git:
             raise HarnessError(f"{self.dir} does not exist")
         top = self("rev-parse", "--show-toplevel", check=False)
         if not top or Path(top).resolve() != self.dir:
-            raise HarnessError(f"{self.dir} is not the top of a git checkout (give the llama.cpp checkout with --source)")
+            raise HarnessError(
+                f"{self.dir} is not the top of a git checkout (give the llama.cpp checkout with --source)"
+            )
 
     def require_clean(self) -> None:
         """Refuse uncommitted changes to tracked files: a bisect checks out other commits over them."""
         changed = self("status", "--porcelain", "--untracked-files=no").splitlines()
         if changed:
-            raise HarnessError(f"{self.dir} has uncommitted changes ({len(changed)} files, e.g. {changed[0][3:]}): "
-                               "commit or stash them first")
+            raise HarnessError(
+                f"{self.dir} has uncommitted changes ({len(changed)} files, e.g. {changed[0][3:]}): "
+                "commit or stash them first"
+            )
 
     def bisecting(self) -> bool:
         """Whether a `git bisect` is in progress in this checkout."""
@@ -77,8 +85,13 @@ class Git:
         return Commit(sha, subject, date)
 
     def is_ancestor(self, old: str, new: str) -> bool:
-        return subprocess.run(["git", "-C", str(self.dir), "merge-base", "--is-ancestor", old, new],
-                              capture_output=True).returncode == 0
+        return (
+            subprocess.run(
+                ["git", "-C", str(self.dir), "merge-base", "--is-ancestor", old, new],
+                capture_output=True,
+            ).returncode
+            == 0
+        )
 
     def checkout(self, rev: str) -> None:
         self("checkout", "-q", "--detach", rev)

@@ -41,8 +41,13 @@ def excused(result: CheckResult, strict: bool) -> bool:
 def check_record(result: CheckResult, strict: bool) -> dict[str, Any]:
     """A check verdict as it goes into the bisect log and report."""
     status = "passed" if result.passed else "near-tie (excused)" if excused(result, strict) else "failed"
-    return {"check": result.name, "passed": result.passed, "status": status, "message": result.message,
-            "evidence": result.evidence}
+    return {
+        "check": result.name,
+        "passed": result.passed,
+        "status": status,
+        "message": result.message,
+        "evidence": result.evidence,
+    }
 
 
 def judge(plan: Plan, build: BuildInfo, logs: Path) -> dict[str, Any]:
@@ -51,18 +56,34 @@ def judge(plan: Plan, build: BuildInfo, logs: Path) -> dict[str, Any]:
     case_def = next(c for c in suite.cases if plan.case in case_keys(c))
     suite = replace(suite, cases=[case_def])
     kv_scan = "request" if "kv-healthy" in plan.checks else "off"  # a scan nobody judges could only get in the way
-    executor = Executor(ExecOptions(backends={BACKEND: lambda: ServerBackend(build=build, run_dir=logs)},
-                                    kv_scan=kv_scan))
+    executor = Executor(
+        ExecOptions(
+            backends={BACKEND: lambda: ServerBackend(build=build, run_dir=logs)},
+            kv_scan=kv_scan,
+        )
+    )
     run = executor.run(suite, plan.cell)
-    repro = (f"specharness run --suite {plan.suite} --backend {BACKEND} --mode {plan.mode} --spec {plan.spec} "
-             f"--model {plan.model} --server-bin {build.server_bin}")
-    ctx = CheckContext(run, plan.case, executor, BaselineStore(Path(plan.baselines)),
-                       detokenizer(resolve(plan.model).path) if run.error is None else str, repro)
+    repro = (
+        f"specharness run --suite {plan.suite} --backend {BACKEND} --mode {plan.mode} --spec {plan.spec} "
+        f"--model {plan.model} --server-bin {build.server_bin}"
+    )
+    ctx = CheckContext(
+        run,
+        plan.case,
+        executor,
+        BaselineStore(Path(plan.baselines)),
+        detokenizer(resolve(plan.model).path) if run.error is None else str,
+        repro,
+    )
     results = evaluate(ctx, plan.checks)
     errors = [f"{r.cell.id}: {r.error}" for r in executor.runs() if r.error]  # reference cells run on demand
     checks = [check_record(r, plan.strict) for r in results]
     if errors:
-        return {"verdict": SKIP, "reason": f"llama-server could not serve the case: {errors[0]}", "checks": checks}
+        return {
+            "verdict": SKIP,
+            "reason": f"llama-server could not serve the case: {errors[0]}",
+            "checks": checks,
+        }
     failed = [r for r in results if not r.passed and not excused(r, plan.strict)]
     if failed:
         first = failed[0]

@@ -110,34 +110,54 @@ def _check_names(checks: Optional[list[str]], suite: Suite) -> list[str]:
 def _validated(plan: Plan) -> Plan:
     narrowing(modes=[plan.mode], specs=[plan.spec])
     if not spec_preset(plan.spec).runs_on("server"):
-        raise HarnessError(f"spec config '{plan.spec}' exists only in the in-process engine; a bisect judges llama-server")
+        raise HarnessError(
+            f"spec config '{plan.spec}' exists only in the in-process engine; a bisect judges llama-server"
+        )
     from harness.models import resolve
 
     resolve(plan.model)  # a missing model is bad input before anything is built
     return plan
 
 
-def from_suite(suite_name: str, case: Optional[str] = None, checks: Optional[list[str]] = None,
-               mode: Optional[str] = None, spec: Optional[str] = None, model: Optional[str] = None,
-               strict: bool = False) -> Plan:
+def from_suite(
+    suite_name: str,
+    case: Optional[str] = None,
+    checks: Optional[list[str]] = None,
+    mode: Optional[str] = None,
+    spec: Optional[str] = None,
+    model: Optional[str] = None,
+    strict: bool = False,
+) -> Plan:
     """The plan for one case of a suite; each dimension the suite leaves open must be given."""
     suite = load_suite(suite_name)
 
-    def axis(name: str) -> list[str]:  # the values the suite's matrix blocks name, in order
+    def axis(
+        name: str,
+    ) -> list[str]:  # the values the suite's matrix blocks name, in order
         return list(dict.fromkeys(v for block in suite.matrix for v in block[name]))
 
     specs = [s for s in axis("specs") if spec_preset(s).runs_on("server")]
-    return _validated(Plan(
-        suite=str(Path(suite.path).resolve()), case=_case_key(suite, case), checks=_check_names(checks, suite),
-        mode=_pick(mode, axis("modes"), "--mode", suite.name),
-        spec=_pick(spec, specs or axis("specs"), "--spec", suite.name),
-        model=_pick(model, axis("models"), "--model", suite.name), strict=strict,
-        baselines=str(default_root().resolve()),
-    ))
+    return _validated(
+        Plan(
+            suite=str(Path(suite.path).resolve()),
+            case=_case_key(suite, case),
+            checks=_check_names(checks, suite),
+            mode=_pick(mode, axis("modes"), "--mode", suite.name),
+            spec=_pick(spec, specs or axis("specs"), "--spec", suite.name),
+            model=_pick(model, axis("models"), "--model", suite.name),
+            strict=strict,
+            baselines=str(default_root().resolve()),
+        )
+    )
 
 
-def failing_records(run_dir: Path, case: Optional[str], checks: Optional[list[str]] = None,
-                    what: str = "bisect", **cell: Optional[str]) -> list[dict]:
+def failing_records(
+    run_dir: Path,
+    case: Optional[str],
+    checks: Optional[list[str]] = None,
+    what: str = "bisect",
+    **cell: Optional[str],
+) -> list[dict]:
     """The failing verdicts of `case` in a run directory's `checks.json` (of the given checks, in the cells
     matching the given `mode`, `spec`, `model`, `backend`); a one-line error when there are none."""
     path = Path(run_dir) / "checks.json"
@@ -162,14 +182,23 @@ def failing_records(run_dir: Path, case: Optional[str], checks: Optional[list[st
     return failing
 
 
-def from_run(run_dir: Path, case: Optional[str], checks: Optional[list[str]] = None, mode: Optional[str] = None,
-             spec: Optional[str] = None, model: Optional[str] = None, strict: bool = False) -> Plan:
+def from_run(
+    run_dir: Path,
+    case: Optional[str],
+    checks: Optional[list[str]] = None,
+    mode: Optional[str] = None,
+    spec: Optional[str] = None,
+    model: Optional[str] = None,
+    strict: bool = False,
+) -> Plan:
     """The plan for a failing case of a run directory (its `checks.json`), narrowed by the given dimensions."""
     failing = failing_records(run_dir, case, checks, mode=mode, spec=spec, model=model)
     on_server = [r for r in failing if r.get("backend") == BACKEND]
     if not on_server:
-        raise HarnessError(f"case '{case}' failed only on the {failing[0].get('backend')} backend; a bisect rebuilds "
-                           "llama-server, so it needs a failure of the server backend")
+        raise HarnessError(
+            f"case '{case}' failed only on the {failing[0].get('backend')} backend; a bisect rebuilds "
+            "llama-server, so it needs a failure of the server backend"
+        )
     cells = sorted({(r["mode"], r["spec"], r["model"]) for r in on_server})
     if len(cells) > 1:
         listed = "; ".join(f"--mode {m} --spec {s} --model {md}" for m, s, md in cells)
@@ -177,7 +206,15 @@ def from_run(run_dir: Path, case: Optional[str], checks: Optional[list[str]] = N
     mode, spec, model = cells[0]
     suite = load_suite(on_server[0]["suite"])
     names = sorted({r["check"] for r in on_server})
-    return _validated(Plan(
-        suite=str(Path(suite.path).resolve()), case=_case_key(suite, case), checks=_check_names(names, suite),
-        mode=mode, spec=spec, model=model, strict=strict, baselines=str(default_root().resolve()),
-    ))
+    return _validated(
+        Plan(
+            suite=str(Path(suite.path).resolve()),
+            case=_case_key(suite, case),
+            checks=_check_names(names, suite),
+            mode=mode,
+            spec=spec,
+            model=model,
+            strict=strict,
+            baselines=str(default_root().resolve()),
+        )
+    )

@@ -54,7 +54,9 @@ def release_range(spec: str, available: Optional[list[str]] = None) -> list[str]
     available = available if available is not None else available_versions()
     for end in (old, new):
         if end not in available:
-            raise HarnessError(f"{PACKAGE} {end} is not on the package index (releases: {', '.join(available[-8:])}, ...)")
+            raise HarnessError(
+                f"{PACKAGE} {end} is not on the package index (releases: {', '.join(available[-8:])}, ...)"
+            )
     return [v for v in available if _key(old) <= _key(v) <= _key(new)]
 
 
@@ -70,11 +72,18 @@ class ReleaseBisection:
         if logged:
             return logged[-1]
         tree = vendored_source(version)
-        facts = {"role": role, "version": version, "commit": source_identity(tree).commit,
-                 "subject": f"llama.cpp vendored in {PACKAGE} {version}", "date": ""}
+        facts = {
+            "role": role,
+            "version": version,
+            "commit": source_identity(tree).commit,
+            "subject": f"llama.cpp vendored in {PACKAGE} {version}",
+            "date": "",
+        }
         entry = evaluate(self.plan, tree, self.run_dir, facts)
-        print(f"bisect: {PACKAGE} {version} (llama.cpp {facts['commit'][:10]}) {entry['verdict']}: {entry['reason']}",
-              file=sys.stderr)
+        print(
+            f"bisect: {PACKAGE} {version} (llama.cpp {facts['commit'][:10]}) {entry['verdict']}: {entry['reason']}",
+            file=sys.stderr,
+        )
         return entry
 
     def run(self) -> Outcome:
@@ -94,14 +103,22 @@ class ReleaseBisection:
         if hi - lo > 1:
             raise Stop(f"the releases between {versions[lo]} (good) and {versions[hi]} (bad) cannot be judged")
         good, bad = self.judge(versions[lo], "parent"), self.judge(versions[hi], "step")
-        hint = (f"Bisect the llama.cpp commits between them: specharness bisect --source LLAMA_CPP_CHECKOUT "
-                f"--good {good['commit'][:10]} --bad {bad['commit'][:10]} --suite {self.plan.suite} "
-                f"--case {self.plan.case} --mode {self.plan.mode} --spec {self.plan.spec} --model {self.plan.model} "
-                f"--check {','.join(self.plan.checks)}")
+        hint = (
+            f"Bisect the llama.cpp commits between them: specharness bisect --source LLAMA_CPP_CHECKOUT "
+            f"--good {good['commit'][:10]} --bad {bad['commit'][:10]} --suite {self.plan.suite} "
+            f"--case {self.plan.case} --mode {self.plan.mode} --spec {self.plan.spec} --model {self.plan.model} "
+            f"--check {','.join(self.plan.checks)}"
+        )
         return Outcome(
-            first_bad=Commit(bad["commit"], bad["subject"], ""), parent=Commit(good["commit"], good["subject"], ""),
-            first_bad_entry=bad, parent_entry=good,
-            extra={"good_version": versions[lo], "bad_version": versions[hi], "hint": hint},
+            first_bad=Commit(bad["commit"], bad["subject"], ""),
+            parent=Commit(good["commit"], good["subject"], ""),
+            first_bad_entry=bad,
+            parent_entry=good,
+            extra={
+                "good_version": versions[lo],
+                "bad_version": versions[hi],
+                "hint": hint,
+            },
         )
 
 

@@ -39,11 +39,12 @@ def headline(outcome: Optional[Outcome], stop: Optional[Stop]) -> str:
     if outcome is None:
         return f"no first bad commit: {stop}"
     if outcome.extra.get("bad_version"):
-        return (f"first bad release: llama-cpp-python {outcome.extra['bad_version']} (llama.cpp "
-                f"{outcome.first_bad.sha[:10]}); last good: {outcome.extra['good_version']} (llama.cpp "
-                f"{outcome.parent.sha[:10]})")
-    return (f"first bad commit: {outcome.first_bad.sha} {outcome.first_bad.subject!r} "
-            f"({outcome.first_bad.date})")
+        return (
+            f"first bad release: llama-cpp-python {outcome.extra['bad_version']} (llama.cpp "
+            f"{outcome.first_bad.sha[:10]}); last good: {outcome.extra['good_version']} (llama.cpp "
+            f"{outcome.parent.sha[:10]})"
+        )
+    return f"first bad commit: {outcome.first_bad.sha} {outcome.first_bad.subject!r} ({outcome.first_bad.date})"
 
 
 def triage(evidence: dict) -> str:
@@ -52,8 +53,10 @@ def triage(evidence: dict) -> str:
     if isinstance(first, dict):
         return f" triage {first.get('kind')} at token {first.get('index')} (round {first.get('round')})"
     if "duplicate_cells" in evidence:
-        return (f" KV scan: {evidence['duplicate_cells']} duplicate (seq_id, pos) cells, {evidence.get('orphans', 0)} "
-                f"orphans, {evidence.get('missing_positions', 0)} missing positions")
+        return (
+            f" KV scan: {evidence['duplicate_cells']} duplicate (seq_id, pos) cells, {evidence.get('orphans', 0)} "
+            f"orphans, {evidence.get('missing_positions', 0)} missing positions"
+        )
     return ""
 
 
@@ -66,8 +69,10 @@ def describe(outcome: Optional[Outcome], stop: Optional[Stop]) -> str:
     lines = [headline(outcome, stop)]
     if outcome is None:
         return "\n".join(lines)
-    for label, commit, entry in (("first bad", outcome.first_bad, outcome.first_bad_entry),
-                                 ("parent", outcome.parent, outcome.parent_entry)):
+    for label, commit, entry in (
+        ("first bad", outcome.first_bad, outcome.first_bad_entry),
+        ("parent", outcome.parent, outcome.parent_entry),
+    ):
         lines.append(f"  {label:<9} {commit.sha[:10]} {entry['verdict']}: {entry['reason']}")
         for check in _failing(entry):
             lines.append(f"            {check['check']}: {check['status']}{triage(check['evidence'])}")
@@ -80,8 +85,11 @@ def write(run_dir: Path, plan: Plan, outcome: Optional[Outcome], stop: Optional[
     """`bisect.json` (the outcome) and `bisect.html` (rendered with Jinja2) in `run_dir`; returns the HTML path."""
     steps = read_log(run_dir)
     data = {
-        "plan": plan.__dict__, "cell": plan.describe(), "headline": headline(outcome, stop),
-        "found": outcome is not None, "stop": str(stop) if stop else None,
+        "plan": plan.__dict__,
+        "cell": plan.describe(),
+        "headline": headline(outcome, stop),
+        "found": outcome is not None,
+        "stop": str(stop) if stop else None,
         "candidates": stop.candidates if stop else [],
         "first_bad": dict(outcome.first_bad.to_json(), entry=outcome.first_bad_entry) if outcome else None,
         "parent": dict(outcome.parent.to_json(), entry=outcome.parent_entry) if outcome else None,
@@ -89,9 +97,15 @@ def write(run_dir: Path, plan: Plan, outcome: Optional[Outcome], stop: Optional[
         "steps": steps,
         "build_seconds": round(sum(s.get("build_seconds", 0) for s in steps), 1),
     }
-    write_atomic(run_dir / "bisect.json", lambda p: p.write_text(json.dumps(data, indent=1, default=str) + "\n"))
-    env = jinja2.Environment(loader=jinja2.PackageLoader("harness.bisect", "templates"),
-                             autoescape=True, undefined=jinja2.StrictUndefined)
+    write_atomic(
+        run_dir / "bisect.json",
+        lambda p: p.write_text(json.dumps(data, indent=1, default=str) + "\n"),
+    )
+    env = jinja2.Environment(
+        loader=jinja2.PackageLoader("harness.bisect", "templates"),
+        autoescape=True,
+        undefined=jinja2.StrictUndefined,
+    )
     env.filters["triage"] = triage
     html = env.get_template("bisect.html.j2").render(**data)
     target = run_dir / "bisect.html"

@@ -63,13 +63,21 @@ def _custom_build(plan: Plan, source: Path, log_path: Path) -> BuildInfo:
     with open(log_path, "a") as log:
         log.write(f"$ {plan.step_cmd}\n")
         log.flush()
-        status = subprocess.run(plan.step_cmd, shell=True, cwd=source, stdout=log, stderr=subprocess.STDOUT,
-                                stdin=subprocess.DEVNULL).returncode
+        status = subprocess.run(
+            plan.step_cmd,
+            shell=True,
+            cwd=source,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+        ).returncode
     if status != 0:
         raise HarnessError(f"--step-cmd exited with status {status} (log: {log_path})")
     found = [Path(p) for p in glob.glob(os.path.join(str(source), plan.server_bin_pattern)) if Path(p).is_file()]
     if not found:
-        raise HarnessError(f"--step-cmd made no file matching --server-bin-pattern {plan.server_bin_pattern} in {source}")
+        raise HarnessError(
+            f"--step-cmd made no file matching --server-bin-pattern {plan.server_bin_pattern} in {source}"
+        )
     return prebuilt_server(max(found, key=lambda p: p.stat().st_mtime))
 
 
@@ -97,8 +105,18 @@ def build_at(plan: Plan, source: Path, run_dir: Path, label: str) -> tuple[Optio
 
 
 def _phase(run_dir: Path, entry: dict, phase: str) -> None:
-    (run_dir / CURRENT).write_text(json.dumps({"commit": entry.get("commit"), "version": entry.get("version"),
-                                               "role": entry.get("role"), "phase": phase, "pid": os.getpid()}) + "\n")
+    (run_dir / CURRENT).write_text(
+        json.dumps(
+            {
+                "commit": entry.get("commit"),
+                "version": entry.get("version"),
+                "role": entry.get("role"),
+                "phase": phase,
+                "pid": os.getpid(),
+            }
+        )
+        + "\n"
+    )
 
 
 def evaluate(plan: Plan, source: Path, run_dir: Path, facts: dict) -> dict:
@@ -115,10 +133,20 @@ def evaluate(plan: Plan, source: Path, run_dir: Path, facts: dict) -> dict:
         entry.update(build_facts)
         if info is None:
             lines = build_facts["build_error"].splitlines()
-            first = next((line.strip() for line in lines[1:] if re.search(r"\berror\b", line)), lines[0])
-            entry.update(verdict=SKIP, reason=f"does not build ({BUILD_ATTEMPTS} attempts): {first}", checks=[])
+            first = next(
+                (line.strip() for line in lines[1:] if re.search(r"\berror\b", line)),
+                lines[0],
+            )
+            entry.update(
+                verdict=SKIP,
+                reason=f"does not build ({BUILD_ATTEMPTS} attempts): {first}",
+                checks=[],
+            )
         else:
-            entry["server"] = {"server_bin": str(info.server_bin), "source_identity": info.source_identity}
+            entry["server"] = {
+                "server_bin": str(info.server_bin),
+                "source_identity": info.source_identity,
+            }
             _phase(run_dir, entry, "judge")
             entry.update(judge(plan, info, run_dir / "server-logs" / label))
         entry["seconds"] = round(time.monotonic() - started, 1)
@@ -140,7 +168,11 @@ def summary(entry: dict) -> str:
 def main(argv: Optional[list[str]] = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m harness.bisect.step", description=__doc__.splitlines()[0])
     parser.add_argument("run_dir", type=Path)
-    parser.add_argument("--role", default="step", help="what the step is for (step, verify-good, verify-bad, parent)")
+    parser.add_argument(
+        "--role",
+        default="step",
+        help="what the step is for (step, verify-good, verify-bad, parent)",
+    )
     args = parser.parse_args(argv)
     run_dir = args.run_dir.resolve()
     facts: dict[str, Any] = {"role": args.role}
@@ -155,12 +187,19 @@ def main(argv: Optional[list[str]] = None) -> int:
     except HarnessError as err:
         entry = dict(facts, verdict="error", reason=str(err))
     except Exception as err:  # a harness bug: stop the bisect, keep the traceback in the log
-        entry = dict(facts, verdict="error", reason=f"harness error: {type(err).__name__}: {err}",
-                     traceback=traceback.format_exc())
+        entry = dict(
+            facts,
+            verdict="error",
+            reason=f"harness error: {type(err).__name__}: {err}",
+            traceback=traceback.format_exc(),
+        )
     if entry["verdict"] == "error":
         append_log(run_dir, entry)
         (run_dir / CURRENT).unlink(missing_ok=True)
-        print(f"bisect: error at {str(facts.get('commit', '?'))[:10]}: {entry['reason']}", file=sys.stderr)
+        print(
+            f"bisect: error at {str(facts.get('commit', '?'))[:10]}: {entry['reason']}",
+            file=sys.stderr,
+        )
         return EXIT_ABORT
     print(summary(entry), file=sys.stderr)
     return EXIT[entry["verdict"]]

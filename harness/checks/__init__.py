@@ -37,16 +37,23 @@ def no_crash(ctx: CheckContext) -> CheckResult:
     """Every request ended with output, or with an error the suite allows (never a crash or a timeout)."""
     bad = [o for o in ctx.outcomes if not o.result.ok and not ctx.allowed(o)]
     crashed = [o for o in ctx.outcomes if o.result.stop_reason in ("crashed", "timeout")]
-    evidence = {"requests": len(ctx.outcomes), "errors": len(bad),
-                "crashed": sum(o.result.stop_reason == "crashed" for o in crashed),
-                "timeouts": sum(o.result.stop_reason == "timeout" for o in crashed),
-                "allowed_errors": sum(1 for o in ctx.outcomes if not o.result.ok and ctx.allowed(o))}
+    evidence = {
+        "requests": len(ctx.outcomes),
+        "errors": len(bad),
+        "crashed": sum(o.result.stop_reason == "crashed" for o in crashed),
+        "timeouts": sum(o.result.stop_reason == "timeout" for o in crashed),
+        "allowed_errors": sum(1 for o in ctx.outcomes if not o.result.ok and ctx.allowed(o)),
+    }
     if not bad and not crashed:
         return CheckResult("no-crash", True, evidence=evidence)
     first = (crashed or bad)[0]
-    return CheckResult("no-crash", False, f"{len(bad)} of {len(ctx.outcomes)} requests failed; {ctx.case} round "
-                       f"{first.round}: {first.result.error}", evidence,
-                       failures=[f"round {o.round}: {o.result.error}" for o in bad])
+    return CheckResult(
+        "no-crash",
+        False,
+        f"{len(bad)} of {len(ctx.outcomes)} requests failed; {ctx.case} round {first.round}: {first.result.error}",
+        evidence,
+        failures=[f"round {o.round}: {o.result.error}" for o in bad],
+    )
 
 
 def repeat_identical(ctx: CheckContext) -> Optional[CheckResult]:
@@ -55,7 +62,10 @@ def repeat_identical(ctx: CheckContext) -> Optional[CheckResult]:
     if len(ctx.run.suite.rounds) < 2 or len(done) < 2:
         return None
     unique = len({tuple(o.result.tokens) for o in done})
-    result = verdict("repeat-identical", compare_outcome(ctx, done[0], f"output of round {done[0].round}", ctx.cell))
+    result = verdict(
+        "repeat-identical",
+        compare_outcome(ctx, done[0], f"output of round {done[0].round}", ctx.cell),
+    )
     result.evidence.update(unique_outputs=unique, runs=len(done))
     if unique > 1:
         result.message = f"{unique} unique outputs over {len(done)} runs; " + result.message
@@ -74,8 +84,10 @@ def lossless(ctx: CheckContext) -> Optional[CheckResult]:
     if not spec_preset(ctx.cell.spec).speculative or sampling.random_seed or not ctx.completed():
         return None
     reference = ctx.cell.reference(spec="none")
-    result = verdict("lossless", compare_outcome(ctx, ctx.reference_outcome(reference), "non-speculative output",
-                                                 reference))
+    result = verdict(
+        "lossless",
+        compare_outcome(ctx, ctx.reference_outcome(reference), "non-speculative output", reference),
+    )
     if result.passed or sampling.greedy or "first_divergence" not in result.evidence:
         return result
     result.evidence["seeded_sampling"] = True
@@ -93,7 +105,10 @@ def mode_invariant(ctx: CheckContext) -> Optional[CheckResult]:
     if ctx.cell.mode == "seq" or not ctx.completed():
         return None
     reference = ctx.cell.reference(mode="seq")
-    return verdict("mode-invariant", compare_outcome(ctx, ctx.reference_outcome(reference), "seq output", reference))
+    return verdict(
+        "mode-invariant",
+        compare_outcome(ctx, ctx.reference_outcome(reference), "seq output", reference),
+    )
 
 
 def baseline(ctx: CheckContext) -> Optional[CheckResult]:
@@ -116,19 +131,35 @@ def spec_ran(ctx: CheckContext) -> Optional[CheckResult]:
     drafted = sum(s.get("draft_n", 0) for s in stats)
     accepted = sum(s.get("draft_n_accepted", 0) for s in stats)
     expect_accepts = preset.expect_accepts and ctx.case_def.expect_accepts
-    evidence = {"draft_n": drafted, "draft_n_accepted": accepted, "expect_accepts": expect_accepts,
-                "acceptance": round(accepted / drafted, 3) if drafted else 0.0}
+    evidence = {
+        "draft_n": drafted,
+        "draft_n_accepted": accepted,
+        "expect_accepts": expect_accepts,
+        "acceptance": round(accepted / drafted, 3) if drafted else 0.0,
+    }
     if drafted == 0:
-        return CheckResult("spec-ran", False, f"no drafts at all for the case ({len(stats)} requests)", evidence)
+        return CheckResult(
+            "spec-ran",
+            False,
+            f"no drafts at all for the case ({len(stats)} requests)",
+            evidence,
+        )
     if expect_accepts and accepted == 0:
         return CheckResult("spec-ran", False, f"{drafted} tokens drafted, none accepted", evidence)
     if preset.rejects_all:
-        failures = [f"round {o.round}: {s.get('draft_n', 0)} drafted, {s.get('draft_n_accepted', 0)} accepted"
-                    for o, s in zip(ctx.completed(), stats)
-                    if s.get("draft_n_accepted", 0) > 0 or (s.get("draft_n", 0) == 0 and len(o.result.tokens) > 1)]
+        failures = [
+            f"round {o.round}: {s.get('draft_n', 0)} drafted, {s.get('draft_n_accepted', 0)} accepted"
+            for o, s in zip(ctx.completed(), stats)
+            if s.get("draft_n_accepted", 0) > 0 or (s.get("draft_n", 0) == 0 and len(o.result.tokens) > 1)
+        ]
         if failures:
-            return CheckResult("spec-ran", False, f"forced rejection: every request must draft and accept nothing; "
-                               f"{failures[0]}", evidence, failures=failures)
+            return CheckResult(
+                "spec-ran",
+                False,
+                f"forced rejection: every request must draft and accept nothing; {failures[0]}",
+                evidence,
+                failures=failures,
+            )
     return CheckResult("spec-ran", True, evidence=evidence)
 
 
@@ -146,46 +177,78 @@ def acceptance(ctx: CheckContext) -> Optional[CheckResult]:
     tolerance, source = floor.acceptance_tolerance(ctx.cell.spec)
     # rounds sent all at once: a drafter that learns across requests depends on the order llama-server serves
     # them in, so they take the tolerance calibrated for requests sent at once
-    at_once = {r: floor.acceptance_tolerance(ctx.cell.spec, "concurrent")[0] for r, how in
-               enumerate(ctx.run.suite.rounds) if how == "par" and preset.learns_across_requests}
+    at_once = {
+        r: floor.acceptance_tolerance(ctx.cell.spec, "concurrent")[0]
+        for r, how in enumerate(ctx.run.suite.rounds)
+        if how == "par" and preset.learns_across_requests
+    }
     across_modes, _ = floor.acceptance_tolerance(ctx.cell.spec, "modes")
     try:
         stored, path = ctx.baselines.acceptance(ctx)
     except HarnessError as err:
-        return CheckResult("acceptance", False, f"{err} (fix or delete it; it is never replaced silently)")
+        return CheckResult(
+            "acceptance",
+            False,
+            f"{err} (fix or delete it; it is never replaced silently)",
+        )
     mine = {o.round: Acceptance.of(o.result.spec_stats, len(o.result.tokens)) for o in ctx.completed()}
     references: list[tuple[str, dict[int, Acceptance]]] = []
     problems = []
     pending = ctx.baselines.not_recorded(ctx) if stored is None else None
     if stored is None and not pending:
-        problems.append(f"no acceptance baseline for {ctx.cell.mode}/{ctx.cell.spec} in {path.name}; create it "
-                        f"with: {ctx.repro} --update-baselines{ctx.baselines.option}")
+        problems.append(
+            f"no acceptance baseline for {ctx.cell.mode}/{ctx.cell.spec} in {path.name}; create it "
+            f"with: {ctx.repro} --update-baselines{ctx.baselines.option}"
+        )
     # a chat turn whose earlier replies differ from the reference's has another prompt: not compared
     done = {o.round: o for o in ctx.completed()}
     recorded = ctx.baselines.earlier_replies(ctx)
     moot = {r for r, o in done.items() if ctx.prompt_differs(o, recorded)}
     if stored is not None:
-        references.append(("baseline", {row["round"]: Acceptance.of(row, mine[row["round"]].generated)
-                                        for row in stored if row["round"] in mine and row["round"] not in moot}))
+        references.append(
+            (
+                "baseline",
+                {
+                    row["round"]: Acceptance.of(row, mine[row["round"]].generated)
+                    for row in stored
+                    if row["round"] in mine and row["round"] not in moot
+                },
+            )
+        )
     if ctx.cell.mode != "seq" and not preset.learns_across_requests:
         seq_cell = ctx.cell.reference(mode="seq")
-        references.append(("seq", {o.round: Acceptance.of(o.result.spec_stats, len(o.result.tokens))
-                                   for o in ctx.other(seq_cell) if o.result.ok and o.round in mine
-                                   and not ctx.prompt_differs(done[o.round], ctx.earlier_replies(seq_cell, o.round))}))
+        references.append(
+            (
+                "seq",
+                {
+                    o.round: Acceptance.of(o.result.spec_stats, len(o.result.tokens))
+                    for o in ctx.other(seq_cell)
+                    if o.result.ok
+                    and o.round in mine
+                    and not ctx.prompt_differs(done[o.round], ctx.earlier_replies(seq_cell, o.round))
+                },
+            )
+        )
     for label, before in references:
         missing = sorted(set(mine) - set(before) - moot)
         if label == "baseline" and missing:
-            problems.append(f"round {missing[0]}: no acceptance baseline for it; create it with: {ctx.repro} "
-                            f"--update-baselines{ctx.baselines.option}")
+            problems.append(
+                f"round {missing[0]}: no acceptance baseline for it; create it with: {ctx.repro} "
+                f"--update-baselines{ctx.baselines.option}"
+            )
         for r in sorted(set(mine) & set(before)):
             limit = across_modes if label == "seq" else at_once.get(r, tolerance)
             why = fall(before[r], mine[r], limit)
             if why:
                 problems.append(f"round {r} against {label} (tolerance {limit:.3g}): {why}")
-    evidence = {"tolerance": tolerance, "tolerance_source": source, "requests": len(mine),
-                **({"tolerance_sent_at_once": next(iter(at_once.values()))} if at_once else {}),
-                **({"tolerance_against_seq": across_modes} if any(label == "seq" for label, _ in references) else {}),
-                "after": summed(list(mine.values())).to_evidence()}
+    evidence = {
+        "tolerance": tolerance,
+        "tolerance_source": source,
+        "requests": len(mine),
+        **({"tolerance_sent_at_once": next(iter(at_once.values()))} if at_once else {}),
+        **({"tolerance_against_seq": across_modes} if any(label == "seq" for label, _ in references) else {}),
+        "after": summed(list(mine.values())).to_evidence(),
+    }
     for label, before in references:
         evidence[label] = summed(list(before.values())).to_evidence()
     if pending:
@@ -194,8 +257,13 @@ def acceptance(ctx: CheckContext) -> Optional[CheckResult]:
         evidence["not_compared_with_baseline"] = len(moot)
     if problems:
         more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
-        return CheckResult("acceptance", False, f"{ctx.cell.id}, {problems[0]}{more}; tolerances: {source}",
-                           evidence, failures=problems)
+        return CheckResult(
+            "acceptance",
+            False,
+            f"{ctx.cell.id}, {problems[0]}{more}; tolerances: {source}",
+            evidence,
+            failures=problems,
+        )
     return CheckResult("acceptance", True, pending or "", evidence)
 
 
@@ -212,8 +280,13 @@ def grammar_valid(ctx: CheckContext) -> Optional[CheckResult]:
             problems.append(f"round {o.round}: {str(err).splitlines()[0]} in {o.result.text[:80]!r}")
     evidence = {"outputs": len(ctx.completed()), "invalid": len(problems)}
     if problems:
-        return CheckResult("grammar-valid", False, f"{len(problems)} invalid outputs; " + problems[0], evidence,
-                           failures=problems)
+        return CheckResult(
+            "grammar-valid",
+            False,
+            f"{len(problems)} invalid outputs; " + problems[0],
+            evidence,
+            failures=problems,
+        )
     return CheckResult("grammar-valid", True, evidence=evidence)
 
 
@@ -223,7 +296,8 @@ def _damage(scan: dict) -> str:
     return f"{t['duplicate_cells']} duplicate cells, {t['orphans']} orphans: " + "; ".join(
         [f"{d['count']} cells at (seq {d['seq_id']}, pos {d['pos']})" for d in scan["duplicates"]]
         + [f"orphan at (seq {o['seq_id']}, pos {o['pos']})" for o in scan["orphans"]]
-        + [f"hole at seq {h['seq_id']} pos {h['first']}..{h['last']}" for h in scan["holes"]])
+        + [f"hole at seq {h['seq_id']} pos {h['first']}..{h['last']}" for h in scan["holes"]]
+    )
 
 
 def kv_problems(result: Result) -> list[str]:
@@ -242,9 +316,11 @@ def kv_problems(result: Result) -> list[str]:
     past = past_returned(result)
     if past is not None:
         n = past[1] - past[0] + 1
-        problems.append(f"{n} position{'s' if n > 1 else ''} past the returned tokens: the slot keeps positions "
-                        f"{past[0]}..{past[1]} after {len(result.prompt_tokens)} prompt + {len(result.tokens)} "
-                        f"returned tokens (stop: {result.stop_reason})")
+        problems.append(
+            f"{n} position{'s' if n > 1 else ''} past the returned tokens: the slot keeps positions "
+            f"{past[0]}..{past[1]} after {len(result.prompt_tokens)} prompt + {len(result.tokens)} "
+            f"returned tokens (stop: {result.stop_reason})"
+        )
     return problems
 
 
@@ -260,23 +336,39 @@ def kv_healthy(ctx: CheckContext) -> Optional[CheckResult]:
     bad = [o for o in scanned if problems[id(o)]]
     totals = [o.result.kv_scan["totals"] for o in scanned]
     counts = ("duplicate_cells", "orphans", "missing_positions")
-    evidence = {"scanned": len(scanned), "unhealthy": len(bad), **{k: sum(t[k] for t in totals) for k in counts},
-                "past_returned": sum(p[1] - p[0] + 1 for p in map(past_returned, (o.result for o in scanned)) if p)}
+    evidence = {
+        "scanned": len(scanned),
+        "unhealthy": len(bad),
+        **{k: sum(t[k] for t in totals) for k in counts},
+        "past_returned": sum(p[1] - p[0] + 1 for p in map(past_returned, (o.result for o in scanned)) if p),
+    }
     drafts = [o.result.kv_scan["draft"]["totals"] for o in scanned if o.result.kv_scan.get("draft")]
     if drafts:
-        evidence["draft_context"] = {"scanned": len(drafts), **{k: sum(t[k] for t in drafts) for k in counts}}
+        evidence["draft_context"] = {
+            "scanned": len(drafts),
+            **{k: sum(t[k] for t in drafts) for k in counts},
+        }
     if not bad:
         return CheckResult("kv-healthy", True, evidence=evidence)
     evidence["first"] = bad[0].result.kv_scan
     failures = [f"round {o.round}: {p}" for o in bad for p in problems[id(o)]]  # one finding a line
     draft = evidence.get("draft_context", {})
-    in_draft = (f", {draft['duplicate_cells']} duplicate cells, {draft['orphans']} orphans and "
-                f"{draft['missing_positions']} missing positions in the draft context"
-                if any(draft.get(k) for k in counts) else "")
-    return CheckResult("kv-healthy", False, f"{len(bad)} of {len(scanned)} requests left an unhealthy KV cache "
-                       f"({evidence['duplicate_cells']} duplicate cells, {evidence['orphans']} orphans, "
-                       f"{evidence['past_returned']} positions past the returned tokens{in_draft} in all); first: "
-                       f"{failures[0]}", evidence, failures=failures)
+    in_draft = (
+        f", {draft['duplicate_cells']} duplicate cells, {draft['orphans']} orphans and "
+        f"{draft['missing_positions']} missing positions in the draft context"
+        if any(draft.get(k) for k in counts)
+        else ""
+    )
+    return CheckResult(
+        "kv-healthy",
+        False,
+        f"{len(bad)} of {len(scanned)} requests left an unhealthy KV cache "
+        f"({evidence['duplicate_cells']} duplicate cells, {evidence['orphans']} orphans, "
+        f"{evidence['past_returned']} positions past the returned tokens{in_draft} in all); first: "
+        f"{failures[0]}",
+        evidence,
+        failures=failures,
+    )
 
 
 def logits_close(ctx: CheckContext) -> Optional[CheckResult]:
@@ -298,8 +390,10 @@ def logits_close(ctx: CheckContext) -> Optional[CheckResult]:
     for o in ctx.completed():
         if not o.result.logits or ctx.prompt_differs(o, earlier):
             continue
-        same = next((i for i, (a, b) in enumerate(zip(reference.result.tokens, o.result.tokens)) if a != b),
-                    min(len(reference.result.tokens), len(o.result.tokens)))
+        same = next(
+            (i for i, (a, b) in enumerate(zip(reference.result.tokens, o.result.tokens)) if a != b),
+            min(len(reference.result.tokens), len(o.result.tokens)),
+        )
         comparison = compare_logits(reference.result.logits[:same], o.result.logits[:same])
         if comparison.n_compared == 0:
             continue
@@ -313,8 +407,13 @@ def logits_close(ctx: CheckContext) -> Optional[CheckResult]:
     if evidence["compared_runs"] == 0:
         return None
     if worst:
-        return CheckResult("logits-close", False, f"logits differ from the seq / no-speculation run beyond the "
-                           f"{floor.describe()}; {worst}", evidence, failures=problems)
+        return CheckResult(
+            "logits-close",
+            False,
+            f"logits differ from the seq / no-speculation run beyond the {floor.describe()}; {worst}",
+            evidence,
+            failures=problems,
+        )
     return CheckResult("logits-close", True, evidence=evidence)
 
 
@@ -332,11 +431,15 @@ def exercised(ctx: CheckContext) -> Optional[CheckResult]:
     evidence = {"requests": len(outcomes), "completed": completed}
     problems, failures = [], []
     if share < expect.get("completed_min", 0.0):
-        problems.append(f"only {completed} of {len(outcomes)} requests completed (expected at least "
-                        f"{expect['completed_min']:.0%})")
+        problems.append(
+            f"only {completed} of {len(outcomes)} requests completed (expected at least {expect['completed_min']:.0%})"
+        )
         # one line per request that did not complete, with its error: what a known defect must explain
-        failures += [f"{o.case} round {o.round} did not complete: {o.result.error or o.result.stop_reason}"
-                     for o in outcomes if not o.result.ok]
+        failures += [
+            f"{o.case} round {o.round} did not complete: {o.result.error or o.result.stop_reason}"
+            for o in outcomes
+            if not o.result.ok
+        ]
     for counter, minimum in expect.get("spec_stats_min", {}).items():
         reported = [o.result.spec_stats[counter] for o in outcomes if counter in o.result.spec_stats]
         if not reported and outcomes:
@@ -344,8 +447,10 @@ def exercised(ctx: CheckContext) -> Optional[CheckResult]:
             continue
         evidence[counter] = total = sum(reported)
         if total < minimum:
-            problems.append(f"spec_stats.{counter} totals {total} over the cell (expected at least {minimum}): "
-                            "the path it counts never ran")
+            problems.append(
+                f"spec_stats.{counter} totals {total} over the cell (expected at least {minimum}): "
+                "the path it counts never ran"
+            )
             failures.append(problems[-1])
     if problems:
         return CheckResult("exercised", False, "; ".join(problems), evidence, failures=failures)
@@ -379,8 +484,14 @@ def evaluate(ctx: CheckContext, names: list[str]) -> list[CheckResult]:
     if ctx.run.harness_error is not None:
         raise HarnessBug(ctx.run.harness_error)
     if ctx.run.error is not None:
-        return [CheckResult("no-crash", False, f"the cell could not be served: {ctx.run.error}\n  reproduce: {ctx.repro}",
-                            failures=[ctx.run.error])]
+        return [
+            CheckResult(
+                "no-crash",
+                False,
+                f"the cell could not be served: {ctx.run.error}\n  reproduce: {ctx.repro}",
+                failures=[ctx.run.error],
+            )
+        ]
     results = []
     for name in names:
         result = CHECKS[name](ctx)

@@ -25,8 +25,13 @@ class Acceptance:
 
     @classmethod
     def of(cls, stats: dict, generated: int) -> "Acceptance":
-        return cls(int(stats.get("draft_n", 0)), int(stats.get("draft_n_accepted", 0)), generated,
-                   stats.get("drafted_per_pos"), stats.get("accepted_per_pos"))
+        return cls(
+            int(stats.get("draft_n", 0)),
+            int(stats.get("draft_n_accepted", 0)),
+            generated,
+            stats.get("drafted_per_pos"),
+            stats.get("accepted_per_pos"),
+        )
 
     @property
     def rate(self) -> float:
@@ -57,17 +62,25 @@ class Acceptance:
         return f"{100 * self.rate:.1f} % ({self.accepted}/{self.drafted} drafted{per_draft})"
 
     def to_evidence(self) -> dict:
-        out = {"drafted": self.drafted, "accepted": self.accepted, "generated": self.generated,
-               "acceptance": round(self.rate, 4)}
+        out = {
+            "drafted": self.drafted,
+            "accepted": self.accepted,
+            "generated": self.generated,
+            "acceptance": round(self.rate, 4),
+        }
         if self.per_draft is not None:
             out["accepted_per_draft"] = round(self.per_draft, 3)
         if self.position_rates() is not None:
-            out["drafted_per_pos"], out["accepted_per_pos"] = self.drafted_per_pos, self.accepted_per_pos
+            out["drafted_per_pos"], out["accepted_per_pos"] = (
+                self.drafted_per_pos,
+                self.accepted_per_pos,
+            )
         return out
 
 
 def summed(items: list[Acceptance]) -> Acceptance:
     """Several requests' counters added up (per position where every one has them)."""
+
     def add(lists):
         if any(x is None for x in lists):
             return None
@@ -77,9 +90,13 @@ def summed(items: list[Acceptance]) -> Acceptance:
                 out[i] += v
         return out
 
-    return Acceptance(sum(a.drafted for a in items), sum(a.accepted for a in items),
-                      sum(a.generated for a in items), add([a.drafted_per_pos for a in items]),
-                      add([a.accepted_per_pos for a in items]))
+    return Acceptance(
+        sum(a.drafted for a in items),
+        sum(a.accepted for a in items),
+        sum(a.generated for a in items),
+        add([a.drafted_per_pos for a in items]),
+        add([a.accepted_per_pos for a in items]),
+    )
 
 
 def fall(before: Acceptance, after: Acceptance, tolerance: float) -> Optional[str]:

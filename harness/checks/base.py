@@ -65,16 +65,24 @@ class CheckContext:
         """The calibrated noise floor of this cell's (model, backend, device), with the suite's own
         `tolerances:` applied on top when it declares any (the verdicts then say so)."""
         device = self.executor.environment(self.cell)["device"]
-        floor = noise.load(self.cell.model, self.cell.backend, device,
-                           self.baselines.calibration_of(self.run.suite) if self.baselines else None)
+        floor = noise.load(
+            self.cell.model,
+            self.cell.backend,
+            device,
+            self.baselines.calibration_of(self.run.suite) if self.baselines else None,
+        )
         declared = dict(self.run.suite.tolerances)
         if not declared:
             return floor
         near_tie = declared.pop("near_tie", floor.near_tie)
         names = {f.name for f in fields(Tolerances)}
         tol = replace(floor.tolerances, **{k: v for k, v in declared.items() if k in names})
-        return replace(floor, tolerances=tol, near_tie=near_tie,
-                       source=f"suite {self.run.suite.name} tolerances over {floor.source}")
+        return replace(
+            floor,
+            tolerances=tol,
+            near_tie=near_tie,
+            source=f"suite {self.run.suite.name} tolerances over {floor.source}",
+        )
 
     def allowed(self, outcome: Outcome) -> bool:
         """True when an error outcome is one the suite allows (e.g. context_full in kv-fill)."""
@@ -96,20 +104,28 @@ class CheckContext:
     def earlier_turns(self) -> list[str]:
         """The record names of a chat turn's earlier turns, whose replies its prompt carries ([] for a prompt)."""
         keys = case_keys(next(c for c in self.run.suite.cases if self.case in case_keys(c)))
-        return keys[:keys.index(self.case)]
+        return keys[: keys.index(self.case)]
 
     def earlier_replies(self, cell: Cell, round_: int = 0) -> list[Optional[list[int]]]:
         """The tokens `cell` replied to this chat turn's earlier turns in round `round_` (None: no reply)."""
         run = self.run if cell == self.cell else self.executor.run(self.run.suite, cell)
-        return [next((o.result.tokens for o in run.of_case(k) if o.round == round_ and o.result.ok), None)
-                for k in self.earlier_turns]
+        return [
+            next(
+                (o.result.tokens for o in run.of_case(k) if o.round == round_ and o.result.ok),
+                None,
+            )
+            for k in self.earlier_turns
+        ]
 
     def prompt_differs(self, outcome: Outcome, reference: list[Optional[list[int]]]) -> Optional[str]:
         """The first earlier turn whose reply in `outcome`'s round differs from the reference's (`reference`: its
         earlier replies, None where unknown), so that this turn's prompt is another conversation's; None when
         the prompts are the same (or it cannot tell)."""
         mine = self.earlier_replies(self.cell, outcome.round)
-        return next((k for k, a, b in zip(self.earlier_turns, reference, mine) if a is not None and a != b), None)
+        return next(
+            (k for k, a, b in zip(self.earlier_turns, reference, mine) if a is not None and a != b),
+            None,
+        )
 
 
 def kv_findings(result: Result, who: str) -> list[str]:
@@ -118,8 +134,10 @@ def kv_findings(result: Result, who: str) -> list[str]:
     if not scan or scan.get("healthy", True):
         return []
     t = scan["totals"]
-    return [f"the KV scan of the {who} found {t['duplicate_cells']} duplicate (seq_id, pos) cells, "
-            f"{t['orphans']} orphans and {t['missing_positions']} missing positions"]
+    return [
+        f"the KV scan of the {who} found {t['duplicate_cells']} duplicate (seq_id, pos) cells, "
+        f"{t['orphans']} orphans and {t['missing_positions']} missing positions"
+    ]
 
 
 def past_returned(result: Result) -> Optional[tuple[int, int]]:

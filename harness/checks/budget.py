@@ -16,14 +16,27 @@ def within_n_predict(ctx: CheckContext) -> Optional[CheckResult]:
     done = ctx.completed()
     if n_predict < 0 or not done:
         return None
-    failures = [f"round {o.round}: {len(o.result.tokens)} tokens returned for n_predict {n_predict}"
-                for o in done if len(o.result.tokens) > n_predict]
-    failures += [f"round {o.round}: all {n_predict} tokens returned, but the stop reason is "
-                 f"{o.result.stop_reason}, not limit" for o in done
-                 if len(o.result.tokens) == n_predict and o.result.stop_reason not in ("limit", "word")]
-    evidence = {"n_predict": n_predict, "requests": len(done),
-                "most_returned": max(len(o.result.tokens) for o in done)}
+    failures = [
+        f"round {o.round}: {len(o.result.tokens)} tokens returned for n_predict {n_predict}"
+        for o in done
+        if len(o.result.tokens) > n_predict
+    ]
+    failures += [
+        f"round {o.round}: all {n_predict} tokens returned, but the stop reason is {o.result.stop_reason}, not limit"
+        for o in done
+        if len(o.result.tokens) == n_predict and o.result.stop_reason not in ("limit", "word")
+    ]
+    evidence = {
+        "n_predict": n_predict,
+        "requests": len(done),
+        "most_returned": max(len(o.result.tokens) for o in done),
+    }
     if failures:
-        return CheckResult("within-n-predict", False, f"{len(failures)} of {len(done)} requests broke n_predict; "
-                           f"{failures[0]}", evidence, failures=failures)
+        return CheckResult(
+            "within-n-predict",
+            False,
+            f"{len(failures)} of {len(done)} requests broke n_predict; {failures[0]}",
+            evidence,
+            failures=failures,
+        )
     return CheckResult("within-n-predict", True, evidence=evidence)

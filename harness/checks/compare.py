@@ -13,20 +13,41 @@ from harness.result import Result
 from harness.triage import Divergence, triage
 
 
-def compare_outcome(ctx: CheckContext, reference: Optional[Outcome], label: str,
-                    ref_cell: Optional[Cell] = None) -> tuple[bool, str, dict]:
+def compare_outcome(
+    ctx: CheckContext,
+    reference: Optional[Outcome],
+    label: str,
+    ref_cell: Optional[Cell] = None,
+) -> tuple[bool, str, dict]:
     """Compare every completed outcome of this case with another outcome; (passed, message, evidence)."""
     if reference is None or not reference.result.ok:
         why = "missing" if reference is None else f"failed: {reference.result.error}"
-        return (ctx.allowed(reference) if reference else False), f"{label} reference {why}", {}
+        return (
+            (ctx.allowed(reference) if reference else False),
+            f"{label} reference {why}",
+            {},
+        )
     earlier = ctx.earlier_replies(ref_cell, reference.round) if ref_cell else None
-    return compare_tokens(ctx, reference.result.tokens, reference.result.logits, label, reference.result, ref_cell,
-                          earlier)
+    return compare_tokens(
+        ctx,
+        reference.result.tokens,
+        reference.result.logits,
+        label,
+        reference.result,
+        ref_cell,
+        earlier,
+    )
 
 
-def compare_tokens(ctx: CheckContext, ref_tokens: list[int], ref_logits: list[PositionLogits], label: str,
-                   ref_result: Optional[Result] = None, ref_cell: Optional[Cell] = None,
-                   earlier: Optional[list[Optional[list[int]]]] = None) -> tuple[bool, str, dict]:
+def compare_tokens(
+    ctx: CheckContext,
+    ref_tokens: list[int],
+    ref_logits: list[PositionLogits],
+    label: str,
+    ref_result: Optional[Result] = None,
+    ref_cell: Optional[Cell] = None,
+    earlier: Optional[list[Optional[list[int]]]] = None,
+) -> tuple[bool, str, dict]:
     """Compare every completed outcome of this case with reference tokens; (passed, message, evidence).
 
     Each divergence is triaged with this cell's noise floor, the KV findings of both requests and, where
@@ -44,9 +65,18 @@ def compare_tokens(ctx: CheckContext, ref_tokens: list[int], ref_logits: list[Po
     mine = [o for o in ctx.completed() if o.round not in moot]
     if moot and not mine:
         first = min(moot)
-        return True, (f"not compared: round {first}'s prompt carries the reply to {moot[first]}, which already "
-                      f"differs from the {label}'s (that turn's verdict reports it)"), {
-            "compared": 0, "not_compared": len(moot), "prompt_differs_at": moot[first]}
+        return (
+            True,
+            (
+                f"not compared: round {first}'s prompt carries the reply to {moot[first]}, which already "
+                f"differs from the {label}'s (that turn's verdict reports it)"
+            ),
+            {
+                "compared": 0,
+                "not_compared": len(moot),
+                "prompt_differs_at": moot[first],
+            },
+        )
     diffs: list[tuple[Outcome, Divergence]] = []
     with ctx.executor.rescorer() as rescorer:
         for o in mine:
@@ -62,12 +92,30 @@ def compare_tokens(ctx: CheckContext, ref_tokens: list[int], ref_logits: list[Po
             findings = kv_findings(o.result, f"request (round {o.round})")
             findings += kv_findings(ref_result, "reference request") if ref_result is not None else []
             other_logits = None if sampling.post_sampling_probs else o.result.logits or None
-            diffs.append((o, triage(ref_tokens, o.result.tokens, ref_logits or None, other_logits,
-                                    detokenize=ctx.detokenize, floor=floor, greedy=greedy, kv_findings=findings,
-                                    rescore=rescore, state_follows_tokens=sampling.state_follows_tokens)))
+            diffs.append(
+                (
+                    o,
+                    triage(
+                        ref_tokens,
+                        o.result.tokens,
+                        ref_logits or None,
+                        other_logits,
+                        detokenize=ctx.detokenize,
+                        floor=floor,
+                        greedy=greedy,
+                        kv_findings=findings,
+                        rescore=rescore,
+                        state_follows_tokens=sampling.state_follows_tokens,
+                    ),
+                )
+            )
     excused = [(o, d) for o, d in diffs if d.kind == "near-tie" and ctx.excuses_near_ties]
     failing = [(o, d) for o, d in diffs if (o, d) not in excused]
-    evidence = {"compared": len(mine), "matching": len(mine) - len(diffs), "noise_floor": floor.describe()}
+    evidence = {
+        "compared": len(mine),
+        "matching": len(mine) - len(diffs),
+        "noise_floor": floor.describe(),
+    }
     if moot:
         evidence.update(not_compared=len(moot), prompt_differs_at=moot[min(moot)])
     if excused:
@@ -77,14 +125,26 @@ def compare_tokens(ctx: CheckContext, ref_tokens: list[int], ref_logits: list[Po
     if not diffs:
         return True, "", evidence
     outcome, first = (failing or excused)[0]
-    evidence["first_divergence"] = first.to_evidence(outcome.round, label, ref_tokens, outcome.result.tokens, ref_logits)
+    evidence["first_divergence"] = first.to_evidence(
+        outcome.round, label, ref_tokens, outcome.result.tokens, ref_logits
+    )
     if not failing:
-        return True, (f"{len(excused)} of {len(mine)} outputs differ from the {label} at proven near-ties "
-                      f"(reported, not failed in {ctx.cell.mode} mode); round {outcome.round}: {first.describe()}"), evidence
-    evidence["failures"] = [f"round {o.round}: {d.kind} at token {d.index}{_ended(o.result, d, len(ref_tokens))}"
-                            for o, d in failing]
-    return False, (f"{len(failing)} of {len(mine)} outputs differ from the {label}; round {outcome.round}: "
-                   f"{first.describe()}"), evidence
+        return (
+            True,
+            (
+                f"{len(excused)} of {len(mine)} outputs differ from the {label} at proven near-ties "
+                f"(reported, not failed in {ctx.cell.mode} mode); round {outcome.round}: {first.describe()}"
+            ),
+            evidence,
+        )
+    evidence["failures"] = [
+        f"round {o.round}: {d.kind} at token {d.index}{_ended(o.result, d, len(ref_tokens))}" for o, d in failing
+    ]
+    return (
+        False,
+        (f"{len(failing)} of {len(mine)} outputs differ from the {label}; round {outcome.round}: {first.describe()}"),
+        evidence,
+    )
 
 
 def _ended(result: Result, divergence: Divergence, n_reference: int) -> str:

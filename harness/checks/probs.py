@@ -44,8 +44,10 @@ def gaps(outcome: Outcome, sampling: Sampling) -> tuple[list[int], list[tuple[in
     covered = min(len(tokens), len(records)) if outcome.result.stop_reason == "word" else len(tokens)
     fewest, most = list_size(sampling)
     sizes = [len(records[p].top_ids) if p < len(records) else 0 for p in range(covered)]
-    return ([p for p, k in enumerate(sizes) if k == 0],
-            [(p, k) for p, k in enumerate(sizes) if k and not fewest <= k <= most])
+    return (
+        [p for p, k in enumerate(sizes) if k == 0],
+        [(p, k) for p, k in enumerate(sizes) if k and not fewest <= k <= most],
+    )
 
 
 def probs_complete(ctx: CheckContext) -> Optional[CheckResult]:
@@ -59,7 +61,10 @@ def probs_complete(ctx: CheckContext) -> Optional[CheckResult]:
         return None
     fewest, most = list_size(sampling)
     expected = str(most) if fewest == most else f"{fewest} to {most}"
-    absent, others = [], []  # one line per failing request: no probabilities; wrong size or disagreement
+    absent, others = (
+        [],
+        [],
+    )  # one line per failing request: no probabilities; wrong size or disagreement
     n_missing = n_tokens = 0
     first = None
     for o in done:
@@ -68,26 +73,39 @@ def probs_complete(ctx: CheckContext) -> Optional[CheckResult]:
         n_missing += len(missing)
         if missing:
             first = first or (o.round, missing[0])
-            absent.append(f"round {o.round}: {len(missing)} of {len(o.result.tokens)} tokens without "
-                          f"probabilities, first at token {missing[0]}")
+            absent.append(
+                f"round {o.round}: {len(missing)} of {len(o.result.tokens)} tokens without "
+                f"probabilities, first at token {missing[0]}"
+            )
         if wrong:
-            others.append(f"round {o.round}: {len(wrong)} of {len(o.result.tokens)} tokens with a top list of the "
-                          f"wrong size, first at token {wrong[0][0]} ({wrong[0][1]} entries, expected {expected})")
-    evidence = {"n_probs": sampling.n_probs, "post_sampling_probs": sampling.post_sampling_probs,
-                "tokens": n_tokens, "without_probs": n_missing}
+            others.append(
+                f"round {o.round}: {len(wrong)} of {len(o.result.tokens)} tokens with a top list of the "
+                f"wrong size, first at token {wrong[0][0]} ({wrong[0][1]} entries, expected {expected})"
+            )
+    evidence = {
+        "n_probs": sampling.n_probs,
+        "post_sampling_probs": sampling.post_sampling_probs,
+        "tokens": n_tokens,
+        "without_probs": n_missing,
+    }
     if spec_preset(ctx.cell.spec).speculative and judged(sampling):
         others += _disagreements(ctx, done, evidence)
     if not absent and not others:
         return CheckResult("probs-complete", True, evidence=evidence)
     if first:
-        head = (f"{n_missing} of {n_tokens} generated tokens without probabilities (n_probs {sampling.n_probs}"
-                f"{', post_sampling_probs' if sampling.post_sampling_probs else ''}), first at token {first[1]} "
-                f"of round {first[0]}")
+        head = (
+            f"{n_missing} of {n_tokens} generated tokens without probabilities (n_probs {sampling.n_probs}"
+            f"{', post_sampling_probs' if sampling.post_sampling_probs else ''}), first at token {first[1]} "
+            f"of round {first[0]}"
+        )
         rest = others
     else:
         head, rest = others[0], others[1:]
-    message = (f"{ctx.cell.id}: {head}" + (f"; also {rest[0]}" if rest else "")
-               + (f" (and {len(rest) - 1} more)" if len(rest) > 1 else ""))
+    message = (
+        f"{ctx.cell.id}: {head}"
+        + (f"; also {rest[0]}" if rest else "")
+        + (f" (and {len(rest) - 1} more)" if len(rest) > 1 else "")
+    )
     return CheckResult("probs-complete", False, message, evidence, failures=absent + others)
 
 
@@ -111,6 +129,8 @@ def _disagreements(ctx: CheckContext, done: list[Outcome], evidence: dict) -> li
         evidence["max_abs"] = max(evidence.get("max_abs", 0.0), comparison.max_abs)
         passed, message = logits_within(comparison, floor.tolerances)
         if not passed:
-            problems.append(f"round {o.round}: probabilities differ from the non-speculative run's beyond the "
-                            f"{floor.describe()}: {message}")
+            problems.append(
+                f"round {o.round}: probabilities differ from the non-speculative run's beyond the "
+                f"{floor.describe()}: {message}"
+            )
     return problems

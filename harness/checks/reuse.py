@@ -22,12 +22,17 @@ def left_behind(ctx: CheckContext, outcome: Outcome) -> str:
     if not name or not turn.isdigit() or int(turn) < 2:
         return ""
     before = f"{name}.turn{int(turn) - 1}"
-    previous = next((o for o in ctx.run.of_case(before) if o.round == outcome.round and o.result.ok), None)
+    previous = next(
+        (o for o in ctx.run.of_case(before) if o.round == outcome.round and o.result.ok),
+        None,
+    )
     past = past_returned(previous.result) if previous is not None else None
     if past is None:
         return ""
-    return (f" ({before} left positions {past[0]}..{past[1]} past its {len(previous.result.tokens)} returned tokens, "
-            f"stop: {previous.result.stop_reason})")
+    return (
+        f" ({before} left positions {past[0]}..{past[1]} past its {len(previous.result.tokens)} returned tokens, "
+        f"stop: {previous.result.stop_reason})"
+    )
 
 
 def prompt_reuse(ctx: CheckContext) -> Optional[CheckResult]:
@@ -41,18 +46,33 @@ def prompt_reuse(ctx: CheckContext) -> Optional[CheckResult]:
         return None
     reference = ctx.cell.reference(spec="none")
     theirs = {o.round: o.result for o in ctx.other(reference) if o.result.ok}
-    pairs = [(o, theirs[o.round]) for o in ctx.completed()
-             if o.round in theirs and theirs[o.round].prompt_tokens == o.result.prompt_tokens]
+    pairs = [
+        (o, theirs[o.round])
+        for o in ctx.completed()
+        if o.round in theirs and theirs[o.round].prompt_tokens == o.result.prompt_tokens
+    ]
     if not pairs:
         return None
     differ = [(o, ref, left_behind(ctx, o)) for o, ref in pairs if o.result.timings.cache_n != ref.timings.cache_n]
-    failures = [f"round {o.round}: {ctx.case} reused {o.result.timings.cache_n} of its {len(o.result.prompt_tokens)} "
-                f"prompt tokens from the cache, {ref.timings.cache_n} in {reference.id}{behind}" for o, ref, behind in differ]
-    evidence = {"compared": len(pairs), "cache_n": [o.result.timings.cache_n for o, _ in pairs],
-                "reference_cache_n": [ref.timings.cache_n for _, ref in pairs]}
+    failures = [
+        f"round {o.round}: {ctx.case} reused {o.result.timings.cache_n} of its {len(o.result.prompt_tokens)} "
+        f"prompt tokens from the cache, {ref.timings.cache_n} in {reference.id}{behind}"
+        for o, ref, behind in differ
+    ]
+    evidence = {
+        "compared": len(pairs),
+        "cache_n": [o.result.timings.cache_n for o, _ in pairs],
+        "reference_cache_n": [ref.timings.cache_n for _, ref in pairs],
+    }
     if failures:
         # the differing rounds that follow a turn which left positions past its returned tokens (signatures: a consequence)
         evidence["left_behind"] = sum(1 for *_, behind in differ if behind)
         more = f" (and {len(failures) - 1} more)" if len(failures) > 1 else ""
-        return CheckResult("prompt-reuse", False, f"{ctx.cell.id}, {failures[0]}{more}", evidence, failures=failures)
+        return CheckResult(
+            "prompt-reuse",
+            False,
+            f"{ctx.cell.id}, {failures[0]}{more}",
+            evidence,
+            failures=failures,
+        )
     return CheckResult("prompt-reuse", True, evidence=evidence)

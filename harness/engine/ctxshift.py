@@ -13,8 +13,7 @@ def needs_shift(n_tokens: int, n_ctx: int) -> bool:
     return n_tokens + 1 >= n_ctx
 
 
-def shift_span(n_tokens: int, n_prompt: int, n_ctx: int, n_keep: int, n_discard: int,
-               add_bos: bool) -> tuple[int, int]:
+def shift_span(n_tokens: int, n_prompt: int, n_ctx: int, n_keep: int, n_discard: int, add_bos: bool) -> tuple[int, int]:
     """(n_keep, n_discard) of one shift, as llama-server computes them: `n_keep` is the request's (-1: the
     prompt's `n_prompt` tokens), plus one when the model adds BOS, at most `n_ctx - 4`; `n_discard` is the
     request's, or half of the `n_left = n_tokens - n_keep` tokens after the kept ones when 0 (C++ integer

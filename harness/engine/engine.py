@@ -17,8 +17,14 @@ class Engine:
     speculating when `spec` enables a drafter, logging top-k logits when `logit_top_k` > 0 and scanning
     the KV state per `kv_scan` (off, request, step)."""
 
-    def __init__(self, model_path: Path, params: ContextParams, spec: Optional[SpecConfig] = None,
-                 logit_top_k: int = 0, kv_scan: str = "off"):
+    def __init__(
+        self,
+        model_path: Path,
+        params: ContextParams,
+        spec: Optional[SpecConfig] = None,
+        logit_top_k: int = 0,
+        kv_scan: str = "off",
+    ):
         if spec is not None and spec.enabled and spec.rollback == "partial":
             params = replace(params, n_rs_seq=spec.max_draft())
         self.model = Model(model_path, params.repack)
@@ -30,8 +36,12 @@ class Engine:
             self.close()
             raise
 
-    def run(self, requests: list[Request], on_result: Optional[Callable[[int, Result], None]] = None,
-            on_step: Optional[Callable[[int], None]] = None) -> list[Result]:
+    def run(
+        self,
+        requests: list[Request],
+        on_result: Optional[Callable[[int, Result], None]] = None,
+        on_step: Optional[Callable[[int], None]] = None,
+    ) -> list[Result]:
         """Serve the requests on the slots (concurrently when there are several); Results in order,
         each also passed to `on_result(index, result)` as soon as it finishes; `on_step` as in Scheduler.run."""
         return self.scheduler.run(requests, on_result, on_step)

@@ -115,7 +115,8 @@ class Model:
         """Pieces and end-of-generation ids (`piece`, `detokenize` and `is_eog` delegate to it)."""
         self.n_vocab = self.vocabulary.n_tokens
         self.kind = model_kind(
-            bool(llama_cpp.llama_model_is_recurrent(self.ptr)), bool(llama_cpp.llama_model_is_hybrid(self.ptr))
+            bool(llama_cpp.llama_model_is_recurrent(self.ptr)),
+            bool(llama_cpp.llama_model_is_hybrid(self.ptr)),
         )
         self.arch = self.meta("general.architecture") or "unknown"
         self.n_swa = llama_cpp.llama_model_n_swa(self.ptr)

@@ -19,6 +19,7 @@ class LlamaRefused(Exception):
     """llama.cpp refused a memory or state operation the engine asked for: the request fails with it
     (an error Result, like a failed decode), which is a finding about llama.cpp, not a harness bug."""
 
+
 CHECKPOINT_FLAGS = {"partial": llama_cpp.LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY, "full": 0}
 
 
@@ -34,7 +35,9 @@ def choose_strategy(requested: str, kind: str, arch: str) -> str:
             "use --rollback checkpoint (what llama-server does) or auto"
         )
     if requested == "partial" and kind != "hybrid":
-        raise HarnessError(f"rollback partial needs a hybrid model with recurrent snapshots, not a {kind} model ({arch})")
+        raise HarnessError(
+            f"rollback partial needs a hybrid model with recurrent snapshots, not a {kind} model ({arch})"
+        )
     return requested
 
 

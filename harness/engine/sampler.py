@@ -106,18 +106,30 @@ def _chain(sampling: Sampling, seed: int, model: Model):
         c_breakers = (ctypes.c_char_p * len(breakers))(*breakers)
         make = {
             "penalties": lambda: llama_cpp.llama_sampler_init_penalties(
-                n_vocab, s.repeat_last_n, s.repeat_penalty, s.frequency_penalty, s.presence_penalty),
+                n_vocab,
+                s.repeat_last_n,
+                s.repeat_penalty,
+                s.frequency_penalty,
+                s.presence_penalty,
+            ),
             "dry": lambda: llama_cpp.llama_sampler_init_dry(
-                vocab, s.dry_multiplier, s.dry_base, s.dry_allowed_length, s.dry_penalty_last_n,
-                c_breakers, len(breakers)),
+                vocab,
+                s.dry_multiplier,
+                s.dry_base,
+                s.dry_allowed_length,
+                s.dry_penalty_last_n,
+                c_breakers,
+                len(breakers),
+            ),
             "top_n_sigma": lambda: llama_cpp.llama_sampler_init_top_n_sigma(s.top_n_sigma),
             "top_k": lambda: llama_cpp.llama_sampler_init_top_k(s.top_k),
             "typ_p": lambda: llama_cpp.llama_sampler_init_typical(s.typical_p, s.min_keep),
             "top_p": lambda: llama_cpp.llama_sampler_init_top_p(s.top_p, s.min_keep),
             "min_p": lambda: llama_cpp.llama_sampler_init_min_p(s.min_p, s.min_keep),
             "xtc": lambda: llama_cpp.llama_sampler_init_xtc(s.xtc_probability, s.xtc_threshold, s.min_keep, seed),
-            "temperature": lambda: llama_cpp.llama_sampler_init_temp_ext(s.temperature, s.dynatemp_range,
-                                                                         s.dynatemp_exponent),
+            "temperature": lambda: llama_cpp.llama_sampler_init_temp_ext(
+                s.temperature, s.dynatemp_range, s.dynatemp_exponent
+            ),
             "infill": lambda: llama_cpp.llama_sampler_init_infill(vocab),
         }
         for name in s.samplers:
@@ -167,7 +179,10 @@ class Candidates:
         at the first zero probability; (ids int32, probabilities float32), ties by the lower id."""
         array = self.last
         address = ctypes.addressof(array.data.contents)
-        left = np.frombuffer((llama_cpp.llama_token_data * array.size).from_address(address), dtype=_CANDIDATE)
+        left = np.frombuffer(
+            (llama_cpp.llama_token_data * array.size).from_address(address),
+            dtype=_CANDIDATE,
+        )
         p = left["p"]
         k = min(n, len(left))
         cut = np.argpartition(-p, k - 1)[:k] if 0 < k < len(left) else np.arange(k)

@@ -63,7 +63,13 @@ class Scheduler:
     With `ctx.params.context_shift` (and a memory that can shift) a generating slot whose sequence is full
     shifts its context before the next step, as llama-server does; otherwise it ends at the context end."""
 
-    def __init__(self, ctx: Context, spec: Optional[SpecConfig] = None, logit_top_k: int = 0, kv_scan: str = "off"):
+    def __init__(
+        self,
+        ctx: Context,
+        spec: Optional[SpecConfig] = None,
+        logit_top_k: int = 0,
+        kv_scan: str = "off",
+    ):
         self.ctx = ctx
         self.kv = KvChecker(ctx) if kv_scan != "off" else None
         self.scan_steps = kv_scan == "step"
@@ -71,14 +77,27 @@ class Scheduler:
         self.context_shift = ctx.params.context_shift and ctx.can_shift
         if ctx.params.context_shift and not ctx.can_shift:
             print(f"warning: {CONTEXT_SHIFT_OFF}", file=sys.stderr)
-        self.slots = [Slot(i, ctx.model, ctx.n_ctx_seq, ctx.params.seed, logit_top_k, breaks, self.context_shift)
-                      for i in range(ctx.params.parallel)]
+        self.slots = [
+            Slot(
+                i,
+                ctx.model,
+                ctx.n_ctx_seq,
+                ctx.params.seed,
+                logit_top_k,
+                breaks,
+                self.context_shift,
+            )
+            for i in range(ctx.params.parallel)
+        ]
         self.batch = ctx.new_batch()
         self.spec = Speculation(spec, ctx, scans=self.kv is not None) if spec is not None and spec.enabled else None
 
-    def run(self, requests: list[Request],
-            on_result: Optional[Callable[[int, Result], None]] = None,
-            on_step: Optional[Callable[[int], None]] = None) -> list[Result]:
+    def run(
+        self,
+        requests: list[Request],
+        on_result: Optional[Callable[[int, Result], None]] = None,
+        on_step: Optional[Callable[[int], None]] = None,
+    ) -> list[Result]:
         """Serve all requests (concurrently up to the number of slots); Results in request order.
         `on_result(index, result)` is called as each request finishes (the worker process streams them);
         `on_step(prompt_tokens)` before every step, with the prompt lengths of the slots that have not yet
@@ -150,7 +169,14 @@ class Scheduler:
             if slot.phase is Phase.PROMPT and room > 0:
                 chunk = slot.prompt_chunk(room)
                 last = len(chunk) == slot.prompt_left
-                parts.append(Part(slot, chunk, slot.n_past, [last and i == len(chunk) - 1 for i in range(len(chunk))]))
+                parts.append(
+                    Part(
+                        slot,
+                        chunk,
+                        slot.n_past,
+                        [last and i == len(chunk) - 1 for i in range(len(chunk))],
+                    )
+                )
                 room -= len(chunk)
         return parts
 
@@ -183,11 +209,19 @@ class Scheduler:
             if slot.phase is not Phase.GENERATE or not needs_shift(slot.n_past, slot.n_ctx_seq):
                 continue
             sampling = slot.request.sampling
-            n_keep, n_discard = shift_span(slot.n_past, len(slot.prompt), slot.n_ctx_seq, sampling.n_keep,
-                                           sampling.n_discard, self.ctx.model.add_bos)
+            n_keep, n_discard = shift_span(
+                slot.n_past,
+                len(slot.prompt),
+                slot.n_ctx_seq,
+                sampling.n_keep,
+                sampling.n_discard,
+                self.ctx.model.add_bos,
+            )
             if not self.ctx.seq_rm(slot.id, n_keep, n_keep + n_discard):
-                why = (f"llama.cpp refused to remove positions {n_keep}..{n_keep + n_discard - 1} of sequence "
-                       f"{slot.id} for a context shift (llama-server aborts there)")
+                why = (
+                    f"llama.cpp refused to remove positions {n_keep}..{n_keep + n_discard - 1} of sequence "
+                    f"{slot.id} for a context shift (llama-server aborts there)"
+                )
                 failed.append((slot, slot.fail(why)))
                 continue
             self.ctx.seq_add(slot.id, n_keep + n_discard, slot.n_past, -n_discard)
@@ -217,8 +251,9 @@ class Scheduler:
         error = decode_error(status)
         if status == -1:
             last = {p.slot.id: self.ctx.seq_pos_max(p.slot.id) for p in parts}
-            wrong = (next((p for p in parts if last[p.slot.id] >= p.pos0), None)
-                     or next((p for p in parts if 0 <= last[p.slot.id] < p.pos0 - 1), None))
+            wrong = next((p for p in parts if last[p.slot.id] >= p.pos0), None) or next(
+                (p for p in parts if 0 <= last[p.slot.id] < p.pos0 - 1), None
+            )
             if wrong is not None:
                 error = invalid_batch(wrong.slot.id, last[wrong.slot.id], wrong.pos0)
         return [(p.slot, p.slot.fail(error)) for p in parts]

@@ -29,8 +29,16 @@ class Slot:
     shifted (`shift`) instead of ending the request at the context end.
     """
 
-    def __init__(self, slot_id: int, model: Model, n_ctx_seq: int, seed: int, logit_top_k: int = 0,
-                 prompt_breaks: tuple[int, ...] = (), context_shift: bool = False):
+    def __init__(
+        self,
+        slot_id: int,
+        model: Model,
+        n_ctx_seq: int,
+        seed: int,
+        logit_top_k: int = 0,
+        prompt_breaks: tuple[int, ...] = (),
+        context_shift: bool = False,
+    ):
         self.id = slot_id
         self.context_shift = context_shift
         self.prompt_breaks = prompt_breaks
@@ -106,7 +114,12 @@ class Slot:
         The slot's own list, brought up to date from the output (which only grows) and `n_past` (which a
         rollback lowers) at each call, so a step costs what changed since the last: read it, but neither
         modify it nor keep it across steps."""
-        history, n, kept, skipped = self._history, self.n_past, self.n_kept, self.n_discarded
+        history, n, kept, skipped = (
+            self._history,
+            self.n_past,
+            self.n_kept,
+            self.n_discarded,
+        )
         if len(history) > n:
             del history[n:]
         while len(history) < n:
@@ -161,7 +174,12 @@ class Slot:
         last = len(tokens) - 1
         return any(self.emit(t, lg, self.n_past - (last - i)) for i, (t, lg) in enumerate(zip(tokens, logits)))
 
-    def emit(self, token: int, logits: PositionLogits | None = None, n_tokens: int | None = None) -> bool:
+    def emit(
+        self,
+        token: int,
+        logits: PositionLogits | None = None,
+        n_tokens: int | None = None,
+    ) -> bool:
         """Record a sampled token (and its logits) and apply llama-server's stop rules in its order (a stop
         string, then the context limit, then n_predict, which a stop string already met leaves `word`); True
         when the request is done.

@@ -17,7 +17,14 @@ from harness.engine.drafters.base import Drafter, DraftRequest
 from harness.engine.faults import check_fault
 from harness.errors import HarnessError
 
-SPEC_TYPES = ("none", "ngram-simple", "ngram-map-k", "ngram-map-k4v", "ngram-mod", "draft-simple")
+SPEC_TYPES = (
+    "none",
+    "ngram-simple",
+    "ngram-map-k",
+    "ngram-map-k4v",
+    "ngram-mod",
+    "draft-simple",
+)
 """`--spec-type` values, in llama.cpp's priority order after `none` (common/speculative.cpp: the n-gram
 types before the draft model; the first drafter with a draft wins the step)."""
 
@@ -62,8 +69,10 @@ class SpecConfig:
             types = ()
         if "draft-simple" in types and self.spec_draft_model is None:
             raise HarnessError("spec type draft-simple needs a draft model (--spec-draft-model NAME|PATH)")
-        for flag, value in (("spec-draft-type-k", self.spec_draft_type_k),
-                            ("spec-draft-type-v", self.spec_draft_type_v)):
+        for flag, value in (
+            ("spec-draft-type-k", self.spec_draft_type_k),
+            ("spec-draft-type-v", self.spec_draft_type_v),
+        ):
             if value not in CACHE_TYPES:
                 raise HarnessError(f"{flag} must be one of {', '.join(CACHE_TYPES)}, not '{value}'")
         if self.checkpoint_flags not in rollback.CHECKPOINT_FLAGS:
@@ -111,15 +120,26 @@ def build_drafters(config: SpecConfig, target: Context) -> list[Drafter]:
     c = config
     make = {
         "ngram-simple": lambda: NgramSimple(c.spec_ngram_simple_size_n, c.spec_ngram_simple_size_m),
-        "ngram-map-k": lambda: NgramMapK(c.spec_ngram_map_k_size_n, c.spec_ngram_map_k_size_m,
-                                         c.spec_ngram_map_k_min_hits),
-        "ngram-map-k4v": lambda: NgramMapK4V(c.spec_ngram_map_k4v_size_n, c.spec_ngram_map_k4v_size_m,
-                                             c.spec_ngram_map_k4v_min_hits),
+        "ngram-map-k": lambda: NgramMapK(
+            c.spec_ngram_map_k_size_n,
+            c.spec_ngram_map_k_size_m,
+            c.spec_ngram_map_k_min_hits,
+        ),
+        "ngram-map-k4v": lambda: NgramMapK4V(
+            c.spec_ngram_map_k4v_size_n,
+            c.spec_ngram_map_k4v_size_m,
+            c.spec_ngram_map_k4v_min_hits,
+        ),
         "ngram-mod": lambda: NgramMod(c.spec_ngram_mod_n_match, c.spec_ngram_mod_n_min, c.spec_ngram_mod_n_max),
-        "draft-simple": lambda: DraftSimple(c.spec_draft_model, target, c.spec_draft_n_max,
-                                            c.spec_draft_n_min, c.spec_draft_p_min,
-                                            stale=c.fault == "stale-draft-context",
-                                            cache_types=(c.spec_draft_type_k, c.spec_draft_type_v)),
+        "draft-simple": lambda: DraftSimple(
+            c.spec_draft_model,
+            target,
+            c.spec_draft_n_max,
+            c.spec_draft_n_min,
+            c.spec_draft_p_min,
+            stale=c.fault == "stale-draft-context",
+            cache_types=(c.spec_draft_type_k, c.spec_draft_type_v),
+        ),
     }
     return list(c.drafters) + [make[t]() for t in SPEC_TYPES if t in c.spec_type]
 
@@ -141,8 +161,18 @@ class StepPlan:
         return self.tokens[1:]
 
 
-COUNTERS = ("draft_n", "draft_n_accepted", "spec_cycles", "spec_empty", "spec_skip",
-            "ckpt_created", "ckpt_restored", "n_redecoded", "draft_dropped", "draft_ms")
+COUNTERS = (
+    "draft_n",
+    "draft_n_accepted",
+    "spec_cycles",
+    "spec_empty",
+    "spec_skip",
+    "ckpt_created",
+    "ckpt_restored",
+    "n_redecoded",
+    "draft_dropped",
+    "draft_ms",
+)
 """Per-request speculative counters (`Result.spec_stats`); `draft_dropped` counts draft tokens dropped
 because their step's decode failed (the KV cache was full) before the step was retried without them.
 Beside them two lists per draft position k (0-based), over the verification steps that had a draft
@@ -197,8 +227,10 @@ class Speculation:
     def scan(self, slot) -> Optional[dict]:
         """The KV scanner's verdict on the draft context's copy of the slot's sequence (the first draft model's
         that still follows it; None without one), which must hold the target's positions 0..n_past-1."""
-        return next((v for v in (d.scan(self._seq(slot.id, d), slot.n_past) for d in self.mirrors) if v is not None),
-                    None)
+        return next(
+            (v for v in (d.scan(self._seq(slot.id, d), slot.n_past) for d in self.mirrors) if v is not None),
+            None,
+        )
 
     def shift(self, slot, n_keep: int, n_discard: int) -> None:
         """The slot's sequence was shifted (positions [n_keep, n_keep + n_discard) discarded): every drafter
@@ -288,7 +320,10 @@ class Speculation:
             stats["draft_n"] += k
             stats["draft_n_accepted"] += n_match
             stats["spec_skip"] += n_match == 0
-            for counts, n in ((stats["drafted_per_pos"], k), (stats["accepted_per_pos"], n_match)):
+            for counts, n in (
+                (stats["drafted_per_pos"], k),
+                (stats["accepted_per_pos"], n_match),
+            ):
                 counts.extend([0] * (n - len(counts)))
                 for i in range(n):
                     counts[i] += 1
@@ -325,8 +360,14 @@ class Speculation:
             rollback.restore(self.ctx, slot.id, plan.checkpoint, self.flags, base, trim=False)
             self._truncate_drafters(slot.id, keep)
             return self._commit(slot, plan, sampled, logits, n_match)
-        rollback.restore(self.ctx, slot.id, plan.checkpoint, self.flags, base + off_by_one,
-                         trim=self.fault != "skip-seq-rm-after-restore")
+        rollback.restore(
+            self.ctx,
+            slot.id,
+            plan.checkpoint,
+            self.flags,
+            base + off_by_one,
+            trim=self.fault != "skip-seq-rm-after-restore",
+        )
         self._truncate_drafters(slot.id, base)
         if self.fault == "no-sampler-restore":
             plan.sampler_backup.free()
@@ -349,7 +390,10 @@ class Speculation:
     def _shared(self, drafter: Drafter) -> bool:
         """Whether the `shared-drafter-state` fault keys this drafter's state by slot 0 for every slot (the
         n-gram drafters with a state per slot; ngram-mod's table is shared by design)."""
-        return self.fault == "shared-drafter-state" and drafter.name in ("ngram-map-k", "ngram-map-k4v")
+        return self.fault == "shared-drafter-state" and drafter.name in (
+            "ngram-map-k",
+            "ngram-map-k4v",
+        )
 
     def _seq(self, seq_id: int, drafter: Drafter) -> int:
         """The drafter state a slot's calls go to: its own, but slot 0's where the fault shares it."""

@@ -67,8 +67,11 @@ def serve(conn, log_path: str, verbose: bool, progress) -> None:
                     engine = Engine(a.model, a.params, a.spec, a.logit_top_k, a.kv_scan)
                     conn.send(("ready",))
                 elif kind == "run":
-                    engine.run(message[1], on_result=lambda index, result: conn.send(("result", index, result)),
-                               on_step=step)
+                    engine.run(
+                        message[1],
+                        on_result=lambda index, result: conn.send(("result", index, result)),
+                        on_step=step,
+                    )
                     conn.send(("done",))
                 elif kind == "close":
                     return

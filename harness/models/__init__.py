@@ -1,9 +1,25 @@
 """Models the harness runs: generated tiny GGUF models, the real Gemma 3 270M, or any .gguf path."""
 
 from harness.models.registry import (
-    DEFAULT_MODELS, ModelInfo, ModelUnavailable, draft_for, kind_of_arch, list_models, make, model_key,
+    DEFAULT_MODELS,
+    ModelInfo,
+    ModelUnavailable,
+    draft_for,
+    kind_of_arch,
+    list_models,
+    make,
+    model_key,
     resolve,
 )
 
-__all__ = ["DEFAULT_MODELS", "ModelInfo", "ModelUnavailable", "draft_for", "kind_of_arch", "list_models", "make",
-           "model_key", "resolve"]
+__all__ = [
+    "DEFAULT_MODELS",
+    "ModelInfo",
+    "ModelUnavailable",
+    "draft_for",
+    "kind_of_arch",
+    "list_models",
+    "make",
+    "model_key",
+    "resolve",
+]

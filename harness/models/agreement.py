@@ -55,9 +55,7 @@ def _tokenize(vocab: llama_cpp.llama_vocab_p, text: str) -> list[int]:
     return list(out[:n])
 
 
-def teacher_forced_agreement(
-    target: Path, draft: Path, prompts: Sequence[str] = PROMPTS, n_tokens: int = 64
-) -> float:
+def teacher_forced_agreement(target: Path, draft: Path, prompts: Sequence[str] = PROMPTS, n_tokens: int = 64) -> float:
     """Fraction of positions where the draft's greedy token equals the target's, both fed the target's tokens.
 
     For each prompt the target generates `n_tokens` greedy tokens; both models see the same prefix at

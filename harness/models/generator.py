@@ -59,7 +59,13 @@ class Recipe:
 
 
 def _draft(target: Recipe, noise: float, seed: int) -> Recipe:
-    return dataclasses.replace(target, name=f"{target.name}-draft", seed=seed, draft_of=target.name, noise=noise)
+    return dataclasses.replace(
+        target,
+        name=f"{target.name}-draft",
+        seed=seed,
+        draft_of=target.name,
+        noise=noise,
+    )
 
 
 _DENSE = Recipe("tiny-dense", "llama", Hparams(n_layer=2, n_ff=256, n_head=4, n_head_kv=2), seed=1)
@@ -67,7 +73,14 @@ _HYBRID = Recipe(
     "tiny-hybrid",
     "qwen35",
     Hparams(
-        n_layer=4, n_ff=256, n_head=4, n_head_kv=2, ssm_conv=4, ssm_state=32, ssm_dt_rank=4, ssm_group=2,
+        n_layer=4,
+        n_ff=256,
+        n_head=4,
+        n_head_kv=2,
+        ssm_conv=4,
+        ssm_state=32,
+        ssm_dt_rank=4,
+        ssm_group=2,
         full_attention_interval=4,
     ),
     seed=2,
@@ -78,8 +91,12 @@ _RECURRENT = Recipe(
     Hparams(n_layer=2, ssm_conv=4, ssm_state=16, ssm_inner=256, ssm_dt_rank=8, ssm_group=1),
     seed=3,
 )
-_LONG = Recipe("tiny-long", "llama", Hparams(n_layer=1, n_embd=64, n_ctx=32768, n_ff=128, n_head=2, n_head_kv=1),
-               seed=4)
+_LONG = Recipe(
+    "tiny-long",
+    "llama",
+    Hparams(n_layer=1, n_embd=64, n_ctx=32768, n_ff=128, n_head=2, n_head_kv=1),
+    seed=4,
+)
 """A dense model trained (by its GGUF's word) for 32768 positions, one layer and half the width of tiny-dense so
 that a 16k-token prompt takes seconds: llama-server caps a slot's context at the model's n_ctx_train, and the
 other tiny models say 4096."""
@@ -101,7 +118,10 @@ RECIPES: dict[str, Recipe] = {
         # Loop variants for the n-gram drafters (greedy, 3 quicksort prompts x 128 tokens, size-n 3 / size-m 8,
         # accepted/drafted): dense ngram-simple 100/218, ngram-mod 145/330; hybrid 6/121, 11/224;
         # recurrent 9/91, 92/239. Same seeds as the targets, so the layers are theirs.
-        *(dataclasses.replace(r, name=f"{r.name}-loop", focus=32, focus_gain=3.0) for r in (_DENSE, _HYBRID, _RECURRENT)),
+        *(
+            dataclasses.replace(r, name=f"{r.name}-loop", focus=32, focus_gain=3.0)
+            for r in (_DENSE, _HYBRID, _RECURRENT)
+        ),
     )
 }
 
@@ -114,7 +134,12 @@ def _tokenizer_fields() -> tuple[tuple[str, Any, gguf.GGUFValueType, gguf.GGUFVa
     """The vocab file's `tokenizer.*` keys as (key, value, type, array sub-type) tuples, read once."""
     reader = gguf.GGUFReader(_VOCAB)
     return tuple(
-        (key, field.contents(), field.types[0], field.types[-1] if field.types[0] == gguf.GGUFValueType.ARRAY else None)
+        (
+            key,
+            field.contents(),
+            field.types[0],
+            field.types[-1] if field.types[0] == gguf.GGUFValueType.ARRAY else None,
+        )
         for key, field in reader.fields.items()
         if key.startswith("tokenizer.")
     )
@@ -214,7 +239,10 @@ def _qwen35(hp: Hparams, w: gguf.GGUFWriter, t: _Tensors) -> None:
         if (i + 1) % hp.full_attention_interval:  # GatedDeltaNet layer
             t.weight(f"{blk}.attn_qkv.weight", hp.n_embd, conv_dim)
             t.weight(f"{blk}.attn_gate.weight", hp.n_embd, value_dim)
-            t.vector(f"{blk}.ssm_conv1d.weight", t.rng.standard_normal((conv_dim, hp.ssm_conv)) / np.sqrt(hp.ssm_conv))
+            t.vector(
+                f"{blk}.ssm_conv1d.weight",
+                t.rng.standard_normal((conv_dim, hp.ssm_conv)) / np.sqrt(hp.ssm_conv),
+            )
             t.vector(f"{blk}.ssm_dt.bias", np.full(hp.ssm_dt_rank, -2.0))
             t.vector(f"{blk}.ssm_a", -t.rng.uniform(0.1, 1.0, hp.ssm_dt_rank))
             t.weight(f"{blk}.ssm_beta.weight", hp.n_embd, hp.ssm_dt_rank)
@@ -247,7 +275,10 @@ def _mamba2(hp: Hparams, w: gguf.GGUFWriter, t: _Tensors) -> None:
         dt = np.exp(t.rng.uniform(np.log(1e-3), np.log(1e-1), n_heads))
         t.ones(f"{blk}.attn_norm.weight", hp.n_embd)
         t.weight(f"{blk}.ssm_in.weight", hp.n_embd, hp.ssm_inner + conv_dim + n_heads)  # z | xBC | dt
-        t.vector(f"{blk}.ssm_conv1d.weight", t.rng.standard_normal((conv_dim, hp.ssm_conv)) / np.sqrt(hp.ssm_conv))
+        t.vector(
+            f"{blk}.ssm_conv1d.weight",
+            t.rng.standard_normal((conv_dim, hp.ssm_conv)) / np.sqrt(hp.ssm_conv),
+        )
         t.vector(f"{blk}.ssm_conv1d.bias", np.zeros(conv_dim))
         t.vector(f"{blk}.ssm_dt.bias", dt + np.log(-np.expm1(-dt)))  # inverse softplus
         t.vector(f"{blk}.ssm_a", -t.rng.uniform(1.0, 16.0, (n_heads, 1)))

@@ -8,7 +8,19 @@ import mmap
 import struct
 from pathlib import Path
 
-_GGUF_SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
+_GGUF_SCALARS = {
+    0: "B",
+    1: "b",
+    2: "H",
+    3: "h",
+    4: "I",
+    5: "i",
+    6: "f",
+    7: "?",
+    10: "Q",
+    11: "q",
+    12: "d",
+}
 _GGUF_STRING, _GGUF_ARRAY = 8, 9
 _U32 = struct.Struct("<I")
 
@@ -17,7 +29,10 @@ def read_metadata(path: Path) -> dict:
     """A GGUF file's key/values: scalars, strings and short numeric arrays (long or string arrays are None).
 
     Raises ValueError for a file that is not GGUF or whose header is cut short."""
-    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
+    with (
+        open(path, "rb") as f,
+        mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf,
+    ):
         try:
             return _metadata(buf)
         except struct.error as err:
@@ -43,7 +58,7 @@ def _value(buf, off: int, vtype: int):
         return code.unpack_from(buf, off)[0], off + code.size
     if vtype == _GGUF_STRING:
         length = struct.unpack_from("<Q", buf, off)[0]
-        return bytes(buf[off + 8:off + 8 + length]).decode("utf-8", "replace"), off + 8 + length
+        return bytes(buf[off + 8 : off + 8 + length]).decode("utf-8", "replace"), off + 8 + length
     if vtype != _GGUF_ARRAY:
         raise ValueError(f"unknown GGUF value type {vtype} at byte {off}")
     etype, count = struct.unpack_from("<IQ", buf, off)

@@ -39,11 +39,28 @@ _NOT_INSTALLED = "(not installed: pip install 'specharness[real]')"
 
 # Mirrors llm_arch_is_recurrent / llm_arch_is_hybrid in llama.cpp's src/llama-arch.cpp.
 _RECURRENT_ARCHS = frozenset({"mamba", "mamba2", "rwkv6", "rwkv6qwen2", "rwkv7", "arwkv7"})
-_HYBRID_ARCHS = frozenset({
-    "jamba", "falcon-h1", "plamo2", "granitehybrid", "lfm2", "lfm2moe", "nemotron_h", "nemotron_h_moe",
-    "qwen3next", "kimi-linear", "bailingmoe3", "kimi-k3", "glm5-next", "qwen35", "qwen35moe", "qwen4exp",
-    "deepseek4", "minimax-01",
-})
+_HYBRID_ARCHS = frozenset(
+    {
+        "jamba",
+        "falcon-h1",
+        "plamo2",
+        "granitehybrid",
+        "lfm2",
+        "lfm2moe",
+        "nemotron_h",
+        "nemotron_h_moe",
+        "qwen3next",
+        "kimi-linear",
+        "bailingmoe3",
+        "kimi-k3",
+        "glm5-next",
+        "qwen35",
+        "qwen35moe",
+        "qwen4exp",
+        "deepseek4",
+        "minimax-01",
+    }
+)
 
 
 class ModelUnavailable(HarnessError):
@@ -65,8 +82,12 @@ class ModelInfo:
     def to_dict(self) -> dict[str, str | int]:
         """JSON-ready form: name, arch, kind, path (str), sha256, size."""
         return {
-            "name": self.name, "arch": self.arch, "kind": self.kind, "path": str(self.path),
-            "sha256": self.sha256, "size": self.size,
+            "name": self.name,
+            "arch": self.arch,
+            "kind": self.kind,
+            "path": str(self.path),
+            "sha256": self.sha256,
+            "size": self.size,
         }
 
 
@@ -110,7 +131,12 @@ def _generated(name: str, build: bool) -> ModelInfo:
                 write_atomic(path, lambda tmp: generator.write_model(recipe, tmp))
                 write_atomic(sidecar, lambda tmp: tmp.write_text(_sha256_file(path) + "\n"))
     return ModelInfo(
-        name, recipe.arch, kind_of_arch(recipe.arch), path, sidecar.read_text().strip(), path.stat().st_size
+        name,
+        recipe.arch,
+        kind_of_arch(recipe.arch),
+        path,
+        sidecar.read_text().strip(),
+        path.stat().st_size,
     )
 
 
@@ -134,7 +160,14 @@ def _file_info(name: str, path: Path, sha256: str | None = None) -> ModelInfo:
     key = (name, path, stat.st_size, stat.st_mtime_ns)
     if key not in _FILE_INFO:
         arch = _read_arch(path)
-        _FILE_INFO[key] = ModelInfo(name, arch, kind_of_arch(arch), path, sha256 or _sha256_file(path), stat.st_size)
+        _FILE_INFO[key] = ModelInfo(
+            name,
+            arch,
+            kind_of_arch(arch),
+            path,
+            sha256 or _sha256_file(path),
+            stat.st_size,
+        )
     return _FILE_INFO[key]
 
 
@@ -178,12 +211,22 @@ def _gemma_draft(build: bool) -> ModelInfo:
 
 
 def _requantize(source: Path, dest: Path) -> None:
-    from harness.backends.build import ensure_server  # the build also makes llama-quantize
+    from harness.backends.build import (
+        ensure_server,
+    )  # the build also makes llama-quantize
 
     quantize = ensure_server().quantize_bin
     if quantize is None or not quantize.is_file():
         raise HarnessError(f"no llama-quantize beside the llama-server build: cannot make {GEMMA_DRAFT}")
-    cmd = [str(quantize), "--allow-requantize", "--pure", str(source), str(dest), GEMMA_DRAFT_TYPE, "1"]
+    cmd = [
+        str(quantize),
+        "--allow-requantize",
+        "--pure",
+        str(source),
+        str(dest),
+        GEMMA_DRAFT_TYPE,
+        "1",
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0:
         last = (proc.stderr.strip().splitlines() or ["no output"])[-1]
@@ -232,5 +275,8 @@ def list_models() -> list[ModelInfo]:
     """Every registry entry, building missing generated models; Gemma shows as not installed if absent."""
     models = make()
     if _gemma_package() is None:
-        return [*models, *(ModelInfo(n, "gemma3", "dense", Path(_NOT_INSTALLED), "", 0) for n in (GEMMA, GEMMA_DRAFT))]
+        return [
+            *models,
+            *(ModelInfo(n, "gemma3", "dense", Path(_NOT_INSTALLED), "", 0) for n in (GEMMA, GEMMA_DRAFT)),
+        ]
     return [*models, _gemma(build=True), _gemma_draft(build=True)]

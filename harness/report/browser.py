@@ -13,8 +13,15 @@ from typing import Iterator, Optional
 
 from harness.errors import HarnessError
 
-CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--no-first-run", "--disable-background-networking",
-                 "--disable-component-update", "--disable-sync"]
+CHROMIUM_ARGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+]
 
 
 def chromium_path() -> Optional[str]:
@@ -63,13 +70,19 @@ def open_report(path: Path, width: int = 1280, height: int = 900) -> Iterator[Lo
         try:
             page = browser.new_page(viewport={"width": width, "height": height})
             errors: list[str] = []
-            page.on("console", lambda m: errors.append(m.text) if m.type == "error" else None)
+            page.on(
+                "console",
+                lambda m: errors.append(m.text) if m.type == "error" else None,
+            )
             page.on("pageerror", lambda e: errors.append(str(e)))
             page.goto(Path(path).resolve().as_uri(), wait_until="load")
-            load_ms = page.evaluate("() => { const n = performance.getEntriesByType('navigation')[0];"
-                                    " return n.loadEventEnd - n.startTime; }")
-            painted_ms = page.evaluate("() => new Promise(r => requestAnimationFrame(() => requestAnimationFrame("
-                                       "() => r(performance.now()))))")
+            load_ms = page.evaluate(
+                "() => { const n = performance.getEntriesByType('navigation')[0];"
+                " return n.loadEventEnd - n.startTime; }"
+            )
+            painted_ms = page.evaluate(
+                "() => new Promise(r => requestAnimationFrame(() => requestAnimationFrame(() => r(performance.now()))))"
+            )
             yield Loaded(page, float(load_ms), float(painted_ms), errors)
         finally:
             browser.close()

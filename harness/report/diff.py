@@ -20,8 +20,17 @@ from pathlib import Path
 from typing import Optional
 
 from harness.paths import write_atomic
-from harness.report.files import (RunDir, cell_id, item_name, joined, llama_cpp_identity, logits_key, speedups,
-                                  status, throughput)
+from harness.report.files import (
+    RunDir,
+    cell_id,
+    item_name,
+    joined,
+    llama_cpp_identity,
+    logits_key,
+    speedups,
+    status,
+    throughput,
+)
 from harness.signatures.group import by_verdict
 from harness.triage import triage
 
@@ -59,8 +68,9 @@ class RunDiff:
 
     def cases(self) -> set[str]:
         """Every case (pytest item name) this diff lists as changed."""
-        return ({c["item"] for c in self.newly_failing + self.newly_passing + self.other_changes + self.changed_outputs}
-                | {p["cell"] for p in self.performance if p["flagged"]})
+        return {
+            c["item"] for c in self.newly_failing + self.newly_passing + self.other_changes + self.changed_outputs
+        } | {p["cell"] for p in self.performance if p["flagged"]}
 
 
 def _verdicts(run: RunDir) -> dict[tuple[str, str], dict]:
@@ -76,13 +86,22 @@ def output_change(a: RunDir, b: RunDir, ra: dict, rb: dict) -> dict:
     the shape of a check's `first_divergence` evidence (A is the reference)."""
     pieces = _pieces(a, b, ra["model"])
     la, lb = a.logits(logits_key(ra)), b.logits(logits_key(rb))
-    d = triage(ra["tokens"], rb["tokens"], la or None, lb or None,
-               detokenize=lambda tokens: joined(pieces, tokens))
+    d = triage(
+        ra["tokens"],
+        rb["tokens"],
+        la or None,
+        lb or None,
+        detokenize=lambda tokens: joined(pieces, tokens),
+    )
     return d.to_evidence(ra["repeat"], f"output of {a.run_id}", ra["tokens"], rb["tokens"], la)
 
 
-def compare(a: RunDir, b: RunDir, speed_threshold: float = SPEED_THRESHOLD,
-            acceptance_threshold: float = ACCEPTANCE_THRESHOLD) -> RunDiff:
+def compare(
+    a: RunDir,
+    b: RunDir,
+    speed_threshold: float = SPEED_THRESHOLD,
+    acceptance_threshold: float = ACCEPTANCE_THRESHOLD,
+) -> RunDiff:
     """Compare run A with run B."""
     diff = RunDiff(a, b, thresholds={"speed": speed_threshold, "acceptance": acceptance_threshold})
     va, vb = _verdicts(a), _verdicts(b)
@@ -92,8 +111,15 @@ def compare(a: RunDir, b: RunDir, speed_threshold: float = SPEED_THRESHOLD,
         if sa == sb or sb is None:
             continue
         v = vb[key]
-        entry = {"item": key[0], "check": key[1], "a": sa or "absent", "b": sb, "message": v.get("message", ""),
-                 "first_divergence": (v.get("evidence") or {}).get("first_divergence"), "row": v}
+        entry = {
+            "item": key[0],
+            "check": key[1],
+            "a": sa or "absent",
+            "b": sb,
+            "message": v.get("message", ""),
+            "first_divergence": (v.get("evidence") or {}).get("first_divergence"),
+            "row": v,
+        }
         if sb == "failed":
             diff.newly_failing.append(entry)
         elif sa == "failed" and sb in ("passed", "near-tie"):
@@ -111,7 +137,13 @@ def compare(a: RunDir, b: RunDir, speed_threshold: float = SPEED_THRESHOLD,
     for key in both:
         if ra[key]["tokens"] != rb[key]["tokens"] and key[0] not in seen:
             seen.add(key[0])
-            diff.changed_outputs.append({"item": key[0], "row": rb[key], "first_divergence": output_change(a, b, ra[key], rb[key])})
+            diff.changed_outputs.append(
+                {
+                    "item": key[0],
+                    "row": rb[key],
+                    "first_divergence": output_change(a, b, ra[key], rb[key]),
+                }
+            )
 
     cells: dict[str, tuple[list, list]] = {}
     for key in both:
@@ -127,10 +159,23 @@ def compare(a: RunDir, b: RunDir, speed_threshold: float = SPEED_THRESHOLD,
         speed_good = ratio is not None and ratio > 1 + speed_threshold and sb["low"] > sa["high"]
         acc_bad = acc_a is not None and acc_b is not None and acc_b < acc_a - acceptance_threshold
         acc_good = acc_a is not None and acc_b is not None and acc_b > acc_a + acceptance_threshold
-        diff.performance.append({"cell": cell, "requests": len(rows_b), "speculative": rows_b[0]["spec"] != "none",
-                                 "a_tok_s": ta, "b_tok_s": tb, "a_speedup": sa, "b_speedup": sb, "ratio": ratio,
-                                 "a_acceptance": acc_a, "b_acceptance": acc_b, "speed_regressed": speed_bad,
-                                 "acceptance_regressed": acc_bad, "flagged": speed_bad or speed_good or acc_bad or acc_good})
+        diff.performance.append(
+            {
+                "cell": cell,
+                "requests": len(rows_b),
+                "speculative": rows_b[0]["spec"] != "none",
+                "a_tok_s": ta,
+                "b_tok_s": tb,
+                "a_speedup": sa,
+                "b_speedup": sb,
+                "ratio": ratio,
+                "a_acceptance": acc_a,
+                "b_acceptance": acc_b,
+                "speed_regressed": speed_bad,
+                "acceptance_regressed": acc_bad,
+                "flagged": speed_bad or speed_good or acc_bad or acc_good,
+            }
+        )
     return diff
 
 
@@ -145,16 +190,28 @@ def group_newly_failing(diff: RunDiff) -> None:
         entry["signature"], entry["restates"] = in_b[id(entry["row"])]
     order = {f.signature: n for n, (f, _) in enumerate(found_b)}
     diff.newly_failing.sort(key=lambda e: (order[e["signature"]], e["restates"]))
-    diff.signatures = [{"signature": f.signature, "kind": f.kind, "pattern": p, "in_a": f.signature in in_a,
-                        "newly_failing": [e for e in diff.newly_failing if e["signature"] == f.signature]}
-                       for f, p in found_b if any(e["signature"] == f.signature for e in diff.newly_failing)]
+    diff.signatures = [
+        {
+            "signature": f.signature,
+            "kind": f.kind,
+            "pattern": p,
+            "in_a": f.signature in in_a,
+            "newly_failing": [e for e in diff.newly_failing if e["signature"] == f.signature],
+        }
+        for f, p in found_b
+        if any(e["signature"] == f.signature for e in diff.newly_failing)
+    ]
 
 
 def properties(run: RunDir) -> dict[str, str]:
     """A run's header facts, flattened (`backend.server.llama_cpp_commit`, `model.tiny-dense.sha256`, ...)."""
     meta = run.meta
-    out = {"harness version": meta.get("harness_version"), "command": meta.get("command"),
-           "cpu": (meta.get("host") or {}).get("cpu"), "started": meta.get("started")}
+    out = {
+        "harness version": meta.get("harness_version"),
+        "command": meta.get("command"),
+        "cpu": (meta.get("host") or {}).get("cpu"),
+        "started": meta.get("started"),
+    }
     for name, facts in (meta.get("backends") or {}).items():
         for key, value in facts.items():
             if key == "build" and isinstance(value, dict):
@@ -170,8 +227,11 @@ def properties(run: RunDir) -> dict[str, str]:
 def differing_properties(a: RunDir, b: RunDir) -> list[tuple[str, str, str]]:
     """(property, A, B) for the header facts that differ (as compare-llama-bench shows only differing columns)."""
     pa, pb = properties(a), properties(b)
-    return [(k, pa.get(k, "—"), pb.get(k, "—")) for k in sorted(pa.keys() | pb.keys())
-            if pa.get(k) != pb.get(k) and k != "started"]
+    return [
+        (k, pa.get(k, "—"), pb.get(k, "—"))
+        for k in sorted(pa.keys() | pb.keys())
+        if pa.get(k) != pb.get(k) and k != "started"
+    ]
 
 
 def print_diff(diff: RunDiff, console) -> None:
@@ -185,56 +245,119 @@ def print_diff(diff: RunDiff, console) -> None:
         console.print(f"  {prop}: {va} → {vb}", markup=False, highlight=False)
     if diff.signatures:
         n = len(diff.signatures)
-        console.print(f"{n} distinct failure{'s' if n != 1 else ''} newly failing: " + "; ".join(
-            f"{s['signature']} ({len(s['newly_failing'])} verdicts{', failed in A too' if s['in_a'] else ''})"
-            for s in diff.signatures), style="bold red", markup=False, highlight=False)
+        console.print(
+            f"{n} distinct failure{'s' if n != 1 else ''} newly failing: "
+            + "; ".join(
+                f"{s['signature']} ({len(s['newly_failing'])} verdicts{', failed in A too' if s['in_a'] else ''})"
+                for s in diff.signatures
+            ),
+            style="bold red",
+            markup=False,
+            highlight=False,
+        )
         for s in diff.signatures:
-            console.print(f"  {s['signature']}: {s['pattern'].reading}", markup=False, highlight=False)
-    sections = (("newly failing", diff.newly_failing, "red"), ("newly passing", diff.newly_passing, "green"),
-                ("other status changes", diff.other_changes, "yellow"))
+            console.print(
+                f"  {s['signature']}: {s['pattern'].reading}",
+                markup=False,
+                highlight=False,
+            )
+    sections = (
+        ("newly failing", diff.newly_failing, "red"),
+        ("newly passing", diff.newly_passing, "green"),
+        ("other status changes", diff.other_changes, "yellow"),
+    )
     for title, rows, color in sections:
         if rows:
-            table = Table(title=f"{title} ({len(rows)})", title_style=f"bold {color}", title_justify="left")
+            table = Table(
+                title=f"{title} ({len(rows)})",
+                title_style=f"bold {color}",
+                title_justify="left",
+            )
             signed = "signature" in rows[0]  # the newly failing verdicts: their failure signature in B
-            for column in ("case", "check", *(("signature",) if signed else ()), "before → after", "message"):
+            for column in (
+                "case",
+                "check",
+                *(("signature",) if signed else ()),
+                "before → after",
+                "message",
+            ):
                 table.add_column(column)
             for r in rows:
                 sig = (("restates " if r["restates"] else "") + r["signature"],) if signed else ()
-                table.add_row(r["item"], r["check"], *sig, f"{r['a']} → {r['b']}", triage_line(r["row"]))
+                table.add_row(
+                    r["item"],
+                    r["check"],
+                    *sig,
+                    f"{r['a']} → {r['b']}",
+                    triage_line(r["row"]),
+                )
             console.print(table)
     if diff.changed_outputs:
-        table = Table(title=f"changed output ({len(diff.changed_outputs)})", title_style="bold", title_justify="left")
+        table = Table(
+            title=f"changed output ({len(diff.changed_outputs)})",
+            title_style="bold",
+            title_justify="left",
+        )
         for column in ("case", "round", "first divergence", "triage"):
             table.add_column(column)
         for c in diff.changed_outputs:
             d = c["first_divergence"]
-            table.add_row(c["item"], str(d["round"]), f"token {d['index']}: {d['ref_text']!r} → {d['other_text']!r}", d["kind"])
+            table.add_row(
+                c["item"],
+                str(d["round"]),
+                f"token {d['index']}: {d['ref_text']!r} → {d['other_text']!r}",
+                d["kind"],
+            )
         console.print(table)
     flagged = [p for p in diff.performance if p["flagged"]]
     if flagged:
-        table = Table(title=f"speculative cells whose acceptance moved beyond ±{100 * diff.thresholds['acceptance']:.0f} "
-                            f"points or whose speed-up over no speculation moved beyond ±{100 * diff.thresholds['speed']:.0f} % "
-                            f"and outside both runs' noise bands ({len(flagged)})", title_style="bold", title_justify="left")
-        for column in ("cell", "acceptance before", "after", "speed-up before", "after", "tok/s before*", "after*"):
+        table = Table(
+            title=f"speculative cells whose acceptance moved beyond ±{100 * diff.thresholds['acceptance']:.0f} "
+            f"points or whose speed-up over no speculation moved beyond ±{100 * diff.thresholds['speed']:.0f} % "
+            f"and outside both runs' noise bands ({len(flagged)})",
+            title_style="bold",
+            title_justify="left",
+        )
+        for column in (
+            "cell",
+            "acceptance before",
+            "after",
+            "speed-up before",
+            "after",
+            "tok/s before*",
+            "after*",
+        ):
             table.add_column(column, justify="left" if column == "cell" else "right")
         for p in flagged:
-            table.add_row(p["cell"], _pct(p["a_acceptance"]),
-                          f"[{'red' if p['acceptance_regressed'] else 'green'}]{_pct(p['b_acceptance'])}[/]",
-                          speedup_text(p["a_speedup"]),
-                          f"[{'red' if p['speed_regressed'] else 'green'}]{speedup_text(p['b_speedup'])}[/]",
-                          _fmt(p["a_tok_s"]), _fmt(p["b_tok_s"]))
+            table.add_row(
+                p["cell"],
+                _pct(p["a_acceptance"]),
+                f"[{'red' if p['acceptance_regressed'] else 'green'}]{_pct(p['b_acceptance'])}[/]",
+                speedup_text(p["a_speedup"]),
+                f"[{'red' if p['speed_regressed'] else 'green'}]{speedup_text(p['b_speedup'])}[/]",
+                _fmt(p["a_tok_s"]),
+                _fmt(p["b_tok_s"]),
+            )
         console.print(table)
-        console.print("* tokens/s measure the machine as much as llama.cpp: shown, never judged", markup=False)
+        console.print(
+            "* tokens/s measure the machine as much as llama.cpp: shown, never judged",
+            markup=False,
+        )
     if diff.only_a or diff.only_b:
-        console.print(f"{len(diff.only_a)} cases only in {diff.a.run_id}, {len(diff.only_b)} only in {diff.b.run_id}",
-                      markup=False)
+        console.print(
+            f"{len(diff.only_a)} cases only in {diff.a.run_id}, {len(diff.only_b)} only in {diff.b.run_id}",
+            markup=False,
+        )
     if not diff.cases():
         console.print("no changes", style="green")
-    console.print(("REGRESSED: " if diff.regressed else "no regression: ")
-                  + f"{len(diff.newly_failing)} newly failing, {len(diff.slower)} speculative cells with less "
-                  "acceptance or speed-up, "
-                  f"{len(diff.newly_passing)} newly passing, {len(diff.changed_outputs)} changed outputs",
-                  style="bold red" if diff.regressed else "bold green", markup=False)
+    console.print(
+        ("REGRESSED: " if diff.regressed else "no regression: ")
+        + f"{len(diff.newly_failing)} newly failing, {len(diff.slower)} speculative cells with less "
+        "acceptance or speed-up, "
+        f"{len(diff.newly_passing)} newly passing, {len(diff.changed_outputs)} changed outputs",
+        style="bold red" if diff.regressed else "bold green",
+        markup=False,
+    )
 
 
 def speedup_text(s: Optional[dict]) -> str:
@@ -256,10 +379,21 @@ def write_diff_html(diff: RunDiff, target: Path) -> Path:
     from harness.report.html import divergence_view, render
 
     for entry in diff.newly_failing + diff.newly_passing + diff.other_changes + diff.changed_outputs:
-        entry["view"] = divergence_view(_pieces(diff.a, diff.b, entry["row"]["model"]), entry.get("first_divergence"))
-    ratios = [(p["cell"], p["ratio"], f"{p['ratio']:.2f}x") for p in diff.performance if p["ratio"]]  # B's speed-up / A's
-    html = render("diff.html.j2", diff=diff, differing=differing_properties(diff.a, diff.b), speedup_text=speedup_text,
-                  identity_a=llama_cpp_identity(diff.a.meta), identity_b=llama_cpp_identity(diff.b.meta),
-                  speed_chart=bar_chart(ratios, ref=1.0, label_width=360) if ratios else "")
+        entry["view"] = divergence_view(
+            _pieces(diff.a, diff.b, entry["row"]["model"]),
+            entry.get("first_divergence"),
+        )
+    ratios = [
+        (p["cell"], p["ratio"], f"{p['ratio']:.2f}x") for p in diff.performance if p["ratio"]
+    ]  # B's speed-up / A's
+    html = render(
+        "diff.html.j2",
+        diff=diff,
+        differing=differing_properties(diff.a, diff.b),
+        speedup_text=speedup_text,
+        identity_a=llama_cpp_identity(diff.a.meta),
+        identity_b=llama_cpp_identity(diff.b.meta),
+        speed_chart=bar_chart(ratios, ref=1.0, label_width=360) if ratios else "",
+    )
     write_atomic(target, lambda p: p.write_text(html, encoding="utf-8"))
     return target

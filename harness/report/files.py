@@ -24,7 +24,13 @@ import pandas as pd
 from harness import __version__
 from harness.backends.flags import server_version
 from harness.errors import HarnessError
-from harness.logits import PositionLogits, from_frame, load_parquet, save_parquet, to_frame
+from harness.logits import (
+    PositionLogits,
+    from_frame,
+    load_parquet,
+    save_parquet,
+    to_frame,
+)
 from harness.paths import write_atomic
 from harness.signatures import Failure, Pattern, failure_patterns, group
 
@@ -44,21 +50,46 @@ def records(runs: list["CellRun"]) -> list[dict]:
         c = run.cell
         for o in run.outcomes:
             r = o.result
-            out.append({
-                "suite": run.suite.name, "case": o.case, "model": c.model, "backend": c.backend, "mode": c.mode,
-                "spec": c.spec, "repeat": o.round, "tokens": r.tokens, "text": r.text,
-                "stop_reason": r.stop_reason, "error": r.error, "slot_id": r.slot_id,
-                "prompt_n": len(r.prompt_tokens), "timings": r.timings.to_dict(), "spec_stats": r.spec_stats,
-                "kv_scan": r.kv_scan,
-            })
+            out.append(
+                {
+                    "suite": run.suite.name,
+                    "case": o.case,
+                    "model": c.model,
+                    "backend": c.backend,
+                    "mode": c.mode,
+                    "spec": c.spec,
+                    "repeat": o.round,
+                    "tokens": r.tokens,
+                    "text": r.text,
+                    "stop_reason": r.stop_reason,
+                    "error": r.error,
+                    "slot_id": r.slot_id,
+                    "prompt_n": len(r.prompt_tokens),
+                    "timings": r.timings.to_dict(),
+                    "spec_stats": r.spec_stats,
+                    "kv_scan": r.kv_scan,
+                }
+            )
     return out
 
 
 def check_records(checks: list) -> list[dict]:
     """(suite, case, cell, CheckResult) tuples as JSON-able records."""
-    return [{"suite": s, "case": k, "model": c.model, "backend": c.backend, "mode": c.mode, "spec": c.spec,
-             "check": r.name, "passed": r.passed, "message": r.message, "evidence": r.evidence}
-            for s, k, c, r in checks]
+    return [
+        {
+            "suite": s,
+            "case": k,
+            "model": c.model,
+            "backend": c.backend,
+            "mode": c.mode,
+            "spec": c.spec,
+            "check": r.name,
+            "passed": r.passed,
+            "message": r.message,
+            "evidence": r.evidence,
+        }
+        for s, k, c, r in checks
+    ]
 
 
 def frame(rows: list[dict]) -> pd.DataFrame:
@@ -105,8 +136,13 @@ def throughput(rows: list[dict]) -> dict:
     n = sum(r["timings"].get("predicted_n", 0) for r in rows)
     drafted = sum((r.get("spec_stats") or {}).get("draft_n", 0) for r in rows)
     accepted = sum((r.get("spec_stats") or {}).get("draft_n_accepted", 0) for r in rows)
-    return {"tokens": n, "tok_s": 1000.0 * n / ms if ms else None, "drafted": drafted, "accepted": accepted,
-            "acceptance": accepted / drafted if drafted else None}
+    return {
+        "tokens": n,
+        "tok_s": 1000.0 * n / ms if ms else None,
+        "drafted": drafted,
+        "accepted": accepted,
+        "acceptance": accepted / drafted if drafted else None,
+    }
 
 
 def speedups(records: list[dict]) -> dict[str, dict]:
@@ -115,19 +151,30 @@ def speedups(records: list[dict]) -> dict[str, dict]:
     and round in the `none` cell (paired by request), with the median and the min–max over the pairs — the
     noise band this run measured. Both cells ran on the same machine in the same run, so the ratio does not
     depend on how busy the machine was, as long as it was equally busy for both."""
+
     def rate(r: dict) -> Optional[float]:
         t = r.get("timings") or {}
         return t["predicted_n"] / t["predicted_ms"] if r.get("error") is None and t.get("predicted_ms") else None
 
-    plain = {(r["suite"], r["model"], r["backend"], r["mode"], r["case"], r["repeat"]): rate(r)
-             for r in records if r["spec"] == "none"}
+    plain = {
+        (r["suite"], r["model"], r["backend"], r["mode"], r["case"], r["repeat"]): rate(r)
+        for r in records
+        if r["spec"] == "none"
+    }
     pairs: dict[str, list[float]] = {}
     for r in records:
         base = plain.get((r["suite"], r["model"], r["backend"], r["mode"], r["case"], r["repeat"]))
         if r["spec"] != "none" and base and rate(r):
             pairs.setdefault(f"{r['suite']} {cell_id(r)}", []).append(rate(r) / base)
-    return {cell: {"speedup": float(pd.Series(ratios).median()), "low": min(ratios), "high": max(ratios),
-                   "pairs": len(ratios)} for cell, ratios in pairs.items()}
+    return {
+        cell: {
+            "speedup": float(pd.Series(ratios).median()),
+            "low": min(ratios),
+            "high": max(ratios),
+            "pairs": len(ratios),
+        }
+        for cell, ratios in pairs.items()
+    }
 
 
 def joined(pieces: dict[str, str], tokens: list[int]) -> str:
@@ -147,8 +194,11 @@ def token_ids(rows: list[dict], checks: list[dict]) -> dict[str, set[int]]:
     return ids
 
 
-def vocabulary(rows: list[dict], checks: list[dict], detokenizer: Callable[[str], Optional[Callable]]
-               ) -> dict[str, dict[str, str]]:
+def vocabulary(
+    rows: list[dict],
+    checks: list[dict],
+    detokenizer: Callable[[str], Optional[Callable]],
+) -> dict[str, dict[str, str]]:
     """model → {token id: text} for `vocab.json`, with the detokenizer the caller has for each model (models
     it has none for are left out: their tokens show as ids). Reports only read the stored table."""
     out = {}
@@ -163,22 +213,37 @@ def _dump(path: Path, data) -> None:
     write_atomic(path, lambda p: p.write_text(json.dumps(data, indent=1, default=str) + "\n"))
 
 
-def write_run(out: Path, runs: list["CellRun"], checks: list, meta: Optional[dict] = None,
-              detokenizer: Callable[[str], Optional[Callable]] = lambda model: None) -> Path:
+def write_run(
+    out: Path,
+    runs: list["CellRun"],
+    checks: list,
+    meta: Optional[dict] = None,
+    detokenizer: Callable[[str], Optional[Callable]] = lambda model: None,
+) -> Path:
     """Write the run directory (refusing to overwrite an existing results.json); returns results.json.
 
     With `meta` (see `describe_run`) also `run.json` and `vocab.json` (the text of every token, from the
     caller's `detokenizer(model)`), which the reports need."""
     rows = records(runs)
     verdicts = check_records(checks)
-    logits = {f"{run.suite.name}/{o.case}/{run.cell.id}/{o.round}": to_frame(o.result.logits)
-              for run in runs for o in run.outcomes if o.result.logits}
+    logits = {
+        f"{run.suite.name}/{o.case}/{run.cell.id}/{o.round}": to_frame(o.result.logits)
+        for run in runs
+        for o in run.outcomes
+        if o.result.logits
+    }
     vocab = vocabulary(rows, verdicts, detokenizer) if meta is not None else None
     return write_files(out, rows, verdicts, logits, vocab, meta)
 
 
-def write_files(out: Path, rows: list[dict], verdicts: list[dict], logits: dict, vocab: Optional[dict],
-                meta: Optional[dict]) -> Path:
+def write_files(
+    out: Path,
+    rows: list[dict],
+    verdicts: list[dict],
+    logits: dict,
+    vocab: Optional[dict],
+    meta: Optional[dict],
+) -> Path:
     """Write records, verdicts, logits frames (by case key) and, when given, token texts and run.json;
     results.json last. Refuses a directory that already has results.json."""
     out.mkdir(parents=True, exist_ok=True)
@@ -198,6 +263,7 @@ def write_files(out: Path, rows: list[dict], verdicts: list[dict], logits: dict,
 
 
 # --- run.json -------------------------------------------------------------------------------------------
+
 
 def now() -> str:
     """UTC time, ISO 8601 to the second."""
@@ -219,10 +285,15 @@ def host() -> dict:
     weights with repacking (off on a CPU whose AMX path crashes llama.cpp: backends.base.default_repack)."""
     from harness.backends.base import AMX_DEFECT, default_repack
 
-    return {"cpu": _cpu(), "cores": os.cpu_count(), "platform": platform.platform(terse=True),
-            "python": platform.python_version(),
-            "weight repacking": "on" if default_repack() else
-            f"off (--no-repack: the CPU has {AMX_DEFECT}, known failure amx-repack-segfault, llama.cpp #20824)"}
+    return {
+        "cpu": _cpu(),
+        "cores": os.cpu_count(),
+        "platform": platform.platform(terse=True),
+        "python": platform.python_version(),
+        "weight repacking": "on"
+        if default_repack()
+        else f"off (--no-repack: the CPU has {AMX_DEFECT}, known failure amx-repack-segfault, llama.cpp #20824)",
+    }
 
 
 def backend_facts(name: str, backend) -> dict:
@@ -232,8 +303,18 @@ def backend_facts(name: str, backend) -> dict:
     build = getattr(backend, "build", None)
     if build is not None:
         data = build.to_json()
-        facts["build"] = {k: data[k] for k in ("commit", "dirty", "backend", "cmake_args", "compiler", "built_at")
-                          if k in data}
+        facts["build"] = {
+            k: data[k]
+            for k in (
+                "commit",
+                "dirty",
+                "backend",
+                "cmake_args",
+                "compiler",
+                "built_at",
+            )
+            if k in data
+        }
         facts["version"] = server_version(build.server_bin)
     elif name == "inproc":
         import llama_cpp
@@ -246,14 +327,29 @@ def llama_cpp_identity(meta: dict) -> dict:
     """backend → what identifies the llama.cpp it ran (source identity or llama-cpp-python version)."""
     out = {}
     for name, facts in (meta.get("backends") or {}).items():
-        out[name] = (facts.get("source_identity") or facts.get("llama_cpp_commit")
-                     or facts.get("llama_cpp_python") or "not recorded")
+        out[name] = (
+            facts.get("source_identity")
+            or facts.get("llama_cpp_commit")
+            or facts.get("llama_cpp_python")
+            or "not recorded"
+        )
     return out
 
 
-def describe_run(executor, *, tool: str, command: list[str], options: dict, started: str,
-                 planned: list, done: list, suites: dict, known: list, shard: Optional[str] = None,
-                 interrupted: bool = False) -> dict:
+def describe_run(
+    executor,
+    *,
+    tool: str,
+    command: list[str],
+    options: dict,
+    started: str,
+    planned: list,
+    done: list,
+    suites: dict,
+    known: list,
+    shard: Optional[str] = None,
+    interrupted: bool = False,
+) -> dict:
     """The content of `run.json` (`run_id` is added by write_run).
 
     `planned` and `done` are (suite name, Cell) pairs: the cells this run was to check and those it
@@ -265,8 +361,12 @@ def describe_run(executor, *, tool: str, command: list[str], options: dict, star
     cells = []
     for suite, cell in planned:
         run = runs.get((suite, cell))
-        entry = {"suite": suite, **asdict(cell), "id": cell.id,
-                 "status": "not run" if (suite, cell) not in finished else "error" if run and run.error else "done"}
+        entry = {
+            "suite": suite,
+            **asdict(cell),
+            "id": cell.id,
+            "status": "not run" if (suite, cell) not in finished else "error" if run and run.error else "done",
+        }
         if run is not None and run.error:
             entry["error"] = run.error
             if getattr(run, "harness_error", None):
@@ -283,8 +383,13 @@ def describe_run(executor, *, tool: str, command: list[str], options: dict, star
         except HarnessError as err:
             models[name] = {"error": str(err)}
             continue
-        models[name] = {"file": info.path.name, "sha256": info.sha256, "size": info.size, "arch": info.arch,
-                        "kind": info.kind}
+        models[name] = {
+            "file": info.path.name,
+            "sha256": info.sha256,
+            "size": info.size,
+            "arch": info.arch,
+            "kind": info.kind,
+        }
     backends = {}
     for name, backend in executor.backends().items():
         try:
@@ -292,10 +397,20 @@ def describe_run(executor, *, tool: str, command: list[str], options: dict, star
         except HarnessError as err:
             backends[name] = {"error": str(err)}
     return {
-        "format": FORMAT, "tool": tool, "command": shlex.join(command), "options": options,
-        "started": started, "finished": now(), "harness_version": __version__, "shard": shard,
-        "interrupted": interrupted, "host": host(), "backends": backends, "models": models,
-        "suites": {name: _shown(path) for name, path in suites.items()}, "cells": cells,
+        "format": FORMAT,
+        "tool": tool,
+        "command": shlex.join(command),
+        "options": options,
+        "started": started,
+        "finished": now(),
+        "harness_version": __version__,
+        "shard": shard,
+        "interrupted": interrupted,
+        "host": host(),
+        "backends": backends,
+        "models": models,
+        "suites": {name: _shown(path) for name, path in suites.items()},
+        "cells": cells,
         "known_failures": [asdict(e) for e in known],
     }
 
@@ -320,6 +435,7 @@ def command_line(argv: Optional[list[str]] = None) -> list[str]:
 
 
 # --- reading ------------------------------------------------------------------------------------------
+
 
 def _load_json(path: Path, what: str, default=None):
     if not path.exists():
@@ -390,5 +506,11 @@ class RunDir:
         """Per known llama.cpp defect that explained verdicts of this run (its id), what it explained grouped by
         signature the way failures are: a known entry that shows a second signature is visible as such."""
         ids = sorted({v["evidence"]["known_failure"] for v in self.checks if status(v) == "known"})
-        return {kid: group(self.checks, self.records, lambda v, k=kid: (v.get("evidence") or {}).get("known_failure") == k)
-                for kid in ids}
+        return {
+            kid: group(
+                self.checks,
+                self.records,
+                lambda v, k=kid: (v.get("evidence") or {}).get("known_failure") == k,
+            )
+            for kid in ids
+        }

@@ -13,7 +13,15 @@ from pathlib import Path
 from typing import Optional
 
 from harness.paths import write_atomic
-from harness.report.files import RunDir, cell_id, item_name, speedups, status, throughput, worst
+from harness.report.files import (
+    RunDir,
+    cell_id,
+    item_name,
+    speedups,
+    status,
+    throughput,
+    worst,
+)
 
 CATEGORIES = ("new failure", "fixed", "flaky", "stable")
 
@@ -71,8 +79,10 @@ def speculation(runs: list[RunDir]) -> list[dict]:
             if r["spec"] != "none" and r.get("error") is None:
                 groups.setdefault(f"{r['suite']} {cell_id(r)}", []).append(r)
         for cell, rows in groups.items():
-            cells.setdefault(cell, [None] * len(runs))[i] = {"acceptance": throughput(rows)["acceptance"],
-                                                             "speedup": speed.get(cell)}
+            cells.setdefault(cell, [None] * len(runs))[i] = {
+                "acceptance": throughput(rows)["acceptance"],
+                "speedup": speed.get(cell),
+            }
     return [{"cell": cell, "runs": per_run} for cell, per_run in sorted(cells.items())]
 
 
@@ -80,12 +90,20 @@ def print_history(runs: list[RunDir], rows: list[CaseHistory], console) -> None:
     """The cases that are not stable, and the count per category."""
     from rich.table import Table
 
-    table = Table(title=f"history over {len(runs)} runs: {', '.join(r.run_id for r in runs)}", title_justify="left")
+    table = Table(
+        title=f"history over {len(runs)} runs: {', '.join(r.run_id for r in runs)}",
+        title_justify="left",
+    )
     for column in ("case", "category", "statuses (oldest first)", "unique outputs"):
         table.add_column(column)
     for c in rows:
         if c.category != "stable":
-            table.add_row(c.item, c.category, " ".join(s or "-" for s in c.statuses), str(c.unique_outputs))
+            table.add_row(
+                c.item,
+                c.category,
+                " ".join(s or "-" for s in c.statuses),
+                str(c.unique_outputs),
+            )
     console.print(table)
     counts = {cat: sum(1 for c in rows if c.category == cat) for cat in CATEGORIES}
     console.print(", ".join(f"{n} {cat}" for cat, n in counts.items()), markup=False)
@@ -95,7 +113,13 @@ def write_history_html(runs: list[RunDir], rows: list[CaseHistory], target: Path
     """Render `history.html`."""
     from harness.report.html import render
 
-    html = render("history.html.j2", runs=runs, rows=rows, categories=CATEGORIES, speculation=speculation(runs),
-                  counts={cat: sum(1 for c in rows if c.category == cat) for cat in CATEGORIES})
+    html = render(
+        "history.html.j2",
+        runs=runs,
+        rows=rows,
+        categories=CATEGORIES,
+        speculation=speculation(runs),
+        counts={cat: sum(1 for c in rows if c.category == cat) for cat in CATEGORIES},
+    )
     write_atomic(target, lambda p: p.write_text(html, encoding="utf-8"))
     return target

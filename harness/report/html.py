@@ -18,7 +18,17 @@ from jinja2 import ChainableUndefined, Environment, PackageLoader, select_autoes
 
 from harness.paths import write_atomic
 from harness.report.charts import bar_chart, margin_chart, position_chart
-from harness.report.files import STATUSES, RunDir, cell_id, item_name, joined, speedups, status, throughput, worst
+from harness.report.files import (
+    STATUSES,
+    RunDir,
+    cell_id,
+    item_name,
+    joined,
+    speedups,
+    status,
+    throughput,
+    worst,
+)
 from harness.signatures import Failure
 from harness.signatures.group import by_verdict
 
@@ -27,23 +37,57 @@ CONTEXT_TOKENS = 12
 AFTER_TOKENS = 24
 """Tokens shown from the divergence on, per side."""
 AXES = ("check", "mode", "backend", "spec", "model", "suite")
-SPEC_COUNTERS = ("draft_n", "draft_n_accepted", "spec_cycles", "spec_empty", "spec_skip", "ckpt_created",
-                 "ckpt_restored", "n_redecoded", "draft_dropped")
+SPEC_COUNTERS = (
+    "draft_n",
+    "draft_n_accepted",
+    "spec_cycles",
+    "spec_empty",
+    "spec_skip",
+    "ckpt_created",
+    "ckpt_restored",
+    "n_redecoded",
+    "draft_dropped",
+)
 PYTEST_OPTIONS = ("server_bin", "source", "kv_scan", "logit_top_k", "repeat")
 """Run options `pytest suites/` has too; a run that used others is re-run with `specharness run`."""
 NOT_RECORDED = "not recorded"
-FIRST_DIVERGENCE = ("round", "index", "kind", "reason", "ref_token", "other_token", "ref_text", "other_text", "before",
-                    "margin", "noise_floor", "reference", "reference_tokens", "tokens", "reference_margins")
+FIRST_DIVERGENCE = (
+    "round",
+    "index",
+    "kind",
+    "reason",
+    "ref_token",
+    "other_token",
+    "ref_text",
+    "other_text",
+    "before",
+    "margin",
+    "noise_floor",
+    "reference",
+    "reference_tokens",
+    "tokens",
+    "reference_margins",
+)
 """The fields of `evidence["first_divergence"]` (CONTRACTS.md); a missing one renders as "not recorded"."""
 
 
 @functools.cache
 def environment() -> Environment:
     """The Jinja2 environment of the report templates (package data), with the shared helpers."""
-    env = Environment(loader=PackageLoader("harness.report", "templates"), autoescape=select_autoescape(default=True),
-                      trim_blocks=True, lstrip_blocks=True, undefined=ChainableUndefined)
-    env.globals.update(margin_chart=margin_chart, bar_chart=bar_chart, STATUSES=STATUSES, NOT_RECORDED=NOT_RECORDED,
-                       triage_line=triage_line)
+    env = Environment(
+        loader=PackageLoader("harness.report", "templates"),
+        autoescape=select_autoescape(default=True),
+        trim_blocks=True,
+        lstrip_blocks=True,
+        undefined=ChainableUndefined,
+    )
+    env.globals.update(
+        margin_chart=margin_chart,
+        bar_chart=bar_chart,
+        STATUSES=STATUSES,
+        NOT_RECORDED=NOT_RECORDED,
+        triage_line=triage_line,
+    )
     env.filters["first_line"] = lambda text: (str(text or "").strip().splitlines() or [""])[0]
     env.filters["num"] = _num
     env.filters["pct"] = lambda x: NOT_RECORDED if x is None else f"{100 * x:.1f} %"
@@ -75,33 +119,53 @@ def anchor(name: str) -> str:
 
 # --- token diffs ----------------------------------------------------------------------------------------
 
+
 def _shown(piece: Optional[str], token: int) -> str:
     if piece is None:
         return f"<{token}>"
     return piece.replace("\n", "↵\n").replace("\t", "→\t") or "∅"
 
 
-def token_diff(pieces: dict[str, str], reference: Optional[list[int]], tokens: Optional[list[int]],
-               index: Optional[int]) -> Optional[dict]:
+def token_diff(
+    pieces: dict[str, str],
+    reference: Optional[list[int]],
+    tokens: Optional[list[int]],
+    index: Optional[int],
+) -> Optional[dict]:
     """Both streams around their first divergence as lists of (id, text), for a side-by-side view;
     None when the streams were not recorded."""
     if reference is None or tokens is None:
         return None
     if index is None:
-        index = next((i for i, (a, b) in enumerate(zip(reference, tokens)) if a != b), min(len(reference), len(tokens)))
+        index = next(
+            (i for i, (a, b) in enumerate(zip(reference, tokens)) if a != b),
+            min(len(reference), len(tokens)),
+        )
     start = max(0, index - CONTEXT_TOKENS)
 
     def side(stream: list[int]) -> dict:
-        return {"context": [(t, _shown(pieces.get(str(t)), t)) for t in stream[start:index]],
-                "at": (stream[index], _shown(pieces.get(str(stream[index])), stream[index])) if index < len(stream) else None,
-                "after": [(t, _shown(pieces.get(str(t)), t)) for t in stream[index + 1:index + 1 + AFTER_TOKENS]],
-                "more": max(0, len(stream) - index - 1 - AFTER_TOKENS), "length": len(stream)}
+        return {
+            "context": [(t, _shown(pieces.get(str(t)), t)) for t in stream[start:index]],
+            "at": (stream[index], _shown(pieces.get(str(stream[index])), stream[index]))
+            if index < len(stream)
+            else None,
+            "after": [(t, _shown(pieces.get(str(t)), t)) for t in stream[index + 1 : index + 1 + AFTER_TOKENS]],
+            "more": max(0, len(stream) - index - 1 - AFTER_TOKENS),
+            "length": len(stream),
+        }
 
     prefix = joined(pieces, reference[:index])
-    return {"index": index, "skipped": start, "prefix": prefix, "reference": side(reference), "other": side(tokens)}
+    return {
+        "index": index,
+        "skipped": start,
+        "prefix": prefix,
+        "reference": side(reference),
+        "other": side(tokens),
+    }
 
 
 # --- one run --------------------------------------------------------------------------------------------
+
 
 @dataclass
 class Item:
@@ -141,7 +205,10 @@ def counts(checks: list[dict], axis: str) -> list[tuple[str, dict]]:
         row = table.setdefault(v[axis], {**dict.fromkeys(STATUSES, 0), "total": 0})
         row[status(v)] += 1
         row["total"] += 1
-    return sorted(table.items(), key=lambda kv: (-kv[1]["failed"], -kv[1]["known"], -kv[1]["near-tie"], kv[0]))
+    return sorted(
+        table.items(),
+        key=lambda kv: (-kv[1]["failed"], -kv[1]["known"], -kv[1]["near-tie"], kv[0]),
+    )
 
 
 def spec_counters(rows: list[dict]) -> dict:
@@ -171,8 +238,16 @@ def performance(records: list[dict], checks: list[dict] = ()) -> list[dict]:
     speed = speedups(records)
     out = []
     for (suite, model, backend, mode, spec), rs in groups.items():
-        row = {"suite": suite, "model": model, "backend": backend, "mode": mode, "spec": spec, "requests": len(rs),
-               **throughput(rs), "speedup": speed.get(f"{suite} {mode}-{spec}-{model}-{backend}")}
+        row = {
+            "suite": suite,
+            "model": model,
+            "backend": backend,
+            "mode": mode,
+            "spec": spec,
+            "requests": len(rs),
+            **throughput(rs),
+            "speedup": speed.get(f"{suite} {mode}-{spec}-{model}-{backend}"),
+        }
         mine = verdicts.get((suite, model, backend, mode, spec))
         if mine:
             row["baseline"] = {side: _summed([v["evidence"][side] for v in mine]) for side in ("baseline", "after")}
@@ -183,8 +258,15 @@ def performance(records: list[dict], checks: list[dict] = ()) -> list[dict]:
 
 def _summed(parts: list[dict]) -> dict:
     """Acceptance evidence of several cases added up: acceptance and per-position rates from the counts."""
-    drafted, accepted = sum(p["drafted"] for p in parts), sum(p["accepted"] for p in parts)
-    out = {"drafted": drafted, "accepted": accepted, "acceptance": accepted / drafted if drafted else None}
+    drafted, accepted = (
+        sum(p["drafted"] for p in parts),
+        sum(p["accepted"] for p in parts),
+    )
+    out = {
+        "drafted": drafted,
+        "accepted": accepted,
+        "acceptance": accepted / drafted if drafted else None,
+    }
     if all("drafted_per_pos" in p for p in parts):
         n = max(len(p["drafted_per_pos"]) for p in parts)
         d = [sum(p["drafted_per_pos"][k] for p in parts if k < len(p["drafted_per_pos"])) for k in range(n)]
@@ -199,7 +281,16 @@ def rerun_command(meta: dict, row: dict) -> str:
     the cell when the run used options pytest does not have."""
     options = dict(meta.get("options") or {})
     suite_file = (meta.get("suites") or {}).get(row["suite"]) or f"suites/{row['suite']}.yaml"
-    narrow = ["--backend", row["backend"], "--mode", row["mode"], "--spec", row["spec"], "--model", row["model"]]
+    narrow = [
+        "--backend",
+        row["backend"],
+        "--mode",
+        row["mode"],
+        "--spec",
+        row["spec"],
+        "--model",
+        row["model"],
+    ]
     extra = []
     for key, value in sorted(options.items()):
         flag = "--" + key.replace("_", "-")
@@ -215,11 +306,13 @@ def triage_line(verdict: dict, limit: int = 220) -> str:
     if isinstance(first, dict) and first.get("index") is not None:
         view = divergence_view({}, first)["first"]
         against = f" vs {view['reference']}" if view["reference"] else ""
-        tokens = (f": {_token_text(view['ref_text'], view['ref_token'], 'ref_token' in first)} → "
-                  f"{_token_text(view['other_text'], view['other_token'], 'other_token' in first)}")
+        tokens = (
+            f": {_token_text(view['ref_text'], view['ref_token'], 'ref_token' in first)} → "
+            f"{_token_text(view['other_text'], view['other_token'], 'other_token' in first)}"
+        )
         return f"{view['kind'] or NOT_RECORDED} at token {view['index']}{tokens}{against}"
     line = (str(verdict.get("message") or "").strip().splitlines() or [""])[0]
-    return line if len(line) <= limit else line[:limit - 1] + "…"
+    return line if len(line) <= limit else line[: limit - 1] + "…"
 
 
 def divergence_view(pieces: dict[str, str], first) -> Optional[dict]:
@@ -228,7 +321,11 @@ def divergence_view(pieces: dict[str, str], first) -> Optional[dict]:
         return None
     missing = {key for key in FIRST_DIVERGENCE if key not in first}
     first = {key: first.get(key) for key in FIRST_DIVERGENCE}
-    return {"first": first, "missing": missing, "diff": token_diff(pieces, first["reference_tokens"], first["tokens"], first["index"])}
+    return {
+        "first": first,
+        "missing": missing,
+        "diff": token_diff(pieces, first["reference_tokens"], first["tokens"], first["index"]),
+    }
 
 
 def case_view(run: RunDir, item: Item) -> dict:
@@ -238,12 +335,25 @@ def case_view(run: RunDir, item: Item) -> dict:
     for v in item.verdicts:
         view = divergence_view(pieces, (v.get("evidence") or {}).get("first_divergence"))
         verdicts.append({"verdict": v, "status": status(v), "divergence": view})
-    kv = [(r["repeat"], where, scan) for r in item.records if r.get("kv_scan")
-          for where, scan in (("", r["kv_scan"]), (" of the draft context", r["kv_scan"].get("draft")))
-          if scan and not scan.get("healthy", True)]  # (round, which context, its unhealthy verdict)
+    kv = [
+        (r["repeat"], where, scan)
+        for r in item.records
+        if r.get("kv_scan")
+        for where, scan in (
+            ("", r["kv_scan"]),
+            (" of the draft context", r["kv_scan"].get("draft")),
+        )
+        if scan and not scan.get("healthy", True)
+    ]  # (round, which context, its unhealthy verdict)
     errors = [r for r in item.records if r.get("error")]
-    return {"item": item, "verdicts": verdicts, "counters": spec_counters([r for r in item.records if r.get("error") is None]),
-            "kv": kv, "errors": errors, "rerun": rerun_command(run.meta, item.row)}
+    return {
+        "item": item,
+        "verdicts": verdicts,
+        "counters": spec_counters([r for r in item.records if r.get("error") is None]),
+        "kv": kv,
+        "errors": errors,
+        "rerun": rerun_command(run.meta, item.row),
+    }
 
 
 def run_status(run: RunDir) -> str:
@@ -258,9 +368,15 @@ def known_view(run: RunDir, known: dict[str, list[Failure]]) -> list[dict]:
     """The known-failure entries with the items each explains in this run and, by signature, what it explained
     (`known`: RunDir.known)."""
     entries = {e["id"]: e for e in run.meta.get("known_failures") or []}
-    return [{"id": kid, "entry": entries.get(kid, {}), "failures": failures,
-             "cases": sorted({item_name(v) for f in failures for v in f.verdicts + f.consequences})}
-            for kid, failures in known.items()]
+    return [
+        {
+            "id": kid,
+            "entry": entries.get(kid, {}),
+            "failures": failures,
+            "cases": sorted({item_name(v) for f in failures for v in f.verdicts + f.consequences}),
+        }
+        for kid, failures in known.items()
+    ]
 
 
 def render_index(run: RunDir) -> str:
@@ -268,27 +384,48 @@ def render_index(run: RunDir) -> str:
     all_items = items(run)
     shown = [i for i in all_items if i.status not in ("passed", "no-baseline")]
     shown.sort(key=lambda i: STATUSES.index(i.status))
-    perf = sorted(performance(run.records, run.checks),
-                  key=lambda r: (r["suite"], r["model"], r["backend"], r["mode"], r["spec"]))
+    perf = sorted(
+        performance(run.records, run.checks),
+        key=lambda r: (r["suite"], r["model"], r["backend"], r["mode"], r["spec"]),
+    )
     cells = run.meta.get("cells") or []
     found, known = run.failures(), run.known()
     grouped = [v for f, _ in found for v in f.verdicts + f.consequences]
     signature = by_verdict([f for f, _ in found] + [f for failures in known.values() for f in failures])
-    return environment().get_template("index.html.j2").render(
-        run=run, meta=run.meta, run_status=run_status(run), items=all_items, failures=found,
-        signature=lambda v: signature.get(id(v), (None, False)),
-        failing=grouped + [v for v in run.checks if status(v) not in ("passed", "failed", "no-baseline")],
-        cases=[case_view(run, i) for i in shown],
-        counts={axis: counts(run.checks, axis) for axis in AXES},
-        totals={s: sum(1 for v in run.checks if status(v) == s) for s in STATUSES},
-        performance=perf, perf_bars=[(_label(p), p["tok_s"], f"{p['tok_s']:.1f} tok/s") for p in perf if p["tok_s"]],
-        accept_bars=[(_label(p), p["acceptance"], f"{100 * p['acceptance']:.1f} %") for p in perf if p["drafted"]],
-        speedup_bars=[(_label(p), p["speedup"]["speedup"], f"{p['speedup']['speedup']:.2f}x "
-                       f"({p['speedup']['low']:.2f}–{p['speedup']['high']:.2f})") for p in perf if p["speedup"]],
-        position_chart=position_chart,
-        known=known_view(run, known), not_run=[c for c in cells if c.get("status") == "not run"],
-        cell_errors=[c for c in cells if c.get("status") == "error"], cell_id=cell_id, item_name=item_name,
-        status=status,
+    return (
+        environment()
+        .get_template("index.html.j2")
+        .render(
+            run=run,
+            meta=run.meta,
+            run_status=run_status(run),
+            items=all_items,
+            failures=found,
+            signature=lambda v: signature.get(id(v), (None, False)),
+            failing=grouped + [v for v in run.checks if status(v) not in ("passed", "failed", "no-baseline")],
+            cases=[case_view(run, i) for i in shown],
+            counts={axis: counts(run.checks, axis) for axis in AXES},
+            totals={s: sum(1 for v in run.checks if status(v) == s) for s in STATUSES},
+            performance=perf,
+            perf_bars=[(_label(p), p["tok_s"], f"{p['tok_s']:.1f} tok/s") for p in perf if p["tok_s"]],
+            accept_bars=[(_label(p), p["acceptance"], f"{100 * p['acceptance']:.1f} %") for p in perf if p["drafted"]],
+            speedup_bars=[
+                (
+                    _label(p),
+                    p["speedup"]["speedup"],
+                    f"{p['speedup']['speedup']:.2f}x ({p['speedup']['low']:.2f}–{p['speedup']['high']:.2f})",
+                )
+                for p in perf
+                if p["speedup"]
+            ],
+            position_chart=position_chart,
+            known=known_view(run, known),
+            not_run=[c for c in cells if c.get("status") == "not run"],
+            cell_errors=[c for c in cells if c.get("status") == "error"],
+            cell_id=cell_id,
+            item_name=item_name,
+            status=status,
+        )
     )
 
 
@@ -306,5 +443,4 @@ def write_index(run: RunDir) -> Path:
 
 def render(template: str, **context) -> str:
     """Render another report template (diff, history) with the shared helpers."""
-    return environment().get_template(template).render(cell_id=cell_id, item_name=item_name, status=status,
-                                                       **context)
+    return environment().get_template(template).render(cell_id=cell_id, item_name=item_name, status=status, **context)

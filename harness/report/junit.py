@@ -35,7 +35,12 @@ def junit_xml(run: RunDir) -> bytes:
     signature = by_verdict([f for f, _ in run.failures()])
     for v in run.checks:
         suite, st = v["suite"], status(v)
-        case = ET.Element("testcase", classname=_classname(run, suite), name=f"{item_name(v)}::{v['check']}", time="0")
+        case = ET.Element(
+            "testcase",
+            classname=_classname(run, suite),
+            name=f"{item_name(v)}::{v['check']}",
+            time="0",
+        )
         message = v.get("message") or ""
         first = (message.strip().splitlines() or [""])[0]
         tally = counts[suite]
@@ -47,7 +52,12 @@ def junit_xml(run: RunDir) -> bytes:
             sig, restates = signature[id(v)]
             ET.SubElement(case, "failure", message=first, type=sig).text = message
             if restates:
-                ET.SubElement(ET.SubElement(case, "properties"), "property", name="restates", value=sig)
+                ET.SubElement(
+                    ET.SubElement(case, "properties"),
+                    "property",
+                    name="restates",
+                    value=sig,
+                )
             tally["failures"] += 1
         elif st == "known":
             known = v["evidence"]["known_failure"]
@@ -60,19 +70,40 @@ def junit_xml(run: RunDir) -> bytes:
             tally["skipped"] += 1
         elif st == "near-tie":
             props = ET.SubElement(case, "properties")
-            ET.SubElement(props, "property", name="near_ties", value=str(v["evidence"]["near_ties"]))
+            ET.SubElement(
+                props,
+                "property",
+                name="near_ties",
+                value=str(v["evidence"]["near_ties"]),
+            )
         by_suite[suite].append(case)
     for c in cells:
         if c.get("status") == "not run":
-            case = ET.Element("testcase", classname=_classname(run, c["suite"]), name=f"{c['suite']}[{c['id']}]", time="0")
-            ET.SubElement(case, "skipped", message="not run: the run was interrupted before this cell", type="not-run")
+            case = ET.Element(
+                "testcase",
+                classname=_classname(run, c["suite"]),
+                name=f"{c['suite']}[{c['id']}]",
+                time="0",
+            )
+            ET.SubElement(
+                case,
+                "skipped",
+                message="not run: the run was interrupted before this cell",
+                type="not-run",
+            )
             by_suite[c["suite"]].append(case)
             counts[c["suite"]]["tests"] += 1
             counts[c["suite"]]["skipped"] += 1
     root = ET.Element("testsuites", name=f"specharness {run.run_id}")
     for suite in sorted(by_suite):
-        node = ET.SubElement(root, "testsuite", name=suite, timestamp=run.meta.get("started") or "",
-                             **{k: str(n) for k, n in counts[suite].items()}, time="0")
+        node = ET.SubElement(
+            root,
+            "testsuite",
+            name=suite,
+            timestamp=run.meta.get("started") or "",
+            **{k: str(n) for k, n in counts[suite].items()},
+            time="0",
+        )
         node.extend(by_suite[suite])
     ET.indent(root)
     return ET.tostring(root, encoding="utf-8", xml_declaration=True)

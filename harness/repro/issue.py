@@ -8,9 +8,12 @@ from typing import Optional
 from harness.models import generator
 from harness.repro.legs import REFERENCE, SUBJECT
 
-EXPECTED = {"crash": "every request completes", "error": "every request completes without an error",
-            "kv": "a healthy KV cache: one cell per (seq_id, position), none past the sequence, no holes",
-            "rounds-differ": "every round gives the same tokens (greedy decoding)"}
+EXPECTED = {
+    "crash": "every request completes",
+    "error": "every request completes without an error",
+    "kv": "a healthy KV cache: one cell per (seq_id, position), none past the sequence, no holes",
+    "rounds-differ": "every round gives the same tokens (greedy decoding)",
+}
 """What a judge expects when there is no reference leg."""
 
 
@@ -18,10 +21,12 @@ def _model_lines(info: dict) -> list[str]:
     lines = [f"- `{info['name']}`: `{info['file']}`, {info['kind']} ({info['arch']}), sha256 `{info['sha256']}`"]
     recipe = generator.RECIPES.get(info["name"])
     if recipe is not None:
-        lines.append(f"  - generated, byte-identical on every machine (specharness model generator v"
-                     f"{generator.GENERATOR_VERSION}, weight seed {recipe.seed}"
-                     + (f", draft of {recipe.draft_of} with noise {recipe.noise}" if recipe.draft_of else "")
-                     + f"): `pip install specharness && specharness models make {info['name']}`")
+        lines.append(
+            f"  - generated, byte-identical on every machine (specharness model generator v"
+            f"{generator.GENERATOR_VERSION}, weight seed {recipe.seed}"
+            + (f", draft of {recipe.draft_of} with noise {recipe.noise}" if recipe.draft_of else "")
+            + f"): `pip install specharness && specharness models make {info['name']}`"
+        )
     return lines
 
 
@@ -31,8 +36,14 @@ def _tokens(output: dict) -> str:
     return f"{output['tokens']} {output['text']!r} (stop: {output['stop_reason']})"
 
 
-def render(case: dict, environment: dict, divergence: Optional[dict], kv: list[str], pattern: Optional[str],
-           shrunk: Optional[str]) -> str:
+def render(
+    case: dict,
+    environment: dict,
+    divergence: Optional[dict],
+    kv: list[str],
+    pattern: Optional[str],
+    shrunk: Optional[str],
+) -> str:
     """The text of ISSUE.md for `case` (case.json's content)."""
     subject = next(leg for leg in case["legs"] if leg["role"] == SUBJECT)
     reference = next((leg for leg in case["legs"] if leg["role"] == REFERENCE), None)
@@ -51,33 +62,54 @@ def render(case: dict, environment: dict, divergence: Optional[dict], kv: list[s
         else:
             serve = leg["serve"]
             engine = {k: v for k, v in serve["engine"].items() if k != "script" and v is not None}
-            out += [f"{what}: the in-process engine (specharness), {leg['cell_id']}: n_ctx {serve['n_ctx']}, n_batch "
-                    f"{serve['n_batch']}, n_ubatch {serve['n_ubatch']}, {serve['parallel']} slots, speculative "
-                    f"{serve['spec'] or 'none'}, engine options {engine}", ""]
+            out += [
+                f"{what}: the in-process engine (specharness), {leg['cell_id']}: n_ctx {serve['n_ctx']}, n_batch "
+                f"{serve['n_batch']}, n_ubatch {serve['n_ubatch']}, {serve['parallel']} slots, speculative "
+                f"{serve['spec'] or 'none'}, engine options {engine}",
+                "",
+            ]
     sent = sum(len(b["requests"]) for b in subject["batches"])
-    out += [f"Requests ({sent}, `requests/*.json`: one `/completion` body each, the prompt as token ids; "
-            f"{'sent at once' if any(b['how'] == 'par' for b in subject['batches']) else 'one after another'}). "
-            f"The failing request ({case['key']}):", "", "```json", case["request"], "```", "",
-            "Prompt text: " + repr(case["prompt_text"]), "", "## Expected", ""]
+    out += [
+        f"Requests ({sent}, `requests/*.json`: one `/completion` body each, the prompt as token ids; "
+        f"{'sent at once' if any(b['how'] == 'par' for b in subject['batches']) else 'one after another'}). "
+        f"The failing request ({case['key']}):",
+        "",
+        "```json",
+        case["request"],
+        "```",
+        "",
+        "Prompt text: " + repr(case["prompt_text"]),
+        "",
+        "## Expected",
+        "",
+    ]
     if reference is not None:
         out += [f"{case['reference_what']}: " + _tokens(reference["outputs"][0]) if reference["outputs"] else "-"]
     else:
         out += [EXPECTED.get(case["judge"], f"`{case['check']}` passes")]
     out += ["", "## Actual", ""] + [f"- round {o['round']}: " + _tokens(o) for o in subject["outputs"]]
     if divergence:
-        out += ["", "## First divergence", "",
-                f"- at generated token {divergence.get('index')}: {divergence.get('kind')} — {divergence.get('reason')}",
-                f"- reference token {divergence.get('ref_token')} {divergence.get('ref_text')!r}, got "
-                f"{divergence.get('other_token')} {divergence.get('other_text')!r}",
-                f"- margin of the reference's top token: {divergence.get('margin')} nats (noise floor "
-                f"{divergence.get('noise_floor')}, {divergence.get('floor_source')})"]
+        out += [
+            "",
+            "## First divergence",
+            "",
+            f"- at generated token {divergence.get('index')}: {divergence.get('kind')} — {divergence.get('reason')}",
+            f"- reference token {divergence.get('ref_token')} {divergence.get('ref_text')!r}, got "
+            f"{divergence.get('other_token')} {divergence.get('other_text')!r}",
+            f"- margin of the reference's top token: {divergence.get('margin')} nats (noise floor "
+            f"{divergence.get('noise_floor')}, {divergence.get('floor_source')})",
+        ]
     out += ["", "## KV-scan findings", ""] + ([f"- {line}" for line in kv] or ["- none (healthy, or not scanned)"])
     if pattern:
         out += ["", "## Failure pattern", "", pattern]
-    out += ["", "## Reproduce", "",
-            "`bash repro.sh` (llama-server and curl; `LLAMA_SERVER=... MODEL=... DRAFT_MODEL=...` to change the "
-            "binary or models) exits 1 when the failure reproduces, 0 when it does not; `python repro.py` runs the "
-            "same requests on specharness's in-process engine."]
+    out += [
+        "",
+        "## Reproduce",
+        "",
+        "`bash repro.sh` (llama-server and curl; `LLAMA_SERVER=... MODEL=... DRAFT_MODEL=...` to change the "
+        "binary or models) exits 1 when the failure reproduces, 0 when it does not; `python repro.py` runs the "
+        "same requests on specharness's in-process engine.",
+    ]
     if shrunk:
         out += ["", shrunk]
     return "\n".join(out) + "\n"

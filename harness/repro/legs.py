@@ -27,8 +27,12 @@ JUDGES = {
     "kv": "the KV cache of the request's slot is unhealthy (`specharness scan`): the failure reproduces",
 }
 """How a reproducer decides, by judge name."""
-PLACEHOLDERS = {"server_bin": "$LLAMA_SERVER", "model": "$MODEL", "draft_model": "$DRAFT_MODEL",
-                "slot_save_path": "$WORK"}
+PLACEHOLDERS = {
+    "server_bin": "$LLAMA_SERVER",
+    "model": "$MODEL",
+    "draft_model": "$DRAFT_MODEL",
+    "slot_save_path": "$WORK",
+}
 
 
 def judge_of(check: str, kind: str) -> Optional[str]:
@@ -73,7 +77,10 @@ def serve_fields(config: ServeConfig) -> dict:
     script = engine.pop("script", None)
     engine.pop("drafters", None)
     if script:
-        engine["script"] = {"kind": script["kind"], "outputs": [[list(k), v] for k, v in script["outputs"].items()]}
+        engine["script"] = {
+            "kind": script["kind"],
+            "outputs": [[list(k), v] for k, v in script["outputs"].items()],
+        }
     data["engine"] = engine
     return data
 
@@ -86,7 +93,10 @@ def server_command(config: ServeConfig, server_bin: Path, slot_save: bool) -> li
     options = {"slot_save_path": Path(PLACEHOLDERS["slot_save_path"])} if slot_save else {}
     server = LlamaServer.from_config(config, server_bin, port=0, **options)
     argv = server.command()
-    names = {str(server_bin): PLACEHOLDERS["server_bin"], str(config.model): PLACEHOLDERS["model"]}
+    names = {
+        str(server_bin): PLACEHOLDERS["server_bin"],
+        str(config.model): PLACEHOLDERS["model"],
+    }
     if config.draft_model:
         names[str(config.draft_model)] = PLACEHOLDERS["draft_model"]
     out, skip = [], 0
@@ -114,29 +124,61 @@ def batches(suite: Suite, run: CellRun, config: ServeConfig, prompts: dict[str, 
                     continue
                 key = case_keys(case)[step]
                 done = next((o for o in run.outcomes if o.case == key and o.round == r), None)
-                tokens = done.result.prompt_tokens if done is not None and done.result.prompt_tokens else prompts.get(key)
+                tokens = (
+                    done.result.prompt_tokens if done is not None and done.result.prompt_tokens else prompts.get(key)
+                )
                 if tokens is None:  # a chat turn never sent (an earlier turn failed)
                     continue
-                requests.append({"key": key, "round": r,
-                                 "payload": completion_payload(tokens, case.sampling, config.logit_top_k)})
+                requests.append(
+                    {
+                        "key": key,
+                        "round": r,
+                        "payload": completion_payload(tokens, case.sampling, config.logit_top_k),
+                    }
+                )
             if requests:
-                out.append({"how": "par" if how == "par" and config.n_slots > 1 else "seq", "requests": requests})
+                out.append(
+                    {
+                        "how": "par" if how == "par" and config.n_slots > 1 else "seq",
+                        "requests": requests,
+                    }
+                )
     return out
 
 
 def outputs(run: CellRun, key: str) -> list[dict]:
     """What each round's request of `key` produced: tokens and text, or its error."""
-    return [{"round": o.round, "tokens": o.result.tokens, "text": o.result.text, "stop_reason": o.result.stop_reason,
-             "error": o.result.error, "kv_scan": o.result.kv_scan} for o in run.of_case(key)]
+    return [
+        {
+            "round": o.round,
+            "tokens": o.result.tokens,
+            "text": o.result.text,
+            "stop_reason": o.result.stop_reason,
+            "error": o.result.error,
+            "kv_scan": o.result.kv_scan,
+        }
+        for o in run.of_case(key)
+    ]
 
 
-def leg(role: str, executor: Executor, suite: Suite, cell, key: str, prompts: dict[str, list[int]],
-        server_bin: Optional[Path], slot_save: bool) -> dict:
+def leg(
+    role: str,
+    executor: Executor,
+    suite: Suite,
+    cell,
+    key: str,
+    prompts: dict[str, list[int]],
+    server_bin: Optional[Path],
+    slot_save: bool,
+) -> dict:
     """One leg of `case.json` from the executor's (memoized) run of `cell`."""
     run = executor.run(suite, cell)
     config = executor._config(suite, cell)
     return {
-        "role": role, "cell": asdict(cell), "serve": serve_fields(config),
+        "role": role,
+        "cell": asdict(cell),
+        "serve": serve_fields(config),
         "command": server_command(config, server_bin, slot_save) if server_bin else None,
-        "batches": batches(suite, run, config, prompts), "outputs": outputs(run, key),
+        "batches": batches(suite, run, config, prompts),
+        "outputs": outputs(run, key),
     }

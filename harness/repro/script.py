@@ -15,7 +15,7 @@ from pathlib import Path
 
 from harness.repro.legs import JUDGES, REFERENCE, SUBJECT
 
-HELPERS = r'''
+HELPERS = r"""
 WORK="$(mktemp -d)"
 PID=""
 cleanup() {
@@ -90,7 +90,7 @@ first_difference() {  # "A" "B": index of the first differing token (or the shor
   while [ $i -lt ${#a[@]} ] && [ $i -lt ${#b[@]} ] && [ "${a[$i]}" = "${b[$i]}" ]; do i=$((i + 1)); done
   echo "$i"
 }
-'''
+"""
 
 
 def write(bundle: Path, case: dict, defaults: dict[str, str]) -> Path:
@@ -99,19 +99,28 @@ def write(bundle: Path, case: dict, defaults: dict[str, str]) -> Path:
     requests_dir = bundle / "requests"
     requests_dir.mkdir(parents=True, exist_ok=True)
     judge, key = case["judge"], case["key"]
-    lines = ["#!/usr/bin/env bash",
-             f"# Reproducer written by specharness: {case['signature']}",
-             f"# case {case['suite']}[{key}], {case['cell_id']}; judge: {JUDGES[judge]}.",
-             "# Exit status: 1 the failure reproduces, 0 it does not, 2 it could not be told.",
-             "set -u",
-             'HERE="$(cd "$(dirname "$0")" && pwd)"']
+    lines = [
+        "#!/usr/bin/env bash",
+        f"# Reproducer written by specharness: {case['signature']}",
+        f"# case {case['suite']}[{key}], {case['cell_id']}; judge: {JUDGES[judge]}.",
+        "# Exit status: 1 the failure reproduces, 0 it does not, 2 it could not be told.",
+        "set -u",
+        'HERE="$(cd "$(dirname "$0")" && pwd)"',
+    ]
     for name, value in defaults.items():
         lines.append(f'{name}="${{{name}:-{value}}}"')
-    lines += ['REQUEST_TIMEOUT="${REQUEST_TIMEOUT:-120}"', 'SPECHARNESS="${SPECHARNESS:-specharness}"', HELPERS]
+    lines += [
+        'REQUEST_TIMEOUT="${REQUEST_TIMEOUT:-120}"',
+        'SPECHARNESS="${SPECHARNESS:-specharness}"',
+        HELPERS,
+    ]
     targets: dict[str, list[str]] = {}
     for leg in case["legs"]:
         role = leg["role"]
-        lines += [f'echo "== {role}: {leg["cell_id"]}"', "start_server " + role + " " + _argv(leg["command"])]
+        lines += [
+            f'echo "== {role}: {leg["cell_id"]}"',
+            "start_server " + role + " " + _argv(leg["command"]),
+        ]
         names_of_leg = []
         for b, batch in enumerate(leg["batches"]):
             names = []
@@ -126,19 +135,24 @@ def write(bundle: Path, case: dict, defaults: dict[str, str]) -> Path:
                 lines.append(" ".join(f"post {n} &" for n in names) + " wait")
             else:
                 lines += [f"post {n}" for n in names]
-            lines += [f"if crashed {role} {' '.join(names)}; then",
-                      *_on_crash(role, judge), "fi"]
+            lines += [
+                f"if crashed {role} {' '.join(names)}; then",
+                *_on_crash(role, judge),
+                "fi",
+            ]
         if role == SUBJECT and judge == "kv":
             last = targets[SUBJECT][-1]
-            lines += [f'SLOT="$(grep -o \'"id_slot":[0-9]*\' "$WORK/{last}.json" | head -n 1 | cut -d: -f2)"',
-                      'curl -s -X POST "http://127.0.0.1:$PORT/slots/${SLOT:-0}?action=save" -H \'Content-Type: application/json\' '
-                      '-d \'{"filename": "slot.bin"}\' >/dev/null',
-                      "stop_server",
-                      'if ! command -v "$SPECHARNESS" >/dev/null; then echo "the KV verdict needs `specharness scan` (pip install specharness) or $SPECHARNESS"; exit 2; fi',
-                      '"$SPECHARNESS" scan "$WORK/slot.bin" --model "$MODEL"; status=$?',
-                      'if [ $status = 1 ]; then echo "REPRODUCED: the KV cache of the slot is unhealthy"; exit 1; fi',
-                      'if [ $status = 0 ]; then echo "not reproduced: the KV cache of the slot is healthy"; exit 0; fi',
-                      "exit 2"]
+            lines += [
+                f'SLOT="$(grep -o \'"id_slot":[0-9]*\' "$WORK/{last}.json" | head -n 1 | cut -d: -f2)"',
+                "curl -s -X POST \"http://127.0.0.1:$PORT/slots/${SLOT:-0}?action=save\" -H 'Content-Type: application/json' "
+                '-d \'{"filename": "slot.bin"}\' >/dev/null',
+                "stop_server",
+                'if ! command -v "$SPECHARNESS" >/dev/null; then echo "the KV verdict needs `specharness scan` (pip install specharness) or $SPECHARNESS"; exit 2; fi',
+                '"$SPECHARNESS" scan "$WORK/slot.bin" --model "$MODEL"; status=$?',
+                'if [ $status = 1 ]; then echo "REPRODUCED: the KV cache of the slot is unhealthy"; exit 1; fi',
+                'if [ $status = 0 ]; then echo "not reproduced: the KV cache of the slot is healthy"; exit 0; fi',
+                "exit 2",
+            ]
         else:
             lines.append("stop_server")
     lines += _verdict(judge, targets, case)
@@ -155,33 +169,66 @@ def _argv(command: list[str]) -> str:
 
 def _on_crash(role: str, judge: str) -> list[str]:
     if role == SUBJECT and judge == "crash":
-        return [f'  echo "REPRODUCED: llama-server stopped answering: $(abort_line {role})"', "  exit 1"]
-    return [f'  echo "the {role} leg did not complete: $(abort_line {role})"',
-            f'  exit {1 if role == SUBJECT and judge == "error" else 2}']
+        return [
+            f'  echo "REPRODUCED: llama-server stopped answering: $(abort_line {role})"',
+            "  exit 1",
+        ]
+    return [
+        f'  echo "the {role} leg did not complete: $(abort_line {role})"',
+        f"  exit {1 if role == SUBJECT and judge == 'error' else 2}",
+    ]
 
 
 def _verdict(judge: str, targets: dict[str, list[str]], case: dict) -> list[str]:
     subject = targets.get(SUBJECT, [])
     if judge in ("crash", "error"):
-        check = [f'if [ "$(code_of {n})" != 200 ]; then echo "REPRODUCED: $(cat "$WORK/{n}.json")"; exit 1; fi'
-                 for n in subject] if judge == "error" else []
+        check = (
+            [
+                f'if [ "$(code_of {n})" != 200 ]; then echo "REPRODUCED: $(cat "$WORK/{n}.json")"; exit 1; fi'
+                for n in subject
+            ]
+            if judge == "error"
+            else []
+        )
         return [*check, 'echo "not reproduced: every request completed"', "exit 0"]
     if judge == "differs":
         expected = targets[REFERENCE][0]
-        out = [f'EXPECTED="$(tokens_of {expected})"', 'echo "expected ({}): $EXPECTED"'.format(case["reference_what"]),
-               "REPRODUCED=0"]
+        out = [
+            f'EXPECTED="$(tokens_of {expected})"',
+            'echo "expected ({}): $EXPECTED"'.format(case["reference_what"]),
+            "REPRODUCED=0",
+        ]
         for n in subject:
-            out += [f'ACTUAL="$(tokens_of {n})"', 'echo "actual   (subject):   $ACTUAL"',
-                    'if [ "$ACTUAL" != "$EXPECTED" ]; then',
-                    '  echo "first divergence at generated token $(first_difference "$EXPECTED" "$ACTUAL")"',
-                    "  REPRODUCED=1", "fi"]
-        return [*out, 'if [ $REPRODUCED = 1 ]; then echo "REPRODUCED"; exit 1; fi',
-                'echo "not reproduced: the outputs are equal"', "exit 0"]
+            out += [
+                f'ACTUAL="$(tokens_of {n})"',
+                'echo "actual   (subject):   $ACTUAL"',
+                'if [ "$ACTUAL" != "$EXPECTED" ]; then',
+                '  echo "first divergence at generated token $(first_difference "$EXPECTED" "$ACTUAL")"',
+                "  REPRODUCED=1",
+                "fi",
+            ]
+        return [
+            *out,
+            'if [ $REPRODUCED = 1 ]; then echo "REPRODUCED"; exit 1; fi',
+            'echo "not reproduced: the outputs are equal"',
+            "exit 0",
+        ]
     if judge == "rounds-differ":
-        out = [f'FIRST="$(tokens_of {subject[0]})"', 'echo "round 1: $FIRST"', "REPRODUCED=0"]
+        out = [
+            f'FIRST="$(tokens_of {subject[0]})"',
+            'echo "round 1: $FIRST"',
+            "REPRODUCED=0",
+        ]
         for i, n in enumerate(subject[1:], start=2):
-            out += [f'OTHER="$(tokens_of {n})"', f'echo "round {i}: $OTHER"',
-                    'if [ "$OTHER" != "$FIRST" ]; then REPRODUCED=1; fi']
-        return [*out, 'if [ $REPRODUCED = 1 ]; then echo "REPRODUCED: the rounds differ"; exit 1; fi',
-                'echo "not reproduced: every round gave the same tokens"', "exit 0"]
+            out += [
+                f'OTHER="$(tokens_of {n})"',
+                f'echo "round {i}: $OTHER"',
+                'if [ "$OTHER" != "$FIRST" ]; then REPRODUCED=1; fi',
+            ]
+        return [
+            *out,
+            'if [ $REPRODUCED = 1 ]; then echo "REPRODUCED: the rounds differ"; exit 1; fi',
+            'echo "not reproduced: every round gave the same tokens"',
+            "exit 0",
+        ]
     return []

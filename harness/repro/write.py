@@ -12,7 +12,15 @@ from harness.checks import kv_problems
 from harness.matrix import Cell
 from harness.models import draft_for, resolve
 from harness.repro import issue, script
-from harness.repro.legs import JUDGES, REFERENCE, SUBJECT, judge_of, leg, reference_cell, tokenize
+from harness.repro.legs import (
+    JUDGES,
+    REFERENCE,
+    SUBJECT,
+    judge_of,
+    leg,
+    reference_cell,
+    tokenize,
+)
 from harness.signatures import classify
 
 REPRO_PY = '''#!/usr/bin/env python3
@@ -31,8 +39,14 @@ sys.exit(main(Path(__file__).resolve().with_name("case.json")))
 
 def _model(name: str) -> dict:
     info = resolve(name)
-    return {"name": info.name, "file": info.path.name, "path": str(info.path), "sha256": info.sha256,
-            "kind": info.kind, "arch": info.arch}
+    return {
+        "name": info.name,
+        "file": info.path.name,
+        "path": str(info.path),
+        "sha256": info.sha256,
+        "kind": info.kind,
+        "arch": info.arch,
+    }
 
 
 def _prompts(suite, cell, executor) -> dict[str, list[int]]:
@@ -45,8 +59,9 @@ def _prompts(suite, cell, executor) -> dict[str, list[int]]:
                 found[o.case] = list(o.result.prompt_tokens)
     for case in suite.cases:
         if not case.is_chat and case.name not in found:
-            found[case.name] = list(case.prompt) if isinstance(case.prompt, list) else \
-                tokenize(resolve(cell.model).path, case.prompt)
+            found[case.name] = (
+                list(case.prompt) if isinstance(case.prompt, list) else tokenize(resolve(cell.model).path, case.prompt)
+            )
     return found
 
 
@@ -62,7 +77,9 @@ def environment(executor, backend: str) -> dict:
         out["llama.cpp"] = f"commit {build.get('commit')}" + (" (modified tree)" if build.get("dirty") else "")
         out["build"] = f"{build.get('backend')}, {build.get('compiler')}, CMake {' '.join(build.get('cmake_args', []))}"
     else:
-        out["llama.cpp"] = f"in-process, the llama.cpp vendored in llama-cpp-python {facts.get('llama_cpp_python', '?')}"
+        out["llama.cpp"] = (
+            f"in-process, the llama.cpp vendored in llama-cpp-python {facts.get('llama_cpp_python', '?')}"
+        )
         out["system info"] = facts.get("system_info", "")
     machine = host()
     out["CPU"] = f"{machine['cpu']}, {machine['cores']} cores, {machine['platform']}"
@@ -72,8 +89,15 @@ def environment(executor, backend: str) -> dict:
     return out
 
 
-def write_bundle(out: Path, candidate, attempt, build=None, draft_model: Optional[str] = None,
-                 pattern: Optional[str] = None, shrunk: Optional[str] = None) -> dict:
+def write_bundle(
+    out: Path,
+    candidate,
+    attempt,
+    build=None,
+    draft_model: Optional[str] = None,
+    pattern: Optional[str] = None,
+    shrunk: Optional[str] = None,
+) -> dict:
     """Write the bundle of `attempt` (a trial run of `candidate` that showed its signature) into `out`; returns
     {file role: path}. `build`: the llama-server build the trial served (llama-server cells)."""
     out.mkdir(parents=True, exist_ok=True)
@@ -94,10 +118,18 @@ def write_bundle(out: Path, candidate, attempt, build=None, draft_model: Optiona
     target = next(r["payload"] for b in legs[-1]["batches"] for r in b["requests"] if r["key"] == key)
     detok = detokenizers.for_model(cell.model) or str
     case = {
-        "signature": signature.text, "check": candidate.check, "judge": judge, "key": key, "suite": suite.name,
-        "cell_id": cell.id, "reference_what": f"{ref.id}" if ref else "", "model": _model(cell.model),
-        "draft_model": _model(draft) if draft else None, "legs": legs,
-        "request": json.dumps(target), "prompt_text": detok(target["prompt"]),
+        "signature": signature.text,
+        "check": candidate.check,
+        "judge": judge,
+        "key": key,
+        "suite": suite.name,
+        "cell_id": cell.id,
+        "reference_what": f"{ref.id}" if ref else "",
+        "model": _model(cell.model),
+        "draft_model": _model(draft) if draft else None,
+        "legs": legs,
+        "request": json.dumps(target),
+        "prompt_text": detok(target["prompt"]),
     }
     (out / "case.json").write_text(json.dumps(case, indent=1) + "\n")
     files = {"case": out / "case.json"}
@@ -110,10 +142,14 @@ def write_bundle(out: Path, candidate, attempt, build=None, draft_model: Optiona
     (out / "repro.py").chmod(0o755)
     files["repro.py"] = out / "repro.py"
     verdict = attempt.verdict.evidence if attempt.verdict is not None else {}
-    divergence = {k: v for k, v in (verdict.get("first_divergence") or {}).items()
-                  if k not in ("reference_tokens", "tokens", "reference_margins")} or None
+    divergence = {
+        k: v
+        for k, v in (verdict.get("first_divergence") or {}).items()
+        if k not in ("reference_tokens", "tokens", "reference_margins")
+    } or None
     kv = [f"round {o.round}: {p}" for o in attempt.run.of_case(key) for p in kv_problems(o.result)]
-    (out / "ISSUE.md").write_text(issue.render(case, environment(executor, cell.backend), divergence, kv, pattern,
-                                               shrunk))
+    (out / "ISSUE.md").write_text(
+        issue.render(case, environment(executor, cell.backend), divergence, kv, pattern, shrunk)
+    )
     files["ISSUE.md"] = out / "ISSUE.md"
     return files

@@ -81,14 +81,20 @@ class Candidate:
 
     def size(self) -> tuple:
         """What shrinking makes smaller, for progress lines."""
-        return (len(self.prompt) if self.prompt else None, len(self.companions), self.n_predict)
+        return (
+            len(self.prompt) if self.prompt else None,
+            len(self.companions),
+            self.n_predict,
+        )
 
     def describe(self) -> str:
         prompt = f"{len(self.prompt)} prompt tokens" if self.prompt is not None else "the case's prompt"
         turns = f", turns {[t + 1 for t in self.sent_turns()]}" if self.turn is not None and self.prompt is None else ""
         extra = ", ".join(f"{k}={v}" for k, v in (*self.spec, *self.serve))
-        return (f"{self.cell.id} {self.case}: {prompt}{turns}, n_predict {self.n_predict}, "
-                f"{len(self.companions)} other requests, {len(self.rounds)} round(s)" + (f", {extra}" if extra else ""))
+        return (
+            f"{self.cell.id} {self.case}: {prompt}{turns}, n_predict {self.n_predict}, "
+            f"{len(self.companions)} other requests, {len(self.rounds)} round(s)" + (f", {extra}" if extra else "")
+        )
 
     def to_json(self) -> dict:
         data = asdict(self)
@@ -103,7 +109,10 @@ class Candidate:
         for name in ("turns", "prompt"):
             if data.get(name) is not None:
                 data[name] = tuple(data[name])
-        data["companions"], data["rounds"] = tuple(data["companions"]), tuple(data["rounds"])
+        data["companions"], data["rounds"] = (
+            tuple(data["companions"]),
+            tuple(data["rounds"]),
+        )
         data["spec"] = tuple(tuple(p) for p in data["spec"])
         data["serve"] = tuple(tuple(p) for p in data["serve"])
         return cls(**data)
@@ -126,17 +135,30 @@ class Candidate:
                 cases.append(self._reduced(suite.cell_case(case, original_model)))
             elif case.name in self.companions:
                 cases.append(suite.cell_case(case, original_model))
-        block = {"backends": [self.cell.backend], "modes": [self.cell.mode], "specs": [self.cell.spec],
-                 "models": [self.cell.model]}
-        return replace(suite, cases=cases, matrix=[block], rounds=list(self.rounds),
-                       serve={**suite.serve, **dict(self.serve)})
+        block = {
+            "backends": [self.cell.backend],
+            "modes": [self.cell.mode],
+            "specs": [self.cell.spec],
+            "models": [self.cell.model],
+        }
+        return replace(
+            suite,
+            cases=cases,
+            matrix=[block],
+            rounds=list(self.rounds),
+            serve={**suite.serve, **dict(self.serve)},
+        )
 
     def _reduced(self, case: Case) -> Case:
         sampling = replace(case.sampling, n_predict=self.n_predict)
         if self.prompt is not None:
             return replace(case, sampling=sampling, prompt=list(self.prompt), turns=[])
         if self.turn is not None:
-            return replace(case, sampling=sampling, turns=[case.turns[t] for t in self.sent_turns()])
+            return replace(
+                case,
+                sampling=sampling,
+                turns=[case.turns[t] for t in self.sent_turns()],
+            )
         return replace(case, sampling=sampling)
 
 
@@ -152,9 +174,14 @@ def initial(suite_path: str, key: str, check: str, cell: Cell) -> Candidate:
         raise HarnessError(f"spec config '{cell.spec}' does not run on the {cell.backend} backend")
     return Candidate(
         suite=str(Path(suite_path).resolve()) if Path(suite_path).is_file() else str(suite.path.resolve()),
-        case=name, check=check, cell=cell, turn=turn,
-        companions=tuple(c.name for c in suite.cases if c.name != name), rounds=tuple(suite.rounds),
-        n_predict=suite.cell_case(case, cell.model).sampling.n_predict, sampling_model=cell.model,
+        case=name,
+        check=check,
+        cell=cell,
+        turn=turn,
+        companions=tuple(c.name for c in suite.cases if c.name != name),
+        rounds=tuple(suite.rounds),
+        n_predict=suite.cell_case(case, cell.model).sampling.n_predict,
+        sampling_model=cell.model,
     )
 
 

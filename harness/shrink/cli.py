@@ -45,12 +45,23 @@ class Origin:
         self.meta = _load(run_dir / "run.json", "what ran")
         self.results = _load(run_dir / "results.json", "the requests")
         self.checks = _load(run_dir / "checks.json", "the verdicts")
-        failing = failing_records(run_dir, args.case, csv(args.check), what=what, mode=args.mode, spec=args.spec,
-                                  model=args.model, backend=args.backend)
+        failing = failing_records(
+            run_dir,
+            args.case,
+            csv(args.check),
+            what=what,
+            mode=args.mode,
+            spec=args.spec,
+            model=args.model,
+            backend=args.backend,
+        )
 
         def requests(v: dict) -> list[dict]:
-            return [r for r in self.results if all(r.get(k) == v.get(k) for k in ("suite", "case", "model", "backend",
-                                                                                  "mode", "spec"))]
+            return [
+                r
+                for r in self.results
+                if all(r.get(k) == v.get(k) for k in ("suite", "case", "model", "backend", "mode", "spec"))
+            ]
 
         own = [v for v in failing if not classify(v, requests(v)).consequence]
         self.verdict = (own or failing)[0]
@@ -74,8 +85,10 @@ class Origin:
 
         for failure, p in failure_patterns(self.checks, self.results, self.meta, lambda v: status(v) == "failed"):
             if failure.signature == self.signature:
-                axes = [f"- {axis}: " + ", ".join(f"{value} {state}" for value, state in values.items())
-                        for axis, values in p.axes.items()]
+                axes = [
+                    f"- {axis}: " + ", ".join(f"{value} {state}" for value, state in values.items())
+                    for axis, values in p.axes.items()
+                ]
                 return "\n".join([p.reading, "", *axes])
         return None
 
@@ -88,9 +101,14 @@ def _reproduce(runner: Runner, start: Candidate, tries: int, say) -> tuple[Polic
         seen = sorted({s for a in attempts for s in a.signatures} or {"passed"})
         raise NotReproduced(f"the failure did not reproduce (0 of {tries} runs; seen: {'; '.join(seen)})")
     policy = Policy(1, 1) if shown == tries else Policy(1, tries)
-    say(f"shrink: the original case shows the signature {shown} of {tries} runs: "
-        + ("deterministic, each step runs once" if shown == tries else
-           f"nondeterministic, a step holds when it shows the signature {policy} runs"))
+    say(
+        f"shrink: the original case shows the signature {shown} of {tries} runs: "
+        + (
+            "deterministic, each step runs once"
+            if shown == tries
+            else f"nondeterministic, a step holds when it shows the signature {policy} runs"
+        )
+    )
     return policy, attempts
 
 
@@ -109,15 +127,24 @@ def cmd_shrink(args: argparse.Namespace, shrink: bool = True) -> int:
 
     origin = Origin(args, "shrink" if shrink else "reproduce")
     if shrink:
-        require_shrinkable(origin.check, reference_of(origin.options, origin.server_bin, origin.source,
-                                                      origin.cell.backend))
+        require_shrinkable(
+            origin.check,
+            reference_of(origin.options, origin.server_bin, origin.source, origin.cell.backend),
+        )
     start = initial(origin.suite, args.case, origin.check, origin.cell)
     out = prepare_out(Path(args.out) if args.out else new_run_dir(reports_dir()))
     _say(f"shrink: {origin.describe}")
     stopped = None
     with tempfile.TemporaryDirectory(prefix="specharness-shrink-") as logs:
-        runner = Runner(origin.options, origin.server_bin, origin.source, origin.signature, Policy(), Path(logs),
-                        origin=start)
+        runner = Runner(
+            origin.options,
+            origin.server_bin,
+            origin.source,
+            origin.signature,
+            Policy(),
+            Path(logs),
+            origin=start,
+        )
         try:
             runner.policy, attempts = _reproduce(runner, start, args.tries, _say)
         except NotReproduced as err:
@@ -139,13 +166,33 @@ def cmd_shrink(args: argparse.Namespace, shrink: bool = True) -> int:
             attempt = trial.showing(origin.signature)
             note = _summary(start, best, runner, shrinker, args.from_run)
             build = runner.build() if best.cell.backend == "server" else None
-            files = write_bundle(out, best, attempt, build, origin.options.draft_model, origin.pattern(), note)
+            files = write_bundle(
+                out,
+                best,
+                attempt,
+                build,
+                origin.options.draft_model,
+                origin.pattern(),
+                note,
+            )
             stopped = stopped or ("interrupted" if interrupt.received() else None)
-            (out / "shrink.json").write_text(json.dumps({
-                "from_run": str(args.from_run), "signature": origin.signature, "policy": str(runner.policy),
-                "original": start.to_json(), "final": best.to_json(), "trials": runner.count,
-                "seconds": round(shrinker.elapsed(), 1) if shrinker else None, "stopped": stopped,
-                "files": {k: str(v) for k, v in files.items()}}, indent=1) + "\n")
+            (out / "shrink.json").write_text(
+                json.dumps(
+                    {
+                        "from_run": str(args.from_run),
+                        "signature": origin.signature,
+                        "policy": str(runner.policy),
+                        "original": start.to_json(),
+                        "final": best.to_json(),
+                        "trials": runner.count,
+                        "seconds": round(shrinker.elapsed(), 1) if shrinker else None,
+                        "stopped": stopped,
+                        "files": {k: str(v) for k, v in files.items()},
+                    },
+                    indent=1,
+                )
+                + "\n"
+            )
     print(note)
     for name, path in files.items():
         print(f"{name}: {path}")
@@ -158,11 +205,16 @@ def _summary(start: Candidate, best: Candidate, runner: Runner, shrinker, run_di
     if shrinker is None:
         return f"Reproducer of a failing case of run {run_dir} (not shrunk: `specharness shrink` makes it smaller)."
     reference = reference_of(runner.options, runner.server_bin, runner.source, start.cell.backend)
-    judged = (f" Each smaller case's `{start.check}` was judged against a baseline recorded for it {reference}."
-              if start.check in BASELINE_CHECKS else "")
-    return (f"Shrunk by `specharness shrink` from run {run_dir} in {runner.count} trials, {shrinker.elapsed():.0f} s "
-            f"(a step held when the signature showed {runner.policy} runs): {start.describe()} → {best.describe()}."
-            + judged)
+    judged = (
+        f" Each smaller case's `{start.check}` was judged against a baseline recorded for it {reference}."
+        if start.check in BASELINE_CHECKS
+        else ""
+    )
+    return (
+        f"Shrunk by `specharness shrink` from run {run_dir} in {runner.count} trials, {shrinker.elapsed():.0f} s "
+        f"(a step held when the signature showed {runner.policy} runs): {start.describe()} → {best.describe()}."
+        + judged
+    )
 
 
 def cmd_repro(args: argparse.Namespace) -> int:
@@ -180,29 +232,76 @@ def _policy(text: str) -> Policy:
 
 
 def _common(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--from-run", type=Path, required=True, metavar="RUN_DIR", help="run directory with the failure")
-    p.add_argument("--case", required=True, metavar="ID", help="the failing case (a chat turn: name.turnN)")
-    p.add_argument("--check", metavar="NAME", help="the failing check whose signature is kept (default: the case's "
-                                                   "first failure that is not a consequence of another)")
+    p.add_argument(
+        "--from-run",
+        type=Path,
+        required=True,
+        metavar="RUN_DIR",
+        help="run directory with the failure",
+    )
+    p.add_argument(
+        "--case",
+        required=True,
+        metavar="ID",
+        help="the failing case (a chat turn: name.turnN)",
+    )
+    p.add_argument(
+        "--check",
+        metavar="NAME",
+        help="the failing check whose signature is kept (default: the case's "
+        "first failure that is not a consequence of another)",
+    )
     for axis in ("mode", "spec", "model", "backend"):
-        p.add_argument(f"--{axis}", help=f"the failing cell's {axis}, when the case failed in several")
-    p.add_argument("--server-bin", type=Path, metavar="PATH", help="llama-server binary (default: the run's)")
-    p.add_argument("--source", type=Path, metavar="DIR", help="llama.cpp tree to build llama-server from (default: the run's)")
-    p.add_argument("--tries", type=count(1), default=3,
-                   help="runs of the original case that decide whether the failure is deterministic (default 3)")
+        p.add_argument(
+            f"--{axis}",
+            help=f"the failing cell's {axis}, when the case failed in several",
+        )
+    p.add_argument(
+        "--server-bin",
+        type=Path,
+        metavar="PATH",
+        help="llama-server binary (default: the run's)",
+    )
+    p.add_argument(
+        "--source",
+        type=Path,
+        metavar="DIR",
+        help="llama.cpp tree to build llama-server from (default: the run's)",
+    )
+    p.add_argument(
+        "--tries",
+        type=count(1),
+        default=3,
+        help="runs of the original case that decide whether the failure is deterministic (default 3)",
+    )
     p.add_argument("--out", metavar="DIR", help="where the bundle goes (default reports/<run-id>)")
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     """Register `specharness shrink` and `specharness repro`."""
-    p = sub.add_parser("shrink", help="delta-debug a failing case down to the smallest one with the same signature")
+    p = sub.add_parser(
+        "shrink",
+        help="delta-debug a failing case down to the smallest one with the same signature",
+    )
     _common(p)
-    p.add_argument("--reproduce", type=_policy, metavar="K/N",
-                   help="a step holds when K of N runs show the signature (default: 1/1 for a deterministic failure, "
-                        "1/tries for a nondeterministic one)")
-    p.add_argument("--time-limit", type=float, default=900.0, metavar="S",
-                   help="stop after S seconds with the smallest failing case found (default 900)")
+    p.add_argument(
+        "--reproduce",
+        type=_policy,
+        metavar="K/N",
+        help="a step holds when K of N runs show the signature (default: 1/1 for a deterministic failure, "
+        "1/tries for a nondeterministic one)",
+    )
+    p.add_argument(
+        "--time-limit",
+        type=float,
+        default=900.0,
+        metavar="S",
+        help="stop after S seconds with the smallest failing case found (default 900)",
+    )
     p.set_defaults(func=cmd_shrink)
-    r = sub.add_parser("repro", help="write the reproducer bundle (repro.sh, repro.py, ISSUE.md) of a failing case")
+    r = sub.add_parser(
+        "repro",
+        help="write the reproducer bundle (repro.sh, repro.py, ISSUE.md) of a failing case",
+    )
     _common(r)
     r.set_defaults(func=cmd_repro, reproduce=None, time_limit=None)

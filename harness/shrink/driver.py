@@ -26,11 +26,21 @@ TINY = {"dense": "tiny-dense", "hybrid": "tiny-hybrid", "recurrent": "tiny-recur
 """The tiny model tried first for a real model of each kind."""
 SERVE_DEFAULTS = {"n_ctx": 4096, "n_batch": 2048, "n_ubatch": 512}
 SERVE_FLOOR = {"parallel": 1, "n_ctx": 16, "n_batch": 1, "n_ubatch": 1}
-SPEC_FLOOR = {"spec-draft-n-max": 1, "spec-draft-n-min": 0, "spec-ngram-simple-size-n": 1,
-              "spec-ngram-simple-size-m": 1, "spec-ngram-map-k-size-n": 1, "spec-ngram-map-k-size-m": 1,
-              "spec-ngram-map-k-min-hits": 1, "spec-ngram-map-k4v-size-n": 1, "spec-ngram-map-k4v-size-m": 1,
-              "spec-ngram-map-k4v-min-hits": 1, "spec-ngram-mod-n-match": 1, "spec-ngram-mod-n-min": 1,
-              "spec-ngram-mod-n-max": 1}
+SPEC_FLOOR = {
+    "spec-draft-n-max": 1,
+    "spec-draft-n-min": 0,
+    "spec-ngram-simple-size-n": 1,
+    "spec-ngram-simple-size-m": 1,
+    "spec-ngram-map-k-size-n": 1,
+    "spec-ngram-map-k-size-m": 1,
+    "spec-ngram-map-k-min-hits": 1,
+    "spec-ngram-map-k4v-size-n": 1,
+    "spec-ngram-map-k4v-size-m": 1,
+    "spec-ngram-map-k4v-min-hits": 1,
+    "spec-ngram-mod-n-match": 1,
+    "spec-ngram-mod-n-min": 1,
+    "spec-ngram-mod-n-max": 1,
+}
 """The smallest value tried for each integer drafter option; `spec-draft-p-min` is tried at 0 (off)."""
 
 
@@ -41,8 +51,14 @@ class TimeUp(Exception):
 class Shrinker:
     """Runs the passes; `best` (and `best_trial`) is the smallest candidate that still fails."""
 
-    def __init__(self, runner: Runner, start: Trial, log: Path, say: Callable[[str], None],
-                 time_limit: Optional[float] = None):
+    def __init__(
+        self,
+        runner: Runner,
+        start: Trial,
+        log: Path,
+        say: Callable[[str], None],
+        time_limit: Optional[float] = None,
+    ):
         self.runner = runner
         self.best, self.best_trial = start.candidate, start
         self.first = start.candidate
@@ -63,13 +79,28 @@ class Shrinker:
             raise TimeUp()
         trial = self.runner.trial(candidate)
         self.seen[candidate] = trial.holds
-        shown = [a.signatures[0] if a.signatures else ("harness error" if a.harness_error else "passed")
-                 for a in trial.attempts]
-        self.say(f"shrink: trial {self.runner.count} [{self.elapsed():.0f} s] {what}: "
-                 + ("still fails" if trial.holds else f"no ({shown[-1]})"))
+        shown = [
+            a.signatures[0] if a.signatures else ("harness error" if a.harness_error else "passed")
+            for a in trial.attempts
+        ]
+        self.say(
+            f"shrink: trial {self.runner.count} [{self.elapsed():.0f} s] {what}: "
+            + ("still fails" if trial.holds else f"no ({shown[-1]})")
+        )
         with open(self.log, "a") as f:
-            f.write(json.dumps({"trial": self.runner.count, "seconds": round(self.elapsed(), 1), "what": what,
-                                "holds": trial.holds, "seen": shown, "candidate": candidate.to_json()}) + "\n")
+            f.write(
+                json.dumps(
+                    {
+                        "trial": self.runner.count,
+                        "seconds": round(self.elapsed(), 1),
+                        "what": what,
+                        "holds": trial.holds,
+                        "seen": shown,
+                        "candidate": candidate.to_json(),
+                    }
+                )
+                + "\n"
+            )
         if trial.holds:
             self.best, self.best_trial = candidate, trial
         return trial.holds
@@ -79,8 +110,16 @@ class Shrinker:
     def run(self) -> Candidate:
         """Every pass in order; stops early (keeping `best`) on Ctrl-C, SIGTERM or the time limit."""
         try:
-            for step in (self.model, self.in_flight, self.turns, self.n_predict, self.prompt, self.n_predict,
-                         self.drafter, self.serve):
+            for step in (
+                self.model,
+                self.in_flight,
+                self.turns,
+                self.n_predict,
+                self.prompt,
+                self.n_predict,
+                self.drafter,
+                self.serve,
+            ):
                 step()
         except KeyboardInterrupt:
             self.stopped = "interrupted"
@@ -93,14 +132,22 @@ class Shrinker:
         kind = resolve(cell.model).kind
         tiny = TINY.get(kind)
         if tiny and cell.model != tiny and self.runner.options.draft_model is None:
-            self.fails(self.best.with_(cell=cell.reference(model=tiny)), f"model {tiny} instead of {cell.model}")
+            self.fails(
+                self.best.with_(cell=cell.reference(model=tiny)),
+                f"model {tiny} instead of {cell.model}",
+            )
 
     def in_flight(self) -> None:
         best = self.best
         if best.companions:
             if not self.fails(best.with_(companions=()), "no other requests in flight"):
-                ddmin(list(best.companions), lambda c: self.fails(
-                    self.best.with_(companions=tuple(c)), f"other requests {len(c)}: {', '.join(c)}"))
+                ddmin(
+                    list(best.companions),
+                    lambda c: self.fails(
+                        self.best.with_(companions=tuple(c)),
+                        f"other requests {len(c)}: {', '.join(c)}",
+                    ),
+                )
         if len(self.best.rounds) > 1:
             self.fails(self.best.with_(rounds=self.best.rounds[:1]), "one round")
 
@@ -110,11 +157,19 @@ class Shrinker:
             return
         earlier = list(best.sent_turns()[:-1])
         if earlier and not self.fails(best.with_(turns=(best.turn,)), "only the failing turn"):
-            ddmin(earlier, lambda kept: self.fails(self.best.with_(turns=(*kept, self.best.turn)),
-                                                   f"turns {[t + 1 for t in (*kept, self.best.turn)]}"))
+            ddmin(
+                earlier,
+                lambda kept: self.fails(
+                    self.best.with_(turns=(*kept, self.best.turn)),
+                    f"turns {[t + 1 for t in (*kept, self.best.turn)]}",
+                ),
+            )
         tokens = self._prompt_tokens()
         if tokens:
-            self.fails(self.best.with_(prompt=tuple(tokens)), f"the failing turn as a prompt of {len(tokens)} tokens")
+            self.fails(
+                self.best.with_(prompt=tuple(tokens)),
+                f"the failing turn as a prompt of {len(tokens)} tokens",
+            )
 
     def _prompt_tokens(self) -> Optional[list[int]]:
         """The failing request's prompt as token ids: as the backend evaluated it, or a completion prompt
@@ -137,37 +192,66 @@ class Shrinker:
         attempt = self.best_trial.showing(self.runner.signature)
         first = (attempt.verdict.evidence.get("first_divergence") or {}) if attempt and attempt.verdict else {}
         if isinstance(first.get("index"), int) and first["index"] + 1 < best.n_predict:
-            self.fails(best.with_(n_predict=first["index"] + 1), f"n_predict {first['index'] + 1} (to the first divergence)")
+            self.fails(
+                best.with_(n_predict=first["index"] + 1),
+                f"n_predict {first['index'] + 1} (to the first divergence)",
+            )
         high = self.best.n_predict if self.best.n_predict > 0 else 4096
-        smallest(1, high, lambda n: n == high or self.fails(self.best.with_(n_predict=n), f"n_predict {n}"))
+        smallest(
+            1,
+            high,
+            lambda n: n == high or self.fails(self.best.with_(n_predict=n), f"n_predict {n}"),
+        )
 
     def prompt(self) -> None:
         if self.best.prompt is None:
             tokens = self._prompt_tokens()
-            if not tokens or not self.fails(self.best.with_(prompt=tuple(tokens)), f"the prompt as {len(tokens)} token ids"):
+            if not tokens or not self.fails(
+                self.best.with_(prompt=tuple(tokens)),
+                f"the prompt as {len(tokens)} token ids",
+            ):
                 return
-        ddmin(list(self.best.prompt), lambda kept: self.fails(self.best.with_(prompt=tuple(kept)),
-                                                              f"prompt {len(kept)} tokens"))
+        ddmin(
+            list(self.best.prompt),
+            lambda kept: self.fails(self.best.with_(prompt=tuple(kept)), f"prompt {len(kept)} tokens"),
+        )
 
     def drafter(self) -> None:
         preset = spec_preset(self.best.cell.spec)
-        options = {**preset.options, **self.runner.spec_overrides(), **dict(self.best.spec)}
+        options = {
+            **preset.options,
+            **self.runner.spec_overrides(),
+            **dict(self.best.spec),
+        }
         for name, value in options.items():
             if name == "spec-draft-p-min" and value:
                 self.fails(self.best.with_spec(name, 0.0), f"{name} 0")
             elif name in SPEC_FLOOR and isinstance(value, int) and value > SPEC_FLOOR[name]:
-                smallest(SPEC_FLOOR[name], value, lambda v, name=name, value=value: v == value or self.fails(
-                    self.best.with_spec(name, v), f"{name} {v}"))
+                smallest(
+                    SPEC_FLOOR[name],
+                    value,
+                    lambda v, name=name, value=value: (
+                        v == value or self.fails(self.best.with_spec(name, v), f"{name} {v}")
+                    ),
+                )
 
     def serve(self) -> None:
         suite = self.best.load_suite()
         names = [n for n in SERVE_KEYS if n != "parallel" or self.best.cell.mode != "seq"]
         for name in names:
-            value = self.best.serve_value(name, suite, self.runner.options.parallel if name == "parallel"
-                                          else SERVE_DEFAULTS[name])
+            value = self.best.serve_value(
+                name,
+                suite,
+                self.runner.options.parallel if name == "parallel" else SERVE_DEFAULTS[name],
+            )
             if value > SERVE_FLOOR[name]:
-                smallest(SERVE_FLOOR[name], value, lambda v, name=name, value=value: v == value or self.fails(
-                    self.best.with_serve(name, v), f"{name} {v}"))
+                smallest(
+                    SERVE_FLOOR[name],
+                    value,
+                    lambda v, name=name, value=value: (
+                        v == value or self.fails(self.best.with_serve(name, v), f"{name} {v}")
+                    ),
+                )
 
 
 def require_shrinkable(check: str, reference: Optional[str]) -> None:
@@ -176,7 +260,9 @@ def require_shrinkable(check: str, reference: Optional[str]) -> None:
     configuration itself (no --fault in-process, the vendored llama-server) does not have (`reference`:
     trial.reference_of)."""
     if check in BASELINE_CHECKS and reference is None:
-        raise HarnessError(f"a `{check}` failure compares with the baseline stored for the original case, and this "
-                           "run has no other configuration to record one for a smaller case (no --fault; llama-server "
-                           "without --server-bin / --source): shrink a comparison within the run instead (--check "
-                           "lossless, mode-invariant, kv-healthy, no-crash)")
+        raise HarnessError(
+            f"a `{check}` failure compares with the baseline stored for the original case, and this "
+            "run has no other configuration to record one for a smaller case (no --fault; llama-server "
+            "without --server-bin / --source): shrink a comparison within the run instead (--check "
+            "lossless, mode-invariant, kv-healthy, no-crash)"
+        )

@@ -75,8 +75,12 @@ BASELINE_CHECKS = ("baseline", "acceptance")
 """Checks that compare with the baseline stored for the original case."""
 
 
-def reference_of(options: argparse.Namespace, server_bin: Optional[Path], source: Optional[Path],
-                 backend: str) -> Optional[str]:
+def reference_of(
+    options: argparse.Namespace,
+    server_bin: Optional[Path],
+    source: Optional[Path],
+    backend: str,
+) -> Optional[str]:
     """What the reference configuration of a run's cell differs in from the run's (`without --fault`, `the
     vendored llama-server`); None when the run's configuration is the reference itself."""
     if backend == "server":
@@ -88,8 +92,16 @@ class Runner:
     """Serves candidates with a stored run's options on one backend and build (llama-server is built, or found
     in the cache, once for every trial). `origin`: the original case, judged against the stored baselines."""
 
-    def __init__(self, options: argparse.Namespace, server_bin: Optional[Path], source: Optional[Path],
-                 signature: str, policy: Policy, logs: Optional[Path] = None, origin: Optional[Candidate] = None):
+    def __init__(
+        self,
+        options: argparse.Namespace,
+        server_bin: Optional[Path],
+        source: Optional[Path],
+        signature: str,
+        policy: Policy,
+        logs: Optional[Path] = None,
+        origin: Optional[Candidate] = None,
+    ):
         self.options = options
         self.server_bin, self.source = server_bin, source
         self.signature = signature
@@ -141,8 +153,17 @@ class Runner:
             run, executor = self._serve(candidate, reference=True)
             recording = BaselineStore(root, update=True)
             if run.error is None and run.harness_error is None:
-                evaluate(CheckContext(run, candidate.key, executor, recording, str, "specharness shrink"),
-                         list(BASELINE_CHECKS))
+                evaluate(
+                    CheckContext(
+                        run,
+                        candidate.key,
+                        executor,
+                        recording,
+                        str,
+                        "specharness shrink",
+                    ),
+                    list(BASELINE_CHECKS),
+                )
             self._references[candidate] = BaselineStore(root)
         return self._references[candidate]
 
@@ -153,14 +174,26 @@ class Runner:
         if run.harness_error is not None:
             return Attempt([], None, run, executor, harness_error=run.harness_error)
         detok = detokenizers.for_model(candidate.cell.model) or str if run.error is None else str
-        ctx = CheckContext(run, candidate.key, executor, self.baselines(candidate), detok, "specharness shrink")
+        ctx = CheckContext(
+            run,
+            candidate.key,
+            executor,
+            self.baselines(candidate),
+            detok,
+            "specharness shrink",
+        )
         try:
             results = evaluate(ctx, [candidate.check])
         except HarnessBug as err:
             return Attempt([], None, run, executor, harness_error=str(err))
         records = [{"error": o.result.error, "stop_reason": o.result.stop_reason} for o in run.of_case(candidate.key)]
         failed = [r for r in results if not r.passed]
-        return Attempt([signature_of(r, records) for r in failed], failed[0] if failed else None, run, executor)
+        return Attempt(
+            [signature_of(r, records) for r in failed],
+            failed[0] if failed else None,
+            run,
+            executor,
+        )
 
     def trial(self, candidate: Candidate, policy: Optional[Policy] = None) -> Trial:
         """Run the candidate until `policy` (default: the runner's) decides whether the signature holds."""

@@ -8,7 +8,23 @@ run's axes failed, passed or did not run, and the one-line reading), `text` (the
 
 from harness.signatures.group import Failure, group, headline
 from harness.signatures.pattern import Pattern, failure_patterns
-from harness.signatures.signature import Signature, classify, normalise, of_error, signature_of
+from harness.signatures.signature import (
+    Signature,
+    classify,
+    normalise,
+    of_error,
+    signature_of,
+)
 
-__all__ = ["Failure", "Pattern", "Signature", "classify", "failure_patterns", "group", "headline", "normalise",
-           "of_error", "signature_of"]
+__all__ = [
+    "Failure",
+    "Pattern",
+    "Signature",
+    "classify",
+    "failure_patterns",
+    "group",
+    "headline",
+    "normalise",
+    "of_error",
+    "signature_of",
+]

@@ -5,7 +5,14 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Callable, Iterable
 
-from harness.signatures.signature import CHECK, CRASH, DIVERGENCE, ERROR, TIMEOUT, classify
+from harness.signatures.signature import (
+    CHECK,
+    CRASH,
+    DIVERGENCE,
+    ERROR,
+    TIMEOUT,
+    classify,
+)
 
 KINDS = (CRASH, TIMEOUT, ERROR, DIVERGENCE, CHECK)
 """Signature kinds, in the order a report lists them."""
@@ -57,8 +64,9 @@ def group(checks: Iterable[dict], records: Iterable[dict], failed: Callable[[dic
 def by_verdict(failures: list[Failure]) -> dict[int, tuple[str, bool]]:
     """id(verdict) → (its failure's signature, whether it only restates it), for the failing verdicts of a
     run whose `failures` these are (the same dict objects)."""
-    return {id(v): (f.signature, i >= len(f.verdicts)) for f in failures
-            for i, v in enumerate(f.verdicts + f.consequences)}
+    return {
+        id(v): (f.signature, i >= len(f.verdicts)) for f in failures for i, v in enumerate(f.verdicts + f.consequences)
+    }
 
 
 def headline(failures: list[Failure]) -> str:

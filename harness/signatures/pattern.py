@@ -25,7 +25,13 @@ class RunCell:
 
     @property
     def key(self) -> tuple:
-        return (self.suite, self.axes["mode"], self.axes["spec"], self.axes["model"], self.axes["backend"])
+        return (
+            self.suite,
+            self.axes["mode"],
+            self.axes["spec"],
+            self.axes["model"],
+            self.axes["backend"],
+        )
 
 
 def run_cells(checks: Iterable[dict], meta: dict) -> list[RunCell]:
@@ -80,7 +86,9 @@ class Pattern:
         the values that ran clean and those that did not run there."""
         where, clean, untried = [], [], []
         for values in self.axes.values():
-            failed, passed, not_run = ([v for v, s in values.items() if s == state] for state in (FAILED, PASSED, NOT_RUN))
+            failed, passed, not_run = (
+                [v for v, s in values.items() if s == state] for state in (FAILED, PASSED, NOT_RUN)
+            )
             if failed and (passed or not_run):
                 where.append(("only " if passed else "") + " / ".join(failed))
             if failed and passed:
@@ -95,7 +103,7 @@ class Pattern:
 def pattern(failure: Failure, cells: list[RunCell]) -> Pattern:
     """Where `failure` failed, passed and did not run among `cells` (run_cells)."""
     failing = set(failure.cases)
-    hit = {c[:len(CELL)] for c in failing}
+    hit = {c[: len(CELL)] for c in failing}
     state = {c.key: FAILED if c.key in hit else PASSED if c.ran else NOT_RUN for c in cells}
     showing = {axis: {c.axes[axis] for c in cells if state[c.key] == FAILED} for axis in AXES}
     axes: dict[str, dict[str, list[str]]] = {axis: {} for axis in AXES}
@@ -107,18 +115,27 @@ def pattern(failure: Failure, cells: list[RunCell]) -> Pattern:
     columns = list(dict.fromkeys((c.axes["kind"], c.axes["backend"]) for c in cells))
     grid: dict[tuple, dict] = {}
     for c in cells:
-        spot = grid.setdefault(((c.axes["mode"], c.axes["spec"]), (c.axes["kind"], c.axes["backend"])),
-                               {"states": [], "failed": 0, "cases": 0})
+        spot = grid.setdefault(
+            ((c.axes["mode"], c.axes["spec"]), (c.axes["kind"], c.axes["backend"])),
+            {"states": [], "failed": 0, "cases": 0},
+        )
         spot["states"].append(state[c.key])
         spot["failed"] += len(c.cases & failing)
         spot["cases"] += len(c.cases) if c.ran or state[c.key] == FAILED else 0  # a cell not served fails too
     for spot in grid.values():
         spot["state"] = _state(spot.pop("states"))
     suites_ran = {c.suite for c in cells if c.ran}
-    return Pattern(axes={a: {v: _state(s) for v, s in values.items()} for a, values in axes.items()},
-                   rows=rows, columns=columns, grid=grid,
-                   suites=(len({c[0] for c in failing}), len(suites_ran)),
-                   cases=(len(failing), sum(len(c.cases) for c in cells if c.ran or state[c.key] == FAILED)))
+    return Pattern(
+        axes={a: {v: _state(s) for v, s in values.items()} for a, values in axes.items()},
+        rows=rows,
+        columns=columns,
+        grid=grid,
+        suites=(len({c[0] for c in failing}), len(suites_ran)),
+        cases=(
+            len(failing),
+            sum(len(c.cases) for c in cells if c.ran or state[c.key] == FAILED),
+        ),
+    )
 
 
 def failure_patterns(checks: list[dict], records: list[dict], meta: dict, failed) -> list[tuple[Failure, Pattern]]:

@@ -30,10 +30,20 @@ import re
 from dataclasses import dataclass
 from typing import Any, Iterable, Optional
 
-CRASH, TIMEOUT, ERROR, DIVERGENCE, CHECK = "crash", "timeout", "error", "divergence", "check"
+CRASH, TIMEOUT, ERROR, DIVERGENCE, CHECK = (
+    "crash",
+    "timeout",
+    "error",
+    "divergence",
+    "check",
+)
 """What kind of failure a signature names."""
-KV_DAMAGE = (("duplicate_cells", "duplicate cells"), ("orphans", "orphans"),
-             ("missing_positions", "holes"), ("past_returned", "positions past the returned tokens"))
+KV_DAMAGE = (
+    ("duplicate_cells", "duplicate cells"),
+    ("orphans", "orphans"),
+    ("missing_positions", "holes"),
+    ("past_returned", "positions past the returned tokens"),
+)
 """The KV scanner's kinds of damage (evidence key, name), the most telling first: a signature names the
 first one found."""
 KV_FINDING = re.compile(r"found (\d+) duplicate \(seq_id, pos\) cells, (\d+) orphans and (\d+) missing positions")
@@ -54,10 +64,20 @@ CASE = re.compile(r"\bcase \S+")
 NOT_SENT = re.compile(r" \(so \S+ was not sent\)$")
 """A later chat turn's error when an earlier turn failed (execute.Executor)."""
 LIMIT = 160
-SHAPES = {"grammar-valid": "invalid output", "logits-close": "logits beyond the noise floor",
-          "prompt-reuse": "a prompt's cache reuse differs from no speculation"}
+SHAPES = {
+    "grammar-valid": "invalid output",
+    "logits-close": "logits beyond the noise floor",
+    "prompt-reuse": "a prompt's cache reuse differs from no speculation",
+}
 """Checks whose failure is one thing whatever the details: the signature names only that."""
-ROOTS = ("no-crash", "kv-healthy", "lossless", "mode-invariant", "repeat-identical", "baseline")
+ROOTS = (
+    "no-crash",
+    "kv-healthy",
+    "lossless",
+    "mode-invariant",
+    "repeat-identical",
+    "baseline",
+)
 """Checks whose failure makes the other failing verdicts of its case and cell (those of checks after it here,
 and any other check) its consequences: a crash first, then a damaged KV cache, then a divergence of the output
 from the most telling reference (see `classify`)."""
@@ -82,7 +102,7 @@ def normalise(text: str) -> str:
     not data, and stay."""
     line = " ".join(text.split())
     kept = ASSERT.search(line)
-    head, cond, tail = (line[:kept.start()], kept.group(1), line[kept.end():]) if kept else (line, "", "")
+    head, cond, tail = (line[: kept.start()], kept.group(1), line[kept.end() :]) if kept else (line, "", "")
 
     def clean(part: str) -> str:
         part = PATH.sub("PATH", part)
@@ -90,7 +110,7 @@ def normalise(text: str) -> str:
         return NUMBER.sub("N", part)
 
     out = (clean(head) + cond + clean(tail)).strip()
-    return out if len(out) <= LIMIT else out[:LIMIT - 1] + "…"
+    return out if len(out) <= LIMIT else out[: LIMIT - 1] + "…"
 
 
 def abort_reason(error: str) -> Optional[str]:
@@ -99,7 +119,11 @@ def abort_reason(error: str) -> Optional[str]:
     log; None when the report has neither."""
     first = error.split("\n", 1)[0]
     ended = EXIT.search(first)
-    rest = re.split(r"; log | \(log: ", first[ended.end():], maxsplit=1)[0].removeprefix(" during start-up") if ended else ""
+    rest = (
+        re.split(r"; log | \(log: ", first[ended.end() :], maxsplit=1)[0].removeprefix(" during start-up")
+        if ended
+        else ""
+    )
     reason = SOURCE.sub("", rest.lstrip(":").strip())
     what = re.search(r"what\(\):\s*(.+)", error)
     if what and (not reason or reason.startswith("terminate called")):
@@ -114,9 +138,12 @@ def of_error(error: str) -> Signature:
     first = error.split("\n", 1)[0]
     unsent = NOT_SENT.search(first)
     if unsent:
-        return _restating(of_error(first[:unsent.start()] + "\n" + error.partition("\n")[2]))
+        return _restating(of_error(first[: unsent.start()] + "\n" + error.partition("\n")[2]))
     if first.startswith("timeout:"):
-        return Signature("timeout: " + normalise(CASE.sub("the request", first[len("timeout:"):]).split(";")[0]), TIMEOUT)
+        return Signature(
+            "timeout: " + normalise(CASE.sub("the request", first[len("timeout:") :]).split(";")[0]),
+            TIMEOUT,
+        )
     ended = EXIT.search(first)
     if ended:
         reason = abort_reason(error)
@@ -132,8 +159,12 @@ def _as_record(verdict: Any) -> dict:
     """A checks.json record from a record or a CheckResult."""
     if isinstance(verdict, dict):
         return verdict
-    return {"check": verdict.name, "passed": verdict.passed, "message": verdict.message,
-            "evidence": verdict.evidence}
+    return {
+        "check": verdict.name,
+        "passed": verdict.passed,
+        "message": verdict.message,
+        "evidence": verdict.evidence,
+    }
 
 
 def _kv_damage(evidence: dict) -> Optional[str]:
@@ -141,7 +172,10 @@ def _kv_damage(evidence: dict) -> Optional[str]:
     context`), None when the evidence names none."""
     found = next((name for key, name in KV_DAMAGE if evidence.get(key)), None)
     draft = evidence.get("draft_context") or {}
-    in_draft = next((f"{name} in the draft context" for key, name in KV_DAMAGE if draft.get(key)), None)
+    in_draft = next(
+        (f"{name} in the draft context" for key, name in KV_DAMAGE if draft.get(key)),
+        None,
+    )
     return found or in_draft
 
 
@@ -153,7 +187,10 @@ def _first_error(verdict: dict, records: Iterable[dict]) -> Optional[str]:
     if found:
         return found.group(1).split("\n  reproduce: ")[0]
     failed = [r for r in records if r.get("error")]
-    first = next((r for r in failed if r.get("stop_reason") in ("crashed", "timeout")), failed[0] if failed else None)
+    first = next(
+        (r for r in failed if r.get("stop_reason") in ("crashed", "timeout")),
+        failed[0] if failed else None,
+    )
     return first["error"] if first else None
 
 
@@ -182,7 +219,11 @@ def classify(verdict: Any, records: Iterable[dict] = (), siblings: Iterable[Any]
 def _own(v: dict, records: list[dict]) -> Signature:
     """A verdict's signature from its own evidence (a consequence only where that evidence says so: a
     reference that failed, a divergence triaged `kv-corrupt`, a chat turn not sent)."""
-    check, message, evidence = v["check"], v.get("message") or "", v.get("evidence") or {}
+    check, message, evidence = (
+        v["check"],
+        v.get("message") or "",
+        v.get("evidence") or {},
+    )
     first = evidence.get("first_divergence")
     if check == "no-crash":
         error = _first_error(v, records)
@@ -193,7 +234,12 @@ def _own(v: dict, records: list[dict]) -> Signature:
         if first["kind"] == "kv-corrupt":
             found = KV_FINDING.search(first.get("reason") or "")
             if found:
-                counts = dict(zip(("duplicate_cells", "orphans", "missing_positions"), map(int, found.groups())))
+                counts = dict(
+                    zip(
+                        ("duplicate_cells", "orphans", "missing_positions"),
+                        map(int, found.groups()),
+                    )
+                )
                 if _kv_damage(counts):
                     return Signature(f"kv-healthy: {_kv_damage(counts)}", CHECK, consequence=True)
         return Signature(f"{check}: {first['kind']} divergence", DIVERGENCE)
@@ -216,7 +262,10 @@ def _shape(verdict: dict) -> str:
         return f"fell against {fell.group(1)}" if fell else "no acceptance baseline"  # the rate or the count
     first = message.split("\n")[0].split("; ")[0]
     if all(k in verdict for k in ("mode", "spec", "model", "backend")):
-        first = first.replace(f"{verdict['mode']}-{verdict['spec']}-{verdict['model']}-{verdict['backend']}", "CELL")
+        first = first.replace(
+            f"{verdict['mode']}-{verdict['spec']}-{verdict['model']}-{verdict['backend']}",
+            "CELL",
+        )
         first = first.replace(f"{verdict['mode']}/{verdict['spec']}", "MODE/SPEC")
     if verdict.get("case"):
         first = re.sub(rf"(?<![\w.-]){re.escape(verdict['case'])}(?![\w.-])", "CASE", first)

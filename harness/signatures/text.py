@@ -6,7 +6,11 @@ from rich.table import Table
 from harness.signatures.group import Failure, headline
 from harness.signatures.pattern import FAILED, NOT_RUN, PASSED, Pattern
 
-MARKS = {FAILED: "[red]✗ {failed}/{cases}[/]", PASSED: "[green]✓ {cases}[/]", NOT_RUN: "[dim]not run[/]"}
+MARKS = {
+    FAILED: "[red]✗ {failed}/{cases}[/]",
+    PASSED: "[green]✓ {cases}[/]",
+    NOT_RUN: "[dim]not run[/]",
+}
 """A grid cell on the console: failed (cases with the failure / cases run), passed (cases run), not run."""
 
 
@@ -34,8 +38,10 @@ def summary_lines(found: list[tuple[Failure, Pattern]]) -> list[str]:
 
 def known_lines(known: dict[str, list[Failure]]) -> list[str]:
     """One line per known llama.cpp defect of a run: what it explained, by signature ([] when none)."""
-    return [f"known llama.cpp defect {kid}: " + headline(failures).replace("distinct failure", "signature")
-            for kid, failures in known.items()]
+    return [
+        f"known llama.cpp defect {kid}: " + headline(failures).replace("distinct failure", "signature")
+        for kid, failures in known.items()
+    ]
 
 
 def print_failures(found: list[tuple[Failure, Pattern]], console, known: dict[str, list[Failure]]) -> None:

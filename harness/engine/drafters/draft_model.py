@@ -53,8 +53,16 @@ class DraftSimple(Drafter):
 
     name = "draft-simple"
 
-    def __init__(self, model_path: Path, target: Context, n_max: int = 3, n_min: int = 0, p_min: float = 0.0,
-                 stale: bool = False, cache_types: tuple[str, str] = ("f16", "f16")):
+    def __init__(
+        self,
+        model_path: Path,
+        target: Context,
+        n_max: int = 3,
+        n_min: int = 0,
+        p_min: float = 0.0,
+        stale: bool = False,
+        cache_types: tuple[str, str] = ("f16", "f16"),
+    ):
         self.n_max, self.n_min, self.p_min = n_max, n_min, p_min
         self.stale = stale
         self.shift: dict[int, int] = {}
@@ -67,8 +75,15 @@ class DraftSimple(Drafter):
             self._check_vocab(target.model)
             # as llama-server sizes it (common_speculative_init_result): the target's n_ctx, slots and batch sizes,
             # no recurrent snapshots, its own KV cache types (`cache_types`: -ctkd / -ctvd)
-            self.ctx = Context(self.model, replace(target.params, n_rs_seq=0, cache_type_k=cache_types[0],
-                                                   cache_type_v=cache_types[1]))
+            self.ctx = Context(
+                self.model,
+                replace(
+                    target.params,
+                    n_rs_seq=0,
+                    cache_type_k=cache_types[0],
+                    cache_type_v=cache_types[1],
+                ),
+            )
         except BaseException:
             self.close()
             raise
