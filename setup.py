@@ -19,8 +19,7 @@ class BuildWithSuites(build_py):
         if not self.editable_mode:
             for name in BUNDLED:
                 self.copy_tree(
-                    str(Path(__file__).parent / name),
-                    str(Path(self.build_lib) / "harness" / "bundled" / name),
+                    str(Path(__file__).parent / name), str(Path(self.build_lib) / "harness" / "bundled" / name)
                 )
 
 

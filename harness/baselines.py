@@ -14,41 +14,19 @@ file is an error naming it and is never replaced.
 import json
 import re
 from pathlib import Path
-from typing import Optional
 
 from harness import noise
 from harness.checks import verdict
 from harness.checks.base import CheckContext, CheckResult
 from harness.checks.compare import compare_tokens
 from harness.errors import HarnessError
-from harness.logits import (
-    PositionLogits,
-    from_frame,
-    load_parquet,
-    save_parquet,
-    to_frame,
-)
+from harness.logits import PositionLogits, from_frame, load_parquet, save_parquet, to_frame
 from harness.models import model_key
 from harness.paths import write_atomic
 from harness.suites import suites_dir
 
-FIELDS = (
-    "suite",
-    "case",
-    "model",
-    "backend",
-    "device",
-    "text",
-    "tokens",
-    "environment",
-    "acceptance",
-)
-ACCEPTANCE_FIELDS = (
-    "draft_n",
-    "draft_n_accepted",
-    "drafted_per_pos",
-    "accepted_per_pos",
-)
+FIELDS = ("suite", "case", "model", "backend", "device", "text", "tokens", "environment", "acceptance")
+ACCEPTANCE_FIELDS = ("draft_n", "draft_n_accepted", "drafted_per_pos", "accepted_per_pos")
 """What a baseline keeps of a request's `spec_stats` (the per-position lists only where the backend reports them)."""
 
 
@@ -60,7 +38,7 @@ def shown(path: Path) -> str:
         return str(path)
 
 
-def default_root(suites: Optional[Path] = None) -> Path:
+def default_root(suites: Path | None = None) -> Path:
     """`fixtures/baselines` beside a suites directory (default: the one in use), as in this repository."""
     return (suites or suites_dir()).parent / "fixtures" / "baselines"
 
@@ -103,10 +81,10 @@ class BaselineStore:
 
     def __init__(
         self,
-        root: Optional[Path] = None,
+        root: Path | None = None,
         update: bool = False,
         option: str = "",
-        calibration_dir: Optional[Path] = None,
+        calibration_dir: Path | None = None,
     ):
         self.root = Path(root) if root else None
         self.update = update
@@ -121,15 +99,7 @@ class BaselineStore:
         """Where this suite's checks look for calibration files before the default root."""
         return self.calibration_dir or suite_root(suite).parent / "calibration"
 
-    def path(
-        self,
-        suite: str,
-        case: str,
-        model: str,
-        backend: str,
-        device: str,
-        root: Optional[Path] = None,
-    ) -> Path:
+    def path(self, suite: str, case: str, model: str, backend: str, device: str, root: Path | None = None) -> Path:
         return (
             (root or self.root) / _safe(suite) / f"{_safe(case)}--{_safe(model_key(model))}--{backend}--{device}.json"
         )
@@ -138,22 +108,13 @@ class BaselineStore:
         """The baseline file of a check's case and cell."""
         cell, env = ctx.cell, ctx.executor.environment(ctx.cell)
         return self.path(
-            ctx.run.suite.name,
-            ctx.case,
-            cell.model,
-            cell.backend,
-            env["device"],
-            self.root_of(ctx.run.suite),
+            ctx.run.suite.name, ctx.case, cell.model, cell.backend, env["device"], self.root_of(ctx.run.suite)
         )
 
-    def not_recorded(self, ctx: CheckContext) -> Optional[str]:
+    def not_recorded(self, ctx: CheckContext) -> str | None:
         """`no baseline yet ...` with the command that records them when this cell's model has no baseline at
         all for the suite, backend and device (a model new to the harness); None when it has some."""
-        cell, device, root = (
-            ctx.cell,
-            ctx.executor.environment(ctx.cell)["device"],
-            self.root_of(ctx.run.suite),
-        )
+        cell, device, root = ctx.cell, ctx.executor.environment(ctx.cell)["device"], self.root_of(ctx.run.suite)
         key = _safe(model_key(cell.model))
         if any(root.glob(f"{_safe(ctx.run.suite.name)}/*--{key}--{cell.backend}--{device}.json")):
             return None
@@ -162,7 +123,7 @@ class BaselineStore:
             f"record them with: {ctx.repro} --update-baselines{self.option}"
         )
 
-    def load(self, path: Path) -> Optional[dict]:
+    def load(self, path: Path) -> dict | None:
         """The baseline at `path`, None when there is none; BaselineError when it is corrupt."""
         if not path.exists():
             return None
@@ -212,17 +173,11 @@ class BaselineStore:
             data = {**data, "acceptance": old["acceptance"]}
         if old is not None and old["tokens"] == data["tokens"] and old.get("text") == data["text"]:
             if logits and not self.logits_path(path).exists():
-                self._write(
-                    self.logits_path(path),
-                    lambda t: save_parquet(t, {"baseline": to_frame(logits)}),
-                )
+                self._write(self.logits_path(path), lambda t: save_parquet(t, {"baseline": to_frame(logits)}))
             return False
         path.parent.mkdir(parents=True, exist_ok=True)
         if logits:
-            self._write(
-                self.logits_path(path),
-                lambda t: save_parquet(t, {"baseline": to_frame(logits)}),
-            )
+            self._write(self.logits_path(path), lambda t: save_parquet(t, {"baseline": to_frame(logits)}))
         else:
             self.logits_path(path).unlink(missing_ok=True)
         self._write(path, lambda t: t.write_text(render(data)))
@@ -240,20 +195,11 @@ class BaselineStore:
                 self._update(ctx, path, env)
             data = self.load(path)
         except BaselineError as err:
-            return CheckResult(
-                "baseline",
-                False,
-                f"{err} (fix or delete it; it is never replaced silently)",
-            )
+            return CheckResult("baseline", False, f"{err} (fix or delete it; it is never replaced silently)")
         if data is None:
             pending = self.not_recorded(ctx)
             if pending:
-                return CheckResult(
-                    "baseline",
-                    True,
-                    pending,
-                    {"no_baseline": True, "baseline": shown(path)},
-                )
+                return CheckResult("baseline", True, pending, {"no_baseline": True, "baseline": shown(path)})
             return CheckResult(
                 "baseline",
                 False,
@@ -272,28 +218,21 @@ class BaselineStore:
         result.evidence["baseline"] = shown(path)
         return result
 
-    def earlier_replies(self, ctx: CheckContext) -> list[Optional[list[int]]]:
+    def earlier_replies(self, ctx: CheckContext) -> list[list[int] | None]:
         """The baseline's replies to a chat turn's earlier turns (None where not recorded or unreadable)."""
         env, root = ctx.executor.environment(ctx.cell), self.root_of(ctx.run.suite)
         out = []
         for key in ctx.earlier_turns:
             try:
                 data = self.load(
-                    self.path(
-                        ctx.run.suite.name,
-                        key,
-                        ctx.cell.model,
-                        ctx.cell.backend,
-                        env["device"],
-                        root,
-                    )
+                    self.path(ctx.run.suite.name, key, ctx.cell.model, ctx.cell.backend, env["device"], root)
                 )
             except BaselineError:
                 data = None
             out.append(data["tokens"] if data else None)
         return out
 
-    def acceptance(self, ctx: CheckContext) -> tuple[Optional[list[dict]], Path]:
+    def acceptance(self, ctx: CheckContext) -> tuple[list[dict] | None, Path]:
         """The stored acceptance of this speculative cell's case, one record per round (None when the
         baseline holds none for the cell), and the baseline's path; with `update`, this run's is stored
         first. BaselineError when the file is corrupt."""

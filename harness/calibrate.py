@@ -4,7 +4,8 @@ Logically equivalent runs must produce the same tokens, but not the same bits: a
 k+1 tokens, another micro-batch split, or slots sharing one batch (par) run other CPU kernels than a
 one-token decode. This measures, on a clean build, how far that moves the logits. The reference is the
 `seq`, non-speculative run of each prompt (every case of every suite that runs the model, a chat's
-first turn, greedy, as long as the suite runs it); every other cell of the suites' matrix for this backend (every mode × every speculative
+first turn, greedy, as long as the suite runs it); every other cell of the suites' matrix for this backend
+(every mode × every speculative
 config, plus a 7-token micro-batch split) is an equivalent run. Over the positions before the first token
 divergence of each pair it records, per position, test-backend-ops' NMSE, KL, max |Δ| and the change of
 the top1−top2 margin, and the reference's margin wherever an equivalent run's token flipped.
@@ -25,16 +26,15 @@ import datetime
 import json
 from dataclasses import asdict, replace
 from pathlib import Path
-from typing import Optional
 
 import numpy as np
 import pandas as pd
 
 from harness import MODES, __version__
 from harness.backends.choose import backend_factories
+from harness.checks.acceptance import Acceptance
 from harness.errors import HarnessError
 from harness.execute import ExecOptions, Executor
-from harness.checks.acceptance import Acceptance
 from harness.logits import Tolerances, compare, max_abs_quantile
 from harness.matrix import BACKEND_NAMES, Cell, spec_preset
 from harness.models import draft_for, model_key, resolve
@@ -107,12 +107,7 @@ def variants(backend: str, model: str) -> list[tuple[str, Cell, dict]]:
         if (mode, spec) != ("seq", "none")
     ]
     out += [
-        (
-            f"seq/{spec}/n_ubatch={UBATCH}",
-            Cell(backend, "seq", spec, model),
-            {"n_ubatch": UBATCH},
-        )
-        for spec in specs
+        (f"seq/{spec}/n_ubatch={UBATCH}", Cell(backend, "seq", spec, model), {"n_ubatch": UBATCH}) for spec in specs
     ]
     return out + [
         (f"seq/{spec}/{IN_ORDER}", Cell(backend, "seq", spec, model), {})
@@ -123,15 +118,7 @@ def variants(backend: str, model: str) -> list[tuple[str, Cell, dict]]:
 
 def _suite(name: str, model: str, serve: dict) -> Suite:
     rounds = ["seq"] if name.endswith(IN_ORDER) else ["par"]
-    return Suite(
-        name=name,
-        path=None,
-        cases=prompts(model),
-        matrix=[],
-        checks=[],
-        serve=serve,
-        rounds=rounds,
-    )
+    return Suite(name=name, path=None, cases=prompts(model), matrix=[], checks=[], serve=serve, rounds=rounds)
 
 
 def measure(model: str, backend: str, executor: Executor) -> dict:
@@ -160,7 +147,7 @@ def _pair_stats(reference, run) -> dict:
         if not (a.ok and b.ok):
             raise HarnessError(f"calibration request {ref.case} failed: {a.error or b.error}")
         same = next(
-            (i for i, (x, y) in enumerate(zip(a.tokens, b.tokens)) if x != y),
+            (i for i, (x, y) in enumerate(zip(a.tokens, b.tokens, strict=False)) if x != y),
             min(len(a.tokens), len(b.tokens)),
         )
         comparison = compare(a.logits[:same], b.logits[:same])
@@ -179,13 +166,7 @@ def _pair_stats(reference, run) -> dict:
                 rows.append(abs(x.margin - y.margin))
         if same < min(len(a.tokens), len(b.tokens)) and (x := at(a.logits, same)) is not None:
             flip = gap(x, a.tokens[same], b.tokens[same])
-            flips.append(
-                {
-                    "case": ref.case,
-                    "index": same,
-                    "reference_gap": None if flip is None else round(flip, 6),
-                }
-            )
+            flips.append({"case": ref.case, "index": same, "reference_gap": None if flip is None else round(flip, 6)})
     frame = pd.DataFrame(runs)
     acceptance = {
         o.case: [
@@ -241,11 +222,7 @@ def acceptance_spread(measurements: list[dict]) -> dict:
             name for name in measurements[0] if name.split("/")[1] == spec and "acceptance" in measurements[0][name]
         ]
         gap = lambda pairs: round(max([_acceptance_gap(a, b) for a, b in pairs], default=0.0), 4)  # noqa: E731
-        seq, ubatch, in_order = (
-            f"seq/{spec}",
-            f"seq/{spec}/n_ubatch={UBATCH}",
-            f"seq/{spec}/{IN_ORDER}",
-        )
+        seq, ubatch, in_order = f"seq/{spec}", f"seq/{spec}/n_ubatch={UBATCH}", f"seq/{spec}/{IN_ORDER}"
         repeats = {
             n: gap(
                 [
@@ -257,16 +234,10 @@ def acceptance_spread(measurements: list[dict]) -> dict:
             for n in ours
         }
         split = gap([(m[ubatch]["acceptance"], m[seq]["acceptance"]) for m in measurements if ubatch in m])
-        spread = {
-            "repeat_spread": max(repeats.values(), default=0.0),
-            "ubatch_spread": split,
-        }
+        spread = {"repeat_spread": max(repeats.values(), default=0.0), "ubatch_spread": split}
         if learns:
             spread["in_order_spread"] = repeats.get(in_order, 0.0)
-            fixed, concurrent = (
-                spread["in_order_spread"],
-                max(spread["repeat_spread"], split),
-            )
+            fixed, concurrent = spread["in_order_spread"], max(spread["repeat_spread"], split)
         else:
             modes = [n for n in ours if n.split("/")[0] != "seq"]
             spread["mode_spread"] = gap(
@@ -298,20 +269,16 @@ def _largest(measured: dict) -> dict:
 def tolerances_of(largest: dict) -> dict:
     """The tolerances a measurement sets (SAFETY × largest, at least MINIMUM)."""
     tol = {k: max(SAFETY * largest[k], MINIMUM[k]) for k in ("nmse", "kl", "max_abs", "near_tie")}
-    return {
-        **asdict(Tolerances()),
-        **{k: v for k, v in tol.items() if k != "near_tie"},
-        "near_tie": tol["near_tie"],
-    }
+    return {**asdict(Tolerances()), **{k: v for k, v in tol.items() if k != "near_tie"}, "near_tie": tol["near_tie"]}
 
 
 def calibrate(
     model: str,
     backend: str,
     repeats: int = 2,
-    server_bin: Optional[Path] = None,
-    source: Optional[Path] = None,
-    logs: Optional[Path] = None,
+    server_bin: Path | None = None,
+    source: Path | None = None,
+    logs: Path | None = None,
 ) -> dict:
     """Measure `repeats` times on fresh sessions; the content of the calibration file."""
     info = resolve(model)
@@ -321,17 +288,14 @@ def calibrate(
         measurements.append(measure(model, backend, executor))
         env = executor.environment(Cell(backend, "seq", "none", model))
     largest = [_largest(m) for m in measurements]
-    overall = {k: max(l[k] for l in largest) for k in ("nmse", "kl", "max_abs", "near_tie")}
-    if any(l["unbounded_flip"] for l in largest):
+    overall = {k: max(lg[k] for lg in largest) for k in ("nmse", "kl", "max_abs", "near_tie")}
+    if any(lg["unbounded_flip"] for lg in largest):
         raise HarnessError(
             f"an equivalent run of {model} on {backend} flipped a token the reference ranks "
             "beyond its top-k: that is no near-tie but a logic bug; fix it before calibrating"
         )
     spread = {
-        k: max(
-            SPREAD_FLOOR,
-            2 * (max(l[k] for l in largest) - min(l[k] for l in largest)) / overall[k],
-        )
+        k: max(SPREAD_FLOOR, 2 * (max(lg[k] for lg in largest) - min(lg[k] for lg in largest)) / overall[k])
         if overall[k] > 0
         else SPREAD_FLOOR
         for k in overall
@@ -364,11 +328,11 @@ def calibrate(
         "spread": spread,
         "largest": overall,
         "measured": measurements[0],
-        "repeats": [{k: l[k] for k in overall} for l in largest],
+        "repeats": [{k: lg[k] for k in overall} for lg in largest],
     }
 
 
-def write(data: dict, root: Optional[Path] = None) -> Path:
+def write(data: dict, root: Path | None = None) -> Path:
     """Write a calibration file atomically; returns its path."""
     path = calibration_path(model_key(data["model"]), data["backend"], data["device"], root)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -402,10 +366,7 @@ def merged(new: dict, committed: dict) -> dict:
                 if key in old and key in out["acceptance"][spec]:
                     out["acceptance"][spec][key] = max(out["acceptance"][spec][key], old[key])
     earlier = committed.get("machines") or [
-        {
-            "measured_on": committed.get("measured_on"),
-            "largest": committed.get("largest"),
-        }
+        {"measured_on": committed.get("measured_on"), "largest": committed.get("largest")}
     ]
     out["machines"] = earlier + [{"measured_on": new["measured_on"], "largest": new["largest"]}]
     out["method"] += (
@@ -417,12 +378,7 @@ def merged(new: dict, committed: dict) -> dict:
 
 def cmd_calibrate(args: argparse.Namespace) -> int:
     """Measure each (model, backend); print the tolerances; `--write` stores them in fixtures/calibration."""
-    models = args.model or [
-        "tiny-dense",
-        "tiny-hybrid",
-        "tiny-recurrent",
-        "gemma3-270m",
-    ]
+    models = args.model or ["tiny-dense", "tiny-hybrid", "tiny-recurrent", "gemma3-270m"]
     backends = args.backend.split(",") if args.backend else list(BACKEND_NAMES)
     bad = [b for b in backends if b not in BACKEND_NAMES]
     if bad:
@@ -459,10 +415,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     """Register `specharness calibrate`."""
-    p = sub.add_parser(
-        "calibrate",
-        help="measure the logit noise floor of equivalent runs and write tolerances",
-    )
+    p = sub.add_parser("calibrate", help="measure the logit noise floor of equivalent runs and write tolerances")
     p.add_argument(
         "--model",
         action="append",
@@ -470,29 +423,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help="registry name or .gguf, repeatable (default: the tiny models and gemma3-270m)",
     )
     p.add_argument("--backend", help="comma-separated: inproc,server (default both)")
-    p.add_argument(
-        "--repeats",
-        type=int,
-        default=2,
-        help="whole measurements, for the spread (default 2)",
-    )
-    p.add_argument(
-        "--server-bin",
-        type=Path,
-        metavar="PATH",
-        help="llama-server binary to use instead of building one",
-    )
-    p.add_argument(
-        "--source",
-        type=Path,
-        metavar="DIR",
-        help="llama.cpp tree to build llama-server from",
-    )
-    p.add_argument(
-        "--write",
-        action="store_true",
-        help=f"write the tolerances into {calibration_root().name}/",
-    )
+    p.add_argument("--repeats", type=int, default=2, help="whole measurements, for the spread (default 2)")
+    p.add_argument("--server-bin", type=Path, metavar="PATH", help="llama-server binary to use instead of building one")
+    p.add_argument("--source", type=Path, metavar="DIR", help="llama.cpp tree to build llama-server from")
+    p.add_argument("--write", action="store_true", help=f"write the tolerances into {calibration_root().name}/")
     p.add_argument(
         "--calibration-dir",
         type=Path,

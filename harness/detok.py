@@ -1,8 +1,8 @@
 """Token ids → text for messages and reports, from a model's vocabulary alone (no weights loaded)."""
 
 import functools
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable, Optional
 
 from harness.engine.model import Vocab
 from harness.errors import HarnessError
@@ -20,7 +20,7 @@ def detokenizer(model_path: Path) -> Callable[[list[int]], str]:
     return vocab.detokenize
 
 
-def for_model(name: str) -> Optional[Callable[[list[int]], str]]:
+def for_model(name: str) -> Callable[[list[int]], str] | None:
     """The detokenizer of a registry name or .gguf path, None when the model is not at hand (never built)."""
     try:
         return detokenizer(resolve(name, make=False).path)

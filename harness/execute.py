@@ -11,15 +11,15 @@ speculation included, so each speculative request's speed-up over the same reque
 """
 
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable, Optional
 
 from harness import interrupt
 from harness.backends.base import Backend, ServeConfig
 from harness.errors import HarnessBug, HarnessError
+from harness.logits import PositionLogits
 from harness.matrix import Cell, spec_preset
 from harness.models import draft_for, resolve
-from harness.logits import PositionLogits
 from harness.request import Request, Sampling
 from harness.result import Result
 from harness.suites import Case, Suite, case_keys  # noqa: F401 - case_keys is used from here too
@@ -42,8 +42,8 @@ class CellRun:
     suite: Suite
     cell: Cell
     outcomes: list[Outcome] = field(default_factory=list)
-    error: Optional[str] = None
-    harness_error: Optional[str] = None
+    error: str | None = None
+    harness_error: str | None = None
 
     def of_case(self, case: str) -> list[Outcome]:
         return [o for o in self.outcomes if o.case == case]
@@ -57,19 +57,16 @@ class ExecOptions:
     parallel: int = 4
     logit_top_k: int = 10
     kv_scan: str = "request"
-    draft_model: Optional[str] = None
+    draft_model: str | None = None
     spec_overrides: dict = field(default_factory=dict)
     engine: dict = field(default_factory=dict)
     """In-process speculative options (rollback, checkpoint_flags, checkpoint_attempts, fault)."""
-    stall_s: Optional[float] = None
+    stall_s: float | None = None
     """The stall window's floor (ServeConfig.stall_s) where a suite's `serve` does not set one."""
 
 
 def serve_config(
-    cell: Cell,
-    options: ExecOptions,
-    serve: Optional[dict] = None,
-    engine: Optional[dict] = None,
+    cell: Cell, options: ExecOptions, serve: dict | None = None, engine: dict | None = None
 ) -> ServeConfig:
     """How a cell is served: its model, mode and speculative preset (with the draft model a `draft-simple`
     preset needs), the run's logging options, and a suite's `serve` / in-process `engine` settings."""
@@ -117,7 +114,7 @@ class Executor:
                 if c not in group and not spec_preset(c.spec).scripted:
                     group.append(c)
 
-    def run(self, suite: Suite, cell: Cell, on_request: Optional[Callable[[], None]] = None) -> CellRun:
+    def run(self, suite: Suite, cell: Cell, on_request: Callable[[], None] | None = None) -> CellRun:
         """The cell's run (executed on first use, with the cells expected beside it; `on_request` is called
         after each request of this cell and of the other planned cells run with it)."""
         key = (suite.name, cell)
@@ -164,10 +161,7 @@ class Executor:
         if preset.scripted:
             reference = self.run(suite, cell.reference(spec="none"))
             script = {tuple(o.result.prompt_tokens): o.result.tokens for o in reference.outcomes if o.round == 0}
-            engine["script"] = {
-                "kind": preset.scripted,
-                "outputs": script,
-            }  # the backend builds the drafter
+            engine["script"] = {"kind": preset.scripted, "outputs": script}  # the backend builds the drafter
         return serve_config(cell, self.options, serve=suite.serve, engine=engine)
 
     def _execute(self, suite: Suite, cells: list[Cell], ticks: dict) -> dict[Cell, CellRun]:
@@ -205,13 +199,7 @@ class Executor:
                     for case in suite.cases:
                         for key in case_keys(case):
                             if (key, r) not in done:
-                                run.outcomes.append(
-                                    Outcome(
-                                        key,
-                                        r,
-                                        Result(stop_reason="error", error=run.error),
-                                    )
-                                )
+                                run.outcomes.append(Outcome(key, r, Result(stop_reason="error", error=run.error)))
                                 if on_request:
                                     on_request()
         return runs
@@ -230,7 +218,7 @@ class Executor:
                 results = [session.run([request])[0] for _, request in todo]
             else:
                 results = session.run([request for _, request in todo])
-            for (case, _), result in zip(todo, results):
+            for (case, _), result in zip(todo, results, strict=False):
                 run.outcomes.append(Outcome(case_keys(case)[step], r, result))
                 if on_request:
                     on_request()
@@ -240,31 +228,18 @@ class Executor:
                     else:
                         alive.discard(case.name)
                         for key in case_keys(case)[step + 1 :]:
-                            skipped = Result(
-                                stop_reason="error",
-                                error=f"{result.error} (so {key} was not sent)",
-                            )
+                            skipped = Result(stop_reason="error", error=f"{result.error} (so {key} was not sent)")
                             run.outcomes.append(Outcome(key, r, skipped))
                             if on_request:
                                 on_request()
 
     @staticmethod
-    def _request(
-        case: Case,
-        step: int,
-        histories: dict[str, list[dict]],
-        deadline_s: Optional[float],
-    ) -> Request:
+    def _request(case: Case, step: int, histories: dict[str, list[dict]], deadline_s: float | None) -> Request:
         if not case.is_chat:
             return case.request(deadline_s)
         history = histories[case.name]
         history.append({"role": "user", "content": case.turns[step]})
-        return Request(
-            messages=list(history),
-            sampling=case.sampling,
-            tag=case_keys(case)[step],
-            deadline_s=deadline_s,
-        )
+        return Request(messages=list(history), sampling=case.sampling, tag=case_keys(case)[step], deadline_s=deadline_s)
 
 
 class Rescorer:
@@ -276,9 +251,9 @@ class Rescorer:
     def __init__(self, executor: Executor):
         self.executor = executor
         self.sessions: dict[tuple[str, Cell], object] = {}
-        self.cache: dict[tuple, Optional[PositionLogits]] = {}
+        self.cache: dict[tuple, PositionLogits | None] = {}
 
-    def score(self, suite: Suite, cell: Cell, result: Result, pos: int) -> Optional[PositionLogits]:
+    def score(self, suite: Suite, cell: Cell, result: Result, pos: int) -> PositionLogits | None:
         if self.executor.options.logit_top_k <= 0 or pos > len(result.tokens):
             return None
         plain = cell.reference(spec="none")

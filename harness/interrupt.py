@@ -31,7 +31,7 @@ import signal
 import sys
 import threading
 import time
-from typing import Iterator, Optional
+from collections.abc import Iterator
 
 PHASE_FILE = "SPECHARNESS_PHASE_FILE"
 HOLD_PHASE = "SPECHARNESS_HOLD_PHASE"
@@ -42,7 +42,7 @@ _received: list[int] = []
 """The signals received so far, first first."""
 _deferring = 0
 """How many `deferred()` blocks are open."""
-_decided: Optional[int] = None
+_decided: int | None = None
 """Signals received when the program's command returned its exit status (`handled(until_exit=True)`)."""
 
 
@@ -99,7 +99,7 @@ def deferred() -> Iterator[None]:
         _deferring -= 1
 
 
-def received() -> Optional[int]:
+def received() -> int | None:
     """The first signal received, None when none was."""
     return _received[0] if _received else None
 
@@ -127,11 +127,7 @@ def phase(name: str) -> None:
     hold, _, nth = os.environ.get(HOLD_PHASE, "").partition(":")
     if hold != name or _entries(path, name) != int(nth or 1):
         return
-    print(
-        f"specharness: holding in phase {name} until a signal comes ({HOLD_PHASE})",
-        file=sys.stderr,
-        flush=True,
-    )
+    print(f"specharness: holding in phase {name} until a signal comes ({HOLD_PHASE})", file=sys.stderr, flush=True)
     while not _received:  # the handler raises inside sleep(), or (deferred) records and returns
         time.sleep(HOLD_POLL_S)
     check()
@@ -150,7 +146,7 @@ def _exit_status() -> None:
 _entered: dict[str, int] = {}
 
 
-def _entries(path: Optional[str], name: str) -> int:
+def _entries(path: str | None, name: str) -> int:
     """How many times phase `name` was entered: in the phase file (every process), else in this process."""
     if path:
         with open(path) as f:

@@ -11,7 +11,6 @@ and the entry is removed.
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
 
 import jsonschema
 import yaml
@@ -25,16 +24,7 @@ FILE_NAME = "known-failures.yaml"
 _ENTRY = {
     "type": "object",
     "additionalProperties": False,
-    "required": [
-        "id",
-        "suite",
-        "backend",
-        "check",
-        "evidence",
-        "llama_cpp_commit",
-        "reason",
-        "upstream",
-    ],
+    "required": ["id", "suite", "backend", "check", "evidence", "llama_cpp_commit", "reason", "upstream"],
     "properties": {
         "id": {"type": "string", "pattern": r"^[a-z0-9-]+$"},
         "suite": {"type": "string"},
@@ -42,12 +32,7 @@ _ENTRY = {
         "modes": {"type": "array", "items": {"type": "string"}},
         "specs": {"type": "array", "items": {"type": "string"}},
         "models": {"type": "array", "items": {"type": "string"}},
-        "check": {
-            "oneOf": [
-                {"type": "string"},
-                {"type": "array", "items": {"type": "string"}, "minItems": 1},
-            ]
-        },
+        "check": {"oneOf": [{"type": "string"}, {"type": "array", "items": {"type": "string"}, "minItems": 1}]},
         "evidence": {"type": "string"},
         "llama_cpp_commit": {"type": "string"},
         "found": {"type": "string"},
@@ -94,11 +79,7 @@ class KnownFailure:
             and not self.missing_cpu_flags
             and all(
                 not allowed or value in allowed
-                for value, allowed in (
-                    (cell.mode, self.modes),
-                    (cell.spec, self.specs),
-                    (cell.model, self.models),
-                )
+                for value, allowed in ((cell.mode, self.modes), (cell.spec, self.specs), (cell.model, self.models))
             )
         )
 
@@ -146,17 +127,14 @@ def load(path: Path) -> list[KnownFailure]:
         except (jsonschema.ValidationError, re.error, HarnessError) as err:
             raise HarnessError(f"{path}: entry {i}: {str(err).splitlines()[0]}") from None
         raw["check"] = [raw["check"]] if isinstance(raw["check"], str) else raw["check"]
-        for value, known, what in (
-            (raw["suite"], suites, "suite"),
-            *((c, CHECK_NAMES, "check") for c in raw["check"]),
-        ):
+        for value, known, what in ((raw["suite"], suites, "suite"), *((c, CHECK_NAMES, "check") for c in raw["check"])):
             if value not in known:
                 raise HarnessError(f"{path}: entry {i}: unknown {what} '{value}' (known: {', '.join(sorted(known))})")
         entries.append(KnownFailure(**{k: tuple(v) if isinstance(v, list) else v for k, v in raw.items()}))
     return entries
 
 
-def matching(entries: list[KnownFailure], suite: str, cell: Cell, result: CheckResult) -> Optional[KnownFailure]:
+def matching(entries: list[KnownFailure], suite: str, cell: Cell, result: CheckResult) -> KnownFailure | None:
     """The entry that explains a failed verdict of `suite` in `cell`, if any."""
     return next((e for e in entries if e.covers(suite, cell) and e.explains(result)), None)
 

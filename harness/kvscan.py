@@ -1,6 +1,7 @@
 """KV-cache scanner: list the cells of llama.cpp state blobs and files; find duplicates, orphans and holes.
 
-Formats read (see the shared reference ../shared/reference/llama-internals.md §1): whole-context state (`llama_state_get_data`), per-sequence state
+Formats read (see the shared reference ../shared/reference/llama-internals.md §1): whole-context state
+(`llama_state_get_data`), per-sequence state
 (`llama_state_seq_get_data(_ext)`, any flags), `.ggsq` files (`llama_state_seq_save_file`, also the
 llama-server slot files, whose token list is a packed blob), and `.ggsn` session files. Memory classes: plain
 KV, iSWA, recurrent, hybrid and hybrid-iSWA. Only the metadata is read; tensor payloads are skipped by the sizes
@@ -22,9 +23,9 @@ import itertools
 import json
 import re
 import struct
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
-from typing import Iterator, Optional
 
 import numpy as np
 
@@ -53,24 +54,8 @@ MEMORIES = {
 
 # Architecture facts from the vendored llama.cpp (llama-model.cpp llama_model_rope_type/create_memory,
 # models/*.cpp reading `attention.sliding_window`); recurrent/hybrid come from harness.models.kind_of_arch.
-_UNSUPPORTED_ARCHS = {
-    "deepseek4",
-    "glm5-next",
-    "qwen4exp",
-    "glm-dsa",
-    "deepseek32",
-    "dots3note",
-    "minimax-m3",
-}
-_MROPE_ARCHS = {
-    "qwen2vl",
-    "paddleocr",
-    "qwen3vl",
-    "qwen3vlmoe",
-    "qwen35",
-    "qwen35moe",
-    "qwen3tts",
-}
+_UNSUPPORTED_ARCHS = {"deepseek4", "glm5-next", "qwen4exp", "glm-dsa", "deepseek32", "dots3note", "minimax-m3"}
+_MROPE_ARCHS = {"qwen2vl", "paddleocr", "qwen3vl", "qwen3vlmoe", "qwen35", "qwen35moe", "qwen3tts"}
 _MROPE_IF_SECTIONS_ARCHS = {"bailingmoe3", "glm4", "glm4moe", "hunyuan_vl", "dflash"}
 _SWA_ARCHS = {
     "gemma2",
@@ -115,16 +100,16 @@ _TYPE_ELEM_N = struct.Struct("<iII")
 class Layout:
     """Facts about a blob that it does not store; None means unknown (the scanner tries every value)."""
 
-    memory: Optional[str] = None
+    memory: str | None = None
     """One of MEMORIES: kv, iswa, recurrent, hybrid, hybrid-iswa."""
-    cell_ext: Optional[bool] = None
+    cell_ext: bool | None = None
     """KV cells carry x, y, tok (M-RoPE / IMROPE models)."""
-    mla: Optional[bool] = None
+    mla: bool | None = None
     """KV caches store K only (MLA models)."""
-    n_recurrent_layers: Optional[int] = None
-    partial_only: Optional[bool] = None
+    n_recurrent_layers: int | None = None
+    partial_only: bool | None = None
     """Seq blob written with LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY."""
-    on_device: Optional[bool] = None
+    on_device: bool | None = None
     """Seq blob written with LLAMA_STATE_SEQ_FLAGS_ON_DEVICE (metadata only, no tensor bytes)."""
 
     def __post_init__(self) -> None:
@@ -150,8 +135,8 @@ class Part:
     n_stream: int
     n_layer: int
     """Layers in the data header (for a recurrent part: the model's trunk layer count)."""
-    v_trans: Optional[int]
-    n_recurrent_layers: Optional[int]
+    v_trans: int | None
+    n_recurrent_layers: int | None
     stream: np.ndarray
     pos: np.ndarray
     cell_of: np.ndarray
@@ -167,11 +152,7 @@ class Part:
         """Each cell as (stream, pos, seq ids), in blob order."""
         groups = np.split(self.seq_of, np.searchsorted(self.cell_of, np.arange(1, self.n_cells)))
         for i in range(self.n_cells):
-            yield (
-                int(self.stream[i]),
-                int(self.pos[i]),
-                tuple(int(s) for s in groups[i]),
-            )
+            yield int(self.stream[i]), int(self.pos[i]), tuple(int(s) for s in groups[i])
 
     def sequences(self) -> dict[int, dict]:
         """Per sequence: how many cells it has and their position range."""
@@ -179,11 +160,7 @@ class Part:
         out = {}
         for seq in np.unique(self.seq_of):
             p = pos[self.seq_of == seq]
-            out[int(seq)] = {
-                "cells": int(len(p)),
-                "pos_min": int(p.min()),
-                "pos_max": int(p.max()),
-            }
+            out[int(seq)] = {"cells": int(len(p)), "pos_min": int(p.min()), "pos_max": int(p.max())}
         return out
 
     def summary(self, cells: bool = False) -> dict:
@@ -214,9 +191,9 @@ class ScanReport:
     size: int
     layout: Layout
     parts: list[Part]
-    arch: Optional[str] = None
-    seq_id: Optional[int] = None
-    tokens: Optional[int] = None
+    arch: str | None = None
+    seq_id: int | None = None
+    tokens: int | None = None
     expected_len: dict[int, int] = field(default_factory=dict)
     duplicates: list[tuple[str, int, int, int, int]] = field(default_factory=list)
     """(part, stream, seq_id, pos, count) for every position a sequence holds more than once in a KV part."""
@@ -273,9 +250,14 @@ class ScanReport:
             "healthy": self.healthy,
             "totals": self.totals,
             "pos_max": {str(s): p for s, p in self.pos_max.items()},
-            "duplicates": [dict(zip(("part", "stream", "seq_id", "pos", "count"), d)) for d in self.duplicates[:limit]],
-            "orphans": [dict(zip(("part", "stream", "seq_id", "pos"), o)) for o in self.orphans[:limit]],
-            "holes": [dict(zip(("part", "stream", "seq_id", "first", "last"), h)) for h in self.holes[:limit]],
+            "duplicates": [
+                dict(zip(("part", "stream", "seq_id", "pos", "count"), d, strict=False))
+                for d in self.duplicates[:limit]
+            ],
+            "orphans": [dict(zip(("part", "stream", "seq_id", "pos"), o, strict=False)) for o in self.orphans[:limit]],
+            "holes": [
+                dict(zip(("part", "stream", "seq_id", "first", "last"), h, strict=False)) for h in self.holes[:limit]
+            ],
             "duplicate_tails": {str(s): n for s, n in self.duplicate_tails.items()},
         }
 
@@ -290,9 +272,11 @@ class ScanReport:
             "layout": asdict(self.layout),
             "expected_len": {str(s): n for s, n in self.expected_len.items()},
             "parts": [p.summary(cells) for p in self.parts],
-            "duplicates": [dict(zip(("part", "stream", "seq_id", "pos", "count"), d)) for d in self.duplicates],
-            "orphans": [dict(zip(("part", "stream", "seq_id", "pos"), o)) for o in self.orphans],
-            "holes": [dict(zip(("part", "stream", "seq_id", "first", "last"), h)) for h in self.holes],
+            "duplicates": [
+                dict(zip(("part", "stream", "seq_id", "pos", "count"), d, strict=False)) for d in self.duplicates
+            ],
+            "orphans": [dict(zip(("part", "stream", "seq_id", "pos"), o, strict=False)) for o in self.orphans],
+            "holes": [dict(zip(("part", "stream", "seq_id", "first", "last"), h, strict=False)) for h in self.holes],
             "recurrent_cells_per_seq": {str(s): n for s, n in self.recurrent_cells_per_seq.items()},
             "duplicate_tails": {str(s): n for s, n in self.duplicate_tails.items()},
             "totals": self.totals,
@@ -350,19 +334,13 @@ class _Parser:
             pos, seq_of = rec[:, 0], rec[:, 2 + skip :].reshape(-1)
             if pos.min() < (0 if kv else -1) or (n_seq and not 0 <= seq_of.min() <= seq_of.max() < _MAX_SEQ):
                 raise _Mismatch(off, "cell position or sequence id out of range")
-            runs.append(
-                (
-                    pos,
-                    np.repeat(np.arange(done, done + run, dtype=np.int32), n_seq),
-                    seq_of,
-                )
-            )
+            runs.append((pos, np.repeat(np.arange(done, done + run, dtype=np.int32), n_seq), seq_of))
             done, off = done + run, off + 4 * words * run
             window = window * 4 if run == window else 64
         if not runs:
             empty = np.zeros(0, dtype=np.int32)
             return empty, empty, empty, off
-        pos, cell_of, seq_of = (np.concatenate(c).astype(np.int32) for c in zip(*runs))
+        pos, cell_of, seq_of = (np.concatenate(c).astype(np.int32) for c in zip(*runs, strict=False))
         return pos, cell_of, seq_of, off
 
     def block(self, off: int, cells: int, transposed: bool, dev: bool) -> int:
@@ -376,10 +354,7 @@ class _Parser:
             ggml_type, row = _TYPE_ROW.unpack_from(self.data, off)
             off += _TYPE_ROW.size
         if row == 0 or not 0 <= ggml_type < _MAX_GGML_TYPE:
-            raise _Mismatch(
-                off,
-                f"implausible tensor block header (type {ggml_type}, {row} bytes per cell)",
-            )
+            raise _Mismatch(off, f"implausible tensor block header (type {ggml_type}, {row} bytes per cell)")
         if dev:
             return off
         self.need(off, row * cells, "tensor data")
@@ -414,58 +389,34 @@ class _Parser:
             if count == 0:
                 continue
             pos, cell_of, seq_of, off = self.meta(off, count, ext, kv=True)
-            v_trans, n_layer = (
-                self.u32(off, "v_trans"),
-                self.u32(off + 4, "layer count"),
-            )
+            v_trans, n_layer = self.u32(off, "v_trans"), self.u32(off + 4, "layer count")
             if v_trans > 1 or not 1 <= n_layer <= _MAX_LAYERS or header not in (None, (v_trans, n_layer)):
-                raise _Mismatch(
-                    off,
-                    f"implausible KV data header (v_trans {v_trans}, {n_layer} layers)",
-                )
+                raise _Mismatch(off, f"implausible KV data header (v_trans {v_trans}, {n_layer} layers)")
             header, start, off = (v_trans, n_layer), off + 8, off + 8
             for _ in range(n_layer):
                 off = self.block(off, count, False, dev)
             for _ in range(0 if mla else n_layer):
                 off = self.block(off, count, v_trans == 1, dev)
             tensor_bytes += off - start
-            for col, arr in zip(cols, (np.full(count, s, np.int32), pos, cell_of + n_before, seq_of)):
+            for col, arr in zip(cols, (np.full(count, s, np.int32), pos, cell_of + n_before, seq_of), strict=False):
                 col.append(arr)
             n_before += count
         stream, pos, cell_of, seq_of = (np.concatenate(c) if c else np.zeros(0, np.int32) for c in cols)
         v_trans, n_layer = header or (None, 0)
-        return Part(
-            "",
-            "kv",
-            n_stream,
-            n_layer,
-            v_trans,
-            None,
-            stream,
-            pos,
-            cell_of,
-            seq_of,
-            tensor_bytes,
-        ), off
+        return Part("", "kv", n_stream, n_layer, v_trans, None, stream, pos, cell_of, seq_of, tensor_bytes), off
 
-    def rs(self, off: int, n_recurrent: Optional[int], dev: bool) -> list[tuple[Part, int]]:
+    def rs(self, off: int, n_recurrent: int | None, dev: bool) -> list[tuple[Part, int]]:
         """A recurrent section (§1.6) → (Part, end offset) for every recurrent-layer count that fits."""
         part, data_off = self.memoized(("rs", off), self._rs_head, off)
         ends = self.memoized(("rs-blocks", data_off, dev), self._block_ends, data_off, part, dev)
         counts = [n_recurrent] if n_recurrent else range(1, part.n_layer + 1)
         fits = [
-            (
-                replace(part, n_recurrent_layers=k, tensor_bytes=ends[2 * k - 1] - data_off),
-                ends[2 * k - 1],
-            )
+            (replace(part, n_recurrent_layers=k, tensor_bytes=ends[2 * k - 1] - data_off), ends[2 * k - 1])
             for k in counts
             if 2 * k <= len(ends)
         ]
         if not fits:
-            raise _Mismatch(
-                data_off,
-                f"fewer than {2 * min(counts, default=1)} recurrent tensor blocks",
-            )
+            raise _Mismatch(data_off, f"fewer than {2 * min(counts, default=1)} recurrent tensor blocks")
         return fits
 
     def _rs_head(self, off: int) -> tuple[Part, int]:
@@ -473,23 +424,8 @@ class _Parser:
         pos, cell_of, seq_of, off = self.meta(off + 4, count, False, kv=False)
         s_trans, n_layer = self.u32(off, "s_trans"), self.u32(off + 4, "layer count")
         if s_trans != 0 or not 1 <= n_layer <= _MAX_LAYERS:
-            raise _Mismatch(
-                off,
-                f"implausible recurrent data header (s_trans {s_trans}, {n_layer} layers)",
-            )
-        part = Part(
-            "",
-            "rs",
-            1,
-            n_layer,
-            None,
-            None,
-            np.zeros(count, np.int32),
-            pos,
-            cell_of,
-            seq_of,
-            0,
-        )
+            raise _Mismatch(off, f"implausible recurrent data header (s_trans {s_trans}, {n_layer} layers)")
+        part = Part("", "rs", 1, n_layer, None, None, np.zeros(count, np.int32), pos, cell_of, seq_of, 0)
         return part, off + 8
 
     def _block_ends(self, off: int, part: Part, dev: bool) -> list[int]:
@@ -523,7 +459,7 @@ def _chain(p: _Parser, off: int, names: tuple[str, ...], hyp: Layout) -> list[Pa
     raise best
 
 
-def _arch_at(data, off: int) -> Optional[tuple[str, int]]:
+def _arch_at(data, off: int) -> tuple[str, int] | None:
     """The arch-name string at `off` as (name, end offset), or None if there is none."""
     if off + 4 > len(data):
         return None
@@ -538,9 +474,9 @@ def _arch_at(data, off: int) -> Optional[tuple[str, int]]:
 class _Framing:
     framing: str
     body: int
-    arch: Optional[str] = None
-    seq_id: Optional[int] = None
-    tokens: Optional[int] = None
+    arch: str | None = None
+    seq_id: int | None = None
+    tokens: int | None = None
 
 
 def _read_framing(data, kind: str, name: str) -> _Framing:
@@ -615,16 +551,7 @@ def _hypotheses(layout: Layout, framing: str, name: str) -> list[Layout]:
 
 
 def _cells_signature(parts: list[Part]) -> tuple:
-    return tuple(
-        (
-            q.kind,
-            q.stream.tobytes(),
-            q.pos.tobytes(),
-            q.cell_of.tobytes(),
-            q.seq_of.tobytes(),
-        )
-        for q in parts
-    )
+    return tuple((q.kind, q.stream.tobytes(), q.pos.tobytes(), q.cell_of.tobytes(), q.seq_of.tobytes()) for q in parts)
 
 
 def _parse(data, fr: _Framing, layout: Layout, name: str) -> tuple[Layout, list[Part], list[str]]:
@@ -680,32 +607,16 @@ def _analyse(report: ScanReport) -> None:
         pos = part.pos[part.cell_of].astype(np.int64)
         seq = part.seq_of.astype(np.int64)
         if part.kind == "rs":
-            for s, n in zip(*np.unique(seq, return_counts=True)):
+            for s, n in zip(*np.unique(seq, return_counts=True), strict=False):
                 report.recurrent_cells_per_seq[int(s)] = report.recurrent_cells_per_seq.get(int(s), 0) + int(n)
         else:
             keys, counts = np.unique(((stream * 512 + seq + 1) << 32) | pos, return_counts=True)
             group, kpos = keys >> 32, keys & 0xFFFFFFFF
             kstream, kseq = group // 512, group % 512 - 1
             for i in np.nonzero(counts > 1)[0]:
-                report.duplicates.append(
-                    (
-                        part.name,
-                        int(kstream[i]),
-                        int(kseq[i]),
-                        int(kpos[i]),
-                        int(counts[i]),
-                    )
-                )
+                report.duplicates.append((part.name, int(kstream[i]), int(kseq[i]), int(kpos[i]), int(counts[i])))
             for i in np.nonzero((group[1:] == group[:-1]) & (kpos[1:] - kpos[:-1] > 1))[0]:
-                report.holes.append(
-                    (
-                        part.name,
-                        int(kstream[i]),
-                        int(kseq[i]),
-                        int(kpos[i]) + 1,
-                        int(kpos[i + 1]) - 1,
-                    )
-                )
+                report.holes.append((part.name, int(kstream[i]), int(kseq[i]), int(kpos[i]) + 1, int(kpos[i + 1]) - 1))
         for s, length in report.expected_len.items():
             for i in np.nonzero((seq == s) & (pos >= length))[0]:
                 report.orphans.append((part.name, int(stream[i]), s, int(pos[i])))
@@ -714,8 +625,8 @@ def _analyse(report: ScanReport) -> None:
 def scan_bytes(
     data,
     kind: str = "auto",
-    layout: Optional[Layout] = None,
-    expected_len: Optional[dict[int, int]] = None,
+    layout: Layout | None = None,
+    expected_len: dict[int, int] | None = None,
     name: str = "state blob",
 ) -> ScanReport:
     """Parse a state blob or file image and check its cells; `expected_len` maps seq id → cached token count."""
@@ -724,11 +635,7 @@ def scan_bytes(
     if fr.framing in ("seq", "ggsq", "ggsq-slot"):
         own = _own_sequence(parts, fr)
         parts = [
-            replace(
-                q,
-                cell_of=np.arange(q.n_cells, dtype=np.int32),
-                seq_of=np.full(q.n_cells, own, np.int32),
-            )
+            replace(q, cell_of=np.arange(q.n_cells, dtype=np.int32), seq_of=np.full(q.n_cells, own, np.int32))
             if q.kind == "rs" and len(q.seq_of) == 0
             else q
             for q in parts
@@ -753,10 +660,10 @@ def scan_bytes(
 
 def scan_file(
     path: Path,
-    model: Optional[Path] = None,
+    model: Path | None = None,
     kind: str = "auto",
-    layout: Optional[Layout] = None,
-    expected_len: Optional[dict[int, int]] = None,
+    layout: Layout | None = None,
+    expected_len: dict[int, int] | None = None,
 ) -> ScanReport:
     """`scan_bytes` on a file; `model` (a GGUF) supplies the layout facts the blob does not store."""
     path = Path(path)
@@ -771,7 +678,7 @@ def scan_file(
     return scan_bytes(data, kind, layout, expected_len, name=str(path))
 
 
-def damaged(brief: Optional[dict]) -> bool:
+def damaged(brief: dict | None) -> bool:
     """Whether a request's scan verdict (`ScanReport.brief`; the in-process engine adds the draft model's context
     under `draft`) found damage in the target's cache or in the draft context."""
     return bool(brief) and not (brief.get("healthy", True) and (brief.get("draft") or {}).get("healthy", True))
@@ -826,15 +733,9 @@ def add_parser(subparsers) -> None:
     )
     p.add_argument("file", type=Path, help="the state blob or file")
     p.add_argument(
-        "--model",
-        help="the model the state came from, a registry name or a .gguf path (facts the blob does not store)",
+        "--model", help="the model the state came from, a registry name or a .gguf path (facts the blob does not store)"
     )
-    p.add_argument(
-        "--kind",
-        choices=KINDS,
-        default="auto",
-        help="what the file is (default: from its magic)",
-    )
+    p.add_argument("--kind", choices=KINDS, default="auto", help="what the file is (default: from its magic)")
     p.add_argument(
         "--expect",
         action="append",
@@ -848,7 +749,7 @@ def add_parser(subparsers) -> None:
     p.set_defaults(func=_cmd_scan)
 
 
-def _parse_expect(items: list[str]) -> Optional[dict[int, int]]:
+def _parse_expect(items: list[str]) -> dict[int, int] | None:
     """`--expect SEQ=LEN` values; None without any, so a sequence file's own token count applies."""
     if not items:
         return None
@@ -887,11 +788,7 @@ def _render(report: ScanReport, cells: bool) -> None:
     facts = [report.framing, f"{report.size} bytes"]
     facts += [
         f"{k} {v}"
-        for k, v in (
-            ("arch", report.arch),
-            ("seq", report.seq_id),
-            ("tokens", report.tokens),
-        )
+        for k, v in (("arch", report.arch), ("seq", report.seq_id), ("tokens", report.tokens))
         if v is not None
     ]
     console.print(f"[bold]{report.source}[/]: {', '.join(facts)}")

@@ -46,11 +46,7 @@ class PositionLogits:
         if self.pending is not None:
             future, self.pending = self.pending, None
             done = future.result()
-            self.top_ids, self.top_logits, self.digest = (
-                done.top_ids,
-                done.top_logits,
-                done.digest,
-            )
+            self.top_ids, self.top_logits, self.digest = done.top_ids, done.top_logits, done.digest
             self.head, self.tail, self.log_z = done.head, done.tail, done.log_z
         return self
 
@@ -142,9 +138,7 @@ def capture(row: np.ndarray, k: int, deferred: bool = False) -> PositionLogits:
     `settle()`, then holds exactly the values of an immediate capture."""
     if deferred:
         return PositionLogits(
-            np.empty(0, np.int32),
-            np.empty(0, np.float32),
-            pending=_pool().submit(capture, row.copy(), k),
+            np.empty(0, np.int32), np.empty(0, np.float32), pending=_pool().submit(capture, row.copy(), k)
         )
     k = min(k, row.shape[0])
     order = _top_k(row, k) if k > 0 else None
@@ -163,10 +157,7 @@ def capture(row: np.ndarray, k: int, deferred: bool = False) -> PositionLogits:
     if math.isnan(total) and not full:
         order = _top_k_full(row, k)
         peak = float(row[order[0]])
-        record.top_ids, record.top_logits = (
-            order.astype(np.int32),
-            row[order].astype(np.float32),
-        )
+        record.top_ids, record.top_logits = order.astype(np.int32), row[order].astype(np.float32)
         total = _normaliser(row, peak, scratch)
     record.digest = f"{zlib.crc32(memoryview(row)):08x}"
     record.log_z = peak + math.log(total)
@@ -249,12 +240,7 @@ def from_frame(df: pd.DataFrame) -> list[PositionLogits]:
     ]
 
 
-FLOAT_COLUMNS = (
-    "top_logits.list.element",
-    "log_z",
-    "head.list.element",
-    "tail.list.element",
-)
+FLOAT_COLUMNS = ("top_logits.list.element", "log_z", "head.list.element", "tail.list.element")
 
 
 def save_parquet(path: Path, frames_by_case: dict[str, pd.DataFrame]) -> None:
@@ -262,11 +248,7 @@ def save_parquet(path: Path, frames_by_case: dict[str, pd.DataFrame]) -> None:
     which compresses them where dictionaries would grow them: about 16 kB per 128 positions at k = 10)."""
     frames = [frame.assign(case=case) for case, frame in frames_by_case.items() if len(frame)]
     table = (
-        pa.Table.from_pandas(
-            pd.concat(frames, ignore_index=True)[SCHEMA.names],
-            schema=SCHEMA,
-            preserve_index=False,
-        )
+        pa.Table.from_pandas(pd.concat(frames, ignore_index=True)[SCHEMA.names], schema=SCHEMA, preserve_index=False)
         if frames
         else SCHEMA.empty_table()
     )
@@ -339,7 +321,7 @@ def _position_diff(a: PositionLogits, b: PositionLogits, k: int) -> dict:
     """The metrics of one position (see `compare`) plus the NMSE sums that pool over positions."""
     la, lb = a.logprobs()[:k], b.logprobs()[:k]
     ia, ib = a.top_ids[:k], b.top_ids[:k]
-    va, vb = dict(zip(ia.tolist(), la)), dict(zip(ib.tolist(), lb))
+    va, vb = dict(zip(ia.tolist(), la, strict=False)), dict(zip(ib.tolist(), lb, strict=False))
     shared = [i for i in va if i in vb]
     # an id in one side's top-k only: the other side's value is at most its k-th, so |Δ| ≥ value − k-th
     deltas = {i: abs(va[i] - vb[i]) for i in shared}
@@ -381,21 +363,12 @@ def compare(a: list[PositionLogits], b: list[PositionLogits], k: int = 10) -> Lo
     """
     rows = []
     n_skipped = 0
-    for pos, (x, y) in enumerate(zip(a, b)):
+    for pos, (x, y) in enumerate(zip(a, b, strict=False)):
         if len(x.top_ids) == 0 or len(y.top_ids) == 0:
             n_skipped += 1
             continue
         rows.append({"position": pos, **_position_diff(x, y, k)})
-    columns = [
-        "position",
-        "a_top1",
-        "b_top1",
-        "top1_agree",
-        "max_abs",
-        "max_abs_id",
-        "nmse",
-        "kl",
-    ]
+    columns = ["position", "a_top1", "b_top1", "top1_agree", "max_abs", "max_abs_id", "nmse", "kl"]
     df = pd.DataFrame(rows, columns=columns + ["_err", "_ref"])
     err, ref = float(df["_err"].sum()), float(df["_ref"].sum())
     empty = df.empty

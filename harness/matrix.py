@@ -6,7 +6,6 @@ one that force rejections.
 """
 
 from dataclasses import dataclass
-from typing import Optional
 
 from harness import MODES
 from harness.errors import HarnessError
@@ -20,7 +19,7 @@ class SpecPreset:
 
     options: dict
     """llama-server flag names (without dashes) → values; empty for `none`."""
-    scripted: Optional[str] = None
+    scripted: str | None = None
     """In-process only: `accept-all`, `reject-all` or `wrong-at-2` drafts from the case's own greedy output."""
     expect_accepts: bool = True
     """Whether `spec-ran` expects some drafts accepted (a forced-rejection config does not)."""
@@ -53,23 +52,13 @@ _NGRAM_SMALL = {
     "ngram-simple": {"spec-ngram-simple-size-n": 3, "spec-ngram-simple-size-m": 8},
     "ngram-map-k": {"spec-ngram-map-k-size-n": 3, "spec-ngram-map-k-size-m": 8},
     "ngram-map-k4v": {"spec-ngram-map-k4v-size-n": 3, "spec-ngram-map-k4v-size-m": 8},
-    "ngram-mod": {
-        "spec-ngram-mod-n-match": 3,
-        "spec-ngram-mod-n-min": 1,
-        "spec-ngram-mod-n-max": 8,
-    },
+    "ngram-mod": {"spec-ngram-mod-n-match": 3, "spec-ngram-mod-n-min": 1, "spec-ngram-mod-n-max": 8},
 }
 SPEC_PRESETS: dict[str, SpecPreset] = {
     "none": SpecPreset({}),
     "draft-simple": SpecPreset({"spec-type": "draft-simple", "spec-draft-n-max": 4}),
     # the draft context's K cache in q8_0 while the target's stays f16 (a quantized V needs flash attention)
-    "draft-simple-q8": SpecPreset(
-        {
-            "spec-type": "draft-simple",
-            "spec-draft-n-max": 4,
-            "spec-draft-type-k": "q8_0",
-        }
-    ),
+    "draft-simple-q8": SpecPreset({"spec-type": "draft-simple", "spec-draft-n-max": 4, "spec-draft-type-k": "q8_0"}),
     **{name: SpecPreset({"spec-type": name, **opts}) for name, opts in _NGRAM_SMALL.items()},
     "scripted-accept": SpecPreset({}, scripted="accept-all"),
     # every draft rejected: a draft-simple draft is synthetically accepted with probability 0 (`--spec-synth-len 1`
@@ -127,7 +116,7 @@ class Cell:
 AXES = ("backends", "modes", "specs", "models")
 
 
-def cells(matrix: dict | list[dict], only: dict[str, Optional[list[str]]] | None = None) -> list[Cell]:
+def cells(matrix: dict | list[dict], only: dict[str, list[str] | None] | None = None) -> list[Cell]:
     """Every cell of a suite's matrix — one block of axes, or a list of blocks whose cells are united (in
     order, each once) — with explicit choices (`only[axis]`) replacing a block's axis.
 
@@ -163,16 +152,13 @@ def block_of(matrix: dict | list[dict], model: str) -> dict:
 
 
 def narrowing(
-    backends: Optional[list[str]] = None,
-    modes: Optional[list[str]] = None,
-    specs: Optional[list[str]] = None,
-    models: Optional[list[str]] = None,
+    backends: list[str] | None = None,
+    modes: list[str] | None = None,
+    specs: list[str] | None = None,
+    models: list[str] | None = None,
 ) -> dict:
     """Validated explicit choices for `cells(..., only=)` (None keeps a suite's own axis)."""
-    for values, allowed, what in (
-        (backends, BACKEND_NAMES, "backend"),
-        (modes, MODES, "mode"),
-    ):
+    for values, allowed, what in ((backends, BACKEND_NAMES, "backend"), (modes, MODES, "mode")):
         bad = [v for v in values or () if v not in allowed]
         if bad:
             raise HarnessError(f"unknown {what} '{bad[0]}' (use: {', '.join(allowed)})")
@@ -250,34 +236,19 @@ def shard(jobs: list[tuple], part: Shard, cost=estimated_cost) -> list[tuple]:
         units.sort(key=lambda u: (len(u[2]) > 1, u[0], u[1]))
         _, key, members = units.pop()
         for suite, cell in members:
-            refs = {
-                cell.reference(spec="none"),
-                cell.reference(mode="seq"),
-                cell.reference(mode="seq", spec="none"),
-            }
-            units.append(
-                (
-                    sum(cost(suite, c) for c in refs | {cell}),
-                    (*key, cell.mode, cell.spec),
-                    [(suite, cell)],
-                )
-            )
+            refs = {cell.reference(spec="none"), cell.reference(mode="seq"), cell.reference(mode="seq", spec="none")}
+            units.append((sum(cost(suite, c) for c in refs | {cell}), (*key, cell.mode, cell.spec), [(suite, cell)]))
     load = [0.0] * part.count
     held: list[set] = [set() for _ in range(part.count)]  # (suite, cell) each shard executes, references too
     mine = set()
-    for _, key, members in sorted(units, key=lambda u: (-u[0], u[1])):
+    for _, _key, members in sorted(units, key=lambda u: (-u[0], u[1])):
         needs = {
             (s.name, ref): s
             for s, c in members
             for ref in (
                 {c}
                 if len(members) > 1
-                else {
-                    c,
-                    c.reference(spec="none"),
-                    c.reference(mode="seq"),
-                    c.reference(mode="seq", spec="none"),
-                }
+                else {c, c.reference(spec="none"), c.reference(mode="seq"), c.reference(mode="seq", spec="none")}
             )
         }
         extra = [

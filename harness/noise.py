@@ -11,7 +11,6 @@ import json
 import re
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
-from typing import Optional
 
 from harness.errors import HarnessError
 from harness.logits import Tolerances
@@ -62,9 +61,7 @@ DEFAULT = NoiseFloor()
 
 def calibration_root() -> Path:
     """`fixtures/calibration` beside the `suites/` directory in use."""
-    from harness.suites import (
-        suites_dir,
-    )  # here: the suites' module reaches the engine, reports must not
+    from harness.suites import suites_dir  # here: the suites' module reaches the engine, reports must not
 
     return suites_dir().parent / "fixtures" / "calibration"
 
@@ -73,7 +70,7 @@ def _safe(name: str) -> str:
     return re.sub(r"[^A-Za-z0-9_.+-]", "_", name)
 
 
-def calibration_path(model: str, backend: str, device: str, root: Optional[Path] = None) -> Path:
+def calibration_path(model: str, backend: str, device: str, root: Path | None = None) -> Path:
     return (root or calibration_root()) / f"{_safe(model)}--{backend}--{device}.json"
 
 
@@ -99,25 +96,24 @@ def from_data(data: dict, source: str) -> NoiseFloor:
         raise HarnessError(f"corrupt calibration file {source}: {err!r}; re-run `specharness calibrate`") from None
 
 
-def uncalibrated(model: str, backend: str, root: Optional[Path] = None) -> NoiseFloor:
+def uncalibrated(model: str, backend: str, root: Path | None = None) -> NoiseFloor:
     """DEFAULT, its source naming the default tolerances and the command that would measure the real ones."""
     t = DEFAULT.tolerances
     where = f" --calibration-dir {root}" if root and Path(root).resolve() != calibration_root().resolve() else ""
     return replace(
         DEFAULT,
         source=(
-            f"default (uncalibrated: nmse {t.nmse:g}, kl {t.kl:g}, max_abs {t.max_abs:g}, near-tie {DEFAULT.near_tie:g} "
+            f"default (uncalibrated: nmse {t.nmse:g}, kl {t.kl:g}, max_abs {t.max_abs:g}, near-tie "
+            f"{DEFAULT.near_tie:g} "
             f"nats; measure them with: specharness calibrate --model {model} --backend {backend} --write{where})"
         ),
     )
 
 
-def load(model: str, backend: str, device: str, root: Optional[Path] = None) -> NoiseFloor:
+def load(model: str, backend: str, device: str, root: Path | None = None) -> NoiseFloor:
     """The calibrated floor of (model, backend, device) — `model` a registry name or a model file — from `root`
     when given and calibrated there, else from the default root; `uncalibrated` when neither has it."""
-    from harness.models import (
-        model_key,
-    )  # here: reports reach this module and need no model registry
+    from harness.models import model_key  # here: reports reach this module and need no model registry
 
     key = model_key(model)
     path = next(

@@ -2,8 +2,8 @@
 
 import os
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import platformdirs
 

@@ -11,30 +11,25 @@ import json
 import shlex
 import shutil
 from pathlib import Path
-from typing import Optional
 
 import pytest
 
-from harness import MODES, interrupt
+from harness import MODES, detok, interrupt
 from harness.backends.base import KV_SCAN
 from harness.backends.choose import backend_factories
 from harness.baselines import BaselineStore, not_recorded_lines, uncalibrated_lines
 from harness.checks import evaluate
 from harness.checks.base import CheckContext
-from harness import detok
 from harness.errors import HarnessBug, HarnessError
 from harness.execute import ExecOptions, Executor, case_keys
-from harness.known_failures import (
-    FILE_NAME as KNOWN_FAILURES,
-    KnownFailure,
-    load as load_known,
-    tag,
-)
+from harness.known_failures import FILE_NAME as KNOWN_FAILURES
+from harness.known_failures import KnownFailure, tag
+from harness.known_failures import load as load_known
 from harness.matrix import BACKEND_NAMES, Shard, cells, narrowing, shard
 from harness.models import ModelUnavailable, resolve
 from harness.report import describe_run, publish, write_run
-from harness.report.merge import merge
 from harness.report.files import RunDir, now
+from harness.report.merge import merge
 from harness.runner import count, csv, known_failures
 from harness.signatures.text import known_lines, summary_lines
 from harness.suites import load_suite, user_suites_dir
@@ -45,26 +40,18 @@ STATE = pytest.StashKey[dict]()
 def pytest_addoption(parser: pytest.Parser) -> None:
     group = parser.getgroup("specharness", "specharness suites")
     group.addoption(
-        "--backend",
-        help=f"comma-separated backends ({', '.join(BACKEND_NAMES)}); default: each suite's matrix",
+        "--backend", help=f"comma-separated backends ({', '.join(BACKEND_NAMES)}); default: each suite's matrix"
     )
-    group.addoption(
-        "--mode",
-        help=f"comma-separated modes ({', '.join(MODES)}); default: each suite's matrix",
-    )
+    group.addoption("--mode", help=f"comma-separated modes ({', '.join(MODES)}); default: each suite's matrix")
     group.addoption(
         "--spec",
         help="comma-separated speculative configs (presets; `a+b` chains drafters); default: each suite's matrix",
     )
     group.addoption(
-        "--model",
-        help="comma-separated models (registry names or .gguf paths); default: each suite's matrix",
+        "--model", help="comma-separated models (registry names or .gguf paths); default: each suite's matrix"
     )
     group.addoption("--server-bin", help="use this llama-server binary instead of building one")
-    group.addoption(
-        "--source",
-        help="build llama-server from this llama.cpp tree (default: the vendored one)",
-    )
+    group.addoption("--source", help="build llama-server from this llama.cpp tree (default: the vendored one)")
     group.addoption("--update-baselines", action="store_true", help="write baselines from this run")
     group.addoption(
         "--baselines-dir",
@@ -78,25 +65,12 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         "specharness_suites_dir); their baselines are fixtures/baselines beside DIR",
     )
     group.addoption(
-        "--calibration-dir",
-        metavar="DIR",
-        help="read calibration files here first (ini: specharness_calibration_dir)",
+        "--calibration-dir", metavar="DIR", help="read calibration files here first (ini: specharness_calibration_dir)"
     )
-    parser.addini(
-        "specharness_suites_dir",
-        "a directory of your own suites (relative to the ini file)",
-    )
+    parser.addini("specharness_suites_dir", "a directory of your own suites (relative to the ini file)")
     parser.addini("specharness_baselines_dir", "baselines directory (relative to the ini file)")
-    parser.addini(
-        "specharness_calibration_dir",
-        "calibration directory (relative to the ini file)",
-    )
-    group.addoption(
-        "--repeat",
-        type=count(1),
-        default=1,
-        help="run every suite's rounds this many times",
-    )
+    parser.addini("specharness_calibration_dir", "calibration directory (relative to the ini file)")
+    group.addoption("--repeat", type=count(1), default=1, help="run every suite's rounds this many times")
     group.addoption(
         "--report",
         metavar="DIR",
@@ -113,12 +87,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         choices=KV_SCAN,
         help="scan KV state after every request (default), also after every speculative step, or off",
     )
-    group.addoption(
-        "--logit-top-k",
-        type=count(0),
-        default=10,
-        help="top-k logits logged per position (0 = off)",
-    )
+    group.addoption("--logit-top-k", type=count(0), default=10, help="top-k logits logged per position (0 = off)")
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -128,12 +97,7 @@ def pytest_configure(config: pytest.Config) -> None:
     report = Path(opt("--report")) if opt("--report") else None
     baselines = path_setting(config, "baselines_dir")
     try:
-        only = narrowing(
-            csv(opt("--backend")),
-            csv(opt("--mode")),
-            csv(opt("--spec")),
-            csv(opt("--model")),
-        )
+        only = narrowing(csv(opt("--backend")), csv(opt("--mode")), csv(opt("--spec")), csv(opt("--model")))
         extra = user_suites_dir(path_setting(config, "suites_dir"))
         known = known_failures(extra)
         part = Shard.parse(opt("--shard")) if opt("--shard") else None
@@ -179,7 +143,7 @@ def pytest_unconfigure(config: pytest.Config) -> None:
         state["signals"].close()
 
 
-def path_setting(config: pytest.Config, name: str) -> Optional[Path]:
+def path_setting(config: pytest.Config, name: str) -> Path | None:
     """A directory given as `--<name>` (relative to the working directory) or as the ini key
     `specharness_<name>` (relative to the ini file); None when neither."""
     option = config.getoption("--" + name.replace("_", "-"))
@@ -229,11 +193,7 @@ class SuiteFile(pytest.File):
             for case in suite.cases:
                 for key in case_keys(case):
                     item = SuiteItem.from_parent(
-                        self,
-                        name=f"{suite.name}[{key}-{cell.id}]",
-                        suite=suite,
-                        cell=cell,
-                        key=key,
+                        self, name=f"{suite.name}[{key}-{cell.id}]", suite=suite, cell=cell, key=key
                     )
                     item.add_marker(pytest.mark.xdist_group(worker_group(suite.name, cell)))
                     if suite.slow:
@@ -317,11 +277,7 @@ class KnownFailuresFile(pytest.File):
             suite = load_suite(entry.suite, self.path.parent)
             if entry.missing_cpu_flags:
                 item = KnownFailureItem.from_parent(
-                    self,
-                    name=f"known-failures[{entry.id}]",
-                    entry=entry,
-                    suite=suite,
-                    cells=[],
+                    self, name=f"known-failures[{entry.id}]", entry=entry, suite=suite, cells=[]
                 )
                 item.add_marker(
                     pytest.mark.skip(
@@ -336,11 +292,7 @@ class KnownFailuresFile(pytest.File):
             chosen = [c for c in cells(suite.matrix, _only(self.config)) if entry.covers(suite.name, c)]
             if chosen:
                 item = KnownFailureItem.from_parent(
-                    self,
-                    name=f"known-failures[{entry.id}]",
-                    entry=entry,
-                    suite=suite,
-                    cells=chosen,
+                    self, name=f"known-failures[{entry.id}]", entry=entry, suite=suite, cells=chosen
                 )
                 item.add_marker(pytest.mark.xdist_group(worker_group(suite.name, chosen[0])))
                 item.add_marker(
@@ -383,13 +335,7 @@ def _detok(model: str):
     return detok.for_model(model) or (lambda tokens: " ".join(map(str, tokens)))
 
 
-REPORT_DEFAULTS = {
-    "server_bin": None,
-    "source": None,
-    "kv_scan": "request",
-    "logit_top_k": 10,
-    "repeat": 1,
-}
+REPORT_DEFAULTS = {"server_bin": None, "source": None, "kv_scan": "request", "logit_top_k": 10, "repeat": 1}
 """The options a case's re-run command repeats when this session changed them."""
 
 

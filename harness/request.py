@@ -9,7 +9,6 @@ llama.cpp's `common_sampler` chain from them (harness.engine.sampler).
 """
 
 from dataclasses import dataclass, field, fields
-from typing import Optional, Union
 
 SAMPLER_NAMES = (
     "penalties",
@@ -25,27 +24,14 @@ SAMPLER_NAMES = (
     "adaptive_p",
 )
 """Sampler names llama-server accepts in `samplers` (common_sampler_types_from_names, canonical spellings)."""
-DEFAULT_SAMPLERS = (
-    "penalties",
-    "dry",
-    "top_n_sigma",
-    "top_k",
-    "typ_p",
-    "top_p",
-    "min_p",
-    "xtc",
-    "temperature",
-)
+DEFAULT_SAMPLERS = ("penalties", "dry", "top_n_sigma", "top_k", "typ_p", "top_p", "min_p", "xtc", "temperature")
 """llama-server's default order (common_params_sampling::samplers)."""
 DEFAULT_DRY_BREAKERS = ("\n", ":", '"', "*")
 UINT32 = 0xFFFFFFFF
 
 _NUMBER = {"type": "number"}
 _COUNT = {"type": "integer", "minimum": 0}
-_BIAS = {
-    "description": "a number or false",
-    "anyOf": [{"type": "number"}, {"const": False}],
-}
+_BIAS = {"description": "a number or false", "anyOf": [{"type": "number"}, {"const": False}]}
 _LOGIT_BIAS = {
     "description": "a list of [token id or text, bias] pairs or a mapping token id or text: bias",
     "anyOf": [
@@ -93,8 +79,7 @@ class Sampling:
     dry_allowed_length: int = _f(2, _COUNT)
     dry_penalty_last_n: int = _f(64, _COUNT)
     dry_sequence_breakers: list[str] = _f(
-        DEFAULT_DRY_BREAKERS,
-        {"type": "array", "items": {"type": "string"}, "minItems": 1},
+        DEFAULT_DRY_BREAKERS, {"type": "array", "items": {"type": "string"}, "minItems": 1}
     )
     mirostat: int = _f(0, {"enum": [0, 1, 2]})
     mirostat_tau: float = _f(5.0, _NUMBER)
@@ -104,14 +89,14 @@ class Sampling:
     )  # < 0 = off; used when `samplers` has adaptive_p
     adaptive_decay: float = _f(0.9, {"type": "number", "minimum": 0, "maximum": 0.99})
     min_keep: int = _f(0, _COUNT)
-    logit_bias: Union[list, dict] = _f([], _LOGIT_BIAS)
+    logit_bias: list | dict = _f([], _LOGIT_BIAS)
     """Token id or text (every token of its tokenization) → bias added to the logit; `false` bans it."""
     ignore_eos: bool = _f(False, {"type": "boolean"})
     """End-of-generation tokens get a -inf logit bias (llama-server's vocabulary EOG biases)."""
     samplers: list[str] = _f(DEFAULT_SAMPLERS, {"type": "array", "items": {"enum": list(SAMPLER_NAMES)}})
-    seed: Optional[int] = _f(None, {"type": "integer", "minimum": -1, "maximum": UINT32})
+    seed: int | None = _f(None, {"type": "integer", "minimum": -1, "maximum": UINT32})
     """None: the backend's `seed` option (llama-server's `-s`); -1: random."""
-    n_probs: Optional[int] = _f(None, _COUNT)
+    n_probs: int | None = _f(None, _COUNT)
     """Top candidates logged per generated token; None: the run's `--logit-top-k`."""
     post_sampling_probs: bool = _f(False, {"type": "boolean"})
     """The top `n_probs` are the sampler chain's candidates after sampling (`prob` / `top_probs`, zero
@@ -130,9 +115,9 @@ class Sampling:
     n_discard: int = _f(0, {"type": "integer", "minimum": 0})
     """Context shift: tokens after the kept ones discarded per shift (0: half of the rest)."""
     stop: list[str] = _f([], {"type": "array", "items": {"type": "string"}})
-    grammar: Optional[str] = None
+    grammar: str | None = None
     """A GBNF grammar constraining the output (llama.cpp's grammar sampler)."""
-    json_schema: Optional[dict] = None
+    json_schema: dict | None = None
     """A JSON schema constraining the output (turned into a grammar; ignored when `grammar` is set)."""
 
     @property
@@ -211,13 +196,13 @@ which a case gives as its own keys)."""
 class Request:
     """A raw completion (`prompt` as text or token ids) or a chat (`messages`, rendered by the backend)."""
 
-    prompt: Union[str, list[int], None] = None
-    messages: Optional[list[dict]] = None
+    prompt: str | list[int] | None = None
+    messages: list[dict] | None = None
     sampling: Sampling = field(default_factory=Sampling)
     tag: str = ""
     """Free-form label (suite/case/repeat) carried through to the result; backends ignore it but name it
     in errors (a request past its deadline)."""
-    deadline_s: Optional[float] = None
+    deadline_s: float | None = None
     """Seconds the request may take; None: derived from n_predict and the measured speed
     (harness.backends.base.request_deadline)."""
 

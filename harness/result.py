@@ -1,7 +1,7 @@
 """The `Result` record: one per request, filled the same way by every backend."""
 
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any
 
 from harness.logits import PositionLogits
 
@@ -49,11 +49,11 @@ class Result:
     truncated: bool = False
     """llama-server's `truncated`: the generation reached the end of the context (stopped there, or shifted
     the context and went on)."""
-    error: Optional[str] = None
+    error: str | None = None
     slot_id: int = -1
     timings: Timings = field(default_factory=Timings)
     spec_stats: dict[str, Any] = field(default_factory=dict)
-    kv_scan: Optional[dict] = None
+    kv_scan: dict | None = None
     """The KV scanner's brief verdict on this request's sequence (None when not scanned)."""
     logits: list[PositionLogits] = field(default_factory=list)
     """One entry per generated token when logit logging is on (`logit_top_k` > 0), else empty."""

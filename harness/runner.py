@@ -9,30 +9,28 @@ import argparse
 import secrets
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable, Optional
 
 from rich.console import Console
 from rich.progress import Progress
 from rich.table import Table
 
+from harness import detok as detokenizers
+from harness import interrupt
 from harness.backends.base import KV_SCAN, STALL_FLOOR_S
 from harness.backends.choose import backend_factories
-from harness.baselines import (
-    BaselineStore,
-    not_recorded_lines,
-    shown,
-    uncalibrated_lines,
-)
+from harness.baselines import BaselineStore, not_recorded_lines, shown, uncalibrated_lines
 from harness.checks import evaluate
 from harness.checks.base import CheckContext
-from harness import detok as detokenizers, interrupt
 from harness.engine.faults import FAULTS
 from harness.engine.rollback import CHECKPOINT_FLAGS, STRATEGIES
 from harness.engine.speculative import SpecConfig
 from harness.errors import HarnessError
 from harness.execute import CellRun, ExecOptions, Executor, case_keys
-from harness.known_failures import FILE_NAME as KNOWN_FAILURES, load as load_known, tag
+from harness.known_failures import FILE_NAME as KNOWN_FAILURES
+from harness.known_failures import load as load_known
+from harness.known_failures import tag
 from harness.matrix import SPEC_PRESETS, Cell, Shard, cells, narrowing, shard
 from harness.models import ModelUnavailable, resolve
 from harness.paths import reports_dir
@@ -102,7 +100,7 @@ def prepare_out(out: Path) -> Path:
     return out
 
 
-def plan_jobs(plan: list[tuple[Suite, dict]], part: Optional[Shard] = None) -> list[tuple[Suite, Cell]]:
+def plan_jobs(plan: list[tuple[Suite, dict]], part: Shard | None = None) -> list[tuple[Suite, Cell]]:
     """The (suite, cell) jobs of each (suite, narrowing) pair; only shard `part`'s when given."""
     jobs = [(suite, cell) for suite, only in plan for cell in cells(suite.matrix, only)]
     return shard(jobs, part) if part else jobs
@@ -120,8 +118,8 @@ def run_suites(
     executor: Executor,
     baselines: BaselineStore,
     progress: Progress | None = None,
-    part: Optional[Shard] = None,
-    on_cell: Optional[Callable[[Suite, Cell, list], None]] = None,
+    part: Shard | None = None,
+    on_cell: Callable[[Suite, Cell, list], None] | None = None,
 ) -> list:
     """Run every cell of each (suite, narrowing) pair (of shard `part` only, when given) and evaluate its
     checks; returns (suite, case, cell, CheckResult) tuples. `on_cell` gets each cell's verdicts as soon
@@ -134,11 +132,7 @@ def run_suites(
     for suite, cell in jobs:
         if progress:
             progress.update(task, description=f"{suite.name} · {cell.id}")
-        run = executor.run(
-            suite,
-            cell,
-            on_request=(lambda: progress.advance(task)) if progress else None,
-        )
+        run = executor.run(suite, cell, on_request=(lambda: progress.advance(task)) if progress else None)
         if run.harness_error is not None:  # no verdicts: reported as a harness error at the end of the run
             if on_cell:
                 on_cell(suite, cell, [])
@@ -178,10 +172,7 @@ def summary_table(runs: list[CellRun], verdicts: list) -> Table:
     for (suite, model, mode, spec, backend), rows in groups:
         ok = rows[rows["error"].isna()]
         ms, n = ok["timings.predicted_ms"].sum(), ok["timings.predicted_n"].sum()
-        drafted, accepted = (
-            _total(ok, "spec_stats.draft_n"),
-            _total(ok, "spec_stats.draft_n_accepted"),
-        )
+        drafted, accepted = _total(ok, "spec_stats.draft_n"), _total(ok, "spec_stats.draft_n_accepted")
         mine = [
             r
             for s, _, c, r in verdicts
@@ -258,12 +249,9 @@ def exec_options(args: argparse.Namespace, backends: dict) -> ExecOptions:
     )
 
 
-def known_failures(extra: Optional[Path] = None) -> list:
+def known_failures(extra: Path | None = None) -> list:
     """The known-failures entries of the suites in use and of a `--suites-dir`."""
-    return [
-        *load_known(suites_dir() / KNOWN_FAILURES),
-        *(load_known(extra / KNOWN_FAILURES) if extra else []),
-    ]
+    return [*load_known(suites_dir() / KNOWN_FAILURES), *(load_known(extra / KNOWN_FAILURES) if extra else [])]
 
 
 def cmd_run(args: argparse.Namespace) -> int:
@@ -279,10 +267,7 @@ def cmd_run(args: argparse.Namespace) -> int:
             "nothing to run: the chosen backends, modes, spec configs and models leave no cell "
             "(scripted spec configs run only in-process, synth-reject only on llama-server)"
         )
-    skipped = available_models(
-        sorted({c.model for suite in suites for c in cells(suite.matrix, only)}),
-        args.model,
-    )
+    skipped = available_models(sorted({c.model for suite in suites for c in cells(suite.matrix, only)}), args.model)
     plan = [
         (suite, {**only, "models": models})
         for suite in suites
@@ -320,11 +305,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         for suite, key, cell, r in verdicts:
             if not r.passed:
                 label = f"KNOWN {r.evidence['known_failure']}" if "known_failure" in r.evidence else "FAIL"
-                console.print(
-                    f"{label} {suite}[{key}-{cell.id}] [{r.name}] {r.message}",
-                    markup=False,
-                    highlight=False,
-                )
+                console.print(f"{label} {suite}[{key}-{cell.id}] [{r.name}] {r.message}", markup=False, highlight=False)
         fixed = [
             e
             for e in known
@@ -339,11 +320,7 @@ def cmd_run(args: argparse.Namespace) -> int:
             )
         for run in runs:
             if run.error:
-                console.print(
-                    f"error: {run.suite.name} {run.cell.id}: {run.error}",
-                    markup=False,
-                    highlight=False,
-                )
+                console.print(f"error: {run.suite.name} {run.cell.id}: {run.error}", markup=False, highlight=False)
             if run.harness_error:
                 console.print(run.harness_error, markup=False, highlight=False)
         for path in dict.fromkeys(baselines.written):
@@ -418,10 +395,7 @@ def repro_options(args: argparse.Namespace) -> dict:
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     """Register `specharness run`."""
-    p = sub.add_parser(
-        "run",
-        help="run suites on a backend in seq / par / no-kv-unified modes and check them",
-    )
+    p = sub.add_parser("run", help="run suites on a backend in seq / par / no-kv-unified modes and check them")
     p.add_argument(
         "--suite",
         action="append",
@@ -441,35 +415,16 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         metavar="NAME|PATH",
         help="registry name or .gguf path, repeatable (default: the suite's models)",
     )
-    p.add_argument(
-        "--mode",
-        help="comma-separated: seq,par,no-kv-unified (default: the suite's modes)",
-    )
-    p.add_argument(
-        "--backend",
-        help="comma-separated: inproc,server (default: the suite's backends)",
-    )
+    p.add_argument("--mode", help="comma-separated: seq,par,no-kv-unified (default: the suite's modes)")
+    p.add_argument("--backend", help="comma-separated: inproc,server (default: the suite's backends)")
     p.add_argument(
         "--spec",
         metavar="CONFIG[,CONFIG...]",
         help=f"speculative configs, each one of {', '.join(SPEC_PRESETS)} or `a+b` chained (default: the suite's)",
     )
-    p.add_argument(
-        "--draft-model",
-        metavar="NAME|PATH",
-        help="draft model for draft-simple (default <model>-draft)",
-    )
-    p.add_argument(
-        "--rollback",
-        default="auto",
-        choices=STRATEGIES,
-        help="in-process rollback strategy (default auto)",
-    )
-    p.add_argument(
-        "--fault",
-        choices=sorted(FAULTS),
-        help="switch on one fault of the in-process speculative engine",
-    )
+    p.add_argument("--draft-model", metavar="NAME|PATH", help="draft model for draft-simple (default <model>-draft)")
+    p.add_argument("--rollback", default="auto", choices=STRATEGIES, help="in-process rollback strategy (default auto)")
+    p.add_argument("--fault", choices=sorted(FAULTS), help="switch on one fault of the in-process speculative engine")
     p.add_argument(
         "--checkpoint-flags",
         default="partial",
@@ -490,30 +445,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
             metavar="TYPE" if isinstance(f.default, str) else "N",
             help=f"as llama-server (default {f.default})",
         )
-    p.add_argument(
-        "--server-bin",
-        type=Path,
-        metavar="PATH",
-        help="llama-server binary to use instead of building one",
-    )
-    p.add_argument(
-        "--source",
-        type=Path,
-        metavar="DIR",
-        help="llama.cpp tree to build llama-server from",
-    )
-    p.add_argument(
-        "--parallel",
-        type=count(1),
-        default=4,
-        help="slots in par and no-kv-unified modes (default 4)",
-    )
-    p.add_argument(
-        "--repeat",
-        type=count(1),
-        default=1,
-        help="run every suite's rounds this many times",
-    )
+    p.add_argument("--server-bin", type=Path, metavar="PATH", help="llama-server binary to use instead of building one")
+    p.add_argument("--source", type=Path, metavar="DIR", help="llama.cpp tree to build llama-server from")
+    p.add_argument("--parallel", type=count(1), default=4, help="slots in par and no-kv-unified modes (default 4)")
+    p.add_argument("--repeat", type=count(1), default=1, help="run every suite's rounds this many times")
     p.add_argument("--update-baselines", action="store_true", help="write baselines from this run")
     p.add_argument(
         "--baselines-dir",
@@ -533,12 +468,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         choices=KV_SCAN,
         help="scan KV state after every request (default), also after every speculative step, or off",
     )
-    p.add_argument(
-        "--logit-top-k",
-        type=count(0),
-        default=10,
-        help="top-k logits logged per position (0 = off)",
-    )
+    p.add_argument("--logit-top-k", type=count(0), default=10, help="top-k logits logged per position (0 = off)")
     p.add_argument(
         "--stall-s",
         type=seconds,

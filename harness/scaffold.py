@@ -42,10 +42,7 @@ def init(target: Path) -> list[Path]:
     """Write the starter files into `target` (creating it); returns the files written (existing ones are kept)."""
     if target.exists() and not target.is_dir():
         raise HarnessError(f"cannot initialise {target}: it is a file, not a directory")
-    files = {
-        target / "suites" / "starter.yaml": STARTER,
-        target / "pytest.ini": PYTEST_INI,
-    }
+    files = {target / "suites" / "starter.yaml": STARTER, target / "pytest.ini": PYTEST_INI}
     written = []
     for sub in ("suites", "fixtures/baselines", "fixtures/calibration"):
         (target / sub).mkdir(parents=True, exist_ok=True)

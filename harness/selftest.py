@@ -10,8 +10,8 @@ default matrix with no fault, which must also report zero failures.
 
 import argparse
 import re
+from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Iterator
 
 from rich.table import Table
 
@@ -21,7 +21,9 @@ from harness.baselines import BaselineStore, default_root
 from harness.checks import CHECKS
 from harness.engine.faults import FAULTS
 from harness.execute import ExecOptions, Executor
-from harness.known_failures import FILE_NAME as KNOWN_FAILURES, load as load_known, tag
+from harness.known_failures import FILE_NAME as KNOWN_FAILURES
+from harness.known_failures import load as load_known
+from harness.known_failures import tag
 from harness.report.files import check_records
 from harness.runner import run_suites, wide_console
 from harness.signatures import group
@@ -39,30 +41,12 @@ PLAN = [
     ),
     (
         "grammar-json",
-        {
-            "models": ["tiny-hybrid"],
-            "modes": ["seq"],
-            "specs": ["none", "scripted-reject"],
-            "backends": ["inproc"],
-        },
+        {"models": ["tiny-hybrid"], "modes": ["seq"], "specs": ["none", "scripted-reject"], "backends": ["inproc"]},
     ),
-    (
-        "kv-fill",
-        {
-            "models": ["tiny-dense"],
-            "modes": ["par"],
-            "specs": ["draft-simple"],
-            "backends": ["inproc"],
-        },
-    ),
+    ("kv-fill", {"models": ["tiny-dense"], "modes": ["par"], "specs": ["draft-simple"], "backends": ["inproc"]}),
     (
         "sampling",
-        {
-            "models": ["tiny-hybrid"],
-            "modes": ["seq"],
-            "specs": ["none", "draft-simple"],
-            "backends": ["inproc"],
-        },
+        {"models": ["tiny-hybrid"], "modes": ["seq"], "specs": ["none", "draft-simple"], "backends": ["inproc"]},
     ),
 ]
 """Suites and the matrix part each runs: rollbacks by seq_rm (dense) and by checkpoint (hybrid), a
@@ -83,26 +67,19 @@ FAULT_PLAN = {
     "shared-drafter-state": [
         (
             "quicksort",
-            {
-                "models": ["tiny-dense-loop"],
-                "modes": ["seq", "par"],
-                "specs": ["ngram-map-k"],
-                "backends": ["inproc"],
-            },
+            {"models": ["tiny-dense-loop"], "modes": ["seq", "par"], "specs": ["ngram-map-k"], "backends": ["inproc"]},
         )
     ],
 }
 """What a fault needs beyond the plan: draft-model speculation, and an n-gram drafter with a state per slot
 on a model whose text repeats (the dense `-loop` model: on Gemma's three quicksort prompts, nearly the same
-text, a shared state moves one token per request, which no acceptance check can tell from noise). A fault runs the plan and its own part; the clean row runs
+text, a shared state moves one token per request, which no acceptance check can tell from noise). A fault runs
+the plan and its own part; the clean row runs
 the plan and every fault's part."""
 
 EXPECTED: dict[str, list[tuple[str, str]]] = {
     "skip-seq-rm-after-restore": [("kv-healthy", r"[1-9]\d* duplicate cells")],
-    "no-sampler-restore": [
-        ("grammar-valid", r"invalid outputs"),
-        ("lossless", r"Class (hard|drift)"),
-    ],
+    "no-sampler-restore": [("grammar-valid", r"invalid outputs"), ("lossless", r"Class (hard|drift)")],
     "no-penalty-restore": [("lossless", r"the sampler's state differed")],
     "keep-drafts-on-decode-failure": [("no-crash", r"rejected the batch as invalid")],
     "rollback-off-by-one": [
@@ -115,17 +92,9 @@ EXPECTED: dict[str, list[tuple[str, str]]] = {
     ],
     "stale-draft-context": [
         ("kv-healthy", r"the draft context: \d+ duplicate cells, [1-9]\d* orphans"),
-        (
-            "acceptance",
-            r"against baseline \(tolerance [\d.e-]+\): (acceptance|accepted tokens)",
-        ),
+        ("acceptance", r"against baseline \(tolerance [\d.e-]+\): (acceptance|accepted tokens)"),
     ],
-    "shared-drafter-state": [
-        (
-            "acceptance",
-            r"against baseline \(tolerance [\d.e-]+\): (acceptance|accepted tokens)",
-        )
-    ],
+    "shared-drafter-state": [("acceptance", r"against baseline \(tolerance [\d.e-]+\): (acceptance|accepted tokens)")],
 }
 """Per fault, the (check, evidence) pairs that count as catching it (any one): the check must fail and its
 message must match the evidence — the bug class, not just any failure."""
@@ -170,7 +139,7 @@ def run_plan(fault: str | None, plan: list | None = None) -> Row:
         (suite, key, cell, r) for suite, key, cell, r in verdicts if not r.passed and tag(known, suite, cell, [r])
     ]  # a recorded llama.cpp defect is no false positive
     row.distinct = [f.signature for f in group(check_records(failing), (), lambda v: True)]
-    for suite, _, cell, r in failing:
+    for _suite, _, cell, r in failing:
         row.failures[r.name] += 1
         row.failing_cells.add(cell.id)
         pattern = expected.get(r.name)
@@ -259,11 +228,7 @@ def cmd_selftest(args: argparse.Namespace) -> int:
                     highlight=False,
                 )
             for error in row.harness_errors:
-                console.print(
-                    f"harness error with fault {row.fault}: {error}",
-                    markup=False,
-                    highlight=False,
-                )
+                console.print(f"harness error with fault {row.fault}: {error}", markup=False, highlight=False)
         if interrupt.received():
             planned = len(args.fault or FAULTS) + 1 + bool(args.clean_runs)
             console.print(f"interrupted: {len(rows)} of {planned} rows ran", markup=False)
@@ -281,10 +246,5 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help="runs of every suite's default matrix with no fault, which must report zero failures "
         "(default 1; the selftest plan's own clean row always runs)",
     )
-    p.add_argument(
-        "--fault",
-        action="append",
-        choices=sorted(FAULTS),
-        help="only these faults (default all)",
-    )
+    p.add_argument("--fault", action="append", choices=sorted(FAULTS), help="only these faults (default all)")
     p.set_defaults(func=cmd_selftest)

@@ -8,7 +8,7 @@ checks that apply; `SUITE_SCHEMA` below is the format, the README's "Suites" sec
 import difflib
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 import jsonschema
 import yaml
@@ -38,10 +38,7 @@ _CASE = {
     "properties": {
         "name": {"type": "string", "pattern": r"^[A-Za-z0-9_.+]+$"},
         "prompt": {"type": "string"},
-        "vars": {
-            "type": "object",
-            "additionalProperties": {"type": ["string", "number"]},
-        },
+        "vars": {"type": "object", "additionalProperties": {"type": ["string", "number"]}},
         "prompt_repeat": {"type": "integer", "minimum": 1},
         "chat": {"type": "array", "items": {"type": "string"}, "minItems": 1},
         "json_schema": {"type": "object"},
@@ -96,11 +93,7 @@ SUITE_SCHEMA = {
             },
         },
         "repeats": {"type": "integer", "minimum": 1},
-        "run_order": {
-            "type": "array",
-            "items": {"enum": ["seq", "par"]},
-            "minItems": 1,
-        },
+        "run_order": {"type": "array", "items": {"enum": ["seq", "par"]}, "minItems": 1},
         "checks": _NAMES,
         "allow_errors": {"type": "array", "items": {"enum": ["context_full"]}},
         "expect": {
@@ -108,10 +101,7 @@ SUITE_SCHEMA = {
             "additionalProperties": False,
             "properties": {
                 "completed_min": {"type": "number", "minimum": 0, "maximum": 1},
-                "spec_stats_min": {
-                    "type": "object",
-                    "additionalProperties": {"type": "integer", "minimum": 1},
-                },
+                "spec_stats_min": {"type": "object", "additionalProperties": {"type": "integer", "minimum": 1}},
             },
         },
         "expect_accepts": {"type": "boolean"},
@@ -173,7 +163,7 @@ class Case:
 
     name: str
     sampling: Sampling
-    prompt: Optional[str] = None
+    prompt: str | None = None
     turns: list[str] = field(default_factory=list)
     expect_accepts: bool = True
     """Whether `spec-ran` expects some drafts of this case accepted (a grammar the drafter does not see
@@ -183,14 +173,9 @@ class Case:
     def is_chat(self) -> bool:
         return bool(self.turns)
 
-    def request(self, deadline_s: Optional[float] = None) -> Request:
+    def request(self, deadline_s: float | None = None) -> Request:
         """The completion request (chats are built turn by turn by the runner)."""
-        return Request(
-            prompt=self.prompt,
-            sampling=self.sampling,
-            tag=self.name,
-            deadline_s=deadline_s,
-        )
+        return Request(prompt=self.prompt, sampling=self.sampling, tag=self.name, deadline_s=deadline_s)
 
 
 @dataclass
@@ -198,7 +183,7 @@ class Suite:
     """A validated suite file."""
 
     name: str
-    path: Optional[Path]
+    path: Path | None
     cases: list[Case]
     matrix: list[dict]
     """The blocks of the run matrix (see harness.matrix.cells)."""
@@ -218,7 +203,7 @@ class Suite:
     """Its pytest items carry the `slow` marker (`-m "not slow"` leaves them out)."""
     tolerances: dict[str, float] = field(default_factory=dict)
     """`logits-close` tolerances (harness.logits.Tolerances fields) and the triage's `near_tie` margin."""
-    deadline_s: Optional[float] = None
+    deadline_s: float | None = None
     """Seconds each request may take before it ends as `timeout`; None: derived from n_predict and the
     measured speed (harness.backends.base.request_deadline)."""
 
@@ -249,7 +234,7 @@ def suites_dir() -> Path:
     return bundled if bundled.is_dir() else package.parent / "suites"
 
 
-def find_suite(name_or_path: str, extra: Optional[Path] = None) -> Suite:
+def find_suite(name_or_path: str, extra: Path | None = None) -> Suite:
     """A suite by path, or by name from `extra` (a user's suites directory, `--suites-dir`: its suites add to
     and replace those in use) and then from `suites_dir()`; an unknown name lists the suites of both."""
     if extra is not None and Path(name_or_path).suffix not in (".yaml", ".yml"):
@@ -261,7 +246,7 @@ def find_suite(name_or_path: str, extra: Optional[Path] = None) -> Suite:
     return load_suite(name_or_path)
 
 
-def user_suites_dir(path: Optional[Path]) -> Optional[Path]:
+def user_suites_dir(path: Path | None) -> Path | None:
     """`--suites-dir`, checked: a directory of suite files (one-line HarnessError otherwise)."""
     if path is None:
         return None
@@ -276,12 +261,12 @@ NOT_SUITES = ("known-failures.yaml",)
 """YAML files beside the suites that are not suites."""
 
 
-def suite_files(directory: Optional[Path] = None) -> list[Path]:
+def suite_files(directory: Path | None = None) -> list[Path]:
     """Every suite file, sorted by name."""
     return sorted(p for p in (directory or suites_dir()).glob("*.yaml") if p.name not in NOT_SUITES)
 
 
-def load_suite(name_or_path: str, directory: Optional[Path] = None) -> Suite:
+def load_suite(name_or_path: str, directory: Path | None = None) -> Suite:
     """A suite by name (`suites/<name>.yaml`) or by path; an unknown name lists the known ones."""
     path = Path(name_or_path)
     if path.suffix not in (".yaml", ".yml"):
@@ -311,7 +296,7 @@ def _line_of(node: yaml.Node, path: list) -> int:
     return node.start_mark.line + 1
 
 
-def parse_suite(text: str, path: Optional[Path] = None) -> Suite:
+def parse_suite(text: str, path: Path | None = None) -> Suite:
     """Parse and validate suite YAML; any problem is a one-line HarnessError naming file, line and field."""
     where = str(path) if path else "<suite>"
     try:
@@ -386,7 +371,7 @@ def parse_suite(text: str, path: Optional[Path] = None) -> Suite:
     )
 
 
-def _case(raw: dict[str, Any], base: dict, path: Optional[Path], expect_accepts: bool) -> Case:
+def _case(raw: dict[str, Any], base: dict, path: Path | None, expect_accepts: bool) -> Case:
     sampling = Sampling(**{**base, **raw.get("sampling", {})})
     sampling.json_schema = raw.get("json_schema")
     if "grammar" in raw:

@@ -23,7 +23,6 @@ decode of the same prefix in that run's configuration (the class reason says so)
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Optional
 
 from harness.logits import PositionLogits, check, compare
 from harness.noise import DEFAULT, NoiseFloor
@@ -32,7 +31,7 @@ BEFORE_CHARS = 40
 """How much text before the divergence a Divergence shows."""
 CLASSES = ("near-tie", "drift", "hard", "kv-corrupt", "unexplained")
 
-Rescore = Callable[[str, int], Optional[PositionLogits]]
+Rescore = Callable[[str, int], PositionLogits | None]
 """(side: "reference" | "other", position) → that run's logits at the position, or None."""
 
 
@@ -46,14 +45,14 @@ class Divergence:
     """One of CLASSES (see the module docstring)."""
     reason: str
     """The evidence behind `kind`, in words."""
-    ref_token: Optional[int]
+    ref_token: int | None
     """The reference's token at `index`, None when the reference stream ended there."""
-    other_token: Optional[int]
+    other_token: int | None
     ref_text: str = ""
     other_text: str = ""
     before: str = ""
     """About 40 characters of reference text before `index` ("" without a detokenizer)."""
-    margins: dict[int, Optional[float]] = field(default_factory=dict)
+    margins: dict[int, float | None] = field(default_factory=dict)
     """position → reference top1−top2 margin (nats) at `index` and the positions before it; None where
     the reference has no (or a single) candidate there."""
     noise_floor: float = DEFAULT.near_tie
@@ -65,7 +64,7 @@ class Divergence:
     the sampler state also depends on logits): the picks differ because the sampler state did."""
 
     @property
-    def margin(self) -> Optional[float]:
+    def margin(self) -> float | None:
         """The reference's top1−top2 margin at the divergence."""
         return self.margins.get(self.index)
 
@@ -92,7 +91,7 @@ class Divergence:
         reference: str,
         ref_tokens: list[int],
         tokens: list[int],
-        ref_logits: Optional[list[PositionLogits]],
+        ref_logits: list[PositionLogits] | None,
     ) -> dict:
         """The JSON form kept as a check's `first_divergence` evidence (and in run diffs): the class and its
         evidence, both token streams and the reference's margin at every position (for the report)."""
@@ -122,20 +121,20 @@ class Divergence:
         }
 
 
-def _token(token: Optional[int], text: str) -> str:
+def _token(token: int | None, text: str) -> str:
     if token is None:
         return "stream ended"
     return f"{text!r} (id {token})" if text else f"id {token}"
 
 
-def at(logits: Optional[list[PositionLogits]], pos: int) -> Optional[PositionLogits]:
+def at(logits: list[PositionLogits] | None, pos: int) -> PositionLogits | None:
     """The logits of a position, None where none were logged (or llama-server withheld them)."""
     if logits is None or pos >= len(logits) or len(logits[pos].top_ids) == 0:
         return None
     return logits[pos]
 
 
-def gap(logits: PositionLogits, preferred: int, other: int) -> Optional[float]:
+def gap(logits: PositionLogits, preferred: int, other: int) -> float | None:
     """How much `logits` prefer token `preferred` over `other` (nats), None when `other` is not among its
     top-k (then the gap is at least top-1 − k-th: large)."""
     ids = logits.top_ids.tolist()
@@ -147,22 +146,23 @@ def gap(logits: PositionLogits, preferred: int, other: int) -> Optional[float]:
 def triage(
     ref_tokens: list[int],
     other_tokens: list[int],
-    ref_logits: Optional[list[PositionLogits]] = None,
-    other_logits: Optional[list[PositionLogits]] = None,
-    detokenize: Optional[Callable[[list[int]], str]] = None,
+    ref_logits: list[PositionLogits] | None = None,
+    other_logits: list[PositionLogits] | None = None,
+    detokenize: Callable[[list[int]], str] | None = None,
     floor: NoiseFloor = DEFAULT,
     greedy: bool = True,
     kv_findings: Sequence[str] = (),
-    rescore: Optional[Rescore] = None,
+    rescore: Rescore | None = None,
     context: int = 3,
     state_follows_tokens: bool = True,
-) -> Optional[Divergence]:
+) -> Divergence | None:
     """The first divergence of `other_tokens` from `ref_tokens` (None when they are equal), classified.
 
     `kv_findings` are the KV scanner's findings on either request (one line each); `greedy` says whether
     the tokens were argmax picks of the logits (a margin can only explain such a flip);
     `state_follows_tokens` whether the sampler state depends on the earlier tokens alone (else identical
-    logits at the divergence prove a different sampler state only when all earlier rows are identical too). Margins are the reference's
+    logits at the divergence prove a different sampler state only when all earlier rows are identical too).
+    Margins are the reference's
     top1−top2 at the divergence and the `context` positions before it; llama-server's log-probabilities
     give the same differences as raw logits (the log-softmax subtracts one constant per row).
     """
@@ -210,12 +210,12 @@ def triage(
     )
 
 
-def _same_rows(a: Optional[list[PositionLogits]], b: Optional[list[PositionLogits]], index: int) -> list[bool]:
+def _same_rows(a: list[PositionLogits] | None, b: list[PositionLogits] | None, index: int) -> list[bool]:
     """Per position 0..index, whether both runs logged the same full row (CRC-32 digests; llama-server
     gives none); [] when a run has no row at `index`."""
     if a is None or b is None or index >= min(len(a), len(b)):
         return []
-    return [bool(x.digest) and x.digest == y.digest for x, y in zip(a[: index + 1], b[: index + 1])]
+    return [bool(x.digest) and x.digest == y.digest for x, y in zip(a[: index + 1], b[: index + 1], strict=False)]
 
 
 @dataclass
@@ -223,19 +223,19 @@ class _Judge:
     """The evidence gathering behind one classification."""
 
     index: int
-    ref_token: Optional[int]
-    other_token: Optional[int]
-    ref_logits: Optional[list[PositionLogits]]
-    other_logits: Optional[list[PositionLogits]]
+    ref_token: int | None
+    other_token: int | None
+    ref_logits: list[PositionLogits] | None
+    other_logits: list[PositionLogits] | None
     floor: NoiseFloor
     greedy: bool
-    rescore: Optional[Rescore]
+    rescore: Rescore | None
     context: int
     same_logits: bool = False
     rescored: list[str] = field(default_factory=list)
-    ref_here: Optional[PositionLogits] = None
+    ref_here: PositionLogits | None = None
 
-    def logits(self, side: str, pos: int) -> Optional[PositionLogits]:
+    def logits(self, side: str, pos: int) -> PositionLogits | None:
         """A side's logits at `pos`: logged, else re-scored when possible."""
         found = at(self.ref_logits if side == "reference" else self.other_logits, pos)
         if found is None and self.rescore is not None:
@@ -246,7 +246,7 @@ class _Judge:
                 found = None
         return found
 
-    def agreement(self) -> tuple[Optional[str], int]:
+    def agreement(self) -> tuple[str | None, int]:
         """(drift message or None, positions compared) over the positions before the divergence: the logged
         ones of both runs, else (when none overlap) the last `context` positions, re-scored where needed."""
         tol = replace(self.floor.tolerances, top1_agreement=0.0)  # equal tokens before it: a flip is a near-tie

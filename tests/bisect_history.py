@@ -18,7 +18,7 @@ from pathlib import Path
 
 from filelock import FileLock
 
-from harness.backends.build import read_marker, SOURCE_MARKER, vendored_source
+from harness.backends.build import SOURCE_MARKER, read_marker, vendored_source
 from harness.paths import cache_dir
 
 RECIPE = 1
@@ -49,17 +49,12 @@ COMMITS = [
     (
         "docs: note how the server restores speculative checkpoints",
         _append(
-            "tools/server/README.md",
-            "\nSpeculative checkpoints of hybrid models are restored before replaying.\n",
+            "tools/server/README.md", "\nSpeculative checkpoints of hybrid models are restored before replaying.\n"
         ),
     ),
     (
         "server: reword a comment of the HTTP layer",
-        _replace(
-            "tools/server/server-http.cpp",
-            "#include <thread>\n",
-            "#include <thread> // worker threads\n",
-        ),
+        _replace("tools/server/server-http.cpp", "#include <thread>\n", "#include <thread> // worker threads\n"),
     ),
     (
         "server: start moving task bookkeeping into the queue (WIP)",
@@ -75,18 +70,11 @@ COMMITS = [
     ),
     (
         "common: reword a comment of the speculative helpers",
-        _replace(
-            "common/speculative.cpp",
-            "#include <cstring>\n",
-            "#include <cstring> // memcpy\n",
-        ),
+        _replace("common/speculative.cpp", "#include <cstring>\n", "#include <cstring> // memcpy\n"),
     ),
     (
         "docs: speculative decoding notes",
-        _append(
-            "docs/speculative.md",
-            "\nDraft models and n-gram drafters share the verification path.\n",
-        ),
+        _append("docs/speculative.md", "\nDraft models and n-gram drafters share the verification path.\n"),
     ),
 ]
 
@@ -103,36 +91,17 @@ def _git(repo: Path, *args: str, date: str = "2026-01-01T12:00:00+00:00") -> str
         GIT_CONFIG_GLOBAL=os.devnull,
         GIT_CONFIG_NOSYSTEM="1",
     )
-    proc = subprocess.run(
-        ["git", "-C", str(repo), *args],
-        env=env,
-        capture_output=True,
-        text=True,
-        check=True,
-    )
+    proc = subprocess.run(["git", "-C", str(repo), *args], env=env, capture_output=True, text=True, check=True)
     return proc.stdout.strip()
 
 
 def _make(repo: Path) -> None:
     vendored = vendored_source()
-    top_only = {
-        "models",
-        SOURCE_MARKER,
-    }  # the vocabulary files of models/ are not build inputs
-    shutil.copytree(
-        vendored,
-        repo,
-        ignore=lambda d, names: top_only & set(names) if Path(d) == vendored else (),
-    )
+    top_only = {"models", SOURCE_MARKER}  # the vocabulary files of models/ are not build inputs
+    shutil.copytree(vendored, repo, ignore=lambda d, names: top_only & set(names) if Path(d) == vendored else ())
     _git(repo, "init", "-q", "-b", "main")
     _git(repo, "add", "-A")
-    _git(
-        repo,
-        "commit",
-        "-q",
-        "-m",
-        f"import llama.cpp {read_marker(vendored / SOURCE_MARKER)[:10]}",
-    )
+    _git(repo, "commit", "-q", "-m", f"import llama.cpp {read_marker(vendored / SOURCE_MARKER)[:10]}")
     for i, (subject, edit) in enumerate(COMMITS, start=2):
         edit(repo)
         _git(repo, "add", "-A")

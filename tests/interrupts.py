@@ -13,7 +13,6 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Optional
 
 from harness.interrupt import HOLD_PHASE, PHASE_FILE
 
@@ -32,8 +31,8 @@ def _default_signals() -> None:
 def spawn(
     args: list[str],
     phases: Path,
-    hold: Optional[str] = None,
-    env: Optional[dict] = None,
+    hold: str | None = None,
+    env: dict | None = None,
     module: str = "harness.cli",
     **kw,
 ) -> subprocess.Popen:
@@ -88,9 +87,11 @@ def interrupt(proc: subprocess.Popen, sig: int = signal.SIGINT, group: bool = Fa
         proc.send_signal(sig)
     try:
         output = proc.communicate(timeout=300)[0]
-    except subprocess.TimeoutExpired:
+    except subprocess.TimeoutExpired as err:
         proc.kill()
-        raise AssertionError(f"still running 300 s after {signal.Signals(sig).name}:\n" + proc.communicate()[0][-3000:])
+        raise AssertionError(
+            f"still running 300 s after {signal.Signals(sig).name}:\n" + proc.communicate()[0][-3000:]
+        ) from err
     return proc.returncode, output
 
 

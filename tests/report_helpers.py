@@ -38,13 +38,7 @@ class Node:
     """An HTML element: tag, attributes, children, text."""
 
     def __init__(self, tag: str, attrs: dict, parent: Optional["Node"]):
-        self.tag, self.attrs, self.parent, self.children, self.parts = (
-            tag,
-            attrs,
-            parent,
-            [],
-            [],
-        )
+        self.tag, self.attrs, self.parent, self.children, self.parts = tag, attrs, parent, [], []
 
     @property
     def text(self) -> str:
@@ -55,7 +49,7 @@ class Node:
         for child in self.children:
             yield from child.iter()
 
-    def find_all(self, tag: Optional[str] = None, **attrs) -> list["Node"]:
+    def find_all(self, tag: str | None = None, **attrs) -> list["Node"]:
         """Elements by tag and attributes (`class_` matches one class of the element)."""
         out = []
         for node in self.iter():
@@ -71,7 +65,7 @@ class Node:
                 out.append(node)
         return out
 
-    def find(self, tag: Optional[str] = None, **attrs) -> "Node":
+    def find(self, tag: str | None = None, **attrs) -> "Node":
         found = self.find_all(tag, **attrs)
         assert found, f"no <{tag} {attrs}>"
         return found[0]
@@ -118,12 +112,7 @@ def browser_or_skip() -> None:
     ):
         if chromium_path() is not None or not shutil.which("apt-get"):
             break
-        subprocess.run(
-            step,
-            capture_output=True,
-            timeout=900,
-            env={**os.environ, "DEBIAN_FRONTEND": "noninteractive"},
-        )
+        subprocess.run(step, capture_output=True, timeout=900, env={**os.environ, "DEBIAN_FRONTEND": "noninteractive"})
     reason = unavailable()
     if reason:
         print(f"browser test skipped: {reason}")

@@ -12,13 +12,7 @@ from pathlib import Path
 
 from filelock import FileLock
 
-from harness.backends.build import (
-    SOURCE_MARKER,
-    BuildInfo,
-    ensure_server,
-    read_marker,
-    vendored_source,
-)
+from harness.backends.build import SOURCE_MARKER, BuildInfo, ensure_server, read_marker, vendored_source
 from harness.paths import cache_dir
 
 SEEDED = {
@@ -45,13 +39,7 @@ def seeded_tree() -> Path:
             path.write_text(text)
             commit = read_marker(source / SOURCE_MARKER)
             (staging / SOURCE_MARKER).write_text(
-                json.dumps(
-                    {
-                        "commit": f"{commit[:12]}-seeded-no-seq-rm",
-                        "origin": "tests/seeded.py",
-                    }
-                )
-                + "\n"
+                json.dumps({"commit": f"{commit[:12]}-seeded-no-seq-rm", "origin": "tests/seeded.py"}) + "\n"
             )
             staging.rename(tree)
     return tree

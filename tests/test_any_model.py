@@ -8,17 +8,7 @@ import xml.etree.ElementTree as ET
 from harness.cli import main
 from harness.models import model_key, resolve
 
-ARGV = [
-    "run",
-    "--suite",
-    "quicksort",
-    "--backend",
-    "inproc",
-    "--mode",
-    "seq",
-    "--spec",
-    "none,ngram-mod",
-]
+ARGV = ["run", "--suite", "quicksort", "--backend", "inproc", "--mode", "seq", "--spec", "none,ngram-mod"]
 
 
 def verdicts(out, check):
@@ -71,20 +61,7 @@ def test_a_new_model_runs_with_no_baseline_yet_then_records_and_compares(tmp_pat
     moved = tmp_path / "elsewhere" / "renamed.gguf"  # moving or renaming the file keeps its baselines
     moved.parent.mkdir()
     model.rename(moved)
-    assert (
-        main(
-            [
-                *ARGV,
-                "--model",
-                str(moved),
-                "--baselines-dir",
-                str(recorded),
-                "--out",
-                str(tmp_path / "r3"),
-            ]
-        )
-        == 0
-    )
+    assert main([*ARGV, "--model", str(moved), "--baselines-dir", str(recorded), "--out", str(tmp_path / "r3")]) == 0
     baseline = verdicts(tmp_path / "r3", "baseline")
     assert len(baseline) == 6 and all(v["passed"] and "no_baseline" not in v["evidence"] for v in baseline)
     assert all(str(recorded) in v["evidence"]["baseline"] for v in baseline)
@@ -93,19 +70,6 @@ def test_a_new_model_runs_with_no_baseline_yet_then_records_and_compares(tmp_pat
     data = json.loads(edited.read_text())
     data["tokens"][5] += 1
     edited.write_text(json.dumps(data))
-    assert (
-        main(
-            [
-                *ARGV,
-                "--model",
-                str(moved),
-                "--baselines-dir",
-                str(recorded),
-                "--out",
-                str(tmp_path / "r4"),
-            ]
-        )
-        == 1
-    )
+    assert main([*ARGV, "--model", str(moved), "--baselines-dir", str(recorded), "--out", str(tmp_path / "r4")]) == 1
     failed = [v for v in verdicts(tmp_path / "r4", "baseline") if not v["passed"]]
     assert {v["case"] for v in failed} == {"C"} and "at token 5" in failed[0]["message"]

@@ -26,10 +26,9 @@ def test_tables_speedup_over_no_spec_and_inproc_over_server_ratio():
     rows, aggregate = speed.tables(measured, workloads, 3)
     row = {(r["workload"], r["engine"], r["spec"]): r for r in rows}
     c_none = row[("quicksort.C", "inproc", "none")]
-    assert c_none["tok_s"] == pytest.approx(50) and (
-        c_none["tok_s_min"],
-        c_none["tok_s_max"],
-    ) == pytest.approx((40, 60))
+    assert c_none["tok_s"] == pytest.approx(50) and (c_none["tok_s_min"], c_none["tok_s_max"]) == pytest.approx(
+        (40, 60)
+    )
     assert c_none["spread_pct"] == pytest.approx(40)
     assert c_none["ratio"] == pytest.approx(1.0) and c_none["speedup"] == pytest.approx(1.0)
     assert (c_none["ratio_min"], c_none["ratio_max"]) == pytest.approx((0.8, 1.2))
@@ -43,10 +42,7 @@ def test_tables_speedup_over_no_spec_and_inproc_over_server_ratio():
     assert agg[("all", "inproc", "ngram-mod")]["drafted"] == 80
     assert speed.parity(aggregate, workloads) == []  # two of the three quicksort prompts: no verdict
     held = {(p["spec"], p["holds"]) for p in speed.parity(aggregate, speed.select_workloads(["quicksort"]))}
-    assert held == {
-        ("none", True),
-        ("ngram-mod", False),
-    }  # 1.0 ≥ 1.0 holds; 0.8 < 1.0 misses
+    assert held == {("none", True), ("ngram-mod", False)}  # 1.0 ≥ 1.0 holds; 0.8 < 1.0 misses
 
 
 def test_inproc_over_server_ratio_is_paired_within_each_repeat():
@@ -60,10 +56,9 @@ def test_inproc_over_server_ratio_is_paired_within_each_repeat():
     rows, _ = speed.tables(measured, workloads, 3)
     inproc = next(r for r in rows if r["engine"] == "inproc")
     assert inproc["tok_s"] == pytest.approx(60)
-    assert inproc["ratio"] == pytest.approx(0.8) and (
-        inproc["ratio_min"],
-        inproc["ratio_max"],
-    ) == pytest.approx((0.8, 1.2))
+    assert inproc["ratio"] == pytest.approx(0.8) and (inproc["ratio_min"], inproc["ratio_max"]) == pytest.approx(
+        (0.8, 1.2)
+    )
     one_sided = {
         **measured,
         ("gemma3-270m", "quicksort.C", Config("server", "none", 0)): Measured([Sample(1, 100, 2000.0, 0, 0, 0, None)]),
@@ -73,10 +68,7 @@ def test_inproc_over_server_ratio_is_paired_within_each_repeat():
 
 
 def test_counts_that_differ_between_repeats_are_averaged_and_flagged():
-    learning = [
-        [Sample(0, 100, 2000.0, 0.0, 0, 0, 0)],
-        [Sample(1, 100, 1000.0, 0.0, 60, 50, 10)],
-    ]
+    learning = [[Sample(0, 100, 2000.0, 0.0, 0, 0, 0)], [Sample(1, 100, 1000.0, 0.0, 60, 50, 10)]]
     row = speed.summarize({}, learning)  # ngram-mod's pool drafts nothing on the first request, then learns
     assert row["counts_vary"] and (row["drafted"], row["accepted"]) == (30, 25)
     assert row["accepted_per_draft"] == pytest.approx(5.0) and row["tok_s"] == pytest.approx(75.0)
@@ -124,10 +116,7 @@ def test_bench_runs_both_engines_side_by_side_and_never_overwrites(tmp_path, cap
     assert len(data["rows"]) == 2 * 2 * 2 and not any(r["errors"] for r in data["rows"])
     by = {(r["workload"], r["engine"], r["spec"]): r for r in data["rows"]}
     for workload in ("quicksort.C", "w1.iterative.turn2"):
-        inproc, server = (
-            by[(workload, "inproc", "ngram-mod")],
-            by[(workload, "server", "ngram-mod")],
-        )
+        inproc, server = by[(workload, "inproc", "ngram-mod")], by[(workload, "server", "ngram-mod")]
         # the same greedy tokens and the same n-gram drafts on both engines
         assert (inproc["predicted_n"], inproc["drafted"], inproc["accepted"]) == (
             server["predicted_n"],

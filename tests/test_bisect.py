@@ -17,9 +17,9 @@ import sys
 from pathlib import Path
 
 import pytest
-
-from bisect_history import BROKEN, REGRESSION, commits, history_repo, fixture_lock
+from bisect_history import BROKEN, REGRESSION, commits, fixture_lock, history_repo
 from interrupts import interrupt, left_behind, spawn, wait_for_phase
+
 from harness.bisect.judge import excused
 from harness.bisect.plan import from_run, from_suite
 from harness.bisect.releases import release_range
@@ -27,7 +27,6 @@ from harness.bisect.step import CURRENT, read_log
 from harness.checks.base import CheckResult
 from harness.errors import HarnessError
 from harness.paths import cache_dir
-
 
 pytestmark = [
     pytest.mark.xdist_group("bisect-history"),  # one fixture repository: its tests run on one worker
@@ -286,12 +285,7 @@ def test_every_dimension_of_the_cell_is_pinned():
     with pytest.raises(HarnessError, match="several values of mode .*--mode"):
         from_suite("quicksort", case="C")
     plan = from_suite(str(SUITE))
-    assert (plan.case, plan.mode, plan.spec, plan.model) == (
-        "C",
-        "seq",
-        "draft-simple",
-        "tiny-hybrid",
-    )
+    assert (plan.case, plan.mode, plan.spec, plan.model) == ("C", "seq", "draft-simple", "tiny-hybrid")
     assert plan.checks == ["no-crash", "lossless", "kv-healthy"] and plan.cell.backend == "server"
 
 
@@ -303,12 +297,7 @@ def _checks_json(run_dir: Path, records: list[dict]) -> Path:
 
 
 def test_from_run_pins_the_failing_cell_and_names_what_is_wrong(tmp_path):
-    cell = {
-        "backend": "server",
-        "mode": "par",
-        "spec": "draft-simple",
-        "model": "tiny-hybrid",
-    }
+    cell = {"backend": "server", "mode": "par", "spec": "draft-simple", "model": "tiny-hybrid"}
     run = _checks_json(
         tmp_path / "run",
         [

@@ -12,8 +12,8 @@ from harness.logits import PositionLogits
 from harness.matrix import Cell
 from harness.request import Sampling
 from harness.result import Result
-from harness.suites import Case, Suite
 from harness.signatures import signature_of
+from harness.suites import Case, Suite
 
 SCHEMA = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
 
@@ -32,13 +32,7 @@ def suite(rounds=("par",), schema=None, allow=(), expect_accepts=True, **samplin
 
 
 def ok(tokens, text="", logits=(), **stats):
-    return Result(
-        tokens=list(tokens),
-        text=text,
-        stop_reason="limit",
-        spec_stats=stats,
-        logits=list(logits),
-    )
+    return Result(tokens=list(tokens), text=text, stop_reason="limit", spec_stats=stats, logits=list(logits))
 
 
 def rows(*digests):
@@ -84,14 +78,7 @@ SEQ = Cell("inproc", "seq", "none", "m")
 def context(cells, cell, s=None, baselines=None):
     s = s or suite()
     runs = Runs(s, cells)
-    return CheckContext(
-        runs.run(s, cell),
-        "a",
-        runs,
-        baselines,
-        lambda t: " ".join(map(str, t)),
-        "repro",
-    )
+    return CheckContext(runs.run(s, cell), "a", runs, baselines, lambda t: " ".join(map(str, t)), "repro")
 
 
 def verdict(ctx, name):
@@ -102,10 +89,7 @@ def verdict(ctx, name):
 
 def test_no_crash():
     assert verdict(context({SEQ: [ok([1])]}, SEQ), "no-crash").passed
-    failed = verdict(
-        context({SEQ: [Result(stop_reason="crashed", error="killed by SIGABRT")]}, SEQ),
-        "no-crash",
-    )
+    failed = verdict(context({SEQ: [Result(stop_reason="crashed", error="killed by SIGABRT")]}, SEQ), "no-crash")
     assert not failed.passed and "SIGABRT" in failed.message
     allowed = Result(stop_reason="error", error="context_full: no free KV cells")
     assert verdict(context({SEQ: [allowed]}, SEQ, suite(allow=["context_full"])), "no-crash").passed
@@ -133,10 +117,7 @@ def test_lossless():
 def test_within_n_predict():
     five = suite(n_predict=5)
     assert verdict(context({SEQ: [ok([1, 2, 3, 4, 5]), ok([1, 2])]}, SEQ, five), "within-n-predict").passed
-    over = verdict(
-        context({SEQ: [ok([1, 2, 3, 4, 5]), ok([1, 2, 3, 4, 5, 6])]}, SEQ, five),
-        "within-n-predict",
-    )
+    over = verdict(context({SEQ: [ok([1, 2, 3, 4, 5]), ok([1, 2, 3, 4, 5, 6])]}, SEQ, five), "within-n-predict")
     assert not over.passed and over.failures == ["round 1: 6 tokens returned for n_predict 5"]
     eos = Result(tokens=[1, 2, 3, 4, 5], stop_reason="eos")
     wrong_stop = verdict(context({SEQ: [eos]}, SEQ, five), "within-n-predict")
@@ -162,21 +143,11 @@ def test_lossless_under_seeded_sampling_fails_only_where_the_logits_are_identica
     sampled = suite(temperature=0.7, seed=42, repeat_penalty=1.5)
     reference = ok([1, 2, 3], logits=rows("a", "b", "c"))
     proven = verdict(
-        context(
-            {SEQ: [reference], spec: [ok([1, 9, 3], logits=rows("a", "b", "c"))]},
-            spec,
-            sampled,
-        ),
-        "lossless",
+        context({SEQ: [reference], spec: [ok([1, 9, 3], logits=rows("a", "b", "c"))]}, spec, sampled), "lossless"
     )
     assert not proven.passed and "bit-identical" in proven.message and "at token 1" in proven.message
     numerics = verdict(
-        context(
-            {SEQ: [reference], spec: [ok([1, 9, 3], logits=rows("a", "B", "c"))]},
-            spec,
-            sampled,
-        ),
-        "lossless",
+        context({SEQ: [reference], spec: [ok([1, 9, 3], logits=rows("a", "B", "c"))]}, spec, sampled), "lossless"
     )
     assert numerics.passed and numerics.evidence["reported_only"] and numerics.evidence["matching"] == 0
     # under a grammar the sampler state also depends on earlier logits (re-samples): every row must match
@@ -188,12 +159,7 @@ def test_lossless_under_seeded_sampling_fails_only_where_the_logits_are_identica
     assert CHECKS["lossless"](context({SEQ: [reference], spec: [ok([5])]}, spec, unseeded)) is None
     greedy = suite(temperature=0, repeat_penalty=1.5)  # greedy with penalties always fails on a divergence
     assert not verdict(
-        context(
-            {SEQ: [reference], spec: [ok([1, 9, 3], logits=rows("a", "B", "c"))]},
-            spec,
-            greedy,
-        ),
-        "lossless",
+        context({SEQ: [reference], spec: [ok([1, 9, 3], logits=rows("a", "B", "c"))]}, spec, greedy), "lossless"
     ).passed
 
 
@@ -223,16 +189,11 @@ def test_in_seq_mode_even_a_proven_near_tie_fails():
     assert not failed.passed and failed.evidence["first_divergence"]["kind"] == "near-tie"
 
 
-def test_in_seq_mode_a_proven_near_tie_is_excused_where_calibration_measured_speculation_not_bit_exact(
-    monkeypatch,
-):
+def test_in_seq_mode_a_proven_near_tie_is_excused_where_calibration_measured_speculation_not_bit_exact(monkeypatch):
     spec = SEQ.reference(spec="draft-simple")
     tie_ref = logged([1, 2], [(1, 5.0, 2, 1.0), (2, 3.0, 5, 2.99)])
     tie_spec = logged([1, 5], [(1, 5.0, 2, 1.0), (5, 3.0, 2, 2.995)])
-    measured = {
-        "tolerances": {"near_tie": 0.05},
-        "measured": {"seq/draft-simple": {"max_abs_max": 0.0}},
-    }
+    measured = {"tolerances": {"near_tie": 0.05}, "measured": {"seq/draft-simple": {"max_abs_max": 0.0}}}
     exact = noise.from_data(measured, "calibrated (exact)")
     monkeypatch.setattr(noise, "load", lambda *a, **k: exact)
     assert exact.seq_bit_exact and not verdict(context({SEQ: [tie_ref], spec: [tie_spec]}, spec), "lossless").passed
@@ -250,11 +211,7 @@ class ChatRuns(Runs):
 
     def __init__(self, s, cells):
         self.cells = {
-            cell: CellRun(
-                s,
-                cell,
-                [Outcome(f"c.turn{i + 1}", 0, res) for i, res in enumerate(turns)],
-            )
+            cell: CellRun(s, cell, [Outcome(f"c.turn{i + 1}", 0, res) for i, res in enumerate(turns)])
             for cell, turns in cells.items()
         }
 
@@ -272,10 +229,7 @@ def test_a_chat_turn_is_compared_only_with_a_reference_that_sent_it_the_same_pro
 
     def lossless(turn, ref, other):
         runs = ChatRuns(s, {SEQ: ref, spec: other})
-        return verdict(
-            CheckContext(runs.run(s, spec), f"c.turn{turn}", runs, None, str, "repro"),
-            "lossless",
-        )
+        return verdict(CheckContext(runs.run(s, spec), f"c.turn{turn}", runs, None, str, "repro"), "lossless")
 
     first, second = (
         lossless(1, [ok([1, 2]), ok([5])], [ok([1, 9]), ok([7])]),
@@ -321,35 +275,24 @@ def test_spec_ran():
     reject = SEQ.reference(spec="scripted-reject")
     assert verdict(context({reject: [ok([1], draft_n=4, draft_n_accepted=0)]}, reject), "spec-ran").passed
     grammar_case = suite(expect_accepts=False)  # a drafter that does not see the grammar: drafts suffice
-    assert verdict(
-        context({spec: [ok([1], draft_n=4, draft_n_accepted=0)]}, spec, grammar_case),
-        "spec-ran",
-    ).passed
+    assert verdict(context({spec: [ok([1], draft_n=4, draft_n_accepted=0)]}, spec, grammar_case), "spec-ran").passed
     assert not verdict(context({spec: [ok([1])]}, spec, grammar_case), "spec-ran").passed
 
 
 @pytest.mark.parametrize("spec", ["synth-reject", "scripted-reject"])
-def test_spec_ran_under_forced_rejection_fails_on_any_accepted_token_or_a_request_without_drafts(
-    spec,
-):
+def test_spec_ran_under_forced_rejection_fails_on_any_accepted_token_or_a_request_without_drafts(spec):
     cell = Cell("server" if spec == "synth-reject" else "inproc", "seq", spec, "m")
     rejected = ok([1, 2, 3], draft_n=8, draft_n_accepted=0)
     assert verdict(context({cell: [rejected, rejected]}, cell), "spec-ran").passed
     one_token = ok([1], draft_n=0, draft_n_accepted=0)  # ended at its first token: no step to draft in
     assert verdict(context({cell: [rejected, one_token]}, cell), "spec-ran").passed
-    accepted = verdict(
-        context({cell: [rejected, ok([1, 2, 3], draft_n=8, draft_n_accepted=1)]}, cell),
-        "spec-ran",
-    )
+    accepted = verdict(context({cell: [rejected, ok([1, 2, 3], draft_n=8, draft_n_accepted=1)]}, cell), "spec-ran")
     assert not accepted.passed and accepted.failures == ["round 1: 8 drafted, 1 accepted"]
     undrafted = verdict(context({cell: [ok([1, 2, 3], draft_n=0), rejected]}, cell), "spec-ran")
     assert not undrafted.passed and undrafted.failures == ["round 0: 0 drafted, 0 accepted"]
     # the same accepted token is no finding where drafts are merely not expected to be accepted
     p_min = Cell("server", "seq", "draft-p-min-0.2", "m")
-    assert verdict(
-        context({p_min: [rejected, ok([1, 2, 3], draft_n=8, draft_n_accepted=1)]}, p_min),
-        "spec-ran",
-    ).passed
+    assert verdict(context({p_min: [rejected, ok([1, 2, 3], draft_n=8, draft_n_accepted=1)]}, p_min), "spec-ran").passed
 
 
 def test_spec_ran_counts_per_case_not_per_cell():
@@ -361,17 +304,13 @@ def test_spec_ran_counts_per_case_not_per_cell():
         matrix={},
         checks=list(CHECKS),
     )
-    run = CellRun(
-        two,
-        spec,
-        [
-            Outcome("a", 0, ok([1], draft_n=8, draft_n_accepted=3)),
-            Outcome("b", 0, ok([1])),
-        ],
-    )
+    run = CellRun(two, spec, [Outcome("a", 0, ok([1], draft_n=8, draft_n_accepted=3)), Outcome("b", 0, ok([1]))])
     runs = Runs(two, {})
     runs.cells[spec] = run
-    check = lambda case: CHECKS["spec-ran"](CheckContext(run, case, runs, None, str, "repro"))
+
+    def check(case):
+        return CHECKS["spec-ran"](CheckContext(run, case, runs, None, str, "repro"))
+
     assert check("a").passed
     failed = check("b")
     assert not failed.passed and "no drafts at all for the case" in failed.message
@@ -399,13 +338,7 @@ def test_every_check_is_documented(name):
 def scan(healthy, duplicates=()):
     dups = [{"part": "kv", "stream": 0, "seq_id": 0, "pos": p, "count": 2} for p in duplicates]
     totals = {"duplicate_cells": len(dups), "orphans": 0, "missing_positions": 0}
-    return {
-        "healthy": healthy,
-        "totals": totals,
-        "duplicates": dups,
-        "orphans": [],
-        "holes": [],
-    }
+    return {"healthy": healthy, "totals": totals, "duplicates": dups, "orphans": [], "holes": []}
 
 
 def test_kv_healthy_reports_the_duplicate_positions():
@@ -485,9 +418,7 @@ def spec_ok(tokens, drafted, accepted, per_pos=None):
     return ok(tokens, **stats)
 
 
-def test_acceptance_against_the_baseline_fails_a_drop_and_names_the_draft_position(
-    tmp_path,
-):
+def test_acceptance_against_the_baseline_fails_a_drop_and_names_the_draft_position(tmp_path):
     spec = SEQ.reference(spec="draft-simple")
     tokens = list(range(40))
     store = BaselineStore(tmp_path)
@@ -499,10 +430,7 @@ def test_acceptance_against_the_baseline_fails_a_drop_and_names_the_draft_positi
     missing = verdict(context(clean, spec, baselines=store), "acceptance")
     assert not missing.passed and "no acceptance baseline for seq/draft-simple" in missing.message
     assert verdict(context(clean, spec, baselines=writer), "acceptance").passed
-    one_token = {
-        SEQ: [ok(tokens)],
-        spec: [spec_ok(tokens, 40, 23, ([20, 20], [14, 9]))],
-    }
+    one_token = {SEQ: [ok(tokens)], spec: [spec_ok(tokens, 40, 23, ([20, 20], [14, 9]))]}
     assert verdict(context(one_token, spec, baselines=store), "acceptance").passed  # below one token: no verdict
     worse = {SEQ: [ok(tokens)], spec: [spec_ok(tokens, 40, 12, ([20, 20], [12, 0]))]}
     failed = verdict(context(worse, spec, baselines=store), "acceptance")
@@ -510,18 +438,13 @@ def test_acceptance_against_the_baseline_fails_a_drop_and_names_the_draft_positi
     assert "acceptance 60.0 % (24/40 drafted, 1.20 accepted per draft) -> 30.0 % (12/40" in failed.message
     assert "steepest fall at draft position 2 (50 % -> 0 % accepted)" in failed.message
     assert "uncalibrated" in failed.message and failed.evidence["baseline"]["accepted"] == 24
-    fewer_drafts = {
-        SEQ: [ok(tokens)],
-        spec: [spec_ok(tokens, 10, 6)],
-    }  # as good a rate, far fewer accepted
+    fewer_drafts = {SEQ: [ok(tokens)], spec: [spec_ok(tokens, 10, 6)]}  # as good a rate, far fewer accepted
     failed = verdict(context(fewer_drafts, spec, baselines=store), "acceptance")
     assert not failed.passed and "accepted tokens 24 -> 6 of 40 generated" in failed.message
     assert CHECKS["acceptance"](context(clean, SEQ, baselines=store)) is None  # nothing drafted without speculation
 
 
-def test_acceptance_in_par_compares_each_request_with_seq_unless_the_drafter_learns(
-    tmp_path,
-):
+def test_acceptance_in_par_compares_each_request_with_seq_unless_the_drafter_learns(tmp_path):
     store = BaselineStore(tmp_path, update=True)
     tokens = list(range(40))
     for spec_name in ("draft-simple", "ngram-map-k"):
@@ -560,9 +483,7 @@ def test_an_acceptance_change_one_token_undoes_is_no_finding():
     assert fall(Acceptance(41, 35, 64), Acceptance(43, 33, 64), 0.0) is not None
 
 
-def test_acceptance_of_a_chat_turn_is_compared_only_with_a_baseline_of_the_same_prompt(
-    tmp_path,
-):
+def test_acceptance_of_a_chat_turn_is_compared_only_with_a_baseline_of_the_same_prompt(tmp_path):
     s = Suite(
         name="demo",
         path=None,
@@ -580,10 +501,7 @@ def test_acceptance_of_a_chat_turn_is_compared_only_with_a_baseline_of_the_same_
 
     clean = {SEQ: [ok(t1), ok(t2)], spec: [spec_ok(t1, 40, 24), spec_ok(t2, 40, 24)]}
     writer = BaselineStore(tmp_path, update=True)
-    for turn in (
-        1,
-        2,
-    ):  # the tokens, then the acceptance (recorded by the check when updating)
+    for turn in (1, 2):  # the tokens, then the acceptance (recorded by the check when updating)
         writer.check(ctx(clean, turn, writer))
         verdict(ctx(clean, turn, writer), "acceptance")
     store = BaselineStore(tmp_path)
@@ -591,12 +509,5 @@ def test_acceptance_of_a_chat_turn_is_compared_only_with_a_baseline_of_the_same_
     same_prompt = {SEQ: [ok(t1), ok(t2)], spec: [spec_ok(t1, 40, 24), worse]}
     assert not verdict(ctx(same_prompt, 2, store), "acceptance").passed
     other_reply = [99] + t1[1:]  # this run's turn-1 reply differs from the baseline's: turn 2 had another prompt
-    moot = verdict(
-        ctx(
-            {SEQ: [ok(t1), ok(t2)], spec: [spec_ok(other_reply, 40, 24), worse]},
-            2,
-            store,
-        ),
-        "acceptance",
-    )
+    moot = verdict(ctx({SEQ: [ok(t1), ok(t2)], spec: [spec_ok(other_reply, 40, 24), worse]}, 2, store), "acceptance")
     assert moot.passed and moot.evidence["not_compared_with_baseline"] == 1

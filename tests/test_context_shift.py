@@ -33,25 +33,11 @@ SHIFT_LOG = re.compile(r"slot context shift, n_keep = (\d+), n_left = (\d+), n_d
 @pytest.mark.parametrize(
     "n_tokens, n_prompt, n_keep, n_discard, add_bos, expected",
     [
-        (
-            255,
-            30,
-            0,
-            0,
-            True,
-            (1, 127),
-        ),  # the defaults: BOS kept, half of the other 254 discarded
+        (255, 30, 0, 0, True, (1, 127)),  # the defaults: BOS kept, half of the other 254 discarded
         (255, 30, 0, 0, False, (0, 127)),  # 255 // 2
         (255, 30, -1, 0, True, (31, 112)),  # -1 keeps the prompt, and BOS adds one more
         (255, 30, 10, 50, False, (10, 50)),
-        (
-            255,
-            30,
-            10,
-            500,
-            False,
-            (10, 244),
-        ),  # at most n_left - 1: one token after the kept ones stays
+        (255, 30, 10, 500, False, (10, 244)),  # at most n_left - 1: one token after the kept ones stays
         (255, 30, 300, 0, True, (252, 1)),  # n_keep at most n_ctx - 4
         (2, 30, 5, 0, False, (5, 0)),  # nothing left to discard
     ],
@@ -110,10 +96,7 @@ def serve(backend, model: Path, context_shift: bool, requests: list[Request], **
 def requests() -> list[Request]:
     return [
         Request(prompt=PROMPT, sampling=Sampling(n_predict=400, ignore_eos=True)),
-        Request(
-            prompt=PROMPT,
-            sampling=Sampling(n_predict=400, ignore_eos=True, n_keep=-1, n_discard=50),
-        ),
+        Request(prompt=PROMPT, sampling=Sampling(n_predict=400, ignore_eos=True, n_keep=-1, n_discard=50)),
     ]
 
 
@@ -123,14 +106,16 @@ def test_engine_shifts_as_llama_server_does(build, tiny_models, tmp_path):
     model = tiny_models["tiny-dense"].path
     server = serve(ServerBackend(build, run_dir=tmp_path), model, True, requests())
     engine = serve(InprocBackend(), model, True, requests())
-    for s, e in zip(server, engine):
+    for s, e in zip(server, engine, strict=False):
         assert s.ok and e.ok and len(s.tokens) == 400 and s.truncated and e.truncated
         assert e.tokens == s.tokens
     logged = [tuple(map(int, m)) for log in tmp_path.glob("*.log") for m in SHIFT_LOG.findall(log.read_text())]
     n_prompt = len(server[0].prompt_tokens)
     spans = [shift_span(N_CTX - 1, n_prompt, N_CTX, r.sampling.n_keep, r.sampling.n_discard, True) for r in requests()]
     expected = []
-    for (keep, discard), r in zip(spans, server):  # every shift happens at n_tokens = N_CTX - 1 without speculation
+    for (keep, discard), r in zip(
+        spans, server, strict=False
+    ):  # every shift happens at n_tokens = N_CTX - 1 without speculation
         n_tokens, shifts = n_prompt + len(r.tokens) - 1, 0
         while n_tokens >= N_CTX - 1:
             n_tokens -= discard
@@ -143,10 +128,7 @@ def test_draft_model_context_shifts_with_the_target(build, tiny_models, tmp_path
     """llama-server shifts the draft model's context with the target's (common_memory); so does the engine's
     draft-simple, which then drafts exactly what llama-server's does (a draft context left unshifted drafts
     from stale positions: other drafts, other counts)."""
-    draft = dict(
-        draft_model=resolve(draft_for("tiny-dense")).path,
-        spec=dict(SPEC_PRESETS["draft-simple"].options),
-    )
+    draft = dict(draft_model=resolve(draft_for("tiny-dense")).path, spec=dict(SPEC_PRESETS["draft-simple"].options))
     model = tiny_models["tiny-dense"].path
     [s] = serve(ServerBackend(build, run_dir=tmp_path), model, True, requests()[:1], **draft)
     [e] = serve(InprocBackend(), model, True, requests()[:1], **draft)
@@ -188,11 +170,7 @@ def test_known_failure_explains_only_the_ngram_map_abort_in_its_cells():
     crash = CheckResult("no-crash", False, "1 of 1 requests failed", failures=[abort])
     assert tag([entry], "context-shift", cell, [crash]) == [] and crash.evidence["known_failure"] == entry.id
     other = "round 0: llama-server was killed by SIGABRT: /src/common/ngram-map.cpp:257: map.size_last_begin > cur_len"
-    for failures in (
-        [other],
-        [abort, other],
-        ["round 0: llama-server was killed by SIGSEGV"],
-    ):
+    for failures in ([other], [abort, other], ["round 0: llama-server was killed by SIGSEGV"]):
         unexplained = CheckResult("no-crash", False, "requests failed", failures=list(failures))
         assert tag([entry], "context-shift", cell, [unexplained]) == [unexplained]
     lossless = CheckResult("lossless", False, abort)  # another check of the same cell stays a failure

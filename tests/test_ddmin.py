@@ -34,9 +34,7 @@ def test_ddmin_finds_exactly_the_items_the_failure_needs_in_order(needed):
 def test_ddmin_keeps_a_failure_that_needs_a_contiguous_run_whole():
     run = [10, 11, 12, 13]
 
-    def fails(
-        items,
-    ):  # the run must appear in a row, as a token sequence a drafter keys on
+    def fails(items):  # the run must appear in a row, as a token sequence a drafter keys on
         return any(list(items[i : i + len(run)]) == run for i in range(len(items)))
 
     assert ddmin(list(range(30)), fails) == run

@@ -11,6 +11,7 @@ import time
 
 import pytest
 import requests
+from helpers import quicksort
 
 from harness.backends import server as server_module
 from harness.backends.base import (
@@ -34,7 +35,6 @@ from harness.errors import HarnessError
 from harness.request import Request, Sampling
 from harness.result import Result, Timings
 from harness.suites import load_suite
-from helpers import quicksort
 
 STALL_SUITE = """\
 suite: stall
@@ -64,44 +64,24 @@ def test_deadline_is_the_override_or_n_predict_over_the_slowest_measured_speed()
     assert meter.slowest == 25.0
 
 
-def _result(
-    predicted_n: int,
-    predicted_ms: float,
-    prompt_n: int,
-    prompt_ms: float,
-    accepted: int = 0,
-) -> Result:
+def _result(predicted_n: int, predicted_ms: float, prompt_n: int, prompt_ms: float, accepted: int = 0) -> Result:
     return Result(
         tokens=[1] * predicted_n,
         spec_stats={"draft_n": accepted, "draft_n_accepted": accepted},
-        timings=Timings(
-            prompt_n=prompt_n,
-            prompt_ms=prompt_ms,
-            predicted_n=predicted_n,
-            predicted_ms=predicted_ms,
-        ),
+        timings=Timings(prompt_n=prompt_n, prompt_ms=prompt_ms, predicted_n=predicted_n, predicted_ms=predicted_ms),
     )
 
 
 def test_stall_window_is_the_floor_or_the_factor_times_the_slowest_step_and_prompt():
     meter = StallMeter()
-    assumed_step, assumed_prompt = (
-        1 / ASSUMED_TOKENS_PER_S,
-        1 / ASSUMED_PROMPT_TOKENS_PER_S,
-    )
+    assumed_step, assumed_prompt = 1 / ASSUMED_TOKENS_PER_S, 1 / ASSUMED_PROMPT_TOKENS_PER_S
     assert meter.window() == max(STALL_FLOOR_S, STALL_FACTOR * assumed_step)
     assert meter.window(1000) == pytest.approx(STALL_FACTOR * (assumed_step + 1000 * assumed_prompt))
     meter.record(_result(40, 2000.0, 200, 400.0, accepted=20))  # 20 steps of 0.1 s, 2 ms per prompt token
-    assert (meter.step_s, meter.prompt_token_s) == (
-        pytest.approx(0.1),
-        pytest.approx(0.002),
-    )
+    assert (meter.step_s, meter.prompt_token_s) == (pytest.approx(0.1), pytest.approx(0.002))
     meter.record(_result(40, 400.0, 200, 100.0))  # faster: the slowest stays
     meter.record(_result(4, 4000.0, 8, 800.0))  # too short to say anything about steps or prompt speed
-    assert (meter.step_s, meter.prompt_token_s) == (
-        pytest.approx(0.1),
-        pytest.approx(0.002),
-    )
+    assert (meter.step_s, meter.prompt_token_s) == (pytest.approx(0.1), pytest.approx(0.002))
     assert meter.window() == STALL_FLOOR_S  # 10 × 0.1 s is below the floor
     assert meter.window(2000) == pytest.approx(STALL_FACTOR * (0.1 + 2000 * 0.002))
     meter.record(_result(16, 16000.0, 64, 64.0))  # one second per step
@@ -162,18 +142,8 @@ class _Stopper(threading.Thread):
 @pytest.mark.parametrize(
     "path, deadline_s, stall_s, reason",
     [
-        (
-            "stall",
-            60,
-            2,
-            "case stalled got no token for",
-        ),  # the stall window fires long before the deadline
-        (
-            "deadline",
-            3,
-            600,
-            "case stalled did not finish within its deadline of 3.0 s",
-        ),  # the backstop
+        ("stall", 60, 2, "case stalled got no token for"),  # the stall window fires long before the deadline
+        ("deadline", 3, 600, "case stalled did not finish within its deadline of 3.0 s"),  # the backstop
     ],
     ids=["stall-window", "deadline"],
 )
@@ -187,17 +157,7 @@ def test_server_stopped_mid_request_times_out_the_case_restarts_and_the_run_goes
     stopper = _Stopper()
     stopper.start()
     try:  # the built binary passed as --server-bin: the run header still names its llama.cpp commit
-        status = main(
-            [
-                "run",
-                "--suite",
-                str(suite),
-                "--out",
-                str(out),
-                "--server-bin",
-                str(build.server_bin),
-            ]
-        )
+        status = main(["run", "--suite", str(suite), "--out", str(out), "--server-bin", str(build.server_bin)])
     finally:
         stopper.release()
     assert stopper.stopped_at is not None, "the server was never caught processing"
@@ -228,10 +188,7 @@ def test_engine_worker_stopped_mid_request_times_out_by_its_stall_window(tiny_mo
     stopper = threading.Thread(target=stop_when_generating, daemon=True)
     try:
         stalled = quicksort("C", n_predict=-1, ignore_eos=True)
-        stalled.deadline_s, stalled.tag = (
-            60.0,
-            "stalled",
-        )  # the stall window fires long before
+        stalled.deadline_s, stalled.tag = 60.0, "stalled"  # the stall window fires long before
         stopper.start()
         [late] = session.run([stalled])
         stopper.join()
@@ -253,9 +210,7 @@ def test_a_streamed_completion_loses_token_ids_so_the_server_side_watches_slots(
     config = ServeConfig(model=tiny_models["tiny-dense"].path, mode="seq")
     with LlamaServer.from_config(config, ensure_server().server_bin, log_path=tmp_path / "server.log") as server:
         prompt = requests.post(
-            f"{server.url}/tokenize",
-            json={"content": "Story number 0:", "add_special": True},
-            timeout=30,
+            f"{server.url}/tokenize", json={"content": "Story number 0:", "add_special": True}, timeout=30
         ).json()["tokens"]
         payload = {
             "prompt": prompt,
@@ -269,12 +224,7 @@ def test_a_streamed_completion_loses_token_ids_so_the_server_side_watches_slots(
             "cache_prompt": False,
         }
         whole = requests.post(f"{server.url}/completion", json=payload, timeout=60).json()
-        answer = requests.post(
-            f"{server.url}/completion",
-            json={**payload, "stream": True},
-            stream=True,
-            timeout=60,
-        )
+        answer = requests.post(f"{server.url}/completion", json={**payload, "stream": True}, stream=True, timeout=60)
         chunks = [json.loads(line[len(b"data: ") :]) for line in answer.iter_lines() if line.startswith(b"data: ")]
     streamed = [token for chunk in chunks for token in chunk["tokens"]]
     assert len(whole["tokens"]) == chunks[-1]["tokens_predicted"] == 128 and chunks[-1]["tokens"] == []

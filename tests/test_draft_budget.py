@@ -17,7 +17,8 @@ from harness.engine import ContextParams, Engine
 from harness.engine.drafters.scripted import Scripted
 from harness.engine.speculative import SpecConfig
 from harness.execute import CellRun, Outcome
-from harness.known_failures import load as load_known, tag
+from harness.known_failures import load as load_known
+from harness.known_failures import tag
 from harness.matrix import Cell
 from harness.models import resolve
 from harness.request import Request, Sampling
@@ -35,11 +36,7 @@ def server_budget(n_prompt: int, n_predict: int, n_ctx: int = N_CTX, n_max: int 
     and `n_remaining - 1` with n_predict set; the drafter's own n_max) and as a request without speculation
     stops: at n_predict, or at the first token sampled with `n_tokens + 1 >= n_ctx` (n_tokens: positions
     decoded by then)."""
-    n_tokens, returned, drafts = (
-        n_prompt,
-        1,
-        [],
-    )  # the first token is sampled after the prompt
+    n_tokens, returned, drafts = n_prompt, 1, []  # the first token is sampled after the prompt
     while returned != n_predict and n_tokens + 1 < n_ctx:
         budget = n_ctx - n_tokens - 2
         if n_predict > 0:
@@ -61,10 +58,7 @@ def engine_run(model, request: Request, spec: SpecConfig | None = None):
 
 
 def request(n_predict: int, prompt: str = "Write a quicksort demo in C.") -> Request:
-    return Request(
-        prompt=prompt,
-        sampling=Sampling(n_predict=n_predict, temperature=0, ignore_eos=True),
-    )
+    return Request(prompt=prompt, sampling=Sampling(n_predict=n_predict, temperature=0, ignore_eos=True))
 
 
 @pytest.mark.parametrize("name", ["tiny-dense", "tiny-hybrid"])
@@ -82,13 +76,7 @@ def test_every_draft_accepted_the_engine_drafts_what_llama_server_allows_and_ret
     spec = SpecConfig(drafters=[Scripted(plain.tokens, n_max=N_MAX)])
     got = engine_run(model, req, spec)
     drafts, returned = server_budget(len(plain.prompt_tokens), n_predict)
-    stats = {
-        "draft_n": 0,
-        "draft_n_accepted": 0,
-        "spec_cycles": 0,
-        "drafted_per_pos": [],
-        **got.spec_stats,
-    }
+    stats = {"draft_n": 0, "draft_n_accepted": 0, "spec_cycles": 0, "drafted_per_pos": [], **got.spec_stats}
     assert (stats["draft_n"], stats["draft_n_accepted"]) == (sum(drafts), sum(drafts))
     assert stats["spec_cycles"] == len(drafts)
     assert stats["drafted_per_pos"] == [sum(d > k for d in drafts) for k in range(max(drafts, default=0))]
@@ -99,21 +87,12 @@ def test_every_draft_accepted_the_engine_drafts_what_llama_server_allows_and_ret
 
 def test_the_budget_arithmetic_caps_at_n_predict_and_at_the_context_end():
     assert server_budget(10, 1) == ([], 1)
-    assert server_budget(10, 2) == (
-        [],
-        2,
-    )  # a draft must leave room for the token sampled after it
+    assert server_budget(10, 2) == ([], 2)  # a draft must leave room for the token sampled after it
     assert server_budget(10, 5) == ([3], 5)
     assert server_budget(10, 9) == ([4, 2], 9)
-    assert server_budget(N_CTX - 6, -1) == (
-        [4],
-        6,
-    )  # n_tokens 250: 256 - 250 - 2 = 4 fit
+    assert server_budget(N_CTX - 6, -1) == ([4], 6)  # n_tokens 250: 256 - 250 - 2 = 4 fit
     assert server_budget(N_CTX - 2, -1) == ([], 2)  # n_tokens 254: no room for a draft
-    assert server_budget(202, -1) == (
-        [4] * 10 + [2],
-        54,
-    )  # NEAR_END: the last draft is capped by the context
+    assert server_budget(202, -1) == ([4] * 10 + [2], 54)  # NEAR_END: the last draft is capped by the context
 
 
 @pytest.fixture(scope="module")
@@ -136,18 +115,12 @@ def both_backends(tiny_models, tmp_path_factory):
     # a stop string the 8th token completes (the whole reply), with n_predict 8: llama-server ends it `word`
     text = engine_run(model, request(8)).text
     requests.append(
-        Request(
-            prompt=requests[0].prompt,
-            sampling=Sampling(n_predict=8, temperature=0, ignore_eos=True, stop=[text]),
-        )
+        Request(prompt=requests[0].prompt, sampling=Sampling(n_predict=8, temperature=0, ignore_eos=True, stop=[text]))
     )
     out = {}
     backends = {
         "inproc": InprocBackend(),
-        "server": ServerBackend(
-            ensure_server(None, "cpu", [], jobs=None),
-            run_dir=tmp_path_factory.mktemp("server"),
-        ),
+        "server": ServerBackend(ensure_server(None, "cpu", [], jobs=None), run_dir=tmp_path_factory.mktemp("server")),
     }
     for name, backend in backends.items():
         session = backend.open(config)
@@ -158,9 +131,7 @@ def both_backends(tiny_models, tmp_path_factory):
     return out
 
 
-def test_the_engine_drafts_and_accepts_what_llama_server_does_near_n_predict_and_the_context_end(
-    both_backends,
-):
+def test_the_engine_drafts_and_accepts_what_llama_server_does_near_n_predict_and_the_context_end(both_backends):
     counts = {
         name: [(r.spec_stats["draft_n"], r.spec_stats["draft_n_accepted"]) for r in results]
         for name, results in both_backends.items()
@@ -171,15 +142,9 @@ def test_the_engine_drafts_and_accepts_what_llama_server_does_near_n_predict_and
     assert [len(r.tokens) for r in both_backends["server"][:2]] == [5, 9]
 
 
-def test_a_stop_string_completed_by_the_last_allowed_token_ends_the_request_as_word_on_both_backends(
-    both_backends,
-):
+def test_a_stop_string_completed_by_the_last_allowed_token_ends_the_request_as_word_on_both_backends(both_backends):
     inproc, server = both_backends["inproc"][-1], both_backends["server"][-1]
-    assert (len(inproc.tokens), inproc.stop_reason, inproc.text) == (
-        len(server.tokens),
-        "word",
-        server.text,
-    )
+    assert (len(inproc.tokens), inproc.stop_reason, inproc.text) == (len(server.tokens), "word", server.text)
     assert len(server.tokens) == 8 and server.stop_reason == "word" and server.text == ""  # the stop string is cut
 
 
@@ -211,12 +176,7 @@ class Cells:
 
 def lossless(spec: Result, cell: Cell = SERVER):
     suite = load_suite("draft-budget")
-    plain = Result(
-        prompt_tokens=[0] * 250,
-        tokens=[1, 2, 3, 4, 5, 6],
-        stop_reason="limit",
-        spec_stats={},
-    )
+    plain = Result(prompt_tokens=[0] * 250, tokens=[1, 2, 3, 4, 5, 6], stop_reason="limit", spec_stats={})
     cells = Cells(suite, {cell: spec, cell.reference(spec="none"): plain})
     return CHECKS["lossless"](CheckContext(cells.run(suite, cell), "ctx_end_a", cells, None, str, ""))
 

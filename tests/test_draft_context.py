@@ -26,10 +26,7 @@ def test_the_draft_context_takes_its_own_kv_cache_types(tiny_models):
         for types in (("f16", "f16"), ("q8_0", "f16")):
             draft = DraftSimple(resolve(draft_for("tiny-dense")).path, target, cache_types=types)
             try:
-                assert (
-                    draft.ctx.params.cache_type_k,
-                    draft.ctx.params.cache_type_v,
-                ) == types
+                assert (draft.ctx.params.cache_type_k, draft.ctx.params.cache_type_v) == types
                 draft.process([(t, i, 0, i == 7) for i, t in enumerate(range(100, 108))])
                 sizes[types[0]] = len(draft.ctx.state_seq(0))
             finally:

@@ -3,12 +3,7 @@
 import pytest
 
 from harness.engine.drafters.base import DraftRequest
-from harness.engine.drafters.ngram_map import (
-    LCG_FACTOR,
-    NgramMapK,
-    NgramMapK4V,
-    poly_hashes,
-)
+from harness.engine.drafters.ngram_map import LCG_FACTOR, NgramMapK, NgramMapK4V, poly_hashes
 from harness.engine.drafters.ngram_mod import MULT, TABLE_SIZE, NgramMod
 from harness.engine.drafters.ngram_simple import NgramSimple
 from harness.engine.drafters.scripted import Scripted
@@ -48,17 +43,7 @@ def test_simple_ignores_position_0_and_a_match_too_close_to_the_end():
 
 # ngram-map-k / -k4v (size_n=2, size_m=2: need 2n+m = 6 tokens)
 
-PROMPT = [
-    0,
-    1,
-    2,
-    3,
-    4,
-    5,
-    6,
-    7,
-    1,
-]  # key [1, 2] (last token + id_last 2) occurs at index 1
+PROMPT = [0, 1, 2, 3, 4, 5, 6, 7, 1]  # key [1, 2] (last token + id_last 2) occurs at index 1
 
 
 def test_map_hash_is_the_32_bit_lcg_hash_mod_2_18():
@@ -77,10 +62,7 @@ def test_map_k_drafts_the_tokens_after_the_key():
     assert d.draft(req(PROMPT[:5], 2)) == []  # fewer than 2n+m tokens
 
 
-@pytest.mark.parametrize(
-    ("n_accepted", "is_other", "expected"),
-    [(0, False, []), (1, False, [3]), (0, True, [3, 4])],
-)
+@pytest.mark.parametrize(("n_accepted", "is_other", "expected"), [(0, False, []), (1, False, [3]), (0, True, [3, 4])])
 def test_map_k_shortens_a_key_to_its_last_accepted_length(n_accepted, is_other, expected):
     d = NgramMapK(size_n=2, size_m=2)
     d.begin(0, PROMPT)
@@ -100,27 +82,12 @@ def test_map_k_keeps_the_first_indexed_occurrence():
     assert d.draft(req(history, 2)) == [3, 4]
     assert NgramSimple(size_n=2, size_m=2).draft(req(history, 2)) == [8, 8]
     d.accept(0, 2, False)
-    assert d.draft(req(history + [2, 8, 8, 7, 7, 7, 7, 1], 2)) == [
-        3,
-        4,
-    ]  # index 12 was hashed: bucket taken
+    assert d.draft(req(history + [2, 8, 8, 7, 7, 7, 7, 1], 2)) == [3, 4]  # index 12 was hashed: bucket taken
 
 
 def test_map_k_hashes_the_prompt_from_its_end():
     d = NgramMapK(size_n=2, size_m=2)
-    prompt = [
-        0,
-        1,
-        2,
-        1,
-        2,
-        5,
-        6,
-        7,
-        8,
-        9,
-        1,
-    ]  # [1, 2] at indices 1 and 3: the bucket gets 3
+    prompt = [0, 1, 2, 1, 2, 5, 6, 7, 8, 9, 1]  # [1, 2] at indices 1 and 3: the bucket gets 3
     d.begin(0, prompt)
     assert d.draft(req(prompt, 2)) == [5, 6]
     d.accept(0, 2, False)
@@ -140,86 +107,26 @@ def test_map_k_begin_forgets_keys_of_a_removed_history_part():
 
 def test_map_k4v_needs_a_dominant_continuation():
     d = NgramMapK4V(size_n=2, size_m=2)
-    ambiguous = [
-        0,
-        1,
-        2,
-        3,
-        4,
-        1,
-        2,
-        5,
-        6,
-        9,
-        9,
-        1,
-    ]  # [1, 2] → [3, 4] once, [5, 6] once
+    ambiguous = [0, 1, 2, 3, 4, 1, 2, 5, 6, 9, 9, 1]  # [1, 2] → [3, 4] once, [5, 6] once
     d.begin(0, ambiguous)
     assert d.draft(req(ambiguous, 2)) == []
     assert NgramMapK(size_n=2, size_m=2).draft(req(ambiguous, 2)) == [5, 6]
     d = NgramMapK4V(size_n=2, size_m=2)
-    dominant = [
-        0,
-        1,
-        2,
-        5,
-        6,
-        1,
-        2,
-        3,
-        4,
-        1,
-        2,
-        3,
-        4,
-        9,
-        9,
-        1,
-    ]  # [3, 4] twice, [5, 6] once
+    dominant = [0, 1, 2, 5, 6, 1, 2, 3, 4, 1, 2, 3, 4, 9, 9, 1]  # [3, 4] twice, [5, 6] once
     d.begin(0, dominant)
     assert d.draft(req(dominant, 2)) == [3, 4]
 
 
 def test_map_k4v_copies_from_the_found_occurrence_not_the_dominant_value():
     d = NgramMapK4V(size_n=2, size_m=2)
-    history = [
-        0,
-        1,
-        2,
-        3,
-        4,
-        1,
-        2,
-        3,
-        4,
-        1,
-        2,
-        5,
-        6,
-        9,
-        9,
-        1,
-    ]  # latest occurrence is followed by [5, 6]
+    history = [0, 1, 2, 3, 4, 1, 2, 3, 4, 1, 2, 5, 6, 9, 9, 1]  # latest occurrence is followed by [5, 6]
     d.begin(0, history)
     assert d.draft(req(history, 2)) == [5, 6]
 
 
 def test_map_k4v_counts_the_found_occurrence_again_on_each_hit():
     d = NgramMapK4V(size_n=2, size_m=2)
-    history = [
-        0,
-        1,
-        2,
-        5,
-        6,
-        1,
-        2,
-        3,
-        4,
-        9,
-        9,
-        1,
-    ]  # [1, 2] → [5, 6] once, [3, 4] once (found at index 5)
+    history = [0, 1, 2, 5, 6, 1, 2, 3, 4, 9, 9, 1]  # [1, 2] → [5, 6] once, [3, 4] once (found at index 5)
     d.begin(0, history)
     assert d.draft(req(history, 2)) == []
     # hit again at index 5: llama.cpp recounts from there, [3, 4] now counts 2 against 1
@@ -286,12 +193,7 @@ def test_mod_short_history_and_pending_chunk():
     assert d.draft(req([1], 2)) == []
     base = list(range(100, 120)) + [9, 1, 2, 3, 4] + list(range(200, 204))  # n-grams pending from index 0
     assert d.draft(req(base + [5, 9, 1], 2)) == []  # 32 tokens: not more than 32 pending yet
-    assert d.draft(req(base + [5, 6, 9, 1], 2)) == [
-        3,
-        4,
-        200,
-        201,
-    ]  # 33 tokens: inserted first
+    assert d.draft(req(base + [5, 6, 9, 1], 2)) == [3, 4, 200, 201]  # 33 tokens: inserted first
 
 
 def test_mod_resets_after_5_low_acceptance_drafts():
@@ -349,16 +251,8 @@ def test_scripted_wrong_tokens():
     d = Scripted(CONT, n_max=4, wrong_at={2})  # output offset 2 is token 12
     d.begin(0, PROMPT_S)
     assert d.draft(req(PROMPT_S, 10)) == [11, 11, 13, 14]
-    assert (d.wrong(12), d.wrong(1), d.wrong(0)) == (
-        11,
-        0,
-        1,
-    )  # always a valid id, whatever the vocabulary
-    assert run_scripted(Scripted(CONT, n_max=4, wrong_at=lambda s, j, k: k == 2)) == [
-        2,
-        2,
-        2,
-    ]
+    assert (d.wrong(12), d.wrong(1), d.wrong(0)) == (11, 0, 1)  # always a valid id, whatever the vocabulary
+    assert run_scripted(Scripted(CONT, n_max=4, wrong_at=lambda s, j, k: k == 2)) == [2, 2, 2]
     assert run_scripted(Scripted(CONT, n_max=4, reject_all=True)) == [0] * 8
 
 

@@ -6,6 +6,7 @@ from types import SimpleNamespace
 
 import llama_cpp
 import pytest
+from helpers import LANGS, first_divergence, quicksort
 
 from harness.backends.base import ServeConfig
 from harness.backends.inproc import InprocBackend
@@ -17,7 +18,6 @@ from harness.errors import HarnessError
 from harness.kvscan import layout_from_model, scan_bytes
 from harness.models import resolve
 from harness.request import Request, Sampling
-from helpers import LANGS, first_divergence, quicksort
 
 ARCHS = ("tiny-dense", "tiny-hybrid", "tiny-recurrent")
 KINDS = {"tiny-dense": "dense", "tiny-hybrid": "hybrid", "tiny-recurrent": "recurrent"}
@@ -67,16 +67,12 @@ def test_engine_context_keeps_a_window_sized_swa_cache_as_llama_server():
         size = llama_cpp.llama_state_get_size(ctx.ptr)
         buf = (ctypes.c_uint8 * size)()
         state = scan_bytes(
-            bytes(buf[: llama_cpp.llama_state_get_data(ctx.ptr, buf, size)]),
-            layout=layout_from_model(path),
+            bytes(buf[: llama_cpp.llama_state_get_data(ctx.ptr, buf, size)]), layout=layout_from_model(path)
         )
         cells = {
             p.name: {s: (v["cells"], v["pos_min"], v["pos_max"]) for s, v in p.sequences().items()} for p in state.parts
         }
-        assert cells == {
-            "kv-base": {0: (1100, 0, 1099)},
-            "kv-swa": {0: (1024, 76, 1099)},
-        }
+        assert cells == {"kv-base": {0: (1100, 0, 1099)}, "kv-swa": {0: (1024, 76, 1099)}}
     finally:
         batch.free()
         ctx.close()
@@ -88,7 +84,7 @@ def test_seq_equals_no_kv_unified_with_flash_attn_off(tiny_models, name):
     requests = [quicksort(lang) for lang in LANGS[:3]]
     seq = serve(tiny_models[name], "seq", requests)
     split = serve(tiny_models[name], "no-kv-unified", requests)
-    for lang, a, b in zip(LANGS, seq, split):
+    for lang, a, b in zip(LANGS, seq, split, strict=False):
         assert a.ok and b.ok
         assert a.tokens == b.tokens, f"{lang}: first divergence at token {first_divergence(a.tokens, b.tokens)}"
     assert {r.slot_id for r in split} == {0, 1, 2}, "no-kv-unified served the requests on separate slots"
@@ -100,14 +96,12 @@ def test_par_four_concurrent_requests_each_equal_their_seq_output(tiny_models, n
     seq = serve(tiny_models[name], "seq", requests)
     par = serve(tiny_models[name], "par", requests)
     assert sorted(r.slot_id for r in par) == [0, 1, 2, 3]
-    for lang, a, b in zip(LANGS, seq, par):
+    for lang, a, b in zip(LANGS, seq, par, strict=False):
         assert a.ok and b.ok
         assert a.tokens == b.tokens, f"{lang}: first divergence at token {first_divergence(a.tokens, b.tokens)}"
 
 
-def test_a_batch_as_small_as_the_slots_bounds_the_drafts_and_keeps_the_output(
-    tiny_models,
-):
+def test_a_batch_as_small_as_the_slots_bounds_the_drafts_and_keeps_the_output(tiny_models):
     """n_batch = parallel = 2 with an n-gram drafter: the first slot's draft leaves a token for the second
     (found by `specharness shrink`: the planner overflowed the batch), and the output is no speculation's."""
     model = resolve("tiny-dense-loop")
@@ -164,10 +158,7 @@ def test_kv_cache_full_ends_only_the_request_that_does_not_fit(tiny_models):
 
 
 def test_chat_request_is_rendered_with_a_template(tiny_models):
-    chat = Request(
-        messages=[{"role": "user", "content": "Write a quicksort in C."}],
-        sampling=Sampling(n_predict=8),
-    )
+    chat = Request(messages=[{"role": "user", "content": "Write a quicksort in C."}], sampling=Sampling(n_predict=8))
     plain = Request(prompt="Write a quicksort in C.", sampling=Sampling(n_predict=8))
     results = serve(tiny_models["tiny-dense"], "seq", [chat, plain])
     assert all(r.ok for r in results)
@@ -236,10 +227,7 @@ def test_stop_strings_searched_in_the_tail_match_a_whole_text_search():
         tokens = [rng.randrange(1, len(pieces)) for _ in range(50)]
         stop = ["".join(rng.choice(chars) for _ in range(rng.randrange(1, 4))) for _ in range(rng.randrange(1, 3))]
         expected = _whole_text_stop(pieces, tokens, stop)
-        assert _emit_until_stop(pieces, tokens, stop) == expected, (
-            stop,
-            [pieces[t] for t in tokens],
-        )
+        assert _emit_until_stop(pieces, tokens, stop) == expected, (stop, [pieces[t] for t in tokens])
         stopped += expected[0] is not None
     assert stopped > 500  # most cases stop, many of them over a token boundary
 
@@ -247,16 +235,7 @@ def test_stop_strings_searched_in_the_tail_match_a_whole_text_search():
 def test_history_follows_n_past_through_growth_and_rollback():
     slot = Slot(0, _PieceModel([b"", b"x"]), 10_000, seed=1)
     slot.start(0, Request(prompt=[1, 1, 1], sampling=Sampling(n_predict=100)))
-    for n_past, n_out in (
-        (2, 0),
-        (3, 0),
-        (3, 2),
-        (5, 4),
-        (4, 4),
-        (7, 6),
-        (3, 6),
-        (8, 9),
-    ):
+    for n_past, n_out in ((2, 0), (3, 0), (3, 2), (5, 4), (4, 4), (7, 6), (3, 6), (8, 9)):
         slot.n_past = n_past
         slot.result.tokens = list(range(10, 10 + n_out))
         assert slot.history == (slot.prompt + slot.result.tokens)[:n_past]
@@ -268,9 +247,7 @@ def test_detokenizer_shows_the_engines_text(tiny_models):
     assert result.ok and detokenizer(info.path)(result.tokens) == result.text
 
 
-def test_a_killed_engine_worker_crashes_its_requests_and_the_next_run_restarts_it(
-    tiny_models,
-):
+def test_a_killed_engine_worker_crashes_its_requests_and_the_next_run_restarts_it(tiny_models):
     import os
     import signal
     import threading
@@ -290,9 +267,7 @@ def test_a_killed_engine_worker_crashes_its_requests_and_the_next_run_restarts_i
         session.close()
 
 
-def test_an_engine_request_past_its_deadline_times_out_and_the_next_run_goes_on(
-    tiny_models,
-):
+def test_an_engine_request_past_its_deadline_times_out_and_the_next_run_goes_on(tiny_models):
     session = InprocBackend().open(ServeConfig(model=tiny_models["tiny-dense"].path, mode="seq"))
     try:
         stalled = quicksort("C", n_predict=-1)

@@ -7,6 +7,7 @@ import zlib
 
 import numpy as np
 import pytest
+from helpers import quicksort
 
 from harness.engine import ContextParams, Engine
 from harness.engine import context as context_module
@@ -18,7 +19,6 @@ from harness.engine.model import Model
 from harness.engine.speculative import SpecConfig
 from harness.logits import SAMPLE_STRIDE, capture
 from harness.models import draft_for, resolve
-from helpers import quicksort
 
 # --- logits.capture ------------------------------------------------------------------------------------
 
@@ -88,12 +88,7 @@ def test_capture_without_ties_at_the_kth_value_is_what_it_was():
         ids, values, digest, head, tail, log_z = capture_before(row, k)
         np.testing.assert_array_equal(rec.top_ids, ids)
         assert rec.top_logits.tobytes() == values.tobytes()
-        assert (rec.digest, rec.head, rec.tail, rec.log_z) == (
-            digest,
-            head,
-            tail,
-            log_z,
-        )
+        assert (rec.digest, rec.head, rec.tail, rec.log_z) == (digest, head, tail, log_z)
 
 
 @pytest.mark.filterwarnings("ignore:invalid value:RuntimeWarning")
@@ -125,10 +120,7 @@ def test_capture_sample_bound_holds_when_the_top_k_hide_between_samples():
 
 
 def rfind_brute(tokens, pattern, lo, hi):
-    return max(
-        (j for j in range(lo, hi + 1) if tokens[j : j + len(pattern)] == pattern),
-        default=0,
-    )
+    return max((j for j in range(lo, hi + 1) if tokens[j : j + len(pattern)] == pattern), default=0)
 
 
 def test_rfind_ngram_equals_a_brute_force_search():
@@ -223,10 +215,7 @@ def test_draft_simple_at_p_min_0_drafts_the_argmax_without_top10(tiny_models, mo
 
     def run(p_min):
         spec = SpecConfig(
-            spec_type=("draft-simple",),
-            spec_draft_model=draft,
-            spec_draft_n_max=4,
-            spec_draft_p_min=p_min,
+            spec_type=("draft-simple",), spec_draft_model=draft, spec_draft_n_max=4, spec_draft_p_min=p_min
         )
         with Engine(target.path, ContextParams(), spec) as engine:
             return engine.run(requests)
@@ -234,7 +223,7 @@ def test_draft_simple_at_p_min_0_drafts_the_argmax_without_top10(tiny_models, mo
     with_top10 = run(1e-30)  # the top-10 path, whose probability never stops a draft
     monkeypatch.setattr(draft_model, "top10_best", lambda logits: pytest.fail("top10_best at p_min 0"))
     greedy = run(0.0)
-    for a, b in zip(with_top10, greedy):
+    for a, b in zip(with_top10, greedy, strict=False):
         assert a.ok and b.ok
         assert a.tokens == b.tokens
         stats = ("draft_n", "draft_n_accepted", "spec_cycles", "spec_skip")

@@ -14,11 +14,12 @@ from harness.checks import CHECKS, kv_healthy
 from harness.checks.base import CheckContext, CheckResult
 from harness.checks.reuse import prompt_reuse
 from harness.execute import CellRun, ExecOptions, Executor, Outcome
-from harness.known_failures import load as load_known, tag
+from harness.known_failures import load as load_known
+from harness.known_failures import tag
 from harness.matrix import Cell
+from harness.request import Sampling
 from harness.result import Result, Timings
 from harness.suites import Case, Suite, load_suite
-from harness.request import Sampling
 
 REPO = Path(__file__).resolve().parents[1]
 SUITE = load_suite(str(REPO / "suites" / "eog.yaml"))
@@ -131,18 +132,8 @@ def test_the_entry_explains_its_stop_and_nothing_else(entry):
             "tokens (stop: eos)"
         ],
     )
-    for other in (
-        "limit",
-        "word",
-    ):  # positions kept past a stop string or n_predict are something else
-        assert not EOG.explains(
-            CheckResult(
-                "kv-healthy",
-                False,
-                "x",
-                failures=[eog.failures[0].replace("eos", other)],
-            )
-        )
+    for other in ("limit", "word"):  # positions kept past a stop string or n_predict are something else
+        assert not EOG.explains(CheckResult("kv-healthy", False, "x", failures=[eog.failures[0].replace("eos", other)]))
     assert EOG.explains(eog)
     dup = "round 0: 2 duplicate cells, 0 orphans: 3 cells at (seq 0, pos 3)"
     assert not EOG.explains(CheckResult("kv-healthy", False, "x", failures=[eog.failures[0], dup]))
@@ -186,11 +177,7 @@ def check(executor, name: str, backend: str, model: str, case: str, run: CellRun
     return CHECKS[name](CheckContext(run or executor.run(SUITE, cell), case, executor, None, str, "repro"))
 
 
-REPRODUCED = [
-    ("tiny-dense", "last_draft"),
-    ("tiny-recurrent", "replay"),
-    ("tiny-hybrid", "chat.turn1"),
-]
+REPRODUCED = [("tiny-dense", "last_draft"), ("tiny-recurrent", "replay"), ("tiny-hybrid", "chat.turn1")]
 
 
 @pytest.mark.parametrize("model, case", REPRODUCED)
@@ -213,9 +200,7 @@ def test_llama_server_keeps_the_eog_token_and_the_engine_does_not(executor, mode
     assert check(executor, "kv-healthy", "inproc", model, case).passed
 
 
-def test_the_hybrids_next_turn_reprocesses_the_previous_answer_on_llama_server_only(
-    executor,
-):
+def test_the_hybrids_next_turn_reprocesses_the_previous_answer_on_llama_server_only(executor):
     verdict = check(executor, "prompt-reuse", "server", "tiny-hybrid", "chat.turn2")
     turn1 = result_of(executor, "server", "tiny-hybrid", "none", "chat.turn1")
     found = re.match(
@@ -247,10 +232,7 @@ def test_the_entry_does_not_hide_another_failure_of_the_same_cells(executor):
     cell = CELLS[("server", "tiny-dense", "draft-simple")]
     run = copy.deepcopy(executor.run(SUITE, cell))
     result = next(o.result for o in run.outcomes if o.case == "last_draft")
-    result.kv_scan.update(
-        healthy=False,
-        duplicates=[{"part": "kv", "stream": 0, "seq_id": 0, "pos": 4, "count": 2}],
-    )
+    result.kv_scan.update(healthy=False, duplicates=[{"part": "kv", "stream": 0, "seq_id": 0, "pos": 4, "count": 2}])
     result.kv_scan["totals"]["duplicate_cells"] = 1
     both = check(executor, "kv-healthy", "server", "tiny-dense", "last_draft", run)
     assert len(both.failures) == 2 and tag([EOG], "eog", cell, [both]) == [both]

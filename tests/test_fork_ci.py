@@ -10,7 +10,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from bisect_history import REGRESSION, builds_at
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -22,18 +21,9 @@ pytestmark = pytest.mark.xdist_group("bisect-history")  # the fixture's builds: 
 
 def fork_ci(*args, cwd: Path) -> subprocess.CompletedProcess:
     env = dict(
-        os.environ,
-        SPECHARNESS_CI_ARGS=SELECTION,
-        PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
+        os.environ, SPECHARNESS_CI_ARGS=SELECTION, PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"
     )
-    return subprocess.run(
-        [str(SCRIPT), *map(str, args)],
-        cwd=cwd,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
+    return subprocess.run([str(SCRIPT), *map(str, args)], cwd=cwd, env=env, capture_output=True, text=True, timeout=900)
 
 
 def test_the_fork_ci_script_fails_on_a_regression_and_passes_without_one(tmp_path):

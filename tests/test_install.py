@@ -11,43 +11,17 @@ from pathlib import Path
 from harness.cli import main
 
 REPO = Path(__file__).resolve().parents[1]
-SOURCES = (
-    "pyproject.toml",
-    "setup.py",
-    "MANIFEST.in",
-    "README.md",
-    "harness",
-    "suites",
-    "fixtures",
-)
-SELECTION = [
-    "--model",
-    "tiny-dense",
-    "--mode",
-    "seq",
-    "--spec",
-    "none",
-    "--backend",
-    "inproc",
-]
+SOURCES = ("pyproject.toml", "setup.py", "MANIFEST.in", "README.md", "harness", "suites", "fixtures")
+SELECTION = ["--model", "tiny-dense", "--mode", "seq", "--spec", "none", "--backend", "inproc"]
 
 
 def run(cmd: list, cwd: Path, env: dict) -> subprocess.CompletedProcess:
-    proc = subprocess.run(
-        [str(c) for c in cmd],
-        cwd=cwd,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    proc = subprocess.run([str(c) for c in cmd], cwd=cwd, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, f"{cmd} exited {proc.returncode}:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
     return proc
 
 
-def test_the_wheel_runs_the_default_job_and_the_pytest_plugin_outside_the_checkout(
-    tmp_path,
-):
+def test_the_wheel_runs_the_default_job_and_the_pytest_plugin_outside_the_checkout(tmp_path):
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTEST_ADDOPTS", "VIRTUAL_ENV")}
     source = tmp_path / "source"  # a copy: the build leaves build/ and *.egg-info beside the sources
     source.mkdir()
@@ -56,44 +30,13 @@ def test_the_wheel_runs_the_default_job_and_the_pytest_plugin_outside_the_checko
             shutil.copytree(REPO / name, source / name, ignore=shutil.ignore_patterns("__pycache__"))
         else:
             shutil.copyfile(REPO / name, source / name)
-    run(
-        [
-            sys.executable,
-            "-m",
-            "pip",
-            "wheel",
-            "--no-deps",
-            "-q",
-            "-w",
-            tmp_path / "dist",
-            source,
-        ],
-        tmp_path,
-        env,
-    )
+    run([sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w", tmp_path / "dist", source], tmp_path, env)
     wheel = next((tmp_path / "dist").glob("specharness-*.whl"))
 
     # a fresh venv that sees the llama-cpp-python (and the other dependencies) already installed: no compile
-    run(
-        [sys.executable, "-m", "venv", "--system-site-packages", tmp_path / "venv"],
-        tmp_path,
-        env,
-    )
+    run([sys.executable, "-m", "venv", "--system-site-packages", tmp_path / "venv"], tmp_path, env)
     bin_dir = tmp_path / "venv" / "bin"
-    run(
-        [
-            bin_dir / "python",
-            "-m",
-            "pip",
-            "install",
-            "-q",
-            "--no-deps",
-            "--ignore-installed",
-            wheel,
-        ],
-        tmp_path,
-        env,
-    )
+    run([bin_dir / "python", "-m", "pip", "install", "-q", "--no-deps", "--ignore-installed", wheel], tmp_path, env)
     work = tmp_path / "elsewhere"
     work.mkdir()
     where = run([bin_dir / "python", "-c", "import harness; print(harness.__file__)"], work, env).stdout
@@ -160,25 +103,11 @@ def test_init_writes_a_suite_that_runs_and_records_its_own_baselines(tmp_path, m
         "--mode",
         "seq",
     ]
-    proc = subprocess.run(
-        pytest,
-        cwd=tmp_path / "proj",
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    proc = subprocess.run(pytest, cwd=tmp_path / "proj", env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0 and "4 passed" in proc.stdout, proc.stdout[-2000:]
     edited = tmp_path / "proj/fixtures/baselines/starter/list--tiny-dense--inproc--cpu.json"
     data = json.loads(edited.read_text())
     data["tokens"][3] += 1
     edited.write_text(json.dumps(data))
-    proc = subprocess.run(
-        pytest,
-        cwd=tmp_path / "proj",
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    proc = subprocess.run(pytest, cwd=tmp_path / "proj", env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 1 and "2 failed" in proc.stdout and "at token 3" in proc.stdout, proc.stdout[-2000:]

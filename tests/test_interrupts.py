@@ -10,7 +10,6 @@ import shutil
 import signal
 
 import pytest
-
 from interrupts import REPO, entered, interrupt, left_behind, spawn, wait_for_phase
 
 pytestmark = pytest.mark.stress
@@ -78,24 +77,16 @@ def test_ctrl_c_while_serving_keeps_the_finished_cell_and_stops_the_servers(tmp_
     status, output = run(tmp_path, *SERVER, hold="serving:2")  # seq finished; par's server is up
     out = tmp_path / "run"
     assert status == 130, output[-2000:]
-    assert statuses(out) == {
-        SEQ.format("server"): "done",
-        PAR.format("server"): "not run",
-    }
+    assert statuses(out) == {SEQ.format("server"): "done", PAR.format("server"): "not run"}
     assert produced(out) == produced(out, "checks.json") == {SEQ.format("server")}
     assert 'id="interrupted"' in (out / "index.html").read_text()
 
 
-def test_sigterm_while_serving_in_process_exits_143_and_stops_the_engine_workers(
-    tmp_path,
-):
+def test_sigterm_while_serving_in_process_exits_143_and_stops_the_engine_workers(tmp_path):
     status, output = run(tmp_path, *INPROC, hold="serving:2", sig=signal.SIGTERM)
     out = tmp_path / "run"
     assert status == 143, output[-2000:]
-    assert statuses(out) == {
-        SEQ.format("inproc"): "done",
-        PAR.format("inproc"): "not run",
-    }
+    assert statuses(out) == {SEQ.format("inproc"): "done", PAR.format("inproc"): "not run"}
     assert produced(out) == {SEQ.format("inproc")}
 
 
@@ -103,10 +94,7 @@ def test_ctrl_c_while_checking_keeps_what_was_served_and_checked(tmp_path):
     status, output = run(tmp_path, *INPROC, hold=f"checking:{CASES + 1}")  # par served, its checks begun
     out = tmp_path / "run"
     assert status == 130, output[-2000:]
-    assert statuses(out) == {
-        SEQ.format("inproc"): "done",
-        PAR.format("inproc"): "not run",
-    }
+    assert statuses(out) == {SEQ.format("inproc"): "done", PAR.format("inproc"): "not run"}
     assert produced(out) == {SEQ.format("inproc"), PAR.format("inproc")}
     assert produced(out, "checks.json") == {SEQ.format("inproc")}
 
@@ -180,19 +168,7 @@ def test_ctrl_c_during_shrink_writes_the_smallest_case_found(tmp_path):
     assert made.returncode == 1, output[-2000:]
     out = tmp_path / "bundle"
     proc = spawn(
-        [
-            "shrink",
-            "--from-run",
-            str(failing),
-            "--case",
-            "C",
-            "--check",
-            "lossless",
-            "--tries",
-            "1",
-            "--out",
-            str(out),
-        ],
+        ["shrink", "--from-run", str(failing), "--case", "C", "--check", "lossless", "--tries", "1", "--out", str(out)],
         phases,
         "serving:10",
         env={"TMPDIR": str(tmp_path)},
@@ -243,10 +219,7 @@ def test_ctrl_c_in_a_pytest_session_reports_what_finished(tmp_path):
     status, output = pytest_session(tmp_path, "serving:2")
     out = tmp_path / "report"
     assert status == 130, output[-2000:]
-    assert statuses(out) == {
-        SEQ.format("server"): "done",
-        PAR.format("server"): "not run",
-    }
+    assert statuses(out) == {SEQ.format("server"): "done", PAR.format("server"): "not run"}
     assert produced(out, "checks.json") == {SEQ.format("server")}
 
 

@@ -37,15 +37,8 @@ def test_the_shipped_file_loads():
 def test_an_entry_explains_only_its_cells_check_and_evidence(suites):
     (suites / "known-failures.yaml").write_text(ENTRY)
     [entry] = load(suites / "known-failures.yaml")
-    par, seq = (
-        Cell("server", "par", "draft-simple", "tiny-dense"),
-        Cell("server", "seq", "draft-simple", "tiny-dense"),
-    )
-    crash = CheckResult(
-        "no-crash",
-        False,
-        "HTTP 500: speculative batch index 12 is not inside the current sub-batch",
-    )
+    par, seq = Cell("server", "par", "draft-simple", "tiny-dense"), Cell("server", "seq", "draft-simple", "tiny-dense")
+    crash = CheckResult("no-crash", False, "HTTP 500: speculative batch index 12 is not inside the current sub-batch")
     other = CheckResult("no-crash", False, "killed by SIGABRT")
     assert tag([entry], "kv-fill", par, [crash, other]) == [other]
     assert crash.evidence["known_failure"] == "demo-defect"
@@ -62,10 +55,7 @@ def test_an_entry_must_explain_every_failing_request_of_a_verdict(suites):
     assert tag([entry], "kv-fill", par, [explained]) == []
     assert explained.evidence["known_failure"] == "demo-defect"
     mixed = CheckResult(
-        "no-crash",
-        False,
-        "2 of 3 requests failed",
-        failures=[http500, "round 1: llama-server was killed by SIGSEGV"],
+        "no-crash", False, "2 of 3 requests failed", failures=[http500, "round 1: llama-server was killed by SIGSEGV"]
     )
     assert tag([entry], "kv-fill", par, [mixed]) == [mixed]
     assert "known_failure" not in mixed.evidence
@@ -75,14 +65,8 @@ def test_an_entry_must_explain_every_failing_request_of_a_verdict(suites):
 @pytest.mark.parametrize(
     "change, message",
     [
-        (
-            ("evidence: 'batch index \\d+ is not inside'", "evidence: '(index)?'"),
-            "matches an empty string",
-        ),
-        (
-            ("  upstream: ggml-org/llama.cpp#24840\n", ""),
-            "'upstream' is a required property",
-        ),
+        (("evidence: 'batch index \\d+ is not inside'", "evidence: '(index)?'"), "matches an empty string"),
+        (("  upstream: ggml-org/llama.cpp#24840\n", ""), "'upstream' is a required property"),
         (("suite: kv-fill", "suite: kv-fil"), "unknown suite 'kv-fil'"),
         (("check: no-crash", "check: no-crash2"), "unknown check 'no-crash2'"),
         (("modes: [par]", "modes: [parallel]"), "unknown mode 'parallel'"),
@@ -99,9 +83,7 @@ def test_bad_entries_are_one_line_errors_naming_file_and_entry(suites, change, m
     assert "\n" not in str(err.value)
 
 
-def test_an_entry_naming_exercised_explains_completions_its_defect_took_and_nothing_else(
-    suites,
-):
+def test_an_entry_naming_exercised_explains_completions_its_defect_took_and_nothing_else(suites):
     from harness.checks import exercised
     from harness.checks.base import CheckContext
     from harness.execute import CellRun, Outcome
@@ -138,11 +120,7 @@ def test_an_entry_for_a_cpu_feature_applies_only_on_a_cpu_that_has_it(suites):
     (suites / "known-failures.yaml").write_text(ENTRY + "  cpu_flags: [no-cpu-has-this-flag]\n")
     [absent] = load(suites / "known-failures.yaml")
     par = Cell("server", "par", "draft-simple", "tiny-dense")
-    crash = CheckResult(
-        "no-crash",
-        False,
-        "HTTP 500: speculative batch index 12 is not inside the current sub-batch",
-    )
+    crash = CheckResult("no-crash", False, "HTTP 500: speculative batch index 12 is not inside the current sub-batch")
     assert absent.missing_cpu_flags == ["no-cpu-has-this-flag"] and not absent.covers("kv-fill", par)
     assert tag([absent], "kv-fill", par, [crash]) == [crash]  # elsewhere the failure stays a failure
     if have is not None:

@@ -39,12 +39,7 @@ class Blobs:
         """Decode token 10+pos at each position for `seq` (one batch, last row outputs)."""
         b = self.batch
         for i, pos in enumerate(positions):
-            b.token[i], b.pos[i], b.n_seq_id[i], b.logits[i] = (
-                10 + pos,
-                pos,
-                1,
-                i == len(positions) - 1,
-            )
+            b.token[i], b.pos[i], b.n_seq_id[i], b.logits[i] = 10 + pos, pos, 1, i == len(positions) - 1
             b.seq_id[i][0] = seq
         b.n_tokens = len(positions)
         assert llama_cpp.llama_decode(self.ctx, b) == 0
@@ -84,10 +79,7 @@ def load():
                 pytest.skip(f"{name} unavailable: {err}")
             params = llama_cpp.llama_model_default_params()
             params.use_extra_bufts = default_repack()  # off on a CPU whose AMX path crashes (known failure)
-            loaded[name] = (
-                llama_cpp.llama_model_load_from_file(str(path).encode(), params),
-                path,
-            )
+            loaded[name] = (llama_cpp.llama_model_load_from_file(str(path).encode(), params), path)
             assert loaded[name][0], f"could not load {path}"
         return loaded[name]
 
@@ -122,11 +114,7 @@ def test_dense_whole_context_two_sequences(blobs, unified, flash, v_trans):
     b.decode(1, range(7))
     for layout in (None, layout_from_model(b.path)):
         r = scan_bytes(b.state(), layout=layout, expected_len={0: 10, 1: 7})
-        assert (r.framing, r.arch, [p.name for p in r.parts]) == (
-            "context",
-            "llama",
-            ["kv"],
-        )
+        assert (r.framing, r.arch, [p.name for p in r.parts]) == ("context", "llama", ["kv"])
         kv = r.parts[0]
         assert (kv.n_stream, kv.v_trans) == (1 if unified else 2, v_trans)
         assert seqs(kv) == {0: (10, 0, 9), 1: (7, 0, 6)}
@@ -140,12 +128,7 @@ def test_dense_seq_blob_and_ggsq_file(blobs, tmp_path, unified):
     b.decode(0, range(4))
     b.decode(1, range(7))
     r = scan_bytes(b.seq_state(1), layout=layout_from_model(b.path))
-    assert (r.framing, r.seq_id, r.layout.memory, r.layout.cell_ext) == (
-        "seq",
-        1,
-        "kv",
-        False,
-    )
+    assert (r.framing, r.seq_id, r.layout.memory, r.layout.cell_ext) == ("seq", 1, "kv", False)
     assert seqs(r.parts[0]) == {1: (7, 0, 6)} and r.healthy
     assert (r.parts[0].n_stream, set(r.parts[0].stream.tolist())) == ((1, {0}) if unified else (2, {1}))
     path = b.save_seq_file(tmp_path / "s1.ggsq", 1, [10 + i for i in range(7)])
@@ -158,13 +141,7 @@ def test_slot_file_and_session_file(blobs, tmp_path):
     b = blobs("tiny-dense", n_seq=1)
     b.decode(0, range(5))
     tokens = [10 + i for i in range(5)]
-    packed = [
-        -1,
-        1,
-        len(tokens),
-        *tokens,
-        0,
-    ]  # llama-server's server_tokens::serialize layout (§1.8)
+    packed = [-1, 1, len(tokens), *tokens, 0]  # llama-server's server_tokens::serialize layout (§1.8)
     r = scan_file(b.save_seq_file(tmp_path / "slot0.bin", 0, packed))
     assert (r.framing, r.tokens) == ("ggsq-slot", 5)
     assert seqs(r.parts[0]) == {0: (5, 0, 4)}
@@ -249,10 +226,7 @@ def test_hybrid_seq_blobs_and_whole_context(blobs, tmp_path):
     b.decode(0, range(9))
     b.decode(1, range(4))
     hint = layout_from_model(b.path)
-    assert (hint.memory, hint.cell_ext) == (
-        "hybrid",
-        True,
-    ) and hint.n_recurrent_layers >= 1
+    assert (hint.memory, hint.cell_ext) == ("hybrid", True) and hint.n_recurrent_layers >= 1
     full = scan_bytes(b.seq_state(0))
     assert [p.name for p in full.parts] == ["kv", "rs"]
     assert full.layout.cell_ext is True and full.layout.n_recurrent_layers == hint.n_recurrent_layers
@@ -301,10 +275,7 @@ def test_duplicate_recurrent_tail_in_a_patched_real_blob(blobs):
     b.decode(1, range(2))
     data = bytearray(b.state())
     first = 4 + len("mamba2") + 4 + 8  # arch string, cell count, pos and n_seq_id of cell 0 → its seq id
-    seq0, seq1 = (
-        struct.unpack_from("<i", data, first)[0],
-        struct.unpack_from("<i", data, first + 12)[0],
-    )
+    seq0, seq1 = struct.unpack_from("<i", data, first)[0], struct.unpack_from("<i", data, first + 12)[0]
     assert {seq0, seq1} == {0, 1}
     struct.pack_into("<i", data, first + 12, seq0)  # both recurrent cells now claim the same sequence
     r = scan_bytes(bytes(data))

@@ -23,8 +23,8 @@ from harness.logits import (
     save_parquet,
     to_frame,
 )
-from harness.request import Request, Sampling
 from harness.noise import NEAR_TIE, NoiseFloor
+from harness.request import Request, Sampling
 from harness.triage import triage
 
 QUICKSORT_C = "Write a quicksort demo in C. Please, write just code. Do not write any extra comments."
@@ -56,11 +56,7 @@ def test_server_logprobs_convert_sorted_with_empty_speculative_entries():
         {
             "id": 7,
             "logprob": -0.4,
-            "top_logprobs": [
-                {"id": 9, "logprob": -2.5},
-                {"id": 7, "logprob": -0.4},
-                {"id": 4, "logprob": -2.5},
-            ],
+            "top_logprobs": [{"id": 9, "logprob": -2.5}, {"id": 7, "logprob": -0.4}, {"id": 4, "logprob": -2.5}],
         },
         {"id": 5, "logprob": 0.0, "top_logprobs": []},  # accepted through speculation
     ]
@@ -73,17 +69,7 @@ def test_server_logprobs_convert_sorted_with_empty_speculative_entries():
 
 def test_server_post_sampling_probs_become_logs_and_zero_becomes_float_lowest():
     (rec,) = from_server_probs(
-        [
-            {
-                "id": 3,
-                "prob": 0.6,
-                "top_probs": [
-                    {"id": 3, "prob": 0.6},
-                    {"id": 8, "prob": 0.0},
-                    {"id": 2, "prob": 0.3},
-                ],
-            }
-        ]
+        [{"id": 3, "prob": 0.6, "top_probs": [{"id": 3, "prob": 0.6}, {"id": 8, "prob": 0.0}, {"id": 2, "prob": 0.3}]}]
     )
     assert rec.top_ids.tolist() == [3, 2, 8]
     assert rec.top_logits[:2] == pytest.approx([math.log(0.6), math.log(0.3)])
@@ -95,7 +81,7 @@ def test_server_margin_equals_the_raw_logit_margin():
     raw = capture(row, 3)
     logprobs = raw.logprobs()
     server = from_server_probs(
-        [{"top_logprobs": [{"id": int(i), "logprob": float(v)} for i, v in zip(raw.top_ids, logprobs)]}]
+        [{"top_logprobs": [{"id": int(i), "logprob": float(v)} for i, v in zip(raw.top_ids, logprobs, strict=False)]}]
     )[0]
     assert server.margin == pytest.approx(raw.margin, abs=1e-6)
 
@@ -105,31 +91,16 @@ def test_parquet_round_trip_keeps_dtypes_and_exact_values(tmp_path):
     run = [capture(rng.normal(0, 2, 500).astype(np.float32), 10) for _ in range(128)]
     served = from_server_probs([{"top_logprobs": [{"id": 1, "logprob": -0.5}]}, {"top_logprobs": []}])
     path = tmp_path / "logits.parquet"
-    save_parquet(
-        path,
-        {
-            "dense/C": to_frame(run),
-            "silent/C": to_frame([]),
-            "server/C": to_frame(served),
-        },
-    )
+    save_parquet(path, {"dense/C": to_frame(run), "silent/C": to_frame([]), "server/C": to_frame(served)})
     loaded = load_parquet(path)
-    assert list(loaded) == [
-        "dense/C",
-        "server/C",
-    ]  # a case without positions has no rows
+    assert list(loaded) == ["dense/C", "server/C"]  # a case without positions has no rows
     for original, frame in ((run, loaded["dense/C"]), (served, loaded["server/C"])):
         back = from_frame(frame)
         assert len(back) == len(original)
-        for x, y in zip(original, back):
+        for x, y in zip(original, back, strict=False):
             assert y.top_ids.dtype == np.int32 and y.top_logits.dtype == np.float32
             assert np.array_equal(x.top_ids, y.top_ids) and np.array_equal(x.top_logits, y.top_logits)
-            assert (x.digest, x.head, x.tail, x.log_z) == (
-                y.digest,
-                y.head,
-                y.tail,
-                y.log_z,
-            )
+            assert (x.digest, x.head, x.tail, x.log_z) == (y.digest, y.head, y.tail, y.log_z)
     assert len(from_frame(loaded["server/C"])[1].top_ids) == 0
     # 128 positions × k = 10 plus both runs' digests: a baseline stays small (real tiny-model logits: ~16.6 kB)
     assert path.stat().st_size < 20_000
@@ -180,10 +151,7 @@ def test_check_judges_aggregates_names_the_worst_position_and_fails_without_posi
     # one outlier position of five does not decide alone through max |Δ|: its p60 is 0.01
     ok, message = check(compare(a, b), Tolerances(nmse=1, kl=1, max_abs=0.02, max_abs_quantile=0.6))
     assert ok, message
-    ok, message = check(
-        compare(a, [lp([2, 1, 3], [-1.0, -1.01, -3.0])] + b[1:]),
-        Tolerances(max_abs=1, nmse=1, kl=1),
-    )
+    ok, message = check(compare(a, [lp([2, 1, 3], [-1.0, -1.01, -3.0])] + b[1:]), Tolerances(max_abs=1, nmse=1, kl=1))
     assert not ok and "top-1 agreement 0.8000" in message and "position 0: id 1 vs 2" in message
     ok, message = check(compare(a, [lp([], [])] * 5), Tolerances())
     assert not ok and "no position has logits on both sides" in message
@@ -201,13 +169,7 @@ def test_near_tie_when_logits_agree_and_both_margins_are_small():
     ref[2] = lp([5, 6], [-0.70, -0.72])
     other = same(4)
     other[2] = lp([6, 5], [-0.70, -0.71])
-    d = triage(
-        [9, 9, 5, 9],
-        [9, 9, 6, 9],
-        ref,
-        other,
-        detokenize=lambda ts: "".join(f"<{t}>" for t in ts),
-    )
+    d = triage([9, 9, 5, 9], [9, 9, 6, 9], ref, other, detokenize=lambda ts: "".join(f"<{t}>" for t in ts))
     assert (d.index, d.kind, d.ref_token, d.other_token) == (2, "near-tie", 5, 6)
     assert d.margin == pytest.approx(0.02, abs=1e-6) and d.before == "<9><9>"
     assert list(d.margins) == [0, 1, 2]
@@ -249,13 +211,7 @@ def test_a_kv_finding_makes_any_divergence_kv_corrupt():
     ref[2] = lp([5, 6], [-0.70, -0.72])
     other = same(3)
     other[2] = lp([6, 5], [-0.70, -0.71])
-    d = triage(
-        [9, 9, 5],
-        [9, 9, 6],
-        ref,
-        other,
-        kv_findings=["the KV scan of the request found 3 duplicate cells"],
-    )
+    d = triage([9, 9, 5], [9, 9, 6], ref, other, kv_findings=["the KV scan of the request found 3 duplicate cells"])
     assert d.kind == "kv-corrupt" and "never a near-tie" in d.reason
 
 
@@ -278,10 +234,7 @@ def test_unexplained_without_the_evidence_a_class_needs():
     assert triage([1, 2], [1, 3]).kind == "unexplained"
     assert triage([1, 2], [1, 3], same(2)).kind == "unexplained"  # large margin, nothing to rule out drift
     server = from_server_probs(
-        [
-            {"top_logprobs": [{"id": 1, "logprob": -1.0}, {"id": 2, "logprob": -2.0}]},
-            {"top_logprobs": []},
-        ]
+        [{"top_logprobs": [{"id": 1, "logprob": -1.0}, {"id": 2, "logprob": -2.0}]}, {"top_logprobs": []}]
     )
     d = triage([1, 2], [1, 3], server, same(2))
     assert d.kind == "unexplained" and d.margin is None and "margin there unknown (positions 0–0: 1)" in d.describe()
@@ -323,17 +276,10 @@ def test_rollback_fault_divergence_is_hard(tiny_models, detokenizer):
     model = tiny_models["tiny-hybrid"]
     reference = generate(model, QUICKSORT_C, 64)
     spec = SpecConfig(
-        drafters=[Scripted(reference.tokens, wrong_at=lambda s, j, k: k == 1)],
-        fault="partial-checkpoint-only",
+        drafters=[Scripted(reference.tokens, wrong_at=lambda s, j, k: k == 1)], fault="partial-checkpoint-only"
     )
     faulty = generate(model, QUICKSORT_C, 64, spec)
-    d = triage(
-        reference.tokens,
-        faulty.tokens,
-        reference.logits,
-        faulty.logits,
-        detokenizer(model),
-    )
+    d = triage(reference.tokens, faulty.tokens, reference.logits, faulty.logits, detokenizer(model))
     # Measured: divergence at token 3, reference margin 0.854 nats; before it the two runs' logits differ
     # by ~1e-6 (verification batches vs single-token decodes), far inside tolerance. The fault corrupts
     # the recurrent state at the first partial acceptance, so the step's logits jump with nothing

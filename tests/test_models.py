@@ -10,22 +10,12 @@ import pytest
 
 from harness.cli import main
 from harness.errors import HarnessError
-from harness.models import DEFAULT_MODELS, draft_for, make, resolve
-from harness.models import registry
+from harness.models import DEFAULT_MODELS, draft_for, make, registry, resolve
 from harness.models.agreement import PROMPTS, teacher_forced_agreement
 from harness.models.generator import RECIPES
 
-KIND = {
-    "tiny-dense": "dense",
-    "tiny-hybrid": "hybrid",
-    "tiny-recurrent": "recurrent",
-    "tiny-long": "dense",
-}
-FLAGS = {
-    "dense": (False, False),
-    "hybrid": (False, True),
-    "recurrent": (True, False),
-}  # (is_recurrent, is_hybrid)
+KIND = {"tiny-dense": "dense", "tiny-hybrid": "hybrid", "tiny-recurrent": "recurrent", "tiny-long": "dense"}
+FLAGS = {"dense": (False, False), "hybrid": (False, True), "recurrent": (True, False)}  # (is_recurrent, is_hybrid)
 
 
 @pytest.fixture(scope="session")
@@ -41,10 +31,7 @@ def test_generated_model_loads_as_its_kind(built, name):
     model = llama_cpp.llama_model_load_from_file(str(info.path).encode(), llama_cpp.llama_model_default_params())
     assert model, f"llama.cpp could not load {info.path}"
     try:
-        flags = (
-            llama_cpp.llama_model_is_recurrent(model),
-            llama_cpp.llama_model_is_hybrid(model),
-        )
+        flags = (llama_cpp.llama_model_is_recurrent(model), llama_cpp.llama_model_is_hybrid(model))
     finally:
         llama_cpp.llama_model_free(model)
     assert flags == FLAGS[info.kind]
@@ -56,7 +43,7 @@ def test_make_is_idempotent_and_content_addressed(tmp_path, monkeypatch):
     for cache in ("a", "b"):
         monkeypatch.setenv("SPECHARNESS_CACHE", str(tmp_path / cache))
         runs.append(make(names))
-    for a, b in zip(*runs):
+    for a, b in zip(*runs, strict=False):
         assert a.sha256 == b.sha256 == hashlib.sha256(a.path.read_bytes()).hexdigest()
         assert a.path.read_bytes() == b.path.read_bytes()
         assert a.path.name == b.path.name and a.path.name.startswith(f"{a.name}-")
@@ -93,11 +80,7 @@ def test_draft_agrees_with_target_in_band(built, target):
 
 def test_gguf_path_reads_arch_from_header(built):
     info = resolve(str(built["tiny-hybrid"].path))
-    assert (info.arch, info.kind, info.sha256) == (
-        "qwen35",
-        "hybrid",
-        built["tiny-hybrid"].sha256,
-    )
+    assert (info.arch, info.kind, info.sha256) == ("qwen35", "hybrid", built["tiny-hybrid"].sha256)
 
 
 def test_arch_found_after_other_header_keys(tmp_path):

@@ -66,14 +66,9 @@ def test_report_option_writes_the_run_directory_with_its_html_report(project):
     result = project.runpytest("suites", "-q", "--report", "out")
     result.assert_outcomes(passed=2)
     out = project.path / "out"
-    assert {
-        "results.json",
-        "checks.json",
-        "run.json",
-        "vocab.json",
-        "junit.xml",
-        "index.html",
-    } <= {p.name for p in out.iterdir()}
+    assert {"results.json", "checks.json", "run.json", "vocab.json", "junit.xml", "index.html"} <= {
+        p.name for p in out.iterdir()
+    }
     assert any(
         line == f"specharness report: {out / 'index.html'}" or line.endswith("out/index.html")
         for line in result.outlines
@@ -115,9 +110,7 @@ def test_report_under_xdist_merges_the_workers_parts_into_one_run(project):
     assert "All 6 check verdicts passed" in (out / "index.html").read_text()
 
 
-def test_a_known_failure_for_a_cpu_feature_this_cpu_lacks_is_reported_skipped_with_its_reason(
-    project,
-):
+def test_a_known_failure_for_a_cpu_feature_this_cpu_lacks_is_reported_skipped_with_its_reason(project):
     """On a CPU without the entry's feature the item is skipped through a marker, and pytest places that
     report at the item's line: a None line was an INTERNALERROR that ended the whole session."""
     (project.path / "suites" / "known-failures.yaml").write_text(

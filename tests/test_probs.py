@@ -18,7 +18,8 @@ from harness.checks import lossless
 from harness.checks.base import CheckContext, CheckResult
 from harness.checks.probs import probs_complete
 from harness.execute import CellRun, ExecOptions, Executor
-from harness.known_failures import load as load_known, tag
+from harness.known_failures import load as load_known
+from harness.known_failures import tag
 from harness.logits import PositionLogits, check, compare
 from harness.matrix import Cell
 from harness.suites import load_suite
@@ -52,9 +53,7 @@ def edited(executor, cell: Cell, case: str, edit) -> CellRun:
     return run
 
 
-def test_llama_server_returns_no_probabilities_for_speculative_tokens_and_the_entry_explains_it(
-    executor,
-):
+def test_llama_server_returns_no_probabilities_for_speculative_tokens_and_the_entry_explains_it(executor):
     for case in CASES:
         result = verdict(executor, SERVER_SPEC, case)
         assert not result.passed
@@ -66,26 +65,14 @@ def test_llama_server_returns_no_probabilities_for_speculative_tokens_and_the_en
         assert found and int(found[1]) >= 16, result.message  # most tokens come out of a verification step
         assert result.evidence["without_probs"] == int(found[1])
         assert tag([ENTRY], "probs", SERVER_SPEC, [result]) == [] and result.evidence["known_failure"] == ENTRY.id
-        for cell in (
-            SERVER_PLAIN,
-            ENGINE_SPEC,
-            ENGINE_PLAIN,
-        ):  # the other cells carry every list
+        for cell in (SERVER_PLAIN, ENGINE_SPEC, ENGINE_PLAIN):  # the other cells carry every list
             clean = verdict(executor, cell, case)
-            assert clean.passed and clean.evidence["without_probs"] == 0, (
-                cell,
-                clean.message,
-            )
-    for case in (
-        "logprobs",
-        "post_sampling",
-    ):  # compared with the non-speculative cell, position by position
+            assert clean.passed and clean.evidence["without_probs"] == 0, (cell, clean.message)
+    for case in ("logprobs", "post_sampling"):  # compared with the non-speculative cell, position by position
         assert verdict(executor, ENGINE_SPEC, case).evidence["compared_positions"] == 32
 
 
-def test_rescoring_a_withheld_position_leaves_the_returned_emptiness_in_the_result(
-    executor,
-):
+def test_rescoring_a_withheld_position_leaves_the_returned_emptiness_in_the_result(executor):
     result = next(o.result for o in executor.run(SUITE, SERVER_SPEC).outcomes if o.case == "logprobs")
     pos = next(p for p, rec in enumerate(result.logits) if len(rec.top_ids) == 0)
     before = verdict(executor, SERVER_SPEC, "logprobs").message
@@ -108,7 +95,7 @@ def test_the_engine_returns_llama_servers_own_probabilities_in_both_modes(execut
     greedy = next(o.result for o in executor.run(SUITE, ENGINE_PLAIN).outcomes if o.case == "post_sampling")
     assert all(
         rec.top_ids.tolist() == [t] and rec.top_logits.tolist() == [0.0]  # the pick, at probability 1
-        for t, rec in zip(greedy.tokens, greedy.logits)
+        for t, rec in zip(greedy.tokens, greedy.logits, strict=False)
     )
     sampled = next(o.result for o in executor.run(SUITE, ENGINE_PLAIN).outcomes if o.case == "post_sampling_sampled")
     assert max(len(rec.top_ids) for rec in sampled.logits) == 5
@@ -123,15 +110,8 @@ def shifted(result, positions=None) -> None:
             rec.top_logits[1] += np.float32(0.01)
 
 
-def test_probabilities_beyond_the_calibrated_tolerance_fail_and_the_entry_does_not_explain_them(
-    executor,
-):
-    off = verdict(
-        executor,
-        ENGINE_SPEC,
-        "logprobs",
-        edited(executor, ENGINE_SPEC, "logprobs", shifted),
-    )
+def test_probabilities_beyond_the_calibrated_tolerance_fail_and_the_entry_does_not_explain_them(executor):
+    off = verdict(executor, ENGINE_SPEC, "logprobs", edited(executor, ENGINE_SPEC, "logprobs", shifted))
     assert not off.passed and off.failures == [off.message.split(": ", 1)[1]]
     assert off.message.startswith(
         "seq-draft-simple-tiny-dense-inproc: round 0: probabilities differ from the "
@@ -139,12 +119,7 @@ def test_probabilities_beyond_the_calibrated_tolerance_fail_and_the_entry_does_n
     )
     assert "calibrated" in off.message
     # in llama-server's cells: the tokens it did return probabilities for disagree, besides the missing ones
-    both = verdict(
-        executor,
-        SERVER_SPEC,
-        "logprobs",
-        edited(executor, SERVER_SPEC, "logprobs", shifted),
-    )
+    both = verdict(executor, SERVER_SPEC, "logprobs", edited(executor, SERVER_SPEC, "logprobs", shifted))
     assert len(both.failures) == 2 and re.match(r"round 0: \d+ of 32 tokens without probabilities", both.failures[0])
     assert both.failures[1].startswith("round 0: probabilities differ from the non-speculative run's")
     assert "; also round 0: probabilities differ" in both.message
@@ -157,12 +132,7 @@ def test_a_list_of_the_wrong_size_fails_and_the_entry_does_not_explain_it(execut
         rec = result.logits[at]
         result.logits[at] = replace(rec, top_ids=rec.top_ids[:keep], top_logits=rec.top_logits[:keep])
 
-    short = verdict(
-        executor,
-        ENGINE_SPEC,
-        "logprobs",
-        edited(executor, ENGINE_SPEC, "logprobs", cut),
-    )
+    short = verdict(executor, ENGINE_SPEC, "logprobs", edited(executor, ENGINE_SPEC, "logprobs", cut))
     assert not short.passed and short.message == (
         "seq-draft-simple-tiny-dense-inproc: round 0: 1 of 32 tokens with a "
         "top list of the wrong size, first at token 4 (3 entries, expected 5)"
@@ -176,18 +146,10 @@ def test_a_list_of_the_wrong_size_fails_and_the_entry_does_not_explain_it(execut
             top_logits=np.append(rec.top_logits, -9.0).astype(np.float32),
         )
 
-    extra = verdict(
-        executor,
-        ENGINE_PLAIN,
-        "post_sampling",
-        edited(executor, ENGINE_PLAIN, "post_sampling", doubled),
-    )
+    extra = verdict(executor, ENGINE_PLAIN, "post_sampling", edited(executor, ENGINE_PLAIN, "post_sampling", doubled))
     assert not extra.passed and "first at token 2 (2 entries, expected 1)" in extra.message
     served = verdict(
-        executor,
-        SERVER_SPEC,
-        "logprobs",
-        edited(executor, SERVER_SPEC, "logprobs", lambda r: cut(r, at=0)),
+        executor, SERVER_SPEC, "logprobs", edited(executor, SERVER_SPEC, "logprobs", lambda r: cut(r, at=0))
     )
     assert len(served.failures) == 2 and tag([ENTRY], "probs", SERVER_SPEC, [served]) == [served]
 
@@ -196,12 +158,7 @@ def test_a_missing_list_fails_in_any_cell_but_a_stop_strings_tail_is_excused(exe
     def emptied(result):
         result.logits[7] = PositionLogits(np.empty(0, np.int32), np.empty(0, np.float32))
 
-    gap = verdict(
-        executor,
-        ENGINE_PLAIN,
-        "logprobs",
-        edited(executor, ENGINE_PLAIN, "logprobs", emptied),
-    )
+    gap = verdict(executor, ENGINE_PLAIN, "logprobs", edited(executor, ENGINE_PLAIN, "logprobs", emptied))
     assert not gap.passed and gap.message == (
         "seq-none-tiny-dense-inproc: 1 of 32 generated tokens without "
         "probabilities (n_probs 5), first at token 7 of round 0"
@@ -213,29 +170,18 @@ def test_a_missing_list_fails_in_any_cell_but_a_stop_strings_tail_is_excused(exe
         result.stop_reason = reason
 
     assert verdict(
-        executor,
-        ENGINE_PLAIN,
-        "logprobs",
-        edited(executor, ENGINE_PLAIN, "logprobs", lambda r: trimmed(r, "word")),
+        executor, ENGINE_PLAIN, "logprobs", edited(executor, ENGINE_PLAIN, "logprobs", lambda r: trimmed(r, "word"))
     ).passed
     tail = verdict(
-        executor,
-        ENGINE_PLAIN,
-        "logprobs",
-        edited(executor, ENGINE_PLAIN, "logprobs", lambda r: trimmed(r, "limit")),
+        executor, ENGINE_PLAIN, "logprobs", edited(executor, ENGINE_PLAIN, "logprobs", lambda r: trimmed(r, "limit"))
     )
     assert not tail.passed and "2 of 32 generated tokens without probabilities" in tail.message
     assert "first at token 30" in tail.message
 
 
-def test_sampled_post_sampling_probabilities_are_checked_for_presence_not_compared(
-    executor,
-):
+def test_sampled_post_sampling_probabilities_are_checked_for_presence_not_compared(executor):
     moved = verdict(
-        executor,
-        ENGINE_SPEC,
-        "post_sampling_sampled",
-        edited(executor, ENGINE_SPEC, "post_sampling_sampled", shifted),
+        executor, ENGINE_SPEC, "post_sampling_sampled", edited(executor, ENGINE_SPEC, "post_sampling_sampled", shifted)
     )
     assert moved.passed and "compared_positions" not in moved.evidence
     compared = verdict(
@@ -253,46 +199,26 @@ def test_sampled_post_sampling_probabilities_are_checked_for_presence_not_compar
 
 
 def test_the_entry_explains_no_other_failure_of_its_cells(executor):
-    def none_at_all(
-        result,
-    ):  # a server that returned no probabilities at all is another defect
+    def none_at_all(result):  # a server that returned no probabilities at all is another defect
         result.logits = [PositionLogits(np.empty(0, np.int32), np.empty(0, np.float32)) for _ in result.tokens]
 
-    everything = verdict(
-        executor,
-        SERVER_SPEC,
-        "logprobs",
-        edited(executor, SERVER_SPEC, "logprobs", none_at_all),
-    )
+    everything = verdict(executor, SERVER_SPEC, "logprobs", edited(executor, SERVER_SPEC, "logprobs", none_at_all))
     assert "32 of 32 generated tokens" in everything.message and "first at token 0" in everything.message
     assert tag([ENTRY], "probs", SERVER_SPEC, [everything]) == [everything]
-    run = edited(
-        executor,
-        SERVER_SPEC,
-        "logprobs",
-        lambda r: r.tokens.__setitem__(5, r.tokens[5] + 1),
-    )
+    run = edited(executor, SERVER_SPEC, "logprobs", lambda r: r.tokens.__setitem__(5, r.tokens[5] + 1))
     lossy = lossless(CheckContext(run, "logprobs", executor, None, str, "repro"))
     assert not lossy.passed and tag([ENTRY], "probs", SERVER_SPEC, [lossy]) == [lossy]
     assert not ENTRY.covers("probs", SERVER_PLAIN) and not ENTRY.covers("probs", ENGINE_SPEC)
 
 
 def test_without_n_probs_the_check_does_not_apply(executor):
-    plain = replace(
-        SUITE,
-        cases=[replace(c, sampling=replace(c.sampling, n_probs=None)) for c in SUITE.cases],
-    )
+    plain = replace(SUITE, cases=[replace(c, sampling=replace(c.sampling, n_probs=None)) for c in SUITE.cases])
     run = replace(executor.run(SUITE, ENGINE_PLAIN), suite=plain)
     assert verdict(executor, ENGINE_PLAIN, "logprobs", run) is None
 
 
 def test_triage_reads_the_models_logits_not_post_sampling_probabilities(executor):
-    run = edited(
-        executor,
-        ENGINE_SPEC,
-        "post_sampling",
-        lambda r: r.tokens.__setitem__(5, r.tokens[5] + 1),
-    )
+    run = edited(executor, ENGINE_SPEC, "post_sampling", lambda r: r.tokens.__setitem__(5, r.tokens[5] + 1))
     lossy = lossless(CheckContext(run, "post_sampling", executor, None, str, "repro"))
     first = lossy.evidence["first_divergence"]
     assert not lossy.passed and first["index"] == 5

@@ -11,25 +11,16 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
+from report_helpers import REPO, browser_or_skip, inside, make_checkout, parse_html
 
 from harness.cli import main
 from harness.report.files import item_name, status
 from harness.report.html import anchor
-from report_helpers import REPO, browser_or_skip, inside, make_checkout, parse_html
 
 pytestmark = pytest.mark.stress
 
 FAILING = "quicksort[Java-seq-none-tiny-dense-inproc]"
-NARROW = [
-    "--suite",
-    "quicksort",
-    "--model",
-    "tiny-dense",
-    "--mode",
-    "seq",
-    "--spec",
-    "none",
-]
+NARROW = ["--suite", "quicksort", "--model", "tiny-dense", "--mode", "seq", "--spec", "none"]
 
 
 @pytest.fixture(scope="module")
@@ -66,12 +57,7 @@ def test_first_screen_of_the_report_is_the_failure_and_counts_match_checks_json(
             if "data-key" not in row.attrs:
                 continue
             for cell in row.find_all("td"):
-                if cell.attrs.get("data-status") in (
-                    "failed",
-                    "known",
-                    "near-tie",
-                    "passed",
-                ):
+                if cell.attrs.get("data-status") in ("failed", "known", "near-tie", "passed"):
                     assert int(cell.text) == expected[(row.attrs["data-key"], cell.attrs["data-status"])], (
                         axis,
                         row.attrs,
@@ -181,17 +167,7 @@ def test_diff_lists_exactly_the_changed_case_and_exits_1(runs, capsys):
     ]
     assert not doc.find_all(id="changed") and doc.find(id="diff-status").text == "REGRESSED"
     assert (
-        main(
-            [
-                "diff",
-                str(runs / "r1"),
-                str(runs / "r0"),
-                "--speed-threshold",
-                "1",
-                "--out",
-                str(runs / "back.html"),
-            ]
-        )
+        main(["diff", str(runs / "r1"), str(runs / "r0"), "--speed-threshold", "1", "--out", str(runs / "back.html")])
         == 0
     )
     assert "newly passing (1)" in capsys.readouterr().out
@@ -223,17 +199,7 @@ def test_history_marks_new_failures_fixed_flaky_and_stable(runs, tmp_path, capsy
     next(r for r in rows if r["case"] == "C")["tokens"][5] += 1
     (flaky / "results.json").write_text(json.dumps(rows))
     assert (
-        main(
-            [
-                "report",
-                "--history",
-                str(runs / "r0"),
-                str(flaky),
-                str(runs / "r1"),
-                "--out",
-                str(tmp_path / "h.html"),
-            ]
-        )
+        main(["report", "--history", str(runs / "r0"), str(flaky), str(runs / "r1"), "--out", str(tmp_path / "h.html")])
         == 1
     )
     doc = parse_html((tmp_path / "h.html").read_text())
@@ -247,19 +213,7 @@ def test_history_marks_new_failures_fixed_flaky_and_stable(runs, tmp_path, capsy
         "quicksort[C-seq-none-tiny-dense-inproc]": "flaky",
         "quicksort[Python-seq-none-tiny-dense-inproc]": "stable",
     }
-    assert (
-        main(
-            [
-                "report",
-                "--history",
-                str(runs / "r1"),
-                str(runs / "r0"),
-                "--out",
-                str(tmp_path / "h2.html"),
-            ]
-        )
-        == 0
-    )
+    assert main(["report", "--history", str(runs / "r1"), str(runs / "r0"), "--out", str(tmp_path / "h2.html")]) == 0
     assert "1 fixed" in capsys.readouterr().out
 
 
@@ -348,13 +302,7 @@ def test_known_defects_near_ties_and_unserved_cells_in_html_and_junit(tmp_path):
 
     run = tmp_path / "synthetic"
     run.mkdir()
-    base = {
-        "suite": "kv-fill",
-        "model": "tiny-dense",
-        "backend": "server",
-        "spec": "draft-simple",
-        "message": "",
-    }
+    base = {"suite": "kv-fill", "model": "tiny-dense", "backend": "server", "spec": "draft-simple", "message": ""}
     checks = [
         {
             **base,
@@ -401,11 +349,7 @@ def test_known_defects_near_ties_and_unserved_cells_in_html_and_junit(tmp_path):
             }
         ],
     }
-    for name, data in (
-        ("checks.json", checks),
-        ("results.json", []),
-        ("run.json", meta),
-    ):
+    for name, data in (("checks.json", checks), ("results.json", []), ("run.json", meta)):
         (run / name).write_text(json.dumps(data))
     assert main(["report", str(run)]) == 0
     doc = parse_html((run / "index.html").read_text())

@@ -5,7 +5,6 @@ import json
 import xml.etree.ElementTree as ET
 
 import pytest
-
 from interrupts import interrupt, left_behind, spawn, wait_for_phase
 
 pytestmark = pytest.mark.stress
@@ -15,11 +14,7 @@ def test_sigint_during_a_server_run_reports_what_finished_and_stops_the_servers(
     out, phases = tmp_path / "run", tmp_path / "phases"
     # the cells of one mode (none and draft-simple) run side by side, each with its own llama-server: held as the
     # second mode's servers are up, the first mode's cells finished
-    proc = spawn(
-        ["run", "--backend", "server", "--model", "tiny-dense", "--out", str(out)],
-        phases,
-        hold="serving:2",
-    )
+    proc = spawn(["run", "--backend", "server", "--model", "tiny-dense", "--out", str(out)], phases, hold="serving:2")
     wait_for_phase(proc, phases, "serving", 2)
     status, output = interrupt(proc)
     assert status == 130, output[-2000:]

@@ -52,21 +52,11 @@ def test_run_writes_every_language_and_mode_of_a_tiny_model(tmp_path, tiny_model
     assert len(records) == len(cells) * 3 * 3  # three rounds: seq, seq, par
     for r in records:
         assert RECORD_KEYS <= set(r) and r["error"] is None and len(r["tokens"]) == 128
-        assert set(r["timings"]) >= {
-            "prompt_ms",
-            "predicted_ms",
-            "predicted_per_second",
-        }
+        assert set(r["timings"]) >= {"prompt_ms", "predicted_ms", "predicted_per_second"}
     assert len(pd.read_parquet(out / "results.parquet")) == len(records)
     checks = json.loads((out / "checks.json").read_text())
     assert checks and all(c["passed"] for c in checks)
-    assert {
-        "lossless",
-        "baseline",
-        "mode-invariant",
-        "repeat-identical",
-        "spec-ran",
-    } <= {c["check"] for c in checks}
+    assert {"lossless", "baseline", "mode-invariant", "repeat-identical", "spec-ran"} <= {c["check"] for c in checks}
     assert "specharness run" in capsys.readouterr().out
 
 
@@ -76,17 +66,7 @@ def test_hand_edited_baseline_fails_exactly_that_case_and_update_restores_it(che
     data["tokens"][17] += 1
     edited.write_text(json.dumps(data))
     before = {p: p.read_bytes() for p in (checkout / "fixtures/baselines").rglob("*.json") if p != edited}
-    argv = [
-        "run",
-        "--suite",
-        "quicksort",
-        "--model",
-        "tiny-dense",
-        "--mode",
-        "seq",
-        "--spec",
-        "none",
-    ]
+    argv = ["run", "--suite", "quicksort", "--model", "tiny-dense", "--mode", "seq", "--spec", "none"]
     assert main(argv + ["--out", "r1"]) == 1
     failures = [c for c in json.loads((checkout / "r1/checks.json").read_text()) if not c["passed"]]
     assert {(c["case"], c["check"]) for c in failures} == {("Java", "baseline")}
@@ -98,22 +78,7 @@ def test_hand_edited_baseline_fails_exactly_that_case_and_update_restores_it(che
 
 def test_missing_baseline_says_how_to_create_it(checkout):
     (checkout / "fixtures/baselines/quicksort/C--tiny-dense--inproc--cpu.json").unlink()
-    assert (
-        main(
-            [
-                "run",
-                "--model",
-                "tiny-dense",
-                "--mode",
-                "seq",
-                "--spec",
-                "none",
-                "--out",
-                "r",
-            ]
-        )
-        == 1
-    )
+    assert main(["run", "--model", "tiny-dense", "--mode", "seq", "--spec", "none", "--out", "r"]) == 1
     failure = next(c for c in json.loads((checkout / "r/checks.json").read_text()) if not c["passed"])
     assert "create it with: specharness run --suite quicksort" in failure["message"]
     assert failure["message"].split("\n")[0].endswith("--model tiny-dense --update-baselines")
@@ -122,18 +87,7 @@ def test_missing_baseline_says_how_to_create_it(checkout):
 def test_corrupt_baseline_is_an_error_and_is_not_replaced(checkout):
     corrupt = checkout / "fixtures/baselines/quicksort/C--tiny-dense--inproc--cpu.json"
     corrupt.write_text("{not json")
-    argv = [
-        "run",
-        "--model",
-        "tiny-dense",
-        "--mode",
-        "seq",
-        "--spec",
-        "none",
-        "--update-baselines",
-        "--out",
-        "r",
-    ]
+    argv = ["run", "--model", "tiny-dense", "--mode", "seq", "--spec", "none", "--update-baselines", "--out", "r"]
     assert main(argv) == 1
     failure = next(c for c in json.loads((checkout / "r/checks.json").read_text()) if not c["passed"])
     assert failure["message"].startswith(
@@ -155,20 +109,7 @@ def test_missing_model_gives_error_results_while_other_cells_run(tmp_path, tiny_
 
 def test_missing_model_on_the_command_line_is_bad_input(tmp_path, capsys):
     missing = str(tmp_path / "nowhere.gguf")
-    assert (
-        main(
-            [
-                "run",
-                "--model",
-                missing,
-                "--model",
-                "tiny-dense",
-                "--out",
-                str(tmp_path / "run"),
-            ]
-        )
-        == 2
-    )
+    assert main(["run", "--model", missing, "--model", "tiny-dense", "--out", str(tmp_path / "run")]) == 2
     assert "model file not found" in capsys.readouterr().err
     assert not (tmp_path / "run").exists()
 
@@ -196,30 +137,8 @@ def test_out_that_is_a_file_is_refused_before_running(tmp_path, capsys):
         (["run", "--suite", "nope"], "unknown suite 'nope'"),
         (["run", "--spec", "magic"], "unknown spec config 'magic'"),
         (["run", "--backend", "gpu"], "unknown backend 'gpu'"),
-        (
-            [
-                "run",
-                "--suite",
-                "forced-rejection",
-                "--backend",
-                "inproc",
-                "--spec",
-                "synth-reject",
-            ],
-            "nothing to run",
-        ),
-        (
-            [
-                "run",
-                "--suite",
-                "grammar-json",
-                "--backend",
-                "server",
-                "--spec",
-                "scripted-reject",
-            ],
-            "nothing to run",
-        ),
+        (["run", "--suite", "forced-rejection", "--backend", "inproc", "--spec", "synth-reject"], "nothing to run"),
+        (["run", "--suite", "grammar-json", "--backend", "server", "--spec", "scripted-reject"], "nothing to run"),
     ],
 )
 def test_bad_options_are_one_line_errors(argv, message, capsys):
@@ -235,9 +154,7 @@ def test_counts_must_be_positive(option, capsys):
     assert exit_.value.code == 2 and "expected an integer >= 1" in capsys.readouterr().err
 
 
-def test_expected_cells_of_one_mode_run_side_by_side_taking_turns_round_by_round(
-    tiny_models,
-):
+def test_expected_cells_of_one_mode_run_side_by_side_taking_turns_round_by_round(tiny_models):
     """The speed-up of a speculative cell compares requests made moments apart: with `expect`, the cell
     without speculation and the speculative ones of the same suite, backend, model and mode keep their
     sessions open together and serve round r in turn (A B, then B A); a scripted config runs alone."""
@@ -254,10 +171,7 @@ def test_expected_cells_of_one_mode_run_side_by_side_taking_turns_round_by_round
             return self.backend.environment()
 
         def open(self, config):
-            session, spec = (
-                self.backend.open(config),
-                config.spec.get("spec-type", "none"),
-            )
+            session, spec = self.backend.open(config), config.spec.get("spec-type", "none")
             calls.append(("open", spec))
 
             class Session:
@@ -280,10 +194,7 @@ def test_expected_cells_of_one_mode_run_side_by_side_taking_turns_round_by_round
     turns = [spec for what, spec in calls if what == "run"]
     assert calls[:2] == [("open", "none"), ("open", "draft-simple")]
     # rounds seq, seq, par: three requests one at a time, again, then all three at once
-    assert turns == ["none"] * 3 + ["draft-simple"] * 6 + ["none"] * 3 + [
-        "none",
-        "draft-simple",
-    ]
+    assert turns == ["none"] * 3 + ["draft-simple"] * 6 + ["none"] * 3 + ["none", "draft-simple"]
     assert executor.run(suite, cells[0].reference(spec="none")) is executor.runs()[0]  # ran with it, memoized
     calls.clear()
     executor.run(suite, cells[1])  # the script is the reference's output: it runs alone, afterwards

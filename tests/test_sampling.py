@@ -9,14 +9,15 @@ from dataclasses import fields
 import numpy as np
 import pytest
 import requests
+from helpers import LANGS, first_divergence, quicksort
 
 from harness.backends.base import ServeConfig
 from harness.backends.build import ensure_server
+from harness.backends.choose import backend_factories
 from harness.backends.client import LlamaClient
 from harness.backends.inproc import InprocBackend
 from harness.backends.server_backend import ServerBackend
 from harness.baselines import BaselineStore, default_root
-from harness.backends.choose import backend_factories
 from harness.engine.model import Model
 from harness.engine.sampler import Sampler, logit_biases
 from harness.errors import HarnessError
@@ -25,18 +26,12 @@ from harness.models import resolve
 from harness.request import Request, Sampling
 from harness.runner import run_suites
 from harness.suites import load_suite, parse_suite
-from helpers import LANGS, first_divergence, quicksort
 
 TINY = ("tiny-dense", "tiny-hybrid", "tiny-recurrent")
 PROJECT_DEFAULTS = {"temperature", "n_predict", "seed", "n_probs"}
 """Fields whose default is the project's, not llama-server's (greedy, 128 tokens, the backend's seed,
 the run's --logit-top-k)."""
-ACCEPTANCE = {
-    "repeat_penalty": 1.5,
-    "repeat_last_n": 64,
-    "temperature": 0.7,
-    "seed": 42,
-}
+ACCEPTANCE = {"repeat_penalty": 1.5, "repeat_last_n": 64, "temperature": 0.7, "seed": 42}
 JSON_GRAMMAR = r"""
 root ::= "{" ws "\"lang\":" ws ("\"C\"" | "\"Java\"") "," ws "\"n\":" ws [0-9] [0-9]? ws "}"
 ws   ::= " "?
@@ -44,16 +39,10 @@ ws   ::= " "?
 CHAINS = {
     "greedy, penalties": dict(temperature=0, repeat_penalty=1.5, repeat_last_n=64),
     "greedy, frequency, presence, DRY": dict(
-        temperature=0,
-        repeat_penalty=1.3,
-        frequency_penalty=0.5,
-        presence_penalty=0.5,
-        dry_multiplier=0.8,
+        temperature=0, repeat_penalty=1.3, frequency_penalty=0.5, presence_penalty=0.5, dry_multiplier=0.8
     ),
     "greedy, logit bias, ignore_eos": dict(
-        temperature=0,
-        logit_bias=[[" the", -5], [15, 3], [29871, False]],
-        ignore_eos=True,
+        temperature=0, logit_bias=[[" the", -5], [15, 3], [29871, False]], ignore_eos=True
     ),
     "sampled, penalties": ACCEPTANCE,
     "sampled, DRY, XTC, typical, top-n-sigma": dict(
@@ -166,12 +155,7 @@ def test_every_field_is_sent_as_is_and_applied_by_the_server(build, tiny_models,
 @pytest.mark.parametrize(
     "text, line, where, says",
     [
-        (
-            "    sampling: {repeat_penalt: 1.5}\n",
-            5,
-            "cases.0.sampling.repeat_penalt",
-            "did you mean 'repeat_penalty'",
-        ),
+        ("    sampling: {repeat_penalt: 1.5}\n", 5, "cases.0.sampling.repeat_penalt", "did you mean 'repeat_penalty'"),
         (
             "    sampling: {repeat_penalty: high}\n",
             5,
@@ -190,18 +174,8 @@ def test_every_field_is_sent_as_is_and_applied_by_the_server(build, tiny_models,
             "cases.0.sampling.logit_bias.0.1",
             "not a number or false",
         ),
-        (
-            "    sampling: {n_predict: 0}\n",
-            5,
-            "cases.0.sampling.n_predict",
-            "-1 (until the context is full)",
-        ),
-        (
-            "    sampling: {mirostat: 3}\n",
-            5,
-            "cases.0.sampling.mirostat",
-            "3 is not one of [0, 1, 2]",
-        ),
+        ("    sampling: {n_predict: 0}\n", 5, "cases.0.sampling.n_predict", "-1 (until the context is full)"),
+        ("    sampling: {mirostat: 3}\n", 5, "cases.0.sampling.mirostat", "3 is not one of [0, 1, 2]"),
         (
             "    sampling: {repeat_penalty: 0}\n",
             5,
@@ -225,12 +199,7 @@ def test_acceptance_penalty_config_parses_from_a_suite_file():
         "cases:\n  - {name: a, prompt: x, sampling: {logit_bias: {'15': -1, hello: false}}}\n"
     )
     sampling = suite.cases[0].sampling
-    assert (
-        sampling.repeat_penalty,
-        sampling.repeat_last_n,
-        sampling.temperature,
-        sampling.seed,
-    ) == (1.5, 64, 0.7, 42)
+    assert (sampling.repeat_penalty, sampling.repeat_last_n, sampling.temperature, sampling.seed) == (1.5, 64, 0.7, 42)
     assert not sampling.greedy and Sampling(temperature=0, repeat_penalty=2).greedy
 
 
@@ -240,10 +209,7 @@ def test_acceptance_penalty_config_parses_from_a_suite_file():
 def test_logit_bias_follows_llama_servers_parsing(vocab_model):
     model = vocab_model
     hello = model.tokenize("hello", add_special=False, parse_special=False)
-    as_list = logit_biases(
-        Sampling(logit_bias=[[15, 2.0], ["hello", False], [10**9, 1.0], [3, True], [4.5, 1]]),
-        model,
-    )
+    as_list = logit_biases(Sampling(logit_bias=[[15, 2.0], ["hello", False], [10**9, 1.0], [3, True], [4.5, 1]]), model)
     assert as_list == [(15, 2.0)] + [(t, -math.inf) for t in hello]
     as_mapping = logit_biases(Sampling(logit_bias={"15": 2.0, " 16": -1, "hello": False, 17: 0.5}), model)
     assert as_mapping == [(15, 2.0), (16, -1.0)] + [(t, -math.inf) for t in hello] + [(17, 0.5)]
@@ -322,7 +288,7 @@ def test_inproc_and_server_agree_token_for_token_for_every_chain(tiny_models, na
     chains = list(CHAINS.items())
     reqs = [quicksort(lang, n_predict=48, **sampling) for _, sampling in chains for lang in LANGS[:2]]
     ours, theirs = _serve_both(tiny_models[name].path, reqs)
-    for i, (a, b) in enumerate(zip(ours, theirs)):
+    for i, (a, b) in enumerate(zip(ours, theirs, strict=False)):
         label = chains[i // 2][0]
         assert a.ok and b.ok, (label, a.error, b.error)
         assert a.tokens == b.tokens, f"{label}: first divergence at {first_divergence(a.tokens, b.tokens)}"
@@ -337,7 +303,7 @@ def test_inproc_and_server_agree_for_greedy_with_penalties_on_gemma():
         pytest.skip(f"gemma3-270m is not installed ({err})")
     reqs = [quicksort(lang, n_predict=32, **CHAINS["greedy, penalties"]) for lang in LANGS]
     ours, theirs = _serve_both(gemma.path, reqs)
-    for lang, a, b in zip(LANGS, ours, theirs):
+    for lang, a, b in zip(LANGS, ours, theirs, strict=False):
         assert a.tokens == b.tokens, f"{lang}: first divergence at {first_divergence(a.tokens, b.tokens)}"
 
 
@@ -355,10 +321,7 @@ def test_same_seed_and_config_five_times_gives_identical_tokens(tiny_models, bac
 
 
 def test_context_limit_and_unlimited_n_predict_match_the_server(tiny_models):
-    unlimited = Request(
-        prompt="Write a quicksort demo in C.",
-        sampling=Sampling(n_predict=-1, ignore_eos=True),
-    )
+    unlimited = Request(prompt="Write a quicksort demo in C.", sampling=Sampling(n_predict=-1, ignore_eos=True))
     ours, theirs = _serve_both(tiny_models["tiny-dense"].path, [unlimited], n_ctx=256)
     assert ours[0].stop_reason == theirs[0].stop_reason == "limit"
     assert ours[0].tokens == theirs[0].tokens
@@ -371,12 +334,7 @@ def test_context_limit_and_unlimited_n_predict_match_the_server(tiny_models):
 
 def test_sampling_suite_catches_no_penalty_restore():
     """(Clean runs of the same cells pass in `pytest suites/`; the selftest checks the catch matrix.)"""
-    only = {
-        "backends": ["inproc"],
-        "modes": ["seq"],
-        "specs": ["draft-simple"],
-        "models": ["tiny-hybrid"],
-    }
+    only = {"backends": ["inproc"], "modes": ["seq"], "specs": ["draft-simple"], "models": ["tiny-hybrid"]}
     executor = Executor(ExecOptions(backends=backend_factories(), engine={"fault": "no-penalty-restore"}))
     verdicts = run_suites([(load_suite("sampling"), only)], executor, BaselineStore(default_root()))
     failing = {(case, r.name) for _, case, _, r in verdicts if not r.passed}

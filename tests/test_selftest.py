@@ -35,10 +35,7 @@ def test_the_fault_is_caught_by_its_expected_check_and_evidence(fault):
     caught = {name for name, n in row.caught.items() if n}
     assert caught, f"{fault} not caught by its expected evidence; failures: {row.failures}"
     assert row.distinct == DISTINCT[fault]
-    if fault in (
-        "skip-seq-rm-after-restore",
-        "stale-draft-context",
-    ):  # the scan itself, not only a consequence
+    if fault in ("skip-seq-rm-after-restore", "stale-draft-context"):  # the scan itself, not only a consequence
         assert row.caught["kv-healthy"] > 0
     if fault == "shared-drafter-state":  # one slot has no other slot to share with
         assert not [c for c in row.failing_cells if c.startswith("seq-")], row.failing_cells

@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 import requests
 from filelock import FileLock
+from helpers import quicksort
 
 from harness.backends import build as build_module
 from harness.backends.base import ServeConfig
@@ -41,7 +42,6 @@ from harness.backends.server_backend import ServerBackend
 from harness.errors import HarnessError
 from harness.models import resolve
 from harness.request import Request, Sampling
-from helpers import quicksort
 
 LANGS = ("C", "Java", "Python")
 MODES = ("seq", "par", "no-kv-unified")
@@ -87,10 +87,7 @@ def test_mode_returns_complete_greedy_results(mode_results, mode):
         assert result.prompt_tokens and result.tokens and result.text
         assert result.timings.predicted_n == len(result.tokens)
         assert result.timings.prompt_n > 0
-        assert (result.stop_reason, len(result.tokens)) == (
-            "limit",
-            128,
-        ) or result.stop_reason == "eos"
+        assert (result.stop_reason, len(result.tokens)) == ("limit", 128) or result.stop_reason == "eos"
         assert 0 <= result.slot_id < (1 if mode == "seq" else len(LANGS))
 
 
@@ -106,10 +103,7 @@ def test_seq_equals_no_kv_unified_without_flash_attention(mode_results):
 
 
 def test_chat_request_yields_token_ids(build, model, tmp_path):
-    chat = Request(
-        messages=[{"role": "user", "content": "Say hi."}],
-        sampling=Sampling(n_predict=16),
-    )
+    chat = Request(messages=[{"role": "user", "content": "Say hi."}], sampling=Sampling(n_predict=16))
     with ServerBackend(build, run_dir=tmp_path).open(config(model, "seq")) as session:
         [result] = session.run([chat])
     assert result.ok, result.error
@@ -243,12 +237,7 @@ def test_plain_tree_identity_follows_source_files_only(plain_tree):
 
 def test_git_checkout_identity_is_commit_plus_uncommitted_changes(plain_tree):
     def git(*args) -> str:
-        return subprocess.run(
-            ["git", "-C", str(plain_tree), *args],
-            check=True,
-            capture_output=True,
-            text=True,
-        ).stdout
+        return subprocess.run(["git", "-C", str(plain_tree), *args], check=True, capture_output=True, text=True).stdout
 
     git("init", "-q")
     git("add", "CMakeLists.txt", "src")
@@ -310,10 +299,7 @@ def test_failed_build_leaves_no_cache_entry(fake_tree, tmp_path):
     assert log.endswith(".failed.log")
 
 
-@pytest.mark.parametrize(
-    "corrupt",
-    ["truncated", "not-an-object", "schema-changed", "wrong-type", "no-binary"],
-)
+@pytest.mark.parametrize("corrupt", ["truncated", "not-an-object", "schema-changed", "wrong-type", "no-binary"])
 def test_unusable_cache_entry_is_rebuilt_and_replaced(fake_tree, tmp_path, corrupt, capsys):
     first = ensure_server(fake_tree, "cpu", [], jobs=2)
     root = first.server_bin.parent.parent
@@ -421,16 +407,7 @@ def test_cmake_arg_takes_a_separate_definition():
     from harness.cli import build_parser
 
     args = build_parser().parse_args(
-        [
-            "build",
-            "--cmake-arg",
-            "-DGGML_NATIVE=OFF",
-            "--cmake-arg=-G",
-            "--cmake-arg",
-            "-UFOO",
-            "--jobs",
-            "2",
-        ]
+        ["build", "--cmake-arg", "-DGGML_NATIVE=OFF", "--cmake-arg=-G", "--cmake-arg", "-UFOO", "--jobs", "2"]
     )
     assert args.cmake_arg == ["-DGGML_NATIVE=OFF", "-G", "-UFOO"] and args.jobs == 2
     with pytest.raises(SystemExit):
@@ -537,12 +514,7 @@ def test_port_in_use(build, model, tmp_path):
         busy.bind(("127.0.0.1", 0))
         busy.listen()
         port = busy.getsockname()[1]
-        server = LlamaServer(
-            server_bin=build.server_bin,
-            model=model,
-            port=port,
-            log_path=tmp_path / "server.log",
-        )
+        server = LlamaServer(server_bin=build.server_bin, model=model, port=port, log_path=tmp_path / "server.log")
         with pytest.raises(HarnessError, match=f"port {port} .* in use") as excinfo:
             server.start()
     _one_line_error(excinfo)
@@ -550,12 +522,7 @@ def test_port_in_use(build, model, tmp_path):
 
 
 def test_health_timeout_stops_the_process(build, model, tmp_path):
-    server = LlamaServer(
-        server_bin=build.server_bin,
-        model=model,
-        start_timeout=0.05,
-        log_path=tmp_path / "server.log",
-    )
+    server = LlamaServer(server_bin=build.server_bin, model=model, start_timeout=0.05, log_path=tmp_path / "server.log")
     started = time.monotonic()
     with pytest.raises(HarnessError, match="not ready within") as excinfo:
         server.start()
@@ -583,10 +550,7 @@ def test_command_maps_config_one_to_one(build, model):
     assert "--no-kv-unified" in seq.command() and seq.command()[seq.command().index("-np") + 1] == "1"
     from dataclasses import replace
 
-    for repack in (
-        True,
-        False,
-    ):  # --repack is llama-server's default: only its negation is passed
+    for repack in (True, False):  # --repack is llama-server's default: only its negation is passed
         server = LlamaServer.from_config(replace(config(model, "seq"), repack=repack), build.server_bin)
         server.port = 1234
         assert ("--no-repack" in server.command()) is not repack
@@ -636,9 +600,7 @@ def test_llama_server_context_errors_read_as_context_full_and_others_do_not():
 
     assert str(ServerError(500, KV_FULL_MESSAGE, "server_error")).startswith("context_full: HTTP 500")
     too_long = ServerError(
-        400,
-        "request (600 tokens) exceeds the available context size (512 tokens)",
-        "exceed_context_size_error",
+        400, "request (600 tokens) exceeds the available context size (512 tokens)", "exceed_context_size_error"
     )
     assert str(too_long).startswith("context_full: HTTP 400")
     assert not str(ServerError(500, "Invalid input batch.", "server_error")).startswith("context_full")

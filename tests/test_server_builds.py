@@ -88,11 +88,7 @@ def test_a_renamed_flag_takes_the_older_spelling(old_build, tmp_path):
         server_bin=old_build.server_bin,
         model=tmp_path / "m.gguf",
         port=1,
-        spec={
-            "spec-type": "draft-simple",
-            "spec-draft-n-max": 4,
-            "spec-draft-p-min": 0.2,
-        },
+        spec={"spec-type": "draft-simple", "spec-draft-n-max": 4, "spec-draft-p-min": 0.2},
     )
     cmd = fit_to_build(server.command(), pre_rename, "0.0.1 (build 1, commit abc1234)")
     assert cmd[cmd.index("--draft-max") + 1] == "4" and cmd[cmd.index("--draft-p-min") + 1] == "0.2"
@@ -103,8 +99,4 @@ def test_a_renamed_flag_takes_the_older_spelling(old_build, tmp_path):
         r"--spec-draft-n-max \(nor its older spelling --draft-max\), which the "
         r"speculative option spec-draft-n-max = 4 needs",
     ):
-        fit_to_build(
-            server.command(),
-            pre_rename - {"--draft-max"},
-            "0.0.1 (build 1, commit abc1234)",
-        )
+        fit_to_build(server.command(), pre_rename - {"--draft-max"}, "0.0.1 (build 1, commit abc1234)")

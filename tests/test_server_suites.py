@@ -9,10 +9,7 @@ from harness.cli import main
 def test_quicksort_and_kv_fill_on_llama_server(tmp_path, tiny_models):
     # the tiny models' quicksort block on the server (Gemma's server cells are suite items already)
     models = [arg for name in tiny_models for arg in ("--model", name)]
-    runs = {
-        "quicksort": ["--suite", "quicksort", *models],
-        "kv-fill": ["--suite", "kv-fill"],
-    }
+    runs = {"quicksort": ["--suite", "quicksort", *models], "kv-fill": ["--suite", "kv-fill"]}
     checks, records = [], []
     for name, args in runs.items():
         out = tmp_path / name
@@ -22,11 +19,7 @@ def test_quicksort_and_kv_fill_on_llama_server(tmp_path, tiny_models):
         assert status == 0 and not unexpected, unexpected[:3]
         checks += verdicts
         records += json.loads((out / "results.json").read_text())
-    assert {c["check"] for c in checks if c["suite"] == "quicksort"} >= {
-        "baseline",
-        "lossless",
-        "kv-healthy",
-    }
+    assert {c["check"] for c in checks if c["suite"] == "quicksort"} >= {"baseline", "lossless", "kv-healthy"}
     assert {r["model"] for r in records} == set(tiny_models)
     crashes = [r for r in records if r["stop_reason"] == "crashed"]
     assert not crashes, crashes[:1]

@@ -5,23 +5,14 @@ import subprocess
 import sys
 
 import pytest
+from report_helpers import REPO
 
 from harness.cli import main
 from harness.matrix import Shard, cells, estimated_cost, shard
 from harness.report.files import item_name, status
 from harness.suites import load_suite
-from report_helpers import REPO
 
-SMALL = [
-    "--suite",
-    "quicksort",
-    "--model",
-    "tiny-dense",
-    "--mode",
-    "seq,no-kv-unified",
-    "--spec",
-    "none,draft-simple",
-]
+SMALL = ["--suite", "quicksort", "--model", "tiny-dense", "--mode", "seq,no-kv-unified", "--spec", "none,draft-simple"]
 
 
 def verdicts(run) -> set:
@@ -60,36 +51,12 @@ def test_three_shards_merged_give_the_unsharded_verdicts(tmp_path, tiny_models, 
     data = json.loads((parts[0] / "run.json").read_text())
     data["harness_version"] = "0.0.1"
     (other / "run.json").write_text(json.dumps(data))
-    assert (
-        main(
-            [
-                "report",
-                "--merge",
-                str(other),
-                str(parts[1]),
-                "--out",
-                str(tmp_path / "bad"),
-            ]
-        )
-        == 2
-    )
+    assert main(["report", "--merge", str(other), str(parts[1]), "--out", str(tmp_path / "bad")]) == 2
     assert "cannot merge" in capsys.readouterr().err and not (tmp_path / "bad/results.json").exists()
     data["harness_version"] = meta["harness_version"]
     data["backends"]["inproc"]["llama_cpp_python"] = "0.3.35"
     (other / "run.json").write_text(json.dumps(data))
-    assert (
-        main(
-            [
-                "report",
-                "--merge",
-                str(other),
-                str(parts[1]),
-                "--out",
-                str(tmp_path / "bad"),
-            ]
-        )
-        == 2
-    )
+    assert main(["report", "--merge", str(other), str(parts[1]), "--out", str(tmp_path / "bad")]) == 2
     assert "inproc llama.cpp 0.3.35" in capsys.readouterr().err
 
 
@@ -103,18 +70,11 @@ def test_shards_are_a_deterministic_balanced_partition_of_the_default_matrix():
         list(map(key, shard(list(reversed(jobs)), Shard(i, 4))))[::-1] for i in range(1, 5)
     ]
 
-    def executed(
-        part,
-    ):  # a shard runs its cells and, on demand, the cells they compare with
+    def executed(part):  # a shard runs its cells and, on demand, the cells they compare with
         ran = {
             (s.name, ref): s
             for s, c in part
-            for ref in (
-                c,
-                c.reference(spec="none"),
-                c.reference(mode="seq"),
-                c.reference(mode="seq", spec="none"),
-            )
+            for ref in (c, c.reference(spec="none"), c.reference(mode="seq"), c.reference(mode="seq", spec="none"))
         }
         return sum(estimated_cost(s, c) for (_, c), s in ran.items())
 

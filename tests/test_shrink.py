@@ -13,7 +13,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from bisect_history import REGRESSION, builds_at
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -22,11 +21,7 @@ SEEDED_SUITE = ROOT / "tests" / "data" / "shrink-seeded.yaml"
 
 def specharness(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "harness.cli", *args],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
+        [sys.executable, "-m", "harness.cli", *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout
     )
 
 
@@ -73,15 +68,7 @@ def fault_bundle(tmp_path_factory) -> Path:
         str(tmp / "run"),
     )
     assert run.returncode == 1, run.stderr[-2000:]
-    done = specharness(
-        "shrink",
-        "--from-run",
-        str(tmp / "run"),
-        "--case",
-        "C",
-        "--out",
-        str(tmp / "bundle"),
-    )
+    done = specharness("shrink", "--from-run", str(tmp / "run"), "--case", "C", "--out", str(tmp / "bundle"))
     assert done.returncode == 0, done.stderr[-3000:]
     assert "shrink: trial" in done.stderr  # progress as it goes
     return tmp / "bundle"
@@ -104,12 +91,7 @@ def test_shrink_of_an_in_process_fault_keeps_its_signature(fault_bundle):
 def test_repro_py_fails_with_the_fault_and_passes_without(fault_bundle):
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     faulty = subprocess.run(
-        [sys.executable, "repro.py"],
-        cwd=fault_bundle,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
+        [sys.executable, "repro.py"], cwd=fault_bundle, env=env, capture_output=True, text=True, timeout=300
     )
     assert faulty.returncode == 1 and "REPRODUCED" in faulty.stdout, faulty.stdout + faulty.stderr
     clean = subprocess.run(
@@ -123,9 +105,7 @@ def test_repro_py_fails_with_the_fault_and_passes_without(fault_bundle):
     assert clean.returncode == 0, clean.stdout + clean.stderr
 
 
-def test_shrink_of_a_failing_chat_turn_drops_the_other_turns_then_shrinks_it_as_a_prompt(
-    tmp_path,
-):
+def test_shrink_of_a_failing_chat_turn_drops_the_other_turns_then_shrinks_it_as_a_prompt(tmp_path):
     """A real chat failure: kv-fill's concurrent chats with the draft context not rolled back, its third turn
     judged by kv-healthy. The shrink drops the chats in flight beside it, then the earlier turns, then sends the
     failing turn as one prompt of token ids and cuts that, keeping the signature at every step."""
@@ -175,13 +155,7 @@ def seeded(tmp_path_factory):
     clean, bad = builds_at(REGRESSION - 1, REGRESSION)
     tmp = tmp_path_factory.mktemp("shrink-seeded")
     run = specharness(
-        "run",
-        "--suite",
-        str(SEEDED_SUITE),
-        "--server-bin",
-        str(bad.server_bin),
-        "--out",
-        str(tmp / "run"),
+        "run", "--suite", str(SEEDED_SUITE), "--server-bin", str(bad.server_bin), "--out", str(tmp / "run")
     )
     assert run.returncode == 1, run.stderr[-2000:]
     done = specharness(
@@ -236,16 +210,14 @@ def test_repro_sh_alone_fails_on_the_seeded_build_and_passes_on_the_clean_one(se
     assert passing.returncode == 0, passing.stdout + passing.stderr
 
 
-def test_a_smaller_case_of_an_acceptance_failure_is_judged_against_a_baseline_recorded_for_it(
-    tmp_path,
-):
+def test_a_smaller_case_of_an_acceptance_failure_is_judged_against_a_baseline_recorded_for_it(tmp_path):
     """`acceptance` compares with the baseline stored for the original case. Judged that way, a one-token case
     that drafts nothing 'falls' too: the signature for the wrong reason. Judged against a baseline the reference
     configuration (no --fault) records for it, it passes, while the original case still fails."""
     from argparse import Namespace
 
-    from harness.repro.legs import tokenize
     from harness.models import resolve
+    from harness.repro.legs import tokenize
     from harness.shrink.candidate import initial
     from harness.shrink.cli import Origin
     from harness.shrink.trial import Policy, Runner
@@ -282,31 +254,11 @@ def test_a_smaller_case_of_an_acceptance_failure_is_judged_against_a_baseline_re
     origin = Origin(args, "shrink")
     assert origin.signature == "acceptance: fell against baseline"
     start = initial(origin.suite, "C", origin.check, origin.cell)
-    tiny = start.with_(
-        prompt=tuple(tokenize(resolve("tiny-dense-loop").path, "Write")),
-        n_predict=1,
-        companions=(),
-    )
-    runner = Runner(
-        origin.options,
-        None,
-        None,
-        origin.signature,
-        Policy(),
-        tmp_path / "logs",
-        origin=start,
-    )
+    tiny = start.with_(prompt=tuple(tokenize(resolve("tiny-dense-loop").path, "Write")), n_predict=1, companions=())
+    runner = Runner(origin.options, None, None, origin.signature, Policy(), tmp_path / "logs", origin=start)
     assert runner.attempt(start).shows(origin.signature)
     assert runner.attempt(tiny).signatures == []
-    stored = Runner(
-        origin.options,
-        None,
-        None,
-        origin.signature,
-        Policy(),
-        tmp_path / "logs2",
-        origin=tiny,
-    )
+    stored = Runner(origin.options, None, None, origin.signature, Policy(), tmp_path / "logs2", origin=tiny)
     assert stored.attempt(tiny).shows(origin.signature)  # what the shrink kept before: C's baseline, another case
 
 
@@ -324,7 +276,6 @@ def test_a_baseline_relative_failure_without_a_reference_configuration_is_refuse
     require_shrinkable("lossless", None)
     for check in ("acceptance", "baseline"):
         with pytest.raises(
-            HarnessError,
-            match=f"a `{check}` failure compares with the baseline stored for the original case",
+            HarnessError, match=f"a `{check}` failure compares with the baseline stored for the original case"
         ):
             require_shrinkable(check, None)

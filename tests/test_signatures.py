@@ -13,12 +13,12 @@ import xml.etree.ElementTree as ET
 from pathlib import Path
 
 import pytest
+from report_helpers import inside, make_checkout, parse_html
 
 from harness.backends.base import INVALID_BATCH, invalid_batch
 from harness.backends.process import invalid_batch_in_log
 from harness.cli import main
 from harness.signatures import classify, signature_of
-from report_helpers import inside, make_checkout, parse_html
 
 ABORT = "crash: GGML_ASSERT(n_ubatch > n_keep_tail) failed"
 DUPLICATES = "kv-healthy: duplicate cells"
@@ -117,16 +117,8 @@ def expected_grid(run: Path) -> dict[tuple[str, str], str]:
     "name, signature, reading",
     [
         ("abort", ABORT, "only draft-simple; none clean"),
-        (
-            "fault",
-            DUPLICATES,
-            "only scripted-wrong-at-2, only hybrid; none clean, dense clean",
-        ),
-        (
-            "server",
-            DUPLICATES,
-            "only draft-simple, only hybrid; none clean, dense clean",
-        ),
+        ("fault", DUPLICATES, "only scripted-wrong-at-2, only hybrid; none clean, dense clean"),
+        ("server", DUPLICATES, "only draft-simple, only hybrid; none clean, dense clean"),
     ],
 )
 def test_one_defect_is_one_signature_whose_pattern_matches_checks_json(runs, request, name, signature, reading):
@@ -172,9 +164,7 @@ def test_two_defects_in_one_run_are_exactly_two_signatures_and_diff_groups_by_th
     assert [li.attrs["data-signature"] for li in listed] == [ABORT] and listed[0].attrs["data-in-a"] == "0"
 
 
-def test_a_seeded_llama_server_and_an_engine_abort_in_one_run_are_two_signatures(
-    seeded,
-):
+def test_a_seeded_llama_server_and_an_engine_abort_in_one_run_are_two_signatures(seeded):
     doc = parse_html((seeded / "abort+server" / "index.html").read_text())
     found = {d.attrs["data-signature"]: d for d in doc.find_all("div", class_="signature")}
     assert list(found) == [ABORT, DUPLICATES]
@@ -194,12 +184,7 @@ def test_a_check_of_a_crashed_request_is_a_consequence_not_another_failure(runs,
     crash = next(v for v in checks if not v["passed"])
     error = next(r["error"] for r in load(run / "results.json") if r["stop_reason"] == "crashed")
     restating = [  # what spec-ran and lossless say of a case whose request (or reference) crashed
-        {
-            **crash,
-            "check": "spec-ran",
-            "message": "no drafts at all for the case (1 requests)",
-            "evidence": {},
-        },
+        {**crash, "check": "spec-ran", "message": "no drafts at all for the case (1 requests)", "evidence": {}},
         {
             **crash,
             "mode": "seq",
@@ -250,24 +235,20 @@ def test_signatures_drop_paths_numbers_and_the_backend_but_keep_the_assert():
         == signature_of({**crash, "message": f"C round 0: {in_engine}"})
         == "crash: GGML_ASSERT(n_outputs_max <= cparams.n_outputs_max) failed"
     )  # a warm-up abort reads the same
-    thrown = "llama-server was killed by SIGABRT; log /x/y.log ends with:\nterminate called after\n  what():  failed to remove sequence 7"
+    thrown = (
+        "llama-server was killed by SIGABRT; log /x/y.log ends with:\nterminate called after\n"
+        "  what():  failed to remove sequence 7"
+    )
     assert (
         signature_of({**crash, "message": "x"}, [{"error": thrown, "stop_reason": "crashed"}])
         == "crash: failed to remove sequence N"
     )
     spec_ran = classify(
-        {
-            "check": "spec-ran",
-            "passed": False,
-            "message": "no drafts at all for the case (2 requests)",
-        },
+        {"check": "spec-ran", "passed": False, "message": "no drafts at all for the case (2 requests)"},
         [{"error": thrown, "stop_reason": "crashed"}],
         [{**crash, "message": "1 of 2 requests failed"}],
     )
-    assert (spec_ran.text, spec_ran.consequence) == (
-        "crash: failed to remove sequence N",
-        True,
-    )
+    assert (spec_ran.text, spec_ran.consequence) == ("crash: failed to remove sequence N", True)
 
 
 def test_what_a_known_llama_cpp_defect_explains_is_grouped_by_signature_too(tmp_path, tiny_models):
@@ -285,9 +266,7 @@ def test_what_a_known_llama_cpp_defect_explains_is_grouped_by_signature_too(tmp_
     assert [c.text for c in row.find_all("code", class_="known-signature")] == [ABORT]
 
 
-def test_a_batch_llama_cpp_refuses_is_the_kv_damage_it_would_make_from_either_backend(
-    tmp_path,
-):
+def test_a_batch_llama_cpp_refuses_is_the_kv_damage_it_would_make_from_either_backend(tmp_path):
     """A batch that starts a sequence at a position the KV cache already holds is the damage the scan finds as
     duplicate cells (where llama.cpp's check does not look); one that skips positions, holes. llama-server
     says only `Invalid input batch.`: its log's reason is added, as the engine words it."""
@@ -301,16 +280,12 @@ def test_a_batch_llama_cpp_refuses_is_the_kv_damage_it_would_make_from_either_ba
         " - the last position stored in the memory module of the context (i.e. the KV cache) for sequence 3 is X = 57\n"
         " - the tokens for sequence 3 in the input batch have a starting position of Y = 56\n"
         " it is required that the sequence positions remain consecutive: Y = X + 1\n"
-        "decode: failed to initialize batch\nsrv  update_slots: Invalid input batch. off = 0, n_batch = 2048, ret = -1\n"
+        "decode: failed to initialize batch\nsrv  update_slots: Invalid input batch. off = 0, n_batch = 2048, "
+        "ret = -1\n"
     )
     assert invalid_batch_in_log(log) == invalid_batch(3, 57, 56)
     assert (
-        signature_of(
-            {
-                **crash,
-                "message": f"C round 0: HTTP 500: Invalid input batch. {invalid_batch_in_log(log)}",
-            }
-        )
+        signature_of({**crash, "message": f"C round 0: HTTP 500: Invalid input batch. {invalid_batch_in_log(log)}"})
         == "kv-healthy: duplicate cells"
     )
     log.write_text("srv  update_slots: Compute error.\n")

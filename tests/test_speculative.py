@@ -4,6 +4,7 @@ sampler/grammar restore, decode failures under a full KV cache, and the fault sw
 import json
 
 import pytest
+from helpers import LANGS, first_divergence, quicksort
 
 from harness.engine import ContextParams, Engine
 from harness.engine.drafters.scripted import Scripted
@@ -11,17 +12,12 @@ from harness.engine.speculative import SpecConfig
 from harness.errors import HarnessError
 from harness.models import resolve
 from harness.request import Request, Sampling
-from helpers import LANGS, first_divergence, quicksort
 
 ARCHS = ("tiny-dense", "tiny-hybrid", "tiny-recurrent")
 MODES = {"seq": (1, False), "par": (4, True), "no-kv-unified": (4, False)}
 SCHEMA = {
     "type": "object",
-    "properties": {
-        "lang": {"enum": ["C", "Java", "Python"]},
-        "stable": {"type": "boolean"},
-        "n": {"type": "integer"},
-    },
+    "properties": {"lang": {"enum": ["C", "Java", "Python"]}, "stable": {"type": "boolean"}, "n": {"type": "integer"}},
     "required": ["lang", "stable", "n"],
 }
 
@@ -43,7 +39,7 @@ def totals(results):
 
 
 def assert_lossless(reference, results):
-    for lang, a, b in zip(LANGS, reference, results):
+    for lang, a, b in zip(LANGS, reference, results, strict=False):
         assert b.ok, b.error
         assert a.tokens == b.tokens, f"{lang}: first divergence at token {first_divergence(a.tokens, b.tokens)}"
 
@@ -66,7 +62,7 @@ def test_scripted_drafts_with_planted_rejections_are_lossless(tiny_models, greed
                 [rq],
                 spec=SpecConfig(drafters=[Scripted(ref.tokens, wrong_at=lambda s, j, k: k == 2)]),
             )[0]
-            for rq, ref in zip(requests, reference)
+            for rq, ref in zip(requests, reference, strict=False)
         ]
     else:
         # slot i serves request i: the script is keyed by slot (sequence) id
@@ -81,11 +77,7 @@ def test_scripted_drafts_with_planted_rejections_are_lossless(tiny_models, greed
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("name", ARCHS)
 def test_draft_model_speculation_is_lossless(tiny_models, greedy_reference, name, mode):
-    spec = SpecConfig(
-        spec_type=("draft-simple",),
-        spec_draft_model=resolve(f"{name}-draft").path,
-        spec_draft_n_max=4,
-    )
+    spec = SpecConfig(spec_type=("draft-simple",), spec_draft_model=resolve(f"{name}-draft").path, spec_draft_n_max=4)
     results = run(tiny_models[name], [quicksort(lang) for lang in LANGS], mode, spec)
     assert_lossless(greedy_reference[name], results)
     t = totals(results)
@@ -109,20 +101,10 @@ def test_partial_rollback_with_recurrent_snapshots_is_lossless(tiny_models, gree
 
 def test_full_state_checkpoints_are_lossless(tiny_models, greedy_reference):
     spec = SpecConfig(
-        drafters=[
-            Scripted(
-                {i: r.tokens for i, r in enumerate(greedy_reference["tiny-hybrid"])},
-                reject_all=True,
-            )
-        ],
+        drafters=[Scripted({i: r.tokens for i, r in enumerate(greedy_reference["tiny-hybrid"])}, reject_all=True)],
         checkpoint_flags="full",
     )
-    results = run(
-        tiny_models["tiny-hybrid"],
-        [quicksort(lang) for lang in LANGS],
-        "no-kv-unified",
-        spec,
-    )
+    results = run(tiny_models["tiny-hybrid"], [quicksort(lang) for lang in LANGS], "no-kv-unified", spec)
     assert_lossless(greedy_reference["tiny-hybrid"], results)
     assert totals(results)["ckpt_restored"] > 0
 
@@ -161,10 +143,7 @@ def test_forced_rejections_over_20_sequential_requests_stay_identical(tiny_model
 
 
 def json_request():
-    return Request(
-        prompt="Describe quicksort as JSON.",
-        sampling=Sampling(n_predict=64, json_schema=SCHEMA),
-    )
+    return Request(prompt="Describe quicksort as JSON.", sampling=Sampling(n_predict=64, json_schema=SCHEMA))
 
 
 def valid_json(text):
@@ -199,29 +178,22 @@ def chats(n_turns=3):
         "Add a benchmark harness that compares both sorting algorithms.",
     ]
     return [
-        Request(
-            messages=[{"role": "user", "content": t} for t in turns[: i + 1]],
-            sampling=Sampling(n_predict=200),
-        )
+        Request(messages=[{"role": "user", "content": t} for t in turns[: i + 1]], sampling=Sampling(n_predict=200))
         for i in range(n_turns)
     ]
 
 
-def test_concurrent_chats_filling_the_kv_cache_during_speculation_end_cleanly(
-    tiny_models,
-):
+def test_concurrent_chats_filling_the_kv_cache_during_speculation_end_cleanly(tiny_models):
     model = tiny_models["tiny-dense"]
     spec = SpecConfig(
-        spec_type=("draft-simple",),
-        spec_draft_model=resolve("tiny-dense-draft").path,
-        spec_draft_n_max=6,
+        spec_type=("draft-simple",), spec_draft_model=resolve("tiny-dense-draft").path, spec_draft_n_max=6
     )
     requests = chats() + chats()[:1]
     results = run(model, requests, "par", spec, n_ctx=512)
     assert all(r.ok or r.error.startswith("context_full") for r in results), [r.error for r in results]
     assert any(not r.ok for r in results), "the context is small enough to fill"
     alone = solo(model, requests, n_ctx=512)
-    for got, ref in zip(results, alone):
+    for got, ref in zip(results, alone, strict=False):
         if got.ok:
             assert got.tokens == ref.tokens, f"first divergence at {first_divergence(got.tokens, ref.tokens)}"
 
@@ -233,13 +205,7 @@ def test_keep_drafts_on_decode_failure_fault_breaks_the_next_decode(tiny_models)
     outcomes = {}
     for fault in (None, "keep-drafts-on-decode-failure"):
         spec = SpecConfig(drafters=[Scripted(script, n_max=8)], fault=fault)
-        results = run(
-            model,
-            [quicksort(lang, n_predict=300) for lang in LANGS[:2]],
-            "par",
-            spec,
-            n_ctx=256,
-        )
+        results = run(model, [quicksort(lang, n_predict=300) for lang in LANGS[:2]], "par", spec, n_ctx=256)
         outcomes[fault] = [r.error or "" for r in results]
     assert all(e == "" or e.startswith("context_full") for e in outcomes[None]), outcomes[None]
     assert any("invalid" in e for e in outcomes["keep-drafts-on-decode-failure"]), outcomes
@@ -257,10 +223,7 @@ def test_keep_drafts_on_decode_failure_fault_breaks_the_next_decode(tiny_models)
 def test_rollback_faults_change_the_output(tiny_models, fault, name):
     model = tiny_models[name]
     reference = solo(model, [quicksort("C", n_predict=128)])[0]
-    spec = SpecConfig(
-        drafters=[Scripted(reference.tokens, wrong_at=lambda s, j, k: k == 1)],
-        fault=fault,
-    )
+    spec = SpecConfig(drafters=[Scripted(reference.tokens, wrong_at=lambda s, j, k: k == 1)], fault=fault)
     faulty = run(model, [quicksort("C", n_predict=128)], spec=spec)[0]
     assert not faulty.ok or faulty.tokens != reference.tokens
 
@@ -290,20 +253,13 @@ def loop_reference():
 @pytest.mark.parametrize("spec_type", NGRAM_TYPES)
 def test_ngram_speculation_is_lossless(loop_reference, spec_type, name, mode):
     spec = SpecConfig(spec_type=(spec_type,), **SMALL_NGRAMS)
-    results = run(
-        resolve(f"{name}-loop"),
-        [quicksort(lang, n_predict=128) for lang in LANGS],
-        mode,
-        spec,
-    )
+    results = run(resolve(f"{name}-loop"), [quicksort(lang, n_predict=128) for lang in LANGS], mode, spec)
     assert_lossless(loop_reference[name], results)
     t = totals(results)
     assert t["draft_n_accepted"] > 0 and t["draft_n"] > t["draft_n_accepted"], t
 
 
-def test_chained_drafters_follow_llama_cpps_priority_ngram_before_draft_model(
-    tiny_models,
-):
+def test_chained_drafters_follow_llama_cpps_priority_ngram_before_draft_model(tiny_models):
     """common/speculative.cpp tries the n-gram types before draft-simple, whatever order the user wrote."""
     from harness.engine.context import Context
     from harness.engine.model import Model
@@ -312,16 +268,11 @@ def test_chained_drafters_follow_llama_cpps_priority_ngram_before_draft_model(
     model = Model(tiny_models["tiny-dense"].path)
     ctx = Context(model, ContextParams())
     config = SpecConfig(
-        spec_type=("draft-simple", "ngram-mod", "ngram-simple"),
-        spec_draft_model=resolve("tiny-dense-draft").path,
+        spec_type=("draft-simple", "ngram-mod", "ngram-simple"), spec_draft_model=resolve("tiny-dense-draft").path
     )
     drafters = build_drafters(config, ctx)
     try:
-        assert [d.name for d in drafters] == [
-            "ngram-simple",
-            "ngram-mod",
-            "draft-simple",
-        ]
+        assert [d.name for d in drafters] == ["ngram-simple", "ngram-mod", "draft-simple"]
     finally:
         for d in drafters:
             getattr(d, "close", lambda: None)()
@@ -339,27 +290,25 @@ def test_per_position_counters_add_up_to_the_drafted_and_accepted_totals(tiny_mo
     was accepted; drafted_per_pos[k] the steps that drafted one there: their sums are the request's totals, and
     a token is accepted at k only after k-1 was."""
     spec = SpecConfig(
-        spec_type=("draft-simple",),
-        spec_draft_model=resolve("tiny-hybrid-draft").path,
-        spec_draft_n_max=4,
+        spec_type=("draft-simple",), spec_draft_model=resolve("tiny-hybrid-draft").path, spec_draft_n_max=4
     )
     result = run(tiny_models["tiny-hybrid"], [quicksort("C")], spec=spec)[0]
     s = result.spec_stats
     assert sum(s["drafted_per_pos"]) == s["draft_n"] and sum(s["accepted_per_pos"]) == s["draft_n_accepted"], s
     assert 0 < s["accepted_per_pos"][0] < s["drafted_per_pos"][0], s
-    assert all(a >= b for a, b in zip(s["accepted_per_pos"], s["accepted_per_pos"][1:])), s
+    assert all(a >= b for a, b in zip(s["accepted_per_pos"], s["accepted_per_pos"][1:], strict=False)), s
     assert len(s["drafted_per_pos"]) == 4
 
 
 @pytest.mark.parametrize("name", ARCHS)
 def test_stale_draft_context_fault_stays_lossless_and_lowers_acceptance(tiny_models, greedy_reference, name):
     """The draft context keeps its rejected tokens: the target never sees it (output unchanged), the drafts do."""
-    spec = lambda fault: SpecConfig(
-        spec_type=("draft-simple",),
-        spec_draft_model=resolve(f"{name}-draft").path,
-        spec_draft_n_max=4,
-        fault=fault,
-    )
+
+    def spec(fault):
+        return SpecConfig(
+            spec_type=("draft-simple",), spec_draft_model=resolve(f"{name}-draft").path, spec_draft_n_max=4, fault=fault
+        )
+
     requests = [quicksort(lang) for lang in LANGS]
     clean = run(tiny_models[name], requests, spec=spec(None))
     stale = run(tiny_models[name], requests, spec=spec("stale-draft-context"))
@@ -372,10 +321,13 @@ def test_shared_drafter_state_fault_lowers_acceptance_in_par_only(loop_reference
     drafts come from slot 0's n-gram map (output unchanged, acceptance lower)."""
     model = resolve("tiny-dense-loop")
     requests = [quicksort(lang, n_predict=128) for lang in LANGS]
-    spec = lambda fault: SpecConfig(spec_type=("ngram-map-k",), **SMALL_NGRAMS, fault=fault)
+
+    def spec(fault):
+        return SpecConfig(spec_type=("ngram-map-k",), **SMALL_NGRAMS, fault=fault)
+
     seq = {f: run(model, requests, "seq", spec(f)) for f in (None, "shared-drafter-state")}
     assert totals(seq[None]) == totals(seq["shared-drafter-state"])
     par = {f: run(model, requests, "par", spec(f)) for f in (None, "shared-drafter-state")}
     assert_lossless(loop_reference["tiny-dense"], par["shared-drafter-state"])
     share = {f: [r.spec_stats["draft_n_accepted"] / len(r.tokens) for r in par[f]] for f in par}
-    assert max(a - b for a, b in zip(share[None], share["shared-drafter-state"])) > 0.2, share
+    assert max(a - b for a, b in zip(share[None], share["shared-drafter-state"], strict=False)) > 0.2, share

@@ -1,7 +1,8 @@
 """Speed is judged by what one run measures side by side: acceptance against the baselines and the speed-up
 over no speculation in the same run. A diff of two clean runs, the second made while busy loops took every
 core, flags nothing; a diff against a run whose draft context goes stale flags exactly its speculative
-cells, by their acceptance (and the draft context's scan); a speed-up lost beyond both runs' noise bands is flagged, a machine that is
+cells, by their acceptance (and the draft context's scan); a speed-up lost beyond both runs' noise bands is
+flagged, a machine that is
 slower for everything is not."""
 
 import contextlib
@@ -11,22 +12,13 @@ import os
 import shutil
 
 import pytest
+from report_helpers import inside, make_checkout
 
 from harness.cli import main
 from harness.report.diff import compare
 from harness.report.files import RunDir, speedups
-from report_helpers import inside, make_checkout
 
-NARROW = [
-    "--suite",
-    "quicksort",
-    "--model",
-    "tiny-dense",
-    "--mode",
-    "seq",
-    "--spec",
-    "none,draft-simple",
-]
+NARROW = ["--suite", "quicksort", "--model", "tiny-dense", "--mode", "seq", "--spec", "none,draft-simple"]
 
 
 def _spin() -> None:
@@ -63,9 +55,7 @@ def runs(tmp_path_factory, tiny_models):
     return root
 
 
-def test_every_speculative_cell_records_its_speed_up_over_no_speculation_in_the_same_run(
-    runs,
-):
+def test_every_speculative_cell_records_its_speed_up_over_no_speculation_in_the_same_run(runs):
     speed = speedups(RunDir.load(runs / "idle").records)
     assert set(speed) == {"quicksort seq-draft-simple-tiny-dense-inproc"}
     s = speed["quicksort seq-draft-simple-tiny-dense-inproc"]
@@ -116,8 +106,5 @@ def test_a_lost_speed_up_is_flagged_and_a_slower_machine_is_not(runs, tmp_path):
     worse = compare(idle, edited("speedup", {"none": 1.0, "draft-simple": loss}))
     assert [p["cell"] for p in worse.slower] == ["quicksort seq-draft-simple-tiny-dense-inproc"]
     assert worse.slower[0]["speed_regressed"] and worse.slower[0]["ratio"] == pytest.approx(1 / loss, rel=0.01)
-    within = compare(
-        idle,
-        edited("within", {"none": 1.0, "draft-simple": 0.9 * band["high"] / band["low"]}),
-    )
+    within = compare(idle, edited("within", {"none": 1.0, "draft-simple": 0.9 * band["high"] / band["low"]}))
     assert not within.slower  # inside both bands: noise, not a regression

@@ -16,15 +16,7 @@ cases:
 
 def test_every_shipped_suite_loads():
     names = {load_suite(str(p)).name for p in suite_files()}
-    assert {
-        "quicksort",
-        "w1",
-        "categories",
-        "repeat",
-        "grammar-json",
-        "kv-fill",
-        "sampling",
-    } <= names
+    assert {"quicksort", "w1", "categories", "repeat", "grammar-json", "kv-fill", "sampling"} <= names
 
 
 def test_quicksort_is_the_field_report_suite():
@@ -65,10 +57,7 @@ def test_suite_name_must_match_its_file(tmp_path):
 def test_unknown_field_names_the_key_and_the_closest_known_one(tmp_path):
     path = tmp_path / "demo.yaml"
     path.write_text(GOOD + "dedline_s: 5\n")
-    with pytest.raises(
-        HarnessError,
-        match=r":5: dedline_s: unknown field 'dedline_s' \(did you mean 'deadline_s'\?\)",
-    ):
+    with pytest.raises(HarnessError, match=r":5: dedline_s: unknown field 'dedline_s' \(did you mean 'deadline_s'\?\)"):
         load_suite(str(path))
 
 
@@ -77,10 +66,7 @@ def test_deadline_and_accept_expectations_are_suite_and_case_settings():
         "suite: d\ndeadline_s: 2.5\nexpect_accepts: false\ncases:\n  - {name: a, prompt: x}\n"
         "  - {name: b, prompt: y, expect_accepts: true}\n"
     )
-    assert suite.deadline_s == 2.5 and [c.expect_accepts for c in suite.cases] == [
-        False,
-        True,
-    ]
+    assert suite.deadline_s == 2.5 and [c.expect_accepts for c in suite.cases] == [False, True]
     assert suite.cases[0].request(suite.deadline_s).deadline_s == 2.5
     assert parse_suite(GOOD).deadline_s is None and parse_suite(GOOD).cases[0].expect_accepts
 
@@ -113,11 +99,7 @@ def test_spec_presets_chain_with_plus_and_reject_unknown_names():
     assert chained.options["spec-type"] == "draft-simple,ngram-mod"
     with pytest.raises(HarnessError, match="unknown spec config"):
         spec_preset("magic")
-    for name in (
-        "synth-reject+ngram-mod",
-        "none+ngram-mod",
-        "scripted-reject+ngram-mod",
-    ):  # not a --spec-type
+    for name in ("synth-reject+ngram-mod", "none+ngram-mod", "scripted-reject+ngram-mod"):  # not a --spec-type
         with pytest.raises(HarnessError, match="only presets named after their --spec-type combine"):
             spec_preset(name)
 

@@ -7,13 +7,13 @@ import shutil
 from pathlib import Path
 
 import pytest
+from seeded import seeded_server
 
 from harness import noise
 from harness.calibrate import calibrate, within_spread
 from harness.cli import main
 from harness.models import ModelUnavailable, resolve
 from harness.noise import calibration_path
-from seeded import seeded_server
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -64,12 +64,7 @@ def test_seeded_rollback_bug_in_llama_server_fails_and_no_divergence_is_a_near_t
         assert all("Invalid input batch" in m for m in errors if "failed" in m)
     divergences = [c["evidence"]["first_divergence"] for c in checks if "first_divergence" in c["evidence"]]
     assert divergences and not [d for d in divergences if d["kind"] == "near-tie"]
-    assert {d["kind"] for d in divergences} <= {
-        "kv-corrupt",
-        "hard",
-        "drift",
-        "unexplained",
-    }
+    assert {d["kind"] for d in divergences} <= {"kv-corrupt", "hard", "drift", "unexplained"}
     assert any(d["kind"] == "kv-corrupt" and "duplicate (seq_id, pos) cells" in d["reason"] for d in divergences)
 
 
@@ -122,23 +117,12 @@ def test_acceptance_spread_compares_modes_only_for_drafters_without_state_betwee
         }
 
     first, second = m(seq=5, par=2, ubatch=5), m(seq=5, par=3, ubatch=4)
-    for run in (
-        first,
-        second,
-    ):  # the requests sent one at a time: the same order, the same acceptance
+    for run in (first, second):  # the requests sent one at a time: the same order, the same acceptance
         run["seq/ngram-mod/in-order"] = {"acceptance": {"c": [10, 6, 20]}}
     spread = acceptance_spread([first, second])
     simple = spread["draft-simple"]  # repeats 0.1 (par), n_ubatch split 0.1 (second run), modes 0.3
-    assert (
-        simple["repeat_spread"],
-        simple["ubatch_spread"],
-        simple["mode_spread"],
-    ) == (0.1, 0.1, 0.3)
-    assert (
-        simple["tolerance"],
-        simple["tolerance_concurrent"],
-        simple["tolerance_modes"],
-    ) == (0.2, 0.2, 0.6)
+    assert (simple["repeat_spread"], simple["ubatch_spread"], simple["mode_spread"]) == (0.1, 0.1, 0.3)
+    assert (simple["tolerance"], simple["tolerance_concurrent"], simple["tolerance_modes"]) == (0.2, 0.2, 0.6)
     mod = spread["ngram-mod"]  # par serves ngram-mod's requests in another order: never compared with seq
     assert "tolerance_modes" not in mod and mod["in_order_spread"] == 0.0
     assert mod["tolerance"] == 0.0 and mod["tolerance_concurrent"] == 0.2

@@ -3,13 +3,12 @@
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional, Protocol
+from typing import Protocol
 
 from harness import MODES
 from harness.errors import HarnessError
 from harness.request import Request
 from harness.result import Result
-
 
 KV_SCAN = ("off", "request", "step")
 
@@ -35,7 +34,7 @@ def invalid_batch(seq_id: int, last: int, start: int) -> str:
     )
 
 
-def request_deadline(request: Request, n_ctx: int, tokens_per_second: Optional[float] = None) -> float:
+def request_deadline(request: Request, n_ctx: int, tokens_per_second: float | None = None) -> float:
     """Seconds a request may take before it ends as `stop_reason: timeout`: the request's (suite's)
     `deadline_s` when set, else DEADLINE_FLOOR_S + DEADLINE_SLACK × n_predict / the measured speed
     (`n_predict: -1` counts as the context size `n_ctx`, which bounds it)."""
@@ -55,7 +54,7 @@ class SpeedMeter:
     """Shorter outputs say more about the prompt than about the speed."""
 
     def __init__(self) -> None:
-        self.slowest: Optional[float] = None
+        self.slowest: float | None = None
 
     def record(self, n_tokens: int, seconds: float) -> None:
         if n_tokens >= self.MIN_TOKENS and seconds > 0:
@@ -85,10 +84,10 @@ class StallMeter:
     accepted drafts) and prompt speed from the session's finished Results; `floor_s` replaces
     STALL_FLOOR_S (ServeConfig.stall_s)."""
 
-    def __init__(self, floor_s: Optional[float] = None) -> None:
+    def __init__(self, floor_s: float | None = None) -> None:
         self.floor_s = STALL_FLOOR_S if floor_s is None else floor_s
-        self.step_s: Optional[float] = None
-        self.prompt_token_s: Optional[float] = None
+        self.step_s: float | None = None
+        self.prompt_token_s: float | None = None
 
     def record(self, result: Result) -> None:
         """Learn from a finished request (ignored when too short to tell)."""
@@ -97,10 +96,7 @@ class StallMeter:
         if timings.predicted_n >= SpeedMeter.MIN_TOKENS and steps > 0 and timings.predicted_ms > 0:
             self.step_s = max(self.step_s or 0.0, timings.predicted_ms / 1000.0 / steps)
         if timings.prompt_n >= MIN_PROMPT_TOKENS and timings.prompt_ms > 0:
-            self.prompt_token_s = max(
-                self.prompt_token_s or 0.0,
-                timings.prompt_ms / 1000.0 / timings.prompt_n,
-            )
+            self.prompt_token_s = max(self.prompt_token_s or 0.0, timings.prompt_ms / 1000.0 / timings.prompt_n)
 
     def window(self, prompt_tokens: int = 0) -> float:
         """Seconds the next token may take when `prompt_tokens` prompt tokens may have to be read first:
@@ -133,7 +129,7 @@ def cpu_flags() -> frozenset[str]:
         text = Path("/proc/cpuinfo").read_text()
     except OSError:
         return frozenset()
-    line = next((l for l in text.splitlines() if l.startswith("flags")), "")
+    line = next((row for row in text.splitlines() if row.startswith("flags")), "")
     return frozenset(line.partition(":")[2].split())
 
 
@@ -176,7 +172,7 @@ class ServeConfig:
     `n_discard` tokens after the first `n_keep` (request fields) and generates on, instead of stopping there.
     Off by default, as in llama-server; a model whose memory cannot shift (llama_memory_can_shift false:
     M-RoPE models such as the qwen35 hybrids) has it switched off at start-up by both backends."""
-    draft_model: Optional[Path] = None
+    draft_model: Path | None = None
     spec: dict = field(default_factory=dict)
     """Speculative options under llama-server's names without the leading dashes (`spec-type`, ...)."""
     kv_scan: str = "off"
@@ -184,7 +180,7 @@ class ServeConfig:
     speculative `step` too."""
     logit_top_k: int = 0
     """Log the top-k candidates of every generated position (0 = off; llama-server's `n_probs`)."""
-    stall_s: Optional[float] = None
+    stall_s: float | None = None
     """The floor of the stall window in seconds (None: STALL_FLOOR_S; see StallMeter)."""
     engine: dict = field(default_factory=dict)
     """In-process only: options of the speculative engine llama-server does not have (`rollback`,

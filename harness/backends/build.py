@@ -30,7 +30,6 @@ import zlib
 from contextlib import contextmanager, suppress
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Optional
 
 from filelock import FileLock, Timeout
 
@@ -55,7 +54,7 @@ class BuildInfo:
     """A usable llama-server binary and where it came from (the content of `build-info.json`)."""
 
     server_bin: Path
-    quantize_bin: Optional[Path]
+    quantize_bin: Path | None
     commit: str
     dirty: bool
     backend: str
@@ -77,7 +76,7 @@ class BuildInfo:
         return data
 
     @classmethod
-    def from_json(cls, data: dict, root: Path) -> "BuildInfo":
+    def from_json(cls, data: dict, root: Path) -> BuildInfo:
         """Load `build-info.json` of the build in `root`; binary paths are resolved inside `root`."""
         data = dict(data, cached=True)
         data["server_bin"] = root / "bin" / "llama-server"
@@ -110,7 +109,7 @@ def cmake_options(backend: str, extra: list[str] = ()) -> list[str]:
     ]
 
 
-def check_platform(backend: str, system: Optional[str] = None) -> None:
+def check_platform(backend: str, system: str | None = None) -> None:
     """Refuse backends that cannot be built on `system` (default: this one); Metal needs macOS."""
     system = system or platform.system()
     if backend == "metal" and system != "Darwin":
@@ -120,7 +119,7 @@ def check_platform(backend: str, system: Optional[str] = None) -> None:
 # ---------------------------------------------------------------------------------------- sources
 
 
-def vendored_source(version: Optional[str] = None) -> Path:
+def vendored_source(version: str | None = None) -> Path:
     """The llama.cpp tree vendored in llama-cpp-python `version` (default: the installed one), fetched
     and extracted once.
 
@@ -178,12 +177,7 @@ def _extract_sdist(version: str, tree: Path) -> str:
         sdist = _download_sdist(version)
         try:
             return _extract_vendored(sdist, tree)
-        except (
-            tarfile.TarError,
-            EOFError,
-            zlib.error,
-            OSError,
-        ) as err:  # truncated or garbled archive
+        except (tarfile.TarError, EOFError, zlib.error, OSError) as err:  # truncated or garbled archive
             shutil.rmtree(tree, ignore_errors=True)
             sdist.unlink(missing_ok=True)
             if not retries:
@@ -262,7 +256,7 @@ def source_identity(source: Path) -> SourceIdentity:
     return SourceIdentity(commit=commit, dirty=False, digest=tree_digest(source))
 
 
-def _git(source: Path, *args: str) -> Optional[str]:
+def _git(source: Path, *args: str) -> str | None:
     """Output of `git -C source args...`, or None when git is missing or the command fails."""
     try:
         proc = subprocess.run(["git", "-C", str(source), *args], capture_output=True, timeout=60)
@@ -273,11 +267,7 @@ def _git(source: Path, *args: str) -> Optional[str]:
 
 def _git_identity(source: Path, commit: str) -> SourceIdentity:
     digest = hashlib.sha256()
-    diff = subprocess.run(
-        ["git", "-C", str(source), "diff", "--binary", "HEAD"],
-        capture_output=True,
-        check=True,
-    )
+    diff = subprocess.run(["git", "-C", str(source), "diff", "--binary", "HEAD"], capture_output=True, check=True)
     digest.update(diff.stdout)
     untracked = _git(source, "ls-files", "--others", "--exclude-standard", "-z") or ""
     paths = sorted(p for p in untracked.split("\0") if p and _is_source(p))
@@ -327,22 +317,16 @@ def tree_digest(source: Path) -> str:
 
 def build_key(identity: SourceIdentity, backend: str, args: list[str]) -> str:
     """The cache directory name of a build: backend, short commit and a hash of everything that matters."""
-    blob = json.dumps(
-        {
-            "source": [identity.commit, identity.digest],
-            "backend": backend,
-            "cmake": args,
-        }
-    )
+    blob = json.dumps({"source": [identity.commit, identity.digest], "backend": backend, "cmake": args})
     return f"{backend}-{identity.commit[:8]}-{hashlib.sha256(blob.encode()).hexdigest()[:16]}"
 
 
 def ensure_server(
-    source: Optional[Path] = None,
+    source: Path | None = None,
     backend: str = "cpu",
-    cmake_args: Optional[list[str]] = None,
-    jobs: Optional[int] = None,
-    server_bin: Optional[Path] = None,
+    cmake_args: list[str] | None = None,
+    jobs: int | None = None,
+    server_bin: Path | None = None,
 ) -> BuildInfo:
     """A llama-server for (source, backend, extra CMake args): cached if built before, else built now.
 
@@ -370,7 +354,7 @@ def ensure_server(
         return _build(source, identity, backend, args, root, jobs or os.cpu_count() or 1)
 
 
-def load_build(root: Path) -> Optional[BuildInfo]:
+def load_build(root: Path) -> BuildInfo | None:
     """The build cached in `root`, or None when there is none or it is unusable (unreadable or
     incomplete `build-info.json`, missing binary): such an entry is rebuilt and replaced."""
     try:
@@ -382,14 +366,7 @@ def load_build(root: Path) -> Optional[BuildInfo]:
         info = BuildInfo.from_json(data, root)
     except (OSError, UnicodeDecodeError, ValueError, TypeError):
         return None
-    wanted = {
-        "commit": str,
-        "dirty": bool,
-        "backend": str,
-        "cmake_args": list,
-        "compiler": str,
-        "source_identity": str,
-    }
+    wanted = {"commit": str, "dirty": bool, "backend": str, "cmake_args": list, "compiler": str, "source_identity": str}
     return info if all(isinstance(getattr(info, k), t) for k, t in wanted.items()) else None
 
 
@@ -400,10 +377,7 @@ def _locked(target: Path, what: str):
     try:
         lock.acquire(timeout=0)
     except Timeout:
-        print(
-            f"waiting for another process preparing {what} (lock {lock.lock_file})",
-            file=sys.stderr,
-        )
+        print(f"waiting for another process preparing {what} (lock {lock.lock_file})", file=sys.stderr)
         lock.acquire()
     try:
         yield
@@ -443,21 +417,13 @@ def prebuilt_server(server_bin: Path) -> BuildInfo:
 def _device_kind(server_bin: Path) -> str:
     """cpu, cuda, metal or gpu: the first device `--list-devices` shows (none = cpu)."""
     try:
-        out = subprocess.run(
-            [str(server_bin), "--list-devices"],
-            capture_output=True,
-            text=True,
-            timeout=60,
-        ).stdout
+        out = subprocess.run([str(server_bin), "--list-devices"], capture_output=True, text=True, timeout=60).stdout
     except (OSError, subprocess.TimeoutExpired):
         return "unknown"
     devices = [line.strip() for line in out.splitlines()[1:] if line.strip() and line.strip() != "(none)"]
     if not devices:
         return "cpu"
-    return next(
-        (kind for prefix, kind in (("CUDA", "cuda"), ("MTL", "metal")) if devices[0].startswith(prefix)),
-        "gpu",
-    )
+    return next((kind for prefix, kind in (("CUDA", "cuda"), ("MTL", "metal")) if devices[0].startswith(prefix)), "gpu")
 
 
 def require_executable(path: Path) -> Path:
@@ -467,14 +433,7 @@ def require_executable(path: Path) -> Path:
     return path
 
 
-def _build(
-    source: Path,
-    identity: SourceIdentity,
-    backend: str,
-    args: list[str],
-    root: Path,
-    jobs: int,
-) -> BuildInfo:
+def _build(source: Path, identity: SourceIdentity, backend: str, args: list[str], root: Path, jobs: int) -> BuildInfo:
     """Configure and build into `<root>.tmp-<pid>`, keep bin/ + info + log, move to `root` (called under
     the key's lock; an unusable entry already in `root` is replaced)."""
     _remove_stale_temps(root)
@@ -512,13 +471,7 @@ def _remove_path(path: Path) -> None:
 
 
 def _build_into(
-    tmp: Path,
-    source: Path,
-    identity: SourceIdentity,
-    backend: str,
-    args: list[str],
-    root: Path,
-    jobs: int,
+    tmp: Path, source: Path, identity: SourceIdentity, backend: str, args: list[str], root: Path, jobs: int
 ) -> BuildInfo:
     """Build in the persistent tree of (source, backend, args), then copy the binaries into `tmp/bin`."""
     log_path = tmp / "build.log"
@@ -528,34 +481,14 @@ def _build_into(
     with _mounted_tree(source, backend, args) as work, open(log_path, "w") as log:
         build_dir = work / "build"
         print(
-            f"building llama-server {identity} ({backend}) with {jobs} jobs in {build_tree_dir(source, backend, args)}; "
+            f"building llama-server {identity} ({backend}) with {jobs} jobs in "
+            f"{build_tree_dir(source, backend, args)}; "
             f"log: {log_path}",
             file=sys.stderr,
         )
-        steps = [
-            (
-                "build",
-                [
-                    "cmake",
-                    "--build",
-                    str(build_dir),
-                    "-j",
-                    str(jobs),
-                    "--target",
-                    *TARGETS,
-                ],
-            )
-        ]
+        steps = [("build", ["cmake", "--build", str(build_dir), "-j", str(jobs), "--target", *TARGETS])]
         if not _configured(build_dir):  # a configured tree re-runs CMake by itself when a CMakeLists.txt changes
-            configure = [
-                "cmake",
-                "-S",
-                str(work / "src"),
-                "-B",
-                str(build_dir),
-                *_toolchain_args(backend),
-                *args,
-            ]
+            configure = ["cmake", "-S", str(work / "src"), "-B", str(build_dir), *_toolchain_args(backend), *args]
             steps.insert(0, ("configure", configure))
         for step, cmd in steps:
             log.write("$ " + " ".join(cmd) + "\n")
@@ -649,7 +582,7 @@ def _configured(build_dir: Path) -> bool:
     return (build_dir / "build.ninja").is_file() or (build_dir / "Makefile").is_file()
 
 
-def compiler_cache_env(stats_log: Optional[Path] = None) -> dict:
+def compiler_cache_env(stats_log: Path | None = None) -> dict:
     """The environment of a build: ccache keeps its cache in `cache_dir()/ccache` (unless CCACHE_DIR is
     set) and, with `stats_log`, records there the outcome of every compilation of this build."""
     env = dict(os.environ)
@@ -679,17 +612,12 @@ def _toolchain_args(backend: str) -> list[str]:
     return args
 
 
-def _run_logged(cmd: list[str], log, env: Optional[dict] = None) -> int:
+def _run_logged(cmd: list[str], log, env: dict | None = None) -> int:
     """Run `cmd` with stdout and stderr appended to `log`, in a process group of its own; on Ctrl-C or
     SIGTERM kills the whole group (cmake, ninja and every compiler) and re-raises."""
     try:
         proc = subprocess.Popen(
-            cmd,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-            env=env,
-            start_new_session=True,
+            cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env, start_new_session=True
         )
     except OSError as err:
         raise HarnessError(f"cannot run {cmd[0]}: {err}") from None
@@ -712,10 +640,7 @@ def _fail(root: Path, log_path: Path, step: str) -> None:
 
 def _remove_stale_temps(root: Path) -> None:
     """Delete `<root>.tmp-<pid>` and `<root>.old-<pid>` trees left by processes that no longer run."""
-    for tmp in [
-        *root.parent.glob(f"{root.name}.tmp-*"),
-        *root.parent.glob(f"{root.name}.old-*"),
-    ]:
+    for tmp in [*root.parent.glob(f"{root.name}.tmp-*"), *root.parent.glob(f"{root.name}.old-*")]:
         pid = tmp.name.rsplit("-", 1)[1]
         if pid.isdigit() and not _pid_alive(int(pid)):
             shutil.rmtree(tmp, ignore_errors=True)

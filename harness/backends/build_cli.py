@@ -30,10 +30,7 @@ def cmd_build(args: argparse.Namespace) -> int:
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     """Register `specharness build`."""
-    p = sub.add_parser(
-        "build",
-        help="build llama-server from llama.cpp sources (cached by source identity)",
-    )
+    p = sub.add_parser("build", help="build llama-server from llama.cpp sources (cached by source identity)")
     p.add_argument(
         "--source",
         type=Path,
@@ -46,12 +43,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help="the tree vendored in llama-cpp-python VERSION (its sdist fetched from the package index once), "
         "e.g. an older release's llama-server for tests/test_server_builds.py",
     )
-    p.add_argument(
-        "--backend",
-        choices=BACKENDS,
-        default="cpu",
-        help="GPU backend to compile in (default cpu)",
-    )
+    p.add_argument("--backend", choices=BACKENDS, default="cpu", help="GPU backend to compile in (default cpu)")
     p.add_argument(
         "--cmake-arg",
         action="append",
@@ -60,18 +52,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help="extra CMake argument: --cmake-arg -DX=Y, or --cmake-arg=ARG for any other one starting "
         "with '-' (repeatable; part of the cache key)",
     )
-    p.add_argument(
-        "--jobs",
-        type=int,
-        metavar="N",
-        help="parallel compile jobs (default: all cores)",
-    )
-    p.add_argument(
-        "--server-bin",
-        type=Path,
-        metavar="PATH",
-        help="use this llama-server binary instead of building",
-    )
+    p.add_argument("--jobs", type=int, metavar="N", help="parallel compile jobs (default: all cores)")
+    p.add_argument("--server-bin", type=Path, metavar="PATH", help="use this llama-server binary instead of building")
     p.add_argument("--json", action="store_true", help="print the build info as JSON")
     p.set_defaults(func=cmd_build)
     accept_cmake_definitions(p)

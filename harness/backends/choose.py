@@ -1,17 +1,14 @@
 """The backends a run can use, by name, with the options that pick a llama-server build."""
 
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable, Optional
 
 from harness.backends.base import Backend
 from harness.backends.inproc import InprocBackend
 
 
 def backend_factories(
-    server_bin: Optional[Path] = None,
-    source: Optional[Path] = None,
-    run_dir: Optional[Path] = None,
-    build=None,
+    server_bin: Path | None = None, source: Path | None = None, run_dir: Path | None = None, build=None
 ) -> dict[str, Callable[[], Backend]]:
     """name → factory; `server` serves `build` (a BuildInfo) when given, else builds (or reuses) llama-server
     from `source` unless `server_bin` is given. Process logs go to `run_dir/server-logs` and

@@ -9,7 +9,8 @@ A 4xx answer (a request the server refuses) becomes a Result with `stop_reason="
 from __future__ import annotations
 
 import time
-from typing import Any, Callable, Optional
+from collections.abc import Callable
+from typing import Any
 
 import requests
 
@@ -54,21 +55,14 @@ class LlamaClient:
         self.base_url = base_url
         self.timeout = timeout
 
-    def _post(self, path: str, payload: dict, until: Optional[float] = None) -> dict:
+    def _post(self, path: str, payload: dict, until: float | None = None) -> dict:
         """POST and return the JSON answer within `timeout` seconds, or by `until` (time.monotonic) if given."""
         timeout = self.timeout if until is None else max(0.01, until - time.monotonic())
         try:
-            resp = requests.post(
-                self.base_url + path,
-                json=payload,
-                timeout=(min(CONNECT_TIMEOUT_S, timeout), timeout),
-            )
+            resp = requests.post(self.base_url + path, json=payload, timeout=(min(CONNECT_TIMEOUT_S, timeout), timeout))
         except requests.Timeout:
             raise RequestTimedOut(f"{path} got no answer within {timeout:.1f} s") from None
-        except (
-            requests.ConnectionError,
-            requests.exceptions.ChunkedEncodingError,
-        ) as err:
+        except (requests.ConnectionError, requests.exceptions.ChunkedEncodingError) as err:
             raise ConnectionLost(f"{path}: {err}") from None
         if resp.status_code >= 400:
             try:
@@ -79,15 +73,11 @@ class LlamaClient:
             raise ServerError(resp.status_code, message, kind)
         return resp.json()
 
-    def tokenize(self, text: str, until: Optional[float] = None) -> list[int]:
+    def tokenize(self, text: str, until: float | None = None) -> list[int]:
         """Token ids of `text` exactly as /completion would evaluate it (special tokens added and parsed)."""
-        return self._post(
-            "/tokenize",
-            {"content": text, "add_special": True, "parse_special": True},
-            until,
-        )["tokens"]
+        return self._post("/tokenize", {"content": text, "add_special": True, "parse_special": True}, until)["tokens"]
 
-    def apply_template(self, messages: list[dict], until: Optional[float] = None) -> str:
+    def apply_template(self, messages: list[dict], until: float | None = None) -> str:
         """The prompt text the model's chat template renders for `messages` (with the generation prompt)."""
         return self._post("/apply-template", {"messages": messages}, until)["prompt"]
 
@@ -95,7 +85,7 @@ class LlamaClient:
         """POST /slots/{id}?action=save: the slot's state into the server's --slot-save-path directory."""
         return self._post(f"/slots/{slot_id}?action=save", {"filename": filename})
 
-    def completion(self, payload: dict, until: Optional[float] = None) -> dict:
+    def completion(self, payload: dict, until: float | None = None) -> dict:
         """POST /completion (non-streaming) and return the final response object."""
         return self._post("/completion", payload, until)
 
@@ -103,9 +93,9 @@ class LlamaClient:
         self,
         request: Request,
         n_probs: int = 0,
-        fields: Optional[dict[str, Any]] = None,
-        deadline_s: Optional[float] = None,
-        on_prompt: Optional[Callable[[int], None]] = None,
+        fields: dict[str, Any] | None = None,
+        deadline_s: float | None = None,
+        on_prompt: Callable[[int], None] | None = None,
     ) -> Result:
         """Serve one Request through /completion and fill a Result with prompt and output token ids.
 
@@ -138,10 +128,7 @@ class LlamaClient:
 
 
 def completion_payload(
-    prompt_tokens: list[int],
-    sampling: Sampling,
-    n_probs: int = 0,
-    fields: Optional[dict[str, Any]] = None,
+    prompt_tokens: list[int], sampling: Sampling, n_probs: int = 0, fields: dict[str, Any] | None = None
 ) -> dict:
     """The /completion request body for a prompt of token ids: every sampling field as it is, the top-`n_probs`
     probabilities (the request's own `n_probs` wins), the generated token ids (`return_tokens`), `fields`."""
@@ -164,10 +151,7 @@ def _result(prompt_tokens: list[int], data: dict) -> Result:
         # hold the generated tokens without it (its text is empty either way)
         tokens.pop()
         logits = logits[: len(tokens)]
-    spec_stats: dict[str, Any] = {
-        "draft_n": 0,
-        "draft_n_accepted": 0,
-    }  # the server omits them when nothing was drafted
+    spec_stats: dict[str, Any] = {"draft_n": 0, "draft_n_accepted": 0}  # the server omits them when nothing was drafted
     spec_stats.update({k: v for k, v in timings.items() if k.startswith("draft_")})
     spec_stats["types"] = data.get("generation_settings", {}).get("speculative.types", "")
     return Result(

@@ -42,7 +42,7 @@ SETTINGS = {
 """What needs each fixed flag of the command line (speculative options say their own config option)."""
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def server_version(server_bin: Path) -> str:
     """The `version: ...` of a llama-server binary's `--version` (e.g. `0.5.0-dev (build 6, commit 524285a)`);
     HarnessError when it does not run or prints none."""
@@ -56,7 +56,7 @@ def server_version(server_bin: Path) -> str:
     return version.group(1).strip()
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def server_flags(server_bin: Path) -> frozenset[str]:
     """The flags a llama-server binary accepts, parsed once from its `--help`."""
     try:

@@ -19,14 +19,13 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Optional
 
 from harness.backends.base import ServeConfig, SpeedMeter, StallMeter, request_deadline
 from harness.backends.process import crash_report, free_log_name
 from harness.engine import ContextParams
+from harness.engine.drafters.scripted import from_script
 from harness.engine.logging import is_verbose
 from harness.engine.speculative import SpecConfig
-from harness.engine.drafters.scripted import from_script
 from harness.engine.worker import PROMPT, STEPS, EngineArgs, serve
 from harness.errors import HarnessBug, HarnessError
 from harness.request import Request
@@ -102,15 +101,11 @@ class InprocSession:
         self.speed = SpeedMeter()
         self.stall = StallMeter(config.stall_s)
         self.args = EngineArgs(
-            config.model,
-            context_params(config),
-            spec_config(config),
-            config.logit_top_k,
-            config.kv_scan,
+            config.model, context_params(config), spec_config(config), config.logit_top_k, config.kv_scan
         )
         self.process = None
         self.conn = None
-        self.log_path: Optional[Path] = None
+        self.log_path: Path | None = None
         self.starts = 0
         self._start()
 
@@ -176,19 +171,14 @@ class InprocSession:
 
     def _results(self, requests: list[Request]) -> list[Result]:
         """The worker's answers to the `run` just sent (see `run`)."""
-        results: list[Optional[Result]] = [None] * len(requests)
+        results: list[Result | None] = [None] * len(requests)
         budget = self._budget(requests)
         started = last = time.monotonic()
         steps = self.progress[STEPS]
         while True:
             prompt_tokens = self.progress[PROMPT]
             window = self.stall.window(prompt_tokens)
-            message = self._receive(
-                min(
-                    PROGRESS_POLL_S,
-                    min(started + budget, last + window) - time.monotonic(),
-                )
-            )
+            message = self._receive(min(PROGRESS_POLL_S, min(started + budget, last + window) - time.monotonic()))
             now = time.monotonic()
             if message is None:
                 return self._crashed(results)
@@ -203,9 +193,7 @@ class InprocSession:
                     steps, last = self.progress[STEPS], now
                 elif now >= last + window:
                     return self._timed_out(
-                        requests,
-                        results,
-                        f"got no token for {now - last:.1f} s ({self.stall.explain(prompt_tokens)})",
+                        requests, results, f"got no token for {now - last:.1f} s ({self.stall.explain(prompt_tokens)})"
                     )
                 continue
             last = now
@@ -225,13 +213,10 @@ class InprocSession:
     def _budget(self, requests: list[Request]) -> float:
         """Seconds the worker gets for a `run` call before its unfinished requests end `timeout`: each
         request's deadline (`request_deadline`), the slots serving them `n_slots` at a time."""
-        deadlines = sorted(
-            (request_deadline(r, self.config.n_ctx, self.speed.slowest) for r in requests),
-            reverse=True,
-        )
+        deadlines = sorted((request_deadline(r, self.config.n_ctx, self.speed.slowest) for r in requests), reverse=True)
         return sum(deadlines[:: self.config.n_slots])
 
-    def _timed_out(self, requests: list[Request], results: list[Optional[Result]], why: str) -> list[Result]:
+    def _timed_out(self, requests: list[Request], results: list[Result | None], why: str) -> list[Result]:
         """The worker overran or stalled: it is killed, what it finished stays, the rest ends `timeout`."""
         self._kill()
         return [
@@ -241,10 +226,10 @@ class InprocSession:
                 stop_reason="timeout",
                 error=(f"timeout: case {q.tag or 'the request'} {why}; the in-process engine's worker was killed"),
             )
-            for q, r in zip(requests, results)
+            for q, r in zip(requests, results, strict=False)
         ]
 
-    def _crashed(self, results: list[Optional[Result]]) -> list[Result]:
+    def _crashed(self, results: list[Result | None]) -> list[Result]:
         """The worker died: what it finished stays, the rest becomes `crashed` with its exit and log tail."""
         self.process.join(STOP_GRACE_S)
         error = crash_report(WHO, self.process.exitcode, self.log_path)
@@ -275,7 +260,7 @@ class InprocBackend:
 
     name = "inproc"
 
-    def __init__(self, run_dir: Optional[Path] = None):
+    def __init__(self, run_dir: Path | None = None):
         self.run_dir = run_dir
 
     def environment(self) -> dict:

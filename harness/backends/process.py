@@ -6,18 +6,12 @@ import itertools
 import re
 import signal
 from pathlib import Path
-from typing import Optional
 
 from harness.backends.base import invalid_batch
 
 LOG_TAIL_LINES = 20
 ABORT_LINES = tuple(
-    re.compile(p)
-    for p in (
-        r"GGML_ASSERT|GGML_ABORT",
-        r"what\(\):|terminate called",
-        r"\.(?:cpp|c|h):\d+: ",
-    )
+    re.compile(p) for p in (r"GGML_ASSERT|GGML_ABORT", r"what\(\):|terminate called", r"\.(?:cpp|c|h):\d+: ")
 )
 """What llama.cpp prints when it aborts, most telling first: `<file>:<line>: GGML_ASSERT(...) failed`, an
 uncaught C++ exception (`terminate called after throwing ...` / `what(): ...`), a fatal `<file>:<line>: ...`."""
@@ -33,13 +27,13 @@ INVALID_BATCH_LOG_LINES = 400
 """How far back in a log `invalid_batch_in_log` looks (llama-server logs a few lines per request)."""
 
 
-def invalid_batch_in_log(path: Optional[Path]) -> Optional[str]:
+def invalid_batch_in_log(path: Path | None) -> str | None:
     """`invalid_batch` for the last batch llama.cpp's log at `path` says it refused, None if it says none."""
     found = list(INVALID_BATCH_LOG.finditer(log_tail(path, INVALID_BATCH_LOG_LINES)))
     return invalid_batch(*map(int, found[-1].groups())) if found else None
 
 
-def describe_exit(returncode: Optional[int]) -> str:
+def describe_exit(returncode: int | None) -> str:
     """'exited with code 1' / 'was killed by SIGABRT' / 'is still running'."""
     if returncode is None:
         return "is still running"
@@ -51,7 +45,7 @@ def describe_exit(returncode: Optional[int]) -> str:
     return f"exited with code {returncode}"
 
 
-def log_tail(path: Optional[Path], lines: int = LOG_TAIL_LINES) -> str:
+def log_tail(path: Path | None, lines: int = LOG_TAIL_LINES) -> str:
     """The last `lines` lines of a log file ("" when it cannot be read)."""
     try:
         text = Path(path).read_text(errors="replace")
@@ -70,7 +64,7 @@ def abort_line(text: str) -> str:
     return ""
 
 
-def crash_report(who: str, returncode: Optional[int], log_path: Optional[Path]) -> str:
+def crash_report(who: str, returncode: int | None, log_path: Path | None) -> str:
     """`<who> was killed by SIGABRT: <abort line>` and the end of its log, for a `crashed` Result."""
     try:
         whole = Path(log_path).read_text(errors="replace") if log_path else ""

@@ -16,7 +16,6 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional
 
 import requests
 
@@ -28,7 +27,7 @@ from harness.errors import HarnessError
 
 HOST = "127.0.0.1"
 STOP_GRACE_S = 5.0
-_RUNNING: set["LlamaServer"] = set()
+_RUNNING: set[LlamaServer] = set()
 
 
 @dataclass(eq=False)
@@ -37,7 +36,7 @@ class LlamaServer:
 
     server_bin: Path
     model: Path  # -m
-    draft_model: Optional[Path] = None  # -md
+    draft_model: Path | None = None  # -md
     ctx_size: int = 4096  # -c
     batch_size: int = 2048  # -b
     ubatch_size: int = 512  # -ub
@@ -52,17 +51,17 @@ class LlamaServer:
     context_shift: bool = False  # --context-shift / --no-context-shift
     spec: dict = field(default_factory=dict)  # --<key> <value> for every speculative option
     cache_prompt: bool = True  # --no-cache-prompt when False
-    slot_save_path: Optional[Path] = None  # --slot-save-path
+    slot_save_path: Path | None = None  # --slot-save-path
     metrics: bool = False  # --metrics
     warmup: bool = True  # --no-warmup when False
-    port: Optional[int] = None  # --port; None picks a free loopback port
-    log_path: Optional[Path] = None  # stdout + stderr; None = a file in a new temp dir
+    port: int | None = None  # --port; None picks a free loopback port
+    log_path: Path | None = None  # stdout + stderr; None = a file in a new temp dir
     start_timeout: float = 60.0  # seconds for /health to answer 200
 
-    process: Optional[subprocess.Popen] = field(default=None, init=False, repr=False)
+    process: subprocess.Popen | None = field(default=None, init=False, repr=False)
 
     @classmethod
-    def from_config(cls, config: ServeConfig, server_bin: Path, **options) -> "LlamaServer":
+    def from_config(cls, config: ServeConfig, server_bin: Path, **options) -> LlamaServer:
         """The server for a ServeConfig: `seq` = one slot, `par` = N slots sharing one KV stream,
         `no-kv-unified` = N slots with a KV stream each. `options` sets the remaining fields."""
         return cls(
@@ -138,15 +137,12 @@ class LlamaServer:
         if not self.warmup:
             cmd.append("--no-warmup")
         if "-fit" in server_flags(self.server_bin):
-            cmd += [
-                "-fit",
-                "off",
-            ]  # otherwise -c may be shrunk to fit free device memory
+            cmd += ["-fit", "off"]  # otherwise -c may be shrunk to fit free device memory
         return fit_to_build(cmd, server_flags(self.server_bin), server_version(self.server_bin))
 
     # ------------------------------------------------------------------------------ life cycle
 
-    def start(self) -> "LlamaServer":
+    def start(self) -> LlamaServer:
         """Start the process and wait until /health says ok; HarnessError (one line) otherwise."""
         require_executable(self.server_bin)
         if not Path(self.model).is_file():
@@ -224,7 +220,7 @@ class LlamaServer:
                     continue
         _RUNNING.discard(self)
 
-    def __enter__(self) -> "LlamaServer":
+    def __enter__(self) -> LlamaServer:
         return self.start()
 
     def __exit__(self, *exc) -> None:
@@ -236,7 +232,7 @@ class LlamaServer:
     def alive(self) -> bool:
         return self.process is not None and self.process.poll() is None
 
-    def wait_exit(self, timeout: float) -> Optional[int]:
+    def wait_exit(self, timeout: float) -> int | None:
         """The exit status once the process has ended within `timeout` seconds, else None."""
         try:
             return self.process.wait(timeout=timeout)

@@ -22,23 +22,17 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 from harness.backends.base import ServeConfig, SpeedMeter, StallMeter, request_deadline
 from harness.backends.build import BuildInfo, ensure_server
+from harness.backends.client import COMPLETION_FIELDS, ConnectionLost, LlamaClient, RequestTimedOut, ServerError
 from harness.backends.flags import server_version
 from harness.backends.process import free_log_name, invalid_batch_in_log
-from harness.backends.client import (
-    COMPLETION_FIELDS,
-    ConnectionLost,
-    LlamaClient,
-    RequestTimedOut,
-    ServerError,
-)
 from harness.backends.server import LlamaServer
 from harness.backends.slots_watch import SlotsWatch
-from harness.kvscan import OtherFormatVersion, layout_from_model, scan_file
 from harness.errors import HarnessError
+from harness.kvscan import OtherFormatVersion, layout_from_model, scan_file
 from harness.request import Request
 from harness.result import Result
 
@@ -59,10 +53,10 @@ class ServerBackend:
 
     def __init__(
         self,
-        build: Optional[BuildInfo] = None,
-        run_dir: Optional[Path] = None,
+        build: BuildInfo | None = None,
+        run_dir: Path | None = None,
         request_timeout: float = 300.0,
-        fields: Optional[dict[str, Any]] = None,
+        fields: dict[str, Any] | None = None,
         **server_options: Any,
     ):
         self.build = build
@@ -86,18 +80,11 @@ class ServerBackend:
             "compiler": self.build.compiler,
         }
 
-    def open(self, config: ServeConfig) -> "ServerSession":
+    def open(self, config: ServeConfig) -> ServerSession:
         """Start llama-server for `config` and wait until it is healthy."""
         self.build = self.build or ensure_server()
         run_dir = Path(self.run_dir) if self.run_dir else Path(tempfile.mkdtemp(prefix="specharness-server-"))
-        session = ServerSession(
-            config,
-            self.build,
-            run_dir,
-            self.request_timeout,
-            self.fields,
-            self.server_options,
-        )
+        session = ServerSession(config, self.build, run_dir, self.request_timeout, self.fields, self.server_options)
         session.start()
         return session
 
@@ -120,7 +107,7 @@ class ServerSession:
         self.request_timeout = request_timeout
         self.fields = fields
         self.server_options = server_options
-        self.server: Optional[LlamaServer] = None
+        self.server: LlamaServer | None = None
         self.starts = 0
         self.speed = SpeedMeter()
         self.stall = StallMeter(config.stall_s)
@@ -132,7 +119,7 @@ class ServerSession:
         self._lock = threading.Lock()
         self._closed = False
         self._saves = itertools.count()
-        self.unscannable: Optional[str] = None
+        self.unscannable: str | None = None
         """Why this build's slot files cannot be scanned (another format version), once found."""
         if config.kv_scan != "off":
             self.slots_dir = run_dir / "slots"
@@ -191,12 +178,9 @@ class ServerSession:
             with self._lock:
                 self._killed.setdefault(server, reason)
                 self._restart(server, kill=True)
-            return Result(
-                stop_reason="timeout",
-                error=f"{reason}; llama-server was killed and restarted",
-            )
+            return Result(stop_reason="timeout", error=f"{reason}; llama-server was killed and restarted")
 
-    def _scan_slot(self, client: LlamaClient, slot_id: int) -> Optional[dict]:
+    def _scan_slot(self, client: LlamaClient, slot_id: int) -> dict | None:
         """Save the slot's state and scan it; an unhealthy file is kept in run_dir/slots as evidence. A build
         that saves slots in a format version the scanner does not read (another llama.cpp) is not scanned: None,
         said once on stderr, and `kv-healthy` does not apply to its requests."""
@@ -208,10 +192,7 @@ class ServerSession:
         except OtherFormatVersion as err:
             path.unlink()
             with self._lock:
-                first, self.unscannable = (
-                    self.unscannable is None,
-                    str(err).split(": ", 1)[1],
-                )
+                first, self.unscannable = self.unscannable is None, str(err).split(": ", 1)[1]
             if first:
                 print(
                     f"specharness: no KV scan on llama-server {server_version(self.build.server_bin)}: it saves "
@@ -237,8 +218,7 @@ class ServerSession:
                 )
             if server in self._killed:
                 return Result(
-                    stop_reason="error",
-                    error=f"cut off: llama-server was restarted because {self._killed[server]}",
+                    stop_reason="error", error=f"cut off: llama-server was restarted because {self._killed[server]}"
                 )
             if server.wait_exit(CRASH_GRACE_S) is None:
                 return Result(stop_reason="error", error=_explained(err, server))
@@ -269,7 +249,7 @@ class ServerSession:
         if self.server is not None:
             self.server.stop()
 
-    def __enter__(self) -> "ServerSession":
+    def __enter__(self) -> ServerSession:
         return self
 
     def __exit__(self, *exc) -> None:

@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Callable, Iterator, Optional
 
 import requests
 
@@ -53,19 +53,14 @@ class SlotsWatch:
     """Watches the server `current()` returns while requests are `tracking()`; calls `on_stall(server, why)`
     once per server that makes no progress for the stall window of `meter`."""
 
-    def __init__(
-        self,
-        current: Callable[[], object],
-        meter: StallMeter,
-        on_stall: Callable[[object, str], None],
-    ):
+    def __init__(self, current: Callable[[], object], meter: StallMeter, on_stall: Callable[[object, str], None]):
         self.current = current
         self.meter = meter
         self.on_stall = on_stall
         self._prompts: dict[object, int] = {}
         """Requests in flight → their prompt length (0 until known)."""
         self._cond = threading.Condition()
-        self._thread: Optional[threading.Thread] = None
+        self._thread: threading.Thread | None = None
         self._closed = False
 
     @contextmanager
@@ -120,8 +115,7 @@ class SlotsWatch:
             left = last + window - time.monotonic()
             if left <= 0:
                 self.on_stall(
-                    server,
-                    f"got no token for {time.monotonic() - last:.1f} s ({self.meter.explain(prompt_tokens)})",
+                    server, f"got no token for {time.monotonic() - last:.1f} s ({self.meter.explain(prompt_tokens)})"
                 )
                 return True
             try:
@@ -132,15 +126,9 @@ class SlotsWatch:
                         last, seen = time.monotonic(), progress(slots)
             except requests.Timeout:
                 continue
-            except (
-                requests.RequestException,
-                ValueError,
-            ):  # the process is gone: the requests in flight say so
+            except (requests.RequestException, ValueError):  # the process is gone: the requests in flight say so
                 return True
-            if answer.status_code not in (
-                200,
-                503,
-            ):  # no /slots endpoint: the deadlines alone apply
+            if answer.status_code not in (200, 503):  # no /slots endpoint: the deadlines alone apply
                 return True
             with self._cond:
                 self._cond.wait(POLL_S)

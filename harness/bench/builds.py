@@ -10,13 +10,7 @@ def bench_build_step(file: str, jobs: int | None) -> dict:
     """Build a copy of the vendored tree as it is, then twice after a real code change to `file`: the first
     change is built in the copy's own build tree (a fresh one on the first run: configure plus the
     compiler cache), the second is the incremental step of a bisect (one file recompiled, relinked)."""
-    from harness.backends.build import (
-        SOURCE_MARKER,
-        build_tree_dir,
-        cmake_options,
-        ensure_server,
-        vendored_source,
-    )
+    from harness.backends.build import SOURCE_MARKER, build_tree_dir, cmake_options, ensure_server, vendored_source
     from harness.paths import cache_dir
 
     vendored = vendored_source()
@@ -24,18 +18,11 @@ def bench_build_step(file: str, jobs: int | None) -> dict:
     if not (copy / SOURCE_MARKER).is_file():  # copied to a temp name first: the marker means complete
         tmp = copy.with_name(copy.name + ".tmp")
         shutil.rmtree(tmp, ignore_errors=True)
-        shutil.copytree(
-            vendored,
-            tmp,
-            ignore=lambda d, names: {"models"} & set(names) if Path(d) == vendored else (),
-        )
+        shutil.copytree(vendored, tmp, ignore=lambda d, names: {"models"} & set(names) if Path(d) == vendored else ())
         shutil.rmtree(copy, ignore_errors=True)
         tmp.rename(copy)
     original = (vendored / file).read_text()
-    row: dict = {
-        "file": file,
-        "fresh_tree": not build_tree_dir(copy, "cpu", cmake_options("cpu")).exists(),
-    }
+    row: dict = {"file": file, "fresh_tree": not build_tree_dir(copy, "cpu", cmake_options("cpu")).exists()}
     for label, stamp in (("copy", None), ("first_edit", 1), ("incremental_edit", 2)):
         edit = f'static const char * bench_stamp = "{time.time_ns()}-{stamp}";\n' if stamp else ""
         (copy / file).write_text(original + edit)
@@ -47,10 +34,7 @@ def bench_build_step(file: str, jobs: int | None) -> dict:
         row[f"{label}_build"] = (
             "cached"
             if info.cached
-            else next(
-                (line[2:] for line in log.splitlines() if line.startswith("# compiler cache")),
-                "built",
-            )
+            else next((line[2:] for line in log.splitlines() if line.startswith("# compiler cache")), "built")
         )
         if stamp:
             shutil.rmtree(root)  # a one-off binary: keep the cache small

@@ -103,12 +103,7 @@ def cmd_speed(args: argparse.Namespace, console: Console) -> int:
     quick = speed.QUICK if args.quick else {}
     models = _choose(_csv(args.model), speed.MODELS, quick.get("models", list(speed.MODELS)), "model")
     engines = _choose(_csv(args.engine), speed.ENGINES, list(speed.ENGINES), "engine")
-    specs = _choose(
-        _csv(args.spec),
-        speed.SPECS,
-        quick.get("specs", list(speed.SPECS)),
-        "spec config",
-    )
+    specs = _choose(_csv(args.spec), speed.SPECS, quick.get("specs", list(speed.SPECS)), "spec config")
     try:
         logits = [int(v) for v in _csv(args.logits) or ["0"]]
     except ValueError:
@@ -233,10 +228,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         + "; scan: tiny-dense; overhead: gemma3-270m)",
     )
     p.add_argument("--engine", help="engines, comma-separated (default: inproc,server)")
-    p.add_argument(
-        "--spec",
-        help="speculative configs, comma-separated (default: " + ",".join(speed.SPECS) + ")",
-    )
+    p.add_argument("--spec", help="speculative configs, comma-separated (default: " + ",".join(speed.SPECS) + ")")
     p.add_argument(
         "--workload",
         help="workloads, comma-separated: a group ("
@@ -249,26 +241,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "top-k, llama-server n_probs; 0 = off; default 0)",
     )
     p.add_argument("--repeat", type=int, help="repeats of every workload (default 3; --quick 2)")
-    p.add_argument(
-        "--n-predict",
-        type=int,
-        help="generated tokens per request (speed: 128; overhead: 256)",
-    )
-    p.add_argument(
-        "--no-costs",
-        action="store_true",
-        help="speed: leave out the harness-cost block",
-    )
-    p.add_argument(
-        "--out",
-        help="directory for bench.json and bench.html (default reports/bench-<UTC time>)",
-    )
+    p.add_argument("--n-predict", type=int, help="generated tokens per request (speed: 128; overhead: 256)")
+    p.add_argument("--no-costs", action="store_true", help="speed: leave out the harness-cost block")
+    p.add_argument("--out", help="directory for bench.json and bench.html (default reports/bench-<UTC time>)")
     p.add_argument("--json", help="also write the numbers to this file")
     p.add_argument("--server-bin", help="a llama-server binary to use instead of building one")
-    p.add_argument(
-        "--source",
-        help="a llama.cpp checkout to build llama-server from (default: the vendored tree)",
-    )
+    p.add_argument("--source", help="a llama.cpp checkout to build llama-server from (default: the vendored tree)")
     p.add_argument("--cells", type=int, default=32768, help="cells in the scanned state (scan)")
     p.add_argument("--repeats", type=int, default=20, help="timed scans (scan)")
     p.add_argument(
@@ -277,11 +255,6 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help="source file the incremental step changes (build-step)",
     )
     p.add_argument("--jobs", type=int, help="parallel compile jobs (build-step; default all cores)")
-    p.add_argument(
-        "--verdicts",
-        type=int,
-        default=2000,
-        help="check verdicts in the generated report (report)",
-    )
+    p.add_argument("--verdicts", type=int, default=2000, help="check verdicts in the generated report (report)")
     p.add_argument("--loads", type=int, default=5, help="browser loads timed (report)")
     p.set_defaults(func=cmd_bench)

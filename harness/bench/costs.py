@@ -68,13 +68,7 @@ class _Timed:
     """Sums the wall time spent in some functions of `owner` (a class or a module) while active."""
 
     def __init__(self, owner, *names: str):
-        self.owner, self.names, self.seconds, self.calls, self.originals = (
-            owner,
-            names,
-            0.0,
-            0,
-            {},
-        )
+        self.owner, self.names, self.seconds, self.calls, self.originals = owner, names, 0.0, 0, {}
 
     def __enter__(self) -> "_Timed":
         for name in self.names:
@@ -102,19 +96,8 @@ def _engine(model_name: str, spec: str = "none", logit_top_k: int = 0, kv_scan: 
 
     options = spec_preset(spec).options
     draft = resolve(draft_for(model_name)).path if "draft-simple" in options.get("spec-type", "") else None
-    config = ServeConfig(
-        model=resolve(model_name).path,
-        mode="seq",
-        spec=dict(options),
-        draft_model=draft,
-    )
-    return Engine(
-        config.model,
-        context_params(config),
-        spec_config(config) if options else None,
-        logit_top_k,
-        kv_scan,
-    )
+    config = ServeConfig(model=resolve(model_name).path, mode="seq", spec=dict(options), draft_model=draft)
+    return Engine(config.model, context_params(config), spec_config(config) if options else None, logit_top_k, kv_scan)
 
 
 def _generate(engine: Engine, n_predict: int, timer: Optional["_Timed"] = None) -> tuple[float, int]:
@@ -183,11 +166,7 @@ def logit_logging(model_name: str, k: int = 10, n_predict: int = 128, repeats: i
 def scan_per_step(model_name: str, spec: str = "ngram-mod", n_predict: int = 128, repeats: int = 3) -> dict:
     """ms per generated token with the KV state scanned after every speculative step, against none (medians
     over `repeats` alternating runs)."""
-    ms = _alternating(
-        {mode: _engine(model_name, spec, kv_scan=mode) for mode in ("off", "step")},
-        n_predict,
-        repeats,
-    )
+    ms = _alternating({mode: _engine(model_name, spec, kv_scan=mode) for mode in ("off", "step")}, n_predict, repeats)
     off, step = ms["off"], ms["step"]
     return {
         "model": model_name,
@@ -245,11 +224,7 @@ def suite_wall(suite_name: str = "quicksort", model: str = "tiny-dense", backend
     }
 
 
-def forward_times(
-    model_name: str = "gemma3-270m",
-    sizes: tuple[int, ...] = (1, 2, 4, 8, 9),
-    repeats: int = 20,
-) -> dict:
+def forward_times(model_name: str = "gemma3-270m", sizes: tuple[int, ...] = (1, 2, 4, 8, 9), repeats: int = 20) -> dict:
     """ms of one target forward (`llama_decode`) of a batch of `sizes` tokens after a 128-token prefix, logits
     for every row (a speculative verification): the physical floor a speculative step cannot go below."""
     info = resolve(model_name)

@@ -9,7 +9,6 @@ from pathlib import Path
 
 from harness.models import resolve
 
-
 REPORT_CHECKS = (
     "no-crash",
     "repeat-identical",
@@ -23,13 +22,7 @@ REPORT_CHECKS = (
 COMPARISONS = ("lossless", "mode-invariant", "baseline", "repeat-identical")
 
 
-def synthetic_run(
-    out: Path,
-    n_verdicts: int,
-    fail_rate: float = 0.1,
-    n_predict: int = 128,
-    seed: int = 0,
-) -> Path:
+def synthetic_run(out: Path, n_verdicts: int, fail_rate: float = 0.1, n_predict: int = 128, seed: int = 0) -> Path:
     """A run directory of `n_verdicts` check verdicts shaped like a real run's: quicksort-like cases over
     cells of 3 models × 3 modes × 4 spec configs × 2 backends, three rounds per case, top-k logits, KV-scan
     verdicts; a `fail_rate` share of the comparison verdicts fail with full first-divergence evidence
@@ -56,14 +49,7 @@ def synthetic_run(
         model, backend, mode, spec = cells[case_no % len(cells)]
         case = f"case{case_no // len(cells)}"
         case_no += 1
-        base = {
-            "suite": "quicksort",
-            "case": case,
-            "model": model,
-            "backend": backend,
-            "mode": mode,
-            "spec": spec,
-        }
+        base = {"suite": "quicksort", "case": case, "model": model, "backend": backend, "mode": mode, "spec": spec}
         tokens = [rng.randrange(100, 4100) for _ in range(n_predict)]
         for rnd in range(3):
             drafted = rng.randrange(200, 800) if spec != "none" else 0
@@ -87,12 +73,7 @@ def synthetic_run(
                     "spec_stats": {"draft_n": drafted, "draft_n_accepted": drafted // 2} if drafted else {},
                     "kv_scan": {
                         "healthy": True,
-                        "totals": {
-                            "cells": 150,
-                            "duplicate_cells": 0,
-                            "orphans": 0,
-                            "missing_positions": 0,
-                        },
+                        "totals": {"cells": 150, "duplicate_cells": 0, "orphans": 0, "missing_positions": 0},
                         "duplicates": [],
                         "orphans": [],
                         "holes": [],
@@ -136,15 +117,7 @@ def synthetic_run(
                     },
                 }
                 message = f"3 of 3 outputs differ from the seq output; round 0: First divergence at token {index}"
-            verdicts.append(
-                {
-                    **base,
-                    "check": check,
-                    "passed": not failing,
-                    "message": message,
-                    "evidence": evidence,
-                }
-            )
+            verdicts.append({**base, "check": check, "passed": not failing, "message": message, "evidence": evidence})
     meta = {
         "format": 1,
         "tool": "specharness bench report",
@@ -155,14 +128,7 @@ def synthetic_run(
         "backends": {},
         "models": {},
     }
-    write_files(
-        out,
-        rows,
-        verdicts,
-        {},
-        {m: pieces for m in ("tiny-dense", "tiny-hybrid", "tiny-recurrent")},
-        meta,
-    )
+    write_files(out, rows, verdicts, {}, {m: pieces for m in ("tiny-dense", "tiny-hybrid", "tiny-recurrent")}, meta)
     return out
 
 

@@ -14,8 +14,8 @@ which llama-server does not report.
 import itertools
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable, Optional
 
 from harness import interrupt
 from harness.backends.base import Backend, Session
@@ -42,13 +42,7 @@ QUICK = {
 """`--quick`: a subset that finishes in under 5 minutes on 2 cores. `skip`: (model, spec) pairs left out
 unless --spec names the specs: Gemma's Q2_K self-draft runs at 9–13 tok/s and took 130 s of a 4 min
 48 s quick run (tiny-hybrid's draft-simple rows still exercise a draft model)."""
-PARITY = {
-    "model": "gemma3-270m",
-    "groups": ("quicksort", "w1"),
-    "specs": ("none", "ngram-mod"),
-    "off": 1.0,
-    "on": 0.98,
-}
+PARITY = {"model": "gemma3-270m", "groups": ("quicksort", "w1"), "specs": ("none", "ngram-mod"), "off": 1.0, "on": 0.98}
 """The parity targets of issue #13: in-process / llama-server tokens/s on Gemma's quicksort and W1 turns,
 without speculation and with ngram-mod: ≥ 1.0 with logit logging off, ≥ 0.98 with it on."""
 WARMUP_TOKENS = 8
@@ -61,7 +55,7 @@ class Workload:
 
     group: str
     name: str
-    prompt: Optional[str] = None
+    prompt: str | None = None
     turns: tuple[str, ...] = ()
 
     @property
@@ -93,7 +87,7 @@ class Sample:
     wall_ms: float
     drafted: int
     accepted: int
-    drafts: Optional[int]
+    drafts: int | None
 
 
 @dataclass
@@ -117,7 +111,7 @@ def all_workloads() -> list[Workload]:
     return out
 
 
-def select_workloads(names: Optional[list[str]]) -> list[Workload]:
+def select_workloads(names: list[str] | None) -> list[Workload]:
     """Workloads by group (`w1`), id (`quicksort.C`) or case name (`summarize`); all when `names` is None."""
     every = all_workloads()
     if not names:
@@ -172,7 +166,7 @@ class ModelBench:
                 self.close()
                 raise
 
-    def request(self, workload: Workload, n_predict: Optional[int] = None) -> Request:
+    def request(self, workload: Workload, n_predict: int | None = None) -> Request:
         sampling = Sampling(n_predict=n_predict or self.n_predict, temperature=0.0)
         if workload.prompt is not None:
             return Request(prompt=workload.prompt, sampling=sampling, tag=workload.id)
@@ -194,7 +188,7 @@ class ModelBench:
                 if not result.ok:
                     raise HarnessError(f"{self.model}: could not generate the chat history: {result.error}")
                 self.replies.append(result.text)
-        for config, session in self.sessions.items():
+        for _config, session in self.sessions.items():
             session.run([self.request(workloads[0], WARMUP_TOKENS)])
 
     def measure(self, workloads: list[Workload], repeat: int) -> dict[tuple[str, Config], Measured]:
@@ -228,15 +222,8 @@ def summarize(key: dict, per_repeat: list[list[Sample]]) -> dict:
     hash pool learns from every earlier request of its slot), tokens/s median and spread over repeats."""
     done = [samples for samples in per_repeat if samples]
     speeds = [_tok_s(samples) for samples in done]
-    by_repeat = [[samples[0].repeat, speed] for samples, speed in zip(done, speeds)]
-    counts = [
-        (
-            sum(s.predicted_n for s in x),
-            sum(s.drafted for s in x),
-            sum(s.accepted for s in x),
-        )
-        for x in done
-    ]
+    by_repeat = [[samples[0].repeat, speed] for samples, speed in zip(done, speeds, strict=False)]
+    counts = [(sum(s.predicted_n for s in x), sum(s.drafted for s in x), sum(s.accepted for s in x)) for x in done]
     n, drafted, accepted = (round(statistics.mean(c[i] for c in counts)) if counts else 0 for i in range(3))
     drafts = [sum(s.drafts for s in x) for x in done if all(s.drafts is not None for s in x)]
     per_draft = sum(c[2] for c in counts) / sum(drafts) if drafts and len(drafts) == len(done) and sum(drafts) else None
@@ -287,9 +274,7 @@ AGG_KEYS = ("group", "model", "engine", "spec", "logits")
 
 
 def tables(
-    measured: dict[tuple[str, str, Config], Measured],
-    workloads: list[Workload],
-    repeat: int,
+    measured: dict[tuple[str, str, Config], Measured], workloads: list[Workload], repeat: int
 ) -> tuple[list, list]:
     """The per-workload rows and the aggregate (per group and `all`) rows."""
     groups = {w.id: w.group for w in workloads}
@@ -313,29 +298,21 @@ def tables(
                 slots[s.repeat].append(s)
     _relate(rows, ROW_KEYS)
     aggregate = [
-        summarize(
-            {
-                "group": g,
-                "model": model,
-                "engine": c.engine,
-                "spec": c.spec,
-                "logits": c.logits,
-            },
-            per_repeat,
-        )
+        summarize({"group": g, "model": model, "engine": c.engine, "spec": c.spec, "logits": c.logits}, per_repeat)
         for (g, model, c), per_repeat in agg_samples.items()
     ]
     _relate(aggregate, AGG_KEYS)
     order = {name: i for i, name in enumerate([*GROUPS, "all", *(w.id for w in workloads), *MODELS, *SPECS, *ENGINES])}
-    by = lambda first: (
-        lambda r: (
+
+    def by(first):
+        return lambda r: (
             order.get(r[first], 99),
             order.get(r["model"], 99),
             order.get(r["spec"], 99),  # noqa: E731
             r["logits"],
             order.get(r["engine"], 99),
         )
-    )
+
     return sorted(rows, key=by("workload")), sorted(aggregate, key=by("group"))
 
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
-from typing import Optional
 
 from harness import interrupt
 from harness.backends.build import BACKENDS
@@ -19,7 +18,7 @@ from harness.bisect import plan as plans
 from harness.bisect.result import Outcome, Stop, describe, write
 from harness.errors import HarnessError
 from harness.paths import reports_dir
-from harness.runner import csv, count, new_run_dir, prepare_out
+from harness.runner import count, csv, new_run_dir, prepare_out
 
 EXIT_FOUND, EXIT_NOT_FOUND = 0, 1
 
@@ -28,24 +27,12 @@ def _plan(args: argparse.Namespace) -> plans.Plan:
     """The pinned cell from --suite ... or --from-run ..., plus the build options."""
     checks = csv(args.check)
     if args.from_run:
-        plan = plans.from_run(
-            args.from_run,
-            args.case,
-            checks,
-            args.mode,
-            args.spec,
-            args.model,
-            args.strict,
-        )
+        plan = plans.from_run(args.from_run, args.case, checks, args.mode, args.spec, args.model, args.strict)
     elif args.suite:
         plan = plans.from_suite(args.suite, args.case, checks, args.mode, args.spec, args.model, args.strict)
     else:
         raise HarnessError("name the case to judge: --suite S [--case C ...] or --from-run RUN_DIR --case ID")
-    plan.build_backend, plan.cmake_args, plan.jobs = (
-        args.backend,
-        list(args.cmake_arg),
-        args.jobs,
-    )
+    plan.build_backend, plan.cmake_args, plan.jobs = args.backend, list(args.cmake_arg), args.jobs
     if bool(args.step_cmd) != bool(args.server_bin_pattern):
         raise HarnessError(
             "--step-cmd and --server-bin-pattern go together (the command builds, the pattern "
@@ -77,21 +64,14 @@ def cmd_bisect(args: argparse.Namespace) -> int:
             raise HarnessError("--source needs --good REV and --bad REV")
         plan = _plan(args)
         if args.source:
-            plan.source, plan.good, plan.bad = (
-                str(Path(args.source).resolve()),
-                args.good,
-                args.bad,
-            )
+            plan.source, plan.good, plan.bad = str(Path(args.source).resolve()), args.good, args.bad
             prepare_checkout(plan)
         releases = bool(args.releases)
         run_dir = _run_dir(args)
         plan.save(run_dir)
-    print(
-        f"bisect: judging {plan.describe()}; log: {run_dir / 'bisect-log.jsonl'}",
-        file=sys.stderr,
-    )
-    outcome: Optional[Outcome] = None
-    stop: Optional[Stop] = None
+    print(f"bisect: judging {plan.describe()}; log: {run_dir / 'bisect-log.jsonl'}", file=sys.stderr)
+    outcome: Outcome | None = None
+    stop: Stop | None = None
     try:
         if releases:
             outcome = bisect_releases(plan, args.releases, run_dir)
@@ -116,17 +96,9 @@ def cmd_bisect(args: argparse.Namespace) -> int:
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     """Register `specharness bisect`."""
-    p = sub.add_parser(
-        "bisect",
-        help="find the llama.cpp commit or release that made a case fail (git bisect run)",
-    )
+    p = sub.add_parser("bisect", help="find the llama.cpp commit or release that made a case fail (git bisect run)")
     where = p.add_argument_group("what to bisect")
-    where.add_argument(
-        "--source",
-        type=Path,
-        metavar="DIR",
-        help="llama.cpp git checkout (must be clean)",
-    )
+    where.add_argument("--source", type=Path, metavar="DIR", help="llama.cpp git checkout (must be clean)")
     where.add_argument("--good", metavar="REV", help="a commit where the case passes")
     where.add_argument("--bad", metavar="REV", help="a later commit where it fails")
     where.add_argument(
@@ -134,11 +106,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         metavar="OLD..NEW",
         help="instead of a checkout: the llama.cpp trees vendored in these llama-cpp-python releases",
     )
-    where.add_argument(
-        "--resume",
-        metavar="RUN_DIR",
-        help="continue an interrupted bisect from its log",
-    )
+    where.add_argument("--resume", metavar="RUN_DIR", help="continue an interrupted bisect from its log")
     case = p.add_argument_group("the judged case (every dimension pinned)")
     case.add_argument("--suite", metavar="NAME|PATH", help="suite of the case")
     case.add_argument(
@@ -148,9 +116,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help="take suite, cell and failing checks of --case from a run directory",
     )
     case.add_argument(
-        "--case",
-        metavar="ID",
-        help="case name (a chat turn: name.turnN); needed unless the suite has one",
+        "--case", metavar="ID", help="case name (a chat turn: name.turnN); needed unless the suite has one"
     )
     case.add_argument(
         "--check",
@@ -158,37 +124,19 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help="the checks that judge (default: the suite's, or the failing ones of --from-run)",
     )
     case.add_argument("--mode", help="seq, par or no-kv-unified (default: the suite's only one)")
-    case.add_argument(
-        "--spec",
-        metavar="CONFIG",
-        help="speculative config (default: the suite's only one)",
-    )
+    case.add_argument("--spec", metavar="CONFIG", help="speculative config (default: the suite's only one)")
     case.add_argument("--model", metavar="NAME|PATH", help="model (default: the suite's only one)")
     case.add_argument(
-        "--strict",
-        action="store_true",
-        help="a divergence triage proves to be a near-tie counts as bad too",
+        "--strict", action="store_true", help="a divergence triage proves to be a near-tie counts as bad too"
     )
     build = p.add_argument_group("building each step")
     build.add_argument(
-        "--backend",
-        choices=BACKENDS,
-        default="cpu",
-        help="what llama-server is built for (default cpu)",
+        "--backend", choices=BACKENDS, default="cpu", help="what llama-server is built for (default cpu)"
     )
     build.add_argument(
-        "--cmake-arg",
-        action="append",
-        default=[],
-        metavar="ARG",
-        help="extra CMake argument (repeatable)",
+        "--cmake-arg", action="append", default=[], metavar="ARG", help="extra CMake argument (repeatable)"
     )
-    build.add_argument(
-        "--jobs",
-        type=count(1),
-        metavar="N",
-        help="parallel compile jobs (default: all cores)",
-    )
+    build.add_argument("--jobs", type=count(1), metavar="N", help="parallel compile jobs (default: all cores)")
     build.add_argument(
         "--step-cmd",
         metavar="CMD",

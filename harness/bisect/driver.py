@@ -21,7 +21,6 @@ import sys
 import time
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Optional
 
 import harness
 from harness.bisect.git import Git
@@ -53,12 +52,7 @@ def step_env() -> dict:
 def run_group(cmd: list[str], cwd: Path, stdout) -> int:
     """Run `cmd` in a process group of its own; on an interrupt stop the whole group, then re-raise."""
     proc = subprocess.Popen(
-        cmd,
-        cwd=cwd,
-        env=step_env(),
-        stdout=stdout,
-        stdin=subprocess.DEVNULL,
-        start_new_session=True,
+        cmd, cwd=cwd, env=step_env(), stdout=stdout, stdin=subprocess.DEVNULL, start_new_session=True
     )
     try:
         return proc.wait()
@@ -139,7 +133,7 @@ class Bisection:
 
     # ---------------------------------------------------------------------------------- steps
 
-    def logged(self, commit: str, roles: Optional[tuple[str, ...]] = None) -> Optional[dict]:
+    def logged(self, commit: str, roles: tuple[str, ...] | None = None) -> dict | None:
         """The last logged verdict for `commit` (only `roles` when given); errors do not count."""
         found = [
             e
@@ -165,10 +159,7 @@ class Bisection:
 
     def verify_ends(self) -> None:
         """The good commit must pass and the bad one fail, or there is nothing to bisect."""
-        for role, rev, expected in (
-            ("verify-good", self.plan.good, GOOD),
-            ("verify-bad", self.plan.bad, BAD),
-        ):
+        for role, rev, expected in (("verify-good", self.plan.good, GOOD), ("verify-bad", self.plan.bad, BAD)):
             check_end(self.judge_commit(rev, role), expected, f"commit {rev[:10]}")
 
     def mark(self, verdict: str, commit: str) -> str:
@@ -211,14 +202,7 @@ class Bisection:
             out.write(f"$ git bisect run {' '.join(step_command(self.run_dir, 'step'))}\n")
             out.flush()
             status = run_group(
-                [
-                    "git",
-                    "-C",
-                    str(self.git.dir),
-                    "bisect",
-                    "run",
-                    *step_command(self.run_dir, "step"),
-                ],
+                ["git", "-C", str(self.git.dir), "bisect", "run", *step_command(self.run_dir, "step")],
                 self.git.dir,
                 out,
             )

@@ -27,13 +27,11 @@ class Git:
         self.dir = Path(checkout).resolve()
 
     def __call__(self, *args: str, check: bool = True) -> str:
-        """stdout of `git args` (without trailing whitespace); HarnessError with git's last line when it fails and `check`."""
+        """stdout of `git args` (without trailing whitespace); HarnessError with git's last line when it fails
+        and `check`."""
         try:
             proc = subprocess.run(
-                ["git", "-C", str(self.dir), *args],
-                capture_output=True,
-                text=True,
-                stdin=subprocess.DEVNULL,
+                ["git", "-C", str(self.dir), *args], capture_output=True, text=True, stdin=subprocess.DEVNULL
             )
         except OSError as err:
             raise HarnessError(f"cannot run git: {err}") from None
@@ -87,8 +85,7 @@ class Git:
     def is_ancestor(self, old: str, new: str) -> bool:
         return (
             subprocess.run(
-                ["git", "-C", str(self.dir), "merge-base", "--is-ancestor", old, new],
-                capture_output=True,
+                ["git", "-C", str(self.dir), "merge-base", "--is-ancestor", old, new], capture_output=True
             ).returncode
             == 0
         )

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 from harness.backends.build import BuildInfo
 from harness.backends.server_backend import ServerBackend
@@ -24,7 +24,7 @@ from harness.models import resolve
 GOOD, BAD, SKIP = "good", "bad", "skip"
 
 
-def divergence_kind(result: CheckResult) -> Optional[str]:
+def divergence_kind(result: CheckResult) -> str | None:
     """The triage class of a comparison check's first divergence (None when it has none)."""
     first = result.evidence.get("first_divergence")
     return first.get("kind") if isinstance(first, dict) else None
@@ -57,10 +57,7 @@ def judge(plan: Plan, build: BuildInfo, logs: Path) -> dict[str, Any]:
     suite = replace(suite, cases=[case_def])
     kv_scan = "request" if "kv-healthy" in plan.checks else "off"  # a scan nobody judges could only get in the way
     executor = Executor(
-        ExecOptions(
-            backends={BACKEND: lambda: ServerBackend(build=build, run_dir=logs)},
-            kv_scan=kv_scan,
-        )
+        ExecOptions(backends={BACKEND: lambda: ServerBackend(build=build, run_dir=logs)}, kv_scan=kv_scan)
     )
     run = executor.run(suite, plan.cell)
     repro = (
@@ -79,11 +76,7 @@ def judge(plan: Plan, build: BuildInfo, logs: Path) -> dict[str, Any]:
     errors = [f"{r.cell.id}: {r.error}" for r in executor.runs() if r.error]  # reference cells run on demand
     checks = [check_record(r, plan.strict) for r in results]
     if errors:
-        return {
-            "verdict": SKIP,
-            "reason": f"llama-server could not serve the case: {errors[0]}",
-            "checks": checks,
-        }
+        return {"verdict": SKIP, "reason": f"llama-server could not serve the case: {errors[0]}", "checks": checks}
     failed = [r for r in results if not r.passed and not excused(r, plan.strict)]
     if failed:
         first = failed[0]

@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Optional
 
 from harness.baselines import default_root
 from harness.errors import HarnessError
@@ -45,12 +44,12 @@ class Plan:
     bad: str = ""
     original_head: str = ""
     """The branch (refs/heads/...) or commit the checkout was on before the bisect."""
-    step_cmd: Optional[str] = None
-    server_bin_pattern: Optional[str] = None
+    step_cmd: str | None = None
+    server_bin_pattern: str | None = None
     build_backend: str = "cpu"
     """What llama-server is compiled for (`specharness build --backend`)."""
     cmake_args: list[str] = field(default_factory=list)
-    jobs: Optional[int] = None
+    jobs: int | None = None
     releases: list[str] = field(default_factory=list)
     """`--releases`: the llama-cpp-python versions bisected, oldest first."""
 
@@ -69,7 +68,7 @@ class Plan:
         (run_dir / PLAN_FILE).write_text(json.dumps(asdict(self), indent=1) + "\n")
 
     @classmethod
-    def load(cls, run_dir: Path) -> "Plan":
+    def load(cls, run_dir: Path) -> Plan:
         path = Path(run_dir) / PLAN_FILE
         try:
             return cls(**json.loads(path.read_text()))
@@ -79,7 +78,7 @@ class Plan:
             raise HarnessError(f"unreadable {path}: {' '.join(str(err).split())}") from None
 
 
-def _pick(given: Optional[str], axis: list[str], flag: str, suite: str) -> str:
+def _pick(given: str | None, axis: list[str], flag: str, suite: str) -> str:
     """The value of one cell dimension: the given one, or the suite's only one."""
     if given is not None:
         return given
@@ -88,7 +87,7 @@ def _pick(given: Optional[str], axis: list[str], flag: str, suite: str) -> str:
     raise HarnessError(f"suite {suite} runs several values of {flag[2:]} ({', '.join(axis)}): pin one with {flag}")
 
 
-def _case_key(suite: Suite, case: Optional[str]) -> str:
+def _case_key(suite: Suite, case: str | None) -> str:
     keys = [key for c in suite.cases for key in case_keys(c)]
     if case is None and len(keys) == 1:
         return keys[0]
@@ -99,7 +98,7 @@ def _case_key(suite: Suite, case: Optional[str]) -> str:
     return case
 
 
-def _check_names(checks: Optional[list[str]], suite: Suite) -> list[str]:
+def _check_names(checks: list[str] | None, suite: Suite) -> list[str]:
     names = checks or suite.checks
     unknown = [n for n in names if n not in CHECK_NAMES]
     if unknown:
@@ -121,19 +120,17 @@ def _validated(plan: Plan) -> Plan:
 
 def from_suite(
     suite_name: str,
-    case: Optional[str] = None,
-    checks: Optional[list[str]] = None,
-    mode: Optional[str] = None,
-    spec: Optional[str] = None,
-    model: Optional[str] = None,
+    case: str | None = None,
+    checks: list[str] | None = None,
+    mode: str | None = None,
+    spec: str | None = None,
+    model: str | None = None,
     strict: bool = False,
 ) -> Plan:
     """The plan for one case of a suite; each dimension the suite leaves open must be given."""
     suite = load_suite(suite_name)
 
-    def axis(
-        name: str,
-    ) -> list[str]:  # the values the suite's matrix blocks name, in order
+    def axis(name: str) -> list[str]:  # the values the suite's matrix blocks name, in order
         return list(dict.fromkeys(v for block in suite.matrix for v in block[name]))
 
     specs = [s for s in axis("specs") if spec_preset(s).runs_on("server")]
@@ -152,11 +149,7 @@ def from_suite(
 
 
 def failing_records(
-    run_dir: Path,
-    case: Optional[str],
-    checks: Optional[list[str]] = None,
-    what: str = "bisect",
-    **cell: Optional[str],
+    run_dir: Path, case: str | None, checks: list[str] | None = None, what: str = "bisect", **cell: str | None
 ) -> list[dict]:
     """The failing verdicts of `case` in a run directory's `checks.json` (of the given checks, in the cells
     matching the given `mode`, `spec`, `model`, `backend`); a one-line error when there are none."""
@@ -184,11 +177,11 @@ def failing_records(
 
 def from_run(
     run_dir: Path,
-    case: Optional[str],
-    checks: Optional[list[str]] = None,
-    mode: Optional[str] = None,
-    spec: Optional[str] = None,
-    model: Optional[str] = None,
+    case: str | None,
+    checks: list[str] | None = None,
+    mode: str | None = None,
+    spec: str | None = None,
+    model: str | None = None,
     strict: bool = False,
 ) -> Plan:
     """The plan for a failing case of a run directory (its `checks.json`), narrowed by the given dimensions."""

@@ -12,7 +12,6 @@ import re
 import subprocess
 import sys
 from pathlib import Path
-from typing import Optional
 
 from harness.backends.build import source_identity, vendored_source
 from harness.bisect.driver import check_end
@@ -26,7 +25,7 @@ from harness.errors import HarnessError
 PACKAGE = "llama-cpp-python"
 
 
-def _key(version: str) -> Optional[tuple[int, ...]]:
+def _key(version: str) -> tuple[int, ...] | None:
     """(0, 3, 36) for a final release; None for pre-releases and anything else."""
     return tuple(int(p) for p in version.split(".")) if re.fullmatch(r"\d+(\.\d+)*", version) else None
 
@@ -43,7 +42,7 @@ def available_versions() -> list[str]:
     return sorted((v for v in versions if _key(v)), key=_key)
 
 
-def release_range(spec: str, available: Optional[list[str]] = None) -> list[str]:
+def release_range(spec: str, available: list[str] | None = None) -> list[str]:
     """The releases from A to B (both included) of `A..B`, oldest first; both ends must exist."""
     match = re.fullmatch(r"\s*([\w.]+)\s*\.\.\s*([\w.]+)\s*", spec)
     if not match or not _key(match.group(1)) or not _key(match.group(2)):
@@ -114,15 +113,11 @@ class ReleaseBisection:
             parent=Commit(good["commit"], good["subject"], ""),
             first_bad_entry=bad,
             parent_entry=good,
-            extra={
-                "good_version": versions[lo],
-                "bad_version": versions[hi],
-                "hint": hint,
-            },
+            extra={"good_version": versions[lo], "bad_version": versions[hi], "hint": hint},
         )
 
 
-def bisect_releases(plan: Plan, spec: Optional[str], run_dir: Path) -> Outcome:
+def bisect_releases(plan: Plan, spec: str | None, run_dir: Path) -> Outcome:
     """Bisect the releases of `spec` (or, resuming, those of the saved plan)."""
     if not plan.releases:
         plan.releases = release_range(spec)

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional
 
 import jinja2
 
@@ -18,7 +17,7 @@ from harness.paths import write_atomic
 class Stop(Exception):
     """The bisect cannot name a first bad commit: why, in one sentence (and the candidates, if any)."""
 
-    def __init__(self, message: str, candidates: Optional[list[str]] = None):
+    def __init__(self, message: str, candidates: list[str] | None = None):
         super().__init__(message)
         self.candidates = candidates or []
 
@@ -35,7 +34,7 @@ class Outcome:
     """`--releases`: the two llama-cpp-python versions."""
 
 
-def headline(outcome: Optional[Outcome], stop: Optional[Stop]) -> str:
+def headline(outcome: Outcome | None, stop: Stop | None) -> str:
     if outcome is None:
         return f"no first bad commit: {stop}"
     if outcome.extra.get("bad_version"):
@@ -64,7 +63,7 @@ def _failing(entry: dict) -> list[dict]:
     return [c for c in entry.get("checks", []) if not c.get("passed")]
 
 
-def describe(outcome: Optional[Outcome], stop: Optional[Stop]) -> str:
+def describe(outcome: Outcome | None, stop: Stop | None) -> str:
     """The terminal summary: headline, then the verdict and triage at the first bad commit and its parent."""
     lines = [headline(outcome, stop)]
     if outcome is None:
@@ -81,7 +80,7 @@ def describe(outcome: Optional[Outcome], stop: Optional[Stop]) -> str:
     return "\n".join(lines)
 
 
-def write(run_dir: Path, plan: Plan, outcome: Optional[Outcome], stop: Optional[Stop]) -> Path:
+def write(run_dir: Path, plan: Plan, outcome: Outcome | None, stop: Stop | None) -> Path:
     """`bisect.json` (the outcome) and `bisect.html` (rendered with Jinja2) in `run_dir`; returns the HTML path."""
     steps = read_log(run_dir)
     data = {
@@ -97,14 +96,9 @@ def write(run_dir: Path, plan: Plan, outcome: Optional[Outcome], stop: Optional[
         "steps": steps,
         "build_seconds": round(sum(s.get("build_seconds", 0) for s in steps), 1),
     }
-    write_atomic(
-        run_dir / "bisect.json",
-        lambda p: p.write_text(json.dumps(data, indent=1, default=str) + "\n"),
-    )
+    write_atomic(run_dir / "bisect.json", lambda p: p.write_text(json.dumps(data, indent=1, default=str) + "\n"))
     env = jinja2.Environment(
-        loader=jinja2.PackageLoader("harness.bisect", "templates"),
-        autoescape=True,
-        undefined=jinja2.StrictUndefined,
+        loader=jinja2.PackageLoader("harness.bisect", "templates"), autoescape=True, undefined=jinja2.StrictUndefined
     )
     env.filters["triage"] = triage
     html = env.get_template("bisect.html.j2").render(**data)

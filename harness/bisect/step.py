@@ -19,7 +19,7 @@ import sys
 import time
 import traceback
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 from harness import interrupt
 from harness.backends.build import BuildInfo, ensure_server, prebuilt_server
@@ -64,12 +64,7 @@ def _custom_build(plan: Plan, source: Path, log_path: Path) -> BuildInfo:
         log.write(f"$ {plan.step_cmd}\n")
         log.flush()
         status = subprocess.run(
-            plan.step_cmd,
-            shell=True,
-            cwd=source,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
+            plan.step_cmd, shell=True, cwd=source, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL
         ).returncode
     if status != 0:
         raise HarnessError(f"--step-cmd exited with status {status} (log: {log_path})")
@@ -81,7 +76,7 @@ def _custom_build(plan: Plan, source: Path, log_path: Path) -> BuildInfo:
     return prebuilt_server(max(found, key=lambda p: p.stat().st_mtime))
 
 
-def build_at(plan: Plan, source: Path, run_dir: Path, label: str) -> tuple[Optional[BuildInfo], dict]:
+def build_at(plan: Plan, source: Path, run_dir: Path, label: str) -> tuple[BuildInfo | None, dict]:
     """llama-server for the tree in `source`, trying a failed build once more; (None, facts) if it never builds."""
     facts: dict[str, Any] = {"build_seconds": 0.0, "build_cached": False}
     error = ""
@@ -133,20 +128,10 @@ def evaluate(plan: Plan, source: Path, run_dir: Path, facts: dict) -> dict:
         entry.update(build_facts)
         if info is None:
             lines = build_facts["build_error"].splitlines()
-            first = next(
-                (line.strip() for line in lines[1:] if re.search(r"\berror\b", line)),
-                lines[0],
-            )
-            entry.update(
-                verdict=SKIP,
-                reason=f"does not build ({BUILD_ATTEMPTS} attempts): {first}",
-                checks=[],
-            )
+            first = next((line.strip() for line in lines[1:] if re.search(r"\berror\b", line)), lines[0])
+            entry.update(verdict=SKIP, reason=f"does not build ({BUILD_ATTEMPTS} attempts): {first}", checks=[])
         else:
-            entry["server"] = {
-                "server_bin": str(info.server_bin),
-                "source_identity": info.source_identity,
-            }
+            entry["server"] = {"server_bin": str(info.server_bin), "source_identity": info.source_identity}
             _phase(run_dir, entry, "judge")
             entry.update(judge(plan, info, run_dir / "server-logs" / label))
         entry["seconds"] = round(time.monotonic() - started, 1)
@@ -165,14 +150,10 @@ def summary(entry: dict) -> str:
     return f"bisect: {what} {entry['verdict']:<4} ({entry.get('role', 'step')}, {build}) {entry['reason']}"
 
 
-def main(argv: Optional[list[str]] = None) -> int:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m harness.bisect.step", description=__doc__.splitlines()[0])
     parser.add_argument("run_dir", type=Path)
-    parser.add_argument(
-        "--role",
-        default="step",
-        help="what the step is for (step, verify-good, verify-bad, parent)",
-    )
+    parser.add_argument("--role", default="step", help="what the step is for (step, verify-good, verify-bad, parent)")
     args = parser.parse_args(argv)
     run_dir = args.run_dir.resolve()
     facts: dict[str, Any] = {"role": args.role}
@@ -196,10 +177,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     if entry["verdict"] == "error":
         append_log(run_dir, entry)
         (run_dir / CURRENT).unlink(missing_ok=True)
-        print(
-            f"bisect: error at {str(facts.get('commit', '?'))[:10]}: {entry['reason']}",
-            file=sys.stderr,
-        )
+        print(f"bisect: error at {str(facts.get('commit', '?'))[:10]}: {entry['reason']}", file=sys.stderr)
         return EXIT_ABORT
     print(summary(entry), file=sys.stderr)
     return EXIT[entry["verdict"]]

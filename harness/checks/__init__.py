@@ -8,23 +8,24 @@ sent it the same prompt.
 """
 
 import json
-from typing import Callable, Optional
+from collections.abc import Callable
 
 import jsonschema
 
+from harness import interrupt
 from harness.checks.acceptance import Acceptance, fall, summed
 from harness.checks.base import CheckContext, CheckResult, past_returned
 from harness.checks.budget import within_n_predict
 from harness.checks.compare import compare_outcome
 from harness.checks.probs import probs_complete
 from harness.checks.reuse import prompt_reuse
-from harness import interrupt
 from harness.errors import HarnessBug, HarnessError
-from harness.logits import check as logits_within, compare as compare_logits
+from harness.logits import check as logits_within
+from harness.logits import compare as compare_logits
 from harness.matrix import spec_preset
 from harness.result import Result
 
-Check = Callable[[CheckContext], Optional[CheckResult]]
+Check = Callable[[CheckContext], CheckResult | None]
 
 
 def verdict(name: str, comparison: tuple[bool, str, dict]) -> CheckResult:
@@ -56,23 +57,20 @@ def no_crash(ctx: CheckContext) -> CheckResult:
     )
 
 
-def repeat_identical(ctx: CheckContext) -> Optional[CheckResult]:
+def repeat_identical(ctx: CheckContext) -> CheckResult | None:
     """All rounds of the case produced the same tokens (count of unique outputs must be 1)."""
     done = ctx.completed()
     if len(ctx.run.suite.rounds) < 2 or len(done) < 2:
         return None
     unique = len({tuple(o.result.tokens) for o in done})
-    result = verdict(
-        "repeat-identical",
-        compare_outcome(ctx, done[0], f"output of round {done[0].round}", ctx.cell),
-    )
+    result = verdict("repeat-identical", compare_outcome(ctx, done[0], f"output of round {done[0].round}", ctx.cell))
     result.evidence.update(unique_outputs=unique, runs=len(done))
     if unique > 1:
         result.message = f"{unique} unique outputs over {len(done)} runs; " + result.message
     return result
 
 
-def lossless(ctx: CheckContext) -> Optional[CheckResult]:
+def lossless(ctx: CheckContext) -> CheckResult | None:
     """Speculative output equals non-speculative output: for greedy decoding always; for seeded sampling
     where llama.cpp guarantees it, i.e. where the logits behind the first diverging token are bit-identical
     in both runs (it draws one random number per emitted token and a checkpoint restore rewinds the
@@ -85,8 +83,7 @@ def lossless(ctx: CheckContext) -> Optional[CheckResult]:
         return None
     reference = ctx.cell.reference(spec="none")
     result = verdict(
-        "lossless",
-        compare_outcome(ctx, ctx.reference_outcome(reference), "non-speculative output", reference),
+        "lossless", compare_outcome(ctx, ctx.reference_outcome(reference), "non-speculative output", reference)
     )
     if result.passed or sampling.greedy or "first_divergence" not in result.evidence:
         return result
@@ -100,23 +97,20 @@ def lossless(ctx: CheckContext) -> Optional[CheckResult]:
     return result
 
 
-def mode_invariant(ctx: CheckContext) -> Optional[CheckResult]:
+def mode_invariant(ctx: CheckContext) -> CheckResult | None:
     """`par` and `no-kv-unified` produce the output of `seq` (a proven near-tie is reported, not failed)."""
     if ctx.cell.mode == "seq" or not ctx.completed():
         return None
     reference = ctx.cell.reference(mode="seq")
-    return verdict(
-        "mode-invariant",
-        compare_outcome(ctx, ctx.reference_outcome(reference), "seq output", reference),
-    )
+    return verdict("mode-invariant", compare_outcome(ctx, ctx.reference_outcome(reference), "seq output", reference))
 
 
-def baseline(ctx: CheckContext) -> Optional[CheckResult]:
+def baseline(ctx: CheckContext) -> CheckResult | None:
     """Tokens equal the stored baseline of (suite, case, model, backend, device)."""
     return ctx.baselines.check(ctx) if ctx.completed() or ctx.baselines.update else None
 
 
-def spec_ran(ctx: CheckContext) -> Optional[CheckResult]:
+def spec_ran(ctx: CheckContext) -> CheckResult | None:
     """Drafts were generated for the case (and some accepted, where both the config and the case expect
     it: a grammar the drafter does not see may reject every draft). Under forced rejection
     (`SpecPreset.rejects_all`) every request drafted (each that generated more than one token: a request ending
@@ -138,18 +132,13 @@ def spec_ran(ctx: CheckContext) -> Optional[CheckResult]:
         "acceptance": round(accepted / drafted, 3) if drafted else 0.0,
     }
     if drafted == 0:
-        return CheckResult(
-            "spec-ran",
-            False,
-            f"no drafts at all for the case ({len(stats)} requests)",
-            evidence,
-        )
+        return CheckResult("spec-ran", False, f"no drafts at all for the case ({len(stats)} requests)", evidence)
     if expect_accepts and accepted == 0:
         return CheckResult("spec-ran", False, f"{drafted} tokens drafted, none accepted", evidence)
     if preset.rejects_all:
         failures = [
             f"round {o.round}: {s.get('draft_n', 0)} drafted, {s.get('draft_n_accepted', 0)} accepted"
-            for o, s in zip(ctx.completed(), stats)
+            for o, s in zip(ctx.completed(), stats, strict=False)
             if s.get("draft_n_accepted", 0) > 0 or (s.get("draft_n", 0) == 0 and len(o.result.tokens) > 1)
         ]
         if failures:
@@ -163,7 +152,7 @@ def spec_ran(ctx: CheckContext) -> Optional[CheckResult]:
     return CheckResult("spec-ran", True, evidence=evidence)
 
 
-def acceptance(ctx: CheckContext) -> Optional[CheckResult]:
+def acceptance(ctx: CheckContext) -> CheckResult | None:
     """Speculation is as effective as it was: each request's acceptance (accepted / drafted and accepted /
     generated) against the baseline's same request in the same cell (so the same request order, for drafters
     that learn across a slot's requests) and, in `par` / `no-kv-unified` with drafters that keep no state
@@ -186,11 +175,7 @@ def acceptance(ctx: CheckContext) -> Optional[CheckResult]:
     try:
         stored, path = ctx.baselines.acceptance(ctx)
     except HarnessError as err:
-        return CheckResult(
-            "acceptance",
-            False,
-            f"{err} (fix or delete it; it is never replaced silently)",
-        )
+        return CheckResult("acceptance", False, f"{err} (fix or delete it; it is never replaced silently)")
     mine = {o.round: Acceptance.of(o.result.spec_stats, len(o.result.tokens)) for o in ctx.completed()}
     references: list[tuple[str, dict[int, Acceptance]]] = []
     problems = []
@@ -267,7 +252,7 @@ def acceptance(ctx: CheckContext) -> Optional[CheckResult]:
     return CheckResult("acceptance", True, pending or "", evidence)
 
 
-def grammar_valid(ctx: CheckContext) -> Optional[CheckResult]:
+def grammar_valid(ctx: CheckContext) -> CheckResult | None:
     """The output parses as JSON and satisfies the case's schema."""
     schema = ctx.case_def.sampling.json_schema
     if schema is None:
@@ -281,11 +266,7 @@ def grammar_valid(ctx: CheckContext) -> Optional[CheckResult]:
     evidence = {"outputs": len(ctx.completed()), "invalid": len(problems)}
     if problems:
         return CheckResult(
-            "grammar-valid",
-            False,
-            f"{len(problems)} invalid outputs; " + problems[0],
-            evidence,
-            failures=problems,
+            "grammar-valid", False, f"{len(problems)} invalid outputs; " + problems[0], evidence, failures=problems
         )
     return CheckResult("grammar-valid", True, evidence=evidence)
 
@@ -324,7 +305,7 @@ def kv_problems(result: Result) -> list[str]:
     return problems
 
 
-def kv_healthy(ctx: CheckContext) -> Optional[CheckResult]:
+def kv_healthy(ctx: CheckContext) -> CheckResult | None:
     """The KV scanner found no duplicate (seq_id, pos) cells, orphans past the sequence or holes, and the
     sequence holds no position past the request's prompt and returned tokens (`past_returned`); where a draft
     model's context was scanned too (in-process), its copy of the sequence holds exactly the target's positions
@@ -344,10 +325,7 @@ def kv_healthy(ctx: CheckContext) -> Optional[CheckResult]:
     }
     drafts = [o.result.kv_scan["draft"]["totals"] for o in scanned if o.result.kv_scan.get("draft")]
     if drafts:
-        evidence["draft_context"] = {
-            "scanned": len(drafts),
-            **{k: sum(t[k] for t in drafts) for k in counts},
-        }
+        evidence["draft_context"] = {"scanned": len(drafts), **{k: sum(t[k] for t in drafts) for k in counts}}
     if not bad:
         return CheckResult("kv-healthy", True, evidence=evidence)
     evidence["first"] = bad[0].result.kv_scan
@@ -371,7 +349,7 @@ def kv_healthy(ctx: CheckContext) -> Optional[CheckResult]:
     )
 
 
-def logits_close(ctx: CheckContext) -> Optional[CheckResult]:
+def logits_close(ctx: CheckContext) -> CheckResult | None:
     """Logits agree with the reference cell's (seq mode, no speculation) within the calibrated tolerances
     of this (model, backend, device), over the positions where both produced the same tokens (a chat turn only
     where the reference sent it the same prompt: the same earlier replies). A case asking
@@ -391,7 +369,7 @@ def logits_close(ctx: CheckContext) -> Optional[CheckResult]:
         if not o.result.logits or ctx.prompt_differs(o, earlier):
             continue
         same = next(
-            (i for i, (a, b) in enumerate(zip(reference.result.tokens, o.result.tokens)) if a != b),
+            (i for i, (a, b) in enumerate(zip(reference.result.tokens, o.result.tokens, strict=False)) if a != b),
             min(len(reference.result.tokens), len(o.result.tokens)),
         )
         comparison = compare_logits(reference.result.logits[:same], o.result.logits[:same])
@@ -417,7 +395,7 @@ def logits_close(ctx: CheckContext) -> Optional[CheckResult]:
     return CheckResult("logits-close", True, evidence=evidence)
 
 
-def exercised(ctx: CheckContext) -> Optional[CheckResult]:
+def exercised(ctx: CheckContext) -> CheckResult | None:
     """The cell exercised what the suite is for (`expect:`): enough requests completed, and the speculative
     counters it names reached their minimum over the cell. A cell-level check, reported on the suite's
     first case; a counter the backend does not report (llama-server has no drop-and-retry counter) is

@@ -9,7 +9,6 @@ tell it from a legitimate change of one draft.
 """
 
 from dataclasses import dataclass
-from typing import Optional
 
 
 @dataclass
@@ -19,8 +18,8 @@ class Acceptance:
     drafted: int
     accepted: int
     generated: int
-    drafted_per_pos: Optional[list[int]] = None
-    accepted_per_pos: Optional[list[int]] = None
+    drafted_per_pos: list[int] | None = None
+    accepted_per_pos: list[int] | None = None
     """Per draft position (in-process only: llama-server's /completion does not report them)."""
 
     @classmethod
@@ -42,20 +41,20 @@ class Acceptance:
         return self.accepted / self.generated if self.generated else 0.0
 
     @property
-    def steps(self) -> Optional[int]:
+    def steps(self) -> int | None:
         """Verification steps that had a draft (where per-position counts are known)."""
         return self.drafted_per_pos[0] if self.drafted_per_pos else None
 
     @property
-    def per_draft(self) -> Optional[float]:
+    def per_draft(self) -> float | None:
         """Accepted tokens per draft (mean acceptance length − 1)."""
         return self.accepted / self.steps if self.steps else None
 
-    def position_rates(self) -> Optional[list[float]]:
+    def position_rates(self) -> list[float] | None:
         """Per draft position k: the share of drafts with a token at k whose token at k was accepted."""
         if self.drafted_per_pos is None or self.accepted_per_pos is None:
             return None
-        return [a / d if d else 0.0 for d, a in zip(self.drafted_per_pos, self.accepted_per_pos)]
+        return [a / d if d else 0.0 for d, a in zip(self.drafted_per_pos, self.accepted_per_pos, strict=False)]
 
     def describe(self) -> str:
         per_draft = "" if self.per_draft is None else f", {self.per_draft:.2f} accepted per draft"
@@ -71,10 +70,7 @@ class Acceptance:
         if self.per_draft is not None:
             out["accepted_per_draft"] = round(self.per_draft, 3)
         if self.position_rates() is not None:
-            out["drafted_per_pos"], out["accepted_per_pos"] = (
-                self.drafted_per_pos,
-                self.accepted_per_pos,
-            )
+            out["drafted_per_pos"], out["accepted_per_pos"] = self.drafted_per_pos, self.accepted_per_pos
         return out
 
 
@@ -99,7 +95,7 @@ def summed(items: list[Acceptance]) -> Acceptance:
     )
 
 
-def fall(before: Acceptance, after: Acceptance, tolerance: float) -> Optional[str]:
+def fall(before: Acceptance, after: Acceptance, tolerance: float) -> str | None:
     """Why `after` fell too far below `before` (None when it holds): the rate or the share of accepted
     tokens dropped by more than `tolerance`, even with one token given back to `after`."""
     if before.drafted == 0:
@@ -120,7 +116,7 @@ def fall(before: Acceptance, after: Acceptance, tolerance: float) -> Optional[st
     return "; ".join(why)
 
 
-def steepest_fall(before: Acceptance, after: Acceptance) -> Optional[tuple[int, float, float]]:
+def steepest_fall(before: Acceptance, after: Acceptance) -> tuple[int, float, float] | None:
     """(position, rate before, rate after) of the draft position whose acceptance fell most (None when the
     per-position counts are missing or nothing fell)."""
     a, b = before.position_rates(), after.position_rates()

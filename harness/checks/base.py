@@ -1,7 +1,8 @@
 """What a check sees and what it returns."""
 
+from collections.abc import Callable
 from dataclasses import dataclass, field, fields, replace
-from typing import Any, Callable, Optional
+from typing import Any
 
 from harness import noise
 from harness.execute import CellRun, Executor, Outcome, case_keys
@@ -97,7 +98,7 @@ class CheckContext:
         """This case's outcomes in another cell (run on demand)."""
         return self.executor.run(self.run.suite, cell).of_case(self.case)
 
-    def reference_outcome(self, cell: Cell, round_: int = 0) -> Optional[Outcome]:
+    def reference_outcome(self, cell: Cell, round_: int = 0) -> Outcome | None:
         return next((o for o in self.other(cell) if o.round == round_), None)
 
     @property
@@ -106,25 +107,21 @@ class CheckContext:
         keys = case_keys(next(c for c in self.run.suite.cases if self.case in case_keys(c)))
         return keys[: keys.index(self.case)]
 
-    def earlier_replies(self, cell: Cell, round_: int = 0) -> list[Optional[list[int]]]:
+    def earlier_replies(self, cell: Cell, round_: int = 0) -> list[list[int] | None]:
         """The tokens `cell` replied to this chat turn's earlier turns in round `round_` (None: no reply)."""
         run = self.run if cell == self.cell else self.executor.run(self.run.suite, cell)
         return [
-            next(
-                (o.result.tokens for o in run.of_case(k) if o.round == round_ and o.result.ok),
-                None,
-            )
+            next((o.result.tokens for o in run.of_case(k) if o.round == round_ and o.result.ok), None)
             for k in self.earlier_turns
         ]
 
-    def prompt_differs(self, outcome: Outcome, reference: list[Optional[list[int]]]) -> Optional[str]:
+    def prompt_differs(self, outcome: Outcome, reference: list[list[int] | None]) -> str | None:
         """The first earlier turn whose reply in `outcome`'s round differs from the reference's (`reference`: its
         earlier replies, None where unknown), so that this turn's prompt is another conversation's; None when
         the prompts are the same (or it cannot tell)."""
         mine = self.earlier_replies(self.cell, outcome.round)
         return next(
-            (k for k, a, b in zip(self.earlier_turns, reference, mine) if a is not None and a != b),
-            None,
+            (k for k, a, b in zip(self.earlier_turns, reference, mine, strict=False) if a is not None and a != b), None
         )
 
 
@@ -140,7 +137,7 @@ def kv_findings(result: Result, who: str) -> list[str]:
     ]
 
 
-def past_returned(result: Result) -> Optional[tuple[int, int]]:
+def past_returned(result: Result) -> tuple[int, int] | None:
     """(first, last) position of the request's sequence that its KV scan found at or past its prompt plus the
     tokens it returned, or None. Without speculation a slot never holds more (the token a request ends on,
     an end-of-generation token included, is sampled, never decoded); a slot that does keeps tokens it never

@@ -1,11 +1,9 @@
 """`within-n-predict`: speculation never returns more tokens than a request asked for."""
 
-from typing import Optional
-
 from harness.checks.base import CheckContext, CheckResult
 
 
-def within_n_predict(ctx: CheckContext) -> Optional[CheckResult]:
+def within_n_predict(ctx: CheckContext) -> CheckResult | None:
     """No completed request returned more tokens than the case's `n_predict`, and one that returned exactly
     `n_predict` ended with stop reason `limit` (or `word`: llama-server checks stop strings first, and a stop
     string the last token completes ends the request as `word`). A speculative step emits several tokens at
@@ -26,11 +24,7 @@ def within_n_predict(ctx: CheckContext) -> Optional[CheckResult]:
         for o in done
         if len(o.result.tokens) == n_predict and o.result.stop_reason not in ("limit", "word")
     ]
-    evidence = {
-        "n_predict": n_predict,
-        "requests": len(done),
-        "most_returned": max(len(o.result.tokens) for o in done),
-    }
+    evidence = {"n_predict": n_predict, "requests": len(done), "most_returned": max(len(o.result.tokens) for o in done)}
     if failures:
         return CheckResult(
             "within-n-predict",

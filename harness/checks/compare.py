@@ -2,8 +2,6 @@
 policy for every token comparison (`CheckContext.excuses_near_ties`); a chat turn is compared only with a
 reference that sent it the same prompt (the same earlier replies)."""
 
-from typing import Optional
-
 from harness import interrupt
 from harness.checks.base import CheckContext, kv_findings
 from harness.execute import Outcome
@@ -14,28 +12,15 @@ from harness.triage import Divergence, triage
 
 
 def compare_outcome(
-    ctx: CheckContext,
-    reference: Optional[Outcome],
-    label: str,
-    ref_cell: Optional[Cell] = None,
+    ctx: CheckContext, reference: Outcome | None, label: str, ref_cell: Cell | None = None
 ) -> tuple[bool, str, dict]:
     """Compare every completed outcome of this case with another outcome; (passed, message, evidence)."""
     if reference is None or not reference.result.ok:
         why = "missing" if reference is None else f"failed: {reference.result.error}"
-        return (
-            (ctx.allowed(reference) if reference else False),
-            f"{label} reference {why}",
-            {},
-        )
+        return (ctx.allowed(reference) if reference else False), f"{label} reference {why}", {}
     earlier = ctx.earlier_replies(ref_cell, reference.round) if ref_cell else None
     return compare_tokens(
-        ctx,
-        reference.result.tokens,
-        reference.result.logits,
-        label,
-        reference.result,
-        ref_cell,
-        earlier,
+        ctx, reference.result.tokens, reference.result.logits, label, reference.result, ref_cell, earlier
     )
 
 
@@ -44,9 +29,9 @@ def compare_tokens(
     ref_tokens: list[int],
     ref_logits: list[PositionLogits],
     label: str,
-    ref_result: Optional[Result] = None,
-    ref_cell: Optional[Cell] = None,
-    earlier: Optional[list[Optional[list[int]]]] = None,
+    ref_result: Result | None = None,
+    ref_cell: Cell | None = None,
+    earlier: list[list[int] | None] | None = None,
 ) -> tuple[bool, str, dict]:
     """Compare every completed outcome of this case with reference tokens; (passed, message, evidence).
 
@@ -71,11 +56,7 @@ def compare_tokens(
                 f"not compared: round {first}'s prompt carries the reply to {moot[first]}, which already "
                 f"differs from the {label}'s (that turn's verdict reports it)"
             ),
-            {
-                "compared": 0,
-                "not_compared": len(moot),
-                "prompt_differs_at": moot[first],
-            },
+            {"compared": 0, "not_compared": len(moot), "prompt_differs_at": moot[first]},
         )
     diffs: list[tuple[Outcome, Divergence]] = []
     with ctx.executor.rescorer() as rescorer:
@@ -111,11 +92,7 @@ def compare_tokens(
             )
     excused = [(o, d) for o, d in diffs if d.kind == "near-tie" and ctx.excuses_near_ties]
     failing = [(o, d) for o, d in diffs if (o, d) not in excused]
-    evidence = {
-        "compared": len(mine),
-        "matching": len(mine) - len(diffs),
-        "noise_floor": floor.describe(),
-    }
+    evidence = {"compared": len(mine), "matching": len(mine) - len(diffs), "noise_floor": floor.describe()}
     if moot:
         evidence.update(not_compared=len(moot), prompt_differs_at=moot[min(moot)])
     if excused:

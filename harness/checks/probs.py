@@ -5,11 +5,10 @@ It reads `Result.logits` as the backend returned them: llama-server's empty list
 re-scoring of such positions, harness.execute.Rescorer, never writes into a Result).
 """
 
-from typing import Optional
-
 from harness.checks.base import CheckContext, CheckResult
 from harness.execute import Outcome
-from harness.logits import check as logits_within, compare as compare_logits
+from harness.logits import check as logits_within
+from harness.logits import compare as compare_logits
 from harness.matrix import spec_preset
 from harness.request import Sampling
 
@@ -50,7 +49,7 @@ def gaps(outcome: Outcome, sampling: Sampling) -> tuple[list[int], list[tuple[in
     )
 
 
-def probs_complete(ctx: CheckContext) -> Optional[CheckResult]:
+def probs_complete(ctx: CheckContext) -> CheckResult | None:
     """With `n_probs` > 0, every generated token carries its top-n probabilities (n entries of the model's
     log-probabilities; with `post_sampling_probs` 1 to n of the sampler chain's, exactly 1 when greedy) in
     every cell, and in a speculative cell they agree with the non-speculative cell's over the tokens both
@@ -61,10 +60,7 @@ def probs_complete(ctx: CheckContext) -> Optional[CheckResult]:
         return None
     fewest, most = list_size(sampling)
     expected = str(most) if fewest == most else f"{fewest} to {most}"
-    absent, others = (
-        [],
-        [],
-    )  # one line per failing request: no probabilities; wrong size or disagreement
+    absent, others = [], []  # one line per failing request: no probabilities; wrong size or disagreement
     n_missing = n_tokens = 0
     first = None
     for o in done:
@@ -121,7 +117,7 @@ def _disagreements(ctx: CheckContext, done: list[Outcome], evidence: dict) -> li
         if ref is None or not ref.result.ok:
             continue
         a, b = ref.result.tokens, o.result.tokens
-        same = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+        same = next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
         comparison = compare_logits(ref.result.logits[:same], o.result.logits[:same])
         if comparison.n_compared == 0:
             continue

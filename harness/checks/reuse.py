@@ -8,8 +8,6 @@ drops the extra cells and reuses the same prefix, but a hybrid or recurrent mode
 re-processes the prompt from a context checkpoint or from the start: the same output, at the cost of time.
 """
 
-from typing import Optional
-
 from harness.checks.base import CheckContext, CheckResult, past_returned
 from harness.execute import Outcome
 from harness.matrix import spec_preset
@@ -22,10 +20,7 @@ def left_behind(ctx: CheckContext, outcome: Outcome) -> str:
     if not name or not turn.isdigit() or int(turn) < 2:
         return ""
     before = f"{name}.turn{int(turn) - 1}"
-    previous = next(
-        (o for o in ctx.run.of_case(before) if o.round == outcome.round and o.result.ok),
-        None,
-    )
+    previous = next((o for o in ctx.run.of_case(before) if o.round == outcome.round and o.result.ok), None)
     past = past_returned(previous.result) if previous is not None else None
     if past is None:
         return ""
@@ -35,7 +30,7 @@ def left_behind(ctx: CheckContext, outcome: Outcome) -> str:
     )
 
 
-def prompt_reuse(ctx: CheckContext) -> Optional[CheckResult]:
+def prompt_reuse(ctx: CheckContext) -> CheckResult | None:
     """Per round, the speculative cell's request of this case (a chat turn) reuses as many prompt tokens from
     the slot's cache (`Result.timings.cache_n`) as the non-speculative cell's request of the same round, where
     both sent the same prompt (a prompt that differs follows an earlier reply that differed: `lossless`'s to
@@ -65,14 +60,9 @@ def prompt_reuse(ctx: CheckContext) -> Optional[CheckResult]:
         "reference_cache_n": [ref.timings.cache_n for _, ref in pairs],
     }
     if failures:
-        # the differing rounds that follow a turn which left positions past its returned tokens (signatures: a consequence)
+        # the differing rounds that follow a turn which left positions past its returned tokens (signatures: a
+        # consequence)
         evidence["left_behind"] = sum(1 for *_, behind in differ if behind)
         more = f" (and {len(failures) - 1} more)" if len(failures) > 1 else ""
-        return CheckResult(
-            "prompt-reuse",
-            False,
-            f"{ctx.cell.id}, {failures[0]}{more}",
-            evidence,
-            failures=failures,
-        )
+        return CheckResult("prompt-reuse", False, f"{ctx.cell.id}, {failures[0]}{more}", evidence, failures=failures)
     return CheckResult("prompt-reuse", True, evidence=evidence)

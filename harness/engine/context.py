@@ -3,24 +3,15 @@
 import ctypes
 from dataclasses import dataclass, field
 
-import numpy as np
 import llama_cpp
+import numpy as np
 
 from harness.backends.base import default_repack, default_threads
 from harness.engine.batch import Batch
 from harness.engine.model import Model
 from harness.errors import HarnessError
 
-CACHE_TYPES = {
-    "f32": 0,
-    "f16": 1,
-    "q4_0": 2,
-    "q4_1": 3,
-    "q5_0": 6,
-    "q5_1": 7,
-    "q8_0": 8,
-    "bf16": 30,
-}
+CACHE_TYPES = {"f32": 0, "f16": 1, "q4_0": 2, "q4_1": 3, "q5_0": 6, "q5_1": 7, "q8_0": 8, "bf16": 30}
 """llama-server's `-ctk/-ctv` names → ggml_type ids."""
 FLASH_ATTN = {"auto": -1, "off": 0, "on": 1}
 KEEP_STATE_BUFFER = 64 << 20
@@ -64,10 +55,7 @@ class ContextParams:
 
     def to_llama(self) -> llama_cpp.llama_context_params:
         """The C struct for `llama_init_from_model`."""
-        for name, value in (
-            ("cache_type_k", self.cache_type_k),
-            ("cache_type_v", self.cache_type_v),
-        ):
+        for name, value in (("cache_type_k", self.cache_type_k), ("cache_type_v", self.cache_type_v)):
             if value not in CACHE_TYPES:
                 raise HarnessError(f"unknown {name} '{value}' (use one of: {', '.join(CACHE_TYPES)})")
         if self.flash_attn not in FLASH_ATTN:

@@ -1,8 +1,8 @@
 """The in-process engine: one model, one context, N slots behind a continuous-batching scheduler."""
 
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
-from typing import Callable, Optional
 
 from harness.engine.context import Context, ContextParams
 from harness.engine.model import Model
@@ -21,7 +21,7 @@ class Engine:
         self,
         model_path: Path,
         params: ContextParams,
-        spec: Optional[SpecConfig] = None,
+        spec: SpecConfig | None = None,
         logit_top_k: int = 0,
         kv_scan: str = "off",
     ):
@@ -39,8 +39,8 @@ class Engine:
     def run(
         self,
         requests: list[Request],
-        on_result: Optional[Callable[[int, Result], None]] = None,
-        on_step: Optional[Callable[[int], None]] = None,
+        on_result: Callable[[int, Result], None] | None = None,
+        on_step: Callable[[int], None] | None = None,
     ) -> list[Result]:
         """Serve the requests on the slots (concurrently when there are several); Results in order,
         each also passed to `on_result(index, result)` as soon as it finishes; `on_step` as in Scheduler.run."""

@@ -10,14 +10,18 @@ FAULTS = {
     "(ghost tokens in grammar / penalty / RNG state)",
     "no-penalty-restore": "after a checkpoint restore, the repetition-penalty history keeps the rejected draft tokens "
     "(the rest of the sampler, grammar and RNG included, is restored)",
-    "keep-drafts-on-decode-failure": "when a speculative step's decode fails, keep the drafts in the slot's bookkeeping "
+    "keep-drafts-on-decode-failure": "when a speculative step's decode fails, keep the drafts in the slot's "
+    "bookkeeping "
     "(stale positions: the next decode is invalid)",
     "rollback-off-by-one": "remove one rejected position too few after a partial acceptance",
-    "partial-checkpoint-only": "on a partial acceptance restore only the PARTIAL_ONLY checkpoint: no attention trim, no sampler "
+    "partial-checkpoint-only": "on a partial acceptance restore only the PARTIAL_ONLY checkpoint: no attention "
+    "trim, no sampler "
     "restore, no re-decode (the recurrent state falls behind the attention cells)",
-    "stale-draft-context": "after a rejection the draft model's context is not rolled back: the rejected draft tokens stay in it "
+    "stale-draft-context": "after a rejection the draft model's context is not rolled back: the rejected draft "
+    "tokens stay in it "
     "and the draft sequence runs on past them (outputs stay lossless; its drafts degrade)",
-    "shared-drafter-state": "the n-gram drafters with a state per slot (ngram-map-k, ngram-map-k4v) share one, as if keyed by slot 0 "
+    "shared-drafter-state": "the n-gram drafters with a state per slot (ngram-map-k, ngram-map-k4v) share one, "
+    "as if keyed by slot 0 "
     "(outputs stay lossless; the slots' drafts degrade, so only par / no-kv-unified show it)",
 }
 

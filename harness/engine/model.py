@@ -3,7 +3,6 @@
 import ctypes
 from functools import cached_property
 from pathlib import Path
-from typing import Optional
 
 import llama_cpp
 
@@ -98,7 +97,7 @@ class Vocab:
 class Model:
     """A llama.cpp model loaded through llama-cpp-python's low-level API."""
 
-    def __init__(self, path: Path, repack: Optional[bool] = None):
+    def __init__(self, path: Path, repack: bool | None = None):
         path = Path(path)
         if not path.is_file():
             raise HarnessError(f"model file not found: {path}")
@@ -115,8 +114,7 @@ class Model:
         """Pieces and end-of-generation ids (`piece`, `detokenize` and `is_eog` delegate to it)."""
         self.n_vocab = self.vocabulary.n_tokens
         self.kind = model_kind(
-            bool(llama_cpp.llama_model_is_recurrent(self.ptr)),
-            bool(llama_cpp.llama_model_is_hybrid(self.ptr)),
+            bool(llama_cpp.llama_model_is_recurrent(self.ptr)), bool(llama_cpp.llama_model_is_hybrid(self.ptr))
         )
         self.arch = self.meta("general.architecture") or "unknown"
         self.n_swa = llama_cpp.llama_model_n_swa(self.ptr)

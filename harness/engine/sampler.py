@@ -106,11 +106,7 @@ def _chain(sampling: Sampling, seed: int, model: Model):
         c_breakers = (ctypes.c_char_p * len(breakers))(*breakers)
         make = {
             "penalties": lambda: llama_cpp.llama_sampler_init_penalties(
-                n_vocab,
-                s.repeat_last_n,
-                s.repeat_penalty,
-                s.frequency_penalty,
-                s.presence_penalty,
+                n_vocab, s.repeat_last_n, s.repeat_penalty, s.frequency_penalty, s.presence_penalty
             ),
             "dry": lambda: llama_cpp.llama_sampler_init_dry(
                 vocab,
@@ -179,10 +175,7 @@ class Candidates:
         at the first zero probability; (ids int32, probabilities float32), ties by the lower id."""
         array = self.last
         address = ctypes.addressof(array.data.contents)
-        left = np.frombuffer(
-            (llama_cpp.llama_token_data * array.size).from_address(address),
-            dtype=_CANDIDATE,
-        )
+        left = np.frombuffer((llama_cpp.llama_token_data * array.size).from_address(address), dtype=_CANDIDATE)
         p = left["p"]
         k = min(n, len(left))
         cut = np.argpartition(-p, k - 1)[:k] if 0 < k < len(left) else np.arange(k)

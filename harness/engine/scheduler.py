@@ -8,8 +8,8 @@ retried with another plan. Requests wait in a FIFO queue for a free slot.
 
 import sys
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable, Optional
 
 from harness.backends.base import INVALID_BATCH, invalid_batch
 from harness.engine.context import Context
@@ -53,7 +53,7 @@ class Part:
     tokens: list[int]
     pos0: int
     outputs: list[bool]
-    spec: Optional[StepPlan] = None
+    spec: StepPlan | None = None
 
 
 class Scheduler:
@@ -63,13 +63,7 @@ class Scheduler:
     With `ctx.params.context_shift` (and a memory that can shift) a generating slot whose sequence is full
     shifts its context before the next step, as llama-server does; otherwise it ends at the context end."""
 
-    def __init__(
-        self,
-        ctx: Context,
-        spec: Optional[SpecConfig] = None,
-        logit_top_k: int = 0,
-        kv_scan: str = "off",
-    ):
+    def __init__(self, ctx: Context, spec: SpecConfig | None = None, logit_top_k: int = 0, kv_scan: str = "off"):
         self.ctx = ctx
         self.kv = KvChecker(ctx) if kv_scan != "off" else None
         self.scan_steps = kv_scan == "step"
@@ -78,15 +72,7 @@ class Scheduler:
         if ctx.params.context_shift and not ctx.can_shift:
             print(f"warning: {CONTEXT_SHIFT_OFF}", file=sys.stderr)
         self.slots = [
-            Slot(
-                i,
-                ctx.model,
-                ctx.n_ctx_seq,
-                ctx.params.seed,
-                logit_top_k,
-                breaks,
-                self.context_shift,
-            )
+            Slot(i, ctx.model, ctx.n_ctx_seq, ctx.params.seed, logit_top_k, breaks, self.context_shift)
             for i in range(ctx.params.parallel)
         ]
         self.batch = ctx.new_batch()
@@ -95,8 +81,8 @@ class Scheduler:
     def run(
         self,
         requests: list[Request],
-        on_result: Optional[Callable[[int, Result], None]] = None,
-        on_step: Optional[Callable[[int], None]] = None,
+        on_result: Callable[[int, Result], None] | None = None,
+        on_step: Callable[[int], None] | None = None,
     ) -> list[Result]:
         """Serve all requests (concurrently up to the number of slots); Results in request order.
         `on_result(index, result)` is called as each request finishes (the worker process streams them);
@@ -169,14 +155,7 @@ class Scheduler:
             if slot.phase is Phase.PROMPT and room > 0:
                 chunk = slot.prompt_chunk(room)
                 last = len(chunk) == slot.prompt_left
-                parts.append(
-                    Part(
-                        slot,
-                        chunk,
-                        slot.n_past,
-                        [last and i == len(chunk) - 1 for i in range(len(chunk))],
-                    )
-                )
+                parts.append(Part(slot, chunk, slot.n_past, [last and i == len(chunk) - 1 for i in range(len(chunk))]))
                 room -= len(chunk)
         return parts
 
@@ -186,7 +165,7 @@ class Scheduler:
         rows = []
         for part in parts:
             part_rows = []
-            for i, (token, output) in enumerate(zip(part.tokens, part.outputs)):
+            for i, (token, output) in enumerate(zip(part.tokens, part.outputs, strict=False)):
                 row = self.batch.add(token, part.pos0 + i, part.slot.id, output)
                 if output:
                     part_rows.append(row)
@@ -285,7 +264,7 @@ class Scheduler:
         if self.spec:
             self.spec.processed(self.batch)
         finished = []
-        for part, part_rows in zip(parts, rows):
+        for part, part_rows in zip(parts, rows, strict=False):
             slot = part.slot
             if part.spec is not None and len(part.tokens) > 1:
                 done = self.spec.verify(slot, part.spec, part_rows)

@@ -114,12 +114,7 @@ class Slot:
         The slot's own list, brought up to date from the output (which only grows) and `n_past` (which a
         rollback lowers) at each call, so a step costs what changed since the last: read it, but neither
         modify it nor keep it across steps."""
-        history, n, kept, skipped = (
-            self._history,
-            self.n_past,
-            self.n_kept,
-            self.n_discarded,
-        )
+        history, n, kept, skipped = self._history, self.n_past, self.n_kept, self.n_discarded
         if len(history) > n:
             del history[n:]
         while len(history) < n:
@@ -172,14 +167,11 @@ class Slot:
         i-th token meets the context limit with the positions a step without speculation would hold when it
         is sampled: `n_past` (the whole step's) less the step's tokens after it."""
         last = len(tokens) - 1
-        return any(self.emit(t, lg, self.n_past - (last - i)) for i, (t, lg) in enumerate(zip(tokens, logits)))
+        return any(
+            self.emit(t, lg, self.n_past - (last - i)) for i, (t, lg) in enumerate(zip(tokens, logits, strict=False))
+        )
 
-    def emit(
-        self,
-        token: int,
-        logits: PositionLogits | None = None,
-        n_tokens: int | None = None,
-    ) -> bool:
+    def emit(self, token: int, logits: PositionLogits | None = None, n_tokens: int | None = None) -> bool:
         """Record a sampled token (and its logits) and apply llama-server's stop rules in its order (a stop
         string, then the context limit, then n_predict, which a stop string already met leaves `word`); True
         when the request is done.

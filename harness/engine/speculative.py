@@ -8,7 +8,7 @@ samples each row and accepts its sample while it equals the draft token, then ad
 import time
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 from harness.engine import rollback
 from harness.engine.batch import Batch
@@ -17,14 +17,7 @@ from harness.engine.drafters.base import Drafter, DraftRequest
 from harness.engine.faults import check_fault
 from harness.errors import HarnessError
 
-SPEC_TYPES = (
-    "none",
-    "ngram-simple",
-    "ngram-map-k",
-    "ngram-map-k4v",
-    "ngram-mod",
-    "draft-simple",
-)
+SPEC_TYPES = ("none", "ngram-simple", "ngram-map-k", "ngram-map-k4v", "ngram-mod", "draft-simple")
 """`--spec-type` values, in llama.cpp's priority order after `none` (common/speculative.cpp: the n-gram
 types before the draft model; the first drafter with a draft wins the step)."""
 
@@ -35,7 +28,7 @@ class SpecConfig:
     for `-`; `rollback`, `checkpoint_flags`, `checkpoint_attempts` and `fault` exist only in-process."""
 
     spec_type: tuple[str, ...] = ()
-    spec_draft_model: Optional[Path] = None
+    spec_draft_model: Path | None = None
     spec_draft_n_max: int = 3
     spec_draft_n_min: int = 0
     spec_draft_p_min: float = 0.0
@@ -56,7 +49,7 @@ class SpecConfig:
     rollback: str = "auto"
     checkpoint_flags: str = "partial"
     checkpoint_attempts: int = 3
-    fault: Optional[str] = None
+    fault: str | None = None
     drafters: list[Drafter] = field(default_factory=list)
     """Extra drafters tried before the `spec_type` ones (tests use the scripted drafter here)."""
 
@@ -121,14 +114,10 @@ def build_drafters(config: SpecConfig, target: Context) -> list[Drafter]:
     make = {
         "ngram-simple": lambda: NgramSimple(c.spec_ngram_simple_size_n, c.spec_ngram_simple_size_m),
         "ngram-map-k": lambda: NgramMapK(
-            c.spec_ngram_map_k_size_n,
-            c.spec_ngram_map_k_size_m,
-            c.spec_ngram_map_k_min_hits,
+            c.spec_ngram_map_k_size_n, c.spec_ngram_map_k_size_m, c.spec_ngram_map_k_min_hits
         ),
         "ngram-map-k4v": lambda: NgramMapK4V(
-            c.spec_ngram_map_k4v_size_n,
-            c.spec_ngram_map_k4v_size_m,
-            c.spec_ngram_map_k4v_min_hits,
+            c.spec_ngram_map_k4v_size_n, c.spec_ngram_map_k4v_size_m, c.spec_ngram_map_k4v_min_hits
         ),
         "ngram-mod": lambda: NgramMod(c.spec_ngram_mod_n_match, c.spec_ngram_mod_n_min, c.spec_ngram_mod_n_max),
         "draft-simple": lambda: DraftSimple(
@@ -153,7 +142,7 @@ class StepPlan:
     tokens: list[int]
     """[pending] + draft (or + replay)."""
     replay: bool = False
-    checkpoint: Optional[bytes] = None
+    checkpoint: bytes | None = None
     sampler_backup: Any = None
 
     @property
@@ -224,12 +213,11 @@ class Speculation:
         if "draft_ms" in stats:
             stats["draft_ms"] = round(stats["draft_ms"], 3)
 
-    def scan(self, slot) -> Optional[dict]:
+    def scan(self, slot) -> dict | None:
         """The KV scanner's verdict on the draft context's copy of the slot's sequence (the first draft model's
         that still follows it; None without one), which must hold the target's positions 0..n_past-1."""
         return next(
-            (v for v in (d.scan(self._seq(slot.id, d), slot.n_past) for d in self.mirrors) if v is not None),
-            None,
+            (v for v in (d.scan(self._seq(slot.id, d), slot.n_past) for d in self.mirrors) if v is not None), None
         )
 
     def shift(self, slot, n_keep: int, n_discard: int) -> None:
@@ -320,10 +308,7 @@ class Speculation:
             stats["draft_n"] += k
             stats["draft_n_accepted"] += n_match
             stats["spec_skip"] += n_match == 0
-            for counts, n in (
-                (stats["drafted_per_pos"], k),
-                (stats["accepted_per_pos"], n_match),
-            ):
+            for counts, n in ((stats["drafted_per_pos"], k), (stats["accepted_per_pos"], n_match)):
                 counts.extend([0] * (n - len(counts)))
                 for i in range(n):
                     counts[i] += 1
@@ -390,10 +375,7 @@ class Speculation:
     def _shared(self, drafter: Drafter) -> bool:
         """Whether the `shared-drafter-state` fault keys this drafter's state by slot 0 for every slot (the
         n-gram drafters with a state per slot; ngram-mod's table is shared by design)."""
-        return self.fault == "shared-drafter-state" and drafter.name in (
-            "ngram-map-k",
-            "ngram-map-k4v",
-        )
+        return self.fault == "shared-drafter-state" and drafter.name in ("ngram-map-k", "ngram-map-k4v")
 
     def _seq(self, seq_id: int, drafter: Drafter) -> int:
         """The drafter state a slot's calls go to: its own, but slot 0's where the fault shares it."""

@@ -18,7 +18,6 @@ import signal
 import traceback
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
 
 from harness.engine.context import ContextParams
 from harness.engine.engine import Engine
@@ -36,7 +35,7 @@ class EngineArgs:
 
     model: Path
     params: ContextParams
-    spec: Optional[SpecConfig]
+    spec: SpecConfig | None
     logit_top_k: int
     kv_scan: str
 
@@ -68,9 +67,7 @@ def serve(conn, log_path: str, verbose: bool, progress) -> None:
                     conn.send(("ready",))
                 elif kind == "run":
                     engine.run(
-                        message[1],
-                        on_result=lambda index, result: conn.send(("result", index, result)),
-                        on_step=step,
+                        message[1], on_result=lambda index, result: conn.send(("result", index, result)), on_step=step
                     )
                     conn.send(("done",))
                 elif kind == "close":

@@ -43,10 +43,5 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p_list.add_argument("--json", action="store_true", help="print a JSON list instead of a table")
     p_list.set_defaults(func=cmd_list)
     p_make = models_sub.add_parser("make", help="build generated models (default: all of them)")
-    p_make.add_argument(
-        "names",
-        nargs="*",
-        metavar="NAME",
-        help="registry names (default: every generated model)",
-    )
+    p_make.add_argument("names", nargs="*", metavar="NAME", help="registry names (default: every generated model)")
     p_make.set_defaults(func=cmd_make)

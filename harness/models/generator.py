@@ -1,6 +1,7 @@
 """Tiny random-weight GGUF models for llama.cpp, written byte-identically from a table of recipes.
 
-The layouts, key sets and weight scales follow the measured recipe in the shared reference ../shared/reference/tiny-gguf.md:
+The layouts, key sets and weight scales follow the measured recipe in the shared reference
+../shared/reference/tiny-gguf.md:
 f32 everywhere, matmul weights N(0,1)/sqrt(fan_in), norms 1, an untied `output.weight`.
 A draft is its target's weights plus seeded noise N(0, (noise * std(W))^2) on every matmul weight.
 """
@@ -12,9 +13,10 @@ import functools
 import hashlib
 import importlib.metadata
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import gguf
 import numpy as np
@@ -59,13 +61,7 @@ class Recipe:
 
 
 def _draft(target: Recipe, noise: float, seed: int) -> Recipe:
-    return dataclasses.replace(
-        target,
-        name=f"{target.name}-draft",
-        seed=seed,
-        draft_of=target.name,
-        noise=noise,
-    )
+    return dataclasses.replace(target, name=f"{target.name}-draft", seed=seed, draft_of=target.name, noise=noise)
 
 
 _DENSE = Recipe("tiny-dense", "llama", Hparams(n_layer=2, n_ff=256, n_head=4, n_head_kv=2), seed=1)
@@ -92,10 +88,7 @@ _RECURRENT = Recipe(
     seed=3,
 )
 _LONG = Recipe(
-    "tiny-long",
-    "llama",
-    Hparams(n_layer=1, n_embd=64, n_ctx=32768, n_ff=128, n_head=2, n_head_kv=1),
-    seed=4,
+    "tiny-long", "llama", Hparams(n_layer=1, n_embd=64, n_ctx=32768, n_ff=128, n_head=2, n_head_kv=1), seed=4
 )
 """A dense model trained (by its GGUF's word) for 32768 positions, one layer and half the width of tiny-dense so
 that a 16k-token prompt takes seconds: llama-server caps a slot's context at the model's n_ctx_train, and the
@@ -134,12 +127,7 @@ def _tokenizer_fields() -> tuple[tuple[str, Any, gguf.GGUFValueType, gguf.GGUFVa
     """The vocab file's `tokenizer.*` keys as (key, value, type, array sub-type) tuples, read once."""
     reader = gguf.GGUFReader(_VOCAB)
     return tuple(
-        (
-            key,
-            field.contents(),
-            field.types[0],
-            field.types[-1] if field.types[0] == gguf.GGUFValueType.ARRAY else None,
-        )
+        (key, field.contents(), field.types[0], field.types[-1] if field.types[0] == gguf.GGUFValueType.ARRAY else None)
         for key, field in reader.fields.items()
         if key.startswith("tokenizer.")
     )
@@ -239,10 +227,7 @@ def _qwen35(hp: Hparams, w: gguf.GGUFWriter, t: _Tensors) -> None:
         if (i + 1) % hp.full_attention_interval:  # GatedDeltaNet layer
             t.weight(f"{blk}.attn_qkv.weight", hp.n_embd, conv_dim)
             t.weight(f"{blk}.attn_gate.weight", hp.n_embd, value_dim)
-            t.vector(
-                f"{blk}.ssm_conv1d.weight",
-                t.rng.standard_normal((conv_dim, hp.ssm_conv)) / np.sqrt(hp.ssm_conv),
-            )
+            t.vector(f"{blk}.ssm_conv1d.weight", t.rng.standard_normal((conv_dim, hp.ssm_conv)) / np.sqrt(hp.ssm_conv))
             t.vector(f"{blk}.ssm_dt.bias", np.full(hp.ssm_dt_rank, -2.0))
             t.vector(f"{blk}.ssm_a", -t.rng.uniform(0.1, 1.0, hp.ssm_dt_rank))
             t.weight(f"{blk}.ssm_beta.weight", hp.n_embd, hp.ssm_dt_rank)
@@ -275,10 +260,7 @@ def _mamba2(hp: Hparams, w: gguf.GGUFWriter, t: _Tensors) -> None:
         dt = np.exp(t.rng.uniform(np.log(1e-3), np.log(1e-1), n_heads))
         t.ones(f"{blk}.attn_norm.weight", hp.n_embd)
         t.weight(f"{blk}.ssm_in.weight", hp.n_embd, hp.ssm_inner + conv_dim + n_heads)  # z | xBC | dt
-        t.vector(
-            f"{blk}.ssm_conv1d.weight",
-            t.rng.standard_normal((conv_dim, hp.ssm_conv)) / np.sqrt(hp.ssm_conv),
-        )
+        t.vector(f"{blk}.ssm_conv1d.weight", t.rng.standard_normal((conv_dim, hp.ssm_conv)) / np.sqrt(hp.ssm_conv))
         t.vector(f"{blk}.ssm_conv1d.bias", np.zeros(conv_dim))
         t.vector(f"{blk}.ssm_dt.bias", dt + np.log(-np.expm1(-dt)))  # inverse softplus
         t.vector(f"{blk}.ssm_a", -t.rng.uniform(1.0, 16.0, (n_heads, 1)))

@@ -8,19 +8,7 @@ import mmap
 import struct
 from pathlib import Path
 
-_GGUF_SCALARS = {
-    0: "B",
-    1: "b",
-    2: "H",
-    3: "h",
-    4: "I",
-    5: "i",
-    6: "f",
-    7: "?",
-    10: "Q",
-    11: "q",
-    12: "d",
-}
+_GGUF_SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
 _GGUF_STRING, _GGUF_ARRAY = 8, 9
 _U32 = struct.Struct("<I")
 
@@ -29,10 +17,7 @@ def read_metadata(path: Path) -> dict:
     """A GGUF file's key/values: scalars, strings and short numeric arrays (long or string arrays are None).
 
     Raises ValueError for a file that is not GGUF or whose header is cut short."""
-    with (
-        open(path, "rb") as f,
-        mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf,
-    ):
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
         try:
             return _metadata(buf)
         except struct.error as err:

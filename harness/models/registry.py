@@ -16,7 +16,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
 
-
 from filelock import FileLock
 
 from harness.errors import HarnessError
@@ -131,12 +130,7 @@ def _generated(name: str, build: bool) -> ModelInfo:
                 write_atomic(path, lambda tmp: generator.write_model(recipe, tmp))
                 write_atomic(sidecar, lambda tmp: tmp.write_text(_sha256_file(path) + "\n"))
     return ModelInfo(
-        name,
-        recipe.arch,
-        kind_of_arch(recipe.arch),
-        path,
-        sidecar.read_text().strip(),
-        path.stat().st_size,
+        name, recipe.arch, kind_of_arch(recipe.arch), path, sidecar.read_text().strip(), path.stat().st_size
     )
 
 
@@ -160,14 +154,7 @@ def _file_info(name: str, path: Path, sha256: str | None = None) -> ModelInfo:
     key = (name, path, stat.st_size, stat.st_mtime_ns)
     if key not in _FILE_INFO:
         arch = _read_arch(path)
-        _FILE_INFO[key] = ModelInfo(
-            name,
-            arch,
-            kind_of_arch(arch),
-            path,
-            sha256 or _sha256_file(path),
-            stat.st_size,
-        )
+        _FILE_INFO[key] = ModelInfo(name, arch, kind_of_arch(arch), path, sha256 or _sha256_file(path), stat.st_size)
     return _FILE_INFO[key]
 
 
@@ -211,22 +198,12 @@ def _gemma_draft(build: bool) -> ModelInfo:
 
 
 def _requantize(source: Path, dest: Path) -> None:
-    from harness.backends.build import (
-        ensure_server,
-    )  # the build also makes llama-quantize
+    from harness.backends.build import ensure_server  # the build also makes llama-quantize
 
     quantize = ensure_server().quantize_bin
     if quantize is None or not quantize.is_file():
         raise HarnessError(f"no llama-quantize beside the llama-server build: cannot make {GEMMA_DRAFT}")
-    cmd = [
-        str(quantize),
-        "--allow-requantize",
-        "--pure",
-        str(source),
-        str(dest),
-        GEMMA_DRAFT_TYPE,
-        "1",
-    ]
+    cmd = [str(quantize), "--allow-requantize", "--pure", str(source), str(dest), GEMMA_DRAFT_TYPE, "1"]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0:
         last = (proc.stderr.strip().splitlines() or ["no output"])[-1]
@@ -275,8 +252,5 @@ def list_models() -> list[ModelInfo]:
     """Every registry entry, building missing generated models; Gemma shows as not installed if absent."""
     models = make()
     if _gemma_package() is None:
-        return [
-            *models,
-            *(ModelInfo(n, "gemma3", "dense", Path(_NOT_INSTALLED), "", 0) for n in (GEMMA, GEMMA_DRAFT)),
-        ]
+        return [*models, *(ModelInfo(n, "gemma3", "dense", Path(_NOT_INSTALLED), "", 0) for n in (GEMMA, GEMMA_DRAFT))]
     return [*models, _gemma(build=True), _gemma_draft(build=True)]

@@ -7,9 +7,9 @@ browser tests and by `specharness bench report`.
 import contextlib
 import os
 import shutil
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator, Optional
 
 from harness.errors import HarnessError
 
@@ -24,7 +24,7 @@ CHROMIUM_ARGS = [
 ]
 
 
-def chromium_path() -> Optional[str]:
+def chromium_path() -> str | None:
     """The system chromium (`$SPECHARNESS_CHROMIUM` overrides), None when there is none."""
     override = os.environ.get("SPECHARNESS_CHROMIUM")
     if override:
@@ -32,7 +32,7 @@ def chromium_path() -> Optional[str]:
     return shutil.which("chromium") or shutil.which("chromium-browser")
 
 
-def unavailable() -> Optional[str]:
+def unavailable() -> str | None:
     """Why a report cannot be opened in a browser here (None when it can)."""
     if chromium_path() is None:
         return "no chromium on PATH (apt-get install chromium)"
@@ -70,10 +70,7 @@ def open_report(path: Path, width: int = 1280, height: int = 900) -> Iterator[Lo
         try:
             page = browser.new_page(viewport={"width": width, "height": height})
             errors: list[str] = []
-            page.on(
-                "console",
-                lambda m: errors.append(m.text) if m.type == "error" else None,
-            )
+            page.on("console", lambda m: errors.append(m.text) if m.type == "error" else None)
             page.on("pageerror", lambda e: errors.append(str(e)))
             page.goto(Path(path).resolve().as_uri(), wait_until="load")
             load_ms = page.evaluate(

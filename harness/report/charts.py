@@ -8,7 +8,6 @@
 
 import math
 from html import escape
-from typing import Optional
 
 from markupsafe import Markup
 
@@ -19,12 +18,7 @@ def _f(x: float) -> str:
     return f"{x:.1f}".rstrip("0").rstrip(".")
 
 
-def margin_chart(
-    margins: list[Optional[float]],
-    index: Optional[int],
-    floor: Optional[float],
-    height: int = 150,
-) -> Markup:
+def margin_chart(margins: list[float | None], index: int | None, floor: float | None, height: int = 150) -> Markup:
     """The margins (None = not logged at that position) as a line on a log scale; a red line at the
     divergence `index`, a dashed orange line at the noise `floor`."""
     values = [m for m in margins if m is not None and m > 0]
@@ -35,15 +29,14 @@ def margin_chart(
     left, right, top, bottom = 44, 8, 8, 22
     n = max(len(margins), (index or 0) + 1, 2)
     x = lambda i: left + (WIDTH - left - right) * i / (n - 1)  # noqa: E731
-    y = lambda v: (
-        top
-        + (height - top - bottom)
-        * (
+
+    def y(v):
+        return top + (height - top - bottom) * (
             1
             - (math.log10(max(v, lo)) - math.log10(lo))  # noqa: E731
             / (math.log10(hi) - math.log10(lo))
         )
-    )
+
     parts = [
         f'<svg class="chart" role="img" viewBox="0 0 {WIDTH} {height}" width="{WIDTH}" height="{height}" '
         f'xmlns="http://www.w3.org/2000/svg"><title>reference top-1 minus top-2 margin per position</title>'
@@ -85,10 +78,7 @@ def margin_chart(
 
 
 def bar_chart(
-    rows: list[tuple[str, float, str]],
-    ref: Optional[float] = None,
-    label_width: int = 300,
-    bar_class: str = "bar",
+    rows: list[tuple[str, float, str]], ref: float | None = None, label_width: int = 300, bar_class: str = "bar"
 ) -> Markup:
     """One horizontal bar per (label, value, text shown after the bar); `ref` draws a vertical line
     (1.0 for speed-ups). A row whose value is worse than `ref` gets the class `worse`."""
@@ -118,7 +108,7 @@ def bar_chart(
     return Markup("".join(parts))
 
 
-def position_chart(before: Optional[list[float]], after: list[float], height: int = 110) -> Markup:
+def position_chart(before: list[float] | None, after: list[float], height: int = 110) -> Markup:
     """Per draft position, the share of drafts whose token there was accepted: the baseline's bar (grey)
     beside this run's (class `worse` where it is lower)."""
     n = max(len(before or []), len(after))

@@ -71,22 +71,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     """Register `specharness report` and `specharness diff`."""
     from harness.report.diff import ACCEPTANCE_THRESHOLD, SPEED_THRESHOLD
 
-    p = sub.add_parser(
-        "report",
-        help="re-render a run's index.html, merge shard runs, or show the history of runs",
-    )
-    p.add_argument(
-        "run_dir",
-        nargs="?",
-        metavar="RUN_DIR",
-        help="run directory to re-render (index.html, junit.xml)",
-    )
-    p.add_argument(
-        "--merge",
-        nargs="+",
-        metavar="DIR",
-        help="shard run directories to merge (with --out)",
-    )
+    p = sub.add_parser("report", help="re-render a run's index.html, merge shard runs, or show the history of runs")
+    p.add_argument("run_dir", nargs="?", metavar="RUN_DIR", help="run directory to re-render (index.html, junit.xml)")
+    p.add_argument("--merge", nargs="+", metavar="DIR", help="shard run directories to merge (with --out)")
     p.add_argument(
         "--history",
         nargs="+",
@@ -101,11 +88,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     )
     p.set_defaults(func=cmd_report)
     d = sub.add_parser("diff", help="compare two runs (before, after); exit 1 when something regressed")
-    d.add_argument(
-        "run_a",
-        metavar="RUN_A",
-        help="the earlier run directory (e.g. the previous release)",
-    )
+    d.add_argument("run_a", metavar="RUN_A", help="the earlier run directory (e.g. the previous release)")
     d.add_argument("run_b", metavar="RUN_B", help="the later run directory (e.g. the candidate)")
     d.add_argument(
         "--speed-threshold",
@@ -119,11 +102,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         type=fraction,
         default=ACCEPTANCE_THRESHOLD,
         metavar="FRACTION",
-        help=f"flag draft-acceptance changes beyond this (absolute); a drop beyond it regresses (default {ACCEPTANCE_THRESHOLD})",
+        help=f"flag draft-acceptance changes beyond this (absolute); a drop beyond it regresses (default "
+        f"{ACCEPTANCE_THRESHOLD})",
     )
-    d.add_argument(
-        "--out",
-        metavar="FILE",
-        help="where to write diff.html (default RUN_B/diff.html)",
-    )
+    d.add_argument("--out", metavar="FILE", help="where to write diff.html (default RUN_B/diff.html)")
     d.set_defaults(func=cmd_diff)

@@ -17,7 +17,6 @@ makes the exit status 1.
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional
 
 from harness.paths import write_atomic
 from harness.report.files import (
@@ -86,21 +85,12 @@ def output_change(a: RunDir, b: RunDir, ra: dict, rb: dict) -> dict:
     the shape of a check's `first_divergence` evidence (A is the reference)."""
     pieces = _pieces(a, b, ra["model"])
     la, lb = a.logits(logits_key(ra)), b.logits(logits_key(rb))
-    d = triage(
-        ra["tokens"],
-        rb["tokens"],
-        la or None,
-        lb or None,
-        detokenize=lambda tokens: joined(pieces, tokens),
-    )
+    d = triage(ra["tokens"], rb["tokens"], la or None, lb or None, detokenize=lambda tokens: joined(pieces, tokens))
     return d.to_evidence(ra["repeat"], f"output of {a.run_id}", ra["tokens"], rb["tokens"], la)
 
 
 def compare(
-    a: RunDir,
-    b: RunDir,
-    speed_threshold: float = SPEED_THRESHOLD,
-    acceptance_threshold: float = ACCEPTANCE_THRESHOLD,
+    a: RunDir, b: RunDir, speed_threshold: float = SPEED_THRESHOLD, acceptance_threshold: float = ACCEPTANCE_THRESHOLD
 ) -> RunDiff:
     """Compare run A with run B."""
     diff = RunDiff(a, b, thresholds={"speed": speed_threshold, "acceptance": acceptance_threshold})
@@ -138,11 +128,7 @@ def compare(
         if ra[key]["tokens"] != rb[key]["tokens"] and key[0] not in seen:
             seen.add(key[0])
             diff.changed_outputs.append(
-                {
-                    "item": key[0],
-                    "row": rb[key],
-                    "first_divergence": output_change(a, b, ra[key], rb[key]),
-                }
+                {"item": key[0], "row": rb[key], "first_divergence": output_change(a, b, ra[key], rb[key])}
             )
 
     cells: dict[str, tuple[list, list]] = {}
@@ -256,11 +242,7 @@ def print_diff(diff: RunDiff, console) -> None:
             highlight=False,
         )
         for s in diff.signatures:
-            console.print(
-                f"  {s['signature']}: {s['pattern'].reading}",
-                markup=False,
-                highlight=False,
-            )
+            console.print(f"  {s['signature']}: {s['pattern'].reading}", markup=False, highlight=False)
     sections = (
         ("newly failing", diff.newly_failing, "red"),
         ("newly passing", diff.newly_passing, "green"),
@@ -268,45 +250,22 @@ def print_diff(diff: RunDiff, console) -> None:
     )
     for title, rows, color in sections:
         if rows:
-            table = Table(
-                title=f"{title} ({len(rows)})",
-                title_style=f"bold {color}",
-                title_justify="left",
-            )
+            table = Table(title=f"{title} ({len(rows)})", title_style=f"bold {color}", title_justify="left")
             signed = "signature" in rows[0]  # the newly failing verdicts: their failure signature in B
-            for column in (
-                "case",
-                "check",
-                *(("signature",) if signed else ()),
-                "before → after",
-                "message",
-            ):
+            for column in ("case", "check", *(("signature",) if signed else ()), "before → after", "message"):
                 table.add_column(column)
             for r in rows:
                 sig = (("restates " if r["restates"] else "") + r["signature"],) if signed else ()
-                table.add_row(
-                    r["item"],
-                    r["check"],
-                    *sig,
-                    f"{r['a']} → {r['b']}",
-                    triage_line(r["row"]),
-                )
+                table.add_row(r["item"], r["check"], *sig, f"{r['a']} → {r['b']}", triage_line(r["row"]))
             console.print(table)
     if diff.changed_outputs:
-        table = Table(
-            title=f"changed output ({len(diff.changed_outputs)})",
-            title_style="bold",
-            title_justify="left",
-        )
+        table = Table(title=f"changed output ({len(diff.changed_outputs)})", title_style="bold", title_justify="left")
         for column in ("case", "round", "first divergence", "triage"):
             table.add_column(column)
         for c in diff.changed_outputs:
             d = c["first_divergence"]
             table.add_row(
-                c["item"],
-                str(d["round"]),
-                f"token {d['index']}: {d['ref_text']!r} → {d['other_text']!r}",
-                d["kind"],
+                c["item"], str(d["round"]), f"token {d['index']}: {d['ref_text']!r} → {d['other_text']!r}", d["kind"]
             )
         console.print(table)
     flagged = [p for p in diff.performance if p["flagged"]]
@@ -318,15 +277,7 @@ def print_diff(diff: RunDiff, console) -> None:
             title_style="bold",
             title_justify="left",
         )
-        for column in (
-            "cell",
-            "acceptance before",
-            "after",
-            "speed-up before",
-            "after",
-            "tok/s before*",
-            "after*",
-        ):
+        for column in ("cell", "acceptance before", "after", "speed-up before", "after", "tok/s before*", "after*"):
             table.add_column(column, justify="left" if column == "cell" else "right")
         for p in flagged:
             table.add_row(
@@ -339,10 +290,7 @@ def print_diff(diff: RunDiff, console) -> None:
                 _fmt(p["b_tok_s"]),
             )
         console.print(table)
-        console.print(
-            "* tokens/s measure the machine as much as llama.cpp: shown, never judged",
-            markup=False,
-        )
+        console.print("* tokens/s measure the machine as much as llama.cpp: shown, never judged", markup=False)
     if diff.only_a or diff.only_b:
         console.print(
             f"{len(diff.only_a)} cases only in {diff.a.run_id}, {len(diff.only_b)} only in {diff.b.run_id}",
@@ -360,16 +308,16 @@ def print_diff(diff: RunDiff, console) -> None:
     )
 
 
-def speedup_text(s: Optional[dict]) -> str:
+def speedup_text(s: dict | None) -> str:
     """`1.42x (1.31–1.55)`: a cell's median speed-up over no speculation with the run's own min–max."""
     return "-" if not s else f"{s['speedup']:.2f}x ({s['low']:.2f}–{s['high']:.2f})"
 
 
-def _fmt(x: Optional[float]) -> str:
+def _fmt(x: float | None) -> str:
     return "-" if x is None else f"{x:.1f}"
 
 
-def _pct(x: Optional[float]) -> str:
+def _pct(x: float | None) -> str:
     return "-" if x is None else f"{100 * x:.1f} %"
 
 
@@ -379,10 +327,7 @@ def write_diff_html(diff: RunDiff, target: Path) -> Path:
     from harness.report.html import divergence_view, render
 
     for entry in diff.newly_failing + diff.newly_passing + diff.other_changes + diff.changed_outputs:
-        entry["view"] = divergence_view(
-            _pieces(diff.a, diff.b, entry["row"]["model"]),
-            entry.get("first_divergence"),
-        )
+        entry["view"] = divergence_view(_pieces(diff.a, diff.b, entry["row"]["model"]), entry.get("first_divergence"))
     ratios = [
         (p["cell"], p["ratio"], f"{p['ratio']:.2f}x") for p in diff.performance if p["ratio"]
     ]  # B's speed-up / A's

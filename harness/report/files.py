@@ -15,22 +15,17 @@ import platform
 import shlex
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable, Optional
+from typing import TYPE_CHECKING
 
 import pandas as pd
 
 from harness import __version__
 from harness.backends.flags import server_version
 from harness.errors import HarnessError
-from harness.logits import (
-    PositionLogits,
-    from_frame,
-    load_parquet,
-    save_parquet,
-    to_frame,
-)
+from harness.logits import PositionLogits, from_frame, load_parquet, save_parquet, to_frame
 from harness.paths import write_atomic
 from harness.signatures import Failure, Pattern, failure_patterns, group
 
@@ -152,7 +147,7 @@ def speedups(records: list[dict]) -> dict[str, dict]:
     noise band this run measured. Both cells ran on the same machine in the same run, so the ratio does not
     depend on how busy the machine was, as long as it was equally busy for both."""
 
-    def rate(r: dict) -> Optional[float]:
+    def rate(r: dict) -> float | None:
         t = r.get("timings") or {}
         return t["predicted_n"] / t["predicted_ms"] if r.get("error") is None and t.get("predicted_ms") else None
 
@@ -195,9 +190,7 @@ def token_ids(rows: list[dict], checks: list[dict]) -> dict[str, set[int]]:
 
 
 def vocabulary(
-    rows: list[dict],
-    checks: list[dict],
-    detokenizer: Callable[[str], Optional[Callable]],
+    rows: list[dict], checks: list[dict], detokenizer: Callable[[str], Callable | None]
 ) -> dict[str, dict[str, str]]:
     """model → {token id: text} for `vocab.json`, with the detokenizer the caller has for each model (models
     it has none for are left out: their tokens show as ids). Reports only read the stored table."""
@@ -217,8 +210,8 @@ def write_run(
     out: Path,
     runs: list["CellRun"],
     checks: list,
-    meta: Optional[dict] = None,
-    detokenizer: Callable[[str], Optional[Callable]] = lambda model: None,
+    meta: dict | None = None,
+    detokenizer: Callable[[str], Callable | None] = lambda model: None,
 ) -> Path:
     """Write the run directory (refusing to overwrite an existing results.json); returns results.json.
 
@@ -237,12 +230,7 @@ def write_run(
 
 
 def write_files(
-    out: Path,
-    rows: list[dict],
-    verdicts: list[dict],
-    logits: dict,
-    vocab: Optional[dict],
-    meta: Optional[dict],
+    out: Path, rows: list[dict], verdicts: list[dict], logits: dict, vocab: dict | None, meta: dict | None
 ) -> Path:
     """Write records, verdicts, logits frames (by case key) and, when given, token texts and run.json;
     results.json last. Refuses a directory that already has results.json."""
@@ -304,16 +292,7 @@ def backend_facts(name: str, backend) -> dict:
     if build is not None:
         data = build.to_json()
         facts["build"] = {
-            k: data[k]
-            for k in (
-                "commit",
-                "dirty",
-                "backend",
-                "cmake_args",
-                "compiler",
-                "built_at",
-            )
-            if k in data
+            k: data[k] for k in ("commit", "dirty", "backend", "cmake_args", "compiler", "built_at") if k in data
         }
         facts["version"] = server_version(build.server_bin)
     elif name == "inproc":
@@ -347,7 +326,7 @@ def describe_run(
     done: list,
     suites: dict,
     known: list,
-    shard: Optional[str] = None,
+    shard: str | None = None,
     interrupted: bool = False,
 ) -> dict:
     """The content of `run.json` (`run_id` is added by write_run).
@@ -415,7 +394,7 @@ def describe_run(
     }
 
 
-def _shown(path) -> Optional[str]:
+def _shown(path) -> str | None:
     """A suite file relative to the working directory when inside it (as pytest node ids name it)."""
     if path is None:
         return None
@@ -425,7 +404,7 @@ def _shown(path) -> Optional[str]:
         return str(path)
 
 
-def command_line(argv: Optional[list[str]] = None) -> list[str]:
+def command_line(argv: list[str] | None = None) -> list[str]:
     """How this process was started, as a user would type it (`specharness ...` / `pytest ...`)."""
     argv = list(sys.argv if argv is None else argv)
     head = Path(argv[0]).name if argv else ""
@@ -458,7 +437,7 @@ class RunDir:
     checks: list[dict]
     meta: dict = field(default_factory=dict)
     vocab: dict[str, dict[str, str]] = field(default_factory=dict)
-    _logits: Optional[dict] = field(default=None, repr=False)
+    _logits: dict | None = field(default=None, repr=False)
 
     @classmethod
     def load(cls, path: Path) -> "RunDir":
@@ -493,7 +472,7 @@ class RunDir:
         frame_ = self.logit_frames().get(key)
         return from_frame(frame_) if frame_ is not None else []
 
-    def text(self, model: str, tokens: list[int]) -> list[Optional[str]]:
+    def text(self, model: str, tokens: list[int]) -> list[str | None]:
         """The text of each token (None where vocab.json does not have it)."""
         pieces = self.vocab.get(model, {})
         return [pieces.get(str(t)) for t in tokens]
@@ -507,10 +486,6 @@ class RunDir:
         signature the way failures are: a known entry that shows a second signature is visible as such."""
         ids = sorted({v["evidence"]["known_failure"] for v in self.checks if status(v) == "known"})
         return {
-            kid: group(
-                self.checks,
-                self.records,
-                lambda v, k=kid: (v.get("evidence") or {}).get("known_failure") == k,
-            )
+            kid: group(self.checks, self.records, lambda v, k=kid: (v.get("evidence") or {}).get("known_failure") == k)
             for kid in ids
         }

@@ -10,18 +10,9 @@ speculation measured inside each run (`files.speedups`), never as tokens/s: thos
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional
 
 from harness.paths import write_atomic
-from harness.report.files import (
-    RunDir,
-    cell_id,
-    item_name,
-    speedups,
-    status,
-    throughput,
-    worst,
-)
+from harness.report.files import RunDir, cell_id, item_name, speedups, status, throughput, worst
 
 CATEGORIES = ("new failure", "fixed", "flaky", "stable")
 
@@ -31,7 +22,7 @@ class CaseHistory:
     """One case (pytest item) over the runs."""
 
     item: str
-    statuses: list[Optional[str]] = field(default_factory=list)
+    statuses: list[str | None] = field(default_factory=list)
     """Per run, the case's worst verdict status (None where the run does not have the case)."""
     outputs: set = field(default_factory=set)
 
@@ -90,20 +81,12 @@ def print_history(runs: list[RunDir], rows: list[CaseHistory], console) -> None:
     """The cases that are not stable, and the count per category."""
     from rich.table import Table
 
-    table = Table(
-        title=f"history over {len(runs)} runs: {', '.join(r.run_id for r in runs)}",
-        title_justify="left",
-    )
+    table = Table(title=f"history over {len(runs)} runs: {', '.join(r.run_id for r in runs)}", title_justify="left")
     for column in ("case", "category", "statuses (oldest first)", "unique outputs"):
         table.add_column(column)
     for c in rows:
         if c.category != "stable":
-            table.add_row(
-                c.item,
-                c.category,
-                " ".join(s or "-" for s in c.statuses),
-                str(c.unique_outputs),
-            )
+            table.add_row(c.item, c.category, " ".join(s or "-" for s in c.statuses), str(c.unique_outputs))
     console.print(table)
     counts = {cat: sum(1 for c in rows if c.category == cat) for cat in CATEGORIES}
     console.print(", ".join(f"{n} {cat}" for cat, n in counts.items()), markup=False)

@@ -12,23 +12,12 @@ import shlex
 from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional
 
 from jinja2 import ChainableUndefined, Environment, PackageLoader, select_autoescape
 
 from harness.paths import write_atomic
 from harness.report.charts import bar_chart, margin_chart, position_chart
-from harness.report.files import (
-    STATUSES,
-    RunDir,
-    cell_id,
-    item_name,
-    joined,
-    speedups,
-    status,
-    throughput,
-    worst,
-)
+from harness.report.files import STATUSES, RunDir, cell_id, item_name, joined, speedups, status, throughput, worst
 from harness.signatures import Failure
 from harness.signatures.group import by_verdict
 
@@ -104,7 +93,7 @@ def _num(x, digits: int = 3) -> str:
     return str(x)
 
 
-def _token_text(text: Optional[str], token: Optional[int], recorded: bool) -> str:
+def _token_text(text: str | None, token: int | None, recorded: bool) -> str:
     if not recorded:
         return NOT_RECORDED
     if token is None:
@@ -120,25 +109,22 @@ def anchor(name: str) -> str:
 # --- token diffs ----------------------------------------------------------------------------------------
 
 
-def _shown(piece: Optional[str], token: int) -> str:
+def _shown(piece: str | None, token: int) -> str:
     if piece is None:
         return f"<{token}>"
     return piece.replace("\n", "↵\n").replace("\t", "→\t") or "∅"
 
 
 def token_diff(
-    pieces: dict[str, str],
-    reference: Optional[list[int]],
-    tokens: Optional[list[int]],
-    index: Optional[int],
-) -> Optional[dict]:
+    pieces: dict[str, str], reference: list[int] | None, tokens: list[int] | None, index: int | None
+) -> dict | None:
     """Both streams around their first divergence as lists of (id, text), for a side-by-side view;
     None when the streams were not recorded."""
     if reference is None or tokens is None:
         return None
     if index is None:
         index = next(
-            (i for i, (a, b) in enumerate(zip(reference, tokens)) if a != b),
+            (i for i, (a, b) in enumerate(zip(reference, tokens, strict=False)) if a != b),
             min(len(reference), len(tokens)),
         )
     start = max(0, index - CONTEXT_TOKENS)
@@ -155,13 +141,7 @@ def token_diff(
         }
 
     prefix = joined(pieces, reference[:index])
-    return {
-        "index": index,
-        "skipped": start,
-        "prefix": prefix,
-        "reference": side(reference),
-        "other": side(tokens),
-    }
+    return {"index": index, "skipped": start, "prefix": prefix, "reference": side(reference), "other": side(tokens)}
 
 
 # --- one run --------------------------------------------------------------------------------------------
@@ -205,10 +185,7 @@ def counts(checks: list[dict], axis: str) -> list[tuple[str, dict]]:
         row = table.setdefault(v[axis], {**dict.fromkeys(STATUSES, 0), "total": 0})
         row[status(v)] += 1
         row["total"] += 1
-    return sorted(
-        table.items(),
-        key=lambda kv: (-kv[1]["failed"], -kv[1]["known"], -kv[1]["near-tie"], kv[0]),
-    )
+    return sorted(table.items(), key=lambda kv: (-kv[1]["failed"], -kv[1]["known"], -kv[1]["near-tie"], kv[0]))
 
 
 def spec_counters(rows: list[dict]) -> dict:
@@ -258,20 +235,13 @@ def performance(records: list[dict], checks: list[dict] = ()) -> list[dict]:
 
 def _summed(parts: list[dict]) -> dict:
     """Acceptance evidence of several cases added up: acceptance and per-position rates from the counts."""
-    drafted, accepted = (
-        sum(p["drafted"] for p in parts),
-        sum(p["accepted"] for p in parts),
-    )
-    out = {
-        "drafted": drafted,
-        "accepted": accepted,
-        "acceptance": accepted / drafted if drafted else None,
-    }
+    drafted, accepted = sum(p["drafted"] for p in parts), sum(p["accepted"] for p in parts)
+    out = {"drafted": drafted, "accepted": accepted, "acceptance": accepted / drafted if drafted else None}
     if all("drafted_per_pos" in p for p in parts):
         n = max(len(p["drafted_per_pos"]) for p in parts)
         d = [sum(p["drafted_per_pos"][k] for p in parts if k < len(p["drafted_per_pos"])) for k in range(n)]
         a = [sum(p["accepted_per_pos"][k] for p in parts if k < len(p["accepted_per_pos"])) for k in range(n)]
-        out["per_position"] = [x / y if y else 0.0 for x, y in zip(a, d)]
+        out["per_position"] = [x / y if y else 0.0 for x, y in zip(a, d, strict=False)]
     return out
 
 
@@ -281,16 +251,7 @@ def rerun_command(meta: dict, row: dict) -> str:
     the cell when the run used options pytest does not have."""
     options = dict(meta.get("options") or {})
     suite_file = (meta.get("suites") or {}).get(row["suite"]) or f"suites/{row['suite']}.yaml"
-    narrow = [
-        "--backend",
-        row["backend"],
-        "--mode",
-        row["mode"],
-        "--spec",
-        row["spec"],
-        "--model",
-        row["model"],
-    ]
+    narrow = ["--backend", row["backend"], "--mode", row["mode"], "--spec", row["spec"], "--model", row["model"]]
     extra = []
     for key, value in sorted(options.items()):
         flag = "--" + key.replace("_", "-")
@@ -315,7 +276,7 @@ def triage_line(verdict: dict, limit: int = 220) -> str:
     return line if len(line) <= limit else line[: limit - 1] + "…"
 
 
-def divergence_view(pieces: dict[str, str], first) -> Optional[dict]:
+def divergence_view(pieces: dict[str, str], first) -> dict | None:
     """A first-divergence record with every schema field (None where missing) and its token diff."""
     if not isinstance(first, dict):
         return None
@@ -339,10 +300,7 @@ def case_view(run: RunDir, item: Item) -> dict:
         (r["repeat"], where, scan)
         for r in item.records
         if r.get("kv_scan")
-        for where, scan in (
-            ("", r["kv_scan"]),
-            (" of the draft context", r["kv_scan"].get("draft")),
-        )
+        for where, scan in (("", r["kv_scan"]), (" of the draft context", r["kv_scan"].get("draft")))
         if scan and not scan.get("healthy", True)
     ]  # (round, which context, its unhealthy verdict)
     errors = [r for r in item.records if r.get("error")]
@@ -385,8 +343,7 @@ def render_index(run: RunDir) -> str:
     shown = [i for i in all_items if i.status not in ("passed", "no-baseline")]
     shown.sort(key=lambda i: STATUSES.index(i.status))
     perf = sorted(
-        performance(run.records, run.checks),
-        key=lambda r: (r["suite"], r["model"], r["backend"], r["mode"], r["spec"]),
+        performance(run.records, run.checks), key=lambda r: (r["suite"], r["model"], r["backend"], r["mode"], r["spec"])
     )
     cells = run.meta.get("cells") or []
     found, known = run.failures(), run.known()

@@ -35,12 +35,7 @@ def junit_xml(run: RunDir) -> bytes:
     signature = by_verdict([f for f, _ in run.failures()])
     for v in run.checks:
         suite, st = v["suite"], status(v)
-        case = ET.Element(
-            "testcase",
-            classname=_classname(run, suite),
-            name=f"{item_name(v)}::{v['check']}",
-            time="0",
-        )
+        case = ET.Element("testcase", classname=_classname(run, suite), name=f"{item_name(v)}::{v['check']}", time="0")
         message = v.get("message") or ""
         first = (message.strip().splitlines() or [""])[0]
         tally = counts[suite]
@@ -52,12 +47,7 @@ def junit_xml(run: RunDir) -> bytes:
             sig, restates = signature[id(v)]
             ET.SubElement(case, "failure", message=first, type=sig).text = message
             if restates:
-                ET.SubElement(
-                    ET.SubElement(case, "properties"),
-                    "property",
-                    name="restates",
-                    value=sig,
-                )
+                ET.SubElement(ET.SubElement(case, "properties"), "property", name="restates", value=sig)
             tally["failures"] += 1
         elif st == "known":
             known = v["evidence"]["known_failure"]
@@ -70,27 +60,14 @@ def junit_xml(run: RunDir) -> bytes:
             tally["skipped"] += 1
         elif st == "near-tie":
             props = ET.SubElement(case, "properties")
-            ET.SubElement(
-                props,
-                "property",
-                name="near_ties",
-                value=str(v["evidence"]["near_ties"]),
-            )
+            ET.SubElement(props, "property", name="near_ties", value=str(v["evidence"]["near_ties"]))
         by_suite[suite].append(case)
     for c in cells:
         if c.get("status") == "not run":
             case = ET.Element(
-                "testcase",
-                classname=_classname(run, c["suite"]),
-                name=f"{c['suite']}[{c['id']}]",
-                time="0",
+                "testcase", classname=_classname(run, c["suite"]), name=f"{c['suite']}[{c['id']}]", time="0"
             )
-            ET.SubElement(
-                case,
-                "skipped",
-                message="not run: the run was interrupted before this cell",
-                type="not-run",
-            )
+            ET.SubElement(case, "skipped", message="not run: the run was interrupted before this cell", type="not-run")
             by_suite[c["suite"]].append(case)
             counts[c["suite"]]["tests"] += 1
             counts[c["suite"]]["skipped"] += 1

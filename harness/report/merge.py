@@ -10,15 +10,7 @@ listed as a merge conflict (that is nondeterminism across machines, worth a look
 from pathlib import Path
 
 from harness.errors import HarnessError
-from harness.report.files import (
-    RunDir,
-    cell_id,
-    item_name,
-    llama_cpp_identity,
-    logits_key,
-    now,
-    write_files,
-)
+from harness.report.files import RunDir, cell_id, item_name, llama_cpp_identity, logits_key, now, write_files
 
 
 def _owner(runs: list[RunDir]) -> dict[tuple[str, str], int]:
@@ -78,10 +70,7 @@ def merge(dirs: list[Path], out: Path) -> Path:
     order = lambda row, i: (owner.get((row["suite"], cell_id(row)), i) != i, i)  # noqa: E731  the owner's first
 
     rows, conflicts, logits = {}, [], {}
-    for i, row in sorted(
-        ((i, r) for i, run in enumerate(runs) for r in run.records),
-        key=lambda p: order(p[1], p[0]),
-    ):
+    for i, row in sorted(((i, r) for i, run in enumerate(runs) for r in run.records), key=lambda p: order(p[1], p[0])):
         key = (item_name(row), row["repeat"])
         if key not in rows:
             rows[key] = row
@@ -91,10 +80,7 @@ def merge(dirs: list[Path], out: Path) -> Path:
         elif rows[key]["tokens"] != row["tokens"] and rows[key].get("error") is None and row.get("error") is None:
             conflicts.append(f"{key[0]} round {key[1]}: {runs[i].run_id} differs")
     verdicts = {}
-    for i, v in sorted(
-        ((i, v) for i, run in enumerate(runs) for v in run.checks),
-        key=lambda p: order(p[1], p[0]),
-    ):
+    for _i, v in sorted(((i, v) for i, run in enumerate(runs) for v in run.checks), key=lambda p: order(p[1], p[0])):
         verdicts.setdefault((item_name(v), v["check"]), v)
     vocab: dict = {}
     for run in runs:

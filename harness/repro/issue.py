@@ -3,8 +3,6 @@ command, requests, expected, actual, first divergence with its margin, KV-scan f
 
 from __future__ import annotations
 
-from typing import Optional
-
 from harness.models import generator
 from harness.repro.legs import REFERENCE, SUBJECT
 
@@ -39,10 +37,10 @@ def _tokens(output: dict) -> str:
 def render(
     case: dict,
     environment: dict,
-    divergence: Optional[dict],
+    divergence: dict | None,
     kv: list[str],
-    pattern: Optional[str],
-    shrunk: Optional[str],
+    pattern: str | None,
+    shrunk: str | None,
 ) -> str:
     """The text of ISSUE.md for `case` (case.json's content)."""
     subject = next(leg for leg in case["legs"] if leg["role"] == SUBJECT)

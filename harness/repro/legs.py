@@ -11,7 +11,6 @@ from __future__ import annotations
 
 from dataclasses import asdict
 from pathlib import Path
-from typing import Optional
 
 from harness.backends.base import ServeConfig
 from harness.backends.client import completion_payload
@@ -35,7 +34,7 @@ PLACEHOLDERS = {
 }
 
 
-def judge_of(check: str, kind: str) -> Optional[str]:
+def judge_of(check: str, kind: str) -> str | None:
     """The judge of a failure: from its signature's kind (harness.signatures) and its check; None when only the
     harness's own check can judge it (acceptance, spec-ran, ...)."""
     if kind in ("crash", "timeout"):
@@ -77,10 +76,7 @@ def serve_fields(config: ServeConfig) -> dict:
     script = engine.pop("script", None)
     engine.pop("drafters", None)
     if script:
-        engine["script"] = {
-            "kind": script["kind"],
-            "outputs": [[list(k), v] for k, v in script["outputs"].items()],
-        }
+        engine["script"] = {"kind": script["kind"], "outputs": [[list(k), v] for k, v in script["outputs"].items()]}
     data["engine"] = engine
     return data
 
@@ -93,14 +89,11 @@ def server_command(config: ServeConfig, server_bin: Path, slot_save: bool) -> li
     options = {"slot_save_path": Path(PLACEHOLDERS["slot_save_path"])} if slot_save else {}
     server = LlamaServer.from_config(config, server_bin, port=0, **options)
     argv = server.command()
-    names = {
-        str(server_bin): PLACEHOLDERS["server_bin"],
-        str(config.model): PLACEHOLDERS["model"],
-    }
+    names = {str(server_bin): PLACEHOLDERS["server_bin"], str(config.model): PLACEHOLDERS["model"]}
     if config.draft_model:
         names[str(config.draft_model)] = PLACEHOLDERS["draft_model"]
     out, skip = [], 0
-    for i, word in enumerate(argv):
+    for _i, word in enumerate(argv):
         if skip:
             skip -= 1
             continue
@@ -130,19 +123,10 @@ def batches(suite: Suite, run: CellRun, config: ServeConfig, prompts: dict[str, 
                 if tokens is None:  # a chat turn never sent (an earlier turn failed)
                     continue
                 requests.append(
-                    {
-                        "key": key,
-                        "round": r,
-                        "payload": completion_payload(tokens, case.sampling, config.logit_top_k),
-                    }
+                    {"key": key, "round": r, "payload": completion_payload(tokens, case.sampling, config.logit_top_k)}
                 )
             if requests:
-                out.append(
-                    {
-                        "how": "par" if how == "par" and config.n_slots > 1 else "seq",
-                        "requests": requests,
-                    }
-                )
+                out.append({"how": "par" if how == "par" and config.n_slots > 1 else "seq", "requests": requests})
     return out
 
 
@@ -168,7 +152,7 @@ def leg(
     cell,
     key: str,
     prompts: dict[str, list[int]],
-    server_bin: Optional[Path],
+    server_bin: Path | None,
     slot_save: bool,
 ) -> dict:
     """One leg of `case.json` from the executor's (memoized) run of `cell`."""

@@ -30,10 +30,7 @@ def _config(case: dict, leg: dict) -> ServeConfig:
         engine["fault"] = None if fault in ("", "none") else fault
     script = engine.pop("script", None)
     if script:
-        engine["script"] = {
-            "kind": script["kind"],
-            "outputs": {tuple(k): v for k, v in script["outputs"]},
-        }
+        engine["script"] = {"kind": script["kind"], "outputs": {tuple(k): v for k, v in script["outputs"]}}
     draft = os.environ.get("DRAFT_MODEL") or (case.get("draft_model") or {}).get("path")
     return ServeConfig(
         model=Path(os.environ.get("MODEL") or case["model"]["path"]),
@@ -60,7 +57,7 @@ def run_leg(case: dict, leg: dict) -> dict[str, list]:
                 done = session.run(requests)
             else:
                 done = [session.run([request])[0] for request in requests]
-            for request, result in zip(batch["requests"], done):
+            for request, result in zip(batch["requests"], done, strict=False):
                 results.setdefault(request["key"], []).append(result)
     finally:
         session.close()
@@ -79,19 +76,13 @@ def judge(case: dict, outputs: dict[str, dict[str, list]]) -> tuple[int, str]:
             else (NOT_REPRODUCED, "not reproduced: every request completed")
         )
     if failed:
-        return (
-            UNDECIDED,
-            f"the subject did not complete: {failed[0].error.splitlines()[0]}",
-        )
+        return UNDECIDED, f"the subject did not complete: {failed[0].error.splitlines()[0]}"
     if kind == "kv":
         scan = next((r.kv_scan for r in subject if damaged(r.kv_scan)), None)
         if scan is None:
             return NOT_REPRODUCED, "not reproduced: the KV cache is healthy"
         if scan["healthy"]:
-            return (
-                REPRODUCED,
-                f"REPRODUCED: KV scan totals of the draft context {scan['draft']['totals']}",
-            )
+            return REPRODUCED, f"REPRODUCED: KV scan totals of the draft context {scan['draft']['totals']}"
         return REPRODUCED, f"REPRODUCED: KV scan totals {scan['totals']}"
     if kind == "rounds-differ":
         lines = [f"round {i + 1}: {r.tokens}" for i, r in enumerate(subject)]
@@ -99,17 +90,14 @@ def judge(case: dict, outputs: dict[str, dict[str, list]]) -> tuple[int, str]:
         return (REPRODUCED if differ else NOT_REPRODUCED), "\n".join(lines)
     expected = outputs[REFERENCE][case["key"]][0]
     if not expected.ok:
-        return (
-            UNDECIDED,
-            f"the reference did not complete: {expected.error.splitlines()[0]}",
-        )
+        return UNDECIDED, f"the reference did not complete: {expected.error.splitlines()[0]}"
     lines = [f"expected ({case['reference_what']}): {expected.tokens}"]
     status = NOT_REPRODUCED
     for r in subject:
         lines.append(f"actual   (subject):   {r.tokens}")
         if r.tokens != expected.tokens:
             index = next(
-                (i for i, (a, b) in enumerate(zip(expected.tokens, r.tokens)) if a != b),
+                (i for i, (a, b) in enumerate(zip(expected.tokens, r.tokens, strict=False)) if a != b),
                 min(len(expected.tokens), len(r.tokens)),
             )
             lines.append(f"first divergence at generated token {index}")
@@ -121,8 +109,7 @@ def main(case_file: Path) -> int:
     case = json.loads(Path(case_file).read_text())
     if case["judge"] not in JUDGES:
         print(
-            f"this failure ({case['signature']}) is judged by specharness's own check: specharness run",
-            file=sys.stderr,
+            f"this failure ({case['signature']}) is judged by specharness's own check: specharness run", file=sys.stderr
         )
         return UNDECIDED
     print(f"{case['signature']}: {case['suite']}[{case['key']}] {case['cell_id']} on the in-process engine")

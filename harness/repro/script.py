@@ -109,18 +109,11 @@ def write(bundle: Path, case: dict, defaults: dict[str, str]) -> Path:
     ]
     for name, value in defaults.items():
         lines.append(f'{name}="${{{name}:-{value}}}"')
-    lines += [
-        'REQUEST_TIMEOUT="${REQUEST_TIMEOUT:-120}"',
-        'SPECHARNESS="${SPECHARNESS:-specharness}"',
-        HELPERS,
-    ]
+    lines += ['REQUEST_TIMEOUT="${REQUEST_TIMEOUT:-120}"', 'SPECHARNESS="${SPECHARNESS:-specharness}"', HELPERS]
     targets: dict[str, list[str]] = {}
     for leg in case["legs"]:
         role = leg["role"]
-        lines += [
-            f'echo "== {role}: {leg["cell_id"]}"',
-            "start_server " + role + " " + _argv(leg["command"]),
-        ]
+        lines += [f'echo "== {role}: {leg["cell_id"]}"', "start_server " + role + " " + _argv(leg["command"])]
         names_of_leg = []
         for b, batch in enumerate(leg["batches"]):
             names = []
@@ -135,11 +128,7 @@ def write(bundle: Path, case: dict, defaults: dict[str, str]) -> Path:
                 lines.append(" ".join(f"post {n} &" for n in names) + " wait")
             else:
                 lines += [f"post {n}" for n in names]
-            lines += [
-                f"if crashed {role} {' '.join(names)}; then",
-                *_on_crash(role, judge),
-                "fi",
-            ]
+            lines += [f"if crashed {role} {' '.join(names)}; then", *_on_crash(role, judge), "fi"]
         if role == SUBJECT and judge == "kv":
             last = targets[SUBJECT][-1]
             lines += [
@@ -169,10 +158,7 @@ def _argv(command: list[str]) -> str:
 
 def _on_crash(role: str, judge: str) -> list[str]:
     if role == SUBJECT and judge == "crash":
-        return [
-            f'  echo "REPRODUCED: llama-server stopped answering: $(abort_line {role})"',
-            "  exit 1",
-        ]
+        return [f'  echo "REPRODUCED: llama-server stopped answering: $(abort_line {role})"', "  exit 1"]
     return [
         f'  echo "the {role} leg did not complete: $(abort_line {role})"',
         f"  exit {1 if role == SUBJECT and judge == 'error' else 2}",
@@ -214,11 +200,7 @@ def _verdict(judge: str, targets: dict[str, list[str]], case: dict) -> list[str]
             "exit 0",
         ]
     if judge == "rounds-differ":
-        out = [
-            f'FIRST="$(tokens_of {subject[0]})"',
-            'echo "round 1: $FIRST"',
-            "REPRODUCED=0",
-        ]
+        out = [f'FIRST="$(tokens_of {subject[0]})"', 'echo "round 1: $FIRST"', "REPRODUCED=0"]
         for i, n in enumerate(subject[1:], start=2):
             out += [
                 f'OTHER="$(tokens_of {n})"',

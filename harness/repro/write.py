@@ -5,22 +5,13 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Optional
 
 from harness import detok as detokenizers
 from harness.checks import kv_problems
 from harness.matrix import Cell
 from harness.models import draft_for, resolve
 from harness.repro import issue, script
-from harness.repro.legs import (
-    JUDGES,
-    REFERENCE,
-    SUBJECT,
-    judge_of,
-    leg,
-    reference_cell,
-    tokenize,
-)
+from harness.repro.legs import JUDGES, REFERENCE, SUBJECT, judge_of, leg, reference_cell, tokenize
 from harness.signatures import classify
 
 REPRO_PY = '''#!/usr/bin/env python3
@@ -94,9 +85,9 @@ def write_bundle(
     candidate,
     attempt,
     build=None,
-    draft_model: Optional[str] = None,
-    pattern: Optional[str] = None,
-    shrunk: Optional[str] = None,
+    draft_model: str | None = None,
+    pattern: str | None = None,
+    shrunk: str | None = None,
 ) -> dict:
     """Write the bundle of `attempt` (a trial run of `candidate` that showed its signature) into `out`; returns
     {file role: path}. `build`: the llama-server build the trial served (llama-server cells)."""

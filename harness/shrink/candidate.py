@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 from harness.errors import HarnessError
 from harness.matrix import Cell, spec_preset
@@ -21,7 +21,7 @@ SERVE_KEYS = ("parallel", "n_ctx", "n_batch", "n_ubatch")
 """The serve settings shrink reduces (a suite's `serve:` names, as ServeConfig's fields)."""
 
 
-def split_key(key: str) -> tuple[str, Optional[int]]:
+def split_key(key: str) -> tuple[str, int | None]:
     """A record name as (case name, chat turn index or None): `iterative.turn2` → ('iterative', 1)."""
     name, dot, turn = key.rpartition(".turn")
     if dot and turn.isdigit():
@@ -40,11 +40,11 @@ class Candidate:
     check: str
     """The check whose failure is being kept."""
     cell: Cell
-    turn: Optional[int] = None
+    turn: int | None = None
     """The failing chat turn (index into the case's turns); None for a completion case."""
-    turns: Optional[tuple[int, ...]] = None
+    turns: tuple[int, ...] | None = None
     """Chat turns sent (indices, ending with `turn`); None: every turn up to the failing one."""
-    prompt: Optional[tuple[int, ...]] = None
+    prompt: tuple[int, ...] | None = None
     """Token ids replacing the case's prompt (a chat then becomes one completion of its failing turn's tokens)."""
     companions: tuple[str, ...] = ()
     """The suite's other cases sent beside it, round after round (requests in flight)."""
@@ -70,22 +70,18 @@ class Candidate:
     def serve_value(self, name: str, suite: Suite, default: int) -> int:
         return dict(self.serve).get(name, suite.serve.get(name, default))
 
-    def with_(self, **changes) -> "Candidate":
+    def with_(self, **changes) -> Candidate:
         return replace(self, **changes)
 
-    def with_spec(self, name: str, value) -> "Candidate":
+    def with_spec(self, name: str, value) -> Candidate:
         return replace(self, spec=tuple(sorted({**dict(self.spec), name: value}.items())))
 
-    def with_serve(self, name: str, value: int) -> "Candidate":
+    def with_serve(self, name: str, value: int) -> Candidate:
         return replace(self, serve=tuple(sorted({**dict(self.serve), name: value}.items())))
 
     def size(self) -> tuple:
         """What shrinking makes smaller, for progress lines."""
-        return (
-            len(self.prompt) if self.prompt else None,
-            len(self.companions),
-            self.n_predict,
-        )
+        return (len(self.prompt) if self.prompt else None, len(self.companions), self.n_predict)
 
     def describe(self) -> str:
         prompt = f"{len(self.prompt)} prompt tokens" if self.prompt is not None else "the case's prompt"
@@ -103,16 +99,13 @@ class Candidate:
         return data
 
     @classmethod
-    def from_json(cls, data: dict) -> "Candidate":
+    def from_json(cls, data: dict) -> Candidate:
         data = {k: v for k, v in data.items() if k != "key"}
         data["cell"] = Cell(**data["cell"])
         for name in ("turns", "prompt"):
             if data.get(name) is not None:
                 data[name] = tuple(data[name])
-        data["companions"], data["rounds"] = (
-            tuple(data["companions"]),
-            tuple(data["rounds"]),
-        )
+        data["companions"], data["rounds"] = tuple(data["companions"]), tuple(data["rounds"])
         data["spec"] = tuple(tuple(p) for p in data["spec"])
         data["serve"] = tuple(tuple(p) for p in data["serve"])
         return cls(**data)
@@ -120,7 +113,7 @@ class Candidate:
     def load_suite(self) -> Suite:
         return load_suite(self.suite)
 
-    def materialize(self, suite: Optional[Suite] = None) -> Suite:
+    def materialize(self, suite: Suite | None = None) -> Suite:
         """The one-cell suite that sends this candidate: the case (reduced) and its companions, in the suite's
         order, its rounds, its serve settings; each case with its matrix block's sampling as the original
         model ran it."""
@@ -142,11 +135,7 @@ class Candidate:
             "models": [self.cell.model],
         }
         return replace(
-            suite,
-            cases=cases,
-            matrix=[block],
-            rounds=list(self.rounds),
-            serve={**suite.serve, **dict(self.serve)},
+            suite, cases=cases, matrix=[block], rounds=list(self.rounds), serve={**suite.serve, **dict(self.serve)}
         )
 
     def _reduced(self, case: Case) -> Case:
@@ -154,11 +143,7 @@ class Candidate:
         if self.prompt is not None:
             return replace(case, sampling=sampling, prompt=list(self.prompt), turns=[])
         if self.turn is not None:
-            return replace(
-                case,
-                sampling=sampling,
-                turns=[case.turns[t] for t in self.sent_turns()],
-            )
+            return replace(case, sampling=sampling, turns=[case.turns[t] for t in self.sent_turns()])
         return replace(case, sampling=sampling)
 
 

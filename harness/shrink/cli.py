@@ -12,7 +12,6 @@ import json
 import sys
 import tempfile
 from pathlib import Path
-from typing import Optional
 
 from harness import interrupt
 from harness.bisect.plan import failing_records
@@ -20,7 +19,7 @@ from harness.errors import HarnessError
 from harness.matrix import Cell
 from harness.paths import reports_dir
 from harness.report.files import status
-from harness.runner import DEFAULTS, csv, count, new_run_dir, prepare_out
+from harness.runner import DEFAULTS, count, csv, new_run_dir, prepare_out
 from harness.shrink.candidate import Candidate, initial
 from harness.shrink.trial import BASELINE_CHECKS, Policy, Runner, reference_of
 from harness.signatures import classify
@@ -79,7 +78,7 @@ class Origin:
         self.source = args.source or self.options.source
         self.describe = f"{v['suite']}[{v['case']}-{self.cell.id}] {self.check}: {self.signature}"
 
-    def pattern(self) -> Optional[str]:
+    def pattern(self) -> str | None:
         """The run's failure pattern of this signature, as one reading plus its axes."""
         from harness.signatures.pattern import failure_patterns
 
@@ -128,8 +127,7 @@ def cmd_shrink(args: argparse.Namespace, shrink: bool = True) -> int:
     origin = Origin(args, "shrink" if shrink else "reproduce")
     if shrink:
         require_shrinkable(
-            origin.check,
-            reference_of(origin.options, origin.server_bin, origin.source, origin.cell.backend),
+            origin.check, reference_of(origin.options, origin.server_bin, origin.source, origin.cell.backend)
         )
     start = initial(origin.suite, args.case, origin.check, origin.cell)
     out = prepare_out(Path(args.out) if args.out else new_run_dir(reports_dir()))
@@ -137,13 +135,7 @@ def cmd_shrink(args: argparse.Namespace, shrink: bool = True) -> int:
     stopped = None
     with tempfile.TemporaryDirectory(prefix="specharness-shrink-") as logs:
         runner = Runner(
-            origin.options,
-            origin.server_bin,
-            origin.source,
-            origin.signature,
-            Policy(),
-            Path(logs),
-            origin=start,
+            origin.options, origin.server_bin, origin.source, origin.signature, Policy(), Path(logs), origin=start
         )
         try:
             runner.policy, attempts = _reproduce(runner, start, args.tries, _say)
@@ -166,15 +158,7 @@ def cmd_shrink(args: argparse.Namespace, shrink: bool = True) -> int:
             attempt = trial.showing(origin.signature)
             note = _summary(start, best, runner, shrinker, args.from_run)
             build = runner.build() if best.cell.backend == "server" else None
-            files = write_bundle(
-                out,
-                best,
-                attempt,
-                build,
-                origin.options.draft_model,
-                origin.pattern(),
-                note,
-            )
+            files = write_bundle(out, best, attempt, build, origin.options.draft_model, origin.pattern(), note)
             stopped = stopped or ("interrupted" if interrupt.received() else None)
             (out / "shrink.json").write_text(
                 json.dumps(
@@ -232,19 +216,8 @@ def _policy(text: str) -> Policy:
 
 
 def _common(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "--from-run",
-        type=Path,
-        required=True,
-        metavar="RUN_DIR",
-        help="run directory with the failure",
-    )
-    p.add_argument(
-        "--case",
-        required=True,
-        metavar="ID",
-        help="the failing case (a chat turn: name.turnN)",
-    )
+    p.add_argument("--from-run", type=Path, required=True, metavar="RUN_DIR", help="run directory with the failure")
+    p.add_argument("--case", required=True, metavar="ID", help="the failing case (a chat turn: name.turnN)")
     p.add_argument(
         "--check",
         metavar="NAME",
@@ -252,21 +225,10 @@ def _common(p: argparse.ArgumentParser) -> None:
         "first failure that is not a consequence of another)",
     )
     for axis in ("mode", "spec", "model", "backend"):
-        p.add_argument(
-            f"--{axis}",
-            help=f"the failing cell's {axis}, when the case failed in several",
-        )
+        p.add_argument(f"--{axis}", help=f"the failing cell's {axis}, when the case failed in several")
+    p.add_argument("--server-bin", type=Path, metavar="PATH", help="llama-server binary (default: the run's)")
     p.add_argument(
-        "--server-bin",
-        type=Path,
-        metavar="PATH",
-        help="llama-server binary (default: the run's)",
-    )
-    p.add_argument(
-        "--source",
-        type=Path,
-        metavar="DIR",
-        help="llama.cpp tree to build llama-server from (default: the run's)",
+        "--source", type=Path, metavar="DIR", help="llama.cpp tree to build llama-server from (default: the run's)"
     )
     p.add_argument(
         "--tries",
@@ -279,10 +241,7 @@ def _common(p: argparse.ArgumentParser) -> None:
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     """Register `specharness shrink` and `specharness repro`."""
-    p = sub.add_parser(
-        "shrink",
-        help="delta-debug a failing case down to the smallest one with the same signature",
-    )
+    p = sub.add_parser("shrink", help="delta-debug a failing case down to the smallest one with the same signature")
     _common(p)
     p.add_argument(
         "--reproduce",
@@ -299,9 +258,6 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help="stop after S seconds with the smallest failing case found (default 900)",
     )
     p.set_defaults(func=cmd_shrink)
-    r = sub.add_parser(
-        "repro",
-        help="write the reproducer bundle (repro.sh, repro.py, ISSUE.md) of a failing case",
-    )
+    r = sub.add_parser("repro", help="write the reproducer bundle (repro.sh, repro.py, ISSUE.md) of a failing case")
     _common(r)
     r.set_defaults(func=cmd_repro, reproduce=None, time_limit=None)

@@ -4,7 +4,8 @@ failing case found so far, so an interrupt loses nothing. Tested on known predic
 
 from __future__ import annotations
 
-from typing import Callable, Sequence, TypeVar
+from collections.abc import Callable, Sequence
+from typing import TypeVar
 
 T = TypeVar("T")
 

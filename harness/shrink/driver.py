@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable, Optional
 
 from harness.errors import HarnessError
 from harness.matrix import spec_preset
@@ -52,12 +52,7 @@ class Shrinker:
     """Runs the passes; `best` (and `best_trial`) is the smallest candidate that still fails."""
 
     def __init__(
-        self,
-        runner: Runner,
-        start: Trial,
-        log: Path,
-        say: Callable[[str], None],
-        time_limit: Optional[float] = None,
+        self, runner: Runner, start: Trial, log: Path, say: Callable[[str], None], time_limit: float | None = None
     ):
         self.runner = runner
         self.best, self.best_trial = start.candidate, start
@@ -66,7 +61,7 @@ class Shrinker:
         self.started = time.monotonic()
         self.deadline = self.started + time_limit if time_limit else None
         self.seen: dict[Candidate, bool] = {start.candidate: True}
-        self.stopped: Optional[str] = None
+        self.stopped: str | None = None
 
     def elapsed(self) -> float:
         return time.monotonic() - self.started
@@ -132,10 +127,7 @@ class Shrinker:
         kind = resolve(cell.model).kind
         tiny = TINY.get(kind)
         if tiny and cell.model != tiny and self.runner.options.draft_model is None:
-            self.fails(
-                self.best.with_(cell=cell.reference(model=tiny)),
-                f"model {tiny} instead of {cell.model}",
-            )
+            self.fails(self.best.with_(cell=cell.reference(model=tiny)), f"model {tiny} instead of {cell.model}")
 
     def in_flight(self) -> None:
         best = self.best
@@ -144,8 +136,7 @@ class Shrinker:
                 ddmin(
                     list(best.companions),
                     lambda c: self.fails(
-                        self.best.with_(companions=tuple(c)),
-                        f"other requests {len(c)}: {', '.join(c)}",
+                        self.best.with_(companions=tuple(c)), f"other requests {len(c)}: {', '.join(c)}"
                     ),
                 )
         if len(self.best.rounds) > 1:
@@ -160,18 +151,14 @@ class Shrinker:
             ddmin(
                 earlier,
                 lambda kept: self.fails(
-                    self.best.with_(turns=(*kept, self.best.turn)),
-                    f"turns {[t + 1 for t in (*kept, self.best.turn)]}",
+                    self.best.with_(turns=(*kept, self.best.turn)), f"turns {[t + 1 for t in (*kept, self.best.turn)]}"
                 ),
             )
         tokens = self._prompt_tokens()
         if tokens:
-            self.fails(
-                self.best.with_(prompt=tuple(tokens)),
-                f"the failing turn as a prompt of {len(tokens)} tokens",
-            )
+            self.fails(self.best.with_(prompt=tuple(tokens)), f"the failing turn as a prompt of {len(tokens)} tokens")
 
-    def _prompt_tokens(self) -> Optional[list[int]]:
+    def _prompt_tokens(self) -> list[int] | None:
         """The failing request's prompt as token ids: as the backend evaluated it, or a completion prompt
         tokenized here (a crashed request reports none)."""
         best = self.best
@@ -193,22 +180,16 @@ class Shrinker:
         first = (attempt.verdict.evidence.get("first_divergence") or {}) if attempt and attempt.verdict else {}
         if isinstance(first.get("index"), int) and first["index"] + 1 < best.n_predict:
             self.fails(
-                best.with_(n_predict=first["index"] + 1),
-                f"n_predict {first['index'] + 1} (to the first divergence)",
+                best.with_(n_predict=first["index"] + 1), f"n_predict {first['index'] + 1} (to the first divergence)"
             )
         high = self.best.n_predict if self.best.n_predict > 0 else 4096
-        smallest(
-            1,
-            high,
-            lambda n: n == high or self.fails(self.best.with_(n_predict=n), f"n_predict {n}"),
-        )
+        smallest(1, high, lambda n: n == high or self.fails(self.best.with_(n_predict=n), f"n_predict {n}"))
 
     def prompt(self) -> None:
         if self.best.prompt is None:
             tokens = self._prompt_tokens()
             if not tokens or not self.fails(
-                self.best.with_(prompt=tuple(tokens)),
-                f"the prompt as {len(tokens)} token ids",
+                self.best.with_(prompt=tuple(tokens)), f"the prompt as {len(tokens)} token ids"
             ):
                 return
         ddmin(
@@ -218,11 +199,7 @@ class Shrinker:
 
     def drafter(self) -> None:
         preset = spec_preset(self.best.cell.spec)
-        options = {
-            **preset.options,
-            **self.runner.spec_overrides(),
-            **dict(self.best.spec),
-        }
+        options = {**preset.options, **self.runner.spec_overrides(), **dict(self.best.spec)}
         for name, value in options.items():
             if name == "spec-draft-p-min" and value:
                 self.fails(self.best.with_spec(name, 0.0), f"{name} 0")
@@ -240,9 +217,7 @@ class Shrinker:
         names = [n for n in SERVE_KEYS if n != "parallel" or self.best.cell.mode != "seq"]
         for name in names:
             value = self.best.serve_value(
-                name,
-                suite,
-                self.runner.options.parallel if name == "parallel" else SERVE_DEFAULTS[name],
+                name, suite, self.runner.options.parallel if name == "parallel" else SERVE_DEFAULTS[name]
             )
             if value > SERVE_FLOOR[name]:
                 smallest(
@@ -254,7 +229,7 @@ class Shrinker:
                 )
 
 
-def require_shrinkable(check: str, reference: Optional[str]) -> None:
+def require_shrinkable(check: str, reference: str | None) -> None:
     """`baseline` and `acceptance` compare with what is stored for the original case: a smaller case needs a
     reference configuration to record its own (trial.Runner.baselines), which a run of the reference
     configuration itself (no --fault in-process, the vendored llama-server) does not have (`reference`:

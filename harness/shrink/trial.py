@@ -18,7 +18,6 @@ import argparse
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional
 
 from harness import detok as detokenizers
 from harness.backends.build import BuildInfo, ensure_server
@@ -49,10 +48,10 @@ class Attempt:
     """One run of a candidate: the verdict of its check, the signatures of its failures, the cell runs."""
 
     signatures: list[str]
-    verdict: Optional[CheckResult]
+    verdict: CheckResult | None
     run: CellRun
     executor: Executor
-    harness_error: Optional[str] = None
+    harness_error: str | None = None
 
     def shows(self, signature: str) -> bool:
         return signature in self.signatures
@@ -66,7 +65,7 @@ class Trial:
     attempts: list[Attempt] = field(default_factory=list)
     holds: bool = False
 
-    def showing(self, signature: str) -> Optional[Attempt]:
+    def showing(self, signature: str) -> Attempt | None:
         """The last attempt that showed the signature (what a reproducer is written from)."""
         return next((a for a in reversed(self.attempts) if a.shows(signature)), None)
 
@@ -75,12 +74,7 @@ BASELINE_CHECKS = ("baseline", "acceptance")
 """Checks that compare with the baseline stored for the original case."""
 
 
-def reference_of(
-    options: argparse.Namespace,
-    server_bin: Optional[Path],
-    source: Optional[Path],
-    backend: str,
-) -> Optional[str]:
+def reference_of(options: argparse.Namespace, server_bin: Path | None, source: Path | None, backend: str) -> str | None:
     """What the reference configuration of a run's cell differs in from the run's (`without --fault`, `the
     vendored llama-server`); None when the run's configuration is the reference itself."""
     if backend == "server":
@@ -95,12 +89,12 @@ class Runner:
     def __init__(
         self,
         options: argparse.Namespace,
-        server_bin: Optional[Path],
-        source: Optional[Path],
+        server_bin: Path | None,
+        source: Path | None,
         signature: str,
         policy: Policy,
-        logs: Optional[Path] = None,
-        origin: Optional[Candidate] = None,
+        logs: Path | None = None,
+        origin: Candidate | None = None,
     ):
         self.options = options
         self.server_bin, self.source = server_bin, source
@@ -109,7 +103,7 @@ class Runner:
         self.logs = Path(logs or tempfile.mkdtemp(prefix="specharness-shrink-"))
         self.origin = origin
         self.count = 0
-        self._build: Optional[BuildInfo] = None
+        self._build: BuildInfo | None = None
         self._references: dict[Candidate, BaselineStore] = {}
 
     def build(self) -> BuildInfo:
@@ -154,14 +148,7 @@ class Runner:
             recording = BaselineStore(root, update=True)
             if run.error is None and run.harness_error is None:
                 evaluate(
-                    CheckContext(
-                        run,
-                        candidate.key,
-                        executor,
-                        recording,
-                        str,
-                        "specharness shrink",
-                    ),
+                    CheckContext(run, candidate.key, executor, recording, str, "specharness shrink"),
                     list(BASELINE_CHECKS),
                 )
             self._references[candidate] = BaselineStore(root)
@@ -174,28 +161,16 @@ class Runner:
         if run.harness_error is not None:
             return Attempt([], None, run, executor, harness_error=run.harness_error)
         detok = detokenizers.for_model(candidate.cell.model) or str if run.error is None else str
-        ctx = CheckContext(
-            run,
-            candidate.key,
-            executor,
-            self.baselines(candidate),
-            detok,
-            "specharness shrink",
-        )
+        ctx = CheckContext(run, candidate.key, executor, self.baselines(candidate), detok, "specharness shrink")
         try:
             results = evaluate(ctx, [candidate.check])
         except HarnessBug as err:
             return Attempt([], None, run, executor, harness_error=str(err))
         records = [{"error": o.result.error, "stop_reason": o.result.stop_reason} for o in run.of_case(candidate.key)]
         failed = [r for r in results if not r.passed]
-        return Attempt(
-            [signature_of(r, records) for r in failed],
-            failed[0] if failed else None,
-            run,
-            executor,
-        )
+        return Attempt([signature_of(r, records) for r in failed], failed[0] if failed else None, run, executor)
 
-    def trial(self, candidate: Candidate, policy: Optional[Policy] = None) -> Trial:
+    def trial(self, candidate: Candidate, policy: Policy | None = None) -> Trial:
         """Run the candidate until `policy` (default: the runner's) decides whether the signature holds."""
         policy = policy or self.policy
         trial = Trial(candidate)

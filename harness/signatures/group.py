@@ -2,17 +2,10 @@
 that only restate it (consequences), most severe kind first, then the most widespread."""
 
 from collections import defaultdict
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Callable, Iterable
 
-from harness.signatures.signature import (
-    CHECK,
-    CRASH,
-    DIVERGENCE,
-    ERROR,
-    TIMEOUT,
-    classify,
-)
+from harness.signatures.signature import CHECK, CRASH, DIVERGENCE, ERROR, TIMEOUT, classify
 
 KINDS = (CRASH, TIMEOUT, ERROR, DIVERGENCE, CHECK)
 """Signature kinds, in the order a report lists them."""

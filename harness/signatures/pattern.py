@@ -3,8 +3,8 @@ suites and cases), which values it failed in, which ran without it, which did no
 model kind × backend grid of the same; and the one-line reading a maintainer would write
 ("only par / no-kv-unified, only draft-simple, only hybrid / recurrent; seq clean")."""
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Iterable
 
 from harness.signatures.group import CELL, Failure, case_key, group
 
@@ -25,13 +25,7 @@ class RunCell:
 
     @property
     def key(self) -> tuple:
-        return (
-            self.suite,
-            self.axes["mode"],
-            self.axes["spec"],
-            self.axes["model"],
-            self.axes["backend"],
-        )
+        return (self.suite, self.axes["mode"], self.axes["spec"], self.axes["model"], self.axes["backend"])
 
 
 def run_cells(checks: Iterable[dict], meta: dict) -> list[RunCell]:
@@ -131,10 +125,7 @@ def pattern(failure: Failure, cells: list[RunCell]) -> Pattern:
         columns=columns,
         grid=grid,
         suites=(len({c[0] for c in failing}), len(suites_ran)),
-        cases=(
-            len(failing),
-            sum(len(c.cases) for c in cells if c.ran or state[c.key] == FAILED),
-        ),
+        cases=(len(failing), sum(len(c.cases) for c in cells if c.ran or state[c.key] == FAILED)),
     )
 
 

@@ -27,16 +27,11 @@ the results.json records of its case and cell).
 """
 
 import re
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any, Iterable, Optional
+from typing import Any
 
-CRASH, TIMEOUT, ERROR, DIVERGENCE, CHECK = (
-    "crash",
-    "timeout",
-    "error",
-    "divergence",
-    "check",
-)
+CRASH, TIMEOUT, ERROR, DIVERGENCE, CHECK = "crash", "timeout", "error", "divergence", "check"
 """What kind of failure a signature names."""
 KV_DAMAGE = (
     ("duplicate_cells", "duplicate cells"),
@@ -70,14 +65,7 @@ SHAPES = {
     "prompt-reuse": "a prompt's cache reuse differs from no speculation",
 }
 """Checks whose failure is one thing whatever the details: the signature names only that."""
-ROOTS = (
-    "no-crash",
-    "kv-healthy",
-    "lossless",
-    "mode-invariant",
-    "repeat-identical",
-    "baseline",
-)
+ROOTS = ("no-crash", "kv-healthy", "lossless", "mode-invariant", "repeat-identical", "baseline")
 """Checks whose failure makes the other failing verdicts of its case and cell (those of checks after it here,
 and any other check) its consequences: a crash first, then a damaged KV cache, then a divergence of the output
 from the most telling reference (see `classify`)."""
@@ -113,7 +101,7 @@ def normalise(text: str) -> str:
     return out if len(out) <= LIMIT else out[: LIMIT - 1] + "…"
 
 
-def abort_reason(error: str) -> Optional[str]:
+def abort_reason(error: str) -> str | None:
     """The telling part of a crash report (backends.process.crash_report): the abort line after `<who> <how
     it ended>: ` without the source file and line, or, for an uncaught C++ exception, its `what()` from the
     log; None when the report has neither."""
@@ -141,8 +129,7 @@ def of_error(error: str) -> Signature:
         return _restating(of_error(first[: unsent.start()] + "\n" + error.partition("\n")[2]))
     if first.startswith("timeout:"):
         return Signature(
-            "timeout: " + normalise(CASE.sub("the request", first[len("timeout:") :]).split(";")[0]),
-            TIMEOUT,
+            "timeout: " + normalise(CASE.sub("the request", first[len("timeout:") :]).split(";")[0]), TIMEOUT
         )
     ended = EXIT.search(first)
     if ended:
@@ -159,27 +146,19 @@ def _as_record(verdict: Any) -> dict:
     """A checks.json record from a record or a CheckResult."""
     if isinstance(verdict, dict):
         return verdict
-    return {
-        "check": verdict.name,
-        "passed": verdict.passed,
-        "message": verdict.message,
-        "evidence": verdict.evidence,
-    }
+    return {"check": verdict.name, "passed": verdict.passed, "message": verdict.message, "evidence": verdict.evidence}
 
 
-def _kv_damage(evidence: dict) -> Optional[str]:
+def _kv_damage(evidence: dict) -> str | None:
     """The first kind of damage in the target's cache, else in the draft model's context (`... in the draft
     context`), None when the evidence names none."""
     found = next((name for key, name in KV_DAMAGE if evidence.get(key)), None)
     draft = evidence.get("draft_context") or {}
-    in_draft = next(
-        (f"{name} in the draft context" for key, name in KV_DAMAGE if draft.get(key)),
-        None,
-    )
+    in_draft = next((f"{name} in the draft context" for key, name in KV_DAMAGE if draft.get(key)), None)
     return found or in_draft
 
 
-def _first_error(verdict: dict, records: Iterable[dict]) -> Optional[str]:
+def _first_error(verdict: dict, records: Iterable[dict]) -> str | None:
     """The error no-crash reports: from its message (`... round R: <error>` / `the cell could not be served:
     <error>`, the whole error with its log tail), else the case's first crashed (or timed-out) request's, else
     its first failed one's."""
@@ -187,10 +166,7 @@ def _first_error(verdict: dict, records: Iterable[dict]) -> Optional[str]:
     if found:
         return found.group(1).split("\n  reproduce: ")[0]
     failed = [r for r in records if r.get("error")]
-    first = next(
-        (r for r in failed if r.get("stop_reason") in ("crashed", "timeout")),
-        failed[0] if failed else None,
-    )
+    first = next((r for r in failed if r.get("stop_reason") in ("crashed", "timeout")), failed[0] if failed else None)
     return first["error"] if first else None
 
 
@@ -219,11 +195,7 @@ def classify(verdict: Any, records: Iterable[dict] = (), siblings: Iterable[Any]
 def _own(v: dict, records: list[dict]) -> Signature:
     """A verdict's signature from its own evidence (a consequence only where that evidence says so: a
     reference that failed, a divergence triaged `kv-corrupt`, a chat turn not sent)."""
-    check, message, evidence = (
-        v["check"],
-        v.get("message") or "",
-        v.get("evidence") or {},
-    )
+    check, message, evidence = v["check"], v.get("message") or "", v.get("evidence") or {}
     first = evidence.get("first_divergence")
     if check == "no-crash":
         error = _first_error(v, records)
@@ -235,10 +207,7 @@ def _own(v: dict, records: list[dict]) -> Signature:
             found = KV_FINDING.search(first.get("reason") or "")
             if found:
                 counts = dict(
-                    zip(
-                        ("duplicate_cells", "orphans", "missing_positions"),
-                        map(int, found.groups()),
-                    )
+                    zip(("duplicate_cells", "orphans", "missing_positions"), map(int, found.groups()), strict=False)
                 )
                 if _kv_damage(counts):
                     return Signature(f"kv-healthy: {_kv_damage(counts)}", CHECK, consequence=True)
@@ -262,10 +231,7 @@ def _shape(verdict: dict) -> str:
         return f"fell against {fell.group(1)}" if fell else "no acceptance baseline"  # the rate or the count
     first = message.split("\n")[0].split("; ")[0]
     if all(k in verdict for k in ("mode", "spec", "model", "backend")):
-        first = first.replace(
-            f"{verdict['mode']}-{verdict['spec']}-{verdict['model']}-{verdict['backend']}",
-            "CELL",
-        )
+        first = first.replace(f"{verdict['mode']}-{verdict['spec']}-{verdict['model']}-{verdict['backend']}", "CELL")
         first = first.replace(f"{verdict['mode']}/{verdict['spec']}", "MODE/SPEC")
     if verdict.get("case"):
         first = re.sub(rf"(?<![\w.-]){re.escape(verdict['case'])}(?![\w.-])", "CASE", first)

@@ -6,11 +6,7 @@ from rich.table import Table
 from harness.signatures.group import Failure, headline
 from harness.signatures.pattern import FAILED, NOT_RUN, PASSED, Pattern
 
-MARKS = {
-    FAILED: "[red]✗ {failed}/{cases}[/]",
-    PASSED: "[green]✓ {cases}[/]",
-    NOT_RUN: "[dim]not run[/]",
-}
+MARKS = {FAILED: "[red]✗ {failed}/{cases}[/]", PASSED: "[green]✓ {cases}[/]", NOT_RUN: "[dim]not run[/]"}
 """A grid cell on the console: failed (cases with the failure / cases run), passed (cases run), not run."""
 
 
@@ -53,7 +49,7 @@ def print_failures(found: list[tuple[Failure, Pattern]], console, known: dict[st
     if not lines:
         return
     console.print(lines[0], style="bold red", markup=False, highlight=False)
-    for (_, p), title, reading in zip(found, lines[1::2], lines[2::2]):
+    for (_, p), title, reading in zip(found, lines[1::2], lines[2::2], strict=False):
         console.print(title, style="bold", markup=False, highlight=False)
         console.print(reading, markup=False, highlight=False)
         console.print(grid_table(p))

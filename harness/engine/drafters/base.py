@@ -2,7 +2,6 @@
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Optional
 
 
 @dataclass
@@ -57,7 +56,7 @@ class Drafter(ABC):
         (what llama.cpp PR #21815 adds to llama-server; at 0c1e570 it does not, and ngram-map aborts)."""
         self.begin(seq_id, history)
 
-    def scan(self, seq_id: int, n_past: int) -> Optional[dict]:
+    def scan(self, seq_id: int, n_past: int) -> dict | None:
         """The KV scanner's brief verdict on this drafter's own context for `seq_id`, which mirrors the target's
         positions 0..n_past-1; None when the drafter has no context (or stopped following the sequence)."""
         return None

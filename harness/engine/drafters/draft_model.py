@@ -2,7 +2,6 @@
 
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Optional
 
 import numpy as np
 
@@ -76,13 +75,7 @@ class DraftSimple(Drafter):
             # as llama-server sizes it (common_speculative_init_result): the target's n_ctx, slots and batch sizes,
             # no recurrent snapshots, its own KV cache types (`cache_types`: -ctkd / -ctvd)
             self.ctx = Context(
-                self.model,
-                replace(
-                    target.params,
-                    n_rs_seq=0,
-                    cache_type_k=cache_types[0],
-                    cache_type_v=cache_types[1],
-                ),
+                self.model, replace(target.params, n_rs_seq=0, cache_type_k=cache_types[0], cache_type_v=cache_types[1])
             )
         except BaseException:
             self.close()
@@ -97,7 +90,7 @@ class DraftSimple(Drafter):
         self.left: dict[int, dict] = {}
         """seq → the scan of its draft-context copy when a decode into the draft context failed and drafting
         stopped for it (`broken`): what the context held then, against the target's positions before the batch."""
-        self.checker: Optional[KvChecker] = None
+        self.checker: KvChecker | None = None
 
     def _check_vocab(self, target: Model) -> None:
         if abs(self.model.n_vocab - target.n_vocab) > 128 or any(
@@ -218,7 +211,7 @@ class DraftSimple(Drafter):
         if seq_id in self.n_mirrored:
             self.n_mirrored[seq_id] -= n_discard
 
-    def scan(self, seq_id: int, n_past: int) -> Optional[dict]:
+    def scan(self, seq_id: int, n_past: int) -> dict | None:
         """Scan the draft context's sequence, which must hold what the target holds. Where drafting stopped for
         the sequence (`broken`) its context is no longer followed: the scan taken when a decode into it failed
         (a draft context that keeps what it should have dropped fills before the target's), else None."""

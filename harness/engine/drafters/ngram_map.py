@@ -12,7 +12,7 @@ from functools import cache
 
 import numpy as np
 
-from harness.engine.drafters.base import DraftRequest, Drafter
+from harness.engine.drafters.base import Drafter, DraftRequest
 from harness.engine.drafters.ngram_simple import iter_ngram, rfind_ngram
 
 MAX_VALUES = 4  # COMMON_NGRAM_MAX_VALUES

@@ -5,7 +5,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from harness.engine.drafters.base import DraftRequest, Drafter
+from harness.engine.drafters.base import Drafter, DraftRequest
 from harness.engine.drafters.ngram_map import poly_hashes
 
 HASH_BITS = 22

@@ -3,7 +3,7 @@
 
 from collections.abc import Iterator
 
-from harness.engine.drafters.base import DraftRequest, Drafter
+from harness.engine.drafters.base import Drafter, DraftRequest
 
 
 def iter_ngram(tokens: list[int], pattern: list[int], lo: int, hi: int) -> Iterator[int]:
@@ -38,7 +38,7 @@ def rfind_ngram(tokens: list[int], pattern: list[int], lo: int, hi: int) -> int:
     while hi >= lo:
         start = max(lo, hi - width + 1)
         found = 0
-        for found in iter_ngram(tokens, pattern, start, hi):
+        for found in iter_ngram(tokens, pattern, start, hi):  # noqa: B007 - the last match is the largest
             pass
         if found:
             return found

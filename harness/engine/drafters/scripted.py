@@ -3,7 +3,7 @@
 import functools
 from collections.abc import Callable
 
-from harness.engine.drafters.base import DraftRequest, Drafter
+from harness.engine.drafters.base import Drafter, DraftRequest
 
 WrongAt = set[int] | Callable[[int, int, int], bool]
 
@@ -12,9 +12,7 @@ def _lookup(script: dict[tuple[int, ...], list[int]], prompt: list[int]) -> list
     return script.get(tuple(prompt), [])
 
 
-def by_prompt(
-    script: dict[tuple[int, ...], list[int]],
-) -> Callable[[list[int]], list[int]]:
+def by_prompt(script: dict[tuple[int, ...], list[int]]) -> Callable[[list[int]], list[int]]:
     """A `continuation` that looks each request's prompt up in `script` (picklable: the in-process
     engine runs in a worker process)."""
     return functools.partial(_lookup, script)
@@ -29,11 +27,7 @@ def at_draft_position(k: int) -> WrongAt:
     return functools.partial(_at_position, k)
 
 
-SCRIPTS = {
-    "accept-all": {},
-    "reject-all": {"reject_all": True},
-    "wrong-at-2": {"wrong_at": at_draft_position(2)},
-}
+SCRIPTS = {"accept-all": {}, "reject-all": {"reject_all": True}, "wrong-at-2": {"wrong_at": at_draft_position(2)}}
 """The scripted presets (`scripted-accept`, `scripted-reject`, `scripted-wrong-at-2`): Scripted's options."""
 
 
