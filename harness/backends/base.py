@@ -1,12 +1,17 @@
 """What every backend offers: serve one model in one mode and turn Requests into Results."""
 
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
 from harness import MODES
 from harness.errors import HarnessError
+from harness.llama_defaults import AMX_DEFECT as AMX_DEFECT
+from harness.llama_defaults import INVALID_BATCH as INVALID_BATCH
+from harness.llama_defaults import cpu_flags as cpu_flags
+from harness.llama_defaults import default_repack as default_repack
+from harness.llama_defaults import default_threads as default_threads
+from harness.llama_defaults import invalid_batch as invalid_batch
 from harness.request import Request
 from harness.result import Result
 
@@ -18,20 +23,6 @@ DEADLINE_SLACK = 4.0
 """How many times slower than the slowest request measured so far a request may be before it counts as hung."""
 ASSUMED_TOKENS_PER_S = 5.0
 """The speed assumed before a session has measured one (a small model on a busy 2-core machine does more)."""
-
-
-INVALID_BATCH = "llama.cpp rejected the batch as invalid (inconsistent sequence positions)"
-"""llama_decode's -1: llama_batch_allocr::init refused the batch (llama-server answers `Invalid input batch.`)."""
-
-
-def invalid_batch(seq_id: int, last: int, start: int) -> str:
-    """Why llama.cpp refused a batch, in one line with llama.cpp's own names, the same from both backends: the
-    last position X the memory holds for the sequence and the batch's first position Y, which must be X + 1
-    (X < Y for M-RoPE)."""
-    return (
-        f"{INVALID_BATCH}: the KV cache's last position of sequence {seq_id} is X = {last}, the batch "
-        f"starts it at Y = {start} (required: Y = X + 1)"
-    )
 
 
 def request_deadline(request: Request, n_ctx: int, tokens_per_second: float | None = None) -> float:
@@ -121,33 +112,6 @@ class StallMeter:
     def _step_s(self, prompt_tokens: int) -> float:
         step_s = self.step_s or 1.0 / ASSUMED_TOKENS_PER_S
         return step_s + prompt_tokens * (self.prompt_token_s or 1.0 / ASSUMED_PROMPT_TOKENS_PER_S)
-
-
-def cpu_flags() -> frozenset[str]:
-    """The CPU's feature flags (`/proc/cpuinfo`; empty where there is none)."""
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return frozenset()
-    line = next((row for row in text.splitlines() if row.startswith("flags")), "")
-    return frozenset(line.partition(":")[2].split())
-
-
-AMX_DEFECT = "amx_int8"
-"""The CPU flag under which llama.cpp's AMX matrix multiplication (weights repacked into the AMX buffer type)
-segfaults on Q4_K models: ggml-org/llama.cpp#20824, the `amx-repack-segfault` entry of known-failures.yaml."""
-
-
-def default_repack() -> bool:
-    """llama-server's `--repack` default (on), except on a CPU with AMX, where the repacked weights crash
-    llama.cpp (AMX_DEFECT): there the suites serve with `--no-repack`, the run header says so, and the
-    `amx-repack` suite keeps the defect itself under test as a known failure."""
-    return AMX_DEFECT not in cpu_flags()
-
-
-def default_threads() -> int:
-    """Half the cores (at least one): spin barriers make all-core decoding slow on a busy 2-core box."""
-    return max(1, (os.cpu_count() or 2) // 2)
 
 
 @dataclass

@@ -6,9 +6,9 @@ from pathlib import Path
 
 import llama_cpp
 
-from harness.backends.base import default_repack
 from harness.engine.logging import ensure_quiet
 from harness.errors import HarnessError
+from harness.llama_defaults import default_repack
 
 FALLBACK_CHAT_TEMPLATE = b"chatml"
 """Used for models without a template of their own (the tiny models), as llama-server does."""

@@ -11,12 +11,12 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from harness.backends.base import INVALID_BATCH, invalid_batch
 from harness.engine.context import Context
 from harness.engine.ctxshift import needs_shift, shift_span
 from harness.engine.kvcheck import KvChecker
 from harness.engine.slot import Phase, Slot
 from harness.engine.speculative import SpecConfig, Speculation, StepPlan
+from harness.llama_defaults import INVALID_BATCH, invalid_batch
 from harness.request import Request
 from harness.result import Result
 
