@@ -17,6 +17,7 @@ import pytest
 from harness import MODES, detok, interrupt
 from harness.backends.base import KV_SCAN
 from harness.backends.choose import backend_factories
+from harness.backends.facts import run_backends
 from harness.baselines import BaselineStore, not_recorded_lines, uncalibrated_lines
 from harness.checks import evaluate
 from harness.checks.base import CheckContext
@@ -433,6 +434,7 @@ def _write_report(session: pytest.Session, state: dict, exitstatus) -> None:
             done=done,
             suites=state["suites"],
             known=state["known"],
+            backends=run_backends(state["executor"]),
             shard=str(state["shard"]) if state["shard"] else None,
             interrupted=exitstatus == pytest.ExitCode.INTERRUPTED or interrupt.received() is not None,
         )

@@ -20,6 +20,7 @@ from harness import detok as detokenizers
 from harness import interrupt
 from harness.backends.base import KV_SCAN, STALL_FLOOR_S
 from harness.backends.choose import backend_factories
+from harness.backends.facts import run_backends
 from harness.baselines import BaselineStore, not_recorded_lines, shown, uncalibrated_lines
 from harness.checks import evaluate
 from harness.checks.base import CheckContext
@@ -341,6 +342,7 @@ def cmd_run(args: argparse.Namespace) -> int:
             done=done,
             suites={suite.name: suite.path for suite in suites},
             known=known,
+            backends=run_backends(executor),
             shard=str(part) if part else None,
             interrupted=interrupted,
         )

@@ -117,7 +117,8 @@ def cmd_speed(args: argparse.Namespace, console: Console) -> int:
     if args.json and Path(args.json).exists():
         raise HarnessError(f"{args.json} already exists (choose another --json; results are never overwritten)")
     from harness.backends.choose import backend_factories
-    from harness.report.files import backend_facts, host, now
+    from harness.backends.facts import backend_facts
+    from harness.report.files import host, now
 
     machine = {**host(), "load_before": round(os.getloadavg()[0], 2)}
     started = now()

@@ -23,7 +23,6 @@ from typing import TYPE_CHECKING
 import pandas as pd
 
 from harness import __version__
-from harness.backends.flags import server_version
 from harness.errors import HarnessError
 from harness.logits import PositionLogits, from_frame, load_parquet, save_parquet, to_frame
 from harness.paths import write_atomic
@@ -270,8 +269,8 @@ def _cpu() -> str:
 
 def host() -> dict:
     """The machine: CPU model, cores, OS and Python (no host name, no paths), and whether the suites load
-    weights with repacking (off on a CPU whose AMX path crashes llama.cpp: backends.base.default_repack)."""
-    from harness.backends.base import AMX_DEFECT, default_repack
+    weights with repacking (off on a CPU whose AMX path crashes llama.cpp: llama_defaults.default_repack)."""
+    from harness.llama_defaults import AMX_DEFECT, default_repack
 
     return {
         "cpu": _cpu(),
@@ -282,24 +281,6 @@ def host() -> dict:
         if default_repack()
         else f"off (--no-repack: the CPU has {AMX_DEFECT}, known failure amx-repack-segfault, llama.cpp #20824)",
     }
-
-
-def backend_facts(name: str, backend) -> dict:
-    """A started backend's environment plus how its llama.cpp was built: llama-server's build (commit,
-    CMake options, compiler; no paths) and its `--version`, or llama-cpp-python's system info."""
-    facts = dict(backend.environment())
-    build = getattr(backend, "build", None)
-    if build is not None:
-        data = build.to_json()
-        facts["build"] = {
-            k: data[k] for k in ("commit", "dirty", "backend", "cmake_args", "compiler", "built_at") if k in data
-        }
-        facts["version"] = server_version(build.server_bin)
-    elif name == "inproc":
-        import llama_cpp
-
-        facts["system_info"] = llama_cpp.llama_print_system_info().decode(errors="replace").strip()
-    return facts
 
 
 def llama_cpp_identity(meta: dict) -> dict:
@@ -326,13 +307,16 @@ def describe_run(
     done: list,
     suites: dict,
     known: list,
+    backends: dict,
     shard: str | None = None,
     interrupted: bool = False,
 ) -> dict:
     """The content of `run.json` (`run_id` is added by write_run).
 
     `planned` and `done` are (suite name, Cell) pairs: the cells this run was to check and those it
-    finished; `suites` maps suite name → file; `known` is the list of known-failure entries."""
+    finished; `suites` maps suite name → file; `known` is the list of known-failure entries; `backends` the
+    facts of the run's backends (harness.backends.facts.run_backends: the caller asks the live backends, so
+    writing the files runs no llama.cpp tool)."""
     from harness.models import resolve
 
     runs = {(r.suite.name, r.cell): r for r in executor.runs()}
@@ -369,12 +353,6 @@ def describe_run(
             "arch": info.arch,
             "kind": info.kind,
         }
-    backends = {}
-    for name, backend in executor.backends().items():
-        try:
-            backends[name] = backend_facts(name, backend)
-        except HarnessError as err:
-            backends[name] = {"error": str(err)}
     return {
         "format": FORMAT,
         "tool": tool,

@@ -59,7 +59,8 @@ def _prompts(suite, cell, executor) -> dict[str, list[int]]:
 def environment(executor, backend: str) -> dict:
     """The environment lines of ISSUE.md: llama.cpp and how it was built, the machine, specharness."""
     from harness import __version__
-    from harness.report.files import backend_facts, host
+    from harness.backends.facts import backend_facts
+    from harness.report.files import host
 
     facts = backend_facts(backend, executor.backends()[backend])
     out = {}
