@@ -40,7 +40,7 @@ from harness.matrix import BACKEND_NAMES, Cell, spec_preset
 from harness.models import draft_for, model_key, resolve
 from harness.noise import calibration_path, calibration_root
 from harness.paths import write_atomic
-from harness.runner import DEFAULT_SUITE
+from harness.run_options import DEFAULT_SUITE
 from harness.suites import Case, Suite, load_suite, suite_files
 from harness.triage import at, gap
 

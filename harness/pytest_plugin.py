@@ -31,7 +31,8 @@ from harness.models import ModelUnavailable, resolve
 from harness.report import describe_run, publish, write_run
 from harness.report.files import RunDir, now
 from harness.report.merge import merge
-from harness.runner import count, csv, known_failures
+from harness.run_options import count, csv
+from harness.running import known_failures
 from harness.signatures.text import known_lines, summary_lines
 from harness.suites import load_suite, user_suites_dir
 

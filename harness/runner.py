@@ -6,10 +6,7 @@ SIGTERM (in any phase: what finished is still written, with a report marked inte
 """
 
 import argparse
-import secrets
 import sys
-import time
-from collections.abc import Callable
 from pathlib import Path
 
 from rich.console import Console
@@ -18,145 +15,32 @@ from rich.table import Table
 
 from harness import detok as detokenizers
 from harness import interrupt
-from harness.backends.base import KV_SCAN, STALL_FLOOR_S
 from harness.backends.choose import backend_factories
 from harness.backends.facts import run_backends
-from harness.baselines import BaselineStore, not_recorded_lines, shown, uncalibrated_lines
-from harness.checks import evaluate
-from harness.checks.base import CheckContext
-from harness.engine.faults import FAULTS
-from harness.engine.rollback import CHECKPOINT_FLAGS, STRATEGIES
-from harness.engine.speculative import SpecConfig
+from harness.baselines import BaselineStore, not_recorded_lines, uncalibrated_lines
 from harness.errors import HarnessError
-from harness.execute import CellRun, ExecOptions, Executor, case_keys
+from harness.execute import CellRun, Executor
 from harness.known_failures import FILE_NAME as KNOWN_FAILURES
-from harness.known_failures import load as load_known
 from harness.known_failures import tag
-from harness.matrix import SPEC_PRESETS, Cell, Shard, cells, narrowing, shard
+from harness.matrix import Cell, Shard, cells, narrowing
 from harness.models import ModelUnavailable, resolve
 from harness.paths import reports_dir
 from harness.report import describe_run, frame, publish, records, write_run
 from harness.report.files import RunDir, command_line, now, speedups
+from harness.run_options import (
+    DEFAULT_SUITE,
+    add_run_options,
+    csv,
+    exec_options,
+    new_run_dir,
+    prepare_out,
+    run_defaults,
+)
+from harness.running import known_failures, plan_jobs, run_suites, wide_console
 from harness.signatures.text import print_failures
-from harness.suites import Suite, find_suite, suite_files, suites_dir, user_suites_dir
+from harness.suites import Suite, find_suite, suite_files, user_suites_dir
 
-DEFAULT_SUITE = "quicksort"
-SPEC_PARAMS = [
-    f
-    for f in SpecConfig.__dataclass_fields__.values()
-    if f.name.startswith("spec_") and f.name not in ("spec_type", "spec_draft_model")
-]
-"""The `--spec-*` options (numbers, and the draft KV cache types), named exactly like llama-server's flags."""
 EXIT_FAILED, EXIT_INFRA = 1, 3
-
-
-def new_run_dir(parent: Path) -> Path:
-    """A fresh run directory `<parent>/<UTC time>-<random>`."""
-    return parent / (time.strftime("%Y%m%d-%H%M%S", time.gmtime()) + "-" + secrets.token_hex(3))
-
-
-def csv(value: str | None) -> list[str] | None:
-    """A comma-separated option as a list (None when not given)."""
-    return [v.strip() for v in value.split(",") if v.strip()] if value else None
-
-
-def count(minimum: int):
-    """An argparse type: an integer of at least `minimum`."""
-
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            value = minimum - 1
-        if value < minimum:
-            raise argparse.ArgumentTypeError(f"expected an integer >= {minimum}, got '{text}'")
-        return value
-
-    return parse
-
-
-def seconds(text: str) -> float:
-    """An argparse type: a positive number of seconds."""
-    try:
-        value = float(text)
-    except ValueError:
-        value = 0.0
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"expected a positive number of seconds, got '{text}'")
-    return value
-
-
-def prepare_out(out: Path) -> Path:
-    """Create the run directory up front; refuse a file, an unwritable place or an existing results.json."""
-    if (out / "results.json").exists():
-        raise HarnessError(
-            f"{out / 'results.json'} already exists (choose another --out; results are never overwritten)"
-        )
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-        (out / ".write-test").touch()
-        (out / ".write-test").unlink()
-    except OSError as err:
-        raise HarnessError(f"cannot write the run directory {out}: {err.strerror}") from None
-    return out
-
-
-def plan_jobs(plan: list[tuple[Suite, dict]], part: Shard | None = None) -> list[tuple[Suite, Cell]]:
-    """The (suite, cell) jobs of each (suite, narrowing) pair; only shard `part`'s when given."""
-    jobs = [(suite, cell) for suite, only in plan for cell in cells(suite.matrix, only)]
-    return shard(jobs, part) if part else jobs
-
-
-def suite_arg(suite: Suite) -> str:
-    """How `--suite` names a suite in a re-run command: by name when it is one of the suites in use, else by
-    its file (a `--suites-dir` suite)."""
-    path = Path(suite.path) if suite.path else None
-    return suite.name if path is None or path.resolve() == (suites_dir() / path.name).resolve() else shown(path)
-
-
-def run_suites(
-    plan: list[tuple[Suite, dict]],
-    executor: Executor,
-    baselines: BaselineStore,
-    progress: Progress | None = None,
-    part: Shard | None = None,
-    on_cell: Callable[[Suite, Cell, list], None] | None = None,
-) -> list:
-    """Run every cell of each (suite, narrowing) pair (of shard `part` only, when given) and evaluate its
-    checks; returns (suite, case, cell, CheckResult) tuples. `on_cell` gets each cell's verdicts as soon
-    as they are complete (what an interrupted run still reports)."""
-    jobs = plan_jobs(plan, part)
-    executor.expect(jobs)
-    total = sum(len(s.rounds) * sum(len(case_keys(c)) for c in s.cases) for s, _ in jobs)
-    task = progress.add_task("run", total=total) if progress else None
-    verdicts = []
-    for suite, cell in jobs:
-        if progress:
-            progress.update(task, description=f"{suite.name} · {cell.id}")
-        run = executor.run(suite, cell, on_request=(lambda: progress.advance(task)) if progress else None)
-        if run.harness_error is not None:  # no verdicts: reported as a harness error at the end of the run
-            if on_cell:
-                on_cell(suite, cell, [])
-            continue
-        detok = detokenizers.for_model(cell.model) or str if run.error is None else str
-        mine = []
-        for case in suite.cases:
-            for key in case_keys(case):
-                repro = (
-                    f"specharness run --suite {suite_arg(suite)} --backend {cell.backend} --mode {cell.mode} "
-                    f"--spec {cell.spec} --model {cell.model}"
-                )
-                ctx = CheckContext(run, key, executor, baselines, detok, repro)
-                mine += [(suite.name, key, cell, r) for r in evaluate(ctx, suite.checks)]
-        verdicts += mine
-        if on_cell:
-            on_cell(suite, cell, mine)
-    return verdicts
-
-
-def wide_console() -> Console:
-    """stdout; tables keep their columns when stdout is a file or a pipe."""
-    return Console(soft_wrap=True, width=None if sys.stdout.isatty() else 200)
 
 
 def summary_table(runs: list[CellRun], verdicts: list) -> Table:
@@ -224,35 +108,6 @@ def available_models(models: list[str], asked: list[str] | None) -> dict[str, st
             skipped[model] = str(err)
             print(f"specharness: skipping the cells of {model}: {err}", file=sys.stderr)
     return skipped
-
-
-def exec_options(args: argparse.Namespace, backends: dict) -> ExecOptions:
-    """The executor options of `run`'s arguments (or of a stored run's, `shrink`): slots, draft model,
-    `--spec-*` overrides, in-process engine options, KV scan, logit logging, stall floor."""
-    spec_overrides = {
-        f.name.replace("_", "-"): getattr(args, f.name) for f in SPEC_PARAMS if getattr(args, f.name) is not None
-    }
-    engine = {
-        "rollback": args.rollback,
-        "fault": args.fault,
-        "checkpoint_flags": args.checkpoint_flags,
-        "checkpoint_attempts": args.checkpoint_attempts,
-    }
-    return ExecOptions(
-        backends=backends,
-        parallel=args.parallel,
-        draft_model=args.draft_model,
-        spec_overrides=spec_overrides,
-        engine=engine,
-        kv_scan=args.kv_scan,
-        logit_top_k=args.logit_top_k,
-        stall_s=args.stall_s,
-    )
-
-
-def known_failures(extra: Path | None = None) -> list:
-    """The known-failures entries of the suites in use and of a `--suites-dir`."""
-    return [*load_known(suites_dir() / KNOWN_FAILURES), *(load_known(extra / KNOWN_FAILURES) if extra else [])]
 
 
 def cmd_run(args: argparse.Namespace) -> int:
@@ -382,107 +237,20 @@ REPRO_SKIP = {
     "command_line",
 }
 """Options that are not part of a case's re-run command (the cell names them, or they write things)."""
-DEFAULTS: dict = {}
-"""The `run` parser's defaults (filled by add_parser)."""
 
 
 def repro_options(args: argparse.Namespace) -> dict:
     """The options this run changed from their defaults, as a re-run command needs them."""
+    defaults = run_defaults()
     return {
         k: str(v) if isinstance(v, Path) else v
         for k, v in vars(args).items()
-        if k not in REPRO_SKIP and k in DEFAULTS and v != DEFAULTS[k]
+        if k not in REPRO_SKIP and k in defaults and v != defaults[k]
     }
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     """Register `specharness run`."""
     p = sub.add_parser("run", help="run suites on a backend in seq / par / no-kv-unified modes and check them")
-    p.add_argument(
-        "--suite",
-        action="append",
-        metavar="NAME",
-        help=f"suite name or file, repeatable (default {DEFAULT_SUITE}; with --suites-dir, its suites)",
-    )
-    p.add_argument(
-        "--suites-dir",
-        type=Path,
-        metavar="DIR",
-        help="a directory of your own suites: they add to (same name: replace) the installed ones; their "
-        "baselines are fixtures/baselines beside DIR (`specharness init` writes one)",
-    )
-    p.add_argument(
-        "--model",
-        action="append",
-        metavar="NAME|PATH",
-        help="registry name or .gguf path, repeatable (default: the suite's models)",
-    )
-    p.add_argument("--mode", help="comma-separated: seq,par,no-kv-unified (default: the suite's modes)")
-    p.add_argument("--backend", help="comma-separated: inproc,server (default: the suite's backends)")
-    p.add_argument(
-        "--spec",
-        metavar="CONFIG[,CONFIG...]",
-        help=f"speculative configs, each one of {', '.join(SPEC_PRESETS)} or `a+b` chained (default: the suite's)",
-    )
-    p.add_argument("--draft-model", metavar="NAME|PATH", help="draft model for draft-simple (default <model>-draft)")
-    p.add_argument("--rollback", default="auto", choices=STRATEGIES, help="in-process rollback strategy (default auto)")
-    p.add_argument("--fault", choices=sorted(FAULTS), help="switch on one fault of the in-process speculative engine")
-    p.add_argument(
-        "--checkpoint-flags",
-        default="partial",
-        choices=sorted(CHECKPOINT_FLAGS),
-        help="in-process checkpoints: PARTIAL_ONLY state (default) or the full state",
-    )
-    p.add_argument(
-        "--checkpoint-attempts",
-        type=count(0),
-        default=3,
-        help="in-process: failed replays after which a slot stops speculating (default 3)",
-    )
-    for f in SPEC_PARAMS:
-        p.add_argument(
-            "--" + f.name.replace("_", "-"),
-            dest=f.name,
-            type=type(f.default),
-            metavar="TYPE" if isinstance(f.default, str) else "N",
-            help=f"as llama-server (default {f.default})",
-        )
-    p.add_argument("--server-bin", type=Path, metavar="PATH", help="llama-server binary to use instead of building one")
-    p.add_argument("--source", type=Path, metavar="DIR", help="llama.cpp tree to build llama-server from")
-    p.add_argument("--parallel", type=count(1), default=4, help="slots in par and no-kv-unified modes (default 4)")
-    p.add_argument("--repeat", type=count(1), default=1, help="run every suite's rounds this many times")
-    p.add_argument("--update-baselines", action="store_true", help="write baselines from this run")
-    p.add_argument(
-        "--baselines-dir",
-        type=Path,
-        metavar="DIR",
-        help="read (and with --update-baselines write) baselines here (default: fixtures/baselines beside the suites)",
-    )
-    p.add_argument(
-        "--calibration-dir",
-        type=Path,
-        metavar="DIR",
-        help="read calibration files here first (written by `specharness calibrate --calibration-dir`)",
-    )
-    p.add_argument(
-        "--kv-scan",
-        default="request",
-        choices=KV_SCAN,
-        help="scan KV state after every request (default), also after every speculative step, or off",
-    )
-    p.add_argument("--logit-top-k", type=count(0), default=10, help="top-k logits logged per position (0 = off)")
-    p.add_argument(
-        "--stall-s",
-        type=seconds,
-        metavar="S",
-        help=f"floor of the stall window: a request with no token for that long ends `timeout` "
-        f"(default {STALL_FLOOR_S:g}; a suite's `serve: stall_s` wins; see README Deadlines)",
-    )
-    p.add_argument("--out", metavar="DIR", help="run directory (default reports/<run-id>)")
-    p.add_argument(
-        "--shard",
-        metavar="I/N",
-        help="run the I-th of N balanced parts of the cells (merge with `specharness report --merge`)",
-    )
+    add_run_options(p)
     p.set_defaults(func=cmd_run)
-    DEFAULTS.update(vars(p.parse_args([])))

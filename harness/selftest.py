@@ -25,7 +25,7 @@ from harness.known_failures import FILE_NAME as KNOWN_FAILURES
 from harness.known_failures import load as load_known
 from harness.known_failures import tag
 from harness.report.files import check_records
-from harness.runner import run_suites, wide_console
+from harness.running import run_suites, wide_console
 from harness.signatures import group
 from harness.suites import load_suite, suite_files, suites_dir
 

@@ -24,7 +24,7 @@ from harness.errors import HarnessError
 from harness.execute import ExecOptions, Executor
 from harness.models import resolve
 from harness.request import Request, Sampling
-from harness.runner import run_suites
+from harness.running import run_suites
 from harness.suites import load_suite, parse_suite
 
 TINY = ("tiny-dense", "tiny-hybrid", "tiny-recurrent")

@@ -18,7 +18,7 @@ from harness.bisect import plan as plans
 from harness.bisect.result import Outcome, Stop, describe, write
 from harness.errors import HarnessError
 from harness.paths import reports_dir
-from harness.runner import count, csv, new_run_dir, prepare_out
+from harness.run_options import count, csv, new_run_dir, prepare_out
 
 EXIT_FOUND, EXIT_NOT_FOUND = 0, 1
 

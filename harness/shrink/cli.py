@@ -19,7 +19,7 @@ from harness.errors import HarnessError
 from harness.matrix import Cell
 from harness.paths import reports_dir
 from harness.report.files import status
-from harness.runner import DEFAULTS, count, csv, new_run_dir, prepare_out
+from harness.run_options import count, csv, new_run_dir, prepare_out, run_defaults
 from harness.shrink.candidate import Candidate, initial
 from harness.shrink.trial import BASELINE_CHECKS, Policy, Runner, reference_of
 from harness.signatures import classify
@@ -69,11 +69,7 @@ class Origin:
         self.cell = Cell(v["backend"], v["mode"], v["spec"], v["model"])
         self.check = v["check"]
         self.suite = (self.meta.get("suites") or {}).get(v["suite"]) or v["suite"]
-        if not DEFAULTS:
-            from harness.cli import build_parser
-
-            build_parser()  # fills the `run` defaults
-        self.options = argparse.Namespace(**{**DEFAULTS, **(self.meta.get("options") or {})})
+        self.options = argparse.Namespace(**{**run_defaults(), **(self.meta.get("options") or {})})
         self.server_bin = args.server_bin or self.options.server_bin
         self.source = args.source or self.options.source
         self.describe = f"{v['suite']}[{v['case']}-{self.cell.id}] {self.check}: {self.signature}"

@@ -27,7 +27,7 @@ from harness.checks import evaluate
 from harness.checks.base import CheckContext, CheckResult
 from harness.errors import HarnessBug
 from harness.execute import CellRun, Executor
-from harness.runner import exec_options
+from harness.run_options import exec_options
 from harness.shrink.candidate import Candidate
 from harness.signatures import signature_of
 
