@@ -25,6 +25,11 @@ from harness.engine.logging import set_llama_verbose
 from harness.engine.speculative import SpecConfig
 from harness.errors import HarnessError
 
+WORKER_IGNORES = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+"""The signals a terminal or `kill -- -PGID` sends the whole process group, the worker included: the parent
+handles each as Ctrl-C (harness.interrupt) and kills the worker itself, so a worker that died of one first would
+read as `crashed ... SIGTERM`, a verdict on llama.cpp that it never earned."""
+
 STEPS, PROMPT = 0, 1
 """Indices into the shared progress array (a RawArray of two 64-bit integers)."""
 
@@ -42,7 +47,8 @@ class EngineArgs:
 
 def serve(conn, log_path: str, verbose: bool, progress) -> None:
     """The worker's main loop (the target of the child process); `progress`: see the module docstring."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle; it stops the worker
+    for sig in WORKER_IGNORES:  # the parent's to handle (harness.interrupt); it stops the worker (SIGKILL)
+        signal.signal(sig, signal.SIG_IGN)
     log = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
     os.dup2(log, 1)
     os.dup2(log, 2)  # where llama.cpp prints `file:line: GGML_ASSERT(...) failed` and the backtrace
