@@ -10,8 +10,9 @@ from harness.errors import HarnessError
 
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser with one subcommand per concern (each module adds its own)."""
-    from harness import bench, calibrate, kvscan, runner, scaffold, selftest
+    from harness import calibrate, kvscan_cli, runner, scaffold, selftest
     from harness.backends import build_cli
+    from harness.bench import cli as bench_cli
     from harness.bisect import cli as bisect_cli
     from harness.models import cli as models_cli
     from harness.report import cli as report_cli
@@ -28,13 +29,13 @@ def build_parser() -> argparse.ArgumentParser:
         runner,
         report_cli,
         models_cli,
-        kvscan,
+        kvscan_cli,
         build_cli,
         bisect_cli,
         shrink_cli,
         selftest,
         calibrate,
-        bench,
+        bench_cli,
         scaffold,
     ):
         module.add_parser(sub)

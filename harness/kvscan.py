@@ -18,9 +18,7 @@ in every KV part, has at most one recurrent cell, and no position at or past its
 
 from __future__ import annotations
 
-import argparse
 import itertools
-import json
 import re
 import struct
 from collections.abc import Iterator
@@ -30,7 +28,7 @@ from pathlib import Path
 import numpy as np
 
 from harness.errors import HarnessError
-from harness.models.gguf_header import read_metadata
+from harness.gguf import read_metadata
 
 SEQ_MAGIC = 0xAF143CD8
 GGSQ_MAGIC, GGSQ_VERSION = 0x67677371, 3
@@ -53,7 +51,7 @@ MEMORIES = {
 }
 
 # Architecture facts from the vendored llama.cpp (llama-model.cpp llama_model_rope_type/create_memory,
-# models/*.cpp reading `attention.sliding_window`); recurrent/hybrid come from harness.models.kind_of_arch.
+# models/*.cpp reading `attention.sliding_window`); recurrent/hybrid come from harness.gguf.kind_of_arch.
 _UNSUPPORTED_ARCHS = {"deepseek4", "glm5-next", "qwen4exp", "glm-dsa", "deepseek32", "dots3note", "minimax-m3"}
 _MROPE_ARCHS = {"qwen2vl", "paddleocr", "qwen3vl", "qwen3vlmoe", "qwen35", "qwen35moe", "qwen3tts"}
 _MROPE_IF_SECTIONS_ARCHS = {"bailingmoe3", "glm4", "glm4moe", "hunyuan_vl", "dflash"}
@@ -686,7 +684,7 @@ def damaged(brief: dict | None) -> bool:
 
 def layout_from_model(model: Path) -> Layout:
     """The layout facts of a GGUF model (memory class, cell ext, MLA, recurrent layer count) from its metadata."""
-    from harness.models import kind_of_arch
+    from harness.gguf import kind_of_arch
 
     try:
         meta = read_metadata(model)
@@ -720,122 +718,3 @@ def layout_from_model(model: Path) -> Layout:
     else:
         memory = "iswa" if swa else "kv"
     return Layout(memory=memory, cell_ext=cell_ext, mla=mla, n_recurrent_layers=n_recurrent)
-
-
-def add_parser(subparsers) -> None:
-    """Register `specharness scan`."""
-    p = subparsers.add_parser(
-        "scan",
-        help="list the cells of a llama.cpp state blob or file and check them",
-        description="Parse a llama.cpp state (whole-context blob, seq blob, .ggsq / llama-server slot file, "
-        ".ggsn session file) and report duplicate positions, orphans past a known length, holes and "
-        "recurrent tails. Exit status 1 when the cache is unhealthy.",
-    )
-    p.add_argument("file", type=Path, help="the state blob or file")
-    p.add_argument(
-        "--model", help="the model the state came from, a registry name or a .gguf path (facts the blob does not store)"
-    )
-    p.add_argument("--kind", choices=KINDS, default="auto", help="what the file is (default: from its magic)")
-    p.add_argument(
-        "--expect",
-        action="append",
-        default=[],
-        metavar="SEQ=LEN",
-        help="sequence SEQ holds LEN tokens: cells at positions >= LEN are orphans (repeatable; default for "
-        ".ggsq and slot files: the file's own token count)",
-    )
-    p.add_argument("--json", action="store_true", help="print the report as JSON")
-    p.add_argument("--cells", action="store_true", help="also list every cell")
-    p.set_defaults(func=_cmd_scan)
-
-
-def _parse_expect(items: list[str]) -> dict[int, int] | None:
-    """`--expect SEQ=LEN` values; None without any, so a sequence file's own token count applies."""
-    if not items:
-        return None
-    out = {}
-    for item in items:
-        seq, _, length = item.partition("=")
-        try:
-            out[int(seq)] = int(length)
-        except ValueError:
-            raise HarnessError(f"--expect wants SEQ=LEN with two integers, not '{item}'") from None
-    return out
-
-
-def _cmd_scan(args: argparse.Namespace) -> int:
-    from harness.models import resolve
-
-    model = None
-    if args.model:
-        model = Path(args.model) if Path(args.model).is_file() else resolve(args.model, make=False).path
-    report = scan_file(args.file, model=model, kind=args.kind, expected_len=_parse_expect(args.expect))
-    if args.json:
-        print(json.dumps(report.to_dict(cells=args.cells), indent=2))
-    else:
-        _render(report, args.cells)
-    return 0 if report.healthy else 1
-
-
-def _render(report: ScanReport, cells: bool) -> None:
-    """Print the report as rich tables."""
-    from collections import Counter
-
-    from rich.console import Console
-    from rich.table import Table
-
-    console = Console()
-    facts = [report.framing, f"{report.size} bytes"]
-    facts += [
-        f"{k} {v}"
-        for k, v in (("arch", report.arch), ("seq", report.seq_id), ("tokens", report.tokens))
-        if v is not None
-    ]
-    console.print(f"[bold]{report.source}[/]: {', '.join(facts)}")
-    console.print(f"layout: {report.layout.describe()}")
-    for note in report.notes:
-        console.print(f"[yellow]note:[/] {note}")
-    dups = Counter((d[0], d[2]) for d in report.duplicates for _ in range(d[4] - 1))
-    orphans = Counter((o[0], o[2]) for o in report.orphans)
-    holes = Counter((h[0], h[2]) for h in report.holes for _ in range(h[4] - h[3] + 1))
-    table = Table("part", "seq", "cells", "pos range", "duplicates", "orphans", "holes")
-    for part in report.parts:
-        for seq, info in part.sequences().items():
-            extra = info["cells"] - 1 if part.kind == "rs" else dups[part.name, seq]
-            table.add_row(
-                part.name,
-                str(seq),
-                str(info["cells"]),
-                f"{info['pos_min']}..{info['pos_max']}",
-                str(extra),
-                str(orphans[part.name, seq]),
-                str(holes[part.name, seq]),
-            )
-        if not part.n_cells:
-            table.add_row(part.name, "-", "0", "-", "0", "0", "0")
-    console.print(table)
-    if cells:
-        listing = Table("part", "stream", "pos", "seq ids")
-        for part in report.parts:
-            for stream, pos, seqs in part.cells():
-                listing.add_row(part.name, str(stream), str(pos), ",".join(map(str, seqs)))
-        console.print(listing)
-    if report.healthy:
-        console.print("[green]healthy[/]")
-        return
-    console.print(
-        "[red]UNHEALTHY[/]: "
-        + ", ".join(
-            f"{v} {k.replace('_', ' ')}"
-            for k, v in report.totals.items()
-            if k in ("duplicate_cells", "orphans", "missing_positions", "duplicate_tails") and v
-        )
-    )
-    for part, stream, seq, pos, count in report.duplicates[:10]:
-        console.print(f"  duplicate: {part} stream {stream} seq {seq} pos {pos} x{count}")
-    for part, stream, seq, pos in report.orphans[:10]:
-        console.print(f"  orphan: {part} stream {stream} seq {seq} pos {pos} (expected < {report.expected_len[seq]})")
-    for part, stream, seq, first, last in report.holes[:10]:
-        console.print(f"  hole: {part} stream {stream} seq {seq} pos {first}..{last} missing")
-    for seq, count in report.duplicate_tails.items():
-        console.print(f"  duplicate recurrent tails: seq {seq} has {count} cells")

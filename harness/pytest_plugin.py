@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from harness import MODES, detok, interrupt
+from harness.argtypes import count, csv
 from harness.backends.base import KV_SCAN
 from harness.backends.choose import backend_factories
 from harness.backends.facts import run_backends
@@ -31,7 +32,6 @@ from harness.models import ModelUnavailable, resolve
 from harness.report import describe_run, publish, write_run
 from harness.report.files import RunDir, now
 from harness.report.merge import merge
-from harness.run_options import count, csv
 from harness.running import known_failures
 from harness.signatures.text import known_lines, summary_lines
 from harness.suites import load_suite, user_suites_dir

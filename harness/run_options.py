@@ -9,6 +9,7 @@ import secrets
 import time
 from pathlib import Path
 
+from harness.argtypes import count, seconds
 from harness.backends.base import KV_SCAN, STALL_FLOOR_S
 from harness.engine.faults import FAULTS
 from harness.engine.rollback import CHECKPOINT_FLAGS, STRATEGIES
@@ -29,37 +30,6 @@ SPEC_PARAMS = [
 def new_run_dir(parent: Path) -> Path:
     """A fresh run directory `<parent>/<UTC time>-<random>`."""
     return parent / (time.strftime("%Y%m%d-%H%M%S", time.gmtime()) + "-" + secrets.token_hex(3))
-
-
-def csv(value: str | None) -> list[str] | None:
-    """A comma-separated option as a list (None when not given)."""
-    return [v.strip() for v in value.split(",") if v.strip()] if value else None
-
-
-def count(minimum: int):
-    """An argparse type: an integer of at least `minimum`."""
-
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            value = minimum - 1
-        if value < minimum:
-            raise argparse.ArgumentTypeError(f"expected an integer >= {minimum}, got '{text}'")
-        return value
-
-    return parse
-
-
-def seconds(text: str) -> float:
-    """An argparse type: a positive number of seconds."""
-    try:
-        value = float(text)
-    except ValueError:
-        value = 0.0
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"expected a positive number of seconds, got '{text}'")
-    return value
 
 
 def prepare_out(out: Path) -> Path:

@@ -15,6 +15,7 @@ from rich.table import Table
 
 from harness import detok as detokenizers
 from harness import interrupt
+from harness.argtypes import csv
 from harness.backends.choose import backend_factories
 from harness.backends.facts import run_backends
 from harness.baselines import BaselineStore, not_recorded_lines, uncalibrated_lines
@@ -30,7 +31,6 @@ from harness.report.files import RunDir, command_line, now, speedups
 from harness.run_options import (
     DEFAULT_SUITE,
     add_run_options,
-    csv,
     exec_options,
     new_run_dir,
     prepare_out,

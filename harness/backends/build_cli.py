@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 import time
 from pathlib import Path
 
+from harness.argtypes import accept_cmake_definitions
 from harness.backends.build import BACKENDS, ensure_server, vendored_source
 from harness.errors import HarnessError
 
@@ -57,22 +57,3 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--json", action="store_true", help="print the build info as JSON")
     p.set_defaults(func=cmd_build)
     accept_cmake_definitions(p)
-
-
-CMAKE_DEFINITION = re.compile(r"-[DU][A-Za-z_]")
-"""A CMake cache definition (-DX=Y) or removal (-UX)."""
-
-
-def accept_cmake_definitions(parser: argparse.ArgumentParser) -> None:
-    """Let `--cmake-arg -DX=Y` parse: argparse takes every word starting with '-' for an option (and
-    then complains that --cmake-arg has no value), so words that look like CMake -D/-U arguments are
-    classified as values instead. This parser has no option starting with -D or -U. A stray -DX=Y
-    without --cmake-arg is still refused (as an unrecognized argument)."""
-    classify = getattr(parser, "_parse_optional", None)
-    if classify is None:  # argparse internals changed: only --cmake-arg=-DX=Y works then
-        return
-
-    def parse_optional(arg_string: str):
-        return None if CMAKE_DEFINITION.match(arg_string) else classify(arg_string)
-
-    parser._parse_optional = parse_optional

@@ -6,7 +6,3 @@ harness itself costs: time outside `llama_decode`, logit logging, KV scans, stat
 wall time against its inference time), `builds` (incremental llama-server builds), `reportload`
 (size and browser load time of a large HTML report), `page` (`bench.json` and `bench.html`), `cli`.
 """
-
-from harness.bench.cli import add_parser
-
-__all__ = ["add_parser"]

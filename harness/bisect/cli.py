@@ -12,13 +12,13 @@ import sys
 from pathlib import Path
 
 from harness import interrupt
+from harness.argtypes import accept_cmake_definitions, count, csv
 from harness.backends.build import BACKENDS
-from harness.backends.build_cli import accept_cmake_definitions
 from harness.bisect import plan as plans
 from harness.bisect.result import Outcome, Stop, describe, write
 from harness.errors import HarnessError
 from harness.paths import reports_dir
-from harness.run_options import count, csv, new_run_dir, prepare_out
+from harness.run_options import new_run_dir, prepare_out
 
 EXIT_FOUND, EXIT_NOT_FOUND = 0, 1
 

