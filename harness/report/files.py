@@ -18,7 +18,6 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import pandas as pd
 
@@ -28,17 +27,15 @@ from harness.logits import PositionLogits, from_frame, load_parquet, save_parque
 from harness.paths import write_atomic
 from harness.signatures import Failure, Pattern, failure_patterns, group
 
-if TYPE_CHECKING:  # reports read stored runs: only the writer gets live runs, from the caller
-    from harness.execute import CellRun
-
 FORMAT = 1
 """Version of the run directory layout (`run.json` `format`)."""
 STATUSES = ("failed", "known", "near-tie", "no-baseline", "passed")
 """A verdict's status in reports, worst first."""
 
 
-def records(runs: list["CellRun"]) -> list[dict]:
-    """One JSON-able record per request of every cell run."""
+def records(runs: list) -> list[dict]:
+    """One JSON-able record per request of every cell run (harness.execute.CellRun, from the caller: reports
+    import no executor)."""
     out = []
     for run in runs:
         c = run.cell
@@ -207,7 +204,7 @@ def _dump(path: Path, data) -> None:
 
 def write_run(
     out: Path,
-    runs: list["CellRun"],
+    runs: list,
     checks: list,
     meta: dict | None = None,
     detokenizer: Callable[[str], Callable | None] = lambda model: None,
