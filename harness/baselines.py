@@ -16,9 +16,6 @@ import re
 from pathlib import Path
 
 from harness import noise
-from harness.checks import verdict
-from harness.checks.base import CheckContext, CheckResult
-from harness.checks.compare import compare_tokens
 from harness.errors import HarnessError
 from harness.logits import PositionLogits, from_frame, load_parquet, save_parquet, to_frame
 from harness.models import model_key
@@ -74,7 +71,7 @@ def render(data: dict) -> str:
 
 
 class BaselineStore:
-    """Reads, checks and (with `update`) writes the baselines under `root` (None: each suite's own,
+    """Reads and (with `update`) writes the baselines under `root` (None: each suite's own,
     `suite_root`); `option` is what a command that records them must add to reach this root (`--baselines-dir
     DIR`; empty for the default one). Checks read calibration files from `calibration_dir` (None: `calibration`
     beside each suite's baselines root) before the default root (harness.noise.load)."""
@@ -104,14 +101,14 @@ class BaselineStore:
             (root or self.root) / _safe(suite) / f"{_safe(case)}--{_safe(model_key(model))}--{backend}--{device}.json"
         )
 
-    def file_of(self, ctx: CheckContext) -> Path:
+    def file_of(self, ctx) -> Path:
         """The baseline file of a check's case and cell."""
         cell, env = ctx.cell, ctx.executor.environment(ctx.cell)
         return self.path(
             ctx.run.suite.name, ctx.case, cell.model, cell.backend, env["device"], self.root_of(ctx.run.suite)
         )
 
-    def not_recorded(self, ctx: CheckContext) -> str | None:
+    def not_recorded(self, ctx) -> str | None:
         """`no baseline yet ...` with the command that records them when this cell's model has no baseline at
         all for the suite, backend and device (a model new to the harness); None when it has some."""
         cell, device, root = ctx.cell, ctx.executor.environment(ctx.cell)["device"], self.root_of(ctx.run.suite)
@@ -187,38 +184,16 @@ class BaselineStore:
         write_atomic(target, write)
         self.written.append(target)
 
-    def check(self, ctx: CheckContext) -> CheckResult:
-        """The `baseline` check of one case of one cell (updating first when asked)."""
+    def recorded(self, ctx) -> tuple[dict | None, Path]:
+        """The baseline of a check's case and cell (None when there is none) and its path; with `update`, this
+        run's canonical output is stored first. BaselineError when the file is corrupt. The `baseline` check
+        (harness.checks) compares with it: this module only stores."""
         env, path = ctx.executor.environment(ctx.cell), self.file_of(ctx)
-        try:
-            if self.update:
-                self._update(ctx, path, env)
-            data = self.load(path)
-        except BaselineError as err:
-            return CheckResult("baseline", False, f"{err} (fix or delete it; it is never replaced silently)")
-        if data is None:
-            pending = self.not_recorded(ctx)
-            if pending:
-                return CheckResult("baseline", True, pending, {"no_baseline": True, "baseline": shown(path)})
-            return CheckResult(
-                "baseline",
-                False,
-                f"no baseline {shown(path)}; create it with: {ctx.repro} --update-baselines{self.option}",
-            )
-        result = verdict(
-            "baseline",
-            compare_tokens(
-                ctx,
-                data["tokens"],
-                self.load_logits(path),
-                f"baseline {shown(path)}",
-                earlier=self.earlier_replies(ctx),
-            ),
-        )
-        result.evidence["baseline"] = shown(path)
-        return result
+        if self.update:
+            self._update(ctx, path, env)
+        return self.load(path), path
 
-    def earlier_replies(self, ctx: CheckContext) -> list[list[int] | None]:
+    def earlier_replies(self, ctx) -> list[list[int] | None]:
         """The baseline's replies to a chat turn's earlier turns (None where not recorded or unreadable)."""
         env, root = ctx.executor.environment(ctx.cell), self.root_of(ctx.run.suite)
         out = []
@@ -232,7 +207,7 @@ class BaselineStore:
             out.append(data["tokens"] if data else None)
         return out
 
-    def acceptance(self, ctx: CheckContext) -> tuple[list[dict] | None, Path]:
+    def acceptance(self, ctx) -> tuple[list[dict] | None, Path]:
         """The stored acceptance of this speculative cell's case, one record per round (None when the
         baseline holds none for the cell), and the baseline's path; with `update`, this run's is stored
         first. BaselineError when the file is corrupt."""
@@ -255,7 +230,7 @@ class BaselineStore:
                 self._write(path, lambda t: t.write_text(render(data)))
         return (None if data is None else data.get("acceptance", {}).get(key)), path
 
-    def _update(self, ctx: CheckContext, path: Path, env: dict) -> None:
+    def _update(self, ctx, path: Path, env: dict) -> None:
         """Store the canonical output (mode seq, no speculation, first round) of this case."""
         canonical = ctx.reference_outcome(ctx.cell.reference(mode="seq", spec="none"))
         if canonical is None or not canonical.result.ok:

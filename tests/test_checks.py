@@ -256,7 +256,7 @@ def test_baseline(tmp_path):
     new = verdict(context({SEQ: [ok([4, 5])]}, SEQ, baselines=store), "baseline")  # a model with no baselines
     assert new.passed and new.evidence["no_baseline"] and "no baseline yet" in new.message
     assert "--update-baselines" in new.message
-    BaselineStore(tmp_path, update=True).check(context({SEQ: [ok([4, 5])]}, SEQ, baselines=store))
+    BaselineStore(tmp_path, update=True).recorded(context({SEQ: [ok([4, 5])]}, SEQ, baselines=store))
     assert verdict(context({SEQ: [ok([4, 5])]}, SEQ, baselines=store), "baseline").passed
     failed = verdict(context({SEQ: [ok([4, 6])]}, SEQ, baselines=store), "baseline")
     assert not failed.passed and "at token 1" in failed.message
@@ -426,7 +426,7 @@ def test_acceptance_against_the_baseline_fails_a_drop_and_names_the_draft_positi
     new = verdict(context(clean, spec, baselines=store), "acceptance")  # a model with no baselines at all
     assert new.passed and new.evidence["no_baseline"] and "no baseline yet" in new.message
     writer = BaselineStore(tmp_path, update=True)
-    writer.check(context(clean, spec, baselines=writer))  # the tokens first, as the suites order the checks
+    writer.recorded(context(clean, spec, baselines=writer))  # the tokens first, as the suites order the checks
     missing = verdict(context(clean, spec, baselines=store), "acceptance")
     assert not missing.passed and "no acceptance baseline for seq/draft-simple" in missing.message
     assert verdict(context(clean, spec, baselines=writer), "acceptance").passed
@@ -455,7 +455,7 @@ def test_acceptance_in_par_compares_each_request_with_seq_unless_the_drafter_lea
             seq: [spec_ok(tokens, 40, 30)],
             par: [spec_ok(tokens, 40, 10)],
         }
-        store.check(context(skewed, par, baselines=store))
+        store.recorded(context(skewed, par, baselines=store))
         result = verdict(context(skewed, par, baselines=store), "acceptance")  # its own baseline holds: 10 of 40
         if spec_name == "draft-simple":
             assert not result.passed and "round 0 against seq (tolerance 0.05): acceptance 75.0 %" in result.message
@@ -467,7 +467,7 @@ def test_a_corrupt_acceptance_baseline_is_an_error_naming_the_file(tmp_path):
     spec = SEQ.reference(spec="draft-simple")
     store = BaselineStore(tmp_path, update=True)
     cells = {SEQ: [ok([1, 2])], spec: [spec_ok([1, 2], 4, 2)]}
-    store.check(context(cells, spec, baselines=store))
+    store.recorded(context(cells, spec, baselines=store))
     path = next(tmp_path.rglob("*.json"))
     path.write_text(path.read_text().replace('"tokens"', '"acceptance": {"seq/draft-simple": 3}, "tokens"'))
     failed = verdict(context(cells, spec, baselines=BaselineStore(tmp_path)), "acceptance")
@@ -502,7 +502,7 @@ def test_acceptance_of_a_chat_turn_is_compared_only_with_a_baseline_of_the_same_
     clean = {SEQ: [ok(t1), ok(t2)], spec: [spec_ok(t1, 40, 24), spec_ok(t2, 40, 24)]}
     writer = BaselineStore(tmp_path, update=True)
     for turn in (1, 2):  # the tokens, then the acceptance (recorded by the check when updating)
-        writer.check(ctx(clean, turn, writer))
+        verdict(ctx(clean, turn, writer), "baseline")
         verdict(ctx(clean, turn, writer), "acceptance")
     store = BaselineStore(tmp_path)
     worse = spec_ok(t2, 40, 6)

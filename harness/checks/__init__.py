@@ -13,10 +13,11 @@ from collections.abc import Callable
 import jsonschema
 
 from harness import interrupt
+from harness.baselines import BaselineError, shown
 from harness.checks.acceptance import Acceptance, fall, summed
 from harness.checks.base import CheckContext, CheckResult, past_returned
 from harness.checks.budget import within_n_predict
-from harness.checks.compare import compare_outcome
+from harness.checks.compare import compare_outcome, compare_tokens
 from harness.checks.probs import probs_complete
 from harness.checks.reuse import prompt_reuse
 from harness.errors import HarnessBug, HarnessError
@@ -106,8 +107,30 @@ def mode_invariant(ctx: CheckContext) -> CheckResult | None:
 
 
 def baseline(ctx: CheckContext) -> CheckResult | None:
-    """Tokens equal the stored baseline of (suite, case, model, backend, device)."""
-    return ctx.baselines.check(ctx) if ctx.completed() or ctx.baselines.update else None
+    """Tokens equal the stored baseline of (suite, case, model, backend, device) (harness.baselines stores them;
+    with `--update-baselines` this run's canonical output is stored first)."""
+    if not (ctx.completed() or ctx.baselines.update):
+        return None
+    store = ctx.baselines
+    try:
+        data, path = store.recorded(ctx)
+    except BaselineError as err:
+        return CheckResult("baseline", False, f"{err} (fix or delete it; it is never replaced silently)")
+    if data is None:
+        pending = store.not_recorded(ctx)
+        if pending:
+            return CheckResult("baseline", True, pending, {"no_baseline": True, "baseline": shown(path)})
+        return CheckResult(
+            "baseline",
+            False,
+            f"no baseline {shown(path)}; create it with: {ctx.repro} --update-baselines{store.option}",
+        )
+    compared = compare_tokens(
+        ctx, data["tokens"], store.load_logits(path), f"baseline {shown(path)}", earlier=store.earlier_replies(ctx)
+    )
+    result = verdict("baseline", compared)
+    result.evidence["baseline"] = shown(path)
+    return result
 
 
 def spec_ran(ctx: CheckContext) -> CheckResult | None:
