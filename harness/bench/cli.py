@@ -3,12 +3,14 @@
 import argparse
 import os
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from rich.console import Console
 from rich.table import Table
 
 from harness import interrupt
+from harness.argtypes import csv
 from harness.bench import costs, speed
 from harness.bench.builds import bench_build_step
 from harness.bench.page import write_html, write_json
@@ -17,10 +19,6 @@ from harness.errors import HarnessError
 from harness.paths import reports_dir
 
 WHATS = ("speed", "costs", "scan", "overhead", "build-step", "report")
-
-
-def _csv(value: str | None) -> list[str] | None:
-    return [v.strip() for v in value.split(",") if v.strip()] if value else None
 
 
 def _choose(given: list[str] | None, allowed: tuple[str, ...], default: list[str], what: str) -> list[str]:
@@ -99,23 +97,53 @@ def harness_costs(quick: bool, console: Console) -> dict:
     return out
 
 
-def cmd_speed(args: argparse.Namespace, console: Console) -> int:
+@dataclass
+class SpeedPlan:
+    """What `bench speed` measures (its options resolved, `--quick` applied) and where it writes."""
+
+    models: list[str]
+    engines: list[str]
+    specs: list[str]
+    logits: list[int]
+    workloads: list
+    repeat: int
+    n_predict: int
+    skip: tuple
+    out: Path
+
+
+def speed_plan(args: argparse.Namespace) -> SpeedPlan:
+    """The bench's options resolved (an unknown name or a result file that exists is a one-line error)."""
     quick = speed.QUICK if args.quick else {}
-    models = _choose(_csv(args.model), speed.MODELS, quick.get("models", list(speed.MODELS)), "model")
-    engines = _choose(_csv(args.engine), speed.ENGINES, list(speed.ENGINES), "engine")
-    specs = _choose(_csv(args.spec), speed.SPECS, quick.get("specs", list(speed.SPECS)), "spec config")
+    models = _choose(csv(args.model), speed.MODELS, quick.get("models", list(speed.MODELS)), "model")
+    engines = _choose(csv(args.engine), speed.ENGINES, list(speed.ENGINES), "engine")
+    specs = _choose(csv(args.spec), speed.SPECS, quick.get("specs", list(speed.SPECS)), "spec config")
     try:
-        logits = [int(v) for v in _csv(args.logits) or ["0"]]
+        logits = [int(v) for v in csv(args.logits) or ["0"]]
     except ValueError:
         raise HarnessError(f"--logits takes top-k counts separated by commas (0 = off), not '{args.logits}'") from None
-    workloads = speed.select_workloads(_csv(args.workload) or quick.get("workloads"))
-    repeat = args.repeat or quick.get("repeat", 3)
-    n_predict = args.n_predict or 128
+    workloads = speed.select_workloads(csv(args.workload) or quick.get("workloads"))
     out = Path(args.out) if args.out else reports_dir() / ("bench-" + time.strftime("%Y%m%d-%H%M%S", time.gmtime()))
     if (out / "bench.json").exists():
         raise HarnessError(f"{out / 'bench.json'} already exists (choose another --out; results are never overwritten)")
     if args.json and Path(args.json).exists():
         raise HarnessError(f"{args.json} already exists (choose another --json; results are never overwritten)")
+    return SpeedPlan(
+        models=models,
+        engines=engines,
+        specs=specs,
+        logits=logits,
+        workloads=workloads,
+        repeat=args.repeat or quick.get("repeat", 3),
+        n_predict=args.n_predict or 128,
+        skip=() if args.spec else tuple(quick.get("skip", ())),
+        out=out,
+    )
+
+
+def measure_speed(plan: SpeedPlan, args: argparse.Namespace, console: Console) -> dict:
+    """Run the plan (and, unless `--no-costs` or interrupted, the harness costs): the content of bench.json,
+    with the machine's load before and after and how each backend's llama.cpp was built."""
     from harness.backends.choose import backend_factories
     from harness.backends.facts import backend_facts
     from harness.report.files import host, now
@@ -123,31 +151,36 @@ def cmd_speed(args: argparse.Namespace, console: Console) -> int:
     machine = {**host(), "load_before": round(os.getloadavg()[0], 2)}
     started = now()
     measured = speed.run_speed(
-        models,
-        engines,
-        specs,
-        logits,
-        workloads,
-        repeat,
-        n_predict,
+        plan.models,
+        plan.engines,
+        plan.specs,
+        plan.logits,
+        plan.workloads,
+        plan.repeat,
+        plan.n_predict,
         backend_factories(args.server_bin and Path(args.server_bin), args.source and Path(args.source)),
         warn=lambda line: console.print(f"[yellow]{line}[/yellow]"),
         progress=lambda line: console.print(f"[dim]{line}[/dim]"),
-        skip=() if args.spec else tuple(quick.get("skip", ())),
+        skip=plan.skip,
     )
     data = {
         "tool": "specharness bench",
         "started": started,
         "command": " ".join(args.command_line),
         "machine": machine,
-        "repeat": repeat,
-        "n_predict": n_predict,
+        "repeat": plan.repeat,
+        "n_predict": plan.n_predict,
         "environment": {name: backend_facts(name, b) for name, b in measured.pop("backends").items()},
         **measured,
     }
     data["costs"] = {} if args.no_costs or data["interrupted"] else harness_costs(args.quick, console)
     data["interrupted"] = interrupt.received() is not None
     data["machine"]["load_after"] = round(os.getloadavg()[0], 2)
+    return data
+
+
+def print_speed(data: dict, console: Console) -> None:
+    """The tables per workload and aggregated, the in-process/server parity and the harness costs."""
     console.print(_table("per workload", data["rows"], "workload"))
     console.print(_table("aggregate", data["aggregate"], "group"))
     if any(r["counts_vary"] for r in data["rows"]):
@@ -164,14 +197,28 @@ def cmd_speed(args: argparse.Namespace, console: Console) -> int:
         )
     for name, row in data["costs"].items():
         console.print(f"[bold]{name}[/bold]: " + ", ".join(f"{k} {v}" for k, v in row.items()))
-    with interrupt.deferred():  # what was measured is written in full
+
+
+def write_speed(out: Path, data: dict, also: str | None) -> Path:
+    """bench.json and its page in `out` (and the JSON at `also`, `--json`), written in full even when a signal
+    comes; returns the page."""
+    with interrupt.deferred():
         interrupt.phase("writing")
         out.mkdir(parents=True, exist_ok=True)
         write_json(out / "bench.json", data)
         page = write_html(out, data)
-        if args.json:
-            write_json(Path(args.json), data)
-    console.print(f"bench: {out / 'bench.json'} · report: {page}")
+        if also:
+            write_json(Path(also), data)
+    return page
+
+
+def cmd_speed(args: argparse.Namespace, console: Console) -> int:
+    """`specharness bench speed`: resolve the options, measure, print the tables, write bench.json and its page."""
+    plan = speed_plan(args)
+    data = measure_speed(plan, args, console)
+    print_speed(data, console)
+    page = write_speed(plan.out, data, args.json)
+    console.print(f"bench: {plan.out / 'bench.json'} · report: {page}")
     if data["interrupted"]:
         console.print("bench: interrupted; bench.json holds the models measured before it")
     return 0
