@@ -127,6 +127,17 @@ def _subcommands(parser: argparse.ArgumentParser) -> list[tuple[str, str, argpar
     return out
 
 
+def _wrap(path: str, items: list[str]) -> str:
+    """A usage line wrapped between items (never inside one) at USAGE_WIDTH, continued under the first item."""
+    lines, line = [], path
+    for item in items:
+        if len(line) + 1 + len(item) > USAGE_WIDTH and line.strip() != path:
+            lines.append(line)
+            line = " " * len(path)
+        line += " " + item
+    return "\n".join([*lines, line])
+
+
 def _help(action: argparse.Action, prog: str) -> str:
     text = action.help or ""
     if "%" in text:
@@ -151,13 +162,7 @@ def _command(path: str, help_text: str, parser: argparse.ArgumentParser, level: 
     ]
     if subs:
         items.append("|".join(name for name, _, _ in subs) + " ...")
-    usage = textwrap.fill(
-        " ".join([path, *items]),
-        width=USAGE_WIDTH,
-        subsequent_indent=" " * (len(path) + 1),
-        break_on_hyphens=False,
-        break_long_words=False,
-    )
+    usage = _wrap(path, items)
     out = [f"{'#' * level} `{path}`\n"]
     if help_text:
         out.append(_text(help_text[0].upper() + help_text[1:]) + ".\n")
