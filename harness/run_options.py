@@ -151,7 +151,7 @@ def add_run_options(p: argparse.ArgumentParser) -> None:
         type=seconds,
         metavar="S",
         help=f"floor of the stall window: a request with no token for that long ends `timeout` "
-        f"(default {STALL_FLOOR_S:g}; a suite's `serve: stall_s` wins; see README Deadlines)",
+        f"(default {STALL_FLOOR_S:g}; a suite's `serve: stall_s` wins; see docs/internals/backends.md, Deadlines)",
     )
     p.add_argument("--out", metavar="DIR", help="run directory (default reports/<run-id>)")
     p.add_argument(

@@ -2,7 +2,7 @@
 
 A suite declares its cases (completion prompts, multi-turn chats, grammar or JSON schema, sampling
 parameters, repeats), its default matrix (backends × modes × speculative configs × models) and the
-checks that apply; `SUITE_SCHEMA` below is the format, the README's "Suites" section the guide.
+checks that apply; `SUITE_SCHEMA` below is the format, docs/guide/own-model-and-suites.md the guide.
 """
 
 import difflib

@@ -57,7 +57,7 @@ STALL_FLOOR_S = 5.0
 """The shortest stall window: seconds without a token before a request counts as hung. The slowest generation
 step measured on the 2-core box was 0.54 s (gemma3-270m, draft-simple, 4 slots, in-process; 0.38 s on
 llama-server; tiny models 0.5-25 ms) and 2.0 s with three CPU-bound processes beside it; the floor also
-covers a session's first requests, before its steps are measured (README "Deadlines")."""
+covers a session's first requests, before its steps are measured (docs/internals/backends.md, "Deadlines")."""
 STALL_FACTOR = 10.0
 """How many times the slowest measured step (and prompt time) a step may take before it counts as hung: the
 slowest single step was at most 2.7 × the mean step of its request (gemma3-270m, ngram-mod; 1.0-2.0 ×
