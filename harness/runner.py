@@ -7,6 +7,7 @@ SIGTERM (in any phase: what finished is still written, with a report marked inte
 
 import argparse
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 from rich.console import Console
@@ -110,9 +111,21 @@ def available_models(models: list[str], asked: list[str] | None) -> dict[str, st
     return skipped
 
 
-def cmd_run(args: argparse.Namespace) -> int:
-    """`specharness run`."""
-    started = now()
+@dataclass
+class RunPlan:
+    """What `run` serves: the suites, each with the narrowing of its cells, the shard, a `--suites-dir`, and
+    the run directory (created up front)."""
+
+    suites: list[Suite]
+    plan: list[tuple[Suite, dict]]
+    part: Shard | None
+    extra: Path | None
+    out: Path
+
+
+def plan_run(args: argparse.Namespace) -> RunPlan:
+    """The suites and cells `run` serves (nothing to run, or a model that is missing, is a one-line error; a model
+    whose optional package is missing is skipped), and its run directory."""
     only = narrowing(csv(args.backend), csv(args.mode), csv(args.spec), args.model)
     part = Shard.parse(args.shard) if args.shard else None
     extra = user_suites_dir(args.suites_dir)
@@ -132,14 +145,23 @@ def cmd_run(args: argparse.Namespace) -> int:
     out = prepare_out(Path(args.out) if args.out else new_run_dir(reports_dir()))
     for suite in suites:
         suite.rounds = suite.rounds * args.repeat
-    executor = Executor(exec_options(args, backend_factories(args.server_bin, args.source, out)))
-    baselines = BaselineStore(
+    return RunPlan(suites, plan, part, extra, out)
+
+
+def baseline_store(args: argparse.Namespace) -> BaselineStore:
+    """The baselines the run reads (and with `--update-baselines` writes)."""
+    return BaselineStore(
         args.baselines_dir,
         update=args.update_baselines,
         option=f" --baselines-dir {args.baselines_dir}" if args.baselines_dir else "",
         calibration_dir=args.calibration_dir,
     )
-    console = Console(stderr=True, soft_wrap=True)
+
+
+def serve(run_plan: RunPlan, executor: Executor, baselines: BaselineStore, console: Console) -> tuple[list, list]:
+    """Serve and check every planned cell with a progress bar: the (suite name, cell) pairs that finished and
+    their verdicts, (suite, case, cell, CheckResult) tuples. Ctrl-C or SIGTERM ends it early with what finished
+    (the backends are already stopped)."""
     done, verdicts = [], []
 
     def finished(suite: Suite, cell: Cell, mine: list) -> None:
@@ -148,78 +170,135 @@ def cmd_run(args: argparse.Namespace) -> int:
 
     try:
         with Progress(console=console, transient=True) as progress:
-            run_suites(plan, executor, baselines, progress, part, finished)
+            run_suites(run_plan.plan, executor, baselines, progress, run_plan.part, finished)
     except KeyboardInterrupt:  # Ctrl-C or SIGTERM: report what finished (the backends are already stopped)
         pass
+    return done, verdicts
+
+
+def print_verdicts(console: Console, runs: list[CellRun], verdicts: list, done: list, known: list) -> list:
+    """The summary table, a line per failing (or known) verdict, and a line per known failure that did not
+    reproduce in the cells that ran; returns those known failures."""
+    wide_console().print(summary_table(runs, verdicts))
+    for suite, key, cell, r in verdicts:
+        if not r.passed:
+            label = f"KNOWN {r.evidence['known_failure']}" if "known_failure" in r.evidence else "FAIL"
+            console.print(f"{label} {suite}[{key}-{cell.id}] [{r.name}] {r.message}", markup=False, highlight=False)
+    fixed = [
+        e
+        for e in known
+        if any(e.covers(suite, cell) for suite, cell in done)
+        and not any(r.evidence.get("known_failure") == e.id for *_, r in verdicts)
+    ]
+    for entry in fixed:
+        console.print(
+            f"FIXED? known failure {entry.id} did not reproduce: if llama.cpp fixed it, remove it from "
+            f"suites/{KNOWN_FAILURES}",
+            markup=False,
+        )
+    return fixed
+
+
+def print_notes(console: Console, executor: Executor, baselines: BaselineStore, verdicts: list) -> list[str]:
+    """The cells that ended in an error, the baselines written, the models without baselines or calibration;
+    returns the uncalibrated lines (run.json records them)."""
+    runs = executor.runs()
+    for run in runs:
+        if run.error:
+            console.print(f"error: {run.suite.name} {run.cell.id}: {run.error}", markup=False, highlight=False)
+        if run.harness_error:
+            console.print(run.harness_error, markup=False, highlight=False)
+    for path in dict.fromkeys(baselines.written):
+        console.print(f"baseline written: {path}", markup=False)
+    for line in not_recorded_lines(verdicts):
+        console.print(line, markup=False, highlight=False)
+    uncalibrated = uncalibrated_lines(executor, baselines)
+    for line in uncalibrated:
+        console.print(f"uncalibrated: {line}", markup=False, highlight=False)
+    return uncalibrated
+
+
+def write_and_publish(
+    args: argparse.Namespace,
+    run_plan: RunPlan,
+    executor: Executor,
+    verdicts: list,
+    done: list,
+    known: list,
+    started: str,
+    interrupted: bool,
+    uncalibrated: list[str],
+    console: Console,
+) -> list:
+    """Write the run directory, print its failures (read back from it, as every report) and publish its
+    report; returns the planned (suite name, cell) pairs."""
+    suites, plan, part, out = run_plan.suites, run_plan.plan, run_plan.part, run_plan.out
+    runs = executor.runs()
+    planned = [(suite.name, cell) for suite, cell in plan_jobs(plan, part)]
+    meta = describe_run(
+        executor,
+        tool="specharness run",
+        command=getattr(args, "command_line", None) or command_line(),
+        options=repro_options(args),
+        started=started,
+        planned=planned,
+        done=done,
+        suites={suite.name: suite.path for suite in suites},
+        known=known,
+        backends=run_backends(executor),
+        shard=str(part) if part else None,
+        interrupted=interrupted,
+    )
+    meta["uncalibrated"] = uncalibrated
+    results = write_run(out, runs, verdicts, meta, detokenizers.for_model)
+    interrupt.phase("report")
+    stored = RunDir.load(out)  # the summary comes from the stored run, as every report
+    print_failures(stored.failures(), console, stored.known())
+    console.print(f"results: {results}", markup=False)
+    console.print(f"report: {publish(out)}", markup=False)
+    return planned
+
+
+def exit_status(
+    console: Console, planned: list, done: list, runs: list[CellRun], verdicts: list, failed: list, fixed: list
+) -> int:
+    """1 a check failed (or a known failure did not reproduce), 3 a harness error, the signal's status when
+    interrupted (saying how many cells did not run), else 0."""
+    if interrupt.received():
+        missing = len(planned) - len(done)
+        console.print(
+            f"interrupted: {missing} of {len(planned)} cells did not run (listed in the report)"
+            if missing
+            else "interrupted: every cell had finished; all of it is written",
+            markup=False,
+        )
+        return interrupt.status()
+    if any(run.error or run.harness_error for run in runs):
+        return EXIT_INFRA
+    return EXIT_FAILED if failed or fixed else 0
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    """`specharness run`: plan the cells, serve and check them, then write the run directory and summarise it (what
+    finished is written in full, also when interrupted)."""
+    started = now()
+    run_plan = plan_run(args)
+    executor = Executor(exec_options(args, backend_factories(args.server_bin, args.source, run_plan.out)))
+    baselines = baseline_store(args)
+    console = Console(stderr=True, soft_wrap=True)
+    done, verdicts = serve(run_plan, executor, baselines, console)
     with interrupt.deferred():  # a signal from here on lets what finished be written in full
         interrupt.phase("writing")
         interrupted = interrupt.received() is not None
         runs = executor.runs()
-        known = known_failures(extra)
+        known = known_failures(run_plan.extra)
         failed = [r for suite, _, cell, r in verdicts if tag(known, suite, cell, [r])]
-        wide_console().print(summary_table(runs, verdicts))
-        for suite, key, cell, r in verdicts:
-            if not r.passed:
-                label = f"KNOWN {r.evidence['known_failure']}" if "known_failure" in r.evidence else "FAIL"
-                console.print(f"{label} {suite}[{key}-{cell.id}] [{r.name}] {r.message}", markup=False, highlight=False)
-        fixed = [
-            e
-            for e in known
-            if any(e.covers(suite, cell) for suite, cell in done)
-            and not any(r.evidence.get("known_failure") == e.id for *_, r in verdicts)
-        ]
-        for entry in fixed:
-            console.print(
-                f"FIXED? known failure {entry.id} did not reproduce: if llama.cpp fixed it, remove it from "
-                f"suites/{KNOWN_FAILURES}",
-                markup=False,
-            )
-        for run in runs:
-            if run.error:
-                console.print(f"error: {run.suite.name} {run.cell.id}: {run.error}", markup=False, highlight=False)
-            if run.harness_error:
-                console.print(run.harness_error, markup=False, highlight=False)
-        for path in dict.fromkeys(baselines.written):
-            console.print(f"baseline written: {path}", markup=False)
-        for line in not_recorded_lines(verdicts):
-            console.print(line, markup=False, highlight=False)
-        uncalibrated = uncalibrated_lines(executor, baselines)
-        for line in uncalibrated:
-            console.print(f"uncalibrated: {line}", markup=False, highlight=False)
-        planned = [(suite.name, cell) for suite, cell in plan_jobs(plan, part)]
-        meta = describe_run(
-            executor,
-            tool="specharness run",
-            command=getattr(args, "command_line", None) or command_line(),
-            options=repro_options(args),
-            started=started,
-            planned=planned,
-            done=done,
-            suites={suite.name: suite.path for suite in suites},
-            known=known,
-            backends=run_backends(executor),
-            shard=str(part) if part else None,
-            interrupted=interrupted,
+        fixed = print_verdicts(console, runs, verdicts, done, known)
+        uncalibrated = print_notes(console, executor, baselines, verdicts)
+        planned = write_and_publish(
+            args, run_plan, executor, verdicts, done, known, started, interrupted, uncalibrated, console
         )
-        meta["uncalibrated"] = uncalibrated
-        results = write_run(out, runs, verdicts, meta, detokenizers.for_model)
-        interrupt.phase("report")
-        stored = RunDir.load(out)  # the summary comes from the stored run, as every report
-        print_failures(stored.failures(), console, stored.known())
-        console.print(f"results: {results}", markup=False)
-        console.print(f"report: {publish(out)}", markup=False)
-        if interrupt.received():
-            missing = len(planned) - len(done)
-            console.print(
-                f"interrupted: {missing} of {len(planned)} cells did not run (listed in the report)"
-                if missing
-                else "interrupted: every cell had finished; all of it is written",
-                markup=False,
-            )
-            return interrupt.status()
-        if any(run.error or run.harness_error for run in runs):
-            return EXIT_INFRA
-        return EXIT_FAILED if failed or fixed else 0
+        return exit_status(console, planned, done, runs, verdicts, failed, fixed)
 
 
 REPRO_SKIP = {
