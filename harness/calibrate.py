@@ -38,7 +38,7 @@ from harness.execute import ExecOptions, Executor
 from harness.logits import Tolerances, compare, max_abs_quantile
 from harness.matrix import BACKEND_NAMES, Cell, spec_preset
 from harness.models import draft_for, model_key, resolve
-from harness.noise import calibration_path, calibration_root
+from harness.noise import RANGE, calibration_path, calibration_root
 from harness.paths import write_atomic
 from harness.run_options import DEFAULT_SUITE
 from harness.suites import Case, Suite, load_suite, suite_files
@@ -245,11 +245,29 @@ def acceptance_spread(measurements: list[dict]) -> dict:
             )
             fixed = concurrent = max(spread["repeat_spread"], split)
             spread["tolerance_modes"] = round(SAFETY * max(fixed, spread["mode_spread"]), 4)
-        out[spec] = {
-            **spread,
-            "tolerance": round(SAFETY * fixed, 4),
-            "tolerance_concurrent": round(SAFETY * concurrent, 4),
-        }
+        out[spec] = refuse_unfailable(
+            {
+                **spread,
+                "tolerance": round(SAFETY * fixed, 4),
+                "tolerance_concurrent": round(SAFETY * concurrent, 4),
+            }
+        )
+    return out
+
+
+def refuse_unfailable(tolerances: dict) -> dict:
+    """A spec's acceptance tolerances with each one no drop could fail (≥ noise.RANGE: a fraction lies in [0, 1])
+    refused: null, with the reason under `refused` (the check then says "not judged: noise exceeds the range").
+    Measured: llama-server ngram-mod with the requests sent at once on tiny-dense (2 × 1.0) and tiny-hybrid
+    (2 × 0.5625): the shared n-gram table makes the serving order decide everything."""
+    out = dict(tolerances)
+    for key in ("tolerance", "tolerance_concurrent", "tolerance_modes"):
+        value = out.get(key)
+        if value is not None and value >= RANGE:
+            out[key] = None
+            out.setdefault("refused", {})[key] = (
+                f"{key} {value:.3g} ≥ {RANGE:g}, the range of a fraction: no drop could fail it"
+            )
     return out
 
 
@@ -362,9 +380,14 @@ def merged(new: dict, committed: dict) -> dict:
             out["tolerances"][key] = max(out["tolerances"][key], value)
     for spec, old in committed.get("acceptance", {}).items():
         if spec in out.get("acceptance", {}):
+            mine = out["acceptance"][spec]
             for key in ("tolerance", "tolerance_concurrent", "tolerance_modes"):
-                if key in old and key in out["acceptance"][spec]:
-                    out["acceptance"][spec][key] = max(out["acceptance"][spec][key], old[key])
+                if key in old and key in mine:  # a refused one (None) stays refused: no larger value exists
+                    both = (mine[key], old[key])
+                    mine[key] = None if None in both else max(both)
+                    if mine[key] is None and key not in mine.get("refused", {}):
+                        mine.setdefault("refused", {})[key] = old.get("refused", {}).get(key, "refused")
+            out["acceptance"][spec] = refuse_unfailable(mine)
     earlier = committed.get("machines") or [
         {"measured_on": committed.get("measured_on"), "largest": committed.get("largest")}
     ]

@@ -243,10 +243,18 @@ class Executor:
 
 
 class Rescorer:
-    """The logits of a run at one position, recomputed by a plain (non-speculative) decode of the same prefix
-    in the run's configuration: one request with the prompt and the output before the position, one token
-    generated, its top-k logged. llama-server returns no probabilities for tokens accepted through
-    speculation; triage asks for those here. Sessions open on first use and close on exit."""
+    """The logits of a run at one position, recomputed in the configuration that produced its tokens: for a run
+    without speculation, a decode of the same prefix in the same cell (one request with the prompt and the
+    output before the position, one token generated, its top-k logged). Sessions open on first use and close
+    on exit.
+
+    A speculative run gets nothing here (None). Its tokens come from verification batches, and llama-server
+    (0c1e570) returns no probabilities for any token a verification step emits (tools/server/server-context.cpp:
+    `result.prob = 1.0f; // set later`, `// TODO: set result.probs`; `post_sampling_probs` is "not supported
+    with speculative decoding", upstream #27972); only tokens of steps without a draft carry the run's own
+    probabilities, and those are logged already. A decode without speculation would give the reference's view
+    of the position, not the run's, so triage then says `unexplained` (the in-process engine logs every
+    verification row itself)."""
 
     def __init__(self, executor: Executor):
         self.executor = executor
@@ -254,9 +262,9 @@ class Rescorer:
         self.cache: dict[tuple, PositionLogits | None] = {}
 
     def score(self, suite: Suite, cell: Cell, result: Result, pos: int) -> PositionLogits | None:
-        if self.executor.options.logit_top_k <= 0 or pos > len(result.tokens):
+        if self.executor.options.logit_top_k <= 0 or pos > len(result.tokens) or cell.spec != "none":
             return None
-        plain = cell.reference(spec="none")
+        plain = cell
         prompt = [*result.prompt_tokens, *result.tokens[:pos]]
         key = (suite.name, plain, tuple(prompt))
         if key not in self.cache:

@@ -20,6 +20,13 @@ NEAR_TIE = 0.05
 ACCEPTANCE = 0.05
 """Uncalibrated acceptance tolerance: the drop (absolute, of a request's accepted / drafted and accepted /
 generated) that `acceptance` lets pass; the largest calibrated spread on this project's models is far below."""
+SAFETY = 2.0
+"""A mode's near-tie floor is SAFETY × the largest margin change (or flipped margin) measured in that mode
+(harness.calibrate uses the same factor for every tolerance)."""
+MINIMUM_NEAR_TIE = 1e-4
+"""The smallest floor calibration writes (float32 rounding of a log-probability is ~1e-7 nats)."""
+RANGE = 1.0
+"""An acceptance fraction lies in [0, 1]: a tolerance this large lets every drop pass, so it cannot fail."""
 
 
 @dataclass(frozen=True)
@@ -36,21 +43,37 @@ class NoiseFloor:
     that passes against a run of the same cell in a fixed request order, with the requests sent all at once,
     and against seq (see harness.calibrate.acceptance_spread)."""
     seq_bit_exact: bool = True
-    """Whether calibration measured every `seq` speculative run bit-identical to no speculation (max |Δ| 0 at
-    every position: the tiny models). Where it measured differences (the verification batch takes other kernels
-    than a one-token decode: Gemma's repacked Q4_K weights on x86), a proven near-tie in `seq` is numerics too.
-    Uncalibrated: assumed exact, so every `seq` divergence fails."""
+    """Whether calibration measured every `seq` speculative run, served as the cells serve it, bit-identical to no
+    speculation (max |Δ| 0 at every position). The `n_ubatch=7` variants do not count (no cell splits its batches
+    that way; they stand in for another CPU's kernels in the floor). Where it measured differences (a
+    verification batch of k+1 tokens takes other kernels than a one-token decode, on every committed model),
+    a proven near-tie in `seq` is numerics too. Uncalibrated: assumed exact, so every `seq` divergence fails.
+    docs/near-tie-policy.md has the committed numbers."""
+    mode_near_tie: dict = field(default_factory=dict)
+    """Mode → the near-tie floor measured in that mode: SAFETY × the largest margin change or flipped margin of
+    its variants (at least MINIMUM_NEAR_TIE, at most `near_tie`); `for_mode` applies it."""
 
     @property
     def calibrated(self) -> bool:
         return not self.source.startswith("default")
 
-    def acceptance_tolerance(self, spec: str, against: str = "fixed") -> tuple[float, str]:
+    def acceptance_tolerance(self, spec: str, against: str = "fixed") -> tuple[float | None, str]:
         """The acceptance tolerance of a spec config against a run of the same cell (`fixed` request order,
-        or `concurrent`: requests sent all at once) or against seq (`modes`), and where it came from."""
+        or `concurrent`: requests sent all at once) or against seq (`modes`), and where it came from. None
+        when calibration refused it: the noise it measured spans the whole range of a fraction (a tolerance
+        ≥ RANGE lets every drop pass), so that comparison is not judged; the source then says why."""
         if spec in self.acceptance:
-            return self.acceptance[spec][against], self.source
+            value = self.acceptance[spec][against]
+            if value is None:
+                return None, f"not judged: noise exceeds the range ({self.acceptance[spec]['refused'][against]})"
+            return value, self.source
         return ACCEPTANCE, f"default (uncalibrated for {spec})"
+
+    def for_mode(self, mode: str) -> "NoiseFloor":
+        """This floor with the near-tie floor measured in `mode` (unchanged where calibration measured none)."""
+        if mode not in self.mode_near_tie:
+            return self
+        return replace(self, near_tie=self.mode_near_tie[mode], source=f"{self.source}, {mode} mode")
 
     def describe(self) -> str:
         return f"near-tie floor {self.near_tie:.3g} nats, {self.source}"
@@ -74,24 +97,69 @@ def calibration_path(model: str, backend: str, device: str, root: Path | None = 
     return (root or calibration_root()) / f"{_safe(model)}--{backend}--{device}.json"
 
 
+ACCEPTANCE_KEYS = {"fixed": "tolerance", "concurrent": "tolerance_concurrent", "modes": "tolerance_modes"}
+"""NoiseFloor.acceptance's names → the calibration file's keys."""
+
+
+def acceptance_of(v: dict) -> dict:
+    """One spec's acceptance tolerances from a calibration file: a value ≥ RANGE (written before calibration
+    refused such tolerances) or null (refused) is None, with the reason under `refused`."""
+    out: dict = {"refused": {}}
+    for name, key in ACCEPTANCE_KEYS.items():
+        raw = v.get(key, v["tolerance"])
+        refused = v.get("refused", {}).get(key)
+        if raw is not None and float(raw) >= RANGE:
+            refused = f"{key} {float(raw):.3g} ≥ {RANGE:g}, the range of a fraction: no drop could fail it"
+            raw = None
+        out[name] = None if raw is None else float(raw)
+        if out[name] is None:
+            out["refused"][name] = refused or f"{key} refused at calibration"
+    return out
+
+
+def is_default_batch(variant: str) -> bool:
+    """Whether a calibration variant (`<mode>/<spec>[/<how>]`) serves its requests as the suites' cells do (the
+    `n_ubatch=` split does not: it stands in for another CPU's kernels)."""
+    return "n_ubatch=" not in variant
+
+
+def seq_bit_exact(measured: dict) -> bool:
+    """Whether every measured `seq` speculative variant, served as the cells serve it, is bit-identical to the
+    seq / no-speculation reference (max |Δ| 0). True when none was measured."""
+    return all(
+        float(v.get("max_abs_max", 0.0)) == 0.0
+        for k, v in measured.items()
+        if k.startswith("seq/") and k.split("/")[1] != "none" and is_default_batch(k)
+    )
+
+
+def mode_floors(measured: dict, near_tie: float) -> dict[str, float]:
+    """Mode → SAFETY × the largest margin change or flipped margin measured over that mode's variants (the
+    n_ubatch split included: another CPU's kernels), at least MINIMUM_NEAR_TIE and at most `near_tie` (the
+    file's floor, merged over every machine it was measured on)."""
+    largest: dict[str, float] = {}
+    for k, v in measured.items():
+        flips = [f["reference_gap"] for f in v.get("flips", []) if f.get("reference_gap") is not None]
+        value = max([float(v.get("margin_delta_max", 0.0)), *map(float, flips)])
+        mode = k.split("/")[0]
+        largest[mode] = max(largest.get(mode, 0.0), value)
+    return {m: min(near_tie, max(MINIMUM_NEAR_TIE, SAFETY * x)) for m, x in largest.items()}
+
+
 def from_data(data: dict, source: str) -> NoiseFloor:
     """A NoiseFloor from a calibration file's content (HarnessError naming `source` when malformed)."""
     try:
         raw = data["tolerances"]
         names = {f.name for f in fields(Tolerances)}
         tol = Tolerances(**{k: float(v) for k, v in raw.items() if k in names})
-        acceptance = {
-            spec: {
-                "fixed": float(v["tolerance"]),
-                "concurrent": float(v.get("tolerance_concurrent", v["tolerance"])),
-                "modes": float(v.get("tolerance_modes", v["tolerance"])),
-            }
-            for spec, v in data.get("acceptance", {}).items()
-        }
-        exact = all(
-            float(v.get("max_abs_max", 0.0)) == 0.0 for k, v in data.get("measured", {}).items() if k.startswith("seq/")
-        )
-        return NoiseFloor(tol, float(raw["near_tie"]), source, acceptance, exact)
+        acceptance = {spec: acceptance_of(v) for spec, v in data.get("acceptance", {}).items()}
+        measured = data.get("measured", {})
+        near_tie = float(raw["near_tie"])
+        exact = seq_bit_exact(measured)
+        floors = mode_floors(measured, near_tie)
+        if exact:
+            floors.pop("seq", None)  # nothing is excused in seq (CheckContext.excuses_near_ties)
+        return NoiseFloor(tol, near_tie, source, acceptance, exact, floors)
     except (KeyError, TypeError, ValueError) as err:
         raise HarnessError(f"corrupt calibration file {source}: {err!r}; re-run `specharness calibrate`") from None
 

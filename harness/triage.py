@@ -8,17 +8,21 @@ is a claim, so each needs its evidence (the README's class table says the same):
 * `drift`       — the two runs' logits were already apart before the divergence, beyond the calibrated
                   tolerance, or the other run prefers its token by more than the near-tie floor there;
 * `near-tie`    — proven: the reference prefers its token over the other run's by less than the calibrated
-                  near-tie floor, the other run prefers its own by less than that floor too (logits of BOTH
-                  runs at the divergence), and both runs' logits agree within tolerance before it;
+                  near-tie floor of the mode, the other run prefers its own (0 ≤ its gap < that floor; logits
+                  of BOTH runs at the divergence, each from the configuration that produced its tokens), and
+                  both runs' logits agree within tolerance before it;
 * `hard`        — the logits agree within tolerance before it and the reference's margin is beyond the
                   floor: numerics cannot explain it, a logic bug (state, rollback, verification, sampling);
                   or the logit rows at the divergence are bit-identical in both runs (same digest) and yet
                   the picks differ: the sampler's state differed (also for sampled tokens);
 * `unexplained` — the evidence a class needs is missing (e.g. llama-server withholds the probabilities of
-                  tokens accepted through speculation and no re-score was possible); fails like `hard`.
+                  tokens emitted by a speculative verification step, and no other configuration may stand in
+                  for the run's), or it points the wrong way (the other run's own logits rank the reference's
+                  token higher, yet it picked its own); fails like `hard`.
 
-Where a run has no logits at a position, `rescore(side, position)` may supply them: a plain, non-speculative
-decode of the same prefix in that run's configuration (the class reason says so).
+Where a run has no logits at a position, `rescore(side, position)` may supply them, but only logits of the
+configuration that produced that run's tokens (harness.execute.Rescorer: a plain decode for a run without
+speculation; nothing for a speculative run, whose verification batch no plain decode reproduces).
 """
 
 from collections.abc import Callable, Sequence
@@ -32,7 +36,8 @@ BEFORE_CHARS = 40
 CLASSES = ("near-tie", "drift", "hard", "kv-corrupt", "unexplained")
 
 Rescore = Callable[[str, int], PositionLogits | None]
-"""(side: "reference" | "other", position) → that run's logits at the position, or None."""
+"""(side: "reference" | "other", position) → that run's logits at the position, from the configuration that
+produced its tokens, or None (never another configuration's view)."""
 
 
 @dataclass
@@ -296,8 +301,8 @@ class _Judge:
         self.ref_here = self.logits("reference", self.index)
         if self.ref_here is None:
             return "unexplained", (
-                "the reference has no logits at the divergence (llama-server withholds those "
-                "of tokens accepted through speculation) and it could not be re-scored"
+                "the reference has no logits at the divergence (llama-server withholds those of tokens a "
+                "speculative verification step emitted) and its own configuration cannot supply them"
             )
         margin = gap(self.ref_here, self.ref_token, self.other_token)
         floor = self.floor.near_tie
@@ -318,10 +323,16 @@ class _Judge:
         if other_here is None:
             return "unexplained", (
                 f"the reference's margin {margin:.3g} nats is inside the {self.floor.describe()}, "
-                "but the other run's logits at the divergence are missing (withheld by "
-                "llama-server for speculatively accepted tokens) and could not be re-scored"
+                "but the other run's logits at the divergence are missing (llama-server withholds those of "
+                "tokens a speculative verification step emitted) and its own configuration cannot supply "
+                "them: a decode without speculation would measure the reference's view, not the run's"
             )
         other_gap = gap(other_here, self.other_token, self.ref_token)
+        if other_gap is not None and other_gap < 0:
+            return "unexplained", (
+                f"the other run's own logits prefer the reference's token by {-other_gap:.3g} nats, yet it "
+                "picked its own: nothing shows it preferred its token, so no near-tie"
+            )
         if other_gap is None or other_gap >= floor:
             shown = "beyond its top-k" if other_gap is None else f"{other_gap:.3g} nats"
             return "drift", (
@@ -333,7 +344,7 @@ class _Judge:
                 "the margins at the divergence are inside the floor, but no position before it "
                 "has logits in both runs to show they agreed"
             )
-        via = f" (re-scored by a plain decode: {', '.join(self.rescored)})" if self.rescored else ""
+        via = f" (re-scored in the run's own configuration: {', '.join(self.rescored)})" if self.rescored else ""
         return "near-tie", (
             f"the reference prefers its token by {margin:.3g} nats and the other run its own by "
             f"{other_gap:.3g} nats, both inside the {self.floor.describe()}; {agreed}{via}"

@@ -197,7 +197,11 @@ def test_in_seq_mode_a_proven_near_tie_is_excused_where_calibration_measured_spe
     exact = noise.from_data(measured, "calibrated (exact)")
     monkeypatch.setattr(noise, "load", lambda *a, **k: exact)
     assert exact.seq_bit_exact and not verdict(context({SEQ: [tie_ref], spec: [tie_spec]}, spec), "lossless").passed
-    measured["measured"]["seq/ngram-mod/n_ubatch=7"] = {"max_abs_max": 0.39}  # Gemma's repacked Q4_K on x86
+    # a 7-token micro-batch split is no configuration a cell runs: it does not make seq noisy
+    measured["measured"]["seq/ngram-mod/n_ubatch=7"] = {"max_abs_max": 0.39, "margin_delta_max": 0.03}
+    assert noise.from_data(measured, "calibrated (split only)").seq_bit_exact
+    # a verification batch of k+1 tokens runs other kernels than a one-token decode (every committed model)
+    measured["measured"]["seq/ngram-mod"] = {"max_abs_max": 0.39, "margin_delta_max": 0.03}
     noisy = noise.from_data(measured, "calibrated (noisy)")
     monkeypatch.setattr(noise, "load", lambda *a, **k: noisy)
     excused = verdict(context({SEQ: [tie_ref], spec: [tie_spec]}, spec), "lossless")

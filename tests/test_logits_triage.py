@@ -184,7 +184,7 @@ def test_near_tie_needs_the_other_runs_logits_at_the_divergence():
     other = same(3)
     other[2] = lp([], [])  # llama-server withholds the logits of a speculatively accepted token
     d = triage([9, 9, 5], [9, 9, 6], ref, other)
-    assert d.kind == "unexplained" and "withheld" in d.reason
+    assert d.kind == "unexplained" and "withholds" in d.reason and "own configuration cannot supply" in d.reason
     rescored = triage(
         [9, 9, 5],
         [9, 9, 6],
@@ -193,6 +193,55 @@ def test_near_tie_needs_the_other_runs_logits_at_the_divergence():
         rescore=lambda side, pos: lp([6, 5], [-0.70, -0.71]) if side == "other" else None,
     )
     assert rescored.kind == "near-tie" and rescored.rescored == ["other at 2"] and "re-scored" in rescored.reason
+
+
+def test_no_near_tie_when_the_other_runs_own_logits_prefer_the_references_token():
+    """`0 ≤ other_gap < floor`: a run whose own logits rank the reference's token first, yet which emitted
+    another, shows no preference for its token; a small negative gap used to pass as one."""
+    ref = same(3)
+    ref[2] = lp([5, 6], [-0.70, -0.72])
+    other = same(3)
+    other[2] = lp([5, 6], [-0.70, -0.71])  # the other run's logits prefer 5 (the reference's) by 0.01 nats
+    d = triage([9, 9, 5], [9, 9, 6], ref, other)
+    assert d.kind == "unexplained" and "prefer the reference's token by 0.01 nats" in d.reason
+    tie = same(3)
+    tie[2] = lp([5, 6], [-0.70, -0.70])  # an exact tie: the run may pick either
+    assert triage([9, 9, 5], [9, 9, 6], ref, tie).kind == "near-tie"
+
+
+def test_a_speculative_run_is_never_re_scored_by_a_decode_without_speculation():
+    """llama-server returns no probabilities for tokens a verification step emits; a plain decode would give the
+    reference's view of the position, not the run's, so the Rescorer gives nothing for a speculative cell (and
+    triage says `unexplained`). A cell without speculation is re-scored in its own configuration."""
+    from types import SimpleNamespace
+
+    from harness.execute import ExecOptions, Rescorer
+    from harness.matrix import Cell
+    from harness.result import Result
+
+    opened = []
+
+    class Session:
+        def run(self, requests):
+            return [Result(tokens=[6], stop_reason="limit", logits=[lp([6, 5], [-0.7, -0.71])])]
+
+        def close(self):
+            pass
+
+    executor = SimpleNamespace(
+        options=ExecOptions(backends={}, logit_top_k=10),
+        _backend=lambda name: SimpleNamespace(open=lambda config: opened.append(config) or Session()),
+        _config=lambda suite, cell: cell,
+    )
+    suite = SimpleNamespace(name="demo")
+    result = Result(prompt_tokens=[1, 2], tokens=[9, 9, 6], stop_reason="limit")
+    with Rescorer(executor) as rescorer:
+        for spec in ("draft-simple", "ngram-mod"):
+            assert rescorer.score(suite, Cell("server", "par", spec, "m"), result, 2) is None
+        assert opened == []  # no session of another configuration was opened
+        plain = Cell("server", "par", "none", "m")
+        assert rescorer.score(suite, plain, result, 2).top_ids.tolist() == [6, 5]
+        assert opened == [plain]  # the run's own cell, not a stand-in
 
 
 def test_the_calibrated_floor_decides_what_is_a_near_tie():

@@ -138,3 +138,76 @@ def test_a_model_without_calibration_uses_the_stated_defaults(tmp_path):
     with pytest.raises(Exception) as err:
         noise.load("m", "inproc", "cpu", root=tmp_path)
     assert "corrupt calibration file" in str(err.value) and "specharness calibrate" in str(err.value)
+
+
+COMMITTED = sorted((REPO / "fixtures" / "calibration").glob("*.json"))
+SEQ_SPECULATION_MAX_ABS = {  # the largest max |Δ| of a seq speculative variant served as the cells serve it
+    "gemma3-270m--inproc": 0.794,
+    "gemma3-270m--server": 0.492,
+    "tiny-dense--inproc": 4.13e-4,
+    "tiny-dense--server": 1.08e-4,
+    "tiny-hybrid--inproc": 1.81e-4,
+    "tiny-hybrid--server": 5.10e-5,
+    "tiny-recurrent--inproc": 3.27e-6,
+    "tiny-recurrent--server": 2.38e-6,
+}
+SEQ_FLOOR = {  # the near-tie floor a seq divergence is judged with (docs/near-tie-policy.md)
+    "gemma3-270m--inproc": 1.53,
+    "gemma3-270m--server": 1.14,
+    "tiny-dense--inproc": 9.62e-4,
+    "tiny-dense--server": 1.85e-4,
+    "tiny-hybrid--inproc": 4.64e-4,
+    "tiny-hybrid--server": 1.70e-4,
+    "tiny-recurrent--inproc": 1e-4,
+    "tiny-recurrent--server": 1e-4,
+}
+
+
+@pytest.mark.parametrize("path", COMMITTED, ids=lambda p: p.stem.removesuffix("--cpu"))
+def test_the_seq_near_tie_policy_follows_the_committed_calibration(path):
+    """On every committed model and backend a speculative `seq` run is not bit-identical to no speculation: the
+    verification batch of k+1 tokens runs other kernels than a one-token decode (in-process `scripted-accept`,
+    which accepts every draft and so changes nothing but the batch shape, moves the logits as much). A proven
+    near-tie is therefore excused in `seq` too, within the floor measured in seq mode; the 7-token micro-batch
+    split, which no cell runs, does not decide it."""
+    name = path.stem.removesuffix("--cpu")
+    data = json.loads(path.read_text())
+    floor = noise.from_data(data, f"calibrated ({path.name})")
+    measured = data["measured"]
+    served = {k: v for k, v in measured.items() if k.startswith("seq/") and "/none" not in k and "n_ubatch" not in k}
+    assert max(v["max_abs_max"] for v in served.values()) == pytest.approx(SEQ_SPECULATION_MAX_ABS[name], rel=0.01)
+    assert not floor.seq_bit_exact
+    if "seq/scripted-accept" in measured:  # the batch shape alone
+        assert measured["seq/scripted-accept"]["max_abs_max"] > 0
+    seq = floor.for_mode("seq")
+    assert seq.near_tie == pytest.approx(SEQ_FLOOR[name], rel=0.01) and seq.near_tie <= floor.near_tie
+    assert "seq mode" in seq.describe()
+    for mode in ("seq", "par", "no-kv-unified"):  # each mode's floor covers what was measured in it
+        ours = [v for k, v in measured.items() if k.split("/")[0] == mode]
+        assert floor.for_mode(mode).near_tie >= min(floor.near_tie, 2 * max(v["margin_delta_max"] for v in ours))
+    without_split = {k: v for k, v in measured.items() if "n_ubatch" not in k}
+    assert not noise.from_data({**data, "measured": without_split}, "x").seq_bit_exact
+
+
+@pytest.mark.parametrize("path", COMMITTED, ids=lambda p: p.stem.removesuffix("--cpu"))
+def test_an_acceptance_tolerance_that_cannot_fail_is_refused(path):
+    """A tolerance ≥ 1 lets every drop of a fraction pass: refused (None, with the reason), so the comparison is
+    "not judged: noise exceeds the range". Committed: llama-server ngram-mod sent at once on tiny-dense (2.0)
+    and tiny-hybrid (1.125)."""
+    data = json.loads(path.read_text())
+    floor = noise.from_data(data, path.name)
+    for spec, raw in data["acceptance"].items():
+        for against, key in noise.ACCEPTANCE_KEYS.items():
+            value, why = floor.acceptance_tolerance(spec, against)
+            committed = raw.get(key, raw["tolerance"])
+            if committed >= 1:
+                assert value is None and "not judged: noise exceeds the range" in why and f"{key} " in why
+            else:
+                assert value == committed
+    refused = {
+        (path.stem, spec)
+        for spec in data["acceptance"]
+        if floor.acceptance_tolerance(spec, "concurrent")[0] is None
+    }
+    expected = {"tiny-dense--server--cpu", "tiny-hybrid--server--cpu"}
+    assert refused == ({(path.stem, "ngram-mod")} if path.stem in expected else set())

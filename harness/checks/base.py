@@ -63,15 +63,16 @@ class CheckContext:
 
     @property
     def noise_floor(self) -> NoiseFloor:
-        """The calibrated noise floor of this cell's (model, backend, device), with the suite's own
-        `tolerances:` applied on top when it declares any (the verdicts then say so)."""
+        """The calibrated noise floor of this cell's (model, backend, device), its near-tie floor the one measured
+        in this cell's mode (NoiseFloor.for_mode), with the suite's own `tolerances:` applied on top when it
+        declares any (the verdicts then say so)."""
         device = self.executor.environment(self.cell)["device"]
         floor = noise.load(
             self.cell.model,
             self.cell.backend,
             device,
             self.baselines.calibration_of(self.run.suite) if self.baselines else None,
-        )
+        ).for_mode(self.cell.mode)
         declared = dict(self.run.suite.tolerances)
         if not declared:
             return floor
