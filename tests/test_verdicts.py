@@ -205,9 +205,7 @@ def test_an_acceptance_tolerance_that_cannot_fail_is_refused(path):
             else:
                 assert value == committed
     refused = {
-        (path.stem, spec)
-        for spec in data["acceptance"]
-        if floor.acceptance_tolerance(spec, "concurrent")[0] is None
+        (path.stem, spec) for spec in data["acceptance"] if floor.acceptance_tolerance(spec, "concurrent")[0] is None
     }
     expected = {"tiny-dense--server--cpu", "tiny-hybrid--server--cpu"}
     assert refused == ({(path.stem, "ngram-mod")} if path.stem in expected else set())
