@@ -293,6 +293,52 @@ def llama_cpp_identity(meta: dict) -> dict:
     return out
 
 
+def cell_entries(executor, planned: list, done: list) -> list[dict]:
+    """run.json's `cells`: each planned (suite name, Cell) with its status (`done`, `error` with the error, or `not
+    run`)."""
+    runs = {(r.suite.name, r.cell): r for r in executor.runs()}
+    finished = set(done)
+    cells = []
+    for suite, cell in planned:
+        run = runs.get((suite, cell))
+        entry = {
+            "suite": suite,
+            **asdict(cell),
+            "id": cell.id,
+            "status": "not run" if (suite, cell) not in finished else "error" if run and run.error else "done",
+        }
+        if run is not None and run.error:
+            entry["error"] = run.error
+            if getattr(run, "harness_error", None):
+                entry["harness_error"] = run.harness_error
+        cells.append(entry)
+    return cells
+
+
+def model_facts(executor, planned: list) -> dict:
+    """run.json's `models`: file, sha256, size, arch and kind of every model the run used or planned, draft models
+    included (`{"error": ...}` for one that cannot be resolved)."""
+    from harness.models import draft_for, resolve
+
+    used = {c.model for _, c in planned} | {r.cell.model for r in executor.runs()}
+    drafts = {executor.options.draft_model or draft_for(c.model) for _, c in planned if "draft-simple" in c.spec}
+    models = {}
+    for name in sorted(used | (drafts - {None})):
+        try:
+            info = resolve(name, make=False)
+        except HarnessError as err:
+            models[name] = {"error": str(err)}
+            continue
+        models[name] = {
+            "file": info.path.name,
+            "sha256": info.sha256,
+            "size": info.size,
+            "arch": info.arch,
+            "kind": info.kind,
+        }
+    return models
+
+
 def describe_run(
     executor,
     *,
@@ -314,42 +360,6 @@ def describe_run(
     finished; `suites` maps suite name → file; `known` is the list of known-failure entries; `backends` the
     facts of the run's backends (harness.backends.facts.run_backends: the caller asks the live backends, so
     writing the files runs no llama.cpp tool)."""
-    from harness.models import resolve
-
-    runs = {(r.suite.name, r.cell): r for r in executor.runs()}
-    finished = set(done)
-    cells = []
-    for suite, cell in planned:
-        run = runs.get((suite, cell))
-        entry = {
-            "suite": suite,
-            **asdict(cell),
-            "id": cell.id,
-            "status": "not run" if (suite, cell) not in finished else "error" if run and run.error else "done",
-        }
-        if run is not None and run.error:
-            entry["error"] = run.error
-            if getattr(run, "harness_error", None):
-                entry["harness_error"] = run.harness_error
-        cells.append(entry)
-    from harness.models import draft_for
-
-    used = {c.model for _, c in planned} | {r.cell.model for r in runs.values()}
-    drafts = {executor.options.draft_model or draft_for(c.model) for _, c in planned if "draft-simple" in c.spec}
-    models = {}
-    for name in sorted(used | (drafts - {None})):
-        try:
-            info = resolve(name, make=False)
-        except HarnessError as err:
-            models[name] = {"error": str(err)}
-            continue
-        models[name] = {
-            "file": info.path.name,
-            "sha256": info.sha256,
-            "size": info.size,
-            "arch": info.arch,
-            "kind": info.kind,
-        }
     return {
         "format": FORMAT,
         "tool": tool,
@@ -362,9 +372,9 @@ def describe_run(
         "interrupted": interrupted,
         "host": host(),
         "backends": backends,
-        "models": models,
+        "models": model_facts(executor, planned),
         "suites": {name: _shown(path) for name, path in suites.items()},
-        "cells": cells,
+        "cells": cell_entries(executor, planned, done),
         "known_failures": [asdict(e) for e in known],
     }
 
