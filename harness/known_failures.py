@@ -1,11 +1,20 @@
 """Known failures: defects of llama.cpp itself that the suites found (`suites/known-failures.yaml`).
 
-Each entry names the suite, the matrix cells, the check and a regular expression of the evidence, plus
-the llama.cpp commit, why, and the upstream report. A check failure it explains is an expected failure,
-not a red run — but only when the evidence explains every failing request of the verdict: a request
-whose failure the entry does not explain keeps the verdict red. Each entry also runs as a strict expected
-failure of its own: when llama.cpp fixes the defect, the entry no longer reproduces, that fails the run,
-and the entry is removed.
+Each entry names the defect's signature: the backend, the conditions it needs (modes, spec configs, models,
+CPU flags; an empty list means any), the checks it fails and a regular expression of the evidence, with
+exact counts where the defect's are exact (`limits`: bounds on numbers the evidence captures, e.g. at most 4
+tokens lost). It lists the suites it has been seen in (`suites`, the first one its home, where its strict
+expected failure runs), the llama.cpp commit, why, the upstream report, and `measured` evidence lines with
+`wider` variants it must not explain (tests/test_known_failures.py checks both, entry by entry).
+
+A check failure it explains is an expected failure, not a red run — but only when the evidence explains
+every failing request of the verdict: a request whose failure the entry does not explain keeps the verdict
+red. The entry is recognised wherever its signature shows: in a suite it does not list yet, the verdict is
+reported as that known defect, "seen in a new suite", and does not fail the run (the report and the console
+say so; add the suite to the entry). An entry whose evidence is not specific to its defect (a bare
+`killed by SIGSEGV`) sets `anywhere: false` and is recognised in its listed suites only. Each entry also
+runs as a strict expected failure of its own: when llama.cpp fixes the defect, the entry no longer
+reproduces, that fails the run, and the entry is removed.
 """
 
 import re
@@ -24,10 +33,37 @@ FILE_NAME = "known-failures.yaml"
 _ENTRY = {
     "type": "object",
     "additionalProperties": False,
-    "required": ["id", "suite", "backend", "check", "evidence", "llama_cpp_commit", "reason", "upstream"],
+    "required": [
+        "id",
+        "suites",
+        "backend",
+        "check",
+        "evidence",
+        "llama_cpp_commit",
+        "reason",
+        "upstream",
+        "measured",
+        "wider",
+    ],
     "properties": {
         "id": {"type": "string", "pattern": r"^[a-z0-9-]+$"},
-        "suite": {"type": "string"},
+        "suites": {"type": "array", "items": {"type": "string"}, "minItems": 1},
+        "anywhere": {"type": "boolean"},
+        "limits": {
+            "type": "array",
+            "items": {
+                "type": "object",
+                "additionalProperties": False,
+                "required": ["value"],
+                "properties": {
+                    "value": {"type": "string", "pattern": r"^\s*[a-z_]+\s*(-\s*[a-z_]+\s*)*$"},
+                    "min": {"type": "integer"},
+                    "max": {"type": "integer"},
+                },
+            },
+        },
+        "measured": {"type": "array", "items": {"type": "string"}, "minItems": 1},
+        "wider": {"type": "array", "items": {"type": "string"}, "minItems": 1},
         "backend": {"type": "string"},
         "modes": {"type": "array", "items": {"type": "string"}},
         "specs": {"type": "array", "items": {"type": "string"}},
@@ -44,11 +80,35 @@ _ENTRY = {
 
 
 @dataclass(frozen=True)
+class Limit:
+    """A bound on a number the evidence captures: a named group, or a group less others (`reference -
+    returned`); `min` / `max` inclusive (None: unbounded). A limit whose groups did not take part in the match
+    (another branch of the pattern) does not apply."""
+
+    value: str
+    min: int | None = None
+    max: int | None = None
+
+    @property
+    def names(self) -> list[str]:
+        return [n.strip() for n in self.value.split("-")]
+
+    def holds(self, match: re.Match) -> bool:
+        values = [match.group(n) for n in self.names]
+        if None in values:
+            return True
+        first, *rest = map(int, values)
+        number = first - sum(rest)
+        return (self.min is None or number >= self.min) and (self.max is None or number <= self.max)
+
+
+@dataclass(frozen=True)
 class KnownFailure:
     """One recorded llama.cpp defect."""
 
     id: str
-    suite: str
+    suites: tuple[str, ...]
+    """The suites it has been seen in; the first is its home (its strict expected failure runs there)."""
     backend: str
     check: tuple[str, ...]
     """The checks whose failures the defect explains (a string in the file is one check)."""
@@ -57,12 +117,24 @@ class KnownFailure:
     reason: str
     upstream: str
     """Where llama.cpp tracks it (an issue or pull request), or what was filed."""
+    measured: tuple[str, ...] = ()
+    """Failure lines the defect produced, as measured: the entry explains each."""
+    wider: tuple[str, ...] = ()
+    """Variants of the measured lines the defect cannot produce: the entry explains none."""
     modes: tuple[str, ...] = ()
     specs: tuple[str, ...] = ()
     models: tuple[str, ...] = ()
     found: str = ""
     cpu_flags: tuple[str, ...] = ()
     """The defect shows only on a CPU with these flags (`/proc/cpuinfo`); elsewhere the entry does not apply."""
+    limits: tuple[Limit, ...] = ()
+    anywhere: bool = True
+    """Recognised in any suite (False: only in `suites`, for evidence not specific to the defect)."""
+
+    @property
+    def suite(self) -> str:
+        """The home suite: where the entry was found and its strict expected failure runs."""
+        return self.suites[0]
 
     @property
     def missing_cpu_flags(self) -> list[str]:
@@ -70,12 +142,11 @@ class KnownFailure:
         have = cpu_flags()
         return [f for f in self.cpu_flags if f not in have]
 
-    def covers(self, suite: str, cell: Cell) -> bool:
-        """True for the cells the defect shows in (an empty list of modes, specs or models means all) on a
-        CPU it shows on."""
+    def shows_in(self, cell: Cell) -> bool:
+        """True for the cells whose configuration the defect needs (an empty list of modes, specs or models
+        means all), on a CPU it shows on, whatever the suite."""
         return (
-            suite == self.suite
-            and cell.backend == self.backend
+            cell.backend == self.backend
             and not self.missing_cpu_flags
             and all(
                 not allowed or value in allowed
@@ -83,13 +154,27 @@ class KnownFailure:
             )
         )
 
+    def covers(self, suite: str, cell: Cell) -> bool:
+        """True for the cells of the suites it has been seen in that the defect shows in."""
+        return suite in self.suites and self.shows_in(cell)
+
+    def recognises(self, suite: str, cell: Cell) -> bool:
+        """True where its signature counts as the defect: its listed suites, and any other one unless the
+        entry says `anywhere: false`."""
+        return self.shows_in(cell) and (self.anywhere or suite in self.suites)
+
+    def matches(self, item: str) -> bool:
+        """True when one failing item is this defect's evidence, counts within the limits."""
+        found = re.search(self.evidence, item)
+        return found is not None and all(limit.holds(found) for limit in self.limits)
+
     def explained(self, result: CheckResult) -> tuple[int, int]:
         """(failing items this defect explains, failing items) of a failed verdict of its check: the
         verdict's per-request `failures`, or its message when it has none."""
         if result.passed or result.name not in self.check:
             return 0, 0
         items = result.failures or [result.message]
-        return sum(re.search(self.evidence, item) is not None for item in items), len(items)
+        return sum(self.matches(item) for item in items), len(items)
 
     def explains(self, result: CheckResult) -> bool:
         """True when a failed check verdict is this defect in every one of its failing requests."""
@@ -99,6 +184,17 @@ class KnownFailure:
     @property
     def summary(self) -> str:
         return f"known llama.cpp defect {self.id} (llama.cpp {self.llama_cpp_commit[:12]}; see suites/{FILE_NAME})"
+
+
+def _check_limits(raw: dict) -> None:
+    groups = re.compile(raw["evidence"]).groupindex
+    for limit in raw.get("limits", []):
+        for name in (n.strip() for n in limit["value"].split("-")):
+            if name not in groups:
+                raise HarnessError(
+                    f"limit on '{limit['value']}' names '{name}', which the evidence pattern does not capture "
+                    f"(add a named group (?P<{name}>\\d+))"
+                )
 
 
 def load(path: Path) -> list[KnownFailure]:
@@ -117,30 +213,49 @@ def load(path: Path) -> list[KnownFailure]:
     entries = []
     for i, raw in enumerate(data):
         try:
+            if isinstance(raw, dict) and "suite" in raw and "suites" not in raw:
+                raise HarnessError(
+                    "'suite' is now 'suites': the list of suites the defect has been seen in "
+                    f"(write suites: [{raw['suite']}])"
+                )
             jsonschema.validate(raw, _ENTRY)
             if re.search(raw["evidence"], "") is not None:
                 raise HarnessError(
                     f"evidence pattern {raw['evidence']!r} matches an empty string, so it would "
                     "explain any failure; make it name the defect's message"
                 )
+            _check_limits(raw)
             narrowing([raw["backend"]], list(raw.get("modes", [])), list(raw.get("specs", [])))
         except (jsonschema.ValidationError, re.error, HarnessError) as err:
             raise HarnessError(f"{path}: entry {i}: {str(err).splitlines()[0]}") from None
         raw["check"] = [raw["check"]] if isinstance(raw["check"], str) else raw["check"]
-        for value, known, what in ((raw["suite"], suites, "suite"), *((c, CHECK_NAMES, "check") for c in raw["check"])):
+        for value, known, what in (
+            *((s, suites, "suite") for s in raw["suites"]),
+            *((c, CHECK_NAMES, "check") for c in raw["check"]),
+        ):
             if value not in known:
                 raise HarnessError(f"{path}: entry {i}: unknown {what} '{value}' (known: {', '.join(sorted(known))})")
+        raw["limits"] = [Limit(**limit) for limit in raw.get("limits", [])]
         entries.append(KnownFailure(**{k: tuple(v) if isinstance(v, list) else v for k, v in raw.items()}))
     return entries
 
 
 def matching(entries: list[KnownFailure], suite: str, cell: Cell, result: CheckResult) -> KnownFailure | None:
-    """The entry that explains a failed verdict of `suite` in `cell`, if any."""
-    return next((e for e in entries if e.covers(suite, cell) and e.explains(result)), None)
+    """The entry that explains a failed verdict of `suite` in `cell`, if any: one that lists the suite first,
+    else one recognised in it (a known defect seen in a new suite)."""
+    return next((e for e in entries if e.covers(suite, cell) and e.explains(result)), None) or next(
+        (e for e in entries if e.recognises(suite, cell) and e.explains(result)), None
+    )
+
+
+NEW_SUITE = "known_failure_new_suite"
+"""Evidence key of a verdict a known defect explains in a suite its entry does not list yet."""
 
 
 def tag(entries: list[KnownFailure], suite: str, cell: Cell, results: list[CheckResult]) -> list[CheckResult]:
-    """Mark the failed verdicts a known defect explains (`evidence["known_failure"]`); returns the others."""
+    """Mark the failed verdicts a known defect explains (`evidence["known_failure"]`, and `NEW_SUITE` with the
+    suite where the entry does not list it: a known defect seen in a new suite, which does not fail the run);
+    returns the others."""
     unexplained = []
     for r in results:
         if r.passed:
@@ -148,7 +263,7 @@ def tag(entries: list[KnownFailure], suite: str, cell: Cell, results: list[Check
         entry = matching(entries, suite, cell, r)
         if entry is None:
             unexplained.append(r)
-            partial = [(e, *e.explained(r)) for e in entries if e.covers(suite, cell)]
+            partial = [(e, *e.explained(r)) for e in entries if e.recognises(suite, cell)]
             for e, hits, total in partial:
                 if hits:
                     r.evidence["known_failure_partial"] = f"{e.id} explains {hits} of {total} failing requests"
@@ -158,4 +273,11 @@ def tag(entries: list[KnownFailure], suite: str, cell: Cell, results: list[Check
                     )
         else:
             r.evidence["known_failure"] = entry.id
+            if suite not in entry.suites:
+                r.evidence[NEW_SUITE] = suite
+                r.message += (
+                    f"\n  (known defect {entry.id}, seen in a new suite: {suite}; the entry lists "
+                    f"{', '.join(entry.suites)}. It does not fail the run: add {suite} to the entry's suites in "
+                    f"suites/{FILE_NAME})"
+                )
     return unexplained

@@ -7,13 +7,13 @@ import pytest
 
 from harness.checks.base import CheckResult
 from harness.errors import HarnessError
-from harness.known_failures import load, tag
+from harness.known_failures import NEW_SUITE, load, tag
 from harness.matrix import Cell
 
 REPO = Path(__file__).resolve().parents[1]
 ENTRY = """\
 - id: demo-defect
-  suite: kv-fill
+  suites: [kv-fill]
   backend: server
   modes: [par]
   check: no-crash
@@ -21,7 +21,10 @@ ENTRY = """\
   llama_cpp_commit: 0c1e570
   upstream: ggml-org/llama.cpp#24840
   reason: a demo
+  measured: ['round 0: HTTP 500: speculative batch index 12 is not inside the current sub-batch [0, 8)']
+  wider: ['round 0: HTTP 500: batch index 12 is not inside the current sub-batch [0, 8)']
 """
+SHIPPED = load(REPO / "suites" / "known-failures.yaml")
 
 
 @pytest.fixture
@@ -67,7 +70,13 @@ def test_an_entry_must_explain_every_failing_request_of_a_verdict(suites):
     [
         (("evidence: 'batch index \\d+ is not inside'", "evidence: '(index)?'"), "matches an empty string"),
         (("  upstream: ggml-org/llama.cpp#24840\n", ""), "'upstream' is a required property"),
-        (("suite: kv-fill", "suite: kv-fil"), "unknown suite 'kv-fil'"),
+        (("suites: [kv-fill]", "suites: [kv-fil]"), "unknown suite 'kv-fil'"),
+        (("suites: [kv-fill]", "suite: kv-fill"), "'suite' is now 'suites'"),
+        (("  measured: [", "  measurd: ["), "('measurd' was unexpected)"),
+        (
+            ("  reason: a demo\n", "  reason: a demo\n  limits: [{value: tokens - lost, max: 4}]\n"),
+            "names 'tokens', which the evidence pattern does not capture",
+        ),
         (("check: no-crash", "check: no-crash2"), "unknown check 'no-crash2'"),
         (("modes: [par]", "modes: [parallel]"), "unknown mode 'parallel'"),
         (("backend: server", "backend: cuda"), "unknown backend 'cuda'"),
@@ -127,3 +136,92 @@ def test_an_entry_for_a_cpu_feature_applies_only_on_a_cpu_that_has_it(suites):
         (suites / "known-failures.yaml").write_text(ENTRY + f"  cpu_flags: [{have}]\n")
         [present] = load(suites / "known-failures.yaml")
         assert present.missing_cpu_flags == [] and present.covers("kv-fill", par)
+
+
+def _verdict(entry, line: str) -> CheckResult:
+    return CheckResult(entry.check[0], False, line, failures=[line])
+
+
+def _home_cell(entry) -> Cell:
+    return Cell(
+        entry.backend,
+        (entry.modes or ("seq",))[0],
+        (entry.specs or ("draft-simple",))[0],
+        (entry.models or ("tiny-dense",))[0],
+    )
+
+
+@pytest.mark.parametrize("entry", SHIPPED, ids=[e.id for e in SHIPPED])
+def test_each_entry_explains_its_measured_evidence_and_no_wider_variant_of_it(entry):
+    """An entry is as wide as its defect: it explains every failure line measured for it (in its home suite
+    and cells) and none of its `wider` variants (more positions past the returned tokens than the defect
+    leaves, more tokens lost than it loses, another abort)."""
+    assert entry.measured and entry.wider
+    cell = _home_cell(entry)
+    assert entry.covers(entry.suite, cell) or entry.missing_cpu_flags
+    for line in entry.measured:
+        assert entry.explains(_verdict(entry, line)), f"{entry.id} does not explain its measured {line!r}"
+    for line in entry.wider:
+        assert not entry.explains(_verdict(entry, line)), f"{entry.id} explains the wider {line!r}"
+
+
+def test_the_eog_entries_accept_exactly_one_position_the_eog_tokens():
+    eog = {e.id: e for e in SHIPPED}
+    line = (
+        "round 0: {n} position{s} past the returned tokens: the slot keeps positions {a}..{b} after 8 prompt + "
+        "29 returned tokens (stop: eos)"
+    )
+    for kid in ("server-spec-keeps-eog", "server-spec-keeps-eog-sampled"):
+        entry = eog[kid]
+        assert entry.explains(_verdict(entry, line.format(n=1, s="", a=37, b=37)))
+        assert not entry.explains(_verdict(entry, line.format(n=2, s="s", a=37, b=38)))
+        assert not entry.explains(_verdict(entry, line.format(n=1, s="", a=36, b=36)))
+
+
+def test_the_context_end_entry_accepts_at_most_four_lost_tokens():
+    entry = next(e for e in SHIPPED if e.id == "server-spec-context-end-early-stop")
+    line = "round 0: unexplained at token {k} (the output ended there, stop: limit; the reference has 60 tokens)"
+    assert [entry.explains(_verdict(entry, line.format(k=k))) for k in (60, 59, 56, 55, 40)] == [
+        False,  # nothing lost: no early stop
+        True,
+        True,  # 4 lost: the most the defect loses
+        False,  # 5 lost: wider than the defect
+        False,
+    ]
+
+
+def test_a_known_defect_in_a_suite_its_entry_does_not_list_is_that_defect_seen_in_a_new_suite(suites):
+    """The grammar-json case of issue 28: a known signature in a suite the entry does not list is reported as the
+    known defect (it does not fail the run), and the message says it was seen in a new suite."""
+    shutil.copy(REPO / "suites" / "eog.yaml", suites / "eog.yaml")
+    (suites / "known-failures.yaml").write_text(ENTRY)
+    [entry] = load(suites / "known-failures.yaml")
+    par = Cell("server", "par", "draft-simple", "tiny-hybrid")
+    http500 = "round 0: HTTP 500: speculative batch index 12 is not inside the current sub-batch [0, 8)"
+    elsewhere = CheckResult("no-crash", False, "1 of 1 requests failed", failures=[http500])
+    assert tag([entry], "eog", par, [elsewhere]) == []
+    assert elsewhere.evidence["known_failure"] == "demo-defect" and elsewhere.evidence[NEW_SUITE] == "eog"
+    assert "known defect demo-defect, seen in a new suite: eog" in elsewhere.message
+    assert "does not fail the run" in elsewhere.message
+    home = CheckResult("no-crash", False, "1 of 1 requests failed", failures=[http500])
+    assert tag([entry], "kv-fill", par, [home]) == [] and NEW_SUITE not in home.evidence
+    seq = Cell("server", "seq", "draft-simple", "tiny-hybrid")  # the defect's conditions still hold everywhere
+    other_mode = CheckResult("no-crash", False, "1 of 1 requests failed", failures=[http500])
+    assert tag([entry], "eog", seq, [other_mode]) == [other_mode]
+    (suites / "known-failures.yaml").write_text(ENTRY + "  anywhere: false\n")
+    [listed_only] = load(suites / "known-failures.yaml")
+    again = CheckResult("no-crash", False, "1 of 1 requests failed", failures=[http500])
+    assert tag([listed_only], "eog", par, [again]) == [again]
+
+
+def test_the_eog_defect_in_grammar_json_is_known():
+    """The 9 grammar-json cases of issue 28 (tiny-hybrid and tiny-recurrent, draft-simple, every mode)."""
+    line = (
+        "round 0: 1 position past the returned tokens: the slot keeps positions 40..40 after 12 prompt + 28 "
+        "returned tokens (stop: eos)"
+    )
+    for mode in ("seq", "par", "no-kv-unified"):
+        for model in ("tiny-hybrid", "tiny-recurrent"):
+            r = CheckResult("kv-healthy", False, line, failures=[line])
+            assert tag(SHIPPED, "grammar-json", Cell("server", mode, "draft-simple", model), [r]) == []
+            assert r.evidence["known_failure"] == "server-spec-keeps-eog"
