@@ -22,6 +22,7 @@ from harness.paths import reports_dir
 from harness.report.files import status
 from harness.run_options import new_run_dir, prepare_out, run_defaults
 from harness.shrink.candidate import Candidate, initial
+from harness.shrink.failure_id import parse as parse_failure_id
 from harness.shrink.trial import BASELINE_CHECKS, Policy, Runner, reference_of
 from harness.signatures import classify
 
@@ -37,6 +38,33 @@ def _load(path: Path, what: str):
         raise HarnessError(f"unreadable {path}: {' '.join(str(err).split())}") from None
 
 
+def take_failure_id(args: argparse.Namespace, records: list[dict]) -> str | None:
+    """Fill `args.case` and the cell flags from a printed failure ID (`args.failure`, the positional argument); its
+    suite, or None without an ID. A flag given beside the ID must agree with it."""
+    text = getattr(args, "failure", None)
+    if not text:
+        if args.case is None:
+            raise HarnessError(
+                "name the failing case: its failure ID as the console prints it "
+                "(e.g. categories[code_python-par-draft-simple-tiny-hybrid-server]), or --case ID"
+            )
+        return None
+    parsed = parse_failure_id(text, records)
+    for name, value in (("case", parsed.case), *parsed.cell.items()):
+        given = getattr(args, name, None)
+        if given is not None and given != value:
+            raise HarnessError(f"--{name} {given} contradicts the failure ID {text} ({name} {value})")
+        setattr(args, name, value)
+    return parsed.suite
+
+
+def _no_suite(run_dir: Path, args: argparse.Namespace, suite: str, failing: list[dict]) -> list[dict]:
+    raise HarnessError(
+        f"case '{args.case}' did not fail in suite '{suite}' of {run_dir} (it failed in: "
+        f"{', '.join(sorted({str(v.get('suite')) for v in failing}))})"
+    )
+
+
 class Origin:
     """The failing verdict a shrink starts from: its run, cell, check, signature and the run's options."""
 
@@ -45,6 +73,7 @@ class Origin:
         self.meta = _load(run_dir / "run.json", "what ran")
         self.results = _load(run_dir / "results.json", "the requests")
         self.checks = _load(run_dir / "checks.json", "the verdicts")
+        suite = take_failure_id(args, self.checks)
         failing = failing_records(
             run_dir,
             args.case,
@@ -55,6 +84,8 @@ class Origin:
             model=args.model,
             backend=args.backend,
         )
+        if suite is not None:
+            failing = [v for v in failing if v.get("suite") == suite] or _no_suite(run_dir, args, suite, failing)
 
         def requests(v: dict) -> list[dict]:
             return [
@@ -213,8 +244,15 @@ def _policy(text: str) -> Policy:
 
 
 def _common(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "failure",
+        nargs="?",
+        metavar="FAILURE_ID",
+        help="the failure as the console and the report print it, e.g. "
+        "categories[code_python-par-draft-simple-tiny-hybrid-server] (instead of --case and the cell flags)",
+    )
     p.add_argument("--from-run", type=Path, required=True, metavar="RUN_DIR", help="run directory with the failure")
-    p.add_argument("--case", required=True, metavar="ID", help="the failing case (a chat turn: name.turnN)")
+    p.add_argument("--case", metavar="ID", help="the failing case (a chat turn: name.turnN)")
     p.add_argument(
         "--check",
         metavar="NAME",
