@@ -67,11 +67,8 @@ def _cmd_scan(args: argparse.Namespace) -> int:
 
 
 def _render(report: ScanReport, cells: bool) -> None:
-    """Print the report as rich tables."""
-    from collections import Counter
-
+    """Print the report: what the file is, a table per part and sequence, every cell (`--cells`), the damage."""
     from rich.console import Console
-    from rich.table import Table
 
     console = Console()
     facts = [report.framing, f"{report.size} bytes"]
@@ -84,6 +81,22 @@ def _render(report: ScanReport, cells: bool) -> None:
     console.print(f"layout: {report.layout.describe()}")
     for note in report.notes:
         console.print(f"[yellow]note:[/] {note}")
+    console.print(_sequences_table(report))
+    if cells:
+        console.print(_cells_table(report))
+    if report.healthy:
+        console.print("[green]healthy[/]")
+        return
+    for line in _damage(report):
+        console.print(line)
+
+
+def _sequences_table(report: ScanReport):
+    """Per part and sequence: cells, position range, duplicates, orphans and holes."""
+    from collections import Counter
+
+    from rich.table import Table
+
     dups = Counter((d[0], d[2]) for d in report.duplicates for _ in range(d[4] - 1))
     orphans = Counter((o[0], o[2]) for o in report.orphans)
     holes = Counter((h[0], h[2]) for h in report.holes for _ in range(h[4] - h[3] + 1))
@@ -102,29 +115,41 @@ def _render(report: ScanReport, cells: bool) -> None:
             )
         if not part.n_cells:
             table.add_row(part.name, "-", "0", "-", "0", "0", "0")
-    console.print(table)
-    if cells:
-        listing = Table("part", "stream", "pos", "seq ids")
-        for part in report.parts:
-            for stream, pos, seqs in part.cells():
-                listing.add_row(part.name, str(stream), str(pos), ",".join(map(str, seqs)))
-        console.print(listing)
-    if report.healthy:
-        console.print("[green]healthy[/]")
-        return
-    console.print(
-        "[red]UNHEALTHY[/]: "
-        + ", ".join(
-            f"{v} {k.replace('_', ' ')}"
-            for k, v in report.totals.items()
-            if k in ("duplicate_cells", "orphans", "missing_positions", "duplicate_tails") and v
-        )
+    return table
+
+
+def _cells_table(report: ScanReport):
+    """Every cell: part, stream, position and sequence ids."""
+    from rich.table import Table
+
+    listing = Table("part", "stream", "pos", "seq ids")
+    for part in report.parts:
+        for stream, pos, seqs in part.cells():
+            listing.add_row(part.name, str(stream), str(pos), ",".join(map(str, seqs)))
+    return listing
+
+
+def _damage(report: ScanReport) -> list[str]:
+    """The UNHEALTHY line with the totals, then the first ten of each kind of damage."""
+    totals = ", ".join(
+        f"{v} {k.replace('_', ' ')}"
+        for k, v in report.totals.items()
+        if k in ("duplicate_cells", "orphans", "missing_positions", "duplicate_tails") and v
     )
-    for part, stream, seq, pos, count in report.duplicates[:10]:
-        console.print(f"  duplicate: {part} stream {stream} seq {seq} pos {pos} x{count}")
-    for part, stream, seq, pos in report.orphans[:10]:
-        console.print(f"  orphan: {part} stream {stream} seq {seq} pos {pos} (expected < {report.expected_len[seq]})")
-    for part, stream, seq, first, last in report.holes[:10]:
-        console.print(f"  hole: {part} stream {stream} seq {seq} pos {first}..{last} missing")
-    for seq, count in report.duplicate_tails.items():
-        console.print(f"  duplicate recurrent tails: seq {seq} has {count} cells")
+    lines = [f"[red]UNHEALTHY[/]: {totals}"]
+    lines += [
+        f"  duplicate: {part} stream {stream} seq {seq} pos {pos} x{count}"
+        for part, stream, seq, pos, count in report.duplicates[:10]
+    ]
+    lines += [
+        f"  orphan: {part} stream {stream} seq {seq} pos {pos} (expected < {report.expected_len[seq]})"
+        for part, stream, seq, pos in report.orphans[:10]
+    ]
+    lines += [
+        f"  hole: {part} stream {stream} seq {seq} pos {first}..{last} missing"
+        for part, stream, seq, first, last in report.holes[:10]
+    ]
+    lines += [
+        f"  duplicate recurrent tails: seq {seq} has {count} cells" for seq, count in report.duplicate_tails.items()
+    ]
+    return lines
