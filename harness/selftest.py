@@ -70,6 +70,14 @@ FAULT_PLAN = {
             {"models": ["tiny-dense-loop"], "modes": ["seq", "par"], "specs": ["ngram-map-k"], "backends": ["inproc"]},
         )
     ],
+    # ngram-cache drafts only from n-grams of a prompt (llama-server counts generated tokens only in chunks of
+    # accepted drafts): Gemma repeats its quicksort prompt, the tiny models' text never does
+    "ngram-cache-kept-across-requests": [
+        (
+            "quicksort",
+            {"models": ["gemma3-270m"], "modes": ["seq"], "specs": ["ngram-cache"], "backends": ["inproc"]},
+        )
+    ],
 }
 """What a fault needs beyond the plan: draft-model speculation, and an n-gram drafter with a state per slot
 on a model whose text repeats (the dense `-loop` model: on Gemma's three quicksort prompts, nearly the same
@@ -95,6 +103,9 @@ EXPECTED: dict[str, list[tuple[str, str]]] = {
         ("acceptance", r"against baseline \(tolerance [\d.e-]+\): (acceptance|accepted tokens)"),
     ],
     "shared-drafter-state": [("acceptance", r"against baseline \(tolerance [\d.e-]+\): (acceptance|accepted tokens)")],
+    "ngram-cache-kept-across-requests": [
+        ("acceptance", r"against baseline \(tolerance [\d.e-]+\): (acceptance|accepted tokens)")
+    ],
 }
 """Per fault, the (check, evidence) pairs that count as catching it (any one): the check must fail and its
 message must match the evidence — the bug class, not just any failure."""

@@ -23,6 +23,9 @@ FAULTS = {
     "shared-drafter-state": "the n-gram drafters with a state per slot (ngram-map-k, ngram-map-k4v) share one, "
     "as if keyed by slot 0 "
     "(outputs stay lossless; the slots' drafts degrade, so only par / no-kv-unified show it)",
+    "ngram-cache-kept-across-requests": "ngram-cache's begin() keeps the slot's cache of its previous request and "
+    "counts only the part of a new history longer than any before (ggml-org/llama.cpp#27852; outputs stay "
+    "lossless, drafts come from the old request's n-grams)",
 }
 
 

@@ -17,7 +17,7 @@ from harness.engine.drafters.base import Drafter, DraftRequest
 from harness.engine.faults import check_fault
 from harness.errors import HarnessError
 
-SPEC_TYPES = ("none", "ngram-simple", "ngram-map-k", "ngram-map-k4v", "ngram-mod", "draft-simple")
+SPEC_TYPES = ("none", "ngram-simple", "ngram-map-k", "ngram-map-k4v", "ngram-mod", "ngram-cache", "draft-simple")
 """`--spec-type` values, in llama.cpp's priority order after `none` (common/speculative.cpp: the n-gram
 types before the draft model; the first drafter with a draft wins the step)."""
 
@@ -99,6 +99,7 @@ class SpecConfig:
             "ngram-map-k": self.spec_ngram_map_k_size_m,
             "ngram-map-k4v": self.spec_ngram_map_k4v_size_m,
             "ngram-mod": self.spec_ngram_mod_n_max,
+            "ngram-cache": 8,
         }
         return max([sizes[t] for t in self.spec_type] + [d.n_max for d in self.drafters])
 
@@ -106,6 +107,7 @@ class SpecConfig:
 def build_drafters(config: SpecConfig, target: Context) -> list[Drafter]:
     """The drafter chain in llama.cpp's priority order."""
     from harness.engine.drafters.draft_model import DraftSimple
+    from harness.engine.drafters.ngram_cache import NgramCache
     from harness.engine.drafters.ngram_map import NgramMapK, NgramMapK4V
     from harness.engine.drafters.ngram_mod import NgramMod
     from harness.engine.drafters.ngram_simple import NgramSimple
@@ -120,6 +122,7 @@ def build_drafters(config: SpecConfig, target: Context) -> list[Drafter]:
             c.spec_ngram_map_k4v_size_n, c.spec_ngram_map_k4v_size_m, c.spec_ngram_map_k4v_min_hits
         ),
         "ngram-mod": lambda: NgramMod(c.spec_ngram_mod_n_match, c.spec_ngram_mod_n_min, c.spec_ngram_mod_n_max),
+        "ngram-cache": lambda: NgramCache(keep_across_requests=c.fault == "ngram-cache-kept-across-requests"),
         "draft-simple": lambda: DraftSimple(
             c.spec_draft_model,
             target,
