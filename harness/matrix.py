@@ -60,6 +60,11 @@ SPEC_PRESETS: dict[str, SpecPreset] = {
     # the draft context's K cache in q8_0 while the target's stays f16 (a quantized V needs flash attention)
     "draft-simple-q8": SpecPreset({"spec-type": "draft-simple", "spec-draft-n-max": 4, "spec-draft-type-k": "q8_0"}),
     **{name: SpecPreset({"spec-type": name, **opts}) for name, opts in _NGRAM_SMALL.items()},
+    # lookup decoding from the slot's own 1..4-gram counts (no -lcs / -lcd cache files; up to 8 tokens, hard-coded)
+    "ngram-cache": SpecPreset({"spec-type": "ngram-cache"}),
+    # the target's own MTP (nextn) head drafts (a model with `nextn_predict_layers`: tiny-hybrid-mtp); llama-server
+    # only for now: the engine has no MTP drafter yet (see docs/upstream-defects.md, "types that cannot run here")
+    "draft-mtp": SpecPreset({"spec-type": "draft-mtp", "spec-draft-n-max": 3}, server_only=True),
     "scripted-accept": SpecPreset({}, scripted="accept-all"),
     # every draft rejected: a draft-simple draft is synthetically accepted with probability 0 (`--spec-synth-len 1`
     # resolves to rates 0,…,0 for any n_max); the target's token is still sampled and emitted, so the output is

@@ -14,7 +14,13 @@ from harness.models import DEFAULT_MODELS, draft_for, make, registry, resolve
 from harness.models.agreement import PROMPTS, teacher_forced_agreement
 from harness.models.generator import RECIPES
 
-KIND = {"tiny-dense": "dense", "tiny-hybrid": "hybrid", "tiny-recurrent": "recurrent", "tiny-long": "dense"}
+KIND = {
+    "tiny-dense": "dense",
+    "tiny-hybrid": "hybrid",
+    "tiny-recurrent": "recurrent",
+    "tiny-long": "dense",
+    "tiny-hybrid-mtp": "hybrid",
+}
 FLAGS = {"dense": (False, False), "hybrid": (False, True), "recurrent": (True, False)}  # (is_recurrent, is_hybrid)
 
 
@@ -141,3 +147,18 @@ def test_non_gguf_file_error(tmp_path):
 def test_unknown_name_error():
     message = _error("tiny-nonexistent")
     assert "tiny-nonexistent" in message and all(name in message for name in [*RECIPES, "gemma3-270m"])
+
+
+def test_mtp_model_has_one_nextn_block_loaded_only_on_request(built):
+    """tiny-hybrid-mtp: a plain load skips the MTP block (its trunk is a 4-layer qwen35); `load_mtp` loads it."""
+    path = str(built["tiny-hybrid-mtp"].path).encode()
+    for load_mtp in (False, True):
+        params = llama_cpp.llama_model_default_params()
+        params.load_mtp = load_mtp
+        model = llama_cpp.llama_model_load_from_file(path, params)
+        assert model, f"llama.cpp could not load {path} (load_mtp={load_mtp})"
+        try:
+            assert llama_cpp.llama_model_n_layer_nextn(model) == 1
+            assert llama_cpp.llama_model_n_layer(model) == 4  # the trunk (block_count 5 counts the MTP block)
+        finally:
+            llama_cpp.llama_model_free(model)

@@ -58,6 +58,19 @@ class Recipe:
     walks a small set of tokens and soon repeats itself (with context-dependent variations): n-gram
     drafters find matches that are sometimes right and sometimes wrong."""
     focus_gain: float = 1.0
+    trunk_gain: float = 1.0
+    """Scales every layer's output projection (attention / GatedDeltaNet out, FFN down): below 1 the residual
+    stream stays close to the token's embedding, so the next token depends mostly on the current one."""
+    mtp: float = 0.0
+    """qwen35 only, > 0: one MTP (nextn) block after the trunk (`nextn_predict_layers` 1). Its projection passes
+    the token's embedding through and adds this much of the previous hidden state; its attention and FFN write
+    at `mtp` scale too: the head predicts from the current token, as the `trunk_gain`-damped trunk mostly does,
+    so its drafts are often but not always the target's tokens."""
+
+
+_NEW_FIELDS = {"trunk_gain": 1.0, "mtp": 0.0}
+"""Recipe fields added after models were first published: left out of a fingerprint at their defaults, so the
+older models keep their file names."""
 
 
 def _draft(target: Recipe, noise: float, seed: int) -> Recipe:
@@ -115,6 +128,10 @@ RECIPES: dict[str, Recipe] = {
             dataclasses.replace(r, name=f"{r.name}-loop", focus=32, focus_gain=3.0)
             for r in (_DENSE, _HYBRID, _RECURRENT)
         ),
+        # The hybrid with one MTP head for draft-mtp: the trunk's output projections at 0.15 make the next token
+        # mostly a function of the current one (greedy still walks 63 distinct tokens in 64), which is what the
+        # head predicts (the target's next token equals that prediction at 55 % of 192 greedy positions).
+        dataclasses.replace(_HYBRID, name="tiny-hybrid-mtp", trunk_gain=0.15, mtp=0.1),
     )
 }
 
@@ -142,12 +159,20 @@ def fingerprint(recipe: Recipe) -> str:
     """Hex sha256 of everything that determines the bytes `write_model(recipe)` writes."""
     spec = {
         "generator": GENERATOR_VERSION,
-        "recipe": dataclasses.asdict(recipe),
-        "target": dataclasses.asdict(RECIPES[recipe.draft_of]) if recipe.draft_of else None,
+        "recipe": _fingerprint_fields(recipe),
+        "target": _fingerprint_fields(RECIPES[recipe.draft_of]) if recipe.draft_of else None,
         "vocab": hashlib.sha256(_VOCAB.read_bytes()).hexdigest(),
         "versions": {pkg: importlib.metadata.version(pkg) for pkg in ("gguf", "numpy")},
     }
     return hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()
+
+
+def _fingerprint_fields(recipe: Recipe) -> dict:
+    fields = dataclasses.asdict(recipe)
+    for name, default in _NEW_FIELDS.items():
+        if fields[name] == default:
+            del fields[name]
+    return fields
 
 
 class _Tensors:
@@ -245,6 +270,31 @@ def _qwen35(hp: Hparams, w: gguf.GGUFWriter, t: _Tensors) -> None:
         _ffn(t, blk, hp)
 
 
+def _qwen35_mtp(hp: Hparams, w: gguf.GGUFWriter, t: _Tensors, mix: float) -> None:
+    """One MTP block at index n_layer (block_count counts it): a gated full-attention block plus the nextn
+    tensors (src/models/qwen35.cpp `load_block_mtp`); no own embedding or head (the model's are shared)."""
+    head_dim = hp.n_embd // hp.n_head
+    blk = f"blk.{hp.n_layer}"
+    w.add_nextn_predict_layers(1)
+    t.ones(f"{blk}.attn_norm.weight", hp.n_embd)
+    t.weight(f"{blk}.attn_q.weight", hp.n_embd, 2 * hp.n_head * head_dim)
+    t.weight(f"{blk}.attn_k.weight", hp.n_embd, hp.n_head_kv * head_dim)
+    t.weight(f"{blk}.attn_v.weight", hp.n_embd, hp.n_head_kv * head_dim)
+    t.weight(f"{blk}.attn_output.weight", hp.n_head * head_dim, hp.n_embd, std=mix / np.sqrt(hp.n_head * head_dim))
+    t.ones(f"{blk}.attn_q_norm.weight", head_dim)
+    t.ones(f"{blk}.attn_k_norm.weight", head_dim)
+    t.ones(f"{blk}.post_attention_norm.weight", hp.n_embd)
+    t.weight(f"{blk}.ffn_gate.weight", hp.n_embd, hp.n_ff)
+    t.weight(f"{blk}.ffn_up.weight", hp.n_embd, hp.n_ff)
+    t.weight(f"{blk}.ffn_down.weight", hp.n_ff, hp.n_embd, std=mix / np.sqrt(hp.n_ff))
+    # eh_proj [2E, E] over concat(enorm(embedding), hnorm(hidden)): identity on the embedding, `mix` noise on h
+    noise = t.rng.standard_normal((hp.n_embd, hp.n_embd), dtype=np.float32) * np.float32(mix / np.sqrt(hp.n_embd))
+    t.vector(f"{blk}.nextn.eh_proj.weight", np.concatenate([np.eye(hp.n_embd, dtype=np.float32), noise], axis=1))
+    t.ones(f"{blk}.nextn.enorm.weight", hp.n_embd)
+    t.ones(f"{blk}.nextn.hnorm.weight", hp.n_embd)
+    t.ones(f"{blk}.nextn.shared_head_norm.weight", hp.n_embd)
+
+
 def _mamba2(hp: Hparams, w: gguf.GGUFWriter, t: _Tensors) -> None:
     bc_dim = 2 * hp.ssm_group * hp.ssm_state
     conv_dim = hp.ssm_inner + bc_dim
@@ -287,11 +337,17 @@ def write_model(recipe: Recipe, path: Path) -> None:
         writer.add_file_type(gguf.LlamaFileType.ALL_F32)
         writer.add_context_length(hp.n_ctx)
         writer.add_embedding_length(hp.n_embd)
-        writer.add_block_count(hp.n_layer)
+        writer.add_block_count(hp.n_layer + (1 if base.mtp else 0))
         for key, value, vtype, sub_type in _tokenizer_fields():
             writer.add_key_value(key, value, vtype, sub_type=sub_type)
         tensors.weight("token_embd.weight", hp.n_embd, _vocab_size(), std=1.0)
         _ARCH_WRITERS[base.arch](hp, writer, tensors)
+        if base.trunk_gain != 1.0:
+            for name in tensors.matmul:
+                if name.endswith(("attn_output.weight", "ssm_out.weight", "ffn_down.weight")):
+                    tensors.arrays[name] *= np.float32(base.trunk_gain)
+        if base.mtp:
+            _qwen35_mtp(hp, writer, tensors, base.mtp)
         tensors.ones("output_norm.weight", hp.n_embd)
         tensors.weight("output.weight", hp.n_embd, _vocab_size(), std=2 / np.sqrt(hp.n_embd))  # logit std ~2
         if base.focus:
