@@ -301,3 +301,104 @@ def test_reports_read_stored_runs_without_importing_the_engine():
     assert (
         subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip() == "[]"
     )
+
+
+# ------------------------------------------------------------------ signatures keyed within their pattern (issue 28)
+
+
+def _verdict(check: str, mode: str, spec: str, model: str, **more) -> dict:
+    return {
+        "suite": "s",
+        "case": more.pop("case", "c"),
+        "mode": mode,
+        "spec": spec,
+        "model": model,
+        "backend": "server",
+        "check": check,
+        "passed": False,
+        "message": more.pop("message", "x"),
+        "evidence": more.pop("evidence", {}),
+        **more,
+    }
+
+
+HARD = {"first_divergence": {"kind": "hard"}}
+
+
+def test_the_same_text_in_cells_that_share_no_axis_is_two_signatures_until_a_cell_links_them():
+    from harness.signatures import group
+
+    a = _verdict("lossless", "seq", "ngram-mod", "tiny-dense", evidence=HARD)
+    b = _verdict("lossless", "par", "draft-simple", "tiny-hybrid", evidence=HARD)
+    kinds = {"tiny-dense": "dense", "tiny-hybrid": "hybrid", "tiny-recurrent": "recurrent"}
+    apart = group([a, b], [], lambda v: True, kinds)
+    assert sorted(f.signature for f in apart) == [
+        "lossless: hard divergence [par · draft-simple · hybrid]",
+        "lossless: hard divergence [seq · ngram-mod · dense]",
+    ]
+    link = _verdict("lossless", "seq", "draft-simple", "tiny-recurrent", evidence=HARD)  # shares a mode and a drafter
+    [joined] = group([a, b, link], [], lambda v: True, kinds)
+    assert joined.signature == "lossless: hard divergence" and len(joined.verdicts) == 3
+    [same_kind] = group([a, _verdict("lossless", "par", "draft-simple", "tiny-dense", evidence=HARD)], [], bool)
+    assert same_kind.signature == "lossless: hard divergence"  # one model kind: one pattern
+
+
+def test_an_abort_line_joins_cells_that_share_no_axis_a_bare_signal_does_not():
+    from harness.signatures import group
+
+    abort = "1 of 1 requests failed; c round 0: llama-server was killed by SIGABRT: x.cpp:1: GGML_ASSERT(a > b) failed"
+    a = _verdict("no-crash", "seq", "ngram-mod", "tiny-dense", message=abort)
+    b = _verdict("no-crash", "par", "draft-simple", "tiny-hybrid", message=abort)
+    assert [f.signature for f in group([a, b], [], bool)] == ["crash: GGML_ASSERT(a > b) failed"]
+    segv = "1 of 1 requests failed; c round 0: llama-server was killed by SIGSEGV"
+    found = group([{**a, "message": segv}, {**b, "message": segv}], [], bool)
+    assert len(found) == 2 and all(f.signature.startswith("crash: killed by SIGSEGV [") for f in found)
+
+
+def test_a_kv_finding_folds_only_under_a_crash_of_the_same_request():
+    from harness.signatures import classify, group
+
+    crash = _verdict(
+        "no-crash",
+        "par",
+        "draft-simple",
+        "tiny-hybrid",
+        message="1 of 2 requests failed; c round 1: llama-server was killed by SIGABRT: x.cpp:1: GGML_ASSERT(a) failed",
+        failures=["round 1: llama-server was killed by SIGABRT: x.cpp:1: GGML_ASSERT(a) failed"],
+    )
+    kv = _verdict(
+        "kv-healthy",
+        "par",
+        "draft-simple",
+        "tiny-hybrid",
+        evidence={"duplicate_cells": 2},
+        failures=["round 0: 2 duplicate cells"],
+    )
+    own = classify(kv, [], [crash, kv])
+    assert (own.text, own.consequence) == ("kv-healthy: duplicate cells", False)  # round 0 completed: evidence
+    assert sorted(f.signature for f in group([crash, kv], [], bool)) == [
+        "crash: GGML_ASSERT(a) failed",
+        "kv-healthy: duplicate cells",
+    ]
+    same = {**kv, "failures": ["round 1: 2 duplicate cells"]}
+    assert classify(same, [], [crash, same]).consequence
+    unknown = {k: v for k, v in kv.items() if k != "failures"}  # a verdict that does not say: as before
+    assert classify(unknown, [], [crash, unknown]).consequence
+    records = [{"repeat": 0, "error": None}, {"repeat": 1, "error": "killed"}]
+    bare_crash = {k: v for k, v in crash.items() if k != "failures"}  # its rounds from results.json
+    assert not classify(kv, records, [bare_crash, kv]).consequence
+
+
+def test_a_timeout_and_what_it_cut_off_are_one_signature_whatever_the_case():
+    from harness.signatures import of_error
+
+    timeout = "timeout: case code_python did not finish within its deadline of 55.6 s"
+    other = "timeout: case sorts.turn2 did not finish within its deadline of 12.0 s"
+    assert (
+        of_error(timeout).text
+        == of_error(other).text
+        == "timeout: the request did not finish within its deadline of N s"
+    )
+    cut = of_error(f"cut off: llama-server was restarted because {timeout}")
+    assert (cut.text, cut.kind, cut.consequence) == (of_error(other).text, "timeout", True)
+    assert "code_c" not in of_error("HTTP 500: case code_c failed").text

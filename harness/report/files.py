@@ -78,6 +78,7 @@ def check_records(checks: list) -> list[dict]:
             "passed": r.passed,
             "message": r.message,
             "evidence": r.evidence,
+            **({"failures": r.failures} if r.failures else {}),  # per request: signatures fold by request
         }
         for s, k, c, r in checks
     ]

@@ -108,10 +108,14 @@ class Origin:
 
     def pattern(self) -> str | None:
         """The run's failure pattern of this signature, as one reading plus its axes."""
+        from harness.signatures.group import case_key
         from harness.signatures.pattern import failure_patterns
 
         for failure, p in failure_patterns(self.checks, self.results, self.meta, lambda v: status(v) == "failed"):
-            if failure.signature == self.signature:
+            if any(  # its signature, as the run grouped it (a text in unrelated cells is keyed by where it shows)
+                v.get("check") == self.check and case_key(v) == case_key(self.verdict)
+                for v in failure.verdicts + failure.consequences
+            ):
                 axes = [
                     f"- {axis}: " + ", ".join(f"{value} {state}" for value, state in values.items())
                     for axis, values in p.axes.items()

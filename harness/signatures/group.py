@@ -1,6 +1,13 @@
 """A stored run's failing verdicts, one `Failure` per signature: its own failing verdicts and the verdicts
-that only restate it (consequences), most severe kind first, then the most widespread."""
+that only restate it (consequences), most severe kind first, then the most widespread.
 
+A signature's text is keyed within its pattern: the same text in cells that share no mode, no drafter and no
+model kind (nor a cell linked to both through such shared values) is two failures, each named with where it
+shows (`lossless: hard divergence [seq · ngram-mod · dense]`), until evidence of the defect itself joins them:
+a crash's abort line, an error's message (`SPECIFIC`). A divergence's triage class, a kind of KV damage or a
+check's shape is what many defects have in common, so it joins only through the axes."""
+
+import re
 from collections import defaultdict
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -36,9 +43,46 @@ class Failure:
         return sorted({case_key(v) for v in (self.verdicts or self.consequences)})
 
 
-def group(checks: Iterable[dict], records: Iterable[dict], failed: Callable[[dict], bool]) -> list[Failure]:
+def specific(text: str, kind: str) -> bool:
+    """True for a signature whose text is evidence of one defect wherever it shows: a crash with an abort line
+    (not only how the process ended), an error's message."""
+    if kind == CRASH:
+        return not re.fullmatch(r"crash: (?:killed by \S+|exited with code \S+)", text)
+    return kind == ERROR
+
+
+def _components(axes: list[tuple[str, str, str]]) -> list[int]:
+    """Per cell (mode, spec, kind), the index of its component: cells sharing a value on any axis are linked."""
+    parent = list(range(len(axes)))
+
+    def root(i: int) -> int:
+        while parent[i] != i:
+            parent[i] = parent[parent[i]]
+            i = parent[i]
+        return i
+
+    first: dict[tuple[int, str], int] = {}
+    for i, cell in enumerate(axes):
+        for a, value in enumerate(cell):
+            j = first.setdefault((a, value), i)
+            parent[root(i)] = root(j)
+    return [root(i) for i in range(len(axes))]
+
+
+def _where(axes: list[tuple[str, str, str]]) -> str:
+    return " · ".join("/".join(dict.fromkeys(values)) for values in zip(*axes, strict=True))
+
+
+def group(
+    checks: Iterable[dict],
+    records: Iterable[dict],
+    failed: Callable[[dict], bool],
+    kinds: dict[str, str] | None = None,
+) -> list[Failure]:
     """The distinct failures of a run's verdicts (checks.json) and requests (results.json); `failed` tells a
-    failing verdict (a report's status: known llama.cpp defects and passes are not failures)."""
+    failing verdict (a report's status: known llama.cpp defects and passes are not failures). `kinds`: model
+    name → kind (run.json's models; a model's name stands for its kind where not given)."""
+    kinds = kinds or {}
     failing = [v for v in checks if failed(v)]
     verdicts: dict[tuple, list[dict]] = defaultdict(list)
     for v in failing:
@@ -46,12 +90,25 @@ def group(checks: Iterable[dict], records: Iterable[dict], failed: Callable[[dic
     requests: dict[tuple, list[dict]] = defaultdict(list)
     for r in records:
         requests[case_key(r)].append(r)
-    found: dict[str, Failure] = {}
-    for v in failing:
-        sig = classify(v, requests.get(case_key(v), ()), verdicts[case_key(v)])
-        entry = found.setdefault(sig.text, Failure(sig.text, sig.kind))
-        (entry.consequences if sig.consequence else entry.verdicts).append(v)
-    return sorted(found.values(), key=lambda f: (KINDS.index(f.kind), -len(f.cases), f.signature))
+    classified = [(v, classify(v, requests.get(case_key(v), ()), verdicts[case_key(v)])) for v in failing]
+    by_text: dict[str, list] = defaultdict(list)
+    for v, sig in classified:
+        by_text[sig.text].append((v, sig))
+    found: list[Failure] = []
+    for text, shown in by_text.items():
+        kind = shown[0][1].kind
+        cell = [(v["mode"], v["spec"], kinds.get(v["model"]) or v["model"]) for v, _ in shown]
+        parts = [0] * len(shown) if specific(text, kind) else _components(cell)
+        labels = list(dict.fromkeys(parts))
+        for part in labels:
+            mine = [i for i, p in enumerate(parts) if p == part]
+            name = text if len(labels) == 1 else f"{text} [{_where([cell[i] for i in mine])}]"
+            entry = Failure(name, kind)
+            for i in mine:
+                v, sig = shown[i]
+                (entry.consequences if sig.consequence else entry.verdicts).append(v)
+            found.append(entry)
+    return sorted(found, key=lambda f: (KINDS.index(f.kind), -len(f.cases), f.signature))
 
 
 def by_verdict(failures: list[Failure]) -> dict[int, tuple[str, bool]]:

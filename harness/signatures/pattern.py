@@ -132,4 +132,5 @@ def pattern(failure: Failure, cells: list[RunCell]) -> Pattern:
 def failure_patterns(checks: list[dict], records: list[dict], meta: dict, failed) -> list[tuple[Failure, Pattern]]:
     """A stored run's distinct failures (group.group, `failed` telling a failing verdict), each with its pattern."""
     cells = run_cells(checks, meta)
-    return [(f, pattern(f, cells)) for f in group(checks, records, failed)]
+    kinds = {name: info.get("kind") for name, info in (meta.get("models") or {}).items() if isinstance(info, dict)}
+    return [(f, pattern(f, cells)) for f in group(checks, records, failed, {k: v for k, v in kinds.items() if v})]

@@ -4,7 +4,8 @@
   without the source file, line, paths and numbers (`failed to remove sequence N`), whichever backend
   crashed (llama-server or the in-process engine's worker name it the same way: backends.process);
   without an abort line, how the process ended (`killed by SIGSEGV`);
-* a timeout or another error: its message, normalised the same way, without the case it names;
+* a timeout or another error: its message, normalised the same way, without the case it names; a request
+  cut off by the restart of a llama-server that another request's timeout stopped restates that timeout;
 * a divergence: the check and the triage class (`lossless: hard divergence`);
 * a KV cache the scanner found corrupt: the first kind of damage (`kv-healthy: duplicate cells`), also for
   a divergence triaged `kv-corrupt` (which only restates the scan) and for a batch llama.cpp refused because
@@ -15,7 +16,8 @@
   `acceptance: fell against baseline`, `spec-ran: no drafts at all for the case (N requests)`).
 
 A verdict that only restates another failure of its case and cell takes that failure's signature and is
-marked a consequence: a report shows it under that failure, not as another one. So are a check of a request
+marked a consequence: a report shows it under that failure, not as another one — only a verdict about the same
+request (round) as the failure it restates, where both say which requests they are about. So are a check of a request
 that did not complete (`spec-ran: no drafts at all` on a crashed case), a comparison whose reference crashed,
 a chat turn not sent because an earlier one failed, a chat turn that reused less of its prompt because the
 turn before it left positions past its returned tokens (`prompt-reuse` after `kv-healthy`), the checks of
@@ -57,6 +59,10 @@ HEX = re.compile(r"\b0x[0-9a-fA-F]+\b")
 NUMBER = re.compile(r"(?<![\w.])[-+]?\d+(?:\.\d+)?(?:e[-+]?\d+)?(?![\w.])")
 CASE = re.compile(r"\bcase \S+")
 NOT_SENT = re.compile(r" \(so \S+ was not sent\)$")
+CUT_OFF = re.compile(r"^cut off: llama-server was restarted because (?=timeout:)")
+"""A request llama-server's restart cut off because another request timed out (backends.server_backend)."""
+ROUND = re.compile(r"^round (\d+): ")
+"""A verdict's failing item of one request (`CheckResult.failures`)."""
 """A later chat turn's error when an earlier turn failed (execute.Executor)."""
 LIMIT = 160
 SHAPES = {
@@ -127,6 +133,9 @@ def of_error(error: str) -> Signature:
     unsent = NOT_SENT.search(first)
     if unsent:
         return _restating(of_error(first[: unsent.start()] + "\n" + error.partition("\n")[2]))
+    cut = CUT_OFF.match(first)
+    if cut:  # collateral of another request's timeout: that timeout's signature, restated
+        return _restating(of_error(first[cut.end() :]))
     if first.startswith("timeout:"):
         return Signature(
             "timeout: " + normalise(CASE.sub("the request", first[len("timeout:") :]).split(";")[0]), TIMEOUT
@@ -139,14 +148,37 @@ def of_error(error: str) -> Signature:
     if refused:
         last, start = map(int, refused.groups())
         return Signature(f"kv-healthy: {'duplicate cells' if start <= last else 'holes'}", CHECK)
-    return Signature("error: " + normalise(first), ERROR)
+    return Signature("error: " + normalise(CASE.sub("the request", first)), ERROR)
 
 
 def _as_record(verdict: Any) -> dict:
     """A checks.json record from a record or a CheckResult."""
     if isinstance(verdict, dict):
         return verdict
-    return {"check": verdict.name, "passed": verdict.passed, "message": verdict.message, "evidence": verdict.evidence}
+    return {
+        "check": verdict.name,
+        "passed": verdict.passed,
+        "message": verdict.message,
+        "evidence": verdict.evidence,
+        "failures": list(getattr(verdict, "failures", None) or []),
+    }
+
+
+def rounds_of(verdict: dict, records: Iterable[dict] = ()) -> set[int] | None:
+    """The rounds (requests of its case and cell) a failing verdict is about: from its per-request `failures`
+    (`round R: ...`), for `no-crash` without them from the failed requests of `records`; None when it does not
+    say (a verdict about the case as a whole)."""
+    found = {int(m.group(1)) for line in verdict.get("failures") or [] if (m := ROUND.match(line))}
+    if not found and verdict.get("check") == "no-crash":
+        rounds = (r.get("repeat", r.get("round")) for r in records if r.get("error"))  # results.json: `repeat`
+        found = {int(n) for n in rounds if isinstance(n, int)}
+    return found or None
+
+
+def same_request(verdict: dict, root: dict, records: Iterable[dict] = ()) -> bool:
+    """True when `root` failed in a request `verdict` is about (or either does not say which requests)."""
+    mine, theirs = rounds_of(verdict, records), rounds_of(root, records)
+    return mine is None or theirs is None or bool(mine & theirs)
 
 
 def _kv_damage(evidence: dict) -> str | None:
@@ -179,13 +211,19 @@ def classify(verdict: Any, records: Iterable[dict] = (), siblings: Iterable[Any]
     KV cache (the outputs, logits and acceptance of its requests are no evidence of anything else) — except a
     divergence not triaged `kv-corrupt`, which is evidence of its own —, or of a divergence of the same
     output (`baseline` after `lossless`; an invalid grammar or an acceptance drop of an output that already
-    diverged)."""
+    diverged). A root restates only a verdict about the same request (`same_request`: a KV finding of a request
+    that completed is no consequence of another request's crash)."""
     v = _as_record(verdict)
-    own = _own(v, list(records))
+    records = list(records)
+    own = _own(v, records)
     if own.consequence:
         return own
     rank = ROOTS.index(v["check"]) if v["check"] in ROOTS else len(ROOTS)
-    roots = {s["check"]: s for s in map(_as_record, siblings) if not s.get("passed") and s["check"] in ROOTS[:rank]}
+    roots = {
+        s["check"]: s
+        for s in map(_as_record, siblings)
+        if not s.get("passed") and s["check"] in ROOTS[:rank] and same_request(v, s, records)
+    }
     for name in ROOTS[:rank]:
         if name in roots and not (name in DAMAGE and own.kind == DIVERGENCE):
             return _restating(classify(roots[name], records, siblings))
