@@ -125,15 +125,15 @@ def measure(model: str, backend: str, executor: Executor) -> dict:
     """One measurement: per variant, the statistics of its logits against the reference's."""
     reference_suite = _suite("calibrate", model, {})
     reference = executor.run(reference_suite, Cell(backend, "seq", "none", model))
-    if reference.error:
-        raise HarnessError(f"calibration reference run failed: {reference.error}")
+    if reference.fault or reference.crash:  # the same reading of a cell's end as harness.checks.evaluate
+        raise HarnessError(f"calibration reference run failed: {reference.fault or reference.crash}")
     results = {}
     for name, cell, serve in variants(backend, model):
         own = serve or name.endswith(IN_ORDER)
         suite = _suite(f"calibrate-{name.replace('/', '-')}", model, serve) if own else reference_suite
         run = executor.run(suite, cell)
-        if run.error:
-            raise HarnessError(f"calibration run {name} failed: {run.error}")
+        if run.fault or run.crash:
+            raise HarnessError(f"calibration run {name} failed: {run.fault or run.crash}")
         results[name] = _pair_stats(reference, run)
     return results
 

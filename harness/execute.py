@@ -12,41 +12,18 @@ speculation included, so each speculative request's speed-up over the same reque
 
 import traceback
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from harness import interrupt
 from harness.backends.base import Backend, ServeConfig
-from harness.errors import HarnessBug, HarnessError
+from harness.cellrun import CellRun, Outcome  # noqa: F401 - the executor's products, imported from here too
+from harness.errors import HarnessBug, HarnessError, LlamaAbort
 from harness.logits import PositionLogits
 from harness.matrix import Cell, spec_preset
 from harness.models import draft_for, resolve
 from harness.request import Request, Sampling
 from harness.result import Result
 from harness.suites import Case, Suite, case_keys  # noqa: F401 - case_keys is used from here too
-
-
-@dataclass
-class Outcome:
-    """One request of a cell: which case (chat turns get `.turnN`), which round, and its Result."""
-
-    case: str
-    round: int
-    result: Result
-
-
-@dataclass
-class CellRun:
-    """Everything one cell produced; `error` is set when the cell could not be served at all (or its
-    backend broke mid-run); `harness_error` holds the traceback when that was a bug of the harness itself."""
-
-    suite: Suite
-    cell: Cell
-    outcomes: list[Outcome] = field(default_factory=list)
-    error: str | None = None
-    harness_error: str | None = None
-
-    def of_case(self, case: str) -> list[Outcome]:
-        return [o for o in self.outcomes if o.case == case]
 
 
 @dataclass
@@ -172,6 +149,8 @@ class Executor:
             for cell in cells:
                 try:
                     sessions[cell] = self._backend(cell.backend).open(self._config(suite, cell))
+                except LlamaAbort as err:  # llama.cpp aborted in its start-up: a finding, `no-crash` fails on it
+                    runs[cell].crash = str(err)
                 except HarnessError as err:
                     runs[cell].error = str(err)
                 except Exception as err:  # noqa: BLE001 - a bug of ours: reported as a harness error, not a verdict
@@ -180,10 +159,12 @@ class Executor:
             for r, how in enumerate(suite.rounds):
                 for cell, session in list(sessions.items()) if r % 2 == 0 else list(sessions.items())[::-1]:
                     run = runs[cell]
-                    if run.error is not None:
+                    if run.error is not None or run.crash is not None:
                         continue
                     try:
                         self._round(session, suite, run, r, how, ticks[cell])
+                    except LlamaAbort as err:  # a restart after a crash aborted in its start-up: llama.cpp's
+                        run.crash = str(err)
                     except HarnessError as err:  # a backend that broke mid-run: keep what was done, report the rest
                         run.error = f"{cell.backend} failed during the run: {str(err).splitlines()[0]}"
                     except Exception as err:  # noqa: BLE001
@@ -193,13 +174,18 @@ class Executor:
                 session.close()
         for cell, run in runs.items():
             on_request = ticks[cell]
-            if run.error is not None:
+            if run.error is not None or run.crash is not None:
                 done = {(o.case, o.round) for o in run.outcomes}
+                unserved = (
+                    Result(stop_reason="error", error=run.error)
+                    if run.error is not None
+                    else Result(stop_reason="crashed", error=run.crash)
+                )
                 for r in range(len(suite.rounds)):
                     for case in suite.cases:
                         for key in case_keys(case):
                             if (key, r) not in done:
-                                run.outcomes.append(Outcome(key, r, Result(stop_reason="error", error=run.error)))
+                                run.outcomes.append(Outcome(key, r, replace(unserved)))
                                 if on_request:
                                     on_request()
         return runs

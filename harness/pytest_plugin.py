@@ -20,8 +20,7 @@ from harness.backends.base import KV_SCAN
 from harness.backends.choose import backend_factories
 from harness.backends.facts import run_backends
 from harness.baselines import BaselineStore, not_recorded_lines, uncalibrated_lines
-from harness.checks import evaluate
-from harness.checks.base import CheckContext
+from harness.checks import evaluate_cell, harness_errors
 from harness.errors import HarnessBug, HarnessError
 from harness.execute import ExecOptions, Executor, case_keys
 from harness.known_failures import FILE_NAME as KNOWN_FAILURES
@@ -224,30 +223,62 @@ class BrokenSuite(pytest.Item):
         return self.path, None, self.name
 
 
+class HarnessFault(Exception):
+    """A harness error kept checks from judging (the cell could not be served, a reference cell could not, a check
+    raised): raised in an item's setup, so pytest reports an ERROR, never a failure, a pass or an xfail."""
+
+
+def _serve(item: pytest.Item, suite, cell, key: str | None, names: list[str], repro) -> list[tuple[str, object]]:
+    """Serve `cell` (once per session) and evaluate `names` on its case `key` (every case when None) through the
+    one evaluation (harness.checks.evaluate_cell). A model whose optional package is missing is skipped, unless
+    `--model` names it: then it is an error (HarnessFault) with its fix."""
+    state = item.config.stash[STATE]
+    executor: Executor = state["executor"]
+    try:
+        resolve(cell.model)
+    except ModelUnavailable as err:  # an optional model (Gemma without the [real] extra)
+        if cell.model in (csv(item.config.getoption("--model")) or []):
+            raise HarnessFault(f"--model {cell.model} was asked for, but {err}") from None
+        pytest.skip(str(err))
+    run = executor.run(suite, cell)
+    return evaluate_cell(run, executor, state["baselines"], names, repro, None if key is None else [key])
+
+
+def _raise_faults(results: list) -> None:
+    """HarnessFault naming every check of `results` that met a harness error."""
+    faults = harness_errors(results)
+    if faults:
+        raise HarnessFault("\n".join(f"[{r.name}] {r.harness_error}" for r in faults))
+
+
 class SuiteItem(pytest.Item):
-    """One case of one cell: runs the cell (once per session) and the suite's checks on this case."""
+    """One case of one cell: runs the cell (once per session) and the suite's checks on this case. The cell is
+    served and the checks evaluated in setup, so that a harness error is an ERROR; the call judges."""
 
     def __init__(self, *, suite, cell, key, **kwargs):
         super().__init__(**kwargs)
         self.suite, self.cell, self.key = suite, cell, key
+        self.results: list = []
 
-    def runtest(self):
-        state = self.config.stash[STATE]
-        executor: Executor = state["executor"]
-        try:
-            resolve(self.cell.model)
-        except ModelUnavailable as err:  # an optional model (Gemma without the [real] extra)
-            pytest.skip(str(err))
-        run = executor.run(self.suite, self.cell)
+    def setup(self):
         repro = (
             f"pytest {shlex.quote(self.nodeid)} --backend {self.cell.backend} --mode {self.cell.mode} "
             f"--spec {self.cell.spec} --model {self.cell.model}"
         )
-        ctx = CheckContext(run, self.key, executor, state["baselines"], _detok(self.cell.model), repro)
-        results = evaluate(ctx, self.suite.checks)
-        state["checks"] += [(self.suite.name, self.key, self.cell, r) for r in results]
+        results = _serve(self, self.suite, self.cell, self.key, self.suite.checks, repro)
+        self.results = [r for _, r in results]
+        # recorded before any harness error is raised: the report lists the checks it kept from judging
+        self.config.stash[STATE]["checks"] += [(self.suite.name, self.key, self.cell, r) for r in self.results]
+        _raise_faults(self.results)
+
+    def runtest(self):
+        state = self.config.stash[STATE]
+        results = self.results
         for r in results:
-            self.user_properties.append((r.name, json.dumps({"passed": r.passed, **r.evidence}, default=str)))
+            record = {"passed": r.passed, **r.evidence}
+            if r.not_run is not None:
+                record["not_run"] = r.not_run
+            self.user_properties.append((r.name, json.dumps(record, default=str)))
         unexplained = tag(state["known"], self.suite.name, self.cell, results)
         if unexplained:
             raise CheckFailure("\n".join(f"[{r.name}] {r.message}" for r in unexplained))
@@ -258,6 +289,8 @@ class SuiteItem(pytest.Item):
     def repr_failure(self, excinfo):
         if isinstance(excinfo.value, CheckFailure):
             return str(excinfo.value)
+        if isinstance(excinfo.value, HarnessFault | HarnessError):
+            return f"harness error (a fault of specharness, not a llama.cpp finding):\n{excinfo.value}"
         if isinstance(excinfo.value, HarnessBug):
             return f"harness error (a bug of specharness, not a llama.cpp finding):\n{excinfo.value.args[0]}"
         return super().repr_failure(excinfo)
@@ -300,6 +333,7 @@ class KnownFailuresFile(pytest.File):
                 item.add_marker(
                     pytest.mark.xfail(
                         strict=True,
+                        raises=CheckFailure,  # anything else (a harness error) is an error, never an xfail
                         reason=(f"{entry.summary} — if this passes, the defect no longer reproduces: remove the entry"),
                     )
                 )
@@ -307,34 +341,35 @@ class KnownFailuresFile(pytest.File):
 
 
 class KnownFailureItem(pytest.Item):
-    """Fails (as expected) while the recorded llama.cpp defect still reproduces in its cells."""
+    """Fails (as expected) while the recorded llama.cpp defect still reproduces in its cells. Its cells are served
+    and judged in setup: a harness error there is an ERROR (the xfail marker expects only CheckFailure)."""
 
     def __init__(self, *, entry: KnownFailure, suite, cells, **kwargs):
         super().__init__(**kwargs)
         self.entry, self.suite, self.cells = entry, suite, cells
+        self.results: list = []
+
+    def setup(self):
+        self.results = [
+            (cell, key, r)
+            for cell in self.cells
+            for key, r in _serve(self, self.suite, cell, None, list(self.entry.check), "")
+        ]
+        _raise_faults(self.results)
 
     def runtest(self):
-        state = self.config.stash[STATE]
-        executor: Executor = state["executor"]
-        for cell in self.cells:
-            run = executor.run(self.suite, cell)
-            for case in self.suite.cases:
-                for key in case_keys(case):
-                    ctx = CheckContext(run, key, executor, state["baselines"], _detok(cell.model), "")
-                    for r in evaluate(ctx, list(self.entry.check)):
-                        if self.entry.explains(r):
-                            raise CheckFailure(f"still reproduces in {key}-{cell.id}: {r.message}")
+        for cell, key, r in self.results:
+            if self.entry.explains(r):
+                raise CheckFailure(f"still reproduces in {key}-{cell.id}: {r.message}")
 
     def repr_failure(self, excinfo):
+        if isinstance(excinfo.value, HarnessFault):
+            return f"harness error (a fault of specharness, not a llama.cpp finding):\n{excinfo.value}"
         return str(excinfo.value)
 
     def reportinfo(self):
         # a line number, not None: pytest places a skip-marker's report at it (the cpu_flags skip)
         return self.path, 0, self.name
-
-
-def _detok(model: str):
-    return detok.for_model(model) or (lambda tokens: " ".join(map(str, tokens)))
 
 
 REPORT_DEFAULTS = {"server_bin": None, "source": None, "kv_scan": "request", "logit_top_k": 10, "repeat": 1}

@@ -1,8 +1,9 @@
 """`specharness run`: the suites and checks of `pytest suites/`, outside pytest, with a summary table.
 
-Exit status: 0 every check passed, 1 a check failed, 2 usage or configuration error, 3 an
-infrastructure error (a backend that could not be started or built), 130 interrupted by Ctrl-C, 143 by
-SIGTERM (in any phase: what finished is still written, with a report marked interrupted).
+Exit status: 0 every check passed, 1 a check failed, 2 usage or configuration error, 3 a harness error (a
+backend that could not be started or built, a draft model that could not be made, a bug of the harness: no
+verdict, see harness.checks.evaluate; llama.cpp aborting at start-up is a `no-crash` failure, 1), 130 interrupted
+by Ctrl-C, 143 by SIGTERM (in any phase: what finished is still written, with a report marked interrupted).
 """
 
 import argparse
@@ -20,6 +21,7 @@ from harness.argtypes import csv
 from harness.backends.choose import backend_factories
 from harness.backends.facts import run_backends
 from harness.baselines import BaselineStore, not_recorded_lines, uncalibrated_lines
+from harness.checks import harness_errors
 from harness.errors import HarnessError
 from harness.execute import CellRun, Executor
 from harness.known_failures import FILE_NAME as KNOWN_FAILURES
@@ -64,9 +66,13 @@ def summary_table(runs: list[CellRun], verdicts: list) -> Table:
             for s, _, c, r in verdicts
             if (s, c.model, c.mode, c.spec, c.backend) == (suite, model, mode, spec, backend)
         ]
+        faults = sorted({r.name for r in mine if r.harness_error is not None})
+        skipped = sum(1 for r in mine if r.not_run is not None and r.harness_error is None)
+        mine = [r for r in mine if r.is_verdict]
         failed = sorted({r.name for r in mine if not r.passed and "known_failure" not in r.evidence})
         known = sorted({r.evidence["known_failure"] for r in mine if "known_failure" in r.evidence})
         pending = sum(1 for r in mine if r.passed and r.evidence.get("no_baseline"))
+        not_run = f", [dim]{skipped} not run[/]" if skipped else ""
         errors = len(rows) - len(ok)
         up = speed.get(f"{suite} {mode}-{spec}-{model}-{backend}")
         table.add_row(
@@ -80,13 +86,15 @@ def summary_table(runs: list[CellRun], verdicts: list) -> Table:
             f"{1000.0 * n / ms:.0f}" if ms else "-",
             f"{accepted}/{drafted}" if drafted else "-",
             f"{up['speedup']:.2f}x" if up else "-",
-            f"[red]failed: {', '.join(failed)}[/]"
+            f"[red]harness error: {', '.join(faults)}[/]"
+            if faults
+            else f"[red]failed: {', '.join(failed)}[/]"
             if failed
             else f"[yellow]known llama.cpp defect: {', '.join(known)}[/]"
             if known
-            else f"[green]{len(mine) - pending} passed[/], [blue]{pending} no baseline yet[/]"
+            else f"[green]{len(mine) - pending} passed[/], [blue]{pending} no baseline yet[/]{not_run}"
             if pending
-            else f"[green]{len(mine)} passed[/]",
+            else f"[green]{len(mine)} passed[/]{not_run}",
         )
     return table
 
@@ -181,7 +189,11 @@ def print_verdicts(console: Console, runs: list[CellRun], verdicts: list, done: 
     reproduce in the cells that ran; returns those known failures."""
     wide_console().print(summary_table(runs, verdicts))
     for suite, key, cell, r in verdicts:
-        if not r.passed:
+        if r.harness_error is not None:
+            console.print(
+                f"HARNESS ERROR {suite}[{key}-{cell.id}] [{r.name}] {r.message}", markup=False, highlight=False
+            )
+        elif not r.passed:
             label = f"KNOWN {r.evidence['known_failure']}" if "known_failure" in r.evidence else "FAIL"
             console.print(f"{label} {suite}[{key}-{cell.id}] [{r.name}] {r.message}", markup=False, highlight=False)
     fixed = [
@@ -273,7 +285,7 @@ def exit_status(
             markup=False,
         )
         return interrupt.status()
-    if any(run.error or run.harness_error for run in runs):
+    if any(run.fault for run in runs) or harness_errors(verdicts):
         return EXIT_INFRA
     return EXIT_FAILED if failed or fixed else 0
 

@@ -8,10 +8,8 @@ from pathlib import Path
 from rich.console import Console
 from rich.progress import Progress
 
-from harness import detok as detokenizers
 from harness.baselines import BaselineStore, shown
-from harness.checks import evaluate
-from harness.checks.base import CheckContext
+from harness.checks import evaluate_cell
 from harness.execute import Executor, case_keys
 from harness.known_failures import FILE_NAME as KNOWN_FAILURES
 from harness.known_failures import load as load_known
@@ -52,20 +50,11 @@ def run_suites(
         if progress:
             progress.update(task, description=f"{suite.name} · {cell.id}")
         run = executor.run(suite, cell, on_request=(lambda: progress.advance(task)) if progress else None)
-        if run.harness_error is not None:  # no verdicts: reported as a harness error at the end of the run
-            if on_cell:
-                on_cell(suite, cell, [])
-            continue
-        detok = detokenizers.for_model(cell.model) or str if run.error is None else str
-        mine = []
-        for case in suite.cases:
-            for key in case_keys(case):
-                repro = (
-                    f"specharness run --suite {suite_arg(suite)} --backend {cell.backend} --mode {cell.mode} "
-                    f"--spec {cell.spec} --model {cell.model}"
-                )
-                ctx = CheckContext(run, key, executor, baselines, detok, repro)
-                mine += [(suite.name, key, cell, r) for r in evaluate(ctx, suite.checks)]
+        repro = (
+            f"specharness run --suite {suite_arg(suite)} --backend {cell.backend} --mode {cell.mode} "
+            f"--spec {cell.spec} --model {cell.model}"
+        )
+        mine = [(suite.name, key, cell, r) for key, r in evaluate_cell(run, executor, baselines, suite.checks, repro)]
         verdicts += mine
         if on_cell:
             on_cell(suite, cell, mine)

@@ -107,7 +107,7 @@ def test_lossless():
     assert verdict(context({SEQ: [ok([1, 2, 3])], spec: [ok([1, 2, 3])]}, spec), "lossless").passed
     failed = verdict(context({SEQ: [ok([1, 2, 3])], spec: [ok([1, 9, 3])]}, spec), "lossless")
     assert not failed.passed and "at token 1" in failed.message
-    assert CHECKS["lossless"](context({SEQ: [ok([1])]}, SEQ)) is None
+    assert CHECKS["lossless"](context({SEQ: [ok([1])]}, SEQ)).not_run == "the cell does not speculate"
     shorter = verdict(context({SEQ: [ok([1, 2, 3])], spec: [ok([1])]}, spec), "lossless")  # ended at the context end
     assert shorter.failures == [
         "round 0: unexplained at token 1 (the output ended there, stop: limit; the reference has 3 tokens)"
@@ -122,7 +122,7 @@ def test_within_n_predict():
     eos = Result(tokens=[1, 2, 3, 4, 5], stop_reason="eos")
     wrong_stop = verdict(context({SEQ: [eos]}, SEQ, five), "within-n-predict")
     assert not wrong_stop.passed and "stop reason is eos, not limit" in wrong_stop.message
-    assert CHECKS["within-n-predict"](context({SEQ: [ok([1] * 300)]}, SEQ, suite(n_predict=-1))) is None
+    assert CHECKS["within-n-predict"](context({SEQ: [ok([1] * 300)]}, SEQ, suite(n_predict=-1))).not_run
 
 
 def logged(tokens, rows):
@@ -156,7 +156,7 @@ def test_lossless_under_seeded_sampling_fails_only_where_the_logits_are_identica
     assert verdict(context({SEQ: [reference], spec: [earlier]}, spec, grammar), "lossless").passed
     assert not verdict(context({SEQ: [reference], spec: [earlier]}, spec, sampled), "lossless").passed
     unseeded = suite(temperature=0.7, seed=-1)
-    assert CHECKS["lossless"](context({SEQ: [reference], spec: [ok([5])]}, spec, unseeded)) is None
+    assert CHECKS["lossless"](context({SEQ: [reference], spec: [ok([5])]}, spec, unseeded)).not_run
     greedy = suite(temperature=0, repeat_penalty=1.5)  # greedy with penalties always fails on a divergence
     assert not verdict(
         context({SEQ: [reference], spec: [ok([1, 9, 3], logits=rows("a", "B", "c"))]}, spec, greedy), "lossless"
@@ -275,7 +275,7 @@ def test_spec_ran():
     assert not verdict(context({spec: [ok([1], draft_n=4, draft_n_accepted=0)]}, spec), "spec-ran").passed
     assert not verdict(context({spec: [ok([1])]}, spec), "spec-ran").passed
     crashed = Result(stop_reason="crashed", error="llama-server was killed by SIGABRT")
-    assert CHECKS["spec-ran"](context({spec: [crashed]}, spec)) is None  # no-crash reports it
+    assert CHECKS["spec-ran"](context({spec: [crashed]}, spec)).not_run  # no-crash reports it
     reject = SEQ.reference(spec="scripted-reject")
     assert verdict(context({reject: [ok([1], draft_n=4, draft_n_accepted=0)]}, reject), "spec-ran").passed
     grammar_case = suite(expect_accepts=False)  # a drafter that does not see the grammar: drafts suffice
@@ -327,11 +327,13 @@ def test_grammar_valid():
     assert not verdict(context({SEQ: [ok([1], text='{"n": 3')]}, SEQ, s), "grammar-valid").passed
 
 
-def test_a_cell_that_could_not_be_served_fails_no_crash_only():
+def test_a_cell_the_harness_could_not_serve_gives_every_check_a_harness_error_and_no_verdict():
     ctx = context({SEQ: []}, SEQ)
     ctx.run.error = "model file not found: x.gguf"
     results = evaluate(ctx, list(CHECKS))
-    assert [(r.name, r.passed) for r in results] == [("no-crash", False)] and "x.gguf" in results[0].message
+    assert [r.name for r in results] == list(CHECKS)
+    assert all(r.status == "harness error" and not r.is_verdict and "x.gguf" in r.harness_error for r in results)
+    assert all(r.passed for r in results)  # nothing failed: a known failure can never excuse one (it tags failures)
 
 
 @pytest.mark.parametrize("name", sorted(CHECKS))
@@ -353,7 +355,7 @@ def test_kv_healthy_reports_the_duplicate_positions():
     dirty.kv_scan = scan(False, duplicates=(22, 23))
     failed = verdict(context({SEQ: [dirty]}, SEQ), "kv-healthy")
     assert not failed.passed and "(seq 0, pos 22)" in failed.message and failed.evidence["duplicate_cells"] == 2
-    assert CHECKS["kv-healthy"](context({SEQ: [ok([1])]}, SEQ)) is None
+    assert "KV scan of the 1 completed requests" in CHECKS["kv-healthy"](context({SEQ: [ok([1])]}, SEQ)).not_run
 
 
 def test_kv_healthy_fails_on_a_draft_context_that_keeps_cells_the_target_dropped():
@@ -431,9 +433,12 @@ def test_acceptance_against_the_baseline_fails_a_drop_and_names_the_draft_positi
     assert new.passed and new.evidence["no_baseline"] and "no baseline yet" in new.message
     writer = BaselineStore(tmp_path, update=True)
     writer.recorded(context(clean, spec, baselines=writer))  # the tokens first, as the suites order the checks
-    missing = verdict(context(clean, spec, baselines=store), "acceptance")
-    assert not missing.passed and "no acceptance baseline for seq/draft-simple" in missing.message
-    assert verdict(context(clean, spec, baselines=writer), "acceptance").passed
+    missing = verdict(context(clean, spec, baselines=store), "acceptance")  # a cell outside the recorded matrix
+    assert missing.status == "not run" and "no baseline yet: no acceptance baseline for seq/draft-simple" in (
+        missing.not_run
+    )
+    updated = verdict(context(clean, spec, baselines=writer), "acceptance")  # records the rows, compares nothing
+    assert updated.status == "not run" and "baselines updated in this run" in updated.not_run
     one_token = {SEQ: [ok(tokens)], spec: [spec_ok(tokens, 40, 23, ([20, 20], [14, 9]))]}
     assert verdict(context(one_token, spec, baselines=store), "acceptance").passed  # below one token: no verdict
     worse = {SEQ: [ok(tokens)], spec: [spec_ok(tokens, 40, 12, ([20, 20], [12, 0]))]}
@@ -445,7 +450,8 @@ def test_acceptance_against_the_baseline_fails_a_drop_and_names_the_draft_positi
     fewer_drafts = {SEQ: [ok(tokens)], spec: [spec_ok(tokens, 10, 6)]}  # as good a rate, far fewer accepted
     failed = verdict(context(fewer_drafts, spec, baselines=store), "acceptance")
     assert not failed.passed and "accepted tokens 24 -> 6 of 40 generated" in failed.message
-    assert CHECKS["acceptance"](context(clean, SEQ, baselines=store)) is None  # nothing drafted without speculation
+    plain = CHECKS["acceptance"](context(clean, SEQ, baselines=store))  # nothing drafted without speculation
+    assert plain.status == "not run" and plain.not_run == "the cell does not speculate"
 
 
 def test_acceptance_in_par_compares_each_request_with_seq_unless_the_drafter_learns(tmp_path):

@@ -113,10 +113,10 @@ def test_prompt_reuse_compares_each_turn_with_the_same_turn_without_speculation(
         "seq-none-tiny-hybrid-server (chat.turn1 left positions 57..57 past its 26 returned "
         "tokens, stop: eos)"
     ]
-    assert prompt_reuse(ctx_of({PLAIN: turns(57, 56)}, "chat.turn2", PLAIN)) is None  # no speculation
+    assert prompt_reuse(ctx_of({PLAIN: turns(57, 56)}, "chat.turn2", PLAIN)).not_run  # no speculation
     other_prompt = turns(57, 56)
     other_prompt[1].result.prompt_tokens = list(range(95))  # an earlier reply differed: lossless reports it
-    assert prompt_reuse(ctx_of({SPEC: turns(27, 57), PLAIN: other_prompt}, "chat.turn2")) is None
+    assert prompt_reuse(ctx_of({SPEC: turns(27, 57), PLAIN: other_prompt}, "chat.turn2")).not_run
 
 
 @pytest.mark.parametrize("entry", ["server-spec-keeps-eog", "server-spec-keeps-eog-sampled"])

@@ -214,7 +214,7 @@ def test_the_entry_explains_no_other_failure_of_its_cells(executor):
 def test_without_n_probs_the_check_does_not_apply(executor):
     plain = replace(SUITE, cases=[replace(c, sampling=replace(c.sampling, n_probs=None)) for c in SUITE.cases])
     run = replace(executor.run(SUITE, ENGINE_PLAIN), suite=plain)
-    assert verdict(executor, ENGINE_PLAIN, "logprobs", run) is None
+    assert verdict(executor, ENGINE_PLAIN, "logprobs", run).not_run
 
 
 def test_triage_reads_the_models_logits_not_post_sampling_probabilities(executor):

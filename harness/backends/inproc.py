@@ -27,7 +27,7 @@ from harness.engine.drafters.scripted import from_script
 from harness.engine.logging import is_verbose
 from harness.engine.speculative import SpecConfig
 from harness.engine.worker import PROMPT, STEPS, EngineArgs, serve
-from harness.errors import HarnessBug, HarnessError
+from harness.errors import HarnessBug, HarnessError, LlamaAbort
 from harness.request import Request
 from harness.result import Result
 
@@ -142,6 +142,8 @@ class InprocSession:
         self._kill()
         if reply is not None and reply[0] == "bug":
             raise HarnessBug(why)
+        if reply is None:  # the worker died loading the model: llama.cpp aborted (an assert, a fatal signal)
+            raise LlamaAbort(why)
         raise HarnessError(why)
 
     def _receive(self, timeout: float):

@@ -22,8 +22,8 @@ import requests
 from harness.backends.base import ServeConfig, default_threads
 from harness.backends.build import require_executable
 from harness.backends.flags import fit_to_build, server_flags, server_version
-from harness.backends.process import abort_line, crash_report, describe_exit, log_tail
-from harness.errors import HarnessError
+from harness.backends.process import ABORT_LINES, abort_line, crash_report, describe_exit, log_tail
+from harness.errors import HarnessError, LlamaAbort
 
 HOST = "127.0.0.1"
 STOP_GRACE_S = 5.0
@@ -179,7 +179,8 @@ class LlamaServer:
         deadline = time.monotonic() + self.start_timeout
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
-                raise HarnessError(self._startup_failure())
+                reason = self._startup_failure()
+                raise LlamaAbort(reason) if self._aborted() else HarnessError(reason)
             try:
                 if requests.get(f"{self.url}/health", timeout=2).status_code == 200:
                     return
@@ -202,6 +203,18 @@ class LlamaServer:
             aborted = ""
         last = aborted or (tail.strip().splitlines() or ["no output"])[-1].strip()
         return f"llama-server {describe_exit(self.process.returncode)} during start-up: {last} (log: {self.log_path})"
+
+    def _aborted(self) -> bool:
+        """Whether llama.cpp itself ended the process during start-up (a finding, LlamaAbort): a fatal signal
+        (an assert's SIGABRT, a segfault) or an abort line in its log. An exit with a status and no abort line is
+        llama-server refusing its command line or model (a flag it lacks, a file it cannot read): ours to fix."""
+        if self.process.returncode is not None and self.process.returncode < 0:
+            return True
+        try:
+            text = self.log_path.read_text(errors="replace")
+        except OSError:
+            return False
+        return any(pattern.search(text) for pattern in ABORT_LINES[:2])  # an assert or a C++ terminate
 
     def stop(self, kill: bool = False) -> None:
         """SIGTERM the process group, SIGKILL it after a grace period (`kill`: SIGKILL at once, for a

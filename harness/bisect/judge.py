@@ -1,8 +1,13 @@
 """Judging one llama-server build on the pinned cell: the harness's own checks and triage decide.
 
-A verdict is `good` (every pinned check passed), `bad` (a check failed; a divergence triage proves to
-be a `near-tie` counts only with `strict`) or `skip` (the cell could not be served: the server did not
-start or stopped answering, so this build says nothing about the case).
+The judged checks are the pinned ones with `no-crash` always among them (a build whose every request crashes
+gives a comparison check nothing to compare, which must not read as good). A verdict is:
+- `bad`: a check failed (a divergence triage proves to be a `near-tie` counts only with `strict`), llama.cpp
+  crashing included, at start-up too (an assert in llama-server's warm-up is a failed `no-crash`);
+- `skip`: a judged check gave no verdict (not run, e.g. no request completed without a crash to blame) or the
+  harness could not judge the build (a harness error: a start-up timeout, a flag the build lacks), so this build
+  says nothing about the case;
+- `good`: every judged check passed.
 """
 
 from __future__ import annotations
@@ -15,11 +20,9 @@ from harness.backends.build import BuildInfo
 from harness.backends.server_backend import ServerBackend
 from harness.baselines import BaselineStore
 from harness.bisect.plan import BACKEND, Plan
-from harness.checks import evaluate
-from harness.checks.base import CheckContext, CheckResult
-from harness.detok import detokenizer
+from harness.checks import evaluate_cell
+from harness.checks.base import CheckResult
 from harness.execute import ExecOptions, Executor, case_keys
-from harness.models import resolve
 
 GOOD, BAD, SKIP = "good", "bad", "skip"
 
@@ -40,14 +43,22 @@ def excused(result: CheckResult, strict: bool) -> bool:
 
 def check_record(result: CheckResult, strict: bool) -> dict[str, Any]:
     """A check verdict as it goes into the bisect log and report."""
-    status = "passed" if result.passed else "near-tie (excused)" if excused(result, strict) else "failed"
+    if not result.is_verdict:
+        status = result.status
+    else:
+        status = "passed" if result.passed else "near-tie (excused)" if excused(result, strict) else "failed"
     return {
         "check": result.name,
-        "passed": result.passed,
+        "passed": result.passed and result.is_verdict,
         "status": status,
         "message": result.message,
         "evidence": result.evidence,
     }
+
+
+def judged_checks(plan: Plan) -> list[str]:
+    """The checks a step judges: `no-crash` first, then the pinned ones."""
+    return list(dict.fromkeys(["no-crash", *plan.checks]))
 
 
 def judge(plan: Plan, build: BuildInfo, logs: Path) -> dict[str, Any]:
@@ -64,25 +75,33 @@ def judge(plan: Plan, build: BuildInfo, logs: Path) -> dict[str, Any]:
         f"specharness run --suite {plan.suite} --backend {BACKEND} --mode {plan.mode} --spec {plan.spec} "
         f"--model {plan.model} --server-bin {build.server_bin}"
     )
-    ctx = CheckContext(
-        run,
-        plan.case,
-        executor,
-        BaselineStore(Path(plan.baselines)),
-        detokenizer(resolve(plan.model).path) if run.error is None else str,
-        repro,
-    )
-    results = evaluate(ctx, plan.checks)
-    errors = [f"{r.cell.id}: {r.error}" for r in executor.runs() if r.error]  # reference cells run on demand
-    checks = [check_record(r, plan.strict) for r in results]
-    if errors:
-        return {"verdict": SKIP, "reason": f"llama-server could not serve the case: {errors[0]}", "checks": checks}
-    failed = [r for r in results if not r.passed and not excused(r, plan.strict)]
+    baselines = BaselineStore(Path(plan.baselines))
+    results = [r for _, r in evaluate_cell(run, executor, baselines, judged_checks(plan), repro, [plan.case])]
+    return verdict_of(results, plan.strict)
+
+
+def verdict_of(results: list[CheckResult], strict: bool) -> dict[str, Any]:
+    """{verdict, reason, checks} of one step's results (see the module docstring)."""
+    checks = [check_record(r, strict) for r in results]
+    faults = [r for r in results if r.harness_error is not None]
+    failed = [r for r in results if r.is_verdict and not r.passed and not excused(r, strict)]
+    crashed = next((r for r in failed if r.name == "no-crash"), None)
+    if faults and crashed is None:
+        first = faults[0]
+        return {"verdict": SKIP, "reason": f"harness error in {first.name}: {_line(first.message)}", "checks": checks}
     if failed:
-        first = failed[0]
+        first = crashed or failed[0]
         kind = divergence_kind(first)
-        reason = f"{first.name} failed" + (f" ({kind})" if kind else "") + f": {first.message.splitlines()[0]}"
+        reason = f"{first.name} failed" + (f" ({kind})" if kind else "") + f": {_line(first.message)}"
         return {"verdict": BAD, "reason": reason, "checks": checks}
-    near = [r.name for r in results if excused(r, plan.strict)]
+    unjudged = [r for r in results if not r.is_verdict]
+    if unjudged:
+        first = unjudged[0]
+        return {"verdict": SKIP, "reason": f"{first.name} gave no verdict: {_line(first.message)}", "checks": checks}
+    near = [r.name for r in results if excused(r, strict)]
     reason = f"passed ({', '.join(near)}: near-tie divergence, excused without --strict)" if near else "passed"
     return {"verdict": GOOD, "reason": reason, "checks": checks}
+
+
+def _line(message: str) -> str:
+    return (message.strip().splitlines() or [""])[0]

@@ -1,6 +1,8 @@
 """Named checks: each a small function of a CheckContext returning pass/fail plus evidence.
 
-A check that does not apply to a case (e.g. `lossless` without speculation) returns None. Every token
+A check that does not apply to a case (e.g. `lossless` without speculation), or lacks what it judges, returns
+`not_run(name, reason)`: recorded and reported, never a pass (`evaluate` gives each check exactly one of passed,
+failed, not run, harness error). Every token
 comparison follows one policy (harness.checks.compare): a proven near-tie is reported but excused where
 numerics can move a token (outside `seq` mode, and in `seq` for a model whose calibrated speculative runs are
 not bit-identical to no speculation); any other divergence fails. A chat turn is compared only with a run that
@@ -8,14 +10,26 @@ sent it the same prompt.
 """
 
 import json
+import traceback
 from collections.abc import Callable
 
 import jsonschema
 
+from harness import detok as detokenizers
 from harness import interrupt
 from harness.baselines import BaselineError, shown
-from harness.checks.acceptance import Acceptance, fall, summed
-from harness.checks.base import CheckContext, CheckResult, past_returned
+from harness.cellrun import CellRun
+from harness.checks.acceptance import check as acceptance_check
+from harness.checks.base import (
+    NO_OUTPUT,
+    NOT_SPECULATIVE,
+    CellSource,
+    CheckContext,
+    CheckResult,
+    harness_fault,
+    not_run,
+    past_returned,
+)
 from harness.checks.budget import within_n_predict
 from harness.checks.compare import compare_outcome, compare_tokens
 from harness.checks.probs import probs_complete
@@ -25,6 +39,7 @@ from harness.logits import check as logits_within
 from harness.logits import compare as compare_logits
 from harness.matrix import spec_preset
 from harness.result import Result
+from harness.suites import case_keys
 
 Check = Callable[[CheckContext], CheckResult | None]
 
@@ -61,8 +76,10 @@ def no_crash(ctx: CheckContext) -> CheckResult:
 def repeat_identical(ctx: CheckContext) -> CheckResult | None:
     """All rounds of the case produced the same tokens (count of unique outputs must be 1)."""
     done = ctx.completed()
-    if len(ctx.run.suite.rounds) < 2 or len(done) < 2:
-        return None
+    if len(ctx.run.suite.rounds) < 2:
+        return not_run("repeat-identical", "the suite runs one round")
+    if len(done) < 2:
+        return not_run("repeat-identical", f"{len(done)} of {len(ctx.outcomes)} rounds completed (no-crash says why)")
     unique = len({tuple(o.result.tokens) for o in done})
     result = verdict("repeat-identical", compare_outcome(ctx, done[0], f"output of round {done[0].round}", ctx.cell))
     result.evidence.update(unique_outputs=unique, runs=len(done))
@@ -80,8 +97,12 @@ def lossless(ctx: CheckContext) -> CheckResult | None:
     without failing: a verification batch's logits differ from a single-token decode's in the last bits,
     and truncation (top-p, min-p) and the draw magnify that."""
     sampling = ctx.case_def.sampling
-    if not spec_preset(ctx.cell.spec).speculative or sampling.random_seed or not ctx.completed():
-        return None
+    if not spec_preset(ctx.cell.spec).speculative:
+        return not_run("lossless", NOT_SPECULATIVE)
+    if sampling.random_seed:
+        return not_run("lossless", "the case samples with a random seed: no output to compare with")
+    if not ctx.completed():
+        return not_run("lossless", NO_OUTPUT)
     reference = ctx.cell.reference(spec="none")
     result = verdict(
         "lossless", compare_outcome(ctx, ctx.reference_outcome(reference), "non-speculative output", reference)
@@ -100,8 +121,10 @@ def lossless(ctx: CheckContext) -> CheckResult | None:
 
 def mode_invariant(ctx: CheckContext) -> CheckResult | None:
     """`par` and `no-kv-unified` produce the output of `seq` (a proven near-tie is reported, not failed)."""
-    if ctx.cell.mode == "seq" or not ctx.completed():
-        return None
+    if ctx.cell.mode == "seq":
+        return not_run("mode-invariant", "the cell is the seq reference itself")
+    if not ctx.completed():
+        return not_run("mode-invariant", NO_OUTPUT)
     reference = ctx.cell.reference(mode="seq")
     return verdict("mode-invariant", compare_outcome(ctx, ctx.reference_outcome(reference), "seq output", reference))
 
@@ -110,12 +133,14 @@ def baseline(ctx: CheckContext) -> CheckResult | None:
     """Tokens equal the stored baseline of (suite, case, model, backend, device) (harness.baselines stores them;
     with `--update-baselines` this run's canonical output is stored first)."""
     if not (ctx.completed() or ctx.baselines.update):
-        return None
+        return not_run("baseline", NO_OUTPUT)
     store = ctx.baselines
     try:
         data, path = store.recorded(ctx)
     except BaselineError as err:
         return CheckResult("baseline", False, f"{err} (fix or delete it; it is never replaced silently)")
+    if store.update:  # comparing with what this run has just written proves nothing
+        return not_run("baseline", "baselines updated in this run (not compared with what it wrote)")
     if data is None:
         pending = store.not_recorded(ctx)
         if pending:
@@ -142,8 +167,12 @@ def spec_ran(ctx: CheckContext) -> CheckResult | None:
     sampled after the prompt, and a step's draft must leave room for the token sampled after it: at most
     `n_remaining - 1` tokens, llama-server's get_n_draft_max)."""
     preset = spec_preset(ctx.cell.spec)
-    if not preset.speculative or not ctx.completed() or 0 < ctx.case_def.sampling.n_predict <= 2:
-        return None
+    if not preset.speculative:
+        return not_run("spec-ran", NOT_SPECULATIVE)
+    if not ctx.completed():
+        return not_run("spec-ran", NO_OUTPUT)
+    if 0 < ctx.case_def.sampling.n_predict <= 2:
+        return not_run("spec-ran", f"n_predict {ctx.case_def.sampling.n_predict} leaves no step to draft in")
     stats = [o.result.spec_stats for o in ctx.completed()]
     drafted = sum(s.get("draft_n", 0) for s in stats)
     accepted = sum(s.get("draft_n_accepted", 0) for s in stats)
@@ -175,111 +204,23 @@ def spec_ran(ctx: CheckContext) -> CheckResult | None:
     return CheckResult("spec-ran", True, evidence=evidence)
 
 
-def acceptance(ctx: CheckContext) -> CheckResult | None:
+def acceptance(ctx: CheckContext) -> CheckResult:
     """Speculation is as effective as it was: each request's acceptance (accepted / drafted and accepted /
     generated) against the baseline's same request in the same cell (so the same request order, for drafters
     that learn across a slot's requests) and, in `par` / `no-kv-unified` with drafters that keep no state
     between requests, against the same request in `seq` (a drafter state leaking between slots shows as a
     skew on some slots). A drop beyond the calibrated tolerance of (model, backend, device, spec) fails. A chat
     turn whose earlier replies differ from the reference's (another prompt) is not compared with it."""
-    preset = spec_preset(ctx.cell.spec)
-    if not preset.speculative or not ctx.completed():
-        return None
-    floor = ctx.noise_floor
-    tolerance, source = floor.acceptance_tolerance(ctx.cell.spec)
-    # rounds sent all at once: a drafter that learns across requests depends on the order llama-server serves
-    # them in, so they take the tolerance calibrated for requests sent at once
-    at_once = {
-        r: floor.acceptance_tolerance(ctx.cell.spec, "concurrent")[0]
-        for r, how in enumerate(ctx.run.suite.rounds)
-        if how == "par" and preset.learns_across_requests
-    }
-    across_modes, _ = floor.acceptance_tolerance(ctx.cell.spec, "modes")
-    try:
-        stored, path = ctx.baselines.acceptance(ctx)
-    except HarnessError as err:
-        return CheckResult("acceptance", False, f"{err} (fix or delete it; it is never replaced silently)")
-    mine = {o.round: Acceptance.of(o.result.spec_stats, len(o.result.tokens)) for o in ctx.completed()}
-    references: list[tuple[str, dict[int, Acceptance]]] = []
-    problems = []
-    pending = ctx.baselines.not_recorded(ctx) if stored is None else None
-    if stored is None and not pending:
-        problems.append(
-            f"no acceptance baseline for {ctx.cell.mode}/{ctx.cell.spec} in {path.name}; create it "
-            f"with: {ctx.repro} --update-baselines{ctx.baselines.option}"
-        )
-    # a chat turn whose earlier replies differ from the reference's has another prompt: not compared
-    done = {o.round: o for o in ctx.completed()}
-    recorded = ctx.baselines.earlier_replies(ctx)
-    moot = {r for r, o in done.items() if ctx.prompt_differs(o, recorded)}
-    if stored is not None:
-        references.append(
-            (
-                "baseline",
-                {
-                    row["round"]: Acceptance.of(row, mine[row["round"]].generated)
-                    for row in stored
-                    if row["round"] in mine and row["round"] not in moot
-                },
-            )
-        )
-    if ctx.cell.mode != "seq" and not preset.learns_across_requests:
-        seq_cell = ctx.cell.reference(mode="seq")
-        references.append(
-            (
-                "seq",
-                {
-                    o.round: Acceptance.of(o.result.spec_stats, len(o.result.tokens))
-                    for o in ctx.other(seq_cell)
-                    if o.result.ok
-                    and o.round in mine
-                    and not ctx.prompt_differs(done[o.round], ctx.earlier_replies(seq_cell, o.round))
-                },
-            )
-        )
-    for label, before in references:
-        missing = sorted(set(mine) - set(before) - moot)
-        if label == "baseline" and missing:
-            problems.append(
-                f"round {missing[0]}: no acceptance baseline for it; create it with: {ctx.repro} "
-                f"--update-baselines{ctx.baselines.option}"
-            )
-        for r in sorted(set(mine) & set(before)):
-            limit = across_modes if label == "seq" else at_once.get(r, tolerance)
-            why = fall(before[r], mine[r], limit)
-            if why:
-                problems.append(f"round {r} against {label} (tolerance {limit:.3g}): {why}")
-    evidence = {
-        "tolerance": tolerance,
-        "tolerance_source": source,
-        "requests": len(mine),
-        **({"tolerance_sent_at_once": next(iter(at_once.values()))} if at_once else {}),
-        **({"tolerance_against_seq": across_modes} if any(label == "seq" for label, _ in references) else {}),
-        "after": summed(list(mine.values())).to_evidence(),
-    }
-    for label, before in references:
-        evidence[label] = summed(list(before.values())).to_evidence()
-    if pending:
-        evidence["no_baseline"] = True
-    if moot:
-        evidence["not_compared_with_baseline"] = len(moot)
-    if problems:
-        more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
-        return CheckResult(
-            "acceptance",
-            False,
-            f"{ctx.cell.id}, {problems[0]}{more}; tolerances: {source}",
-            evidence,
-            failures=problems,
-        )
-    return CheckResult("acceptance", True, pending or "", evidence)
+    return acceptance_check(ctx)
 
 
 def grammar_valid(ctx: CheckContext) -> CheckResult | None:
     """The output parses as JSON and satisfies the case's schema."""
     schema = ctx.case_def.sampling.json_schema
     if schema is None:
-        return None
+        return not_run("grammar-valid", "the case has no json_schema")
+    if not ctx.completed():
+        return not_run("grammar-valid", NO_OUTPUT)
     problems = []
     for o in ctx.completed():
         try:
@@ -309,7 +250,7 @@ def kv_problems(result: Result) -> list[str]:
     target's cache, in the draft model's context (the in-process engine scans it too) and past the returned
     tokens."""
     scan = result.kv_scan
-    if scan is None:
+    if scan is None or not scan.get("judged", True):  # not judged: the saved state is not provably the request's
         return []
     problems = []
     if not scan["healthy"]:
@@ -333,9 +274,16 @@ def kv_healthy(ctx: CheckContext) -> CheckResult | None:
     sequence holds no position past the request's prompt and returned tokens (`past_returned`); where a draft
     model's context was scanned too (in-process), its copy of the sequence holds exactly the target's positions
     (a draft context not rolled back keeps the rejected drafts' cells: orphans past the sequence)."""
-    scanned = [o for o in ctx.completed() if o.result.kv_scan is not None]
+    scanned = [o for o in ctx.completed() if o.result.kv_scan is not None and o.result.kv_scan.get("judged", True)]
+    unjudged = [o for o in ctx.completed() if o.result.kv_scan is not None and not o.result.kv_scan.get("judged", True)]
     if not scanned:
-        return None
+        return not_run(
+            "kv-healthy",
+            NO_OUTPUT
+            if not ctx.completed()
+            else f"no judged KV scan of the {len(ctx.completed())} completed requests"
+            + (f" (round {unjudged[0].round}: {unjudged[0].result.kv_scan['reason']})" if unjudged else ""),
+        )
     problems = {id(o): kv_problems(o.result) for o in scanned}
     bad = [o for o in scanned if problems[id(o)]]
     totals = [o.result.kv_scan["totals"] for o in scanned]
@@ -346,6 +294,8 @@ def kv_healthy(ctx: CheckContext) -> CheckResult | None:
         **{k: sum(t[k] for t in totals) for k in counts},
         "past_returned": sum(p[1] - p[0] + 1 for p in map(past_returned, (o.result for o in scanned)) if p),
     }
+    if unjudged:  # saved states not provably the request's own (server_backend.slot_ownership)
+        evidence["not_judged"] = {"requests": len(unjudged), "first": unjudged[0].result.kv_scan["reason"]}
     drafts = [o.result.kv_scan["draft"]["totals"] for o in scanned if o.result.kv_scan.get("draft")]
     if drafts:
         evidence["draft_context"] = {"scanned": len(drafts), **{k: sum(t[k] for t in drafts) for k in counts}}
@@ -379,11 +329,13 @@ def logits_close(ctx: CheckContext) -> CheckResult | None:
     for `post_sampling_probs` logs the sampler chain's probabilities, not the model's: `probs-complete`
     judges those."""
     if ctx.case_def.sampling.post_sampling_probs:
-        return None
+        return not_run("logits-close", "the case logs post-sampling probabilities (probs-complete judges them)")
     canonical = ctx.cell.reference(mode="seq", spec="none")
-    reference = ctx.reference_outcome(canonical) if ctx.cell != canonical else None
+    if ctx.cell == canonical:
+        return not_run("logits-close", "the cell is the seq / no-speculation reference itself")
+    reference = ctx.reference_outcome(canonical)
     if reference is None or not reference.result.logits:
-        return None
+        return not_run("logits-close", f"the reference cell {canonical.id} logged no logits for the case")
     floor = ctx.noise_floor
     worst, problems = None, []
     evidence = {"compared_runs": 0, "noise_floor": floor.describe()}
@@ -406,7 +358,7 @@ def logits_close(ctx: CheckContext) -> CheckResult | None:
             problems.append(f"round {o.round}: {message}")
             worst = worst or problems[-1]
     if evidence["compared_runs"] == 0:
-        return None
+        return not_run("logits-close", "no request with logits sent the reference's prompt")
     if worst:
         return CheckResult(
             "logits-close",
@@ -424,8 +376,10 @@ def exercised(ctx: CheckContext) -> CheckResult | None:
     first case; a counter the backend does not report (llama-server has no drop-and-retry counter) is
     listed as unmeasured, never assumed."""
     expect = ctx.run.suite.expect
-    if not expect or ctx.case != ctx.run.suite.first_key:
-        return None
+    if not expect:
+        return not_run("exercised", "the suite declares no `expect:`")
+    if ctx.case != ctx.run.suite.first_key:
+        return not_run("exercised", f"a cell-level check, reported on {ctx.run.suite.first_key}")
     outcomes = ctx.run.outcomes
     completed = sum(o.result.ok for o in outcomes)
     share = completed / len(outcomes) if outcomes else 0.0
@@ -477,28 +431,67 @@ CHECKS: dict[str, Check] = {
 
 
 def evaluate(ctx: CheckContext, names: list[str]) -> list[CheckResult]:
-    """Run the named checks that apply; a failing one's message ends with how to reproduce it.
+    """Every named check's outcome on one case of one cell, one result each, in order:
 
-    A cell that could not be served at all (no model, no server) fails `no-crash` and nothing else; a
-    cell the harness itself broke on raises HarnessBug (a harness error is never a check verdict)."""
+    - passed / failed: a verdict the software under test earned (a failing one's message ends with how to
+      reproduce it); a llama.cpp crash, at start-up included, is a failed `no-crash`;
+    - not run (`CheckResult.not_run`, with the reason): the check does not apply to the case, or what it needs
+      did not happen (no request completed: `no-crash` says why);
+    - harness error (`CheckResult.harness_error`): the harness could not serve this cell or a cell the check
+      compares with, or a check raised. Never a verdict and never excused by a known failure: `specharness run`
+      exits 3, the pytest item is an ERROR.
+    """
     interrupt.phase("checking")
-    if ctx.run.harness_error is not None:
-        raise HarnessBug(ctx.run.harness_error)
-    if ctx.run.error is not None:
-        return [
-            CheckResult(
-                "no-crash",
-                False,
-                f"the cell could not be served: {ctx.run.error}\n  reproduce: {ctx.repro}",
-                failures=[ctx.run.error],
-            )
-        ]
+    if ctx.run.fault is not None:  # the cell was never (fully) served: nothing in it was earned
+        trace = ctx.run.harness_error or ctx.run.fault
+        return [harness_fault(name, f"the cell could not be served: {trace}") for name in names]
     results = []
     for name in names:
-        result = CHECKS[name](ctx)
+        try:
+            result = CHECKS[name](ctx)
+        except HarnessError as err:  # e.g. a reference cell the harness could not serve
+            result = harness_fault(name, str(err))
+        except HarnessBug as err:
+            result = harness_fault(name, err.args[0] if err.args else repr(err))
+        except Exception:  # noqa: BLE001 - a bug of ours in a check: a harness error, with its traceback
+            result = harness_fault(name, traceback.format_exc())
         if result is None:
-            continue
-        if not result.passed:
+            result = not_run(name, "does not apply to this case")
+        if result.is_verdict and not result.passed:
             result.message += f"\n  reproduce: {ctx.repro}"
         results.append(result)
     return results
+
+
+def plain_detokenizer(tokens: list[int]) -> str:
+    """Token ids as text where the model's vocabulary is not at hand."""
+    return " ".join(f"<{t}>" for t in tokens)
+
+
+def evaluate_cell(
+    run: CellRun,
+    cells: CellSource,
+    baselines,
+    names: list[str],
+    repro: Callable[[str], str] | str,
+    keys: list[str] | None = None,
+) -> list[tuple[str, CheckResult]]:
+    """The one loop over a cell's cases (every record name, or those in `keys`): each case's `evaluate` of the
+    checks `names`, as (record name, result). `cells` serves the cells the checks compare with; `repro` is the
+    command that reproduces the cell (or, given a record name, the case). Every caller (run, the pytest plugin,
+    bisect, shrink) judges through here: one policy for harness errors, the detokenizer and what is not run."""
+    detok = detokenizers.for_model(run.cell.model) if run.fault is None else None
+    out = []
+    for case in run.suite.cases:
+        for key in case_keys(case):
+            if keys is not None and key not in keys:
+                continue
+            command = repro(key) if callable(repro) else repro
+            ctx = CheckContext(run, key, cells, baselines, detok or plain_detokenizer, command)
+            out += [(key, r) for r in evaluate(ctx, names)]
+    return out
+
+
+def harness_errors(results) -> list[CheckResult]:
+    """The results (CheckResults, or tuples ending with one) that are harness errors."""
+    return [r for r in (x[-1] if isinstance(x, tuple) else x for x in results) if r.harness_error is not None]

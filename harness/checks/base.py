@@ -1,16 +1,39 @@
-"""What a check sees and what it returns."""
+"""What a check sees and what it returns.
+
+A check sees its own cell's run and, through `CellSource` (which the executor implements), the other cells it
+compares with; it never starts anything itself.
+"""
 
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field, fields, replace
-from typing import Any
+from typing import Any, Protocol
 
 from harness import noise
-from harness.execute import CellRun, Executor, Outcome, case_keys
-from harness.logits import Tolerances
+from harness.cellrun import CellRun, Outcome
+from harness.errors import HarnessError
+from harness.logits import PositionLogits, Tolerances
 from harness.matrix import Cell
 from harness.noise import NoiseFloor
 from harness.result import Result
-from harness.suites import Case
+from harness.suites import Case, Suite, case_keys
+
+
+class Rescorer(Protocol):
+    """Re-scores a position of a run whose logits a backend withheld (harness.execute.Rescorer)."""
+
+    def score(self, suite: Suite, cell: Cell, result: Result, pos: int) -> PositionLogits | None: ...
+
+
+class CellSource(Protocol):
+    """What checks see of the other cells of a run: their runs (served on first use), the facts of the backend
+    that served a cell, and a re-scorer. harness.execute.Executor implements it."""
+
+    def run(self, suite: Suite, cell: Cell) -> CellRun: ...
+
+    def environment(self, cell: Cell) -> dict: ...
+
+    def rescorer(self) -> AbstractContextManager[Rescorer]: ...
 
 
 @dataclass
@@ -25,6 +48,43 @@ class CheckResult:
     message: str = ""
     evidence: dict[str, Any] = field(default_factory=dict)
     failures: list[str] = field(default_factory=list)
+    not_run: str | None = None
+    """Why the check gave no verdict (it does not apply to the case, or what it needs is missing); `passed` is
+    then True (nothing failed) but the result is no pass: `status` says "not run"."""
+    harness_error: str | None = None
+    """A harness fault kept the check from judging (its message or traceback): never a verdict, never excused by
+    a known failure; `specharness run` exits 3 and the pytest item is an ERROR. `not_run` says so too."""
+
+    @property
+    def status(self) -> str:
+        """`passed`, `failed`, `not run` or `harness error`."""
+        if self.harness_error is not None:
+            return "harness error"
+        if self.not_run is not None:
+            return "not run"
+        return "passed" if self.passed else "failed"
+
+    @property
+    def is_verdict(self) -> bool:
+        """Whether the software under test earned this result (passed or failed)."""
+        return self.not_run is None and self.harness_error is None
+
+
+NO_OUTPUT = "no request of the case completed (no-crash says why)"
+NOT_SPECULATIVE = "the cell does not speculate"
+
+
+def not_run(name: str, reason: str) -> CheckResult:
+    """A check that gave no verdict, and why (recorded and reported, never a pass)."""
+    return CheckResult(name, True, f"not run: {reason}", not_run=reason)
+
+
+def harness_fault(name: str, error: str) -> CheckResult:
+    """A check a harness fault kept from judging (`error`: one line or a traceback)."""
+    first = (error.strip().splitlines() or ["harness error"])[-1 if "Traceback" in error else 0]
+    return CheckResult(
+        name, True, f"harness error: {first}", not_run=f"harness error: {first}", harness_error=error.strip()
+    )
 
 
 @dataclass
@@ -33,7 +93,8 @@ class CheckContext:
 
     run: CellRun
     case: str
-    executor: Executor
+    executor: CellSource
+    """The other cells (the executor, seen through CellSource)."""
     baselines: Any
     detokenize: Callable[[list[int]], str]
     repro: str
@@ -95,9 +156,17 @@ class CheckContext:
         """The outcomes that produced output."""
         return [o for o in self.outcomes if o.result.ok]
 
+    def other_run(self, cell: Cell) -> CellRun:
+        """Another cell's run (served on demand); a HarnessError when the harness could not serve it, so that a
+        check comparing with it reports a harness error, not a verdict on this cell."""
+        run = self.run if cell == self.cell else self.executor.run(self.run.suite, cell)
+        if run.fault is not None:
+            raise HarnessError(f"the reference cell {cell.id} had a harness error: {run.fault.splitlines()[0]}")
+        return run
+
     def other(self, cell: Cell) -> list[Outcome]:
         """This case's outcomes in another cell (run on demand)."""
-        return self.executor.run(self.run.suite, cell).of_case(self.case)
+        return self.other_run(cell).of_case(self.case)
 
     def reference_outcome(self, cell: Cell, round_: int = 0) -> Outcome | None:
         return next((o for o in self.other(cell) if o.round == round_), None)
@@ -110,7 +179,7 @@ class CheckContext:
 
     def earlier_replies(self, cell: Cell, round_: int = 0) -> list[list[int] | None]:
         """The tokens `cell` replied to this chat turn's earlier turns in round `round_` (None: no reply)."""
-        run = self.run if cell == self.cell else self.executor.run(self.run.suite, cell)
+        run = self.other_run(cell)
         return [
             next((o.result.tokens for o in run.of_case(k) if o.round == round_ and o.result.ok), None)
             for k in self.earlier_turns

@@ -1,6 +1,6 @@
 """`within-n-predict`: speculation never returns more tokens than a request asked for."""
 
-from harness.checks.base import CheckContext, CheckResult
+from harness.checks.base import NO_OUTPUT, CheckContext, CheckResult, not_run
 
 
 def within_n_predict(ctx: CheckContext) -> CheckResult | None:
@@ -12,8 +12,10 @@ def within_n_predict(ctx: CheckContext) -> CheckResult | None:
     end bounds those)."""
     n_predict = ctx.case_def.sampling.n_predict
     done = ctx.completed()
-    if n_predict < 0 or not done:
-        return None
+    if n_predict < 0:
+        return not_run("within-n-predict", "n_predict -1: the context end bounds the request")
+    if not done:
+        return not_run("within-n-predict", NO_OUTPUT)
     failures = [
         f"round {o.round}: {len(o.result.tokens)} tokens returned for n_predict {n_predict}"
         for o in done

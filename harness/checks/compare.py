@@ -3,8 +3,8 @@ policy for every token comparison (`CheckContext.excuses_near_ties`); a chat tur
 reference that sent it the same prompt (the same earlier replies)."""
 
 from harness import interrupt
+from harness.cellrun import Outcome
 from harness.checks.base import CheckContext, kv_findings
-from harness.execute import Outcome
 from harness.logits import PositionLogits
 from harness.matrix import Cell
 from harness.result import Result

@@ -5,8 +5,8 @@ It reads `Result.logits` as the backend returned them: llama-server's empty list
 re-scoring of such positions, harness.execute.Rescorer, never writes into a Result).
 """
 
-from harness.checks.base import CheckContext, CheckResult
-from harness.execute import Outcome
+from harness.cellrun import Outcome
+from harness.checks.base import NO_OUTPUT, CheckContext, CheckResult, not_run
 from harness.logits import check as logits_within
 from harness.logits import compare as compare_logits
 from harness.matrix import spec_preset
@@ -56,8 +56,10 @@ def probs_complete(ctx: CheckContext) -> CheckResult | None:
     produced alike, within the calibrated tolerances of (model, backend, device) (see `judged`)."""
     sampling = ctx.case_def.sampling
     done = ctx.completed()
-    if not sampling.n_probs or not done:
-        return None
+    if not sampling.n_probs:
+        return not_run("probs-complete", "the case asks for no probabilities (n_probs 0)")
+    if not done:
+        return not_run("probs-complete", NO_OUTPUT)
     fewest, most = list_size(sampling)
     expected = str(most) if fewest == most else f"{fewest} to {most}"
     absent, others = [], []  # one line per failing request: no probabilities; wrong size or disagreement

@@ -8,8 +8,8 @@ drops the extra cells and reuses the same prefix, but a hybrid or recurrent mode
 re-processes the prompt from a context checkpoint or from the start: the same output, at the cost of time.
 """
 
-from harness.checks.base import CheckContext, CheckResult, past_returned
-from harness.execute import Outcome
+from harness.cellrun import Outcome
+from harness.checks.base import NO_OUTPUT, NOT_SPECULATIVE, CheckContext, CheckResult, not_run, past_returned
 from harness.matrix import spec_preset
 
 
@@ -37,8 +37,10 @@ def prompt_reuse(ctx: CheckContext) -> CheckResult | None:
     report). The in-process engine reuses none (0 in both cells). Meaningful where the slot a request lands on
     and what it served before follow from the suite: one case at a time (`run_order: [seq]`, or one case). A
     failing chat turn names what its previous turn left in the slot (`left_behind`)."""
-    if not spec_preset(ctx.cell.spec).speculative or not ctx.completed():
-        return None
+    if not spec_preset(ctx.cell.spec).speculative:
+        return not_run("prompt-reuse", NOT_SPECULATIVE)
+    if not ctx.completed():
+        return not_run("prompt-reuse", NO_OUTPUT)
     reference = ctx.cell.reference(spec="none")
     theirs = {o.round: o.result for o in ctx.other(reference) if o.result.ok}
     pairs = [
@@ -47,7 +49,7 @@ def prompt_reuse(ctx: CheckContext) -> CheckResult | None:
         if o.round in theirs and theirs[o.round].prompt_tokens == o.result.prompt_tokens
     ]
     if not pairs:
-        return None
+        return not_run("prompt-reuse", f"no round of {reference.id} completed with the same prompt")
     differ = [(o, ref, left_behind(ctx, o)) for o, ref in pairs if o.result.timings.cache_n != ref.timings.cache_n]
     failures = [
         f"round {o.round}: {ctx.case} reused {o.result.timings.cache_n} of its {len(o.result.prompt_tokens)} "

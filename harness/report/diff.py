@@ -2,6 +2,8 @@
 candidate), case by case.
 
 - verdicts that newly fail (failed in B, not failed or absent in A) and newly pass;
+- checks no longer judged: a verdict in A whose check is missing from B's case, did not run there or met a
+  harness error (a `kv-healthy` that disappears because a build's slot file cannot be scanned);
 - other status changes (a known defect fixed, a near-tie appearing);
 - outputs that changed (same case, cell and round, different tokens), each triaged: the first
   divergence of B's tokens from A's, with A's logit margins and both runs' logits before it;
@@ -11,8 +13,8 @@ candidate), case by case.
   Absolute tokens/s are shown, marked machine-dependent, and never judged: across two runs they measure how
   busy the machine was, not llama.cpp.
 
-Something regressed — a newly failing verdict, an acceptance drop or a speed-up loss beyond its threshold —
-makes the exit status 1.
+Something regressed — a newly failing verdict, a verdict no longer judged, an acceptance drop or a speed-up loss
+beyond its threshold — makes the exit status 1.
 """
 
 from dataclasses import dataclass, field
@@ -48,6 +50,8 @@ class RunDiff:
     b: RunDir
     newly_failing: list[dict] = field(default_factory=list)
     newly_passing: list[dict] = field(default_factory=list)
+    no_longer_judged: list[dict] = field(default_factory=list)
+    """Verdicts of A whose check B's same case has not (missing, not run, or a harness error)."""
     other_changes: list[dict] = field(default_factory=list)
     changed_outputs: list[dict] = field(default_factory=list)
     performance: list[dict] = field(default_factory=list)
@@ -63,12 +67,17 @@ class RunDiff:
 
     @property
     def regressed(self) -> bool:
-        return bool(self.newly_failing or self.slower)
+        return bool(self.newly_failing or self.no_longer_judged or self.slower)
 
     def cases(self) -> set[str]:
         """Every case (pytest item name) this diff lists as changed."""
         return {
-            c["item"] for c in self.newly_failing + self.newly_passing + self.other_changes + self.changed_outputs
+            c["item"]
+            for c in self.newly_failing
+            + self.newly_passing
+            + self.no_longer_judged
+            + self.other_changes
+            + self.changed_outputs
         } | {p["cell"] for p in self.performance if p["flagged"]}
 
 
@@ -95,10 +104,11 @@ def compare(
     """Compare run A with run B."""
     diff = RunDiff(a, b, thresholds={"speed": speed_threshold, "acceptance": acceptance_threshold})
     va, vb = _verdicts(a), _verdicts(b)
+    diff.no_longer_judged = no_longer_judged(va, vb)
     for key in sorted(va.keys() | vb.keys()):
         sa = status(va[key]) if key in va else None
         sb = status(vb[key]) if key in vb else None
-        if sa == sb or sb is None:
+        if sa == sb or sb is None or (sa in VERDICT_STATUSES and sb in UNJUDGED):
             continue
         v = vb[key]
         entry = {
@@ -165,6 +175,39 @@ def compare(
     return diff
 
 
+UNJUDGED = ("not-run", "harness-error")
+"""Check statuses that are no verdict."""
+VERDICT_STATUSES = ("failed", "known", "near-tie", "no-baseline", "passed")
+
+
+def no_longer_judged(va: dict, vb: dict) -> list[dict]:
+    """The verdicts of A (by (item, check)) whose check B's same case did not judge: missing from it (the case ran
+    in B: a case missing whole is listed as only in A), not run, or a harness error."""
+    items_b = {item for item, _ in vb}
+    out = []
+    for key in sorted(va):
+        sa = status(va[key])
+        if sa not in VERDICT_STATUSES or key[0] not in items_b:
+            continue
+        v = vb.get(key)
+        sb = status(v) if v is not None else "missing"
+        if sb not in (*UNJUDGED, "missing"):
+            continue
+        why = (v.get("harness_error") or v.get("not_run") or v.get("message") or "") if v is not None else ""
+        out.append(
+            {
+                "item": key[0],
+                "check": key[1],
+                "a": sa,
+                "b": sb,
+                "message": why.strip().splitlines()[0] if why.strip() else f"no {key[1]} record in the case",
+                "first_divergence": None,
+                "row": v if v is not None else va[key],
+            }
+        )
+    return out
+
+
 def group_newly_failing(diff: RunDiff) -> None:
     """Give each newly failing verdict its failure signature in B (and whether it only restates it), order
     them by B's distinct failures, and list those failures (`diff.signatures`): each with its newly failing
@@ -221,76 +264,118 @@ def differing_properties(a: RunDir, b: RunDir) -> list[tuple[str, str, str]]:
 
 
 def print_diff(diff: RunDiff, console) -> None:
-    """The diff on the console (rich)."""
+    """The diff on the console (rich): what differs between the runs, B's newly failing distinct failures, the
+    status changes, the changed outputs, the flagged speculative cells, then the one-line verdict."""
+    _print_properties(diff, console)
+    _print_signatures(diff, console)
+    _print_status_changes(diff, console)
+    _print_changed_outputs(diff, console)
+    _print_performance(diff, console)
+    _print_summary(diff, console)
+
+
+def _print_properties(diff: RunDiff, console) -> None:
+    """The header and the run facts that differ."""
+    console.print(f"diff {diff.a.run_id} → {diff.b.run_id}", style="bold", markup=False)
+    for prop, va, vb in differing_properties(diff.a, diff.b):
+        console.print(f"  {prop}: {va} → {vb}", markup=False, highlight=False)
+
+
+def _print_signatures(diff: RunDiff, console) -> None:
+    """B's distinct failures with newly failing verdicts, one line, then each one's pattern."""
+    if not diff.signatures:
+        return
+    n = len(diff.signatures)
+    console.print(
+        f"{n} distinct failure{'s' if n != 1 else ''} newly failing: "
+        + "; ".join(
+            f"{s['signature']} ({len(s['newly_failing'])} verdicts{', failed in A too' if s['in_a'] else ''})"
+            for s in diff.signatures
+        ),
+        style="bold red",
+        markup=False,
+        highlight=False,
+    )
+    for s in diff.signatures:
+        console.print(f"  {s['signature']}: {s['pattern'].reading}", markup=False, highlight=False)
+
+
+def _print_status_changes(diff: RunDiff, console) -> None:
+    """One table per kind of status change: newly failing (with B's signature), no longer judged, newly passing,
+    other changes."""
     from rich.table import Table
 
     from harness.report.html import triage_line
 
-    console.print(f"diff {diff.a.run_id} → {diff.b.run_id}", style="bold", markup=False)
-    for prop, va, vb in differing_properties(diff.a, diff.b):
-        console.print(f"  {prop}: {va} → {vb}", markup=False, highlight=False)
-    if diff.signatures:
-        n = len(diff.signatures)
-        console.print(
-            f"{n} distinct failure{'s' if n != 1 else ''} newly failing: "
-            + "; ".join(
-                f"{s['signature']} ({len(s['newly_failing'])} verdicts{', failed in A too' if s['in_a'] else ''})"
-                for s in diff.signatures
-            ),
-            style="bold red",
-            markup=False,
-            highlight=False,
-        )
-        for s in diff.signatures:
-            console.print(f"  {s['signature']}: {s['pattern'].reading}", markup=False, highlight=False)
     sections = (
         ("newly failing", diff.newly_failing, "red"),
+        ("no longer judged (a verdict before, none now)", diff.no_longer_judged, "red"),
         ("newly passing", diff.newly_passing, "green"),
         ("other status changes", diff.other_changes, "yellow"),
     )
     for title, rows, color in sections:
-        if rows:
-            table = Table(title=f"{title} ({len(rows)})", title_style=f"bold {color}", title_justify="left")
-            signed = "signature" in rows[0]  # the newly failing verdicts: their failure signature in B
-            for column in ("case", "check", *(("signature",) if signed else ()), "before → after", "message"):
-                table.add_column(column)
-            for r in rows:
-                sig = (("restates " if r["restates"] else "") + r["signature"],) if signed else ()
-                table.add_row(r["item"], r["check"], *sig, f"{r['a']} → {r['b']}", triage_line(r["row"]))
-            console.print(table)
-    if diff.changed_outputs:
-        table = Table(title=f"changed output ({len(diff.changed_outputs)})", title_style="bold", title_justify="left")
-        for column in ("case", "round", "first divergence", "triage"):
+        if not rows:
+            continue
+        table = Table(title=f"{title} ({len(rows)})", title_style=f"bold {color}", title_justify="left")
+        signed = "signature" in rows[0]  # the newly failing verdicts: their failure signature in B
+        for column in ("case", "check", *(("signature",) if signed else ()), "before → after", "message"):
             table.add_column(column)
-        for c in diff.changed_outputs:
-            d = c["first_divergence"]
-            table.add_row(
-                c["item"], str(d["round"]), f"token {d['index']}: {d['ref_text']!r} → {d['other_text']!r}", d["kind"]
-            )
+        for r in rows:
+            sig = (("restates " if r["restates"] else "") + r["signature"],) if signed else ()
+            message = r["message"] if r in diff.no_longer_judged else triage_line(r["row"])
+            table.add_row(r["item"], r["check"], *sig, f"{r['a']} → {r['b']}", message)
         console.print(table)
-    flagged = [p for p in diff.performance if p["flagged"]]
-    if flagged:
-        table = Table(
-            title=f"speculative cells whose acceptance moved beyond ±{100 * diff.thresholds['acceptance']:.0f} "
-            f"points or whose speed-up over no speculation moved beyond ±{100 * diff.thresholds['speed']:.0f} % "
-            f"and outside both runs' noise bands ({len(flagged)})",
-            title_style="bold",
-            title_justify="left",
+
+
+def _print_changed_outputs(diff: RunDiff, console) -> None:
+    """The requests whose tokens changed, each at its first divergence, triaged."""
+    from rich.table import Table
+
+    if not diff.changed_outputs:
+        return
+    table = Table(title=f"changed output ({len(diff.changed_outputs)})", title_style="bold", title_justify="left")
+    for column in ("case", "round", "first divergence", "triage"):
+        table.add_column(column)
+    for c in diff.changed_outputs:
+        d = c["first_divergence"]
+        table.add_row(
+            c["item"], str(d["round"]), f"token {d['index']}: {d['ref_text']!r} → {d['other_text']!r}", d["kind"]
         )
-        for column in ("cell", "acceptance before", "after", "speed-up before", "after", "tok/s before*", "after*"):
-            table.add_column(column, justify="left" if column == "cell" else "right")
-        for p in flagged:
-            table.add_row(
-                p["cell"],
-                _pct(p["a_acceptance"]),
-                f"[{'red' if p['acceptance_regressed'] else 'green'}]{_pct(p['b_acceptance'])}[/]",
-                speedup_text(p["a_speedup"]),
-                f"[{'red' if p['speed_regressed'] else 'green'}]{speedup_text(p['b_speedup'])}[/]",
-                _fmt(p["a_tok_s"]),
-                _fmt(p["b_tok_s"]),
-            )
-        console.print(table)
-        console.print("* tokens/s measure the machine as much as llama.cpp: shown, never judged", markup=False)
+    console.print(table)
+
+
+def _print_performance(diff: RunDiff, console) -> None:
+    """The speculative cells whose acceptance or speed-up moved beyond the thresholds."""
+    from rich.table import Table
+
+    flagged = [p for p in diff.performance if p["flagged"]]
+    if not flagged:
+        return
+    table = Table(
+        title=f"speculative cells whose acceptance moved beyond ±{100 * diff.thresholds['acceptance']:.0f} "
+        f"points or whose speed-up over no speculation moved beyond ±{100 * diff.thresholds['speed']:.0f} % "
+        f"and outside both runs' noise bands ({len(flagged)})",
+        title_style="bold",
+        title_justify="left",
+    )
+    for column in ("cell", "acceptance before", "after", "speed-up before", "after", "tok/s before*", "after*"):
+        table.add_column(column, justify="left" if column == "cell" else "right")
+    for p in flagged:
+        table.add_row(
+            p["cell"],
+            _pct(p["a_acceptance"]),
+            f"[{'red' if p['acceptance_regressed'] else 'green'}]{_pct(p['b_acceptance'])}[/]",
+            speedup_text(p["a_speedup"]),
+            f"[{'red' if p['speed_regressed'] else 'green'}]{speedup_text(p['b_speedup'])}[/]",
+            _fmt(p["a_tok_s"]),
+            _fmt(p["b_tok_s"]),
+        )
+    console.print(table)
+    console.print("* tokens/s measure the machine as much as llama.cpp: shown, never judged", markup=False)
+
+
+def _print_summary(diff: RunDiff, console) -> None:
+    """Cases only in one run, then the one-line verdict: REGRESSED or not, with the counts."""
     if diff.only_a or diff.only_b:
         console.print(
             f"{len(diff.only_a)} cases only in {diff.a.run_id}, {len(diff.only_b)} only in {diff.b.run_id}",
@@ -300,8 +385,8 @@ def print_diff(diff: RunDiff, console) -> None:
         console.print("no changes", style="green")
     console.print(
         ("REGRESSED: " if diff.regressed else "no regression: ")
-        + f"{len(diff.newly_failing)} newly failing, {len(diff.slower)} speculative cells with less "
-        "acceptance or speed-up, "
+        + f"{len(diff.newly_failing)} newly failing, {len(diff.no_longer_judged)} no longer judged, "
+        f"{len(diff.slower)} speculative cells with less acceptance or speed-up, "
         f"{len(diff.newly_passing)} newly passing, {len(diff.changed_outputs)} changed outputs",
         style="bold red" if diff.regressed else "bold green",
         markup=False,
@@ -326,7 +411,9 @@ def write_diff_html(diff: RunDiff, target: Path) -> Path:
     from harness.report.charts import bar_chart
     from harness.report.html import divergence_view, render
 
-    for entry in diff.newly_failing + diff.newly_passing + diff.other_changes + diff.changed_outputs:
+    for entry in (
+        diff.newly_failing + diff.newly_passing + diff.no_longer_judged + diff.other_changes + diff.changed_outputs
+    ):
         entry["view"] = divergence_view(_pieces(diff.a, diff.b, entry["row"]["model"]), entry.get("first_divergence"))
     ratios = [
         (p["cell"], p["ratio"], f"{p['ratio']:.2f}x") for p in diff.performance if p["ratio"]

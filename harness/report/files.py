@@ -29,8 +29,9 @@ from harness.signatures import Failure, Pattern, failure_patterns, group
 
 FORMAT = 1
 """Version of the run directory layout (`run.json` `format`)."""
-STATUSES = ("failed", "known", "near-tie", "no-baseline", "passed")
-"""A verdict's status in reports, worst first."""
+STATUSES = ("harness-error", "failed", "known", "near-tie", "no-baseline", "not-run", "passed")
+"""A check record's status in reports, worst first: `harness-error` and `not-run` records are no verdicts (a
+harness fault kept the check from judging; the check does not apply or lacked what it judges, with the reason)."""
 
 
 def records(runs: list) -> list[dict]:
@@ -79,6 +80,8 @@ def check_records(checks: list) -> list[dict]:
             "message": r.message,
             "evidence": r.evidence,
             **({"failures": r.failures} if r.failures else {}),  # per request: signatures fold by request
+            **({"not_run": r.not_run} if getattr(r, "not_run", None) is not None else {}),
+            **({"harness_error": r.harness_error} if getattr(r, "harness_error", None) is not None else {}),
         }
         for s, k, c, r in checks
     ]
@@ -90,9 +93,14 @@ def frame(rows: list[dict]) -> pd.DataFrame:
 
 
 def status(verdict: dict) -> str:
-    """`known` (a recorded llama.cpp defect), `failed`, `near-tie` (passed by excusing proven near-ties),
-    `no-baseline` (passed; the model has no baseline yet to compare with) or `passed`."""
+    """`harness-error` or `not-run` (no verdict: see STATUSES), `known` (a recorded llama.cpp defect), `failed`,
+    `near-tie` (passed by excusing proven near-ties), `no-baseline` (passed; the model has no baseline yet to compare
+    with) or `passed`."""
     evidence = verdict.get("evidence") or {}
+    if verdict.get("harness_error") is not None:
+        return "harness-error"
+    if verdict.get("not_run") is not None:
+        return "not-run"
     if "known_failure" in evidence:
         return "known"
     if not verdict.get("passed"):

@@ -315,11 +315,22 @@ def case_view(run: RunDir, item: Item) -> dict:
 
 
 def run_status(run: RunDir) -> str:
-    """`failed`, `known`, `near-tie`, `no-baseline` or `passed` for the whole run (a cell that could not be served
-    fails)."""
+    """The worst status of the run's check records (STATUSES; a cell that could not be served is a harness error),
+    `passed` when every check passed or did not run."""
     cells = run.meta.get("cells") or []
-    statuses = [status(v) for v in run.checks] + ["failed" for c in cells if c.get("status") == "error"]
-    return worst(statuses)
+    statuses = [status(v) for v in run.checks] + ["harness-error" for c in cells if c.get("status") == "error"]
+    found = worst(statuses)
+    return "passed" if found == "not-run" else found
+
+
+def not_run_view(run: RunDir) -> list[dict]:
+    """The checks that did not run (no verdict, and no harness error), grouped by check and reason: how many cases,
+    and which."""
+    groups: dict[tuple[str, str], list[str]] = defaultdict(list)
+    for v in run.checks:
+        if status(v) == "not-run":
+            groups[(v["check"], v.get("not_run") or "")].append(item_name(v))
+    return [{"check": check, "reason": reason, "cases": cases} for (check, reason), cases in sorted(groups.items())]
 
 
 def known_view(run: RunDir, known: dict[str, list[Failure]]) -> list[dict]:
@@ -340,7 +351,7 @@ def known_view(run: RunDir, known: dict[str, list[Failure]]) -> list[dict]:
 def render_index(run: RunDir) -> str:
     """The report of one run directory."""
     all_items = items(run)
-    shown = [i for i in all_items if i.status not in ("passed", "no-baseline")]
+    shown = [i for i in all_items if i.status not in ("passed", "no-baseline", "not-run")]
     shown.sort(key=lambda i: STATUSES.index(i.status))
     perf = sorted(
         performance(run.records, run.checks), key=lambda r: (r["suite"], r["model"], r["backend"], r["mode"], r["spec"])
@@ -359,7 +370,10 @@ def render_index(run: RunDir) -> str:
             items=all_items,
             failures=found,
             signature=lambda v: signature.get(id(v), (None, False)),
-            failing=grouped + [v for v in run.checks if status(v) not in ("passed", "failed", "no-baseline")],
+            failing=grouped
+            + [v for v in run.checks if status(v) not in ("passed", "failed", "no-baseline", "not-run")],
+            checks_not_run=not_run_view(run),
+            verdicts=sum(1 for v in run.checks if status(v) not in ("not-run", "harness-error")),
             cases=[case_view(run, i) for i in shown],
             counts={axis: counts(run.checks, axis) for axis in AXES},
             totals={s: sum(1 for v in run.checks if status(v) == s) for s in STATUSES},

@@ -6,9 +6,11 @@ one history per verdict. A failed verdict is a `<failure>` whose `type` is its f
 signature (harness.signatures: one type per distinct failure; a verdict that only restates a crash, such as
 a check of the crashed request, also carries a `restates` property); a known llama.cpp defect is `<skipped
 type="known-failure">` with its upstream reference (pytest reports its xfails the same way); a verdict with no
-baseline yet to compare with (a model new to the harness) is `<skipped type="no-baseline">`; a cell
-that could not be served is an `<error>`; a cell an interrupted run never reached is `<skipped
-type="not-run">`; a verdict that passed by excusing proven near-ties passes, with a property saying so.
+baseline yet to compare with (a model new to the harness) is `<skipped type="no-baseline">`; a check a harness
+fault kept from judging (its cell or reference cell could not be served) is an `<error type="harness-error">`; a
+check that did not run (it does not apply, or lacked what it judges) and a cell an interrupted run never reached
+are `<skipped type="not-run">` with the reason; a verdict that passed by excusing proven near-ties passes, with a
+property saying so.
 """
 
 import xml.etree.ElementTree as ET
@@ -40,7 +42,14 @@ def junit_xml(run: RunDir) -> bytes:
         first = (message.strip().splitlines() or [""])[0]
         tally = counts[suite]
         tally["tests"] += 1
-        if (suite, cell_id(v)) in errors and st == "failed":
+        if st == "harness-error":  # no verdict: a harness fault kept the check from judging (pytest: ERROR)
+            ET.SubElement(case, "error", message=first, type="harness-error").text = v.get("harness_error") or message
+            tally["errors"] += 1
+        elif st == "not-run":
+            reason = v.get("not_run") or ""
+            ET.SubElement(case, "skipped", message=f"not run: {reason}", type="not-run").text = reason
+            tally["skipped"] += 1
+        elif (suite, cell_id(v)) in errors and st == "failed":
             ET.SubElement(case, "error", message=first, type="cell-not-served").text = message
             tally["errors"] += 1
         elif st == "failed":

@@ -19,12 +19,11 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from harness import detok as detokenizers
 from harness.backends.build import BuildInfo, ensure_server
 from harness.backends.choose import backend_factories
 from harness.baselines import BaselineStore, default_root
-from harness.checks import evaluate
-from harness.checks.base import CheckContext, CheckResult
+from harness.checks import evaluate_cell
+from harness.checks.base import CheckResult
 from harness.errors import HarnessBug
 from harness.execute import CellRun, Executor
 from harness.run_options import exec_options
@@ -146,11 +145,8 @@ class Runner:
             root = self.logs / "baselines" / str(len(self._references))
             run, executor = self._serve(candidate, reference=True)
             recording = BaselineStore(root, update=True)
-            if run.error is None and run.harness_error is None:
-                evaluate(
-                    CheckContext(run, candidate.key, executor, recording, str, "specharness shrink"),
-                    list(BASELINE_CHECKS),
-                )
+            if run.fault is None:
+                evaluate_cell(run, executor, recording, list(BASELINE_CHECKS), "specharness shrink", [candidate.key])
             self._references[candidate] = BaselineStore(root)
         return self._references[candidate]
 
@@ -158,14 +154,16 @@ class Runner:
         """Run the candidate once and evaluate its check."""
         self.count += 1
         run, executor = self._serve(candidate)
-        if run.harness_error is not None:
-            return Attempt([], None, run, executor, harness_error=run.harness_error)
-        detok = detokenizers.for_model(candidate.cell.model) or str if run.error is None else str
-        ctx = CheckContext(run, candidate.key, executor, self.baselines(candidate), detok, "specharness shrink")
-        try:
-            results = evaluate(ctx, [candidate.check])
-        except HarnessBug as err:
-            return Attempt([], None, run, executor, harness_error=str(err))
+        if run.fault is not None:  # the harness could not serve the candidate: no verdict, no signature
+            return Attempt([], None, run, executor, harness_error=run.harness_error or run.fault)
+        store = self.baselines(candidate)
+        results = [
+            r for _, r in evaluate_cell(run, executor, store, [candidate.check], "specharness shrink", [candidate.key])
+        ]
+        faults = [r for r in results if r.harness_error is not None]
+        if faults:
+            return Attempt([], None, run, executor, harness_error=faults[0].harness_error)
+        results = [r for r in results if r.is_verdict]
         records = [{"error": o.result.error, "stop_reason": o.result.stop_reason} for o in run.of_case(candidate.key)]
         failed = [r for r in results if not r.passed]
         return Attempt([signature_of(r, records) for r in failed], failed[0] if failed else None, run, executor)

@@ -1,0 +1,179 @@
+"""Every check gets exactly one of passed / failed / not run (with the reason) / harness error, through the one
+evaluation (harness.checks.evaluate_cell), and every report shows which: index.html, junit.xml, diff."""
+
+import json
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+import pytest
+from report_helpers import parse_html
+from test_checks import SEQ, Runs, context, ok, suite
+
+from harness.baselines import BaselineStore
+from harness.bisect.judge import BAD, GOOD, SKIP, judged_checks, verdict_of
+from harness.bisect.plan import Plan
+from harness.checks import CHECKS, evaluate, evaluate_cell
+from harness.checks.base import CheckResult, harness_fault, not_run
+from harness.cli import main
+from harness.known_failures import tag
+from harness.matrix import Cell
+from harness.report.diff import compare
+from harness.report.files import RunDir, check_records
+from harness.result import Result
+
+SPEC = SEQ.reference(spec="draft-simple")
+
+
+# --- the evaluation ---------------------------------------------------------------------------------------------
+
+
+def test_every_check_named_gets_one_result_and_one_that_does_not_apply_is_not_run_with_its_reason(tmp_path):
+    results = evaluate(context({SEQ: [ok([1, 2])]}, SEQ, baselines=BaselineStore(tmp_path)), list(CHECKS))
+    assert [r.name for r in results] == list(CHECKS)  # none vanishes
+    by_name = {r.name: r for r in results}
+    assert by_name["no-crash"].status == "passed"
+    assert by_name["lossless"].status == "not run" and by_name["lossless"].not_run == "the cell does not speculate"
+    assert "KV scan of the 1 completed requests" in by_name["kv-healthy"].not_run
+    assert by_name["grammar-valid"].not_run == "the case has no json_schema"
+    for r in results:
+        assert r.status in ("passed", "not run"), (r.name, r.status)
+        assert r.not_run is None or (r.message == f"not run: {r.not_run}" and not r.is_verdict)
+
+
+def test_a_harness_fault_in_the_reference_cell_is_a_harness_error_of_the_comparison_not_a_failure():
+    s = suite()
+    runs = Runs(s, {SEQ: [], SPEC: [ok([1, 2], draft_n=2, draft_n_accepted=1)]})
+    runs.cells[SEQ].error = "draft-simple needs --draft-model: m has no registered draft"
+    results = [r for _, r in evaluate_cell(runs.cells[SPEC], runs, None, ["no-crash", "lossless"], "repro")]
+    crash, lossless = results
+    assert crash.status == "passed"
+    assert lossless.status == "harness error" and lossless.passed and not lossless.is_verdict
+    assert "the reference cell seq-none-m-inproc had a harness error: draft-simple needs" in lossless.harness_error
+    assert tag([], "demo", SPEC, results) == []  # nothing to excuse: a harness error is never a failure
+
+
+def test_a_check_that_raises_is_a_harness_error_with_its_traceback(monkeypatch):
+    def broken(ctx):
+        raise KeyError("a bug of ours")
+
+    monkeypatch.setitem(CHECKS, "no-crash", broken)
+    (result,) = evaluate(context({SEQ: [ok([1])]}, SEQ), ["no-crash"])
+    assert result.status == "harness error" and "KeyError: 'a bug of ours'" in result.message
+    assert "Traceback" in result.harness_error
+
+
+def test_a_llama_cpp_crash_is_a_verdict_and_what_it_left_unjudged_is_not_run(tmp_path):
+    crashed = Result(stop_reason="crashed", error="llama-server was killed by SIGABRT: GGML_ASSERT(x) failed")
+    ctx = context({SPEC: [crashed], SEQ: [ok([1])]}, SPEC, baselines=BaselineStore(tmp_path))
+    results = {r.name: r for r in evaluate(ctx, list(CHECKS))}
+    assert results["no-crash"].status == "failed" and "GGML_ASSERT(x) failed" in results["no-crash"].message
+    assert results["lossless"].not_run == "no request of the case completed (no-crash says why)"
+    assert not any(r.harness_error for r in results.values())
+
+
+# --- reports ----------------------------------------------------------------------------------------------------
+
+
+def stored_run(path: Path, results: list[CheckResult], cell: Cell = SPEC) -> Path:
+    """A run directory whose checks.json holds `results` for case `a` of `cell`, written by the run's writer."""
+    path.mkdir()
+    (path / "checks.json").write_text(json.dumps(check_records([("demo", "a", cell, r) for r in results])))
+    (path / "results.json").write_text("[]")
+    return path
+
+
+def test_not_run_and_harness_errors_show_in_index_html_and_junit_with_their_reasons(tmp_path):
+    run = stored_run(
+        tmp_path / "run",
+        [
+            CheckResult("no-crash", True),
+            not_run("kv-healthy", "no KV scan of the 3 completed requests"),
+            harness_fault("lossless", "the reference cell seq-none-m-inproc had a harness error: start-up timeout"),
+        ],
+    )
+    assert main(["report", str(run)]) == 0
+    doc = parse_html((run / "index.html").read_text())
+    rows = doc.find(id="not-run-checks").find_all("tr", class_="not-run")
+    assert [(r.attrs["data-check"], r.find("td", class_="reason").text) for r in rows] == [
+        ("kv-healthy", "no KV scan of the 3 completed requests")
+    ]
+    assert "1 checks not judged: harness error" in doc.find(id="harness-errors").text
+    assert doc.find(id="run-status").text == "HARNESS-ERROR"
+    cases = {c.get("name"): c for c in ET.parse(run / "junit.xml").getroot().iter("testcase")}
+    skipped = cases["demo[a-seq-draft-simple-m-inproc]::kv-healthy"].find("skipped")
+    assert (
+        skipped.get("type") == "not-run" and skipped.get("message") == "not run: no KV scan of the 3 completed requests"
+    )
+    error = cases["demo[a-seq-draft-simple-m-inproc]::lossless"].find("error")
+    assert error.get("type") == "harness-error" and "start-up timeout" in error.get("message")
+    assert cases["demo[a-seq-draft-simple-m-inproc]::no-crash"].find("skipped") is None
+
+
+def test_diff_flags_a_check_that_ran_before_and_does_not_run_now(tmp_path, capsys):
+    before = stored_run(
+        tmp_path / "a",
+        [CheckResult("no-crash", True), CheckResult("kv-healthy", True), CheckResult("lossless", True)],
+    )
+    after = stored_run(
+        tmp_path / "b",
+        [CheckResult("no-crash", True), not_run("kv-healthy", "the slot file could not be scanned")],
+    )
+    diff = compare(RunDir.load(before), RunDir.load(after))
+    flagged = {(e["check"], e["a"], e["b"], e["message"]) for e in diff.no_longer_judged}
+    assert flagged == {
+        ("kv-healthy", "passed", "not-run", "the slot file could not be scanned"),
+        ("lossless", "passed", "missing", "no lossless record in the case"),
+    }
+    assert diff.regressed and not diff.other_changes
+    assert main(["diff", str(before), str(after)]) == 1
+    out = capsys.readouterr().out
+    assert "no longer judged" in out and "REGRESSED: 0 newly failing, 2 no longer judged" in out
+
+
+# --- bisect -----------------------------------------------------------------------------------------------------
+
+
+def test_bisect_always_judges_no_crash_and_a_judged_check_without_verdict_is_skip_or_bad():
+    plan = Plan(suite="s.yaml", case="C", checks=["lossless"], mode="seq", spec="draft-simple", model="m")
+    assert judged_checks(plan) == ["no-crash", "lossless"]
+    crash = CheckResult("no-crash", False, "1 of 1 requests failed; C round 0: llama-server was killed by SIGABRT")
+    unjudged = not_run("lossless", "no request of the case completed (no-crash says why)")
+    bad = verdict_of([crash, unjudged], strict=False)
+    assert bad["verdict"] == BAD and "no-crash failed: 1 of 1 requests failed" in bad["reason"]
+    assert verdict_of([CheckResult("no-crash", True), unjudged], strict=False)["verdict"] == SKIP
+    fault = harness_fault("no-crash", "the cell could not be served: llama-server was not ready within 60 s")
+    skip = verdict_of([fault, harness_fault("lossless", "the cell could not be served")], strict=False)
+    assert skip["verdict"] == SKIP and "not ready within 60 s" in skip["reason"]
+    assert verdict_of([CheckResult("no-crash", True), CheckResult("lossless", True)], False)["verdict"] == GOOD
+
+
+# --- specharness run: a harness fault exits 3 ------------------------------------------------------------------
+
+
+def test_run_exits_3_when_the_draft_model_cannot_be_made_and_records_no_verdict_for_its_cell(tmp_path, capsys):
+    out = tmp_path / "run"
+    argv = ["run", "--suite", "quicksort", "--backend", "inproc", "--model", "tiny-dense", "--mode", "seq"]
+    argv += ["--spec", "draft-simple", "--draft-model", str(tmp_path / "nowhere.gguf"), "--out", str(out)]
+    assert main(argv) == 3
+    records = json.loads((out / "checks.json").read_text())
+    draft = [r for r in records if r["spec"] == "draft-simple"]
+    assert draft and all(r.get("harness_error") and "nowhere.gguf" in r["harness_error"] for r in draft)
+    assert not [r for r in records if r["passed"] is False]  # a harness fault is no failed no-crash
+    assert "HARNESS ERROR quicksort[C-seq-draft-simple-tiny-dense-inproc] [no-crash]" in capsys.readouterr().err
+
+
+@pytest.fixture
+def fake_server(tmp_path) -> Path:
+    """An executable that is not llama-server: it prints a usage line and exits 1 (no abort)."""
+    path = tmp_path / "not-llama-server"
+    path.write_text("#!/bin/sh\necho 'usage: not-llama-server [options]'\nexit 1\n")
+    path.chmod(0o755)
+    return path
+
+
+def test_run_exits_3_on_a_server_bin_that_is_not_llama_server(tmp_path, fake_server, tiny_models):
+    out = tmp_path / "run"
+    argv = ["run", "--suite", "quicksort", "--backend", "server", "--model", "tiny-dense", "--mode", "seq"]
+    assert main([*argv, "--spec", "none", "--server-bin", str(fake_server), "--out", str(out)]) == 3
+    records = json.loads((out / "checks.json").read_text())
+    assert records and all(r.get("harness_error") for r in records)
