@@ -3,6 +3,10 @@ command, requests, expected, actual, first divergence with its margin, KV-scan f
 
 from __future__ import annotations
 
+import re
+import subprocess
+from pathlib import Path
+
 from harness.models import generator
 from harness.repro.legs import REFERENCE, SUBJECT
 
@@ -15,6 +19,58 @@ EXPECTED = {
 """What a judge expects when there is no reference leg."""
 
 
+PUBLIC_REMOTE = re.compile(r"^(?:https?|ssh|git)://|^[\w.-]+@[\w.-]+:")
+"""A remote an upstream reader can fetch from (not a path on the machine that wrote the bundle)."""
+
+
+def _git(root: Path, *args: str) -> str | None:
+    try:
+        proc = subprocess.run(["git", "-C", str(root), *args], capture_output=True, text=True, timeout=20)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return proc.stdout.strip() if proc.returncode == 0 else None
+
+
+def harness_source() -> dict:
+    """Which specharness wrote the bundle: its version, and where it runs from a git checkout, the checkout's
+    commit, whether it had uncommitted changes and a public remote (without any credentials in its URL)."""
+    import harness
+
+    root = Path(harness.__file__).resolve().parents[1]
+    out: dict = {"version": harness.__version__}
+    top = _git(root, "rev-parse", "--show-toplevel")
+    if top is None or Path(top).resolve() != root:  # an installed wheel (or a checkout around it): no commit
+        return out
+    out["commit"] = _git(root, "rev-parse", "HEAD")
+    out["dirty"] = bool(_git(root, "status", "--porcelain", "--untracked-files=no"))
+    remote = _git(root, "config", "--get", "remote.origin.url") or ""
+    remote = re.sub(r"^(\w+://)[^/@]*@", r"\1", remote)  # no user:token@
+    if PUBLIC_REMOTE.match(remote):
+        out["remote"] = remote
+    return out
+
+
+def install_line(source: dict | None) -> str:
+    """How an upstream reader gets the specharness that wrote the bundle (there is no package index release)."""
+    source = source or {}
+    commit = source.get("commit")
+    if commit and source.get("remote"):
+        line = f"`pip install 'git+{source['remote']}@{commit}'`"
+    elif commit:
+        line = (
+            f"specharness at commit `{commit}` (its checkout had no public remote): clone the specharness repository, "
+            f"then `git checkout {commit} && pip install .`"
+        )
+    else:
+        line = (
+            f"specharness {source.get('version', '?')} (installed, not a git checkout: no commit recorded), from the "
+            "specharness repository: `pip install .`"
+        )
+    if source.get("dirty"):
+        line += " (the checkout had uncommitted changes)"
+    return line
+
+
 def _model_lines(info: dict) -> list[str]:
     lines = [f"- `{info['name']}`: `{info['file']}`, {info['kind']} ({info['arch']}), sha256 `{info['sha256']}`"]
     recipe = generator.RECIPES.get(info["name"])
@@ -23,7 +79,7 @@ def _model_lines(info: dict) -> list[str]:
             f"  - generated, byte-identical on every machine (specharness model generator v"
             f"{generator.GENERATOR_VERSION}, weight seed {recipe.seed}"
             + (f", draft of {recipe.draft_of} with noise {recipe.noise}" if recipe.draft_of else "")
-            + f"): `pip install specharness && specharness models make {info['name']}`"
+            + f"): `specharness models make {info['name']}` with specharness as in Reproduce"
         )
     return lines
 
@@ -105,8 +161,13 @@ def render(
         "## Reproduce",
         "",
         "`bash repro.sh` (llama-server and curl; `LLAMA_SERVER=... MODEL=... DRAFT_MODEL=...` to change the "
-        "binary or models) exits 1 when the failure reproduces, 0 when it does not; `python repro.py` runs the "
-        "same requests on specharness's in-process engine.",
+        "binary or models) exits 1 when the failure reproduces (the same signature), 3 on a different failure, 0 "
+        "when it does not reproduce, 2 when it cannot tell; `python repro.py` runs the same requests on "
+        "specharness's in-process engine.",
+        "",
+        "The specharness that wrote this bundle (for `repro.py`, `specharness scan` and the generated models): "
+        + install_line(case.get("harness"))
+        + ".",
     ]
     if shrunk:
         out += ["", shrunk]

@@ -1,19 +1,40 @@
 """`repro.sh`: the failing case against llama-server with nothing but bash and curl.
 
 It starts each leg's exact llama-server command line on a free loopback port, sends the exact /completion
-bodies (prompts as token ids, from `requests/`) the way they were sent (one at a time, or a batch at once),
-prints expected against actual and exits 1 when the failure reproduces, 0 when it does not, 2 when it could
-not tell (the server did not start, the reference failed). `$LLAMA_SERVER`, `$MODEL` and `$DRAFT_MODEL`
-replace the run's binary and models; `$REQUEST_TIMEOUT` (seconds, default 120) bounds each request.
+bodies (prompts as token ids, from `requests/`) the way they were sent (one at a time, or a batch at once,
+waiting for that batch's requests only), prints expected against actual and exits with (EXIT_CODES):
+
+- 1 REPRODUCED: the same signature: a crash with the same abort line (or, without one, the same signal), a
+  timeout of the request, an error with the same message, a KV scan with the same first kind of damage, an
+  output that first diverges at the same generated token, rounds that differ;
+- 3 a different failure: the subject failed otherwise (llama-server still answers where it crashed, an
+  HTTP error or a curl timeout where it aborted, another abort line, another kind of KV damage, a divergence
+  at another token, any failure where the outputs were compared);
+- 0 not reproduced: every request completed and the judge found nothing;
+- 2 could not tell: llama-server did not start, the reference leg failed, no scanner for the KV verdict.
+
+`$LLAMA_SERVER`, `$MODEL` and `$DRAFT_MODEL` replace the run's binary and models; `$REQUEST_TIMEOUT` (seconds,
+default 120) bounds each request.
 """
 
 from __future__ import annotations
 
 import json
+import re
 import shlex
+import signal
 from pathlib import Path
 
 from harness.repro.legs import JUDGES, REFERENCE, SUBJECT
+from harness.signatures.signature import EXIT, KV_DAMAGE, abort_reason
+
+NOT_REPRODUCED, REPRODUCED, UNDECIDED, DIFFERENT = 0, 1, 2, 3
+EXIT_CODES = {
+    REPRODUCED: "the failure reproduces (the same signature)",
+    DIFFERENT: "a different failure",
+    NOT_REPRODUCED: "it does not reproduce",
+    UNDECIDED: "it could not be told",
+}
 
 HELPERS = r"""
 WORK="$(mktemp -d)"
@@ -61,28 +82,66 @@ stop_server() {
 
 post() {  # NAME: send requests/NAME.json to /completion; the answer goes to $WORK/NAME.json, its HTTP status to NAME.code
   curl -s -o "$WORK/$1.json" -w '%{http_code}' --max-time "$REQUEST_TIMEOUT" -H 'Content-Type: application/json' \
-    --data-binary "@$HERE/requests/$1.json" "http://127.0.0.1:$PORT/completion" >"$WORK/$1.code" 2>/dev/null || true
+    --data-binary "@$HERE/requests/$1.json" "http://127.0.0.1:$PORT/completion" >"$WORK/$1.code" 2>/dev/null
+  echo $? >"$WORK/$1.rc"
 }
 
 code_of() { cat "$WORK/$1.code" 2>/dev/null || echo 000; }
+
+timed_out() { [ "$(cat "$WORK/$1.rc" 2>/dev/null)" = 28 ]; }  # curl: operation timed out
+
+message_of() {  # NAME: the error message of an answer, numbers as N
+  grep -o '"message":"[^"]*"' "$WORK/$1.json" 2>/dev/null | head -n 1 | sed -e 's/^"message":"//' -e 's/"$//' \
+    | sed -E 's/[0-9]+/N/g'
+}
+
+ended() {  # true when llama-server is gone (waiting up to 5 s for a dying one); its exit status in STATUS
+  local _
+  for _ in $(seq 1 50); do
+    if ! kill -0 "$PID" 2>/dev/null; then wait "$PID" 2>/dev/null; STATUS=$?; PID=""; return 0; fi
+    sleep 0.1
+  done
+  return 1
+}
+
+judge_batch() {  # ROLE NAME...: after a batch: when a request failed or the server died, the verdict
+  local role="$1"; shift
+  local name failed=""
+  for name in "$@"; do
+    if [ "$(code_of "$name")" != 200 ]; then failed="$failed $name"; fi
+  done
+  if [ -z "$failed" ] && kill -0 "$PID" 2>/dev/null; then return 0; fi
+  DIED=""; STATUS=""; ROLE="$role"
+  for name in ${failed:-none}; do
+    if [ "$name" = none ] || [ "$(code_of "$name")" = 000 ]; then ended && DIED=1; break; fi
+  done
+  if [ "$role" != subject ]; then
+    echo "the $role leg did not complete: $(describe_failure $failed)"; exit 2
+  fi
+  subject_failed $failed
+}
+
+describe_failure() {  # NAME...: what went wrong, in one line
+  if [ -n "$DIED" ]; then echo "llama-server ended (exit status $STATUS): $(abort_line "$ROLE")"; return; fi
+  local name="$1"
+  if timed_out "$name"; then echo "$name got no answer within $REQUEST_TIMEOUT s (llama-server still runs)"; return; fi
+  echo "$name: HTTP $(code_of "$name"): $(message_of "$name")"
+}
 
 tokens_of() {  # NAME: the generated token ids of an answer, space-separated
   grep -o '"tokens":\[[^]]*\]' "$WORK/$1.json" 2>/dev/null | head -n 1 | sed -e 's/"tokens":\[//' -e 's/\]//' -e 's/,/ /g'
 }
 
-crashed() {  # LEG NAME...: 0 when the server died or one of the requests got no answer / a 5xx
-  local leg="$1"; shift
-  local name code
-  for name in "$@"; do
-    code="$(code_of "$name")"
-    if [ "$code" = 000 ] || [ "$code" -ge 500 ]; then return 0; fi
-  done
-  ! kill -0 "$PID" 2>/dev/null
-}
-
 abort_line() {  # LEG: the line of the server log that says why it stopped
   grep -m 1 -E 'GGML_ASSERT|GGML_ABORT|what\(\)|Segmentation|terminate called|error' "$WORK/$1.log" || tail -n 1 "$WORK/$1.log"
 }
+
+same_abort() {  # LEG TEXT: the log holds the abort line TEXT (numbers as N); without TEXT, llama-server's exit status
+  if [ -n "$2" ]; then sed -E 's/[0-9]+/N/g' "$WORK/$1.log" | grep -qF -- "$2"; else [ "$STATUS" = "$EXPECTED_STATUS" ]; fi
+}
+
+reproduced() { echo "REPRODUCED: $*"; exit 1; }
+different() { echo "DIFFERENT FAILURE (not the signature: $SIGNATURE): $*"; exit 3; }
 
 first_difference() {  # "A" "B": index of the first differing token (or the shorter length)
   local -a a=($1) b=($2)
@@ -103,7 +162,8 @@ def write(bundle: Path, case: dict, defaults: dict[str, str]) -> Path:
         "#!/usr/bin/env bash",
         f"# Reproducer written by specharness: {case['signature']}",
         f"# case {case['suite']}[{key}], {case['cell_id']}; judge: {JUDGES[judge]}.",
-        "# Exit status: 1 the failure reproduces, 0 it does not, 2 it could not be told.",
+        "# Exit status: " + ", ".join(f"{code} {what}" for code, what in EXIT_CODES.items()) + ".",
+        "# Same signature: " + SAME[judge] + ".",
         "set -u",
         'HERE="$(cd "$(dirname "$0")" && pwd)"',
     ]
@@ -111,10 +171,10 @@ def write(bundle: Path, case: dict, defaults: dict[str, str]) -> Path:
         lines.append(f'{name}="${{{name}:-{value}}}"')
     lines += ['REQUEST_TIMEOUT="${REQUEST_TIMEOUT:-120}"', 'SPECHARNESS="${SPECHARNESS:-specharness}"', HELPERS]
     targets: dict[str, list[str]] = {}
+    body: list[str] = []
     for leg in case["legs"]:
         role = leg["role"]
-        lines += [f'echo "== {role}: {leg["cell_id"]}"', "start_server " + role + " " + _argv(leg["command"])]
-        names_of_leg = []
+        body += [f'echo "== {role}: {leg["cell_id"]}"', "start_server " + role + " " + _argv(leg["command"])]
         for b, batch in enumerate(leg["batches"]):
             names = []
             for i, request in enumerate(batch["requests"]):
@@ -123,32 +183,37 @@ def write(bundle: Path, case: dict, defaults: dict[str, str]) -> Path:
                 names.append(name)
                 if request["key"] == key:
                     targets.setdefault(role, []).append(name)
-            names_of_leg += names
-            if batch["how"] == "par":
-                lines.append(" ".join(f"post {n} &" for n in names) + " wait")
+            if batch["how"] == "par":  # at once; wait for these requests only (not for llama-server)
+                body.append("REQS=(); " + " ".join(f"post {n} & REQS+=($!);" for n in names) + ' wait "${REQS[@]}"')
             else:
-                lines += [f"post {n}" for n in names]
-            lines += [f"if crashed {role} {' '.join(names)}; then", *_on_crash(role, judge), "fi"]
+                body += [f"post {n}" for n in names]
+            body.append(f"judge_batch {role} {' '.join(names)}")
         if role == SUBJECT and judge == "kv":
-            last = targets[SUBJECT][-1]
-            lines += [
-                f'SLOT="$(grep -o \'"id_slot":[0-9]*\' "$WORK/{last}.json" | head -n 1 | cut -d: -f2)"',
-                "curl -s -X POST \"http://127.0.0.1:$PORT/slots/${SLOT:-0}?action=save\" -H 'Content-Type: application/json' "
-                '-d \'{"filename": "slot.bin"}\' >/dev/null',
-                "stop_server",
-                'if ! command -v "$SPECHARNESS" >/dev/null; then echo "the KV verdict needs `specharness scan` (pip install specharness) or $SPECHARNESS"; exit 2; fi',
-                '"$SPECHARNESS" scan "$WORK/slot.bin" --model "$MODEL"; status=$?',
-                'if [ $status = 1 ]; then echo "REPRODUCED: the KV cache of the slot is unhealthy"; exit 1; fi',
-                'if [ $status = 0 ]; then echo "not reproduced: the KV cache of the slot is healthy"; exit 0; fi',
-                "exit 2",
-            ]
+            body += _kv_verdict(case, targets[SUBJECT][-1])
         else:
-            lines.append("stop_server")
-    lines += _verdict(judge, targets, case)
+            body.append("stop_server")
+    lines += [
+        f"SIGNATURE={shlex.quote(case['signature'])}",
+        f"TARGETS={shlex.quote(' ' + ' '.join(targets.get(SUBJECT, [])) + ' ')}",
+        *_subject_failed(case),
+        *body,
+        *_verdict(judge, targets, case),
+    ]
     path = bundle / "repro.sh"
     path.write_text("\n".join(lines) + "\n")
     path.chmod(0o755)
     return path
+
+
+SAME = {
+    "crash": "llama-server dies with the run's abort line (without one, the run's exit status), or, for a timeout, "
+    "a request gets no answer in time while llama-server still runs",
+    "error": "the failing request ends with an HTTP error of the run's message (numbers aside)",
+    "differs": "the subject's output first differs from the reference's at the generated token where it did in the run",
+    "rounds-differ": "the rounds' outputs differ",
+    "kv": "the slot's KV scan finds the run's first kind of damage",
+}
+"""What counts as the run's signature, by judge."""
 
 
 def _argv(command: list[str]) -> str:
@@ -156,46 +221,152 @@ def _argv(command: list[str]) -> str:
     return " ".join(f'"{w}"' if w.startswith("$") else shlex.quote(w) for w in command[1:])
 
 
-def _on_crash(role: str, judge: str) -> list[str]:
-    if role == SUBJECT and judge == "crash":
-        return [f'  echo "REPRODUCED: llama-server stopped answering: $(abort_line {role})"', "  exit 1"]
+def _numbers_as_n(text: str) -> str:
+    return re.sub(r"[0-9]+", "N", text)
+
+
+def _subject_output_errors(case: dict) -> list[str]:
+    subject = next(leg for leg in case["legs"] if leg["role"] == SUBJECT)
+    return [o["error"] for o in subject["outputs"] if o.get("error")]
+
+
+def expectation(case: dict) -> dict:
+    """What the run's signature looks like to repro.sh: an abort line (numbers as N) or exit status of a crash,
+    a timeout, an error message, the first divergent token of each round of the subject, a kind of KV damage."""
+    signature, errors = case["signature"], _subject_output_errors(case)
+    if case["judge"] == "crash":
+        if signature.startswith("timeout:"):
+            return {"timeout": True}
+        reason = next((r for r in map(abort_reason, errors) if r), None)
+        ended = next((m for m in (EXIT.search(e) for e in errors) if m), None)
+        status = ""
+        if ended and "killed by" in ended.group(0):
+            name = ended.group(0).rsplit(" ", 1)[1]
+            number = getattr(signal, name, None) if name.startswith("SIG") else int(name)
+            status = str(128 + int(number)) if number is not None else ""
+        elif ended:
+            status = ended.group(0).rsplit(" ", 1)[1]
+        return {"abort": _numbers_as_n(reason) if reason else "", "status": status}
+    if case["judge"] == "error":
+        first = next((e.splitlines()[0] for e in errors), "")
+        message = re.sub(r"^.*?HTTP \d+: ", "", first)
+        return {"message": _numbers_as_n(message)[:80]}
+    if case["judge"] == "differs":
+        reference = next((leg for leg in case["legs"] if leg["role"] == REFERENCE), None)
+        subject = next(leg for leg in case["legs"] if leg["role"] == SUBJECT)
+        expected = (reference or {}).get("outputs") or []
+        if not expected or expected[0].get("error"):
+            return {"at": []}
+        want = expected[0]["tokens"]
+        at = set()
+        for o in subject["outputs"]:
+            got = o.get("tokens") or []
+            if not o.get("error") and got != want:
+                at.add(
+                    next(
+                        (i for i, (a, b) in enumerate(zip(want, got, strict=False)) if a != b), min(len(want), len(got))
+                    )
+                )
+        return {"at": sorted(at)}
+    if case["judge"] == "kv":
+        damage = signature.split(": ", 1)[1] if signature.startswith("kv-healthy: ") else ""
+        return {"damage": damage}
+    return {}
+
+
+def _subject_failed(case: dict) -> list[str]:
+    """`subject_failed NAME...`: the verdict when a subject request failed (NAME: the batch's failed requests)."""
+    judge, want = case["judge"], expectation(case)
+    lines = [f"EXPECTED_STATUS={shlex.quote(want.get('status', ''))}", "subject_failed() {"]
+    if judge == "crash" and want.get("timeout"):
+        lines += [
+            '  local n; for n in "$@"; do',
+            '    if [ -z "$DIED" ] && timed_out "$n"; then reproduced "$n got no answer within $REQUEST_TIMEOUT s"; fi',
+            "  done",
+        ]
+    elif judge == "crash":
+        lines += [
+            '  if [ -n "$DIED" ]; then',
+            f"    if same_abort subject {shlex.quote(want['abort'])}; then",
+            '      reproduced "llama-server stopped answering (exit status $STATUS): $(abort_line subject)"',
+            "    fi",
+            "  fi",
+        ]
+    elif judge == "error":
+        lines += [
+            '  local n; for n in "$@"; do',
+            '    case "$TARGETS" in *" $n "*) ;; *) continue ;; esac',
+            '    if [ -z "$DIED" ] && [ "$(code_of "$n")" != 000 ] && '
+            f'message_of "$n" | grep -qF -- {shlex.quote(want["message"])}; then',
+            '      reproduced "$n: HTTP $(code_of "$n"): $(message_of "$n")"',
+            "    fi",
+            "  done",
+        ]
+    return [*lines, '  different "$(describe_failure "$@")"', "}"]
+
+
+def _kv_verdict(case: dict, last: str) -> list[str]:
+    """Save the slot of the failing request, scan it, and judge its first kind of damage."""
+    damages = [name for _, name in KV_DAMAGE]
+    want = expectation(case)["damage"]
     return [
-        f'  echo "the {role} leg did not complete: $(abort_line {role})"',
-        f"  exit {1 if role == SUBJECT and judge == 'error' else 2}",
+        f'SLOT="$(grep -o \'"id_slot":[0-9]*\' "$WORK/{last}.json" | head -n 1 | cut -d: -f2)"',
+        "curl -s -X POST \"http://127.0.0.1:$PORT/slots/${SLOT:-0}?action=save\" -H 'Content-Type: application/json' "
+        '-d \'{"filename": "slot.bin"}\' >/dev/null',
+        "stop_server",
+        'if ! command -v "$SPECHARNESS" >/dev/null; then',
+        '  echo "the KV verdict needs `specharness scan`: set $SPECHARNESS, or get specharness as ISSUE.md says"',
+        "  exit 2",
+        "fi",
+        '"$SPECHARNESS" scan "$WORK/slot.bin" --model "$MODEL" --json >"$WORK/scan.json"; status=$?',
+        'if [ $status != 0 ] && [ $status != 1 ]; then echo "specharness scan could not read the slot file"; exit 2; fi',
+        'count_of() { grep -o "\\"$1\\": [0-9]*" "$WORK/scan.json" | head -n 1 | grep -o \'[0-9]*$\'; }',
+        'POS_MAX="$(grep -o \'"pos_max": [0-9]*\' "$WORK/scan.json" | grep -o \'[0-9]*$\' | sort -n | tail -n 1)"',
+        f"PROMPT_N=\"$(grep -o '\"prompt\":\\[[^]]*\\]' \"$HERE/requests/{last}.json\" | tr ',' '\\n' | wc -l)\"",
+        f'RETURNED_N="$(tokens_of {last} | wc -w)"',
+        "FOUND=''",
+        f'if [ "$(count_of duplicate_cells)" -gt 0 ] 2>/dev/null; then FOUND={shlex.quote(damages[0])}',
+        f'elif [ "$(count_of orphans)" -gt 0 ] 2>/dev/null; then FOUND={shlex.quote(damages[1])}',
+        f'elif [ "$(count_of missing_positions)" -gt 0 ] 2>/dev/null; then FOUND={shlex.quote(damages[2])}',
+        f'elif ! grep -q \'"truncated":true\' "$WORK/{last}.json" && '
+        f'[ "${{POS_MAX:--1}}" -ge $((PROMPT_N + RETURNED_N)) ]; then FOUND={shlex.quote(damages[3])}',
+        "fi",
+        'echo "KV scan of the slot: ${FOUND:-healthy} (positions up to ${POS_MAX:-?} after $PROMPT_N prompt + '
+        '$RETURNED_N returned tokens)"',
+        f'if [ -n "$FOUND" ] && [ "$FOUND" = {shlex.quote(want)} ]; then reproduced "kv-healthy: $FOUND"; fi',
+        'if [ -n "$FOUND" ]; then different "kv-healthy: $FOUND"; fi',
+        'echo "not reproduced: the KV cache of the slot is healthy"',
+        "exit 0",
     ]
 
 
 def _verdict(judge: str, targets: dict[str, list[str]], case: dict) -> list[str]:
     subject = targets.get(SUBJECT, [])
     if judge in ("crash", "error"):
-        check = (
-            [
-                f'if [ "$(code_of {n})" != 200 ]; then echo "REPRODUCED: $(cat "$WORK/{n}.json")"; exit 1; fi'
-                for n in subject
-            ]
-            if judge == "error"
-            else []
-        )
-        return [*check, 'echo "not reproduced: every request completed"', "exit 0"]
+        return ['echo "not reproduced: every request completed"', "exit 0"]
     if judge == "differs":
         expected = targets[REFERENCE][0]
+        at = " ".join(map(str, expectation(case)["at"]))
         out = [
             f'EXPECTED="$(tokens_of {expected})"',
             'echo "expected ({}): $EXPECTED"'.format(case["reference_what"]),
-            "REPRODUCED=0",
+            f"RUN_AT=' {at} '  # where each round's output first diverged in the run",
+            "REPRODUCED=0; MOVED=''",
         ]
         for n in subject:
             out += [
                 f'ACTUAL="$(tokens_of {n})"',
                 'echo "actual   (subject):   $ACTUAL"',
                 'if [ "$ACTUAL" != "$EXPECTED" ]; then',
-                '  echo "first divergence at generated token $(first_difference "$EXPECTED" "$ACTUAL")"',
-                "  REPRODUCED=1",
+                '  AT="$(first_difference "$EXPECTED" "$ACTUAL")"',
+                '  echo "first divergence at generated token $AT"',
+                '  case "$RUN_AT" in "  "|*" $AT "*) REPRODUCED=1 ;; *) MOVED="$MOVED $AT" ;; esac',
                 "fi",
             ]
         return [
             *out,
-            'if [ $REPRODUCED = 1 ]; then echo "REPRODUCED"; exit 1; fi',
+            'if [ $REPRODUCED = 1 ]; then reproduced "the output first diverges where it did in the run"; fi',
+            'if [ -n "$MOVED" ]; then different "the output first diverges at token(s)$MOVED, in the run at$RUN_AT"; fi',
             'echo "not reproduced: the outputs are equal"',
             "exit 0",
         ]
@@ -209,7 +380,7 @@ def _verdict(judge: str, targets: dict[str, list[str]], case: dict) -> list[str]
             ]
         return [
             *out,
-            'if [ $REPRODUCED = 1 ]; then echo "REPRODUCED: the rounds differ"; exit 1; fi',
+            'if [ $REPRODUCED = 1 ]; then reproduced "the rounds differ"; fi',
             'echo "not reproduced: every round gave the same tokens"',
             "exit 0",
         ]

@@ -77,7 +77,8 @@ def environment(executor, backend: str) -> dict:
     out["CPU"] = f"{machine['cpu']}, {machine['cores']} cores, {machine['platform']}"
     out["weight repacking"] = machine["weight repacking"]
     out["device"] = facts.get("device", "?")
-    out["specharness"] = __version__
+    source = issue.harness_source()
+    out["specharness"] = __version__ + (f", commit {source['commit']}" if source.get("commit") else "")
     return out
 
 
@@ -122,6 +123,7 @@ def write_bundle(
         "legs": legs,
         "request": json.dumps(target),
         "prompt_text": detok(target["prompt"]),
+        "harness": issue.harness_source(),
     }
     (out / "case.json").write_text(json.dumps(case, indent=1) + "\n")
     files = {"case": out / "case.json"}

@@ -1,0 +1,113 @@
+"""`repro.sh` of a failing `par` case (two requests sent at once) against the vendored llama-server: it waits for
+its own requests only (never for the llama-server it started), so it ends within its timeout whatever the
+build does, and it tells apart the same failure (exit 1), a different failure (exit 3) and no failure (exit 0).
+
+The failure is a real llama.cpp abort the vendored build has (known failure server-small-batch-drafts-overflow:
+`-b 2 -np 2` with a draft model). "A build without the defect" is the same llama-server given a batch large
+enough for the drafts (a wrapper appends `-b 64`: later options win); a different failure is a request timeout
+where the run crashed."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+FAILURE = "small-batch[C-par-draft-simple-tiny-dense-server]"
+ABORT = 'GGML_ASSERT(add_ok && "batch must be large enough to hold the sampled and draft tokens") failed'
+
+
+def specharness(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "harness.cli", *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout
+    )
+
+
+@pytest.fixture(scope="module")
+def bundle(tmp_path_factory, tiny_models) -> Path:
+    tmp = tmp_path_factory.mktemp("repro-sh")
+    run = specharness(
+        "run",
+        "--suite",
+        "small-batch",
+        "--backend",
+        "server",
+        "--model",
+        "tiny-dense",
+        "--spec",
+        "draft-simple",
+        "--out",
+        str(tmp / "run"),
+    )
+    assert run.returncode == 0, run.stderr[-2000:]  # the abort is a known llama.cpp defect
+    done = specharness("repro", FAILURE, "--from-run", str(tmp / "run"), "--out", str(tmp / "bundle"))
+    assert done.returncode == 0, done.stderr[-3000:]
+    return tmp / "bundle"
+
+
+def repro(bundle: Path, tmp_path: Path, **env: str) -> subprocess.CompletedProcess:
+    """repro.sh on its own (bash, curl and the bundle's files), bounded well below any hang."""
+    return subprocess.run(
+        ["bash", str(bundle / "repro.sh")],
+        env={"PATH": os.environ["PATH"], "HOME": str(tmp_path), **env},
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+def _server(bundle: Path) -> str:
+    for line in (bundle / "repro.sh").read_text().splitlines():
+        if line.startswith('LLAMA_SERVER="${LLAMA_SERVER:-'):
+            return line[len('LLAMA_SERVER="${LLAMA_SERVER:-') : -2]
+    raise AssertionError("no LLAMA_SERVER default in repro.sh")
+
+
+def test_the_bundle_sends_the_batch_at_once_and_waits_for_its_requests_only(bundle):
+    script = (bundle / "repro.sh").read_text()
+    assert 'post subject-0-0 & REQS+=($!); post subject-0-1 & REQS+=($!); wait "${REQS[@]}"' in script
+    assert "\nwait\n" not in script and " wait\n" not in script  # no bare wait: it would wait for llama-server too
+    head = script.split("set -u")[0]
+    assert "1 the failure reproduces" in head and "3 a different failure" in head and "0 it does not" in head
+
+
+def test_repro_sh_reproduces_the_abort_on_the_build_with_the_defect(bundle, tmp_path):
+    done = repro(bundle, tmp_path)
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert "REPRODUCED: llama-server stopped answering" in done.stdout and ABORT in done.stdout
+
+
+def test_repro_sh_ends_not_reproduced_where_the_defect_is_absent(bundle, tmp_path):
+    """The maintainer's check of a fix: every request completes, the script must end (it hung before)."""
+    server = tmp_path / "llama-server"
+    server.write_text(f'#!/usr/bin/env bash\nexec "{_server(bundle)}" "$@" -b 64\n')
+    server.chmod(0o755)
+    done = repro(bundle, tmp_path, LLAMA_SERVER=str(server))
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "not reproduced: every request completed" in done.stdout
+
+
+def test_a_timeout_where_the_run_crashed_is_a_different_failure(bundle, tmp_path):
+    """llama-server keeps running and a request gets no answer in time: not the abort (it used to count as
+    "REPRODUCED: llama-server stopped answering")."""
+    server = tmp_path / "llama-server"
+    server.write_text(f'#!/usr/bin/env bash\nexec "{_server(bundle)}" "$@" -b 64\n')
+    server.chmod(0o755)
+    done = repro(bundle, tmp_path, LLAMA_SERVER=str(server), REQUEST_TIMEOUT="0.01")
+    assert done.returncode == 3, done.stdout + done.stderr
+    assert "DIFFERENT FAILURE" in done.stdout and "got no answer within 0.01 s" in done.stdout
+
+
+def test_the_issue_says_how_to_get_the_specharness_that_wrote_it(bundle):
+    case = json.loads((bundle / "case.json").read_text())
+    issue = (bundle / "ISSUE.md").read_text()
+    assert "pip install specharness" not in issue
+    commit = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "HEAD"], capture_output=True, text=True).stdout
+    assert case["harness"]["commit"] == commit.strip()
+    assert f"specharness at commit `{commit.strip()}`" in issue or f"@{commit.strip()}'`" in issue
