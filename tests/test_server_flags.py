@@ -112,3 +112,31 @@ def test_the_recorded_help_of_the_vendored_llama_server():
     assert flags.arity["--spec-draft-n-max"] == 1 and flags.arity["--slot-save-path"] == 1
     assert {"-fit", "--no-repack", "--no-context-shift", "--metrics", "--no-warmup", "-md", "-ctk"} <= flags
     assert all(f.startswith("-") and f.strip("-") and " " not in f for f in flags)
+
+
+def test_every_command_line_the_harness_writes_fits_the_vendored_build(tmp_path):
+    """The arity check passes every flag the harness gives the vendored llama-server: each speculative preset, each
+    mode, and the optional switches."""
+    from harness.backends.build import ensure_server
+    from harness.backends.server import LlamaServer
+    from harness.matrix import SPEC_PRESETS
+
+    build = ensure_server()
+    for name, preset in SPEC_PRESETS.items():
+        for kv_unified in (False, True):
+            server = LlamaServer(
+                server_bin=build.server_bin,
+                model=tmp_path / "m.gguf",
+                draft_model=tmp_path / "d.gguf",
+                port=1,
+                kv_unified=kv_unified,
+                repack=False,
+                context_shift=kv_unified,
+                cache_prompt=False,
+                slot_save_path=tmp_path,
+                metrics=True,
+                warmup=False,
+                spec=dict(preset.options),
+            )
+            cmd = server.command()
+            assert cmd[cmd.index("-fa") + 1] == "off", name
