@@ -111,3 +111,40 @@ def test_the_issue_says_how_to_get_the_specharness_that_wrote_it(bundle):
     commit = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "HEAD"], capture_output=True, text=True).stdout
     assert case["harness"]["commit"] == commit.strip()
     assert f"specharness at commit `{commit.strip()}`" in issue or f"@{commit.strip()}'`" in issue
+
+
+SEGV_WRAPPER = """#!/usr/bin/env bash
+# the run's llama-server with a batch large enough for the drafts, killed by SIGSEGV once a slot is busy
+port=""; prev=""
+for a in "$@"; do [ "$prev" = --port ] && port="$a"; prev="$a"; done
+[ -z "$port" ] && exec "{server}" "$@"
+"{server}" "$@" -b 64 &
+pid=$!
+( while kill -0 $pid 2>/dev/null; do
+    if curl -s "http://127.0.0.1:$port/slots" 2>/dev/null | grep -q '"is_processing":true'; then
+      kill -SEGV $pid; exit
+    fi
+    sleep 0.01
+  done ) &
+wait $pid
+"""
+
+
+def test_specharness_repro_tells_not_reproduced_and_a_different_failure_apart(bundle, tmp_path):
+    run = bundle.parent / "run"
+    fixed = tmp_path / "fixed"
+    fixed.write_text(f'#!/usr/bin/env bash\nexec "{_server(bundle)}" "$@" -b 64\n')
+    fixed.chmod(0o755)
+    passed = specharness(
+        "repro", FAILURE, "--from-run", str(run), "--server-bin", str(fixed), "--out", str(tmp_path / "a")
+    )
+    assert passed.returncode == 1, passed.stderr[-2000:]
+    assert "not reproduced: every one of 3 runs passed" in passed.stderr and not (tmp_path / "a" / "case.json").exists()
+    segv = tmp_path / "segv"
+    segv.write_text(SEGV_WRAPPER.replace("{server}", _server(bundle)))
+    segv.chmod(0o755)
+    other = specharness(
+        "repro", FAILURE, "--from-run", str(run), "--server-bin", str(segv), "--out", str(tmp_path / "b")
+    )
+    assert other.returncode == 4, other.stderr[-2000:]
+    assert "a different failure: crash: " in other.stderr and "showed in 0 of 3 runs" in other.stderr

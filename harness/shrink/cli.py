@@ -1,8 +1,9 @@
 """`specharness shrink` and `specharness repro`: the smallest case that still fails with the same signature,
 and the reproducer bundle of a failing case (repro.sh, repro.py, ISSUE.md).
 
-Exit status: 0 a bundle was written, 1 the failure did not reproduce, 2 bad input, 130 interrupted by
-Ctrl-C, 143 by SIGTERM (the smallest case found so far is still written).
+Exit status: 0 a bundle was written (the failure reproduced: the same signature), 1 the failure did not
+reproduce (every run passed), 4 a different failure showed instead (no bundle), 2 bad input, 130 interrupted
+by Ctrl-C, 143 by SIGTERM (the smallest case found so far is still written).
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from harness.shrink.failure_id import parse as parse_failure_id
 from harness.shrink.trial import BASELINE_CHECKS, Policy, Runner, reference_of
 from harness.signatures import classify
 
-EXIT_WRITTEN, EXIT_NOT_REPRODUCED = 0, 1
+EXIT_WRITTEN, EXIT_NOT_REPRODUCED, EXIT_DIFFERENT = 0, 1, 4
 
 
 def _load(path: Path, what: str):
@@ -129,8 +130,14 @@ def _reproduce(runner: Runner, start: Candidate, tries: int, say) -> tuple[Polic
     attempts = [runner.attempt(start) for _ in range(tries)]
     shown = sum(a.shows(runner.signature) for a in attempts)
     if shown == 0:
-        seen = sorted({s for a in attempts for s in a.signatures} or {"passed"})
-        raise NotReproduced(f"the failure did not reproduce (0 of {tries} runs; seen: {'; '.join(seen)})")
+        seen = sorted({s for a in attempts for s in a.signatures})
+        if seen:
+            raise NotReproduced(
+                f"a different failure: {'; '.join(seen)} (the signature {runner.signature} showed in 0 of {tries} "
+                "runs)",
+                EXIT_DIFFERENT,
+            )
+        raise NotReproduced(f"not reproduced: every one of {tries} runs passed (signature {runner.signature})")
     policy = Policy(1, 1) if shown == tries else Policy(1, tries)
     say(
         f"shrink: the original case shows the signature {shown} of {tries} runs: "
@@ -144,7 +151,11 @@ def _reproduce(runner: Runner, start: Candidate, tries: int, say) -> tuple[Polic
 
 
 class NotReproduced(Exception):
-    pass
+    """The original case did not show its signature: `status` EXIT_NOT_REPRODUCED (it passed) or EXIT_DIFFERENT."""
+
+    def __init__(self, message: str, status: int = EXIT_NOT_REPRODUCED):
+        super().__init__(message)
+        self.status = status
 
 
 def _say(line: str) -> None:
@@ -173,7 +184,7 @@ def cmd_shrink(args: argparse.Namespace, shrink: bool = True) -> int:
             runner.policy, attempts = _reproduce(runner, start, args.tries, _say)
         except NotReproduced as err:
             _say(f"shrink: {err}")
-            return EXIT_NOT_REPRODUCED
+            return err.status
         except KeyboardInterrupt:
             _say("shrink: interrupted before the failure was reproduced; nothing written")
             return interrupt.status()
