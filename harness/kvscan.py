@@ -192,6 +192,8 @@ class ScanReport:
     arch: str | None = None
     seq_id: int | None = None
     tokens: int | None = None
+    token_ids: list[int] | None = None
+    """The token ids a ggsq file caches (a llama-server slot file: the slot's tokens, from its packed blob)."""
     expected_len: dict[int, int] = field(default_factory=dict)
     duplicates: list[tuple[str, int, int, int, int]] = field(default_factory=list)
     """(part, stream, seq_id, pos, count) for every position a sequence holds more than once in a KV part."""
@@ -475,6 +477,7 @@ class _Framing:
     arch: str | None = None
     seq_id: int | None = None
     tokens: int | None = None
+    token_ids: list[int] | None = None
 
 
 def _read_framing(data, kind: str, name: str) -> _Framing:
@@ -518,13 +521,15 @@ def _read_framing(data, kind: str, name: str) -> _Framing:
         return _Framing("ggsn", arch[1], arch=arch[0], tokens=n_tokens)
     words = np.frombuffer(data, dtype="<u4", count=n_tokens, offset=12)
     if n_tokens == 0 or words[0] != 0xFFFFFFFF:
-        return _Framing("ggsq", body, tokens=n_tokens)
+        return _Framing("ggsq", body, tokens=n_tokens, token_ids=words.astype(np.int32).tolist())
     if n_tokens < 3 or words[1] != SLOT_TOKENS_VERSION or 3 + int(words[2]) > n_tokens:
         raise OtherFormatVersion(
             f"{name}: llama-server slot token blob with version {words[1] if n_tokens > 1 else '?'} "
             f"or bad length; this scanner reads version {SLOT_TOKENS_VERSION}"
         )
-    return _Framing("ggsq-slot", body, tokens=int(words[2]))
+    n_slot_tokens = int(words[2])
+    ids = words[3 : 3 + n_slot_tokens].astype(np.int32).tolist()
+    return _Framing("ggsq-slot", body, tokens=n_slot_tokens, token_ids=ids)
 
 
 def _hypotheses(layout: Layout, framing: str, name: str) -> list[Layout]:
@@ -649,6 +654,7 @@ def scan_bytes(
         arch=fr.arch,
         seq_id=fr.seq_id,
         tokens=fr.tokens,
+        token_ids=fr.token_ids,
         expected_len=dict(expected_len or {}),
         notes=notes,
     )

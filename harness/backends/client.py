@@ -81,6 +81,22 @@ class LlamaClient:
         """The prompt text the model's chat template renders for `messages` (with the generation prompt)."""
         return self._post("/apply-template", {"messages": messages}, until)["prompt"]
 
+    def slot_idle(self, slot_id: int, within: float = 10.0) -> bool:
+        """Whether slot `slot_id` is idle (GET /slots, asked again until it is, for at most `within` seconds): a
+        request's answer is sent just before its slot is released, and a save posted before the release waits
+        among llama-server's deferred tasks, where only another slot's release may pick it up."""
+        until = time.monotonic() + within
+        while True:
+            try:
+                slots = requests.get(self.base_url + "/slots", timeout=max(0.01, until - time.monotonic())).json()
+                if not any(s.get("id") == slot_id and s.get("is_processing") for s in slots):
+                    return True
+            except (requests.RequestException, ValueError, AttributeError):
+                return False
+            if time.monotonic() >= until:
+                return False
+            time.sleep(0.005)
+
     def save_slot(self, slot_id: int, filename: str) -> dict:
         """POST /slots/{id}?action=save: the slot's state into the server's --slot-save-path directory."""
         return self._post(f"/slots/{slot_id}?action=save", {"filename": filename})
@@ -96,6 +112,7 @@ class LlamaClient:
         fields: dict[str, Any] | None = None,
         deadline_s: float | None = None,
         on_prompt: Callable[[int], None] | None = None,
+        pin: Callable[[list[int]], int | None] | None = None,
     ) -> Result:
         """Serve one Request through /completion and fill a Result with prompt and output token ids.
 
@@ -107,6 +124,8 @@ class LlamaClient:
         request's own `n_probs` wins). `fields` adds /completion fields from COMPLETION_FIELDS (e.g.
         `cache_prompt`, `id_slot`). `deadline_s` bounds the whole exchange instead of `timeout`
         (RequestTimedOut past it). `on_prompt(n_tokens)` learns the prompt's length before it is sent.
+        `pin(prompt_tokens)` names the slot the request must take (`id_slot`; None: the server chooses), once
+        the prompt is known.
         """
         until = None if deadline_s is None else time.monotonic() + deadline_s
         sampling = request.sampling
@@ -119,7 +138,9 @@ class LlamaClient:
                 prompt_tokens = self.tokenize(text, until)
             if on_prompt is not None:
                 on_prompt(len(prompt_tokens))
-            data = self.completion(completion_payload(prompt_tokens, sampling, n_probs, fields), until)
+            slot = pin(prompt_tokens) if pin is not None else None
+            pinned = dict(fields or {}) | ({"id_slot": slot} if slot is not None else {})
+            data = self.completion(completion_payload(prompt_tokens, sampling, n_probs, pinned), until)
         except ServerError as err:
             if err.status >= 500:
                 raise

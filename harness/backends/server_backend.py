@@ -11,6 +11,14 @@ as `stop_reason="timeout"` naming their cases. A request that has not finished b
 (`request_deadline`: the suite's `deadline_s`, else derived from n_predict and the slowest speed the
 session measured) ends as `timeout` too; the server is killed and restarted (requests in flight on it end
 as errors saying so) and the next request goes on.
+
+With the KV scan on, every request's slot is saved after the request and scanned (harness.kvscan). The scan judges
+only the request's own state: with several slots each request is pinned to a slot (`id_slot`) that no other
+request gets before its save (SlotPool: a slot is lent to one request at a time and comes back after the save),
+and the saved token list must hold the request's prompt and returned tokens (`slot_ownership`). A saved state
+that is not provably the request's own is recorded as `kv_scan = {"judged": False, "reason": ...}`: not judged,
+never a pass or a failure (llama-server's `--cache-idle-slots`, on by default, clears the idle slots of a unified
+KV cache whenever a task starts, so a slot can be found empty at its save).
 """
 
 from __future__ import annotations
@@ -38,6 +46,89 @@ from harness.result import Result
 
 CRASH_GRACE_S = 5.0
 """How long a dropped connection or 5xx may take to show up as a process exit."""
+SLOT_PROMPT_SIMILARITY = 0.1
+"""llama-server's default `--slot-prompt-similarity`: a free slot whose cached tokens share more than this
+fraction of a new prompt is chosen for it, else the least recently used one (SlotPool does the same)."""
+
+
+class SlotPool:
+    """The slots of a llama-server serving several requests at a time, each lent to one request at a time: the
+    request is pinned to it (`id_slot`) and it comes back only after the request ended and its state was saved,
+    so no other request is given a slot before its save. The choice is llama-server's own when it picks a slot
+    (`get_available_slot`): the free slot whose last tokens share the largest fraction (above
+    SLOT_PROMPT_SIMILARITY) of the prompt, else the least recently used."""
+
+    def __init__(self, n_slots: int):
+        self._cond = threading.Condition()
+        self._free = list(range(n_slots))
+        self._tokens: dict[int, list[int]] = {}
+        self._used: dict[int, int] = {}
+        self._clock = itertools.count(1)
+
+    def acquire(self, prompt: list[int]) -> int:
+        """A free slot for a request with `prompt` (waits for one; there are as many clients as slots)."""
+        with self._cond:
+            while not self._free:
+                self._cond.wait()
+            best, best_sim = None, 0.0
+            for slot in self._free:
+                held = self._tokens.get(slot, [])
+                if held and prompt:
+                    sim = _common_prefix(held, prompt) / len(prompt)
+                    if sim > best_sim and sim > SLOT_PROMPT_SIMILARITY:
+                        best, best_sim = slot, sim
+            if best is None:
+                best = min(self._free, key=lambda s: self._used.get(s, 0))
+            self._free.remove(best)
+            return best
+
+    def release(self, slot: int, tokens: list[int]) -> None:
+        """`slot` is free again and holds `tokens` (what its request left there, as far as the harness knows)."""
+        with self._cond:
+            self._tokens[slot] = list(tokens)
+            self._used[slot] = next(self._clock)
+            self._free.append(slot)
+            self._cond.notify()
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def slot_ownership(held: list[int] | None, result: Result) -> str | None:
+    """None when the tokens a saved slot holds (`held`, the slot file's token list) are the request's own: its
+    prompt and returned tokens, save possibly the last (the token a request ends on is sampled, never decoded),
+    and anything after them (tokens the slot kept past those it returned: `past_returned` judges those); for a
+    request that reached the context end (`truncated`), also a context shift's kept prefix plus the rest up to
+    the end. Else why the state cannot be the request's."""
+    if held is None:
+        return "the slot file carries no token list to compare with the request's"
+    own = list(result.prompt_tokens) + list(result.tokens)
+    common = _common_prefix(held, own)
+    if common >= len(own) - 1:
+        return None
+    rest = held[common:]
+    if (
+        result.truncated
+        and rest
+        and any(end - len(rest) >= common and own[end - len(rest) : end] == rest for end in (len(own), len(own) - 1))
+    ):
+        return None  # a context shift: the first tokens kept, a run discarded after them, the rest up to the end
+    expected = f"the request's {len(result.prompt_tokens)} prompt + {len(result.tokens)} returned tokens"
+    if not held:
+        return (
+            f"the slot was empty when saved, not holding {expected} (cleared before its save: llama-server clears "
+            "the idle slots of a unified KV cache when a task starts, --cache-idle-slots)"
+        )
+    return (
+        f"the slot's {len(held)} saved tokens differ from {expected} at token {common}: the state of another request "
+        "or a slot cleared before its save"
+    )
 
 
 class ServerBackend:
@@ -114,13 +205,16 @@ class ServerSession:
         self.watch = SlotsWatch(lambda: self.server, self.stall, self._stalled)
         self._killed: dict[LlamaServer, str] = {}
         """Servers this session killed on purpose (a request past its deadline) → why."""
-        self._stalls: dict[LlamaServer, str] = {}
-        """Servers this session killed because their slots stalled → for how long (StallMeter's words)."""
+        self._stalls: dict[LlamaServer, tuple[str, int | None]] = {}
+        """Servers this session killed because a slot stalled → for how long (StallMeter's words) and the slot
+        (None: the server as a whole)."""
         self._lock = threading.Lock()
         self._closed = False
         self._saves = itertools.count()
         self.unscannable: str | None = None
         """Why this build's slot files cannot be scanned (another format version), once found."""
+        self.pool = SlotPool(config.n_slots) if config.n_slots > 1 and "id_slot" not in fields else None
+        """Lends each request its slot (None: one slot, served one request at a time, or the caller's `id_slot`)."""
         if config.kv_scan != "off":
             self.slots_dir = run_dir / "slots"
             self.slots_dir.mkdir(parents=True, exist_ok=True)
@@ -155,6 +249,15 @@ class ServerSession:
             server = self.server
         deadline = request_deadline(request, self.config.n_ctx, self.speed.slowest)
         started = time.monotonic()
+        lent: list[int] = []  # the slot the pool lent this request, once its prompt is known
+        held: list[int] = []  # what the slot holds afterwards, as far as the harness knows
+
+        def pin(prompt: list[int]) -> int | None:
+            if self.pool is None:
+                return None
+            lent.append(self.pool.acquire(prompt))
+            return lent[0]
+
         try:
             client = LlamaClient(server.url, self.request_timeout)
             with self.watch.tracking() as on_prompt:
@@ -164,31 +267,42 @@ class ServerSession:
                     fields=self.fields,
                     deadline_s=deadline,
                     on_prompt=on_prompt,
+                    pin=pin,
                 )
             if result.ok:
                 self.speed.record(len(result.tokens), time.monotonic() - started)
                 self.stall.record(result)
+                held = result.prompt_tokens + result.tokens
             if self.config.kv_scan != "off" and result.ok and result.slot_id >= 0 and self.unscannable is None:
-                result.kv_scan = self._scan_slot(client, result.slot_id)
+                result.kv_scan = self._scan_slot(client, result, lent[0] if lent else None)
             return result
         except (ConnectionLost, ServerError) as err:
-            return self._failed(server, err, request)
+            return self._failed(server, err, request, lent[0] if lent else None)
         except RequestTimedOut:
             reason = f"timeout: {_case(request)} did not finish within its deadline of {deadline:.1f} s"
             with self._lock:
                 self._killed.setdefault(server, reason)
                 self._restart(server, kill=True)
             return Result(stop_reason="timeout", error=f"{reason}; llama-server was killed and restarted")
+        finally:
+            if lent:
+                self.pool.release(lent[0], held)
 
-    def _scan_slot(self, client: LlamaClient, slot_id: int) -> dict | None:
-        """Save the slot's state and scan it; an unhealthy file is kept in run_dir/slots as evidence. A build
-        that saves slots in a format version the scanner does not read (another llama.cpp) is not scanned: None,
-        said once on stderr, and `kv-healthy` does not apply to its requests."""
+    def _scan_slot(self, client: LlamaClient, result: Result, lent: int | None) -> dict | None:
+        """Save the slot's state and scan it; an unhealthy file is kept in run_dir/slots as evidence. A state that
+        is not provably the request's own (`slot_ownership`; a request served on another slot than the one lent)
+        is not judged: `{"judged": False, "reason": ...}`. A build that saves slots in a format version the
+        scanner does not read (another llama.cpp) is not scanned: None, said once on stderr, and `kv-healthy`
+        does not apply to its requests."""
+        slot_id = result.slot_id
+        if lent is not None and slot_id != lent:
+            return {"judged": False, "reason": f"served on slot {slot_id}, not on slot {lent} it was pinned to"}
         name = f"slot{slot_id}-{next(self._saves)}.bin"
+        client.slot_idle(slot_id)  # else the save may wait among the deferred tasks for another slot's release
         client.save_slot(slot_id, name)
         path = self.slots_dir / name
         try:
-            verdict = scan_file(path, layout=self.layout).brief()
+            report = scan_file(path, layout=self.layout)
         except OtherFormatVersion as err:
             path.unlink()
             with self._lock:
@@ -200,22 +314,31 @@ class ServerSession:
                     file=sys.stderr,
                 )
             return None
+        foreign = slot_ownership(report.token_ids, result)
+        if foreign is not None:
+            path.unlink()
+            return {"judged": False, "reason": foreign}
+        verdict = report.brief()
         if verdict["healthy"]:
             path.unlink()
         else:
             verdict["file"] = str(path)
         return verdict
 
-    def _failed(self, server: LlamaServer, err: Exception, request: Request) -> Result:
+    def _failed(self, server: LlamaServer, err: Exception, request: Request, slot: int | None = None) -> Result:
         """A dropped connection or a 5xx: `crashed` if the process ended, else a plain error; `timeout` when
-        this session killed the server because its slots stalled, an error saying so when it killed it because
-        another request was past its deadline."""
+        this session killed the server because its slots stalled (the request on the stalled slot, or every one
+        when the server as a whole stalled), an error saying so when it killed it because of another request
+        (past its deadline, or on another slot that stalled). `slot`: the slot the request was pinned to."""
         with self._lock:
             if server in self._stalls:
-                return Result(
-                    stop_reason="timeout",
-                    error=f"timeout: {_case(request)} {self._stalls[server]}; llama-server was killed and restarted",
-                )
+                why, stalled = self._stalls[server]
+                if stalled is None or slot is None or stalled == slot:
+                    return Result(
+                        stop_reason="timeout",
+                        error=f"timeout: {_case(request)} {why}; llama-server was killed and restarted",
+                    )
+                return Result(stop_reason="error", error=f"cut off: llama-server was restarted because it {why}")
             if server in self._killed:
                 return Result(
                     stop_reason="error", error=f"cut off: llama-server was restarted because {self._killed[server]}"
@@ -226,11 +349,11 @@ class ServerSession:
             self._restart(server)
         return Result(stop_reason="crashed", error=report)
 
-    def _stalled(self, server: LlamaServer, why: str) -> None:
-        """The watch saw no progress for the stall window: kill and restart the server; the requests in flight
-        on it end `timeout` (`_failed`)."""
+    def _stalled(self, server: LlamaServer, why: str, slot: int | None = None) -> None:
+        """The watch saw no token returned for the stall window (on `slot`, or on the server as a whole: None):
+        kill and restart the server; the requests in flight on it end `timeout` (`_failed`)."""
         with self._lock:
-            self._stalls.setdefault(server, why)
+            self._stalls.setdefault(server, (why, slot))
             self._restart(server, kill=True)
 
     def _restart(self, server: LlamaServer, kill: bool = False) -> None:
