@@ -1,13 +1,23 @@
-"""Progress of a llama-server's slots while requests are in flight: a server that stops producing tokens is
-found within the stall window (StallMeter), not at the end of a request's deadline.
+"""Progress of a llama-server's slots while requests are in flight: a request whose slot returns no token is found
+within the stall window (StallMeter), not at the end of its deadline.
 
 The /completion requests stay non-streamed: at 0c1e570 a streamed /completion leaves out the id of every
 token that ends in an incomplete UTF-8 sequence (server-context.cpp `process_token` sends no chunk for it
 and the final chunk's `tokens` is empty), so a streamed Result would lose tokens. Instead a thread polls
-GET /slots (on by default; answered by the server's main loop between two decode steps) and watches each
-slot's prompt tokens read and tokens generated (`n_prompt_tokens`, `n_decoded`): when none of them moves,
-or /slots does not answer, for the stall window, the session is told the server stalled. A server that
-answers /slots with another status than 200 or 503 (a build without the endpoint) is left to the deadlines.
+GET /slots (on by default; answered by the server's main loop between two decode steps).
+
+Progress means tokens returned. A slot's `next_token[0].n_decoded` is its task's `stats.n_gen`, which
+llama-server increments exactly once per token it hands to `process_token` (the token the request returns),
+in an ordinary step and for every accepted token of a speculative step; a checkpoint restore (a rejected
+draft of a hybrid or recurrent target) returns before it. A slot that spins without returning tokens keeps
+other counters moving: `n_prompt_tokens` is the slot's cached token count, which grows by the draft at every
+verification and shrinks at every restore (a rollback that leaves the sampler unrestored, the replay loop of
+ggml-org/llama.cpp#28060), so a watch that took any change of it for progress never fired on such a server.
+So a busy slot is stalled when its task's `n_decoded` has not moved for the stall window (the prompt term
+of the window while it has not returned its first tokens), whatever else it reports; a request in flight that
+no slot serves yet waits on the server as a whole (a new task, a slot finishing, a token anywhere, or prompt
+tokens read); a server whose /slots does not answer for the window is stalled too. A server that answers
+/slots with another status than 200 or 503 (a build without the endpoint) is left to the deadlines.
 """
 
 from __future__ import annotations
@@ -27,17 +37,21 @@ ANSWER_WAIT_S = 60.0
 """The longest one look waits for /slots (the window may be longer, or infinite: another look follows)."""
 
 
+def n_decoded(slot: dict) -> int:
+    """The tokens a slot's current (or last) task has returned so far."""
+    return (slot.get("next_token") or [{}])[0].get("n_decoded", 0)
+
+
+def token_progress(slot: dict) -> tuple:
+    """What moves when a slot returns a token: its task and that task's returned-token count."""
+    return slot.get("id_task"), n_decoded(slot)
+
+
 def progress(slots: list[dict]) -> tuple:
-    """What moves while llama-server works: each slot's task, prompt tokens read and tokens generated."""
+    """What moves when the server as a whole gets on: a task starting or ending on a slot, a token returned, prompt
+    tokens read (never the slot's cached token count, `n_prompt_tokens`, which a spinning slot keeps moving)."""
     return tuple(
-        (
-            s.get("id"),
-            s.get("id_task"),
-            s.get("is_processing"),
-            s.get("n_prompt_tokens"),
-            s.get("n_prompt_tokens_processed"),
-            (s.get("next_token") or [{}])[0].get("n_decoded"),
-        )
+        (s.get("id"), s.get("id_task"), s.get("is_processing"), s.get("n_prompt_tokens_processed"), n_decoded(s))
         for s in slots
     )
 
@@ -46,14 +60,53 @@ def reading_prompts(slots: list[dict], in_flight: int) -> bool:
     """Whether a request in flight may still be before its second token (reading its prompt, or waiting for a
     slot): the prompt lengths then count towards the window."""
     busy = [s for s in slots if s.get("is_processing")]
-    return len(busy) < in_flight or any((s.get("next_token") or [{}])[0].get("n_decoded", 0) < 2 for s in busy)
+    return len(busy) < in_flight or any(n_decoded(s) < 2 for s in busy)
+
+
+class Stall:
+    """Per busy slot, since when its task has returned no token; and since when the server as a whole got on."""
+
+    def __init__(self, now: float) -> None:
+        self.server_since = now
+        self.seen: tuple | None = None
+        self.slots: dict[object, tuple[tuple, float]] = {}
+
+    def update(self, slots: list[dict], now: float) -> None:
+        """Learn from an answer of /slots at time `now`."""
+        if progress(slots) != self.seen:
+            self.seen, self.server_since = progress(slots), now
+        busy = {}
+        for slot in slots:
+            if slot.get("is_processing"):
+                key = token_progress(slot)
+                before = self.slots.get(slot.get("id"))
+                busy[slot.get("id")] = before if before is not None and before[0] == key else (key, now)
+        self.slots = busy
+
+    def overdue(self, slots: list[dict], in_flight: int, window: Callable[[int], float], now: float):
+        """(slot id or None for the server as a whole, seconds without progress, prompt tokens of the window) when
+        the server made no progress, or a busy slot returned no token, for its window; else None. `window(n)`:
+        the stall window when `n` prompt tokens may have to be read first (n = -1: all those in flight)."""
+        prompt = -1 if reading_prompts(slots, in_flight) else 0
+        if now - self.server_since >= window(prompt):
+            return None, now - self.server_since, prompt
+        for slot in slots:
+            if slot.get("is_processing"):
+                _, since = self.slots.get(slot.get("id"), (None, now))
+                prompt = -1 if n_decoded(slot) < 2 else 0
+                if now - since >= window(prompt):
+                    return slot.get("id"), now - since, prompt
+        return None
 
 
 class SlotsWatch:
-    """Watches the server `current()` returns while requests are `tracking()`; calls `on_stall(server, why)`
-    once per server that makes no progress for the stall window of `meter`."""
+    """Watches the server `current()` returns while requests are `tracking()`; calls `on_stall(server, why, slot)`
+    once per server on which a busy slot returned no token (`slot`: its id), or which as a whole made no progress
+    or did not answer (`slot` None), for the stall window of `meter`."""
 
-    def __init__(self, current: Callable[[], object], meter: StallMeter, on_stall: Callable[[object, str], None]):
+    def __init__(
+        self, current: Callable[[], object], meter: StallMeter, on_stall: Callable[[object, str, int | None], None]
+    ):
         self.current = current
         self.meter = meter
         self.on_stall = on_stall
@@ -105,25 +158,31 @@ class SlotsWatch:
     def _watch(self, server) -> bool:
         """Poll `server` while requests are in flight on it; returns when none are or it was replaced (False),
         or when it stalled (reported), is unreachable or has no /slots (True: watch it no more)."""
-        last, seen, slots = time.monotonic(), None, []
+        stall, slots = Stall(time.monotonic()), []
         while True:
             with self._cond:
                 if not self._prompts or self._closed or server is not self.current():
                     return False
-                prompt_tokens = sum(self._prompts.values()) if reading_prompts(slots, len(self._prompts)) else 0
-            window = self.meter.window(prompt_tokens)
-            left = last + window - time.monotonic()
-            if left <= 0:
-                self.on_stall(
-                    server, f"got no token for {time.monotonic() - last:.1f} s ({self.meter.explain(prompt_tokens)})"
-                )
+                in_flight, prompt_tokens = len(self._prompts), sum(self._prompts.values())
+            now = time.monotonic()
+
+            def window(prompt: int, all_prompts: int = prompt_tokens) -> float:
+                return self.meter.window(all_prompts if prompt < 0 else prompt)
+
+            late = stall.overdue(slots, in_flight, window, now)
+            if late is not None:
+                slot, waited, prompt = late
+                where = f"slot {slot} returned none" if slot is not None else "llama-server made no progress"
+                tokens = prompt_tokens if prompt < 0 else prompt
+                self.on_stall(server, f"got no token for {waited:.1f} s ({where}; {self.meter.explain(tokens)})", slot)
                 return True
+            # a look at /slots waits no longer than the server's window can end (a server that does not answer)
+            left = stall.server_since + window(-1 if reading_prompts(slots, in_flight) else 0) - now
             try:
-                answer = requests.get(f"{server.url}/slots", timeout=min(left, ANSWER_WAIT_S))
+                answer = requests.get(f"{server.url}/slots", timeout=max(0.05, min(left, ANSWER_WAIT_S)))
                 if answer.status_code == 200:
                     slots = answer.json()
-                    if progress(slots) != seen:
-                        last, seen = time.monotonic(), progress(slots)
+                    stall.update(slots, time.monotonic())
             except requests.Timeout:
                 continue
             except (requests.RequestException, ValueError):  # the process is gone: the requests in flight say so
