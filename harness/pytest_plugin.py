@@ -251,7 +251,17 @@ def _raise_faults(results: list) -> None:
         raise HarnessFault("\n".join(f"[{r.name}] {r.harness_error}" for r in faults))
 
 
-class SuiteItem(pytest.Item):
+class _FaultsInOneLine:
+    """A harness error raised in setup reads as its message, without a traceback of the plugin (pytest words
+    setup errors with `_repr_failure_py`, not `repr_failure`)."""
+
+    def _repr_failure_py(self, excinfo, style=None):
+        if isinstance(excinfo.value, HarnessFault):
+            return f"harness error (a fault of specharness, not a llama.cpp finding):\n{excinfo.value}"
+        return super()._repr_failure_py(excinfo, style)
+
+
+class SuiteItem(_FaultsInOneLine, pytest.Item):
     """One case of one cell: runs the cell (once per session) and the suite's checks on this case. The cell is
     served and the checks evaluated in setup, so that a harness error is an ERROR; the call judges."""
 
@@ -340,7 +350,7 @@ class KnownFailuresFile(pytest.File):
                 yield item
 
 
-class KnownFailureItem(pytest.Item):
+class KnownFailureItem(_FaultsInOneLine, pytest.Item):
     """Fails (as expected) while the recorded llama.cpp defect still reproduces in its cells. Its cells are served
     and judged in setup: a harness error there is an ERROR (the xfail marker expects only CheckFailure)."""
 

@@ -114,10 +114,54 @@ def test_a_known_failure_for_a_cpu_feature_this_cpu_lacks_is_reported_skipped_wi
     """On a CPU without the entry's feature the item is skipped through a marker, and pytest places that
     report at the item's line: a None line was an INTERNALERROR that ended the whole session."""
     (project.path / "suites" / "known-failures.yaml").write_text(
-        "- id: needs-a-flag\n  suite: good\n  backend: inproc\n  check: no-crash\n  cpu_flags: [no-cpu-has-this-flag]\n"
-        "  evidence: 'x'\n  llama_cpp_commit: 0c1e570\n  upstream: none\n  reason: a demo\n"
+        "- id: needs-a-flag\n  suites: [good]\n  backend: inproc\n  check: no-crash\n"
+        "  cpu_flags: [no-cpu-has-this-flag]\n  evidence: 'x'\n  measured: ['x']\n  wider: ['y']\n"
+        "  llama_cpp_commit: 0c1e570\n  upstream: none\n  reason: a demo\n"
     )
     result = project.runpytest("-p", "no:xdist", "-rs", "suites/known-failures.yaml")
     result.assert_outcomes(skipped=1)
     result.stdout.fnmatch_lines(["*needs-a-flag shows only on a CPU with no-cpu-has-this-flag*"])
     assert "INTERNALERROR" not in result.stdout.str()
+
+
+def _unservable_suite(project, tiny_models) -> str:
+    """A suite whose only cell the harness cannot serve: draft-simple on a .gguf path no draft is registered for
+    (a harness fault: the draft model cannot be made), with a known-failure entry covering it."""
+    model = tiny_models["tiny-dense"].path
+    (project.path / "suites" / "unservable.yaml").write_text(
+        "suite: unservable\n"
+        f"matrix: {{backends: [inproc], modes: [seq], specs: [draft-simple], models: ['{model}']}}\n"
+        "sampling: {n_predict: 4}\n"
+        "checks: [no-crash, lossless]\n"
+        "cases:\n  - {name: hello, prompt: Hello}\n"
+    )
+    (project.path / "suites" / "known-failures.yaml").write_text(
+        "- id: a-demo-defect\n  suites: [unservable]\n  backend: inproc\n  check: no-crash\n"
+        "  evidence: 'could not be served'\n  measured: ['round 0: the cell could not be served']\n"
+        "  wider: ['round 0: killed']\n  llama_cpp_commit: 0c1e570\n  upstream: none\n  reason: a demo\n"
+    )
+    return str(model)
+
+
+def test_a_harness_error_is_an_error_never_a_failure_or_an_xfail_even_in_a_known_failure_item(project, tiny_models):
+    _unservable_suite(project, tiny_models)
+    result = project.runpytest("-p", "no:xdist", "suites/unservable.yaml", "suites/known-failures.yaml")
+    result.assert_outcomes(errors=2)
+    out = result.stdout.str()
+    assert "draft-simple needs --draft-model" in out and "harness error (a fault of specharness" in out
+    assert "XFAIL" not in out and "xfailed" not in out and "Traceback" not in out
+
+
+def test_a_model_named_by_model_that_is_unavailable_is_an_error_with_its_fix_not_a_skip(project, monkeypatch):
+    from harness import pytest_plugin
+    from harness.models import ModelUnavailable
+
+    def unavailable(name, **kw):
+        raise ModelUnavailable(f"{name} needs the [real] extra: pip install -e '.[real]'")
+
+    monkeypatch.setattr(pytest_plugin, "resolve", unavailable)
+    named = project.runpytest("-p", "no:xdist", "suites/good.yaml", "--model", "tiny-dense", "--mode", "seq")
+    named.assert_outcomes(errors=1)
+    assert "--model tiny-dense was asked for, but tiny-dense needs the [real] extra" in named.stdout.str()
+    unnamed = project.runpytest("-p", "no:xdist", "suites/good.yaml", "--mode", "seq")
+    unnamed.assert_outcomes(skipped=1)

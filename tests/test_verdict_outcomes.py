@@ -177,3 +177,38 @@ def test_run_exits_3_on_a_server_bin_that_is_not_llama_server(tmp_path, fake_ser
     assert main([*argv, "--spec", "none", "--server-bin", str(fake_server), "--out", str(out)]) == 3
     records = json.loads((out / "checks.json").read_text())
     assert records and all(r.get("harness_error") for r in records)
+
+
+STARTUP_ABORT = """\
+suite: startup-abort
+matrix: {backends: [server, inproc], modes: [par], specs: [none], models: [tiny-dense]}
+serve: {n_ctx: 256, n_batch: 1, n_ubatch: 1, parallel: 2}
+sampling: {n_predict: 4, temperature: 0}
+checks: [no-crash]
+cases:
+  - {name: hello, prompt: "Hello"}
+"""
+"""A logical batch smaller than the sequences (`-b 1 -np 2`): llama.cpp accepts the context, then aborts at its
+first decode with GGML_ASSERT(n_outputs_max <= cparams.n_outputs_max) (docs/upstream-defects.md): llama-server in
+its warm-up, before it serves anything, the engine while loading the model."""
+
+
+def test_a_llama_cpp_abort_at_start_up_is_a_no_crash_failure_with_its_abort_line_on_both_backends(
+    tmp_path, tiny_models, capsys
+):
+    suites = tmp_path / "suites"
+    suites.mkdir()
+    (suites / "startup-abort.yaml").write_text(STARTUP_ABORT)
+    out = tmp_path / "run"
+    assert main(["run", "--suites-dir", str(suites), "--out", str(out)]) == 1  # a finding, not a harness fault (3)
+    records = json.loads((out / "checks.json").read_text())
+    assert {(r["backend"], r["check"], r["passed"]) for r in records} == {
+        ("server", "no-crash", False),
+        ("inproc", "no-crash", False),
+    }
+    for r in records:
+        assert "harness_error" not in r and "GGML_ASSERT(n_outputs_max <= cparams.n_outputs_max) failed" in r["message"]
+    server = next(r for r in records if r["backend"] == "server")
+    assert "llama-server was killed by SIGABRT during start-up" in server["message"]
+    run = json.loads((out / "run.json").read_text())
+    assert all(c["status"] == "done" for c in run["cells"])  # served (and crashed): no cell error
