@@ -2,11 +2,14 @@
 policy for every token comparison (`CheckContext.excuses_near_ties`); a chat turn is compared only with a
 reference that sent it the same prompt (the same earlier replies)."""
 
+from dataclasses import dataclass
+
 from harness import interrupt
 from harness.cellrun import Outcome
 from harness.checks.base import CheckContext, kv_findings
 from harness.logits import PositionLogits
 from harness.matrix import Cell
+from harness.noise import NoiseFloor
 from harness.result import Result
 from harness.triage import Divergence, triage
 
@@ -41,55 +44,96 @@ def compare_tokens(
     one line per output in `failures`. A chat turn whose earlier replies (`earlier`: the reference's) differ
     from this run's has another prompt: it is not compared (`evidence["not_compared"]`); the earlier turn's
     verdict reports that divergence."""
+    if ctx.case_def.sampling.post_sampling_probs:  # the sampler chain's probabilities are not the model's
+        ref_logits = []  # re-score instead
+    moot, mine = _same_prompt(ctx, earlier)
+    if moot and not mine:
+        return _not_compared(label, moot)
+    reference = _Reference(ref_tokens, ref_logits, ref_result, ref_cell, label)
     floor = ctx.noise_floor
+    diffs = _triaged(ctx, mine, reference, floor)
+    return _judged(ctx, mine, moot, diffs, reference, floor)
+
+
+@dataclass
+class _Reference:
+    """What the outcomes are compared with: its tokens and logits, the request and cell behind them (for
+    re-scoring and KV findings, when known), and how messages name it."""
+
+    tokens: list[int]
+    logits: list[PositionLogits]
+    result: Result | None
+    cell: Cell | None
+    label: str
+
+
+def _same_prompt(ctx: CheckContext, earlier: list[list[int] | None] | None) -> tuple[dict[int, str], list[Outcome]]:
+    """(round → the earlier turn whose reply differs from the reference's, the completed outcomes that sent the
+    reference's prompt)."""
+    moot = {o.round: key for o in ctx.completed() if (key := ctx.prompt_differs(o, earlier or []))}
+    return moot, [o for o in ctx.completed() if o.round not in moot]
+
+
+def _not_compared(label: str, moot: dict[int, str]) -> tuple[bool, str, dict]:
+    """The result when no outcome sent the reference's prompt: nothing compared (the earlier turn reports it)."""
+    first = min(moot)
+    return (
+        True,
+        (
+            f"not compared: round {first}'s prompt carries the reply to {moot[first]}, which already "
+            f"differs from the {label}'s (that turn's verdict reports it)"
+        ),
+        {"compared": 0, "not_compared": len(moot), "prompt_differs_at": moot[first]},
+    )
+
+
+def _triaged(
+    ctx: CheckContext, mine: list[Outcome], ref: _Reference, floor: NoiseFloor
+) -> list[tuple[Outcome, Divergence]]:
+    """Each outcome whose tokens differ from the reference's, with its first divergence triaged."""
     sampling = ctx.case_def.sampling
     greedy = sampling.picks_argmax  # a logit margin says nothing about a penalized or sampled pick
-    if sampling.post_sampling_probs:  # the sampler chain's probabilities are not the model's: re-score instead
-        ref_logits = []
-    moot = {o.round: key for o in ctx.completed() if (key := ctx.prompt_differs(o, earlier or []))}
-    mine = [o for o in ctx.completed() if o.round not in moot]
-    if moot and not mine:
-        first = min(moot)
-        return (
-            True,
-            (
-                f"not compared: round {first}'s prompt carries the reply to {moot[first]}, which already "
-                f"differs from the {label}'s (that turn's verdict reports it)"
-            ),
-            {"compared": 0, "not_compared": len(moot), "prompt_differs_at": moot[first]},
-        )
     diffs: list[tuple[Outcome, Divergence]] = []
     with ctx.executor.rescorer() as rescorer:
         for o in mine:
-            if o.result.tokens == ref_tokens:
+            if o.result.tokens == ref.tokens:
                 continue
 
             def rescore(side: str, pos: int, o: Outcome = o):
                 if side == "other":
                     return rescorer.score(ctx.run.suite, ctx.cell, o.result, pos)
-                return rescorer.score(ctx.run.suite, ref_cell, ref_result, pos) if ref_cell and ref_result else None
+                return rescorer.score(ctx.run.suite, ref.cell, ref.result, pos) if ref.cell and ref.result else None
 
             interrupt.phase("triage")
             findings = kv_findings(o.result, f"request (round {o.round})")
-            findings += kv_findings(ref_result, "reference request") if ref_result is not None else []
+            findings += kv_findings(ref.result, "reference request") if ref.result is not None else []
             other_logits = None if sampling.post_sampling_probs else o.result.logits or None
-            diffs.append(
-                (
-                    o,
-                    triage(
-                        ref_tokens,
-                        o.result.tokens,
-                        ref_logits or None,
-                        other_logits,
-                        detokenize=ctx.detokenize,
-                        floor=floor,
-                        greedy=greedy,
-                        kv_findings=findings,
-                        rescore=rescore,
-                        state_follows_tokens=sampling.state_follows_tokens,
-                    ),
-                )
+            divergence = triage(
+                ref.tokens,
+                o.result.tokens,
+                ref.logits or None,
+                other_logits,
+                detokenize=ctx.detokenize,
+                floor=floor,
+                greedy=greedy,
+                kv_findings=findings,
+                rescore=rescore,
+                state_follows_tokens=sampling.state_follows_tokens,
             )
+            diffs.append((o, divergence))
+    return diffs
+
+
+def _judged(
+    ctx: CheckContext,
+    mine: list[Outcome],
+    moot: dict[int, str],
+    diffs: list[tuple[Outcome, Divergence]],
+    ref: _Reference,
+    floor: NoiseFloor,
+) -> tuple[bool, str, dict]:
+    """The verdict on the triaged divergences: proven near-ties excused where the policy allows, any other
+    divergence failing (one line per output in `failures`), with the evidence."""
     excused = [(o, d) for o, d in diffs if d.kind == "near-tie" and ctx.excuses_near_ties]
     failing = [(o, d) for o, d in diffs if (o, d) not in excused]
     evidence = {"compared": len(mine), "matching": len(mine) - len(diffs), "noise_floor": floor.describe()}
@@ -103,23 +147,23 @@ def compare_tokens(
         return True, "", evidence
     outcome, first = (failing or excused)[0]
     evidence["first_divergence"] = first.to_evidence(
-        outcome.round, label, ref_tokens, outcome.result.tokens, ref_logits
+        outcome.round, ref.label, ref.tokens, outcome.result.tokens, ref.logits
     )
     if not failing:
         return (
             True,
             (
-                f"{len(excused)} of {len(mine)} outputs differ from the {label} at proven near-ties "
+                f"{len(excused)} of {len(mine)} outputs differ from the {ref.label} at proven near-ties "
                 f"(reported, not failed in {ctx.cell.mode} mode); round {outcome.round}: {first.describe()}"
             ),
             evidence,
         )
     evidence["failures"] = [
-        f"round {o.round}: {d.kind} at token {d.index}{_ended(o.result, d, len(ref_tokens))}" for o, d in failing
+        f"round {o.round}: {d.kind} at token {d.index}{_ended(o.result, d, len(ref.tokens))}" for o, d in failing
     ]
     return (
         False,
-        (f"{len(failing)} of {len(mine)} outputs differ from the {label}; round {outcome.round}: {first.describe()}"),
+        f"{len(failing)} of {len(mine)} outputs differ from the {ref.label}; round {outcome.round}: {first.describe()}",
         evidence,
     )
 
