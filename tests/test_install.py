@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from venvs import PTH, make_venv
+
 from harness.cli import main
 
 REPO = Path(__file__).resolve().parents[1]
@@ -34,8 +36,7 @@ def test_the_wheel_runs_the_default_job_and_the_pytest_plugin_outside_the_checko
     wheel = next((tmp_path / "dist").glob("specharness-*.whl"))
 
     # a fresh venv that sees the llama-cpp-python (and the other dependencies) already installed: no compile
-    run([sys.executable, "-m", "venv", "--system-site-packages", tmp_path / "venv"], tmp_path, env)
-    bin_dir = tmp_path / "venv" / "bin"
+    bin_dir = make_venv(tmp_path / "venv")
     run([bin_dir / "python", "-m", "pip", "install", "-q", "--no-deps", "--ignore-installed", wheel], tmp_path, env)
     work = tmp_path / "elsewhere"
     work.mkdir()
@@ -70,6 +71,35 @@ def test_the_wheel_runs_the_default_job_and_the_pytest_plugin_outside_the_checko
     baselines = [c for c in json.loads((work / "r2" / "checks.json").read_text()) if c["check"] == "baseline"]
     assert all("harness/bundled/fixtures/baselines/quicksort/" in c["evidence"]["baseline"] for c in baselines)
     assert len(baselines) == 3
+
+
+def test_the_test_venv_sees_the_packages_of_a_venv_running_the_tests(tmp_path):
+    """Tests run inside a newcomer's virtual environment: the venv the wheel test makes must see that
+    environment's packages, not the base interpreter's (`--system-site-packages` did)."""
+    outer = tmp_path / "outer"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(outer)], check=True, timeout=300)
+    purelib = subprocess.run(
+        [str(outer / "bin" / "python"), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.strip()
+    (Path(purelib) / "only_in_the_outer_venv.py").write_text("WHERE = 'outer'\n")
+    helper = Path(__file__).with_name("venvs.py")
+    subprocess.run([str(outer / "bin" / "python"), str(helper), str(tmp_path / "inner")], check=True, timeout=300)
+    probe = [str(tmp_path / "inner" / "bin" / "python"), "-c", "import only_in_the_outer_venv as m; print(m.WHERE)"]
+    seen = subprocess.run(probe, capture_output=True, text=True, timeout=60)
+    assert seen.returncode == 0 and seen.stdout.strip() == "outer", seen.stderr
+    pth = next((tmp_path / "inner").rglob(PTH)).read_text()
+    assert purelib in pth.splitlines()
+    old_way = tmp_path / "old"  # what the test did: the base interpreter's packages only
+    subprocess.run(
+        [str(outer / "bin" / "python"), "-m", "venv", "--without-pip", "--system-site-packages", str(old_way)],
+        check=True,
+        timeout=300,
+    )
+    probe[0] = str(old_way / "bin" / "python")
+    assert subprocess.run(probe, capture_output=True, text=True, timeout=60).returncode != 0
 
 
 def test_init_writes_a_suite_that_runs_and_records_its_own_baselines(tmp_path, monkeypatch, capsys):
