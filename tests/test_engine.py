@@ -7,6 +7,7 @@ from types import SimpleNamespace
 import llama_cpp
 import pytest
 from helpers import LANGS, first_divergence, quicksort
+from skips import require_model
 
 from harness.backends.base import ServeConfig
 from harness.backends.inproc import InprocBackend
@@ -14,7 +15,6 @@ from harness.detok import detokenizer
 from harness.engine.context import Context, ContextParams
 from harness.engine.model import Model
 from harness.engine.slot import Slot
-from harness.errors import HarnessError
 from harness.kvscan import layout_from_model, scan_bytes
 from harness.models import resolve
 from harness.request import Request, Sampling
@@ -53,10 +53,7 @@ def test_greedy_output_identical_over_5_repeats(tiny_models, name, mode):
 def test_engine_context_keeps_a_window_sized_swa_cache_as_llama_server():
     # llama-server runs without --swa-full; llama.cpp's context default is swa_full = true, which would keep
     # every SWA cell (here 1100 instead of n_swa 512 + n_ubatch 512)
-    try:
-        path = resolve("gemma3-270m").path
-    except HarnessError as err:
-        pytest.skip(f"gemma3-270m is not installed ({err})")
+    path = require_model("gemma3-270m").path
     model = Model(path)
     ctx = Context(model, ContextParams(n_ctx=2048))
     try:

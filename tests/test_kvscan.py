@@ -6,13 +6,13 @@ import struct
 
 import llama_cpp
 import pytest
+from skips import require_model
 
 from harness import cli
 from harness.backends.base import default_repack
 from harness.engine.logging import set_llama_verbose
 from harness.errors import HarnessError
 from harness.kvscan import Layout, layout_from_model, scan_bytes, scan_file
-from harness.models import resolve
 
 PARTIAL_ONLY = llama_cpp.LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY
 ON_DEVICE = llama_cpp.LLAMA_STATE_SEQ_FLAGS_ON_DEVICE
@@ -73,10 +73,7 @@ def load():
 
     def get(name):
         if name not in loaded:
-            try:
-                path = resolve(name).path
-            except HarnessError as err:
-                pytest.skip(f"{name} unavailable: {err}")
+            path = require_model(name).path  # a skip only when the model is unavailable, not on any harness error
             params = llama_cpp.llama_model_default_params()
             params.use_extra_bufts = default_repack()  # off on a CPU whose AMX path crashes (known failure)
             loaded[name] = (llama_cpp.llama_model_load_from_file(str(path).encode(), params), path)

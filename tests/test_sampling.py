@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import requests
 from helpers import LANGS, first_divergence, quicksort
+from skips import require_model
 
 from harness.backends.base import ServeConfig
 from harness.backends.build import ensure_server
@@ -22,7 +23,6 @@ from harness.engine.model import Model
 from harness.engine.sampler import Sampler, logit_biases
 from harness.errors import HarnessError
 from harness.execute import ExecOptions, Executor
-from harness.models import resolve
 from harness.request import Request, Sampling
 from harness.running import run_suites
 from harness.suites import load_suite, parse_suite
@@ -297,10 +297,7 @@ def test_inproc_and_server_agree_token_for_token_for_every_chain(tiny_models, na
 
 
 def test_inproc_and_server_agree_for_greedy_with_penalties_on_gemma():
-    try:
-        gemma = resolve("gemma3-270m")
-    except HarnessError as err:
-        pytest.skip(f"gemma3-270m is not installed ({err})")
+    gemma = require_model("gemma3-270m")
     reqs = [quicksort(lang, n_predict=32, **CHAINS["greedy, penalties"]) for lang in LANGS]
     ours, theirs = _serve_both(gemma.path, reqs)
     for lang, a, b in zip(LANGS, ours, theirs, strict=False):
