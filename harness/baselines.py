@@ -11,6 +11,7 @@ command that records them; a missing baseline of a model that has others fails w
 file is an error naming it and is never replaced.
 """
 
+import hashlib
 import json
 import re
 from pathlib import Path
@@ -25,6 +26,12 @@ from harness.suites import suites_dir
 FIELDS = ("suite", "case", "model", "backend", "device", "text", "tokens", "environment", "acceptance")
 ACCEPTANCE_FIELDS = ("draft_n", "draft_n_accepted", "drafted_per_pos", "accepted_per_pos")
 """What a baseline keeps of a request's `spec_stats` (the per-position lists only where the backend reports them)."""
+
+
+def output_digest(tokens: list[int]) -> str:
+    """A short digest of a request's output tokens: which output a stored acceptance row's counts were measured
+    on (harness.checks.acceptance compares with it)."""
+    return hashlib.sha256(json.dumps(list(tokens)).encode()).hexdigest()[:16]
 
 
 def shown(path: Path) -> str:
@@ -207,12 +214,15 @@ class BaselineStore:
             out.append(data["tokens"] if data else None)
         return out
 
-    def acceptance(self, ctx) -> tuple[list[dict] | None, Path]:
-        """The stored acceptance of this speculative cell's case, one record per round (None when the
-        baseline holds none for the cell), and the baseline's path; with `update`, this run's is stored
-        first. BaselineError when the file is corrupt."""
+    def acceptance(self, ctx, key: str | None = None) -> tuple[list[dict] | None, Path]:
+        """The stored acceptance rows of this speculative cell's case under `key` (harness.checks.acceptance.
+        options_key: `<mode>/<spec>`, with the run options that shape drafts where they are not the defaults),
+        one per round, None when the baseline holds none for it, and the baseline's path. Each row carries the
+        `generated` count and the `output` digest of the request it was measured on; a row written before they
+        were recorded gets the baseline's own output (its tokens: the lossless output of the cell). With
+        `update`, this run's rows are stored first. BaselineError when the file is corrupt."""
         cell, path = ctx.cell, self.file_of(ctx)
-        key = f"{cell.mode}/{cell.spec}"
+        key = key or f"{cell.mode}/{cell.spec}"
         data = self.load(path)
         if self.update and data is not None and ctx.completed() and all(o.result.ok for o in ctx.outcomes):
             # a request that ended before its first draft (n_predict 1) has no counters yet: it drafted none
@@ -222,13 +232,19 @@ class BaselineStore:
                     "draft_n": 0,
                     "draft_n_accepted": 0,
                     **{k: o.result.spec_stats[k] for k in ACCEPTANCE_FIELDS if k in o.result.spec_stats},
+                    "generated": len(o.result.tokens),
+                    "output": output_digest(o.result.tokens),
                 }
                 for o in ctx.outcomes
             ]
             if data.get("acceptance", {}).get(key) != rows:
                 data["acceptance"] = {**data.get("acceptance", {}), key: rows}
                 self._write(path, lambda t: t.write_text(render(data)))
-        return (None if data is None else data.get("acceptance", {}).get(key)), path
+        stored = None if data is None else data.get("acceptance", {}).get(key)
+        if stored is None:
+            return None, path
+        own = {"generated": len(data["tokens"]), "output": output_digest(data["tokens"])}
+        return [{**own, **row} for row in stored], path
 
     def _update(self, ctx, path: Path, env: dict) -> None:
         """Store the canonical output (mode seq, no speculation, first round) of this case."""
