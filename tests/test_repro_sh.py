@@ -148,3 +148,28 @@ def test_specharness_repro_tells_not_reproduced_and_a_different_failure_apart(bu
     )
     assert other.returncode == 4, other.stderr[-2000:]
     assert "a different failure: crash: " in other.stderr and "showed in 0 of 3 runs" in other.stderr
+
+
+def test_repro_py_tells_the_same_failure_a_different_one_and_none_apart():
+    """repro.py (the in-process engine) judges as repro.sh does: the run's signature, another failure, none."""
+    from harness.repro.replay import DIFFERENT, NOT_REPRODUCED, REPRODUCED, judge
+    from harness.result import Result
+
+    abort = "the in-process engine's worker was killed by SIGABRT: x.cpp:1: GGML_ASSERT(a > b) failed; log l ends"
+    case = {"judge": "crash", "key": "C", "signature": "crash: GGML_ASSERT(a > b) failed", "legs": []}
+
+    def seen(*results):
+        return judge(case, {"subject": {"C": list(results)}})[0]
+
+    ok = Result(tokens=[1, 2], stop_reason="limit")
+    assert seen(ok, Result(stop_reason="crashed", error=abort)) == REPRODUCED
+    other = abort.replace("a > b", "c != d")
+    assert seen(ok, Result(stop_reason="crashed", error=other)) == DIFFERENT
+    assert seen(ok, Result(stop_reason="timeout", error="timeout: case C did not finish")) == DIFFERENT
+    assert seen(ok, ok) == NOT_REPRODUCED
+    kv = {**case, "judge": "kv", "signature": "kv-healthy: duplicate cells"}
+    scan = {"healthy": False, "totals": {"duplicate_cells": 0, "orphans": 3, "missing_positions": 0}}
+    damaged = Result(tokens=[1], stop_reason="limit", kv_scan=scan)
+    assert judge(kv, {"subject": {"C": [damaged]}})[0] == DIFFERENT  # orphans, not the duplicate cells
+    scan = {**scan, "totals": {**scan["totals"], "duplicate_cells": 2}}
+    assert judge(kv, {"subject": {"C": [Result(tokens=[1], stop_reason="limit", kv_scan=scan)]}})[0] == REPRODUCED

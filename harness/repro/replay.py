@@ -1,7 +1,9 @@
 """What `repro.py` runs: the legs of a bundle's `case.json` on the in-process engine, judged as repro.sh judges.
 
 `$MODEL` and `$DRAFT_MODEL` replace the run's models; `$SPECHARNESS_FAULT` replaces the run's in-process fault
-switch (`none`: the clean engine). Exit status: 1 the failure reproduces, 0 it does not, 2 it could not be told.
+switch (`none`: the clean engine). Exit status: 1 the failure reproduces (the same signature: the same crash or
+error, kind of KV damage, first divergent token), 3 a different failure, 0 it does not reproduce, 2 it could not be
+told (as repro.sh).
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from harness.kvscan import damaged
 from harness.repro.legs import JUDGES, REFERENCE, SUBJECT
 from harness.request import Request, Sampling
 
-REPRODUCED, NOT_REPRODUCED, UNDECIDED = 1, 0, 2
+REPRODUCED, NOT_REPRODUCED, UNDECIDED, DIFFERENT = 1, 0, 2, 3
 
 
 def _config(case: dict, leg: dict) -> ServeConfig:
@@ -64,26 +66,41 @@ def run_leg(case: dict, leg: dict) -> dict[str, list]:
     return results
 
 
+def _first_damage(scan: dict) -> str | None:
+    """The first kind of damage of a KV scan, named as signatures name it (`kv-healthy: <damage>`)."""
+    names = (("duplicate_cells", "duplicate cells"), ("orphans", "orphans"), ("missing_positions", "holes"))
+    totals = scan.get("totals") or {}
+    found = next((name for key, name in names if totals.get(key)), None)
+    draft = (scan.get("draft") or {}).get("totals") or {}
+    in_draft = next((f"{name} in the draft context" for key, name in names if draft.get(key)), None)
+    return found or in_draft
+
+
 def judge(case: dict, outputs: dict[str, dict[str, list]]) -> tuple[int, str]:
-    """(exit status, what was seen) for the judge of `case` over each leg's results of the failing request."""
+    """(exit status, what was seen) for the judge of `case` over each leg's results of the failing request:
+    REPRODUCED only for the run's signature, DIFFERENT for another failure."""
+    from harness.repro.script import expectation
+    from harness.signatures import of_error
+
     kind, subject = case["judge"], outputs[SUBJECT][case["key"]]
     failed = [r for r in subject if not r.ok]
     if kind in ("crash", "error"):
-        bad = [r for r in failed if (r.stop_reason in ("crashed", "timeout")) == (kind == "crash")]
-        return (
-            (REPRODUCED, f"REPRODUCED: {bad[0].error.splitlines()[0]}")
-            if bad
-            else (NOT_REPRODUCED, "not reproduced: every request completed")
-        )
+        same = [r for r in failed if of_error(r.error).text == case["signature"]]
+        if same:
+            return REPRODUCED, f"REPRODUCED: {same[0].error.splitlines()[0]}"
+        if failed:
+            return DIFFERENT, f"DIFFERENT FAILURE: {of_error(failed[0].error).text} ({failed[0].error.splitlines()[0]})"
+        return NOT_REPRODUCED, "not reproduced: every request completed"
     if failed:
-        return UNDECIDED, f"the subject did not complete: {failed[0].error.splitlines()[0]}"
+        return DIFFERENT, f"DIFFERENT FAILURE: the subject did not complete: {failed[0].error.splitlines()[0]}"
     if kind == "kv":
         scan = next((r.kv_scan for r in subject if damaged(r.kv_scan)), None)
         if scan is None:
             return NOT_REPRODUCED, "not reproduced: the KV cache is healthy"
-        if scan["healthy"]:
-            return REPRODUCED, f"REPRODUCED: KV scan totals of the draft context {scan['draft']['totals']}"
-        return REPRODUCED, f"REPRODUCED: KV scan totals {scan['totals']}"
+        found = f"kv-healthy: {_first_damage(scan)}"
+        if found == case["signature"] or not case["signature"].startswith("kv-healthy: "):
+            return REPRODUCED, f"REPRODUCED: {found}, KV scan totals {scan['totals']}"
+        return DIFFERENT, f"DIFFERENT FAILURE: {found}, KV scan totals {scan['totals']}"
     if kind == "rounds-differ":
         lines = [f"round {i + 1}: {r.tokens}" for i, r in enumerate(subject)]
         differ = len({tuple(r.tokens) for r in subject}) > 1
@@ -92,6 +109,7 @@ def judge(case: dict, outputs: dict[str, dict[str, list]]) -> tuple[int, str]:
     if not expected.ok:
         return UNDECIDED, f"the reference did not complete: {expected.error.splitlines()[0]}"
     lines = [f"expected ({case['reference_what']}): {expected.tokens}"]
+    run_at = set(expectation(case).get("at") or [])
     status = NOT_REPRODUCED
     for r in subject:
         lines.append(f"actual   (subject):   {r.tokens}")
@@ -101,8 +119,16 @@ def judge(case: dict, outputs: dict[str, dict[str, list]]) -> tuple[int, str]:
                 min(len(expected.tokens), len(r.tokens)),
             )
             lines.append(f"first divergence at generated token {index}")
-            status = REPRODUCED
-    return status, "\n".join(lines + ["REPRODUCED" if status else "not reproduced: the outputs are equal"])
+            if not run_at or index in run_at:
+                status = REPRODUCED
+            elif status != REPRODUCED:
+                status = DIFFERENT
+    verdicts = {
+        REPRODUCED: "REPRODUCED",
+        DIFFERENT: f"DIFFERENT FAILURE: the output first diverges elsewhere than in the run (at {sorted(run_at)})",
+        NOT_REPRODUCED: "not reproduced: the outputs are equal",
+    }
+    return status, "\n".join([*lines, verdicts[status]])
 
 
 def main(case_file: Path) -> int:

@@ -17,7 +17,8 @@ from harness.signatures import classify
 REPRO_PY = '''#!/usr/bin/env python3
 """Reproducer written by specharness, on its in-process engine: {signature}.
 
-Exit status 1: the failure reproduces, 0: it does not, 2: it could not be told. MODEL and DRAFT_MODEL replace the
+Exit status 1: the failure reproduces (the same signature), 3: a different failure, 0: it does not, 2: it could not be
+told. MODEL and DRAFT_MODEL replace the
 run's models; SPECHARNESS_FAULT replaces the run's in-process fault switch (none: the clean engine)."""
 import sys
 from pathlib import Path
