@@ -32,6 +32,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+import requests
+
 from harness.backends.base import ServeConfig, SpeedMeter, StallMeter, request_deadline
 from harness.backends.build import BuildInfo, ensure_server
 from harness.backends.client import COMPLETION_FIELDS, ConnectionLost, LlamaClient, RequestTimedOut, ServerError
@@ -46,6 +48,9 @@ from harness.result import Result
 
 CRASH_GRACE_S = 5.0
 """How long a dropped connection or 5xx may take to show up as a process exit."""
+LAUNCH_WAIT_S = 5.0
+"""How long a request waits before its launch for other finished requests' slots to be saved (`_launch`)."""
+LAUNCH_POLL_S = 0.002
 SLOT_PROMPT_SIMILARITY = 0.1
 """llama-server's default `--slot-prompt-similarity`: a free slot whose cached tokens share more than this
 fraction of a new prompt is chosen for it, else the least recently used one (SlotPool does the same)."""
@@ -214,6 +219,9 @@ class ServerSession:
         self.unscannable: str | None = None
         """Why this build's slot files cannot be scanned (another format version), once found."""
         self.pool = SlotPool(config.n_slots) if config.n_slots > 1 and "id_slot" not in fields else None
+        self._launched: set[int] = set()
+        """Slots whose request was sent and whose state is not saved yet (see `_launch`)."""
+        self._launched_cond = threading.Condition()
         """Lends each request its slot (None: one slot, served one request at a time, or the caller's `id_slot`)."""
         if config.kv_scan != "off":
             self.slots_dir = run_dir / "slots"
@@ -256,6 +264,7 @@ class ServerSession:
             if self.pool is None:
                 return None
             lent.append(self.pool.acquire(prompt))
+            self._launch(server, lent[0])
             return lent[0]
 
         try:
@@ -286,7 +295,35 @@ class ServerSession:
             return Result(stop_reason="timeout", error=f"{reason}; llama-server was killed and restarted")
         finally:
             if lent:
+                with self._launched_cond:
+                    self._launched.discard(lent[0])
+                    self._launched_cond.notify_all()
                 self.pool.release(lent[0], held)
+
+    def _launch(self, server: LlamaServer, slot: int) -> None:
+        """Mark `slot` launched, after waiting (a few seconds at most) until no other launched slot is idle on a
+        unified KV cache that is scanned: llama-server clears the idle slots of a unified cache whenever it starts
+        a task (`--cache-idle-slots`), so a request that finished but whose slot is not saved yet (its answer on
+        the way, or its save) would lose its state to this launch. What still slips through (a slot finishing
+        between the look at /slots and the launch) is found empty at its save and not judged."""
+        if self.config.kv_scan != "off" and self.config.kv_unified:
+            until = time.monotonic() + LAUNCH_WAIT_S
+            while time.monotonic() < until:
+                with self._launched_cond:
+                    others = self._launched - {slot}
+                if not others:
+                    break
+                try:
+                    answer = requests.get(f"{server.url}/slots", timeout=max(0.05, until - time.monotonic()))
+                    idle = {s.get("id") for s in answer.json() if not s.get("is_processing")}
+                except (requests.RequestException, ValueError, AttributeError, TypeError):
+                    break  # the requests in flight will say what happened
+                with self._launched_cond:
+                    if not (idle & (self._launched - {slot})):
+                        break
+                    self._launched_cond.wait(LAUNCH_POLL_S)  # an answer on its way, or a save: soon done
+        with self._launched_cond:
+            self._launched.add(slot)
 
     def _scan_slot(self, client: LlamaClient, result: Result, lent: int | None) -> dict | None:
         """Save the slot's state and scan it; an unhealthy file is kept in run_dir/slots as evidence. A state that
