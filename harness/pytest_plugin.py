@@ -256,7 +256,7 @@ class _FaultsInOneLine:
     setup errors with `_repr_failure_py`, not `repr_failure`)."""
 
     def _repr_failure_py(self, excinfo, style=None):
-        if isinstance(excinfo.value, HarnessFault):
+        if isinstance(excinfo.value, HarnessFault | HarnessError):
             return f"harness error (a fault of specharness, not a llama.cpp finding):\n{excinfo.value}"
         return super()._repr_failure_py(excinfo, style)
 

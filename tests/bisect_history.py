@@ -1,11 +1,13 @@
 """A small real llama.cpp history for the bisect tests, made from the vendored tree.
 
-Eight commits on top of the llama.cpp vendored in llama-cpp-python: one (#6) brings back a real
+Twelve commits on top of the llama.cpp vendored in llama-cpp-python: one (#6) brings back a real
 speculative-decoding bug class of llama-server (ggml-org/llama.cpp #20925: after restoring the
 speculative checkpoint of a hybrid model, the rejected drafts' attention cells are not removed), one
-(#4) does not compile (fixed by #5), the others change documentation and comments. Author, committer
-and dates are fixed, so the commit hashes are the same on every machine: the build cache then serves
-every step of a second run without compiling anything. The repository is made once under a lock in
+(#4) does not compile (fixed by #5), one (#9) aborts every request past its 8th token (reverted by #10), one
+(#11) aborts llama-server while it loads the model, before it serves anything; the others change documentation
+and comments. #9 and #11 are bad on any model and configuration; #6 only where a checkpoint is restored.
+Author, committer and dates are fixed, so the commit hashes are the same on every machine: the build cache then
+serves every step of a second run without compiling anything. The repository is made once under a lock in
 the specharness cache; `history_repo()` returns it clean, on `main`, with no bisect in progress.
 """
 
@@ -21,11 +23,18 @@ from filelock import FileLock
 from harness.backends.build import SOURCE_MARKER, read_marker, vendored_source
 from harness.paths import cache_dir
 
-RECIPE = 1
+RECIPE = 2
 """Bump when the commits below change (the cached repository is then made again)."""
 REGRESSION = 6
 BROKEN = 4
+MID_REQUEST_CRASH = 9
+STARTUP_ABORT = 11
 SEQ_RM_AFTER_RESTORE = "                        slot.mem.seq_rm(slot.id, ckpt.pos_max + 1, -1);\n"
+SERVER_CONTEXT = "tools/server/server-context.cpp"
+PROCESS_TOKEN = "    bool process_token(completion_token_output & result, server_slot & slot) {\n"
+CRASH_PAST_8 = '        GGML_ASSERT(slot.stats.n_gen < 8 && "fixture: a request past its 8th token");\n'
+LOAD_MODEL = "        const bool is_resume = sleeping;\n"
+ABORT_IN_LOAD = '        GGML_ASSERT(is_resume && "fixture: abort while loading the model");\n'
 
 
 def _replace(path: str, old: str, new: str):
@@ -76,6 +85,22 @@ COMMITS = [
         "docs: speculative decoding notes",
         _append("docs/speculative.md", "\nDraft models and n-gram drafters share the verification path.\n"),
     ),
+    (
+        "server: check the generation budget while processing a token",
+        _replace(SERVER_CONTEXT, PROCESS_TOKEN, PROCESS_TOKEN + CRASH_PAST_8),
+    ),
+    (
+        "server: revert the generation budget check",
+        _replace(SERVER_CONTEXT, PROCESS_TOKEN + CRASH_PAST_8, PROCESS_TOKEN),
+    ),
+    (
+        "server: only resume a sleeping model in load_model",
+        _replace(SERVER_CONTEXT, LOAD_MODEL, LOAD_MODEL + ABORT_IN_LOAD),
+    ),
+    (
+        "docs: how the server loads its models",
+        _append("tools/server/README.md", "\nThe server loads its models once, at start-up.\n"),
+    ),
 ]
 
 
@@ -105,7 +130,7 @@ def _make(repo: Path) -> None:
     for i, (subject, edit) in enumerate(COMMITS, start=2):
         edit(repo)
         _git(repo, "add", "-A")
-        _git(repo, "commit", "-q", "-m", subject, date=f"2026-01-0{i}T12:00:00+00:00")
+        _git(repo, "commit", "-q", "-m", subject, date=f"2026-01-{i:02d}T12:00:00+00:00")
 
 
 def history_repo() -> Path:
@@ -120,6 +145,8 @@ def history_repo() -> Path:
             _make(tmp)
             (tmp / ".git" / "specharness-complete").touch()
             tmp.rename(repo)
+        for lock in (repo / ".git").rglob("*.lock"):  # left by a git a killed test killed (index.lock, HEAD.lock)
+            lock.unlink(missing_ok=True)
         if (repo / ".git" / "BISECT_START").exists():  # left by a killed test
             _git(repo, "bisect", "reset")
         _git(repo, "checkout", "-q", "-f", "main")

@@ -1,7 +1,8 @@
 """`specharness bisect` on a real llama.cpp history: real builds, a real llama-server, real git.
 
-The history (tests/bisect_history.py) is eight commits on the vendored llama.cpp: #4 does not compile,
-#6 drops the seq_rm after a speculative checkpoint restore (a real llama-server bug class). The first
+The history (tests/bisect_history.py) is twelve commits on the vendored llama.cpp: #4 does not compile,
+#6 drops the seq_rm after a speculative checkpoint restore (a real llama-server bug class), #9 aborts every
+request past its 8th token (#10 reverts it), #11 aborts llama-server while it loads the model. The first
 run builds each visited commit incrementally in one persistent tree (a few minutes with a warm
 compiler cache); later runs find every build in the cache and only judge.
 """
@@ -17,7 +18,15 @@ import sys
 from pathlib import Path
 
 import pytest
-from bisect_history import BROKEN, REGRESSION, commits, fixture_lock, history_repo
+from bisect_history import (
+    BROKEN,
+    MID_REQUEST_CRASH,
+    REGRESSION,
+    STARTUP_ABORT,
+    commits,
+    fixture_lock,
+    history_repo,
+)
 from interrupts import interrupt, left_behind, spawn, wait_for_phase
 
 from harness.bisect.judge import excused
@@ -35,6 +44,7 @@ pytestmark = [
 
 ROOT = Path(__file__).resolve().parents[1]
 SUITE = ROOT / "tests" / "data" / "bisect-quicksort.yaml"
+CRASH_SUITE = ROOT / "tests" / "data" / "bisect-crash.yaml"
 
 
 def specharness(*args: str, **kw) -> subprocess.Popen:
@@ -155,6 +165,35 @@ def test_sigterm_between_bisect_steps_keeps_the_log_and_the_checkout(history, tm
     assert left_behind(run_dir) == []
     assert [e["role"] for e in read_log(run_dir)] == ["verify-good", "verify-bad"]
     assert not (run_dir / CURRENT).exists()
+
+
+@pytest.mark.parametrize(
+    "good, bad, culprit, reason",
+    [
+        (MID_REQUEST_CRASH - 2, MID_REQUEST_CRASH, MID_REQUEST_CRASH, "fixture: a request past its 8th token"),
+        (STARTUP_ABORT - 1, STARTUP_ABORT + 1, STARTUP_ABORT, "fixture: abort while loading the model"),
+    ],
+    ids=["mid-request-crash", "start-up-abort"],
+)
+def test_bisect_with_a_pinned_comparison_check_names_the_commit_that_crashes(
+    history, tmp_path, good, bad, culprit, reason
+):
+    """Pinned on `lossless` only (as --from-run pins the check that failed): a build whose every request crashes
+    leaves lossless nothing to compare, and one that aborts at start-up serves nothing; `no-crash`, always judged,
+    makes both bad (they were good and skip)."""
+    shas = commits(history)
+    out = tmp_path / "run"
+    argv = ["bisect", "--source", str(history), "--good", shas[good - 1], "--bad", shas[bad - 1]]
+    argv += ["--suite", str(CRASH_SUITE), "--check", "lossless", "--out", str(out)]
+    status, stdout, err = finish(specharness(*argv))
+    assert status == 0, err[-3000:]
+    assert f"first bad commit: {shas[culprit - 1]}" in stdout
+    entry = next(e for e in read_log(out) if e["commit"] == shas[culprit - 1])
+    assert entry["verdict"] == "bad" and entry["reason"].startswith("no-crash failed")
+    assert "GGML_ASSERT(" in entry["reason"] and reason in entry["reason"]
+    assert [c["check"] for c in entry["checks"]] == ["no-crash", "lossless"]
+    lossless = entry["checks"][1]
+    assert lossless["status"] == "not run" and not lossless["passed"]
 
 
 STEP_CMD = (

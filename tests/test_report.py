@@ -63,7 +63,9 @@ def test_first_screen_of_the_report_is_the_failure_and_counts_match_checks_json(
                         row.attrs,
                     )
     banner = doc.find("section", id="failures").find("div", class_="banner").text
-    assert "1 failed" in banner and f"of {len(checks)} check verdicts" in banner
+    verdicts = [v for v in checks if status(v) not in ("not-run", "harness-error")]
+    assert "1 failed" in banner and f"of {len(verdicts)} check verdicts" in banner
+    assert f"{len(checks) - len(verdicts)} checks not run" in banner  # recorded, shown, never counted as a pass
 
 
 def test_token_diff_highlights_the_first_divergent_token(runs):
