@@ -196,6 +196,18 @@ def test_bisect_with_a_pinned_comparison_check_names_the_commit_that_crashes(
     assert lossless["status"] == "not run" and not lossless["passed"]
 
 
+def test_the_fixture_repository_recovers_from_the_locks_a_killed_git_leaves():
+    """A test killed while its bisect's git ran leaves `.git/index.lock` (and a bisect): the next test's
+    `history_repo()` removes them instead of failing with `git checkout` exit 128."""
+    with fixture_lock():
+        repo = history_repo()
+        (repo / ".git" / "index.lock").write_text("")
+        (repo / ".git" / "HEAD.lock").write_text("")
+        repo = history_repo()
+        assert not list((repo / ".git").rglob("*.lock"))
+        assert_restored(repo)
+
+
 STEP_CMD = (
     f'{sys.executable} -m harness.cli build --source . --json | {sys.executable} -c "import json, shutil, sys, os; '
     "os.makedirs('build-step-cmd', exist_ok=True); "

@@ -29,9 +29,10 @@ from harness.signatures import Failure, Pattern, failure_patterns, group
 
 FORMAT = 1
 """Version of the run directory layout (`run.json` `format`)."""
-STATUSES = ("harness-error", "failed", "known", "near-tie", "no-baseline", "not-run", "passed")
+STATUSES = ("harness-error", "failed", "known", "near-tie", "no-baseline", "passed", "not-run")
 """A check record's status in reports, worst first: `harness-error` and `not-run` records are no verdicts (a
-harness fault kept the check from judging; the check does not apply or lacked what it judges, with the reason)."""
+harness fault kept the check from judging; the check does not apply or lacked what it judges, with the reason).
+`not-run` comes last: a case whose other checks passed passed (its checks not run are listed apart)."""
 
 
 def records(runs: list) -> list[dict]:
