@@ -109,6 +109,29 @@ def test_not_run_and_harness_errors_show_in_index_html_and_junit_with_their_reas
     assert cases["demo[a-seq-draft-simple-m-inproc]::no-crash"].find("skipped") is None
 
 
+def test_every_check_can_be_not_run_with_a_reason_shown_in_index_html_and_junit(tmp_path):
+    """A speculative `par` cell whose case sent nothing (a suite with one round, no schema, no n_probs, no
+    `expect:`): every check of the check list is not run, each with its reason, and both reports show each."""
+    par = Cell("inproc", "par", "draft-simple", "m")
+    runs = Runs(suite(), {par: [], SEQ: [], SEQ.reference(spec="draft-simple"): [], par.reference(spec="none"): []})
+    results = [r for _, r in evaluate_cell(runs.cells[par], runs, BaselineStore(tmp_path), list(CHECKS), "repro")]
+    assert [r.name for r in results] == list(CHECKS)
+    assert all(r.status == "not run" and r.not_run for r in results), [(r.name, r.status) for r in results]
+    run = stored_run(tmp_path / "run", results, par)
+    assert main(["report", str(run)]) == 0
+    shown = {
+        r.attrs["data-check"]: r.find("td", class_="reason").text
+        for r in parse_html((run / "index.html").read_text()).find(id="not-run-checks").find_all("tr")
+        if "data-check" in r.attrs
+    }
+    assert shown == {r.name: r.not_run for r in results}
+    skipped = {
+        c.get("name").split("::")[1]: c.find("skipped").get("message")
+        for c in ET.parse(run / "junit.xml").getroot().iter("testcase")
+    }
+    assert skipped == {r.name: f"not run: {r.not_run}" for r in results}
+
+
 def test_diff_flags_a_check_that_ran_before_and_does_not_run_now(tmp_path, capsys):
     before = stored_run(
         tmp_path / "a",

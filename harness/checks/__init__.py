@@ -52,6 +52,8 @@ def verdict(name: str, comparison: tuple[bool, str, dict]) -> CheckResult:
 
 def no_crash(ctx: CheckContext) -> CheckResult:
     """Every request ended with output, or with an error the suite allows (never a crash or a timeout)."""
+    if not ctx.outcomes:  # nothing was sent: no request to judge (a case the cell never reached)
+        return not_run("no-crash", "no request of the case was sent")
     bad = [o for o in ctx.outcomes if not o.result.ok and not ctx.allowed(o)]
     crashed = [o for o in ctx.outcomes if o.result.stop_reason in ("crashed", "timeout")]
     evidence = {
