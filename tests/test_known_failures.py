@@ -225,3 +225,21 @@ def test_the_eog_defect_in_grammar_json_is_known():
             r = CheckResult("kv-healthy", False, line, failures=[line])
             assert tag(SHIPPED, "grammar-json", Cell("server", mode, "draft-simple", model), [r]) == []
             assert r.evidence["known_failure"] == "server-spec-keeps-eog"
+
+
+def test_the_console_says_which_known_defect_showed_in_a_new_suite_and_that_it_does_not_fail_the_run(suites):
+    from harness.signatures import group
+    from harness.signatures.text import known_lines
+
+    shutil.copy(REPO / "suites" / "eog.yaml", suites / "eog.yaml")
+    (suites / "known-failures.yaml").write_text(ENTRY)
+    [entry] = load(suites / "known-failures.yaml")
+    par = Cell("server", "par", "draft-simple", "tiny-hybrid")
+    http500 = "round 0: HTTP 500: speculative batch index 12 is not inside the current sub-batch [0, 8)"
+    r = CheckResult("no-crash", False, f"1 of 1 requests failed; c {http500}", failures=[http500])
+    assert tag([entry], "eog", par, [r]) == []
+    record = {"suite": "eog", "case": "c", **{k: getattr(par, k) for k in ("mode", "spec", "model", "backend")}}
+    record |= {"check": r.name, "passed": False, "message": r.message, "evidence": r.evidence, "failures": r.failures}
+    [line] = known_lines({"demo-defect": group([record], [], lambda v: True)})
+    assert line.startswith("known llama.cpp defect demo-defect: 1 signature: ")
+    assert "seen in a new suite: eog (known defect, not failing the run" in line
