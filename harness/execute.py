@@ -21,6 +21,7 @@ from harness.errors import HarnessBug, HarnessError, LlamaAbort
 from harness.logits import PositionLogits
 from harness.matrix import Cell, spec_preset
 from harness.models import draft_for, resolve
+from harness.models.registry import HEAD_TYPES, head_draft_for
 from harness.request import Request, Sampling
 from harness.result import Result
 from harness.suites import Case, Suite, case_keys  # noqa: F401 - case_keys is used from here too
@@ -50,11 +51,14 @@ def serve_config(
     preset = spec_preset(cell.spec)
     spec = {**preset.options, **options.spec_overrides} if preset.options else {}
     draft = None
-    if "draft-simple" in spec.get("spec-type", ""):
+    types = str(spec.get("spec-type", "")).split(",")
+    if "draft-simple" in types:
         name = options.draft_model or draft_for(cell.model)
         if name is None:
             raise HarnessError(f"draft-simple needs --draft-model: {cell.model} has no registered draft")
         draft = resolve(name).path
+    elif heads := [t for t in types if t in HEAD_TYPES]:  # draft-eagle3 / -dflash / -dspark: a generated head
+        draft = resolve(options.draft_model or head_draft_for(cell.model, heads[0])).path
     serve = dict(serve or {})
     return ServeConfig(
         model=resolve(cell.model).path,

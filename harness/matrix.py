@@ -65,6 +65,14 @@ SPEC_PRESETS: dict[str, SpecPreset] = {
     # the target's own MTP (nextn) head drafts (a model with `nextn_predict_layers`: tiny-hybrid-mtp); llama-server
     # only for now: the engine has no MTP drafter yet (see docs/upstream-defects.md, "types that cannot run here")
     "draft-mtp": SpecPreset({"spec-type": "draft-mtp", "spec-draft-n-max": 3}, server_only=True),
+    # draft heads fed with the target's hidden states, generated for tiny-hybrid-mtp (`-md` its `<model>-eagle3` /
+    # `-dflash` / `-dspark`); llama-server only. The tiny DFlash head's drafts are never accepted (its mask slots
+    # are not trained to read the anchor), so its cells check verification, not acceptance
+    "draft-eagle3": SpecPreset({"spec-type": "draft-eagle3", "spec-draft-n-max": 3}, server_only=True),
+    "draft-dflash": SpecPreset(
+        {"spec-type": "draft-dflash", "spec-draft-n-max": 3}, expect_accepts=False, server_only=True
+    ),
+    "draft-dspark": SpecPreset({"spec-type": "draft-dspark", "spec-draft-n-max": 3}, server_only=True),
     "scripted-accept": SpecPreset({}, scripted="accept-all"),
     # every draft rejected: a draft-simple draft is synthetically accepted with probability 0 (`--spec-synth-len 1`
     # resolves to rates 0,…,0 for any n_max); the target's token is still sampled and emitted, so the output is

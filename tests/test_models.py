@@ -20,6 +20,10 @@ KIND = {
     "tiny-recurrent": "recurrent",
     "tiny-long": "dense",
     "tiny-hybrid-mtp": "hybrid",
+    # draft heads (arch eagle3 / dflash): one attention layer, no memory of their own kind
+    "tiny-hybrid-mtp-eagle3": "dense",
+    "tiny-hybrid-mtp-dflash": "dense",
+    "tiny-hybrid-mtp-dspark": "dense",
 }
 FLAGS = {"dense": (False, False), "hybrid": (False, True), "recurrent": (True, False)}  # (is_recurrent, is_hybrid)
 
@@ -162,3 +166,13 @@ def test_mtp_model_has_one_nextn_block_loaded_only_on_request(built):
             assert llama_cpp.llama_model_n_layer(model) == 4  # the trunk (block_count 5 counts the MTP block)
         finally:
             llama_cpp.llama_model_free(model)
+
+
+def test_head_drafts_are_named_per_target_and_type():
+    from harness.models.registry import head_draft_for
+
+    assert head_draft_for("tiny-hybrid-mtp", "draft-eagle3") == "tiny-hybrid-mtp-eagle3"
+    assert head_draft_for("tiny-hybrid-mtp", "draft-dspark") == "tiny-hybrid-mtp-dspark"
+    with pytest.raises(HarnessError, match="draft-dflash needs a dflash draft head made for the target: tiny-dense"):
+        head_draft_for("tiny-dense", "draft-dflash")
+    assert draft_for("tiny-hybrid-mtp") is None  # a head is no draft-simple draft

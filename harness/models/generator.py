@@ -66,9 +66,13 @@ class Recipe:
     the token's embedding through and adds this much of the previous hidden state; its attention and FFN write
     at `mtp` scale too: the head predicts from the current token, as the `trunk_gain`-damped trunk mostly does,
     so its drafts are often but not always the target's tokens."""
+    head: str = ""
+    """A draft head for llama-server's draft-eagle3 / draft-dflash / draft-dspark (`eagle3`, `dflash`, `dspark`),
+    fed with the hidden states of `head_of`, whose embedding and output it reuses (see `_write_head`)."""
+    head_of: str | None = None
 
 
-_NEW_FIELDS = {"trunk_gain": 1.0, "mtp": 0.0}
+_NEW_FIELDS = {"trunk_gain": 1.0, "mtp": 0.0, "head": "", "head_of": None}
 """Recipe fields added after models were first published: left out of a fingerprint at their defaults, so the
 older models keep their file names."""
 
@@ -132,6 +136,11 @@ RECIPES: dict[str, Recipe] = {
         # mostly a function of the current one (greedy still walks 63 distinct tokens in 64), which is what the
         # head predicts (the target's next token equals that prediction at 55 % of 192 greedy positions).
         dataclasses.replace(_HYBRID, name="tiny-hybrid-mtp", trunk_gain=0.15, mtp=0.1),
+        # Draft heads for llama-server's draft-eagle3 / -dflash / -dspark on tiny-hybrid-mtp (its layer inputs)
+        *(
+            dataclasses.replace(_HYBRID, name=f"tiny-hybrid-mtp-{head}", seed=8, head=head, head_of="tiny-hybrid-mtp")
+            for head in ("eagle3", "dflash", "dspark")
+        ),
     )
 }
 
@@ -160,7 +169,9 @@ def fingerprint(recipe: Recipe) -> str:
     spec = {
         "generator": GENERATOR_VERSION,
         "recipe": _fingerprint_fields(recipe),
-        "target": _fingerprint_fields(RECIPES[recipe.draft_of]) if recipe.draft_of else None,
+        "target": _fingerprint_fields(RECIPES[recipe.draft_of or recipe.head_of])
+        if recipe.draft_of or recipe.head_of
+        else None,
         "vocab": hashlib.sha256(_VOCAB.read_bytes()).hexdigest(),
         "versions": {pkg: importlib.metadata.version(pkg) for pkg in ("gguf", "numpy")},
     }
@@ -326,37 +337,140 @@ _ARCH_WRITERS: dict[str, Callable[[Hparams, gguf.GGUFWriter, _Tensors], None]] =
 }
 
 
-def write_model(recipe: Recipe, path: Path) -> None:
-    """Write `recipe` as a GGUF file at `path`; the same recipe always gives the same bytes."""
+class _NoWriter:
+    """Stands in for a GGUFWriter where only the tensors are wanted (a head draft reads its target's)."""
+
+    def __getattr__(self, name: str) -> Callable[..., None]:
+        return lambda *args, **kwargs: None
+
+
+def _build(recipe: Recipe, writer: Any) -> _Tensors:
+    """Every key (into `writer`) and tensor of a target or noisy-draft recipe, in writing order."""
     base = RECIPES[recipe.draft_of] if recipe.draft_of else recipe
     hp = base.hparams
     tensors = _Tensors(np.random.default_rng(base.seed))
-    writer = gguf.GGUFWriter(path, base.arch)
+    writer.add_name(recipe.name)
+    writer.add_file_type(gguf.LlamaFileType.ALL_F32)
+    writer.add_context_length(hp.n_ctx)
+    writer.add_embedding_length(hp.n_embd)
+    writer.add_block_count(hp.n_layer + (1 if base.mtp else 0))
+    for key, value, vtype, sub_type in _tokenizer_fields():
+        writer.add_key_value(key, value, vtype, sub_type=sub_type)
+    tensors.weight("token_embd.weight", hp.n_embd, _vocab_size(), std=1.0)
+    _ARCH_WRITERS[base.arch](hp, writer, tensors)
+    if base.trunk_gain != 1.0:
+        for name in tensors.matmul:
+            if name.endswith(("attn_output.weight", "ssm_out.weight", "ffn_down.weight")):
+                tensors.arrays[name] *= np.float32(base.trunk_gain)
+    if base.mtp:
+        _qwen35_mtp(hp, writer, tensors, base.mtp)
+    tensors.ones("output_norm.weight", hp.n_embd)
+    tensors.weight("output.weight", hp.n_embd, _vocab_size(), std=2 / np.sqrt(hp.n_embd))  # logit std ~2
+    if base.focus:
+        rows = np.random.default_rng(base.seed).choice(np.arange(256, _vocab_size()), base.focus, replace=False)
+        tensors.arrays["output.weight"][np.sort(rows)] *= np.float32(base.focus_gain)
+    if recipe.draft_of:
+        tensors.add_noise(recipe.noise, np.random.default_rng(recipe.seed))
+    return tensors
+
+
+HEAD_GAIN = 0.1
+"""A head's layer outputs (attention out, FFN down) and feature projection `fc` are scaled by this: its residual
+stream stays close to the current token's embedding, so through the target's own output matrix it predicts what
+the `trunk_gain`-damped target mostly predicts from that token (the MTP block's recipe, for the other heads)."""
+
+
+def _write_head(recipe: Recipe, writer: gguf.GGUFWriter) -> dict[str, np.ndarray]:
+    """The keys (into `writer`) and tensors of a one-layer draft head for `recipe.head_of`, a qwen35 target, as
+    src/models/eagle3.cpp and dflash.cpp load them. All read the target's layer inputs 1..3 (`target_layers`) and
+    take the embedding and output matrix from the target (no `token_embd` / `output` of their own); DFlash and
+    DSpark draft blocks of 4 (the anchor and up to 3 mask tokens, id 0). EAGLE3's attention looks at its own
+    position (Q = K = 2 x the normed embedding) and V copies it, so the decoder passes the token's embedding
+    through: it predicts the target's likely next token. DSpark adds a Markov head whose bias is the target's
+    bigram logits (w1 = the normed embeddings, w2 = the output matrix) of the previous token. Plain DFlash
+    reads its drafts at the mask positions, which nothing untrained makes read the anchor: its drafts are
+    never accepted."""
+    target = RECIPES[recipe.head_of]
+    hp = target.hparams
+    tt = _build(target, _NoWriter()).arrays
+    e, n_head, ff = hp.n_embd, hp.n_head, hp.n_ff
+    head_dim = e // n_head
+    rng = np.random.default_rng(recipe.seed)
+    eye = np.eye(e, dtype=np.float32)
+
+    def w(ne0: int, ne1: int, std: float) -> np.ndarray:
+        return rng.standard_normal((ne1, ne0), dtype=np.float32) * np.float32(std / np.sqrt(ne0))
+
+    def ones(n: int) -> np.ndarray:
+        return np.ones(n, dtype=np.float32)
+
+    arch = "eagle3" if recipe.head == "eagle3" else "dflash"
+    writer.add_name(recipe.name)
+    writer.add_file_type(gguf.LlamaFileType.ALL_F32)
+    writer.add_context_length(hp.n_ctx)
+    writer.add_embedding_length(e)
+    writer.add_block_count(1)
+    writer.add_feed_forward_length(ff)
+    writer.add_head_count(n_head)
+    writer.add_layer_norm_rms_eps(1e-6)
+    writer.add_rope_dimension_count(head_dim)
+    writer.add_array(f"{arch}.target_layers", list(range(hp.n_layer - 3, hp.n_layer)))
+    for key, value, vtype, sub_type in _tokenizer_fields():
+        writer.add_key_value(key, value, vtype, sub_type=sub_type)
+    t: dict[str, np.ndarray] = {}
+    if arch == "eagle3":
+        writer.add_head_count_kv(n_head)  # V as wide as the embedding: it carries the token's embedding
+        writer.add_uint32("eagle3.target_hidden_size", e)
+        t["fc.weight"] = w(3 * e, e, HEAD_GAIN)
+        t["output_norm.weight"] = ones(e)
+        t["blk.0.attn_norm.weight"] = ones(e)
+        t["blk.0.attn_norm_2.weight"] = ones(e)
+        t["blk.0.attn_q.weight"] = np.concatenate([2 * eye + w(e, e, 0.3), w(e, e, 0.3)], axis=1)
+        t["blk.0.attn_k.weight"] = np.concatenate([2 * eye + w(e, e, 0.3), w(e, e, 0.3)], axis=1)
+        t["blk.0.attn_v.weight"] = np.concatenate([eye, w(e, e, HEAD_GAIN)], axis=1)
+        t["blk.0.attn_output.weight"] = eye + w(e, e, HEAD_GAIN)
+        t["blk.0.ffn_norm.weight"] = ones(e)
+    else:
+        writer.add_head_count_kv(hp.n_head_kv)
+        writer.add_key_length(head_dim)
+        writer.add_value_length(head_dim)
+        writer.add_uint32("dflash.block_size", 4)
+        writer.add_uint32("tokenizer.ggml.mask_token_id", 0)
+        t["fc.weight"] = w(3 * e, e, HEAD_GAIN)
+        t["enc.output_norm.weight"] = ones(e)
+        t["output_norm.weight"] = ones(e)
+        t["blk.0.attn_norm.weight"] = ones(e)
+        t["blk.0.attn_q.weight"] = w(e, n_head * head_dim, 1.0)
+        t["blk.0.attn_k.weight"] = w(e, hp.n_head_kv * head_dim, 1.0)
+        t["blk.0.attn_v.weight"] = w(e, hp.n_head_kv * head_dim, 1.0)
+        t["blk.0.attn_output.weight"] = w(n_head * head_dim, e, HEAD_GAIN)
+        t["blk.0.attn_q_norm.weight"] = ones(head_dim)
+        t["blk.0.attn_k_norm.weight"] = ones(head_dim)
+        t["blk.0.ffn_norm.weight"] = ones(e)
+        if recipe.head == "dspark":
+            emb = tt["token_embd.weight"]
+            t["markov_w1.weight"] = emb / np.sqrt((emb * emb).mean(axis=1, keepdims=True) + np.float32(1e-6))
+            t["markov_w2.weight"] = tt["output.weight"]
+    t["blk.0.ffn_gate.weight"] = w(e, ff, 1.0)
+    t["blk.0.ffn_up.weight"] = w(e, ff, 1.0)
+    t["blk.0.ffn_down.weight"] = w(ff, e, HEAD_GAIN)
+    return t
+
+
+def file_arch(recipe: Recipe) -> str:
+    """The `general.architecture` of the file `recipe` writes (a head's: eagle3, or dflash for DFlash and DSpark)."""
+    if recipe.head:
+        return "eagle3" if recipe.head == "eagle3" else "dflash"
+    return (RECIPES[recipe.draft_of] if recipe.draft_of else recipe).arch
+
+
+def write_model(recipe: Recipe, path: Path) -> None:
+    """Write `recipe` as a GGUF file at `path`; the same recipe always gives the same bytes."""
+    writer = gguf.GGUFWriter(path, file_arch(recipe))
     try:
-        writer.add_name(recipe.name)
-        writer.add_file_type(gguf.LlamaFileType.ALL_F32)
-        writer.add_context_length(hp.n_ctx)
-        writer.add_embedding_length(hp.n_embd)
-        writer.add_block_count(hp.n_layer + (1 if base.mtp else 0))
-        for key, value, vtype, sub_type in _tokenizer_fields():
-            writer.add_key_value(key, value, vtype, sub_type=sub_type)
-        tensors.weight("token_embd.weight", hp.n_embd, _vocab_size(), std=1.0)
-        _ARCH_WRITERS[base.arch](hp, writer, tensors)
-        if base.trunk_gain != 1.0:
-            for name in tensors.matmul:
-                if name.endswith(("attn_output.weight", "ssm_out.weight", "ffn_down.weight")):
-                    tensors.arrays[name] *= np.float32(base.trunk_gain)
-        if base.mtp:
-            _qwen35_mtp(hp, writer, tensors, base.mtp)
-        tensors.ones("output_norm.weight", hp.n_embd)
-        tensors.weight("output.weight", hp.n_embd, _vocab_size(), std=2 / np.sqrt(hp.n_embd))  # logit std ~2
-        if base.focus:
-            rows = np.random.default_rng(base.seed).choice(np.arange(256, _vocab_size()), base.focus, replace=False)
-            tensors.arrays["output.weight"][np.sort(rows)] *= np.float32(base.focus_gain)
-        if recipe.draft_of:
-            tensors.add_noise(recipe.noise, np.random.default_rng(recipe.seed))
-        for name, array in tensors.arrays.items():
-            writer.add_tensor(name, array)
+        arrays = _write_head(recipe, writer) if recipe.head else _build(recipe, writer).arrays
+        for name, array in arrays.items():
+            writer.add_tensor(name, np.ascontiguousarray(array, dtype=np.float32))
         writer.write_header_to_file()
         writer.write_kv_data_to_file()
         writer.write_tensors_to_file()

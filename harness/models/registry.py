@@ -72,6 +72,24 @@ def draft_for(name: str) -> str | None:
     return next((r.name for r in generator.RECIPES.values() if r.draft_of == name), None)
 
 
+HEAD_TYPES = {"draft-eagle3": "eagle3", "draft-dflash": "dflash", "draft-dspark": "dspark"}
+"""llama-server's `--spec-type`s whose draft is a head fed with the target's hidden states, and the `head` of
+their generated drafts."""
+
+
+def head_draft_for(name: str, spec_type: str) -> str:
+    """The registry name of the generated `spec_type` head (draft-eagle3 / -dflash / -dspark) of target `name`;
+    a one-line error when there is none."""
+    head = HEAD_TYPES[spec_type]
+    found = next((r.name for r in generator.RECIPES.values() if r.head == head and r.head_of == name), None)
+    if found is None:
+        having = sorted({r.head_of for r in generator.RECIPES.values() if r.head == head})
+        raise HarnessError(
+            f"{spec_type} needs a {head} draft head made for the target: {name} has none (use {', '.join(having)})"
+        )
+    return found
+
+
 def _models_dir() -> Path:
     path = cache_dir() / "models"
     path.mkdir(parents=True, exist_ok=True)
@@ -97,9 +115,8 @@ def _generated(name: str, build: bool) -> ModelInfo:
             if not (path.exists() and sidecar.exists()):
                 write_atomic(path, lambda tmp: generator.write_model(recipe, tmp))
                 write_atomic(sidecar, lambda tmp: tmp.write_text(_sha256_file(path) + "\n"))
-    return ModelInfo(
-        name, recipe.arch, kind_of_arch(recipe.arch), path, sidecar.read_text().strip(), path.stat().st_size
-    )
+    arch = generator.file_arch(recipe)
+    return ModelInfo(name, arch, kind_of_arch(arch), path, sidecar.read_text().strip(), path.stat().st_size)
 
 
 def _read_arch(path: Path) -> str:
