@@ -173,3 +173,37 @@ def test_repro_py_tells_the_same_failure_a_different_one_and_none_apart():
     assert judge(kv, {"subject": {"C": [damaged]}})[0] == DIFFERENT  # orphans, not the duplicate cells
     scan = {**scan, "totals": {**scan["totals"], "duplicate_cells": 2}}
     assert judge(kv, {"subject": {"C": [Result(tokens=[1], stop_reason="limit", kv_scan=scan)]}})[0] == REPRODUCED
+
+
+def test_repro_sh_of_a_kv_failure_scans_the_failing_requests_own_slot(tmp_path, tiny_models):
+    """eog's `replay` (the known defect server-spec-keeps-eog: the slot keeps the EOG token at P+T): its slot is
+    saved right after it, before the suite's next requests take the slot (before, the scan read the last
+    request's state against the failing request's counts); the end-of-generation token llama-server lists is not
+    a returned token."""
+    run = specharness(
+        "run",
+        "--suite",
+        "eog",
+        "--backend",
+        "server",
+        "--spec",
+        "draft-simple",
+        "--model",
+        "tiny-recurrent",
+        "--mode",
+        "seq",
+        "--out",
+        str(tmp_path / "run"),
+    )
+    assert run.returncode == 0, run.stderr[-2000:]
+    failure = "eog[replay-seq-draft-simple-tiny-recurrent-server]"
+    done = specharness("repro", failure, "--from-run", str(tmp_path / "run"), "--out", str(tmp_path / "bundle"))
+    assert done.returncode == 0, done.stderr[-3000:]
+    script = (tmp_path / "bundle" / "repro.sh").read_text()
+    assert script.index("post subject-0-1\n") < script.index("action=save") < script.index("post subject-0-2\n")
+    work = tmp_path / "work"
+    work.mkdir()
+    same = repro(tmp_path / "bundle", work)
+    assert same.returncode == 1, same.stdout + same.stderr
+    assert "REPRODUCED: kv-healthy: positions past the returned tokens" in same.stdout
+    assert "positions up to 17 after 8 prompt + 9 returned tokens" in same.stdout

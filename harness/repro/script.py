@@ -129,7 +129,7 @@ describe_failure() {  # NAME...: what went wrong, in one line
 }
 
 tokens_of() {  # NAME: the generated token ids of an answer, space-separated
-  grep -o '"tokens":\[[^]]*\]' "$WORK/$1.json" 2>/dev/null | head -n 1 | sed -e 's/"tokens":\[//' -e 's/\]//' -e 's/,/ /g'
+  grep -o '"tokens": *\[[^]]*\]' "$WORK/$1.json" 2>/dev/null | head -n 1 | sed -e 's/"tokens": *\[//' -e 's/\]//' -e 's/,/ /g'
 }
 
 abort_line() {  # LEG: the line of the server log that says why it stopped
@@ -175,6 +175,13 @@ def write(bundle: Path, case: dict, defaults: dict[str, str]) -> Path:
     for leg in case["legs"]:
         role = leg["role"]
         body += [f'echo "== {role}: {leg["cell_id"]}"', "start_server " + role + " " + _argv(leg["command"])]
+        scanned = role == SUBJECT and judge == "kv"
+        last = (
+            [f"{role}-{b}-{i}" for b, batch in enumerate(leg["batches"]) for i, r in enumerate(batch["requests"])]
+            if scanned
+            else []
+        )
+        last = next((n for n in reversed(last) if _request_of(leg, n)["key"] == key), None)
         for b, batch in enumerate(leg["batches"]):
             names = []
             for i, request in enumerate(batch["requests"]):
@@ -185,13 +192,14 @@ def write(bundle: Path, case: dict, defaults: dict[str, str]) -> Path:
                     targets.setdefault(role, []).append(name)
             if batch["how"] == "par":  # at once; wait for these requests only (not for llama-server)
                 body.append("REQS=(); " + " ".join(f"post {n} & REQS+=($!);" for n in names) + ' wait "${REQS[@]}"')
-            else:
-                body += [f"post {n}" for n in names]
-            body.append(f"judge_batch {role} {' '.join(names)}")
-        if role == SUBJECT and judge == "kv":
-            body += _kv_verdict(case, targets[SUBJECT][-1])
-        else:
-            body.append("stop_server")
+                body.append(f"judge_batch {role} {' '.join(names)}")
+                body += _save_slot(last) if last in names else []
+            else:  # one at a time: the failing request's slot is saved before the next request can take it
+                for n in names:
+                    body += [f"post {n}", f"judge_batch {role} {n}", *(_save_slot(n) if n == last else [])]
+        body.append("stop_server")
+        if scanned:
+            body += _kv_verdict(case, last)
     lines += [
         f"SIGNATURE={shlex.quote(case['signature'])}",
         f"TARGETS={shlex.quote(' ' + ' '.join(targets.get(SUBJECT, [])) + ' ')}",
@@ -305,15 +313,25 @@ def _subject_failed(case: dict) -> list[str]:
     return [*lines, '  different "$(describe_failure "$@")"', "}"]
 
 
+def _request_of(leg: dict, name: str) -> dict:
+    _, b, i = name.rsplit("-", 2)
+    return leg["batches"][int(b)]["requests"][int(i)]
+
+
+def _save_slot(name: str) -> list[str]:
+    """Save the slot that served request `name` as slot.bin (right after it: before another request takes it)."""
+    return [
+        f'SLOT="$(grep -o \'"id_slot": *[0-9]*\' "$WORK/{name}.json" | head -n 1 | grep -o \'[0-9]*$\')"',
+        "curl -s -X POST \"http://127.0.0.1:$PORT/slots/${SLOT:-0}?action=save\" -H 'Content-Type: application/json' "
+        '-d \'{"filename": "slot.bin"}\' >/dev/null',
+    ]
+
+
 def _kv_verdict(case: dict, last: str) -> list[str]:
-    """Save the slot of the failing request, scan it, and judge its first kind of damage."""
+    """Scan the failing request's saved slot, and judge its first kind of damage."""
     damages = [name for _, name in KV_DAMAGE]
     want = expectation(case)["damage"]
     return [
-        f'SLOT="$(grep -o \'"id_slot":[0-9]*\' "$WORK/{last}.json" | head -n 1 | cut -d: -f2)"',
-        "curl -s -X POST \"http://127.0.0.1:$PORT/slots/${SLOT:-0}?action=save\" -H 'Content-Type: application/json' "
-        '-d \'{"filename": "slot.bin"}\' >/dev/null',
-        "stop_server",
         'if ! command -v "$SPECHARNESS" >/dev/null; then',
         '  echo "the KV verdict needs `specharness scan`: set $SPECHARNESS, or get specharness as ISSUE.md says"',
         "  exit 2",
@@ -322,13 +340,16 @@ def _kv_verdict(case: dict, last: str) -> list[str]:
         'if [ $status != 0 ] && [ $status != 1 ]; then echo "specharness scan could not read the slot file"; exit 2; fi',
         'count_of() { grep -o "\\"$1\\": [0-9]*" "$WORK/scan.json" | head -n 1 | grep -o \'[0-9]*$\'; }',
         'POS_MAX="$(grep -o \'"pos_max": [0-9]*\' "$WORK/scan.json" | grep -o \'[0-9]*$\' | sort -n | tail -n 1)"',
-        f"PROMPT_N=\"$(grep -o '\"prompt\":\\[[^]]*\\]' \"$HERE/requests/{last}.json\" | tr ',' '\\n' | wc -l)\"",
+        f"PROMPT_N=\"$(grep -o '\"prompt\": *\\[[^]]*\\]' \"$HERE/requests/{last}.json\" | tr ',' '\\n' | wc -l)\"",
         f'RETURNED_N="$(tokens_of {last} | wc -w)"',
+        f'if grep -Eq \'"stop_type": *"eos"\' "$WORK/{last}.json"; then',
+        "  RETURNED_N=$((RETURNED_N - 1))  # llama-server lists the end-of-generation token it stopped on: not returned",
+        "fi",
         "FOUND=''",
         f'if [ "$(count_of duplicate_cells)" -gt 0 ] 2>/dev/null; then FOUND={shlex.quote(damages[0])}',
         f'elif [ "$(count_of orphans)" -gt 0 ] 2>/dev/null; then FOUND={shlex.quote(damages[1])}',
         f'elif [ "$(count_of missing_positions)" -gt 0 ] 2>/dev/null; then FOUND={shlex.quote(damages[2])}',
-        f'elif ! grep -q \'"truncated":true\' "$WORK/{last}.json" && '
+        f'elif ! grep -Eq \'"truncated": *true\' "$WORK/{last}.json" && '
         f'[ "${{POS_MAX:--1}}" -ge $((PROMPT_N + RETURNED_N)) ]; then FOUND={shlex.quote(damages[3])}',
         "fi",
         'echo "KV scan of the slot: ${FOUND:-healthy} (positions up to ${POS_MAX:-?} after $PROMPT_N prompt + '
