@@ -27,6 +27,8 @@ RECIPE = 2
 """Bump when the commits below change (the cached repository is then made again)."""
 REGRESSION = 6
 BROKEN = 4
+REGRESSION_TIP = 8
+"""The last commit of the regression's history (the tip before the crash commits were added)."""
 MID_REQUEST_CRASH = 9
 STARTUP_ABORT = 11
 SEQ_RM_AFTER_RESTORE = "                        slot.mem.seq_rm(slot.id, ckpt.pos_max + 1, -1);\n"

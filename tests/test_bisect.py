@@ -22,6 +22,7 @@ from bisect_history import (
     BROKEN,
     MID_REQUEST_CRASH,
     REGRESSION,
+    REGRESSION_TIP,
     STARTUP_ABORT,
     commits,
     fixture_lock,
@@ -85,7 +86,8 @@ def history():
 
 
 def bisect_args(repo: Path, out: Path, good: int = 1) -> list[str]:
-    """Bisect from commit #`good` (1 = the imported tree) to the tip."""
+    """Bisect from commit #`good` (1 = the imported tree) to the last commit before the crash commits (#9 on:
+    the regression's history as it was, so the bisect visits the commit that does not build)."""
     return [
         "bisect",
         "--source",
@@ -93,7 +95,7 @@ def bisect_args(repo: Path, out: Path, good: int = 1) -> list[str]:
         "--good",
         commits(repo)[good - 1],
         "--bad",
-        "main",
+        commits(repo)[REGRESSION_TIP - 1],
         "--suite",
         str(SUITE),
         "--out",
@@ -111,7 +113,8 @@ def check_outcome(repo: Path, out: Path, stdout: str, good: int = 1) -> None:
         assert by_commit[broken]["verdict"] == "skip" and by_commit[broken]["build_attempts"] == 2
         assert "does not build" in by_commit[broken]["reason"]
     assert by_commit[shas[good - 1]]["role"] == "verify-good" and by_commit[shas[good - 1]]["verdict"] == "good"
-    assert by_commit[shas[-1]]["role"] == "verify-bad" and by_commit[shas[-1]]["verdict"] == "bad"
+    tip = shas[REGRESSION_TIP - 1]
+    assert by_commit[tip]["role"] == "verify-bad" and by_commit[tip]["verdict"] == "bad"
     assert by_commit[regression]["verdict"] == "bad" and by_commit[shas[REGRESSION - 2]]["verdict"] == "good"
     failed = [c for c in by_commit[regression]["checks"] if not c["passed"]]
     assert failed, "the first bad commit must fail a check"
