@@ -108,9 +108,10 @@ def test_the_issue_says_how_to_get_the_specharness_that_wrote_it(bundle):
     case = json.loads((bundle / "case.json").read_text())
     issue = (bundle / "ISSUE.md").read_text()
     assert "pip install specharness" not in issue
-    commit = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "HEAD"], capture_output=True, text=True).stdout
-    assert case["harness"]["commit"] == commit.strip()
-    assert f"specharness at commit `{commit.strip()}`" in issue or f"@{commit.strip()}'`" in issue
+    commit = case["harness"]["commit"]  # the checkout's commit when the bundle was written (HEAD may move since)
+    known = subprocess.run(["git", "-C", str(ROOT), "cat-file", "-e", f"{commit}^{{commit}}"], capture_output=True)
+    assert len(commit) == 40 and known.returncode == 0
+    assert f"specharness at commit `{commit}`" in issue or f"@{commit}'`" in issue
 
 
 SEGV_WRAPPER = """#!/usr/bin/env bash

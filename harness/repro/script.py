@@ -95,9 +95,10 @@ message_of() {  # NAME: the error message of an answer, numbers as N
     | sed -E 's/[0-9]+/N/g'
 }
 
-ended() {  # true when llama-server is gone (waiting up to 5 s for a dying one); its exit status in STATUS
+ended() {  # [TENTHS]: true when llama-server is gone (waiting up to TENTHS/10 s, default 5 s, for a dying one);
+  # its exit status in STATUS
   local _
-  for _ in $(seq 1 50); do
+  for _ in $(seq 1 "${1:-50}"); do
     if ! kill -0 "$PID" 2>/dev/null; then wait "$PID" 2>/dev/null; STATUS=$?; PID=""; return 0; fi
     sleep 0.1
   done
@@ -115,6 +116,7 @@ judge_batch() {  # ROLE NAME...: after a batch: when a request failed or the ser
   for name in ${failed:-none}; do
     if [ "$name" = none ] || [ "$(code_of "$name")" = 000 ]; then ended && DIED=1; break; fi
   done
+  if [ -z "$DIED" ] && ended 10; then DIED=1; fi  # an HTTP error answered just before llama-server died
   if [ "$role" != subject ]; then
     echo "the $role leg did not complete: $(describe_failure $failed)"; exit 2
   fi
