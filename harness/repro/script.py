@@ -335,7 +335,7 @@ def _kv_verdict(case: dict, last: str) -> list[str]:
     want = expectation(case)["damage"]
     return [
         'if ! command -v "$SPECHARNESS" >/dev/null; then',
-        '  echo "the KV verdict needs `specharness scan`: set $SPECHARNESS, or get specharness as ISSUE.md says"',
+        "  echo 'the KV verdict needs specharness scan: set SPECHARNESS to it, or get specharness as ISSUE.md says'",
         "  exit 2",
         "fi",
         '"$SPECHARNESS" scan "$WORK/slot.bin" --model "$MODEL" --json >"$WORK/scan.json"; status=$?',
