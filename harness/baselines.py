@@ -23,9 +23,12 @@ from harness.models import model_key
 from harness.paths import write_atomic
 from harness.suites import suites_dir
 
-FIELDS = ("suite", "case", "model", "backend", "device", "text", "tokens", "environment", "acceptance")
+FIELDS = ("suite", "case", "model", "backend", "device", "text", "tokens", "environment", "acceptance", "work")
 ACCEPTANCE_FIELDS = ("draft_n", "draft_n_accepted", "drafted_per_pos", "accepted_per_pos")
 """What a baseline keeps of a request's `spec_stats` (the per-position lists only where the backend reports them)."""
+CELL_ROWS = ("acceptance", "work")
+"""The fields that hold rows per cell (`<mode>/<spec>` key → one row per round): `acceptance`, and `work` (the
+counters of `Result.work` the backend counted, harness.result.WORK_COUNTERS; the `work` check compares with them)."""
 
 
 def output_digest(tokens: list[int]) -> str:
@@ -69,7 +72,7 @@ def render(data: dict) -> str:
     readable."""
     lines = []
     for k in (k for k in FIELDS if k in data):
-        if k == "acceptance":
+        if k in CELL_ROWS:
             cells = [f"    {_line(cell)}: {_line(data[k][cell])}" for cell in sorted(data[k])]
             lines.append(f"  {_line(k)}: {{\n" + ",\n".join(cells) + "\n  }")
         else:
@@ -175,6 +178,8 @@ class BaselineStore:
         old = self.load(path)
         if old is not None and "acceptance" in old:
             data = {**data, "acceptance": old["acceptance"]}
+        if old is not None and "work" in old:
+            data = {**data, "work": old["work"]}
         if old is not None and old["tokens"] == data["tokens"] and old.get("text") == data["text"]:
             if logits and not self.logits_path(path).exists():
                 self._write(self.logits_path(path), lambda t: save_parquet(t, {"baseline": to_frame(logits)}))
@@ -245,6 +250,38 @@ class BaselineStore:
             return None, path
         own = {"generated": len(data["tokens"]), "output": output_digest(data["tokens"])}
         return [{**own, **row} for row in stored], path
+
+    def work(self, ctx, key: str) -> tuple[list[dict] | None, Path]:
+        """The stored work rows of this cell's case under `key` (as `acceptance`'s), one per round with the
+        `generated` count and `output` digest of the request they were measured on, None when the baseline holds
+        none for it (a file recorded before work was), and the baseline's path. With `update`, this run's rows
+        are stored first (where the baseline file exists and every request of the case completed)."""
+        path = self.file_of(ctx)
+        data = self.load(path)
+        if self.update and data is not None and ctx.completed() and all(o.result.ok for o in ctx.outcomes):
+            rows = [
+                {
+                    "round": o.round,
+                    **{k: v for k, v in o.result.work.to_dict().items() if v is not None},
+                    "generated": len(o.result.tokens),
+                    "output": output_digest(o.result.tokens),
+                }
+                for o in ctx.outcomes
+                if o.result.work.counted()
+            ]
+            if rows and data.get("work", {}).get(key) != rows:
+                data["work"] = {**data.get("work", {}), key: rows}
+                self._write(path, lambda t: t.write_text(render(data)))
+        stored = None if data is None else data.get("work", {}).get(key)
+        if not isinstance(stored, list) or not all(
+            isinstance(r, dict) and isinstance(r.get("round"), int) for r in stored
+        ):
+            if stored is not None:
+                raise BaselineError(
+                    f'corrupt baseline file {shown(path)}: `work` is not {{"<mode>/<spec>": [{{"round": int, ...}}]}}'
+                )
+            return None, path
+        return stored, path
 
     def _update(self, ctx, path: Path, env: dict) -> None:
         """Store the canonical output (mode seq, no speculation, first round) of this case."""

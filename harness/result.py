@@ -33,6 +33,67 @@ class Timings:
         }
 
 
+WORK_COUNTERS = (
+    "target_decoded",
+    "prompt_read",
+    "prompt_reused",
+    "ckpt_created",
+    "ckpt_created_bytes",
+    "ckpt_restored",
+    "ckpt_restored_bytes",
+    "partial_rollbacks",
+    "draft_decoded",
+)
+"""The work a request's steps did (`Result.work`), each None where the backend cannot count it:
+- `target_decoded`: tokens the target decoded for the request: its prompt tokens read, then every generation
+  step's tokens, drafts and replays included;
+- `prompt_read` / `prompt_reused`: prompt tokens decoded / taken from the slot's cache (llama-server's
+  `prompt_n` / `cache_n`);
+- `ckpt_created`, `ckpt_restored` and their `_bytes`: checkpoints of the target's sequence state saved before
+  a verification and restored after a rejection (llama-server: also its prompt checkpoints, and the draft
+  context's state it keeps with them);
+- `partial_rollbacks`: rejections rolled back without a checkpoint (`seq_rm`: the `n_rs_seq` snapshots of a
+  hybrid, the attention cells of a dense model);
+- `draft_decoded`: tokens a draft model's context decoded for the request (its copy of the prompt included)."""
+
+
+@dataclass
+class Work:
+    """The work counters of one request (WORK_COUNTERS); None: not counted by this backend."""
+
+    target_decoded: int | None = None
+    prompt_read: int | None = None
+    prompt_reused: int | None = None
+    ckpt_created: int | None = None
+    ckpt_created_bytes: int | None = None
+    ckpt_restored: int | None = None
+    ckpt_restored_bytes: int | None = None
+    partial_rollbacks: int | None = None
+    draft_decoded: int | None = None
+
+    @classmethod
+    def zero(cls) -> "Work":
+        """Every counter counted, at zero (the engine counts them all)."""
+        return cls(**dict.fromkeys(WORK_COUNTERS, 0))
+
+    def add(self, name: str, n: int) -> None:
+        """Add `n` to a counter (a counter not counted yet starts at 0)."""
+        setattr(self, name, (getattr(self, name) or 0) + n)
+
+    def to_dict(self) -> dict:
+        return {name: getattr(self, name) for name in WORK_COUNTERS}
+
+    @classmethod
+    def from_dict(cls, data: dict | None) -> "Work":
+        """A Work from `to_dict`'s record (unknown keys ignored, missing ones None)."""
+        data = data or {}
+        return cls(**{name: data.get(name) for name in WORK_COUNTERS})
+
+    def counted(self) -> bool:
+        """Whether any counter was counted."""
+        return any(getattr(self, name) is not None for name in WORK_COUNTERS)
+
+
 @dataclass
 class Result:
     """What one request produced.
@@ -55,6 +116,8 @@ class Result:
     spec_stats: dict[str, Any] = field(default_factory=dict)
     kv_scan: dict | None = None
     """The KV scanner's brief verdict on this request's sequence (None when not scanned)."""
+    work: Work = field(default_factory=Work)
+    """The work the request's steps did (WORK_COUNTERS; None where not counted)."""
     logits: list[PositionLogits] = field(default_factory=list)
     """One entry per generated token when logit logging is on (`logit_top_k` > 0), else empty."""
 

@@ -106,6 +106,7 @@ EXPECTED: dict[str, list[tuple[str, str]]] = {
     "ngram-cache-kept-across-requests": [
         ("acceptance", r"against baseline \(tolerance [\d.e-]+\): (acceptance|accepted tokens)")
     ],
+    "full-checkpoint": [("work", r"more work than the baseline in ckpt_created_bytes, ckpt_restored_bytes")],
 }
 """Per fault, the (check, evidence) pairs that count as catching it (any one): the check must fail and its
 message must match the evidence — the bug class, not just any failure."""

@@ -142,6 +142,7 @@ CHECK_NAMES = (
     "probs-complete",
     "prompt-reuse",
     "within-n-predict",
+    "work",
 )
 """The checks a suite may name (their functions live in harness.checks, which must define exactly these)."""
 DEFAULT_CHECKS = [
@@ -154,6 +155,7 @@ DEFAULT_CHECKS = [
     "kv-healthy",
     "logits-close",
     "acceptance",
+    "work",
 ]
 
 

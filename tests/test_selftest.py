@@ -22,6 +22,7 @@ DISTINCT = {  # the failure signatures each fault shows on the plan (harness.sig
     "stale-draft-context": ["kv-healthy: orphans in the draft context"],
     "shared-drafter-state": ["acceptance: fell against baseline"],
     "ngram-cache-kept-across-requests": ["acceptance: fell against baseline"],
+    "full-checkpoint": ["work: more work than the baseline in ckpt_created_bytes, ckpt_restored_bytes"],
 }
 
 

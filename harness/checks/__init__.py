@@ -34,6 +34,7 @@ from harness.checks.budget import within_n_predict
 from harness.checks.compare import compare_outcome, compare_tokens
 from harness.checks.probs import probs_complete
 from harness.checks.reuse import prompt_reuse
+from harness.checks.work import work
 from harness.errors import HarnessBug, HarnessError
 from harness.logits import check as logits_within
 from harness.logits import compare as compare_logits
@@ -429,6 +430,7 @@ CHECKS: dict[str, Check] = {
     "probs-complete": probs_complete,
     "prompt-reuse": prompt_reuse,
     "within-n-predict": within_n_predict,
+    "work": work,
 }
 
 

@@ -94,6 +94,8 @@ class Context:
         self.can_shift = bool(llama_cpp.llama_memory_can_shift(self.memory))
         """Whether positions can be shifted (`seq_add`): false for M-RoPE models (the qwen35 hybrids)."""
         self._state_buf = None
+        self.meter = None
+        """A `harness.engine.work.DecodeMeter` counting the tokens each sequence decoded (None: not counted)."""
 
     def new_batch(self) -> Batch:
         """A batch as large as the context accepts in one decode."""
@@ -101,7 +103,10 @@ class Context:
 
     def decode(self, batch: Batch) -> int:
         """llama_decode's status: 0 ok, 1 no KV slot, 2 aborted, -1 invalid batch, < -1 compute error."""
-        return llama_cpp.llama_decode(self.ptr, batch.struct)
+        status = llama_cpp.llama_decode(self.ptr, batch.struct)
+        if status == 0 and self.meter is not None:
+            self.meter.count(batch)
+        return status
 
     def logits(self, index: int) -> np.ndarray:
         """The logits of output row `index` of the last decode (a view, valid until the next decode)."""

@@ -26,6 +26,9 @@ FAULTS = {
     "ngram-cache-kept-across-requests": "ngram-cache's begin() keeps the slot's cache of its previous request and "
     "counts only the part of a new history longer than any before (ggml-org/llama.cpp#27852; outputs stay "
     "lossless, drafts come from the old request's n-grams)",
+    "full-checkpoint": "checkpoint the whole sequence state (the attention KV cells too) before each verification "
+    "where the PARTIAL_ONLY state suffices (the kind of ggml-org/llama.cpp PR #28873 and #28118; outputs and "
+    "acceptance stay the same, each step copies more bytes)",
 }
 
 

@@ -11,6 +11,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from harness.engine import work
 from harness.engine.context import Context
 from harness.engine.ctxshift import needs_shift, shift_span
 from harness.engine.kvcheck import KvChecker
@@ -104,6 +105,8 @@ class Scheduler:
                     failed = slot.start(index, request)
                     if failed is not None:
                         finished(index, failed)
+                    else:
+                        work.begin(slot, self.spec)
             if on_step is not None:
                 on_step(sum(len(s.prompt) for s in self._active() if len(s.result.tokens) < 2))
             for slot, result in self.step():
@@ -113,6 +116,7 @@ class Scheduler:
                         self._scan_draft(slot)
                 if self.spec:
                     self.spec.end(slot)
+                work.finish(slot, self.spec)
                 self.ctx.seq_rm(slot.id)
                 finished(slot.request_index, result)
         return results
@@ -261,6 +265,7 @@ class Scheduler:
                 return finished + self._fail(parts, status)
 
     def _finish_step(self, parts: list[Part], rows: list[list[int]]) -> list[tuple[Slot, Result]]:
+        work.decoded(parts)
         if self.spec:
             self.spec.processed(self.batch)
         finished = []

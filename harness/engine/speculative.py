@@ -10,7 +10,7 @@ from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
-from harness.engine import rollback
+from harness.engine import rollback, work
 from harness.engine.batch import Batch
 from harness.engine.context import CACHE_TYPES, Context
 from harness.engine.drafters.base import Drafter, DraftRequest
@@ -181,9 +181,11 @@ class Speculation:
         self.strategy = rollback.choose_strategy(config.rollback, target.model.kind, target.model.arch)
         if self.strategy == "partial":
             rollback.check_partial(target)
-        self.flags = rollback.CHECKPOINT_FLAGS[config.checkpoint_flags]
+        self.flags = rollback.CHECKPOINT_FLAGS["full" if config.fault == "full-checkpoint" else config.checkpoint_flags]
         self.fault = config.fault
         self.drafters = build_drafters(config, target)
+        self.metered = work.meter_drafts(self.drafters, target)
+        """The drafters' own contexts, whose decodes count as the requests' `draft_decoded` (harness.engine.work)."""
         self.mirrors = [d for d in self.drafters if type(d).process is not Drafter.process]
         """The drafters that follow the target's decodes (draft models); the others ignore `process`."""
         for d in self.mirrors:
@@ -265,6 +267,7 @@ class Speculation:
             plan.checkpoint = self.ctx.state_seq(slot.id, self.flags)
             plan.sampler_backup = slot.sampler.clone()
             slot.result.spec_stats["ckpt_created"] += 1
+            work.checkpoint_created(slot, plan.checkpoint)
         return plan
 
     def drop(self, slot, plan: StepPlan) -> None:
@@ -341,9 +344,11 @@ class Speculation:
         if self.strategy in ("seq-rm", "partial"):
             if not self.ctx.seq_rm(slot.id, keep + off_by_one, -1):
                 raise rollback.LlamaRefused(f"llama.cpp refused to remove positions {keep}.. of sequence {slot.id}")
+            work.partial_rollback(slot)
             self._truncate_drafters(slot.id, keep)
             return self._commit(slot, plan, sampled, logits, n_match)
         slot.result.spec_stats["ckpt_restored"] += 1
+        work.checkpoint_restored(slot, plan.checkpoint)
         if self.fault == "partial-checkpoint-only":
             rollback.restore(self.ctx, slot.id, plan.checkpoint, self.flags, base, trim=False)
             self._truncate_drafters(slot.id, keep)

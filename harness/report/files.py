@@ -61,6 +61,7 @@ def records(runs: list) -> list[dict]:
                     "timings": r.timings.to_dict(),
                     "spec_stats": r.spec_stats,
                     "kv_scan": r.kv_scan,
+                    "work": r.work.to_dict(),
                 }
             )
     return out

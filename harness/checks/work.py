@@ -1,0 +1,104 @@
+"""The `work` check: a cell's requests do no more work per generated token than its baseline's.
+
+Some defects change neither a token nor acceptance, each step just does more (a full checkpoint where the partial
+one suffices, the whole draft KV serialised, a prompt read again). Tokens/s cannot see that on a shared machine; the
+counts (`Result.work`, harness.result.WORK_COUNTERS) are deterministic and machine-independent.
+"""
+
+from harness.baselines import BaselineError, output_digest, shown
+from harness.checks.acceptance import options_key
+from harness.checks.base import NO_OUTPUT, CheckContext, CheckResult, not_run
+from harness.result import WORK_COUNTERS
+
+MORE_IS_WORSE = tuple(c for c in WORK_COUNTERS if c != "prompt_reused")
+"""The counters where more is more work (`prompt_reused` is work saved: a prompt read again shows in
+`prompt_read` and `target_decoded`)."""
+PROMPT_COUNTERS = ("prompt_read",)
+"""Counters of the prompt, compared as they are (not per generated token: the prompt does not grow with it)."""
+SAME_OUTPUT_TOLERANCE = {("inproc", "seq"): 0.0, ("inproc", "par"): 0.0, ("inproc", "no-kv-unified"): 0.0}
+"""Relative slack for a request whose output equals its baseline's, per (backend, mode): measured, 3 clean runs
+of quicksort on tiny-hybrid (none and draft-simple) gave identical counts request for request on the engine in
+every mode; llama-server where not listed: DEFAULT_TOLERANCE."""
+DEFAULT_TOLERANCE = 0.10
+"""Relative slack where no measurement says exact (llama-server: its prompt checkpoints depend on how a step's
+batch was split among slots in par)."""
+OTHER_OUTPUT_TOLERANCE = 0.25
+"""Relative slack per generated token for a request whose output differs from its baseline's (its drafts, and
+so its steps, differ: `baseline` / `lossless` judge the tokens)."""
+
+
+def tolerance(ctx: CheckContext, same_output: bool) -> float:
+    if not same_output:
+        return OTHER_OUTPUT_TOLERANCE
+    return SAME_OUTPUT_TOLERANCE.get((ctx.cell.backend, ctx.cell.mode), DEFAULT_TOLERANCE)
+
+
+def work(ctx: CheckContext) -> CheckResult:
+    """No request does more work per generated token than the same request of the baseline (the `work` rows
+    `--update-baselines` stores per cell and round): target tokens decoded, prompt tokens read, checkpoints and
+    their bytes, partial rollbacks, draft-model decodes (harness.result.WORK_COUNTERS). A request with the
+    baseline's output is compared count for count (exact on the in-process engine; a calibrated slack on
+    llama-server), another per generated token with a wider slack. Fails naming the counter and the request;
+    not run where the backend counted no work or the baseline holds none for the cell."""
+    done = ctx.completed()
+    if not done:
+        return not_run("work", NO_OUTPUT)
+    counted = [o for o in done if o.result.work.counted()]
+    if not counted:
+        return not_run("work", f"the {ctx.cell.backend} backend counted no work")
+    store, key = ctx.baselines, options_key(ctx)
+    try:
+        rows, path = store.work(ctx, key)
+    except BaselineError as err:
+        return CheckResult("work", False, f"{err} (fix or delete it; it is never replaced silently)")
+    if store.update:
+        return not_run("work", "baselines updated in this run (not compared with what it wrote)")
+    if rows is None:
+        return not_run(
+            "work",
+            f"no work in the baseline {shown(path)} for {key}, re-record with: {ctx.repro} "
+            f"--update-baselines{store.option}",
+        )
+    by_round = {r["round"]: r for r in rows}
+    failures, compared, worst, grown = [], 0, None, set()
+    for o in counted:
+        row = by_round.get(o.round)
+        if row is None:
+            continue
+        compared += 1
+        generated, before_generated = max(len(o.result.tokens), 1), max(int(row.get("generated", 1)), 1)
+        same = row.get("output") == output_digest(o.result.tokens)
+        slack = tolerance(ctx, same)
+        for counter in MORE_IS_WORSE:
+            now, before = getattr(o.result.work, counter), row.get(counter)
+            if now is None or before is None:
+                continue
+            if same or counter in PROMPT_COUNTERS:
+                a, b, unit = now, before, ""
+            else:
+                a, b, unit = now / generated, before / before_generated, " per generated token"
+            if a > b * (1 + slack) and a > b:
+                growth = (a / b - 1) if b else float("inf")
+                line = (
+                    f"{ctx.case} round {o.round}: {counter} {_num(a)} against {_num(b)}{unit} in the baseline "
+                    f"({'+' + format(growth, '.0%') if b else 'from 0'}, tolerance {slack:.0%})"
+                )
+                failures.append(line)
+                grown.add(counter)
+                if worst is None or growth > worst[0]:
+                    worst = (growth, counter, line)
+    evidence = {"baseline": shown(path), "key": key, "compared": compared}
+    if not compared:
+        return not_run("work", f"the baseline {shown(path)} holds no work row for this case's rounds under {key}")
+    if failures:
+        # the counters in a fixed order (the failure's signature), then the request that grew most
+        counters = [c for c in MORE_IS_WORSE if c in grown]
+        evidence["counters"] = counters
+        more = f" (and {len(failures) - 1} more)" if len(failures) > 1 else ""
+        message = f"more work than the baseline in {', '.join(counters)}; {worst[2]}{more}"
+        return CheckResult("work", False, message, evidence, failures=failures)
+    return CheckResult("work", True, evidence=evidence)
+
+
+def _num(x: float) -> str:
+    return str(x) if isinstance(x, int) else f"{x:.3f}"

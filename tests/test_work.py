@@ -1,0 +1,100 @@
+"""Work is a verdict (issue 29 item 4): every Result counts the work its steps did, baselines store it, the `work`
+check fails a cell that does more of it than its baseline, and the `full-checkpoint` fault fails `work` and
+nothing else."""
+
+import json
+import shutil
+
+import pytest
+
+from harness.backends.choose import backend_factories
+from harness.baselines import BaselineStore, default_root
+from harness.execute import ExecOptions, Executor
+from harness.result import WORK_COUNTERS, Result, Work
+from harness.running import run_suites
+from harness.suites import load_suite
+from tests.skips import require_model
+
+CELL = {"models": ["tiny-hybrid"], "modes": ["seq"], "specs": ["draft-simple"], "backends": ["inproc"]}
+"""A hybrid target (rollback by checkpoint) drafted by a draft model: every counter moves but partial rollbacks."""
+
+
+def run(fault=None, root=None, update=False, narrowing=None):
+    require_model("tiny-hybrid")
+    executor = Executor(ExecOptions(backends=backend_factories(), engine={"fault": fault}, kv_scan="request"))
+    store = BaselineStore(root or default_root(), update=update)
+    verdicts = run_suites([(load_suite("quicksort"), narrowing or CELL)], executor, store)
+    return verdicts, executor
+
+
+def by_check(verdicts, name):
+    return [r for _, _, _, r in verdicts if r.name == name]
+
+
+def test_work_round_trips_and_counts_none_apart_from_zero():
+    w = Work.zero()
+    w.add("ckpt_created_bytes", 10)
+    assert Work.from_dict(json.loads(json.dumps(w.to_dict()))) == w
+    assert not Work().counted() and Work.from_dict({"prompt_read": 3}).counted()
+    assert Work.from_dict(None) == Work() and Result().work == Work()
+    assert set(w.to_dict()) == set(WORK_COUNTERS)
+
+
+def test_the_engine_counts_every_request_s_work_and_a_clean_run_passes_work():
+    verdicts, executor = run()
+    work = by_check(verdicts, "work")
+    assert work and all(r.passed and r.not_run is None for r in work), [r.message for r in work]
+    for cell in executor.runs():
+        for o in cell.outcomes:
+            w = o.result.work
+            assert w.prompt_read == len(o.result.prompt_tokens) and w.prompt_reused == 0
+            if cell.cell.spec == "draft-simple":
+                assert w.ckpt_created == o.result.spec_stats["ckpt_created"] > 0
+                assert w.ckpt_restored == o.result.spec_stats["ckpt_restored"] > 0
+                assert w.ckpt_created_bytes > 0 and w.draft_decoded > w.prompt_read
+                assert w.target_decoded > w.prompt_read + len(o.result.tokens) - 1
+            else:
+                assert w.target_decoded == w.prompt_read + len(o.result.tokens) - 1 or o.result.stop_reason == "eos"
+
+
+def test_full_checkpoint_fails_work_naming_the_bytes_and_nothing_else():
+    verdicts, _ = run("full-checkpoint")
+    failing = {r.name for _, _, _, r in verdicts if not r.passed}
+    assert failing == {"work"}, [(r.name, r.message) for _, _, _, r in verdicts if not r.passed]
+    failed = [r for r in by_check(verdicts, "work") if not r.passed]
+    assert all("ckpt_created_bytes" in r.message and "ckpt_restored_bytes" in r.message for r in failed)
+    assert all(r.evidence["counters"] == ["ckpt_created_bytes", "ckpt_restored_bytes"] for r in failed)
+    assert all(r.is_verdict for _, _, _, r in verdicts if r.name != "work" and r.not_run is None)
+
+
+def test_a_baseline_without_work_is_not_run_and_update_records_it(tmp_path):
+    root = tmp_path / "baselines"
+    shutil.copytree(default_root() / "quicksort", root / "quicksort")
+    for path in (root / "quicksort").glob("*--tiny-hybrid--inproc--cpu.json"):
+        data = json.loads(path.read_text())
+        data.pop("work", None)
+        path.write_text(json.dumps(data))
+    verdicts, _ = run(root=root)
+    work = by_check(verdicts, "work")
+    assert work and all(r.not_run and "no work in the baseline" in r.not_run for r in work)
+    assert all("--update-baselines" in r.not_run for r in work)
+    run(root=root, update=True)
+    stored = json.loads((root / "quicksort" / "C--tiny-hybrid--inproc--cpu.json").read_text())["work"]
+    assert stored["seq/draft-simple"][0]["ckpt_created"] > 0 and "output" in stored["seq/draft-simple"][0]
+    verdicts, _ = run(root=root)
+    assert all(r.passed and r.not_run is None for r in by_check(verdicts, "work"))
+
+
+@pytest.mark.parametrize("key", ["no-kv-unified/none"])
+def test_more_work_than_the_baseline_fails_naming_counter_and_request(tmp_path, key):
+    root = tmp_path / "baselines"
+    shutil.copytree(default_root() / "quicksort", root / "quicksort")
+    path = root / "quicksort" / "Java--tiny-hybrid--inproc--cpu.json"
+    data = json.loads(path.read_text())
+    data["work"][key][1]["prompt_read"] -= 1  # the baseline's round 1 read one prompt token less
+    path.write_text(json.dumps(data))
+    mode = key.split("/")[0]
+    verdicts, _ = run(root=root, narrowing={**CELL, "modes": [mode], "specs": ["none"]})
+    failed = [(k, r) for _, k, _, r in verdicts if r.name == "work" and not r.passed]
+    assert [k for k, _ in failed] == ["Java"]
+    assert "prompt_read" in failed[0][1].message and "Java round 1" in failed[0][1].message
