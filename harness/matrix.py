@@ -62,9 +62,9 @@ SPEC_PRESETS: dict[str, SpecPreset] = {
     **{name: SpecPreset({"spec-type": name, **opts}) for name, opts in _NGRAM_SMALL.items()},
     # lookup decoding from the slot's own 1..4-gram counts (no -lcs / -lcd cache files; up to 8 tokens, hard-coded)
     "ngram-cache": SpecPreset({"spec-type": "ngram-cache"}),
-    # the target's own MTP (nextn) head drafts (a model with `nextn_predict_layers`: tiny-hybrid-mtp); llama-server
-    # only for now: the engine has no MTP drafter yet (see docs/upstream-defects.md, "types that cannot run here")
-    "draft-mtp": SpecPreset({"spec-type": "draft-mtp", "spec-draft-n-max": 3}, server_only=True),
+    # the target's own MTP (nextn) head drafts (a model with `nextn_predict_layers`: tiny-hybrid-mtp); a hybrid
+    # target rolls back inside 3 recurrent snapshots on both backends (llama-server's need_n_rs_seq)
+    "draft-mtp": SpecPreset({"spec-type": "draft-mtp", "spec-draft-n-max": 3}),
     # draft heads fed with the target's hidden states, generated for tiny-hybrid-mtp (`-md` its `<model>-eagle3` /
     # `-dflash` / `-dspark`); llama-server only. The tiny DFlash head's drafts are never accepted (its mask slots
     # are not trained to read the anchor), so its cells check verification, not acceptance

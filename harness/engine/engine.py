@@ -27,6 +27,8 @@ class Engine:
     ):
         if spec is not None and spec.enabled and spec.rollback == "partial":
             params = replace(params, n_rs_seq=spec.max_draft())
+        elif spec is not None and spec.rollback == "auto" and spec.rs_rollback:  # llama-server's need_n_rs_seq()
+            params = replace(params, n_rs_seq=spec.spec_draft_n_max)
         self.model = Model(model_path, params.repack)
         self.ctx = None
         try:

@@ -17,7 +17,16 @@ from harness.engine.drafters.base import Drafter, DraftRequest
 from harness.engine.faults import check_fault
 from harness.errors import HarnessError
 
-SPEC_TYPES = ("none", "ngram-simple", "ngram-map-k", "ngram-map-k4v", "ngram-mod", "ngram-cache", "draft-simple")
+SPEC_TYPES = (
+    "none",
+    "ngram-simple",
+    "ngram-map-k",
+    "ngram-map-k4v",
+    "ngram-mod",
+    "ngram-cache",
+    "draft-simple",
+    "draft-mtp",
+)
 """`--spec-type` values, in llama.cpp's priority order after `none` (common/speculative.cpp: the n-gram
 types before the draft model; the first drafter with a draft wins the step)."""
 
@@ -91,6 +100,12 @@ class SpecConfig:
     def enabled(self) -> bool:
         return bool(self.spec_type or self.drafters)
 
+    @property
+    def rs_rollback(self) -> bool:
+        """llama-server's `need_n_rs_seq()` (of the types the engine has, draft-mtp): the target gets
+        `spec_draft_n_max` recurrent snapshots and a hybrid rolls back inside them (`auto` means `partial`)."""
+        return "draft-mtp" in self.spec_type
+
     def max_draft(self) -> int:
         """The longest draft any configured drafter may propose (sizes `n_rs_seq` for `partial`)."""
         sizes = {
@@ -100,6 +115,7 @@ class SpecConfig:
             "ngram-map-k4v": self.spec_ngram_map_k4v_size_m,
             "ngram-mod": self.spec_ngram_mod_n_max,
             "ngram-cache": 8,
+            "draft-mtp": self.spec_draft_n_max,
         }
         return max([sizes[t] for t in self.spec_type] + [d.n_max for d in self.drafters])
 
@@ -107,6 +123,7 @@ class SpecConfig:
 def build_drafters(config: SpecConfig, target: Context) -> list[Drafter]:
     """The drafter chain in llama.cpp's priority order."""
     from harness.engine.drafters.draft_model import DraftSimple
+    from harness.engine.drafters.draft_mtp import DraftMTP
     from harness.engine.drafters.ngram_cache import NgramCache
     from harness.engine.drafters.ngram_map import NgramMapK, NgramMapK4V
     from harness.engine.drafters.ngram_mod import NgramMod
@@ -122,6 +139,7 @@ def build_drafters(config: SpecConfig, target: Context) -> list[Drafter]:
             c.spec_ngram_map_k4v_size_n, c.spec_ngram_map_k4v_size_m, c.spec_ngram_map_k4v_min_hits
         ),
         "ngram-mod": lambda: NgramMod(c.spec_ngram_mod_n_match, c.spec_ngram_mod_n_min, c.spec_ngram_mod_n_max),
+        "draft-mtp": lambda: DraftMTP(target, c.spec_draft_n_max, c.spec_draft_n_min, c.spec_draft_p_min),
         "ngram-cache": lambda: NgramCache(keep_across_requests=c.fault == "ngram-cache-kept-across-requests"),
         "draft-simple": lambda: DraftSimple(
             c.spec_draft_model,
@@ -178,7 +196,10 @@ class Speculation:
     def __init__(self, config: SpecConfig, target: Context, scans: bool = False):
         self.config = config
         self.ctx = target
-        self.strategy = rollback.choose_strategy(config.rollback, target.model.kind, target.model.arch)
+        requested = config.rollback
+        if requested == "auto" and config.rs_rollback and target.model.kind == "hybrid" and target.n_rs_seq > 0:
+            requested = "partial"  # as llama-server rolls back a hybrid target under draft-mtp
+        self.strategy = rollback.choose_strategy(requested, target.model.kind, target.model.arch)
         if self.strategy == "partial":
             rollback.check_partial(target)
         self.flags = rollback.CHECKPOINT_FLAGS["full" if config.fault == "full-checkpoint" else config.checkpoint_flags]

@@ -1,0 +1,155 @@
+"""`draft-mtp`: the target model's own MTP (nextn) head drafts, in an MTP context of its own
+(`common_speculative_impl_draft_mtp` of common/speculative.cpp for a single trained head, the Qwen3.5 family).
+
+The target context outputs its nextn hidden row for every token it decodes; the MTP context takes each token
+paired with the target's row of the position before it (`process`), so that drafting `id_last` with the row of
+the last accepted position predicts the token after it, and each drafted token is fed back with the MTP's own
+row. Everything goes through llama-cpp-python's ctypes bindings: `load_mtp`, `ctx_type`, `llama_process` on a
+`llama_batch_ext` whose rows carry a token and an embedding, and the nextn calls of `llama_cpp_ext`."""
+
+import ctypes
+from dataclasses import replace
+
+import llama_cpp
+import numpy as np
+from llama_cpp import llama_cpp_ext
+
+from harness.engine.context import Context
+from harness.engine.drafters.base import Drafter, DraftRequest
+from harness.engine.drafters.draft_model import top10_best
+from harness.errors import HarnessError
+
+
+class DraftMTP(Drafter):
+    """llama.cpp `--spec-type draft-mtp` with the target's single MTP block: greedy drafting (top-10
+    probability at or above `p_min`) up to `n_max` tokens; drafts shorter than `n_min` are dropped."""
+
+    name = "draft-mtp"
+
+    def __init__(self, target: Context, n_max: int = 3, n_min: int = 0, p_min: float = 0.0):
+        self.n_max, self.n_min, self.p_min = n_max, n_min, p_min
+        self.target = target
+        params = llama_cpp.llama_model_default_params()
+        params.load_mtp = True
+        params.use_extra_bufts = target.params.repack
+        self.model = llama_cpp.llama_model_load_from_file(str(target.model.path).encode(), params)
+        if not self.model:
+            raise HarnessError(f"llama.cpp could not load {target.model.path.name} with its MTP layers")
+        self.ctx = None
+        n_nextn = llama_cpp.llama_model_n_layer_nextn(self.model)
+        if n_nextn != 1:
+            self.close()
+            raise HarnessError(
+                f"draft-mtp needs a model with one MTP (nextn) block: {target.model.path.name} has {n_nextn}"
+            )
+        cparams = replace(target.params, n_rs_seq=0).to_llama()
+        cparams.ctx_type = llama_cpp.LLAMA_CONTEXT_TYPE_MTP
+        self.ctx = llama_cpp.llama_init_from_model(self.model, cparams)
+        if not self.ctx:
+            self.close()
+            raise HarnessError(f"llama.cpp could not create an MTP context for {target.model.path.name}")
+        self.memory = llama_cpp.llama_get_memory(self.ctx)
+        self.n_embd = llama_cpp.llama_model_n_embd_out(self.model)
+        self.n_vocab = target.model.n_vocab
+        llama_cpp_ext.llama_set_embeddings_nextn(target.ptr, True, False)  # a row for every target token
+        llama_cpp_ext.llama_set_embeddings_nextn(self.ctx, True, True)
+        self.batch = llama_cpp.llama_batch_ext_init(self.ctx)
+        self.pending: dict[int, np.ndarray] = {}
+        """seq → the target's row to pair with the sequence's next token (kept across requests, as in llama.cpp)."""
+        self.verify: dict[int, np.ndarray] = {}
+        """seq → the target's rows of the sequence's tokens in the last target batch (row 0: the sampled token)."""
+
+    def _row(self, seq_id: int) -> np.ndarray:
+        return self.pending.setdefault(seq_id, np.zeros(self.n_embd, dtype=np.float32))
+
+    def _add(self, token: int, pos: int, seq_id: int, row: np.ndarray, output: bool, keep: list) -> int:
+        row = np.ascontiguousarray(row, dtype=np.float32)
+        keep.append(row)  # the batch holds a pointer to it until llama_process returns
+        idx = llama_cpp.llama_batch_ext_add_token(self.batch, seq_id, token)
+        if idx < 0:
+            raise HarnessError(f"draft-mtp: the MTP batch refused a token ({idx})")
+        embd = llama_cpp.llama_embd(row.ctypes.data_as(ctypes.POINTER(ctypes.c_float)), 1, self.n_embd)
+        llama_cpp.llama_batch_ext_set_embd_token(self.batch, idx, embd)
+        llama_cpp.llama_batch_ext_set_pos(self.batch, idx, (llama_cpp.llama_pos * 1)(pos))
+        if output:
+            llama_cpp.llama_batch_ext_set_output_logits(self.batch, idx, True)
+        return idx
+
+    def _process(self) -> int:
+        return llama_cpp.llama_process(self.ctx, llama_cpp.LLAMA_PROCESS_TYPE_DECODE, self.batch)
+
+    def begin(self, seq_id: int, prompt: list[int]) -> None:
+        """The MTP context already holds the prompt (it followed every prompt batch)."""
+
+    def process(self, entries: list[tuple[int, int, int, bool]]) -> None:
+        """Each token of the target's batch into the MTP context with the target's row of the position before it
+        (the first of a sequence with its pending row); keep the sequences' rows for `accept`."""
+        if not entries:
+            return
+        h = np.ctypeslib.as_array(
+            llama_cpp_ext.llama_get_embeddings_nextn(self.target.ptr), shape=(len(entries), self.n_embd)
+        ).copy()
+        first: dict[int, int] = {}
+        llama_cpp.llama_batch_ext_clear(self.batch)
+        keep: list = []
+        for k, (token, pos, seq_id, _) in enumerate(entries):
+            first.setdefault(seq_id, k)
+            self._add(token, pos, seq_id, self._row(seq_id) if first[seq_id] == k else h[k - 1], False, keep)
+        status = self._process()
+        if status != 0:
+            raise HarnessError(f"draft-mtp: llama_process on the MTP context returned {status}")
+        for seq_id in first:
+            rows = [k for k, e in enumerate(entries) if e[2] == seq_id]
+            self.verify[seq_id] = h[rows]
+            self.pending[seq_id] = h[rows[-1]].copy()
+
+    def draft(self, req: DraftRequest) -> list[int]:
+        """Decode id_last at its position with the pending row, then each argmax token with the MTP's own row;
+        the drafted positions leave the MTP context afterwards (llama-server removes them before verifying)."""
+        seq_id, pos0 = req.seq_id, len(req.history)
+        n_max = min(self.n_max, req.n_max)
+        result: list[int] = []
+        llama_cpp.llama_batch_ext_clear(self.batch)
+        keep: list = []
+        idx = self._add(req.id_last, pos0, seq_id, self._row(seq_id), True, keep)
+        while True:
+            if self._process() != 0:
+                break
+            logits = np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(self.ctx, idx), shape=(self.n_vocab,))
+            token, p = top10_best(logits)
+            if p < self.p_min:
+                break
+            result.append(token)
+            if len(result) >= n_max:
+                break
+            row = np.ctypeslib.as_array(
+                llama_cpp_ext.llama_get_embeddings_nextn_ith(self.ctx, idx), shape=(self.n_embd,)
+            ).copy()
+            llama_cpp.llama_batch_ext_clear(self.batch)
+            keep = []
+            idx = self._add(token, pos0 + len(result), seq_id, row, True, keep)
+        llama_cpp.llama_memory_seq_rm(self.memory, seq_id, pos0, -1)
+        return result if len(result) >= self.n_min else []
+
+    def accept(self, seq_id: int, n_accepted: int, is_other: bool) -> None:
+        """The pending row becomes the target's row of the last accepted position."""
+        rows = self.verify.get(seq_id)
+        if rows is not None and len(rows):
+            self.pending[seq_id] = rows[min(n_accepted, len(rows) - 1)].copy()
+
+    def truncate(self, seq_id: int, n_keep: int) -> None:
+        llama_cpp.llama_memory_seq_rm(self.memory, seq_id, n_keep, -1)
+
+    def end(self, seq_id: int) -> None:
+        llama_cpp.llama_memory_seq_rm(self.memory, seq_id, -1, -1)
+
+    def close(self) -> None:
+        if getattr(self, "batch", None):
+            llama_cpp.llama_batch_ext_free(self.batch)
+            self.batch = None
+        if self.ctx:
+            llama_cpp.llama_free(self.ctx)
+            self.ctx = None
+        if self.model:
+            llama_cpp.llama_model_free(self.model)
+            self.model = None

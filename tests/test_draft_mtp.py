@@ -1,0 +1,80 @@
+"""draft-mtp in the engine (the target's own MTP head through llama-cpp-python's ctypes bindings) against
+llama-server's, on the generated tiny-hybrid-mtp: the same drafted and accepted counts request for request, the
+output of no speculation, and the hybrid target rolled back inside its recurrent snapshots as llama-server does."""
+
+import pytest
+
+from harness.backends.build import ensure_server
+from harness.backends.inproc import InprocBackend
+from harness.backends.server_backend import ServerBackend
+from harness.engine import ContextParams, Engine
+from harness.engine.speculative import SpecConfig
+from harness.errors import HarnessError
+from harness.execute import ExecOptions, serve_config
+from harness.matrix import Cell
+from harness.models import resolve
+from harness.request import Request, Sampling
+
+MODEL = "tiny-hybrid-mtp"
+TEXTS = ("Write a quicksort demo in C.", "Write a merge sort in Java.", "Explain recursion.")
+
+
+def requests(n_predict: int = 48) -> list[Request]:
+    return [Request(prompt=t, sampling=Sampling(n_predict=n_predict, temperature=0, ignore_eos=True)) for t in TEXTS]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """Per (backend, spec), the results of the three requests, par (3 slots, concurrent)."""
+    backends = {
+        "inproc": InprocBackend(),
+        "server": ServerBackend(ensure_server(None, "cpu", [], jobs=None), run_dir=tmp_path_factory.mktemp("server")),
+    }
+    out = {}
+    for name, backend in backends.items():
+        for spec in ("none", "draft-mtp"):
+            options = ExecOptions(backends={}, kv_scan="off", logit_top_k=0, parallel=3)
+            session = backend.open(serve_config(Cell(name, "par", spec, MODEL), options))
+            try:
+                out[name, spec] = session.run(requests())
+            finally:
+                session.close()
+    return out
+
+
+def test_the_engine_drafts_and_accepts_what_llama_server_does(runs):
+    counts = {
+        name: [(r.spec_stats["draft_n"], r.spec_stats["draft_n_accepted"]) for r in runs[name, "draft-mtp"]]
+        for name in ("inproc", "server")
+    }
+    assert counts["inproc"] == counts["server"]
+    drafted, accepted = (sum(c[i] for c in counts["inproc"]) for i in (0, 1))
+    assert 0.2 < accepted / drafted < 0.95
+
+
+def test_the_output_is_the_output_without_speculation_on_both_backends(runs):
+    for name in ("inproc", "server"):
+        assert all(r.ok for r in runs[name, "draft-mtp"])
+        assert [r.tokens for r in runs[name, "draft-mtp"]] == [r.tokens for r in runs[name, "none"]]
+    assert [r.tokens for r in runs["inproc", "none"]] == [r.tokens for r in runs["server", "none"]]
+
+
+def test_auto_rollback_is_partial_under_draft_mtp_and_checkpoint_drafts_less():
+    """llama-server gives the target n_rs_seq = n_max snapshots for draft-mtp: the engine's `auto` does the same;
+    checkpoint rollback (no snapshots) replays after each rejection, so fewer steps draft, with the same output."""
+    model = resolve(MODEL)
+    got = {}
+    for rollback in ("auto", "checkpoint"):
+        with Engine(
+            model.path, ContextParams(n_ctx=1024), SpecConfig(spec_type=("draft-mtp",), rollback=rollback)
+        ) as e:
+            assert e.scheduler.spec.strategy == ("partial" if rollback == "auto" else "checkpoint")
+            got[rollback] = e.run(requests(32)[:1])[0]
+    assert got["auto"].tokens == got["checkpoint"].tokens
+    assert got["checkpoint"].spec_stats["draft_n"] < got["auto"].spec_stats["draft_n"]
+
+
+def test_a_model_without_an_mtp_block_is_a_one_line_error():
+    with pytest.raises(HarnessError, match="draft-mtp needs a model with one MTP \\(nextn\\) block: tiny-hybrid-"):
+        with Engine(resolve("tiny-hybrid").path, ContextParams(n_ctx=256), SpecConfig(spec_type=("draft-mtp",))):
+            pass
