@@ -98,3 +98,56 @@ def test_more_work_than_the_baseline_fails_naming_counter_and_request(tmp_path, 
     failed = [(k, r) for _, k, _, r in verdicts if r.name == "work" and not r.passed]
     assert [k for k, _ in failed] == ["Java"]
     assert "prompt_read" in failed[0][1].message and "Java round 1" in failed[0][1].message
+
+
+LOG = """\
+0.02.612.900 D que  process_new_: processing task, id = 1
+0.02.612.950 I slot      release: id  0 | task 0 | stop processing: n_tokens = 149, truncated = 0
+0.02.612.988 I slot launch_slot_: id  0 | task 1 | processing task, is_child = 0
+0.02.613.100 I slot launch_slot_: id  1 | task 2 | processing task, is_child = 0
+0.02.730.382 I slot create_check: id  0 | task 1 | created context checkpoint 1 of 32 (pos_min = 17, pos_max = 17, \
+n_tokens = 18, size = 0.056 MiB)
+0.02.945.290 D slot   operator(): id  0 | task 1 | created speculative checkpoint (pos_min = 21, pos_max = 21, \
+n_tokens = 22, size = 0.112 MiB, draft = 0.056 MiB)
+0.02.945.300 D slot   operator(): id  1 | task 2 | created speculative checkpoint (pos_min = 21, pos_max = 21, \
+n_tokens = 22, size = 0.112 MiB, draft = 0.056 MiB)
+0.02.981.602 D slot   operator(): id  0 | task 1 | add accepted tokens: sampled=1193, ids.size=5, n_draft=4
+0.02.981.700 D slot   operator(): id  0 | task 1 | add accepted tokens: sampled=1193, ids.size=2, n_draft=4
+0.02.990.446 D slot   operator(): id  0 | task 1 | restoring speculative checkpoint (pos_min = 26, pos_max = 26, \
+size = 116936)
+0.03.130.018 I slot   operator(): id  0 | task 1 | restored context checkpoint (pos_min = 17, pos_max = 17, \
+n_tokens = 18, n_past = 18, size = 0.112 MiB)
+0.03.989.679 I slot      release: id  0 | task 1 | stop processing: n_tokens = 149, truncated = 0
+0.03.990.000 D slot   operator(): id  0 | task 3 | created speculative checkpoint (pos_min = 1, pos_max = 1, \
+n_tokens = 2, size = 0.112 MiB, draft = 0.056 MiB)
+"""
+"""llama-server's own lines at -lv 5 (from a quicksort run at 0c1e570), with a slot beside it and the next task."""
+
+
+def test_a_server_request_s_work_comes_from_its_timings_and_its_own_task_s_lines(tmp_path):
+    from harness.backends import server_work
+    from harness.result import Timings
+
+    log = tmp_path / "llama-server.log"
+    log.write_text("0.00.000.001 I main: startup\n" + LOG)
+    start = len("0.00.000.001 I main: startup\n")
+    result = Result(slot_id=0, timings=Timings(prompt_n=4, cache_n=18))
+    w = server_work.work_of(result, log, start)
+    mib = round(0.056 * 1024 * 1024) + round(0.112 * 1024 * 1024)
+    assert (w.prompt_read, w.prompt_reused) == (4, 18)
+    assert (w.ckpt_created, w.ckpt_created_bytes) == (2, mib)
+    assert (w.ckpt_restored, w.ckpt_restored_bytes) == (2, 116936 + round(0.112 * 1024 * 1024))
+    assert w.partial_rollbacks == 1  # 1 of 4 drafts accepted, no restore
+    assert w.target_decoded is None and w.draft_decoded is None  # llama-server does not tell them
+    quiet = server_work.work_of(result, log, start, verbosity=None)  # a server not started at -lv 5
+    assert quiet.ckpt_created is None and quiet.prompt_read == 4
+
+
+def test_llama_server_requests_count_their_checkpoints_and_pass_work():
+    verdicts, executor = run(narrowing={**CELL, "backends": ["server"]})
+    assert all(r.passed and r.not_run is None for r in by_check(verdicts, "work"))
+    (cell,) = [c for c in executor.runs() if c.cell.spec == "draft-simple" and c.cell.backend == "server"]
+    for o in cell.outcomes:
+        w = o.result.work
+        assert w.ckpt_created > 1 and w.ckpt_created_bytes > 0  # the prompt's, then one per drafted step
+        assert w.ckpt_restored > 0 and w.ckpt_restored_bytes > 0 and w.target_decoded is None

@@ -56,6 +56,7 @@ class LlamaServer:
     warmup: bool = True  # --no-warmup when False
     port: int | None = None  # --port; None picks a free loopback port
     log_path: Path | None = None  # stdout + stderr; None = a file in a new temp dir
+    verbosity: int | None = None  # -lv (None: llama-server's default)
     start_timeout: float = 60.0  # seconds for /health to answer 200
 
     process: subprocess.Popen | None = field(default=None, init=False, repr=False)
@@ -136,6 +137,8 @@ class LlamaServer:
             cmd.append("--metrics")
         if not self.warmup:
             cmd.append("--no-warmup")
+        if self.verbosity is not None and "-lv" in server_flags(self.server_bin):  # older builds: their default
+            cmd += ["-lv", str(self.verbosity)]
         if "-fit" in server_flags(self.server_bin):
             cmd += ["-fit", "off"]  # otherwise -c may be shrunk to fit free device memory
         return fit_to_build(cmd, server_flags(self.server_bin), server_version(self.server_bin))

@@ -34,6 +34,7 @@ from typing import Any
 
 import requests
 
+from harness.backends import server_work
 from harness.backends.base import ServeConfig, SpeedMeter, StallMeter, request_deadline
 from harness.backends.build import BuildInfo, ensure_server
 from harness.backends.client import COMPLETION_FIELDS, ConnectionLost, LlamaClient, RequestTimedOut, ServerError
@@ -235,6 +236,7 @@ class ServerSession:
         options = dict(self.server_options)
         if self.config.kv_scan != "off":
             options["slot_save_path"] = self.slots_dir
+        options.setdefault("verbosity", server_work.VERBOSITY)  # the checkpoint lines `work` counts
         self.server = LlamaServer.from_config(self.config, self.build.server_bin, log_path=log, **options).start()
 
     def run(self, requests: list[Request]) -> list[Result]:
@@ -267,6 +269,7 @@ class ServerSession:
             self._launch(server, lent[0])
             return lent[0]
 
+        log_start = server_work.mark(server.log_path)
         try:
             client = LlamaClient(server.url, self.request_timeout)
             with self.watch.tracking() as on_prompt:
@@ -279,6 +282,7 @@ class ServerSession:
                     pin=pin,
                 )
             if result.ok:
+                result.work = server_work.work_of(result, server.log_path, log_start, server_work.verbosity_of(server))
                 self.speed.record(len(result.tokens), time.monotonic() - started)
                 self.stall.record(result)
                 held = result.prompt_tokens + result.tokens
