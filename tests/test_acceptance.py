@@ -103,9 +103,9 @@ def test_spec_overrides_are_compared_only_with_rows_recorded_under_them(tmp_path
     store = record(tmp_path, {SEQ: [ok(TOKENS)], SPEC: [spec_ok(TOKENS, 40, 30)]}, SPEC, s)
     n_max_4 = ExecOptions(backends={}, spec_overrides={"spec-draft-n-max": 4})
     smaller = {SEQ: [ok(TOKENS)], SPEC: [spec_ok(TOKENS, 16, 8)]}  # shorter drafts: fewer tokens accepted
-    result = acceptance(smaller, SPEC, s, store, n_max_4)
-    assert result.status == "not run", result.message
-    assert "no acceptance baseline for these options (seq/draft-simple [spec-draft-n-max=4])" in result.not_run
+    result = acceptance(smaller, SPEC, s, store, n_max_4)  # `no baseline yet`, as a missing token baseline
+    assert result.passed and result.evidence["no_baseline"] and result.evidence["compared"] == 0, result.message
+    assert "no acceptance baseline for these options (seq/draft-simple [spec-draft-n-max=4])" in result.message
     assert acceptance(smaller, SPEC, s, store, ExecOptions(backends={})).status == "failed"  # the defaults' rows
     record(tmp_path, smaller, SPEC, s, n_max_4)
     assert acceptance(smaller, SPEC, s, store, n_max_4).status == "passed"
@@ -133,13 +133,15 @@ def test_a_cell_outside_the_recorded_matrix_is_not_run_no_baseline_yet(tmp_path)
     result = acceptance(cells, par, s, store)
     assert result.status == "passed" and "no baseline yet" in result.message  # compared with seq only
     assert result.evidence["compared"] == 1 and "seq" in result.evidence and "baseline" not in result.evidence
+    assert "no_baseline" not in result.evidence
     alone = acceptance(
         {SEQ: [ok(TOKENS)], SPEC.reference(spec="ngram-mod"): [spec_ok(TOKENS, 40, 24)]},
         SPEC.reference(spec="ngram-mod"),
         s,
         store,
     )
-    assert alone.status == "not run" and alone.not_run.startswith("no baseline yet: no acceptance baseline for")
+    assert alone.passed and alone.evidence["no_baseline"]
+    assert alone.message.startswith("no baseline yet: no acceptance baseline for seq/ngram-mod")
 
 
 # --- the same output, the baseline's own counts ----------------------------------------------------------

@@ -211,7 +211,8 @@ class Plan:
     notes: list[str] = field(default_factory=list)
     """Why a whole reference is not compared (no baseline yet, baselines updated in this run)."""
     pending: str | None = None
-    """The `no baseline yet` line of a model without any baseline for this suite, backend and device."""
+    """The `no baseline yet` line: no acceptance row for this cell and options (a model without any baseline for
+    this suite, backend and device, a cell outside the recorded matrix, other options)."""
 
 
 def check(ctx: CheckContext) -> CheckResult:
@@ -271,13 +272,12 @@ def against_baseline(ctx: CheckContext, plan: Plan, mine: dict) -> None:
         plan.notes.append("baselines updated in this run (not compared with what it wrote)")
         return
     if stored is None:
-        plan.pending = store.not_recorded(ctx)
         what = plan.key if plan.key == f"{ctx.cell.mode}/{ctx.cell.spec}" else f"these options ({plan.key})"
-        plan.notes.append(
-            plan.pending
-            or f"no baseline yet: no acceptance baseline for {what} in {path.name}; record it with: "
+        plan.pending = store.not_recorded(ctx) or (
+            f"no baseline yet: no acceptance baseline for {what} in {path.name}; record it with: "
             f"{ctx.repro} --update-baselines{store.option}"
         )
+        plan.notes.append(plan.pending)
         return
     recorded = store.earlier_replies(ctx)
     rows = {row["round"]: row for row in stored}
@@ -355,7 +355,8 @@ def judge(plan: Plan, mine: dict) -> list[str]:
 
 
 def result(ctx: CheckContext, plan: Plan, mine: dict, problems: list[str]) -> CheckResult:
-    """Step 6: the verdict with its evidence; `not run` (with the reasons) when no request was compared."""
+    """Step 6: the verdict with its evidence; when no request was compared, `no baseline yet` (counted apart, as
+    a missing token baseline) where that is the only reason, else `not run` with the reasons."""
     compared = [p for p in plan.pairs if p.skipped is None]
     skipped = [p for p in plan.pairs if p.skipped is not None]
     evidence: dict = {
@@ -374,7 +375,7 @@ def result(ctx: CheckContext, plan: Plan, mine: dict, problems: list[str]) -> Ch
         befores = [p.before for p in compared if p.label == label and p.before is not None]
         if befores:
             evidence[label] = summed(befores).to_evidence()
-    if plan.pending:
+    if plan.pending and not compared:
         evidence["no_baseline"] = True
     if skipped:
         evidence["not_compared"] = [f"round {p.round} against {p.label}: {p.skipped}" for p in skipped]
@@ -390,6 +391,8 @@ def result(ctx: CheckContext, plan: Plan, mine: dict, problems: list[str]) -> Ch
             evidence,
             failures=problems,
         )
+    if not compared and plan.pending and not skipped:  # the same kind as a missing token baseline
+        return CheckResult(NAME, True, plan.pending, evidence)
     if not compared:
         reasons = list(dict.fromkeys(plan.notes + [f"round {p.round} against {p.label}: {p.skipped}" for p in skipped]))
         outcome = not_run(NAME, "; ".join(reasons) if reasons else "nothing to compare with")
