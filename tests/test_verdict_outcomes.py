@@ -148,9 +148,15 @@ def test_diff_flags_a_check_that_ran_before_and_does_not_run_now(tmp_path, capsy
         ("lossless", "passed", "missing", "no lossless record in the case"),
     }
     assert diff.regressed and not diff.other_changes
-    assert main(["diff", str(before), str(after)]) == 1
+    page = tmp_path / "diff.html"
+    assert main(["diff", str(before), str(after), "--out", str(page)]) == 1
     out = capsys.readouterr().out
     assert "no longer judged" in out and "REGRESSED: 0 newly failing, 2 no longer judged" in out
+    rows = parse_html(page.read_text()).find(id="no-longer-judged").find_all("tr")
+    assert sorted(r.attrs["data-name"] + " " + r.find_all("td")[1].text for r in rows if "data-name" in r.attrs) == [
+        "demo[a-seq-draft-simple-m-inproc] kv-healthy",
+        "demo[a-seq-draft-simple-m-inproc] lossless",
+    ]
 
 
 # --- bisect -----------------------------------------------------------------------------------------------------
