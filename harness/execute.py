@@ -204,24 +204,32 @@ class Executor:
                 for case in cases
                 if case.name in alive and step < (len(case.turns) or 1)
             ]
-            if how == "seq":
-                results = [session.run([request])[0] for _, request in todo]
+            if how == "seq":  # each recorded as it comes: a request served stays served if a later one breaks
+                for case, request in todo:
+                    self._record(run, r, step, case, session.run([request])[0], histories, alive, on_request)
             else:
                 results = session.run([request for _, request in todo])
-            for (case, _), result in zip(todo, results, strict=False):
-                run.outcomes.append(Outcome(case_keys(case)[step], r, result))
-                if on_request:
-                    on_request()
-                if case.is_chat:
-                    if result.ok:
-                        histories[case.name] += [{"role": "assistant", "content": result.text}]
-                    else:
-                        alive.discard(case.name)
-                        for key in case_keys(case)[step + 1 :]:
-                            skipped = Result(stop_reason="error", error=f"{result.error} (so {key} was not sent)")
-                            run.outcomes.append(Outcome(key, r, skipped))
-                            if on_request:
-                                on_request()
+                for (case, _), result in zip(todo, results, strict=False):
+                    self._record(run, r, step, case, result, histories, alive, on_request)
+
+    @staticmethod
+    def _record(run: CellRun, r: int, step: int, case: Case, result: Result, histories, alive, on_request) -> None:
+        """One request's outcome; a chat turn's reply joins its history, and a failed turn ends its chat (the
+        later turns are recorded as not sent)."""
+        run.outcomes.append(Outcome(case_keys(case)[step], r, result))
+        if on_request:
+            on_request()
+        if not case.is_chat:
+            return
+        if result.ok:
+            histories[case.name] += [{"role": "assistant", "content": result.text}]
+            return
+        alive.discard(case.name)
+        for key in case_keys(case)[step + 1 :]:
+            skipped = Result(stop_reason="error", error=f"{result.error} (so {key} was not sent)")
+            run.outcomes.append(Outcome(key, r, skipped))
+            if on_request:
+                on_request()
 
     @staticmethod
     def _request(case: Case, step: int, histories: dict[str, list[dict]], deadline_s: float | None) -> Request:

@@ -13,7 +13,7 @@ from harness.baselines import BaselineStore
 from harness.bisect.judge import BAD, GOOD, SKIP, judged_checks, verdict_of
 from harness.bisect.plan import Plan
 from harness.checks import CHECKS, evaluate, evaluate_cell
-from harness.checks.base import CheckResult, harness_fault, not_run
+from harness.checks.base import CheckContext, CheckResult, harness_fault, not_run
 from harness.cli import main
 from harness.known_failures import tag
 from harness.matrix import Cell
@@ -241,3 +241,44 @@ def test_a_llama_cpp_abort_at_start_up_is_a_no_crash_failure_with_its_abort_line
     assert "llama-server was killed by SIGABRT during start-up" in server["message"]
     run = json.loads((out / "run.json").read_text())
     assert all(c["status"] == "done" for c in run["cells"])  # served (and crashed): no cell error
+
+
+class _AbortingRestart:
+    """A backend whose session serves the first batch, then (llama-server restarted after a crash) aborts in its
+    start-up: how the executor must read a LlamaAbort raised mid-run."""
+
+    name = "inproc"
+
+    def environment(self) -> dict:
+        return {"device": "cpu"}
+
+    def open(self, config):
+        return self
+
+    def run(self, requests):
+        from harness.errors import LlamaAbort
+
+        if getattr(self, "served", False):
+            raise LlamaAbort("llama-server was killed by SIGABRT during start-up: x.cpp:1: GGML_ASSERT(y) failed")
+        self.served = True
+        return [Result(tokens=[1], text="a", stop_reason="limit") for _ in requests]
+
+    def close(self) -> None:
+        pass
+
+
+def test_a_llama_cpp_abort_while_restarting_mid_run_makes_the_unserved_requests_crashes_not_a_harness_fault(
+    tiny_models,
+):
+    from harness.execute import ExecOptions, Executor
+    from harness.suites import load_suite
+
+    backend = _AbortingRestart()
+    executor = Executor(ExecOptions(backends={"inproc": lambda: backend}))
+    cell = Cell("inproc", "seq", "none", "tiny-dense")
+    run = executor.run(load_suite("quicksort"), cell)
+    assert run.fault is None and "GGML_ASSERT(y) failed" in run.crash
+    stops = [o.result.stop_reason for o in run.outcomes]
+    assert stops[0] == "limit" and set(stops[1:]) == {"crashed"} and len(stops) == 9  # 3 cases x 3 rounds
+    (crash,) = evaluate(CheckContext(run, "Java", executor, None, str, "repro"), ["no-crash"])
+    assert crash.status == "failed" and "GGML_ASSERT(y) failed" in crash.message
