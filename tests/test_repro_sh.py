@@ -208,3 +208,40 @@ def test_repro_sh_of_a_kv_failure_scans_the_failing_requests_own_slot(tmp_path, 
     assert same.returncode == 1, same.stdout + same.stderr
     assert "REPRODUCED: kv-healthy: positions past the returned tokens" in same.stdout
     assert "positions up to 17 after 8 prompt + 9 returned tokens" in same.stdout
+
+
+def test_repro_sh_of_a_divergence_reproduces_only_where_the_run_diverged(tmp_path, tiny_models):
+    """draft-budget's ctx_end_c (known defect server-spec-context-end-early-stop: the output ends 3 tokens early at
+    the context end, the first divergence at token 53): judged against the run without drafts, repro.sh
+    reproduces it at that token; with drafts of at most 2 tokens the outputs are equal: not reproduced."""
+    run = specharness(
+        "run",
+        "--suite",
+        "draft-budget",
+        "--backend",
+        "server",
+        "--spec",
+        "draft-simple,none",
+        "--model",
+        "tiny-dense",
+        "--mode",
+        "seq",
+        "--out",
+        str(tmp_path / "run"),
+    )
+    assert run.returncode == 0, run.stderr[-2000:]
+    failure = "draft-budget[ctx_end_c-seq-draft-simple-tiny-dense-server]"
+    done = specharness("repro", failure, "--from-run", str(tmp_path / "run"), "--out", str(tmp_path / "bundle"))
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "RUN_AT=' 53 '" in (tmp_path / "bundle" / "repro.sh").read_text()
+    work = tmp_path / "work"
+    work.mkdir()
+    same = repro(tmp_path / "bundle", work)
+    assert same.returncode == 1 and "REPRODUCED: the output first diverges where it did in the run" in same.stdout, (
+        same.stdout + same.stderr
+    )
+    short = tmp_path / "short-drafts"
+    short.write_text(f'#!/usr/bin/env bash\nexec "{_server(tmp_path / "bundle")}" "$@" --spec-draft-n-max 2\n')
+    short.chmod(0o755)
+    equal = repro(tmp_path / "bundle", work, LLAMA_SERVER=str(short))
+    assert equal.returncode == 0 and "not reproduced: the outputs are equal" in equal.stdout, equal.stdout
