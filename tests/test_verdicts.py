@@ -204,3 +204,27 @@ def test_an_acceptance_tolerance_that_cannot_fail_is_refused(path):
     }
     expected = {"tiny-dense--server--cpu", "tiny-hybrid--server--cpu"}
     assert refused == ({(path.stem, "ngram-mod")} if path.stem in expected else set())
+
+
+def test_calibration_refuses_an_acceptance_tolerance_no_drop_could_fail():
+    """llama-server ngram-mod sent at once on tiny-dense: a request's accepted / generated moved by 1.0 between
+    repeats (the serving order decides the shared n-gram table), so 2 × that could never fail: written as null
+    with the reason, and a merge with another machine keeps it refused."""
+    from harness.calibrate import acceptance_spread, merged
+
+    def m(accepted):  # the in-order repeats agree; the at-once repeats do not
+        return {
+            "seq/ngram-mod": {"acceptance": {"c": [10, accepted, 10]}},
+            "seq/ngram-mod/in-order": {"acceptance": {"c": [10, 5, 10]}},
+        }
+
+    spread = acceptance_spread([m(0), m(10)])["ngram-mod"]
+    assert spread["tolerance"] == 0.0 and spread["tolerance_concurrent"] is None
+    assert "tolerance_concurrent 2 ≥ 1" in spread["refused"]["tolerance_concurrent"]
+    floor = noise.from_data({"tolerances": {"near_tie": 0.1}, "acceptance": {"ngram-mod": spread}}, "demo")
+    value, why = floor.acceptance_tolerance("ngram-mod", "concurrent")
+    assert value is None and why.startswith("not judged: noise exceeds the range")
+    base = {"tolerances": {"near_tie": 0.1}, "measured_on": "x", "largest": {}, "method": ""}
+    new = {**base, "acceptance": {"ngram-mod": {"tolerance": 0.1, "tolerance_concurrent": 0.2}}}
+    kept = merged(new, {**base, "acceptance": {"ngram-mod": spread}})["acceptance"]["ngram-mod"]
+    assert kept["tolerance_concurrent"] is None and kept["tolerance"] == 0.1
