@@ -263,6 +263,7 @@ class BaselineStore:
                 {
                     "round": o.round,
                     **{k: v for k, v in o.result.work.to_dict().items() if v is not None},
+                    "draft_n": o.result.spec_stats.get("draft_n", 0),
                     "generated": len(o.result.tokens),
                     "output": output_digest(o.result.tokens),
                 }

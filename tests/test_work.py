@@ -100,6 +100,23 @@ def test_more_work_than_the_baseline_fails_naming_counter_and_request(tmp_path, 
     assert "prompt_read" in failed[0][1].message and "Java round 1" in failed[0][1].message
 
 
+def test_outside_seq_a_request_that_met_another_prompt_cache_is_not_compared(tmp_path):
+    """llama-server lends a par request any slot, whose cache may hold its prompt: such a request's counts are chance
+    (measured on Gemma and tiny-hybrid); in seq they are not, and a prompt read again fails there."""
+    root = tmp_path / "baselines"
+    shutil.copytree(default_root() / "quicksort", root / "quicksort")
+    path = root / "quicksort" / "Java--tiny-hybrid--inproc--cpu.json"
+    data = json.loads(path.read_text())
+    for key in ("par/none", "seq/none"):
+        row = data["work"][key][1]
+        row["prompt_read"], row["prompt_reused"] = row["prompt_read"] - 18, 18  # the baseline met a cached prompt
+    path.write_text(json.dumps(data))
+    verdicts, _ = run(root=root, narrowing={**CELL, "modes": ["seq", "par"], "specs": ["none"]})
+    java = {c.mode: r for _, k, c, r in verdicts if r.name == "work" and k == "Java"}
+    assert java["par"].passed and java["par"].evidence["not_compared"] == 1
+    assert not java["seq"].passed and "prompt_read" in java["seq"].message
+
+
 LOG = """\
 0.02.612.900 D que  process_new_: processing task, id = 1
 0.02.612.950 I slot      release: id  0 | task 0 | stop processing: n_tokens = 149, truncated = 0
