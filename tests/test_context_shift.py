@@ -109,7 +109,9 @@ def test_engine_shifts_as_llama_server_does(build, tiny_models, tmp_path):
     for s, e in zip(server, engine, strict=False):
         assert s.ok and e.ok and len(s.tokens) == 400 and s.truncated and e.truncated
         assert e.tokens == s.tokens
-    logged = [tuple(map(int, m)) for log in tmp_path.glob("*.log") for m in SHIFT_LOG.findall(log.read_text())]
+    logged = [
+        tuple(map(int, m)) for log in tmp_path.glob("*.log") for m in SHIFT_LOG.findall(log.read_text(errors="replace"))
+    ]
     n_prompt = len(server[0].prompt_tokens)
     spans = [shift_span(N_CTX - 1, n_prompt, N_CTX, r.sampling.n_keep, r.sampling.n_discard, True) for r in requests()]
     expected = []

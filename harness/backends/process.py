@@ -7,6 +7,7 @@ import re
 import signal
 from pathlib import Path
 
+from harness import llama_log
 from harness.backends.base import invalid_batch
 
 LOG_TAIL_LINES = 20
@@ -23,8 +24,9 @@ INVALID_BATCH_LOG = re.compile(
     r"- the tokens for sequence \d+ in the input batch have a starting position of Y = (-?\d+)"
 )
 """llama.cpp's log lines for a batch whose positions do not follow the sequence's (llama-batch.cpp)."""
-INVALID_BATCH_LOG_LINES = 400
-"""How far back in a log `invalid_batch_in_log` looks (llama-server logs a few lines per request)."""
+INVALID_BATCH_LOG_LINES = 5000
+"""How far back in a log `invalid_batch_in_log` looks (llama-server logs a few lines per request at its default
+verbosity; at `-lv 5` a few per drafted token: the other slots of a par batch go on logging meanwhile)."""
 
 
 def invalid_batch_in_log(path: Path | None) -> str | None:
@@ -46,17 +48,18 @@ def describe_exit(returncode: int | None) -> str:
 
 
 def log_tail(path: Path | None, lines: int = LOG_TAIL_LINES) -> str:
-    """The last `lines` lines of a log file ("" when it cannot be read)."""
+    """The last `lines` lines of a log file as written ("" when it cannot be read; undecodable bytes replaced)."""
     try:
-        text = Path(path).read_text(errors="replace")
+        text = llama_log.read(path)
     except (OSError, TypeError):
         return ""
     return "\n".join(text.splitlines()[-lines:])
 
 
 def abort_line(text: str) -> str:
-    """The line of `text` that says why llama.cpp aborted ("" when none does)."""
-    lines = text.splitlines()
+    """The message of the line of `text` that says why llama.cpp aborted, without the log's prefix ("" when none
+    does): the same line whether or not the logger's thread wrote another line's prefix before it."""
+    lines = llama_log.messages(text)
     for pattern in ABORT_LINES:
         found = next((line.strip() for line in lines if pattern.search(line)), None)
         if found:
@@ -67,7 +70,7 @@ def abort_line(text: str) -> str:
 def crash_report(who: str, returncode: int | None, log_path: Path | None) -> str:
     """`<who> was killed by SIGABRT: <abort line>` and the end of its log, for a `crashed` Result."""
     try:
-        whole = Path(log_path).read_text(errors="replace") if log_path else ""
+        whole = llama_log.read(log_path) if log_path else ""
     except OSError:
         whole = ""
     reason = abort_line(whole)

@@ -19,10 +19,11 @@ from pathlib import Path
 
 import requests
 
+from harness import llama_log
 from harness.backends.base import ServeConfig, default_threads
 from harness.backends.build import require_executable
 from harness.backends.flags import fit_to_build, server_flags, server_version
-from harness.backends.process import ABORT_LINES, abort_line, crash_report, describe_exit, log_tail
+from harness.backends.process import ABORT_LINES, abort_line, crash_report, describe_exit
 from harness.errors import HarnessError, LlamaAbort
 
 HOST = "127.0.0.1"
@@ -194,18 +195,25 @@ class LlamaServer:
 
     def _startup_failure(self) -> str:
         """One line saying why the process exited before becoming healthy: the model it could not load, the
-        line llama.cpp aborted with (a warm-up decode can abort: the log then ends with a backtrace), else the
-        log's last line."""
-        tail = log_tail(self.log_path)
-        if "failed to load model" in tail or "error loading model" in tail:
-            reason = _first_line_with(tail, ("error loading model", "failed to load model"))
-            return f"llama-server could not load model {self.model}: {reason} (log: {self.log_path})"
+        line llama.cpp aborted with (a warm-up decode can abort: the log then ends with a backtrace), else its
+        error lines (level E: the first says what failed, the last what llama-server made of it), else the log's
+        last line that is no debug line (at `-lv 5` debug lines go on after the error: a context's destructor)."""
         try:
-            aborted = abort_line(self.log_path.read_text(errors="replace"))
+            text = llama_log.read(self.log_path)
         except OSError:
-            aborted = ""
-        last = aborted or (tail.strip().splitlines() or ["no output"])[-1].strip()
-        return f"llama-server {describe_exit(self.process.returncode)} during start-up: {last} (log: {self.log_path})"
+            text = ""
+        lines = text.splitlines()
+        messages = [m.strip() for m in llama_log.messages(text)]
+        reason = _first_line_with("\n".join(messages), ("error loading model", "failed to load model"))
+        if reason:
+            return f"llama-server could not load model {self.model}: {reason} (log: {self.log_path})"
+        errors = [m for line, m in zip(lines, messages, strict=True) if m and llama_log.level(line) == "error"]
+        said = [m for line, m in zip(lines, messages, strict=True) if m and llama_log.level(line) != "debug"]
+        why = abort_line(text)
+        if not why and errors:
+            why = errors[0] if len(errors) == 1 else f"{errors[0]} … {errors[-1]}"
+        why = why or (said or ["no output"])[-1]
+        return f"llama-server {describe_exit(self.process.returncode)} during start-up: {why} (log: {self.log_path})"
 
     def _aborted(self) -> bool:
         """Whether llama.cpp itself ended the process during start-up (a finding, LlamaAbort): a fatal signal
@@ -214,7 +222,7 @@ class LlamaServer:
         if self.process.returncode is not None and self.process.returncode < 0:
             return True
         try:
-            text = self.log_path.read_text(errors="replace")
+            text = llama_log.read(self.log_path)
         except OSError:
             return False
         return any(pattern.search(text) for pattern in ABORT_LINES[:2])  # an assert or a C++ terminate

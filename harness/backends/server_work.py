@@ -25,6 +25,7 @@ import re
 import time
 from pathlib import Path
 
+from harness import llama_log
 from harness.backends.flags import server_flags
 from harness.result import Result, Work
 
@@ -54,9 +55,8 @@ def mark(log_path: Path | None) -> int:
 
 
 def _read(log_path: Path, start: int) -> list[str]:
-    with open(log_path, "rb") as f:
-        f.seek(start)
-        return f.read().decode(errors="replace").splitlines()
+    """The messages of the log's lines from byte `start` on (harness.llama_log: undecodable token bytes replaced)."""
+    return llama_log.messages(llama_log.read(log_path, start))
 
 
 def task_lines(lines: list[str], slot_id: int) -> tuple[int | None, list[str], bool]:

@@ -66,7 +66,7 @@ start_server() {  # LEG ARGS...: start llama-server and wait until /health answe
       if ! kill -0 "$PID" 2>/dev/null; then
         wait "$PID" 2>/dev/null; PID=""
         if grep -q "couldn't bind HTTP server socket" "$WORK/$leg.log"; then continue 2; fi
-        echo "llama-server exited during start-up:"; tail -n 5 "$WORK/$leg.log"; exit 2
+        echo "llama-server exited during start-up:"; startup_said "$leg"; exit 2
       fi
       if curl -sf "http://127.0.0.1:$PORT/health" >/dev/null 2>&1; then return 0; fi
       sleep 0.1
@@ -134,12 +134,40 @@ tokens_of() {  # NAME: the generated token ids of an answer, space-separated
   grep -o '"tokens": *\[[^]]*\]' "$WORK/$1.json" 2>/dev/null | head -n 1 | sed -e 's/"tokens": *\[//' -e 's/\]//' -e 's/,/ /g'
 }
 
-abort_line() {  # LEG: the line of the server log that says why it stopped
-  grep -m 1 -E 'GGML_ASSERT|GGML_ABORT|what\(\)|Segmentation|terminate called|error' "$WORK/$1.log" || tail -n 1 "$WORK/$1.log"
+unprefixed() {  # stdin: llama-server's log lines without llama.cpp's `M.SS.mmm.uuu L ` prefix and colours (bytes
+  # as they are: at -lv 5 the log holds raw token bytes)
+  LC_ALL=C sed -E -e 's/\x1b\[[0-9;]*m//g' -e 's/^[0-9]+\.[0-9]{2}\.[0-9]{3}\.[0-9]{3} ([IWED] )?//'
+}
+
+LOG_ERROR='^[0-9]+\.[0-9]{2}\.[0-9]{3}\.[0-9]{3} E '  # a line logged at level error
+
+abort_line() {  # LEG: the line of the server log that says why it stopped, most telling first, else its last error
+  local pattern
+  for pattern in 'GGML_ASSERT|GGML_ABORT' 'what\(\):|terminate called' '\.(cpp|c|h):[0-9]+: ' 'Segmentation'; do
+    if unprefixed <"$WORK/$1.log" | LC_ALL=C grep -a -m 1 -E "$pattern"; then return; fi
+  done
+  if LC_ALL=C grep -aqE "$LOG_ERROR" "$WORK/$1.log"; then
+    LC_ALL=C grep -aE "$LOG_ERROR" "$WORK/$1.log" | tail -n 1 | unprefixed
+  else
+    unprefixed <"$WORK/$1.log" | tail -n 1
+  fi
+}
+
+startup_said() {  # LEG: why llama-server ended during start-up: its last abort and error lines, else its last lines
+  local lines="GGML_ASSERT|GGML_ABORT|what\\(\\):|terminate called|$LOG_ERROR"
+  if LC_ALL=C grep -aqE "$lines" "$WORK/$1.log"; then
+    LC_ALL=C grep -aE "$lines" "$WORK/$1.log" | tail -n 5 | unprefixed
+  else
+    unprefixed <"$WORK/$1.log" | tail -n 5
+  fi
 }
 
 same_abort() {  # LEG TEXT: the log holds the abort line TEXT (numbers as N); without TEXT, llama-server's exit status
-  if [ -n "$2" ]; then sed -E 's/[0-9]+/N/g' "$WORK/$1.log" | grep -qF -- "$2"; else [ "$STATUS" = "$EXPECTED_STATUS" ]; fi
+  if [ -n "$2" ]; then
+    unprefixed <"$WORK/$1.log" | LC_ALL=C sed -E 's/[0-9]+/N/g' | LC_ALL=C grep -aqF -- "$2"
+  else
+    [ "$STATUS" = "$EXPECTED_STATUS" ]
+  fi
 }
 
 reproduced() { echo "REPRODUCED: $*"; exit 1; }

@@ -33,6 +33,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
+from harness import llama_log
+
 CRASH, TIMEOUT, ERROR, DIVERGENCE, CHECK = "crash", "timeout", "error", "divergence", "check"
 """What kind of failure a signature names."""
 KV_DAMAGE = (
@@ -109,7 +111,8 @@ def normalise(text: str) -> str:
 
 def abort_reason(error: str) -> str | None:
     """The telling part of a crash report (backends.process.crash_report): the abort line after `<who> <how
-    it ended>: ` without the source file and line, or, for an uncaught C++ exception, its `what()` from the
+    it ended>: ` without llama.cpp's log prefix (a report written before the harness took it off), the source
+    file and line, or, for an uncaught C++ exception, its `what()` from the
     log; None when the report has neither."""
     first = error.split("\n", 1)[0]
     ended = EXIT.search(first)
@@ -118,7 +121,7 @@ def abort_reason(error: str) -> str | None:
         if ended
         else ""
     )
-    reason = SOURCE.sub("", rest.lstrip(":").strip())
+    reason = SOURCE.sub("", llama_log.message(rest.lstrip(":").strip()))
     what = re.search(r"what\(\):\s*(.+)", error)
     if what and (not reason or reason.startswith("terminate called")):
         return what.group(1).strip()
