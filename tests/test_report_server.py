@@ -34,7 +34,7 @@ def test_sigint_during_a_server_run_reports_what_finished_and_stops_the_servers(
     skipped = [
         c
         for c in ET.parse(out / "junit.xml").getroot().iter("testcase")
-        if c.find("skipped") is not None and c.find("skipped").get("type") == "not-run"
+        if c.find("skipped") is not None and c.find("skipped").get("type") == "cell-not-run"
     ]
     assert len(skipped) == len(not_run)
     assert f"interrupted: {len(not_run)} of 6 cells did not run" in output and f"report: {out / 'index.html'}" in output

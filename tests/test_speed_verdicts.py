@@ -79,10 +79,13 @@ def test_diff_against_a_stale_draft_context_flags_only_the_speculative_cells_by_
     assert set(flagged) == {"quicksort seq-draft-simple-tiny-dense-inproc"}
     cell = flagged["quicksort seq-draft-simple-tiny-dense-inproc"]
     assert cell["acceptance_regressed"] and cell["b_acceptance"] < cell["a_acceptance"] - 0.1
-    # the draft context's scan finds the rejected drafts it kept; the fallen acceptance restates that finding
-    assert {v["check"] for v in diff.newly_failing} == {"acceptance", "kv-healthy"}
+    # the draft context's scan finds the rejected drafts it kept; the fallen acceptance restates that finding, and
+    # so does `work`: worse drafts reject more, so the target decodes more per generated token (a true consequence)
+    assert {v["check"] for v in diff.newly_failing} == {"acceptance", "kv-healthy", "work"}
+    # only the speculative cells: a cell without speculation drafts nothing, decodes no more, fails nothing
+    assert all("-seq-draft-simple-tiny-dense-inproc" in v["item"] for v in diff.newly_failing), diff.newly_failing
     assert [s["signature"] for s in diff.signatures] == ["kv-healthy: orphans in the draft context"]
-    assert {v["check"] for v in diff.newly_failing if v["restates"]} == {"acceptance"}
+    assert {v["check"] for v in diff.newly_failing if v["restates"]} == {"acceptance", "work"}
     html = (runs / "stale" / "diff.html").read_text()
     assert "acceptance" in html and "machine-dependent" in html
 

@@ -8,9 +8,10 @@ a check of the crashed request, also carries a `restates` property); a known lla
 type="known-failure">` with its upstream reference (pytest reports its xfails the same way); a verdict with no
 baseline yet to compare with (a model new to the harness) is `<skipped type="no-baseline">`; a check a harness
 fault kept from judging (its cell or reference cell could not be served) is an `<error type="harness-error">`; a
-check that did not run (it does not apply, or lacked what it judges) and a cell an interrupted run never reached
-are `<skipped type="not-run">` with the reason; a verdict that passed by excusing proven near-ties passes, with a
-property saying so.
+check that did not run (it does not apply, or lacked what it judges) is `<skipped type="not-run">` with the reason,
+and a cell an interrupted run never reached one `<skipped type="cell-not-run">` testcase named like its pytest item
+(a consumer tells work lost to the interruption from checks that do not apply); a verdict that passed by
+excusing proven near-ties passes, with a property saying so.
 """
 
 import xml.etree.ElementTree as ET
@@ -20,6 +21,9 @@ from pathlib import Path
 from harness.paths import write_atomic
 from harness.report.files import RunDir, cell_id, item_name, status
 from harness.signatures.group import by_verdict
+
+CELL_NOT_RUN = "cell-not-run"
+"""The skipped type of a cell an interrupted run never reached (a check that did not apply is `not-run`)."""
 
 
 def _classname(run: RunDir, suite: str) -> str:
@@ -76,7 +80,9 @@ def junit_xml(run: RunDir) -> bytes:
             case = ET.Element(
                 "testcase", classname=_classname(run, c["suite"]), name=f"{c['suite']}[{c['id']}]", time="0"
             )
-            ET.SubElement(case, "skipped", message="not run: the run was interrupted before this cell", type="not-run")
+            ET.SubElement(
+                case, "skipped", message="not run: the run was interrupted before this cell", type=CELL_NOT_RUN
+            )
             by_suite[c["suite"]].append(case)
             counts[c["suite"]]["tests"] += 1
             counts[c["suite"]]["skipped"] += 1
