@@ -18,6 +18,7 @@ reproduces, that fails the run, and the entry is removed.
 """
 
 import re
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -170,16 +171,53 @@ class KnownFailure:
 
     def explained(self, result: CheckResult) -> tuple[int, int]:
         """(failing items this defect explains, failing items) of a failed verdict of its check: the
-        verdict's per-request `failures`, or its message when it has none."""
+        verdict's per-request `failures`, or its message when it has none. A verdict with one failing request
+        is matched on its line or its message, which describes that request in full (a comparison's line names
+        only the triage class, "round 0: unexplained at token 22"; its message says why); with several, the
+        message describes only the first, so each line must match on its own."""
         if result.passed or result.name not in self.check:
             return 0, 0
         items = result.failures or [result.message]
+        if len(result.failures) == 1:  # the message describes that one request (a comparison: its triage's why)
+            return int(self.matches(items[0]) or self.matches(result.message)), 1
         return sum(self.matches(item) for item in items), len(items)
 
     def explains(self, result: CheckResult) -> bool:
-        """True when a failed check verdict is this defect in every one of its failing requests."""
+        """True when a failed check verdict is this defect in every one of its failing requests, or (`exercised`)
+        its completions fell short only because this defect killed requests (`shortfall`)."""
         hits, total = self.explained(result)
-        return total > 0 and hits == total
+        return total > 0 and (hits == total or self.shortfall(result) is not None)
+
+    def shortfall(self, result: CheckResult) -> str | None:
+        """Why a failed `exercised` verdict's shortfall of completions is this defect's, or None. A request this
+        defect killed (a later turn of its chat not sent after it included: the line carries the same error)
+        could not complete, so it is not counted: the verdict is the defect's when the requests it left alone
+        reach the suite's completed share (all killed: none left to judge) and the verdict fails nothing else
+        (a counter short of its minimum). A request that ended otherwise (context_full, another crash) counts
+        against the share as the check counts it, so a kv-fill regression that leaves too few completions
+        among the requests the defect spared still fails."""
+        from harness.checks import DID_NOT_COMPLETE
+
+        if result.passed or result.name != "exercised" or "exercised" not in self.check:
+            return None
+        evidence, items = result.evidence, result.failures
+        requests, completed = evidence.get("requests"), evidence.get("completed")
+        minimum = evidence.get("completed_min")
+        if not items or None in (requests, completed, minimum) or any(DID_NOT_COMPLETE not in i for i in items):
+            return None
+        killed = sum(self.matches(item) for item in items)
+        spared = requests - killed
+        if not killed or (spared and completed / spared < minimum):
+            return None
+        if not spared:
+            return f"{self.id} killed all {requests} requests: none was left to complete"
+        others = Counter(_NOT_SENT.sub("", i.split(DID_NOT_COMPLETE, 1)[1]) for i in items if not self.matches(i))
+        ended = ", ".join(f"{error} ×{n}" if n > 1 else error for error, n in others.items())
+        return (
+            f"{self.id} killed {killed} of {requests} requests; of the {spared} it spared {completed} completed "
+            f"({completed / spared:.0%}, expected at least {minimum:.0%})"
+            + (f", the others ended {ended}" if ended else "")
+        )
 
     @property
     def summary(self) -> str:
@@ -248,6 +286,9 @@ def matching(entries: list[KnownFailure], suite: str, cell: Cell, result: CheckR
     )
 
 
+_NOT_SENT = re.compile(r" \(so \S+ was not sent\)$")
+"""The tail of a chat turn's error when an earlier turn's error kept it from being sent."""
+
 NEW_SUITE = "known_failure_new_suite"
 """Evidence key of a verdict a known defect explains in a suite its entry does not list yet."""
 
@@ -273,6 +314,10 @@ def tag(entries: list[KnownFailure], suite: str, cell: Cell, results: list[Check
                     )
         else:
             r.evidence["known_failure"] = entry.id
+            why = entry.shortfall(r) if entry.explained(r)[0] < entry.explained(r)[1] else None
+            if why:
+                r.evidence["known_failure_shortfall"] = why
+                r.message += f"\n  ({why})"
             if suite not in entry.suites:
                 r.evidence[NEW_SUITE] = suite
                 r.message += (

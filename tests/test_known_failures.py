@@ -122,6 +122,51 @@ def test_an_entry_naming_exercised_explains_completions_its_defect_took_and_noth
     assert verdict([None] * 4 + [http500] * 8).passed  # a third completed: exercised as expected
 
 
+def test_a_defect_that_killed_requests_explains_exercised_only_when_the_requests_it_spared_completed_enough(suites):
+    """Measured on tiny-hybrid (kv-fill, server, par): the defect killed the lists and hashes chats (their later
+    turns not sent), 2 of the 6 spared requests completed and 4 ended context_full: 2 of 12 is short of 25%,
+    but only because the defect took 6; a cell whose spared requests complete too few stays a failure."""
+    from harness.checks import exercised
+    from harness.checks.base import CheckContext
+    from harness.execute import CellRun, Outcome
+    from harness.result import Result
+    from harness.suites import load_suite
+
+    (suites / "known-failures.yaml").write_text(ENTRY.replace("check: no-crash", "check: [no-crash, exercised]"))
+    [entry] = load(suites / "known-failures.yaml")
+    suite = load_suite(str(suites / "kv-fill.yaml"))
+    par = Cell("server", "par", "draft-simple", "tiny-hybrid")
+    http500 = "HTTP 500: got exception: speculative batch index 9 is not inside the current sub-batch [0, 8)"
+    killed = [http500, f"{http500} (so lists.turn2 was not sent)", f"{http500} (so lists.turn3 was not sent)"] * 2
+
+    def verdict(others: list[str | None], stats: dict | None = None):
+        errors = killed + others
+        outcomes = [
+            Outcome(f"c{i}", 0, Result(stop_reason="error" if e else "limit", error=e, spec_stats=stats or {}))
+            for i, e in enumerate(errors)
+        ]
+        return exercised(CheckContext(CellRun(suite, par, outcomes), suite.first_key, None, None, str, ""))
+
+    measured = verdict([None, None] + ["context_full"] * 4)
+    assert not measured.passed and measured.evidence["completed"] == 2 and len(measured.failures) == 10
+    assert entry.explained(measured) == (6, 10)
+    assert tag([entry], "kv-fill", par, [measured]) == [] and measured.evidence["known_failure"] == "demo-defect"
+    assert measured.evidence["known_failure_shortfall"] == (
+        "demo-defect killed 6 of 12 requests; of the 6 it spared 2 completed (33%, expected at least 25%), "
+        "the others ended context_full ×4"
+    )
+    for short in (
+        verdict([None] + ["context_full"] * 5),  # 1 of the 6 spared: kv-fill itself completes too little
+        verdict(["context_full"] * 5 + ["llama-server was killed by SIGSEGV"]),
+        verdict([None, None] + ["context_full"] * 4, {"draft_dropped": 0}),  # a counter short: not the defect's
+    ):
+        assert not short.passed and tag([entry], "kv-fill", par, [short]) == [short], short.message
+        assert "known_failure" not in short.evidence
+    no_crash = CheckResult("no-crash", False, "x", {"requests": 12, "completed": 2, "completed_min": 0.25})
+    no_crash.failures = [f"c0 round 0 did not complete: {http500}", "c1 round 0 did not complete: context_full"]
+    assert not entry.explains(no_crash)  # the shortfall reading is `exercised`'s alone
+
+
 def test_an_entry_for_a_cpu_feature_applies_only_on_a_cpu_that_has_it(suites):
     from harness.backends.base import cpu_flags
 
@@ -243,3 +288,27 @@ def test_the_console_says_which_known_defect_showed_in_a_new_suite_and_that_it_d
     [line] = known_lines({"demo-defect": group([record], [], lambda v: True)})
     assert line.startswith("known llama.cpp defect demo-defect: 1 signature: ")
     assert "seen in a new suite: eog (known defect, not failing the run" in line
+
+
+def test_the_gemma_flip_without_logits_is_known_only_where_the_triage_lacked_the_speculative_runs_logits():
+    """w1 iterative.turn2 on llama-server (Gemma, ngram-mod / ngram-map-k): the comparison's failure line names
+    only the class ("unexplained at token 22"); the message says why. The entry explains the one failing output
+    whose reason is the missing logits inside the floor, and nothing else."""
+    entry = {e.id: e for e in SHIPPED}["server-spec-flip-without-logits"]
+    [measured, *_] = entry.measured
+    line = "round 0: unexplained at token 22"
+
+    def verdict(message: str, failures: list[str]) -> CheckResult:
+        return CheckResult("lossless", False, message, failures=failures)
+
+    assert entry.cpu_flags == ("avx512f",) and set(entry.check) == {"lossless", "baseline"}
+    assert entry.explains(verdict(measured, [line]))
+    for wider in entry.wider:  # margin beyond the floor, the other run's logits disagreeing, a hard divergence
+        assert not entry.explains(verdict(wider, [line]))
+    # two failing outputs: the message describes only the first, so the lines alone must match (they do not)
+    assert not entry.explains(verdict(measured, [line, "round 1: unexplained at token 30"]))
+    for cell in (
+        Cell("server", "seq", "ngram-simple", "gemma3-270m"),
+        Cell("server", "seq", "ngram-mod", "tiny-dense"),
+    ):
+        assert not entry.shows_in(cell)
