@@ -24,7 +24,8 @@ LEVELS = {"I": "info", "W": "warning", "E": "error", "D": "debug"}
 
 def message(line: str) -> str:
     """A log line without its colours and its `M.SS.mmm.uuu L ` prefix (a line without one is kept as it is)."""
-    line = COLOR.sub("", line)
+    if "\x1b" in line:
+        line = COLOR.sub("", line)
     found = PREFIX.match(line)
     return line[found.end() :] if found else line
 
