@@ -117,6 +117,34 @@ def test_outside_seq_a_request_that_met_another_prompt_cache_is_not_compared(tmp
     assert not java["seq"].passed and "prompt_read" in java["seq"].message
 
 
+def test_outside_seq_round_counters_are_compared_only_on_the_baseline_s_rounds(tmp_path):
+    """In par the split of the drafts into rounds may vary (llama-server: the same 68 drafts with 2, 3 and 4 partial
+    rollbacks): a request's checkpoints and rollbacks are compared only when its rounds are known to be the
+    baseline's (the engine reports them, `spec_cycles`), else not, counted as `rounds_not_compared`."""
+    from harness.checks.work import _same_rounds
+
+    root = tmp_path / "baselines"
+    shutil.copytree(default_root() / "quicksort", root / "quicksort")
+    path = root / "quicksort" / "Java--tiny-hybrid--inproc--cpu.json"
+    data = json.loads(path.read_text())
+    data["work"]["par/draft-simple"][1]["ckpt_created"] -= 1  # the baseline's round 1 created one checkpoint less
+    path.write_text(json.dumps(data))
+    narrowing = {**CELL, "modes": ["par"]}
+    verdicts, _ = run(root=root, narrowing=narrowing)
+    (java,) = [r for _, k, _, r in verdicts if r.name == "work" and k == "Java"]
+    assert not java.passed and "ckpt_created" in java.message and "Java round 1" in java.message
+    data["work"]["par/draft-simple"][1]["rounds"] = 10**6  # rounds other than this run's: not comparable
+    path.write_text(json.dumps(data))
+    verdicts, _ = run(root=root, narrowing=narrowing)
+    (java,) = [r for _, k, _, r in verdicts if r.name == "work" and k == "Java"]
+    assert java.passed and java.evidence["rounds_not_compared"] == 1
+    server = {"draft_n": 68, "draft_n_accepted": 54}  # llama-server's /completion reports no rounds
+    assert not _same_rounds(server, {"draft_n": 68, "draft_n_accepted": 54})
+    assert _same_rounds({"draft_n": 0}, {"draft_n": 0})  # nothing drafted: no rounds to split
+    assert _same_rounds({**server, "spec_cycles": 20}, {"draft_n": 68, "draft_n_accepted": 54, "rounds": 20})
+    assert not _same_rounds({**server, "spec_cycles": 20}, {"draft_n": 68, "draft_n_accepted": 53})
+
+
 LOG = """\
 0.02.612.900 D que  process_new_: processing task, id = 1
 0.02.612.950 I slot      release: id  0 | task 0 | stop processing: n_tokens = 149, truncated = 0

@@ -32,6 +32,13 @@ ngram-mod, other drafts and partial rollbacks), and so may its drafts where the 
 (ngram-mod's table on llama-server: in 1 of 27 par requests of Gemma 69 tokens drafted against 68, 5 partial rollbacks
 against 3, with the same prompt cache). There a request whose `prompt_reused` or `draft_n` differs from its
 baseline's is not compared; in `seq` (one slot) both are the same every run and everything is compared."""
+ROUND_COUNTERS = ("ckpt_created", "ckpt_created_bytes", "ckpt_restored", "ckpt_restored_bytes", "partial_rollbacks")
+"""The counters of a request's speculative rounds: one checkpoint, and a restore or a partial rollback, per round
+that rejected. Where the split of the drafts into rounds is chance (CACHE_MOVES on a backend that does not report
+its rounds, `spec_cycles`) they are compared only where the backend reports its rounds and they are the baseline's:
+llama-server split the same 68 drafts of Gemma quicksort (Python, par, ngram-mod, 54 accepted, same output, same
+prompt cache) into rounds with 2, 3 and 4 partial rollbacks in 3 requests and runs; its /completion reports no
+rounds, so there they are not compared (`rounds_not_compared` in the evidence) and the other counters are."""
 OTHER_OUTPUT_TOLERANCE = 0.25
 """Relative slack per generated token for a request whose output differs from its baseline's (its drafts, and
 so its steps, differ: `baseline` / `lossless` judge the tokens)."""
@@ -49,8 +56,9 @@ def work(ctx: CheckContext) -> CheckResult:
     their bytes, partial rollbacks, draft-model decodes (harness.result.WORK_COUNTERS). A request with the
     baseline's output is compared count for count (exact: measured so on both backends), another per generated
     token with a slack; outside `seq` a request that met another prompt cache or drafted another number of tokens
-    than in the baseline (llama-server lends it any slot, and slots share ngram-mod's table) is not compared. A
-    counter the backend cannot count (None) is not compared.
+    than in the baseline (llama-server lends it any slot, and slots share ngram-mod's table) is not compared, and
+    the counters of its speculative rounds (checkpoints, partial rollbacks) only where its rounds are known to be the
+    baseline's (llama-server reports none). A counter the backend cannot count (None) is not compared.
     Fails naming the counters and the request; not run where the backend counted no work or the baseline holds
     none for the cell (`--update-baselines` records it)."""
     done = ctx.completed()
@@ -73,7 +81,7 @@ def work(ctx: CheckContext) -> CheckResult:
             f"--update-baselines{store.option}",
         )
     by_round = {r["round"]: r for r in rows}
-    failures, compared, worst, grown, skipped = [], 0, None, set(), 0
+    failures, compared, worst, grown, skipped, rounds_skipped = [], 0, None, set(), 0, 0
     for o in counted:
         row = by_round.get(o.round)
         if row is None:
@@ -85,12 +93,14 @@ def work(ctx: CheckContext) -> CheckResult:
             skipped += 1
             continue
         compared += 1
+        rounds_known = ctx.cell.mode not in CACHE_MOVES or _same_rounds(o.result.spec_stats, row)
+        rounds_skipped += not rounds_known
         generated, before_generated = max(len(o.result.tokens), 1), max(int(row.get("generated", 1)), 1)
         same = row.get("output") == output_digest(o.result.tokens)
         slack = tolerance(ctx, same)
         for counter in MORE_IS_WORSE:
             now, before = getattr(o.result.work, counter), row.get(counter)
-            if now is None or before is None:
+            if now is None or before is None or (counter in ROUND_COUNTERS and not rounds_known):
                 continue
             if same or counter in PROMPT_COUNTERS:
                 a, b, unit = now, before, ""
@@ -109,6 +119,8 @@ def work(ctx: CheckContext) -> CheckResult:
     evidence = {"baseline": shown(path), "key": key, "compared": compared}
     if skipped:
         evidence["not_compared"] = skipped  # requests whose cache or drafts moved (CACHE_MOVES)
+    if rounds_skipped:
+        evidence["rounds_not_compared"] = rounds_skipped  # requests whose rounds are not known to be the baseline's
     if not compared:
         why = (
             f"every request met another prompt cache or drafted otherwise than in the baseline ({skipped})"
@@ -124,6 +136,20 @@ def work(ctx: CheckContext) -> CheckResult:
         message = f"more work than the baseline in {', '.join(counters)}; {worst[2]}{more}"
         return CheckResult("work", False, message, evidence, failures=failures)
     return CheckResult("work", True, evidence=evidence)
+
+
+def _same_rounds(stats: dict, row: dict) -> bool:
+    """Whether a request's drafts were split into the same rounds as its baseline's: neither drafted, or the backend
+    reports its rounds (`spec_cycles`; llama-server does not) and its drafted, accepted and rounds are the row's
+    where the row stores them."""
+    if not stats.get("draft_n", 0) and not row.get("draft_n", 0):
+        return True  # nothing drafted: no rounds
+    if "spec_cycles" not in stats:
+        return False
+    return all(
+        row.get(field) is None or stats.get(stat, 0) == row[field]
+        for field, stat in (("draft_n", "draft_n"), ("draft_n_accepted", "draft_n_accepted"), ("rounds", "spec_cycles"))
+    )
 
 
 def _num(x: float) -> str:
