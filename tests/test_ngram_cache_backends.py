@@ -73,4 +73,3 @@ def test_the_port_drafts_and_accepts_what_llama_server_does_request_for_request(
 )
 def test_llama_server_drafts_each_request_from_its_own_prompt(runs):
     assert runs["server"] == runs["inproc"]
-
