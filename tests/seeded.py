@@ -21,10 +21,13 @@ SEEDED = {
 }
 
 
-def seeded_tree() -> Path:
-    """The vendored tree with the seeded bug, kept in the cache (same bytes, same build key, built once)."""
+def seeded_tree(
+    edits: dict[str, str] = SEEDED, name: str = "seeded-no-seq-rm", origin: str = "tests/seeded.py"
+) -> Path:
+    """The vendored tree with `edits` (line -> replacement) applied to tools/server/server-context.cpp, kept in the
+    cache under `name` (same bytes, same build key, built once)."""
     source = vendored_source()
-    tree = cache_dir() / "src" / f"{source.name}-seeded-no-seq-rm"
+    tree = cache_dir() / "src" / f"{source.name}-{name}"
     target = tree / "tools" / "server" / "server-context.cpp"
     with FileLock(str(tree) + ".lock"):
         if not target.is_file():
@@ -33,13 +36,13 @@ def seeded_tree() -> Path:
             shutil.copytree(source, staging, symlinks=True)
             path = staging / "tools" / "server" / "server-context.cpp"
             text = path.read_text()
-            for line, replacement in SEEDED.items():
+            for line, replacement in edits.items():
                 assert text.count(line) == 1, f"the vendored server-context.cpp changed: cannot seed {line.strip()!r}"
                 text = text.replace(line, replacement)
             path.write_text(text)
             commit = read_marker(source / SOURCE_MARKER)
             (staging / SOURCE_MARKER).write_text(
-                json.dumps({"commit": f"{commit[:12]}-seeded-no-seq-rm", "origin": "tests/seeded.py"}) + "\n"
+                json.dumps({"commit": f"{commit[:12]}-{name}", "origin": origin}) + "\n"
             )
             staging.rename(tree)
     return tree

@@ -13,20 +13,16 @@ edited one); without it the test builds it first."""
 
 from __future__ import annotations
 
-import json
-import shutil
 import time
-from pathlib import Path
 
 import pytest
-from filelock import FileLock
+from seeded import seeded_tree
 
 from harness.backends.base import ServeConfig
-from harness.backends.build import SOURCE_MARKER, BuildInfo, ensure_server, read_marker, vendored_source
+from harness.backends.build import BuildInfo, ensure_server
 from harness.backends.server_backend import ServerBackend
 from harness.matrix import spec_preset
 from harness.models import draft_for, resolve
-from harness.paths import cache_dir
 from harness.request import Request, Sampling
 
 SPIN = {
@@ -38,33 +34,9 @@ SPIN = {
 NAME = "seeded-replay-loop"
 
 
-def spinning_tree() -> Path:
-    """The vendored tree with the replay loop, kept in the cache (same bytes, same build key, built once)."""
-    source = vendored_source()
-    tree = cache_dir() / "src" / f"{source.name}-{NAME}"
-    target = tree / "tools" / "server" / "server-context.cpp"
-    with FileLock(str(tree) + ".lock"):
-        if not target.is_file():
-            staging = tree.with_name(tree.name + ".tmp")
-            shutil.rmtree(staging, ignore_errors=True)
-            shutil.copytree(source, staging, symlinks=True)
-            path = staging / "tools" / "server" / "server-context.cpp"
-            text = path.read_text()
-            for line, replacement in SPIN.items():
-                assert text.count(line) == 1, f"the vendored server-context.cpp changed: cannot seed {line.strip()!r}"
-                text = text.replace(line, replacement)
-            path.write_text(text)
-            commit = read_marker(source / SOURCE_MARKER)
-            (staging / SOURCE_MARKER).write_text(
-                json.dumps({"commit": f"{commit[:12]}-{NAME}", "origin": "tests/test_stall_spin.py"}) + "\n"
-            )
-            staging.rename(tree)
-    return tree
-
-
 @pytest.fixture(scope="module")
 def spinning_server() -> BuildInfo:
-    return ensure_server(source=spinning_tree())
+    return ensure_server(source=seeded_tree(SPIN, NAME, "tests/test_stall_spin.py"))
 
 
 @pytest.mark.parametrize("model", ["tiny-hybrid", "tiny-recurrent"])
