@@ -94,6 +94,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "slow: a long case (deselect with -m 'not slow')")
     config.addinivalue_line("markers", "gpu: needs a GPU backend build")
+    _keep_cells_together(config)
     opt = config.getoption
     report = Path(opt("--report")) if opt("--report") else None
     baselines = path_setting(config, "baselines_dir")
@@ -168,6 +169,26 @@ def pytest_collect_file(parent: pytest.Collector, file_path: Path):
     if file_path.name == KNOWN_FAILURES:
         return KnownFailuresFile.from_parent(parent, path=file_path)
     return SuiteFile.from_parent(parent, path=file_path)
+
+
+def _keep_cells_together(config: pytest.Config) -> None:
+    """Under pytest-xdist, `--dist loadgroup` whenever the items are spread by load (`-n N` alone, run outside
+    this project's pyproject.toml): a cell and the cells its checks compare it with run on one worker, once, and
+    an interrupted worker reports what it finished. The controller picks the scheduler; a worker re-reads the
+    command line, so the controller tells it (`pytest_configure_node`) to mark its items with their groups."""
+    if getattr(config.option, "dist", "no") == "load":
+        config.option.dist = "loadgroup"
+    worker = getattr(config, "workerinput", None)
+    if worker is not None and worker.get(LOADGROUP):
+        config.option.loadgroup = True
+
+
+LOADGROUP = "specharness_loadgroup"
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_configure_node(node) -> None:
+    node.workerinput[LOADGROUP] = node.config.getoption("dist", "no") == "loadgroup"
 
 
 def worker_group(suite: str, cell) -> str:
