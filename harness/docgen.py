@@ -628,7 +628,8 @@ def models_page() -> str:
             "",
             _text(
                 f"draft of `{registry.GEMMA}`: the same model requantized to {registry.GEMMA_DRAFT_TYPE} by the "
-                "default build's `llama-quantize`, made once and cached"
+                "llama.cpp's quantizer through llama-cpp-python (`llama-quantize --allow-requantize --pure`, byte for "
+                "byte), made once and cached"
             ),
         ]
     )

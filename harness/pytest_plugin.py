@@ -28,6 +28,7 @@ from harness.known_failures import KnownFailure, tag
 from harness.known_failures import load as load_known
 from harness.matrix import BACKEND_NAMES, Shard, cells, narrowing, shard
 from harness.models import ModelUnavailable, resolve
+from harness.models.facts import run_models
 from harness.report import describe_run, publish, write_run
 from harness.report.files import RunDir, now
 from harness.report.merge import merge
@@ -502,6 +503,7 @@ def _write_report(session: pytest.Session, state: dict, exitstatus) -> None:
             suites=state["suites"],
             known=state["known"],
             backends=run_backends(state["executor"]),
+            models=run_models(state["executor"], planned),
             shard=str(state["shard"]) if state["shard"] else None,
             interrupted=exitstatus == pytest.ExitCode.INTERRUPTED or interrupt.received() is not None,
         )

@@ -12,11 +12,11 @@ from pathlib import Path
 from harness.argtypes import count, seconds
 from harness.backends.base import KV_SCAN, STALL_FLOOR_S
 from harness.engine.faults import FAULTS
-from harness.engine.rollback import CHECKPOINT_FLAGS, STRATEGIES
 from harness.engine.speculative import SpecConfig
 from harness.errors import HarnessError
 from harness.execute import ExecOptions
 from harness.matrix import SPEC_PRESETS
+from harness.rollback_options import CHECKPOINT_KINDS, STRATEGIES
 
 DEFAULT_SUITE = "quicksort"
 SPEC_PARAMS = [
@@ -105,7 +105,7 @@ def add_run_options(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--checkpoint-flags",
         default="partial",
-        choices=sorted(CHECKPOINT_FLAGS),
+        choices=sorted(CHECKPOINT_KINDS),
         help="in-process checkpoints: PARTIAL_ONLY state (default) or the full state",
     )
     p.add_argument(

@@ -28,6 +28,7 @@ from harness.known_failures import FILE_NAME as KNOWN_FAILURES
 from harness.known_failures import tag
 from harness.matrix import Cell, Shard, cells, narrowing
 from harness.models import ModelUnavailable, resolve
+from harness.models.facts import run_models
 from harness.paths import reports_dir
 from harness.report import describe_run, frame, publish, records, write_run
 from harness.report.files import RunDir, command_line, now, speedups
@@ -258,6 +259,7 @@ def write_and_publish(
         suites={suite.name: suite.path for suite in suites},
         known=known,
         backends=run_backends(executor),
+        models=run_models(executor, planned),
         shard=str(part) if part else None,
         interrupted=interrupted,
     )

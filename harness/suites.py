@@ -15,10 +15,10 @@ import yaml
 
 import harness
 from harness import MODES
-from harness.engine.rollback import CHECKPOINT_FLAGS, STRATEGIES
 from harness.errors import HarnessError
 from harness.matrix import SPEC_PRESETS, block_of
 from harness.request import SAMPLING_SCHEMA, Request, Sampling
+from harness.rollback_options import CHECKPOINT_KINDS, STRATEGIES
 
 SERVE_FIELDS = {
     "n_ctx": "integer",
@@ -88,7 +88,7 @@ SUITE_SCHEMA = {
             "additionalProperties": False,
             "properties": {
                 "rollback": {"enum": list(STRATEGIES)},
-                "checkpoint_flags": {"enum": list(CHECKPOINT_FLAGS)},
+                "checkpoint_flags": {"enum": list(CHECKPOINT_KINDS)},
                 "checkpoint_attempts": {"type": "integer", "minimum": 0},
             },
         },

@@ -11,8 +11,7 @@ import llama_cpp
 
 from harness.engine.context import Context
 from harness.errors import HarnessError
-
-STRATEGIES = ("auto", "seq-rm", "checkpoint", "partial")
+from harness.rollback_options import CHECKPOINT_KINDS, STRATEGIES
 
 
 class LlamaRefused(Exception):
@@ -20,7 +19,7 @@ class LlamaRefused(Exception):
     (an error Result, like a failed decode), which is a finding about llama.cpp, not a harness bug."""
 
 
-CHECKPOINT_FLAGS = {"partial": llama_cpp.LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY, "full": 0}
+CHECKPOINT_FLAGS = dict(zip(CHECKPOINT_KINDS, (llama_cpp.LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY, 0), strict=True))
 
 
 def choose_strategy(requested: str, kind: str, arch: str) -> str:

@@ -12,6 +12,7 @@ import hashlib
 import importlib
 import os
 import subprocess
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
@@ -168,7 +169,7 @@ def _gemma(build: bool) -> ModelInfo:
 
 
 def _gemma_draft(build: bool) -> ModelInfo:
-    """GEMMA_DRAFT, made once with the llama-quantize of the default llama-server build and cached."""
+    """GEMMA_DRAFT, made once by quantizing GEMMA (llama.cpp's quantizer through llama-cpp-python) and cached."""
     target = _gemma(build)
     path = _models_dir() / f"{GEMMA_DRAFT}-{target.sha256[:12]}-{GEMMA_DRAFT_TYPE.lower()}-pure.gguf"
     sidecar = path.with_name(path.name + ".sha256")
@@ -183,16 +184,12 @@ def _gemma_draft(build: bool) -> ModelInfo:
 
 
 def _requantize(source: Path, dest: Path) -> None:
-    from harness.backends.build import ensure_server  # the build also makes llama-quantize
-
-    quantize = ensure_server().quantize_bin
-    if quantize is None or not quantize.is_file():
-        raise HarnessError(f"no llama-quantize beside the llama-server build: cannot make {GEMMA_DRAFT}")
-    cmd = [str(quantize), "--allow-requantize", "--pure", str(source), str(dest), GEMMA_DRAFT_TYPE, "1"]
+    """`llama-quantize --allow-requantize --pure` (harness.models.quantize, in a process of its own)."""
+    cmd = [sys.executable, "-m", "harness.models.quantize", str(source), str(dest), GEMMA_DRAFT_TYPE]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0:
         last = (proc.stderr.strip().splitlines() or ["no output"])[-1]
-        raise HarnessError(f"llama-quantize failed making {GEMMA_DRAFT}: {last}")
+        raise HarnessError(f"quantizing {source.name} to {GEMMA_DRAFT_TYPE} failed making {GEMMA_DRAFT}: {last}")
 
 
 def _names_a_file(name_or_path: str) -> bool:

@@ -326,30 +326,6 @@ def cell_entries(executor, planned: list, done: list) -> list[dict]:
     return cells
 
 
-def model_facts(executor, planned: list) -> dict:
-    """run.json's `models`: file, sha256, size, arch and kind of every model the run used or planned, draft models
-    included (`{"error": ...}` for one that cannot be resolved)."""
-    from harness.models import draft_for, resolve
-
-    used = {c.model for _, c in planned} | {r.cell.model for r in executor.runs()}
-    drafts = {executor.options.draft_model or draft_for(c.model) for _, c in planned if "draft-simple" in c.spec}
-    models = {}
-    for name in sorted(used | (drafts - {None})):
-        try:
-            info = resolve(name, make=False)
-        except HarnessError as err:
-            models[name] = {"error": str(err)}
-            continue
-        models[name] = {
-            "file": info.path.name,
-            "sha256": info.sha256,
-            "size": info.size,
-            "arch": info.arch,
-            "kind": info.kind,
-        }
-    return models
-
-
 def describe_run(
     executor,
     *,
@@ -362,6 +338,7 @@ def describe_run(
     suites: dict,
     known: list,
     backends: dict,
+    models: dict,
     shard: str | None = None,
     interrupted: bool = False,
 ) -> dict:
@@ -370,7 +347,8 @@ def describe_run(
     `planned` and `done` are (suite name, Cell) pairs: the cells this run was to check and those it
     finished; `suites` maps suite name → file; `known` is the list of known-failure entries; `backends` the
     facts of the run's backends (harness.backends.facts.run_backends: the caller asks the live backends, so
-    writing the files runs no llama.cpp tool)."""
+    writing the files runs no llama.cpp tool) and `models` those of its models (harness.models.facts.run_models:
+    a report reads stored runs and never resolves a model)."""
     return {
         "format": FORMAT,
         "tool": tool,
@@ -383,7 +361,7 @@ def describe_run(
         "interrupted": interrupted,
         "host": host(),
         "backends": backends,
-        "models": model_facts(executor, planned),
+        "models": models,
         "suites": {name: _shown(path) for name, path in suites.items()},
         "cells": cell_entries(executor, planned, done),
         "known_failures": [asdict(e) for e in known],
