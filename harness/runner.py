@@ -31,6 +31,7 @@ from harness.models import ModelUnavailable, resolve
 from harness.models.facts import run_models
 from harness.paths import reports_dir
 from harness.report import describe_run, frame, publish, records, write_run
+from harness.report import work as work_report
 from harness.report.files import RunDir, command_line, now, speedups
 from harness.run_options import (
     DEFAULT_SUITE,
@@ -49,12 +50,16 @@ EXIT_FAILED, EXIT_INFRA = 1, 3
 
 def summary_table(runs: list[CellRun], verdicts: list) -> Table:
     """Per cell: requests, errors, speed, draft acceptance, the speed-up over no speculation measured in this
-    run, and check verdicts (pandas underneath)."""
+    run, the work its requests did (harness.report.work, short), and check verdicts (pandas underneath)."""
     rows_ = records(runs)
     df, speed = frame(rows_), speedups(rows_)
+    done: dict[tuple, list[dict]] = {}  # (suite, model, mode, spec, backend) → its records with output
+    for r in rows_:
+        if r["error"] is None:
+            done.setdefault((r["suite"], r["model"], r["mode"], r["spec"], r["backend"]), []).append(r)
     table = Table(title="specharness run")
     numeric = ("requests", "errors", "tok/s", "accepted", "speed-up")
-    for column in ("suite", "model", "mode", "spec", "backend", *numeric, "checks"):
+    for column in ("suite", "model", "mode", "spec", "backend", *numeric, "work", "checks"):
         table.add_column(column, justify="right" if column in numeric else "left")
     keys = ["suite", "model", "mode", "spec", "backend"]
     groups = df.groupby(keys, sort=False) if rows_ else ()  # no records: interrupted before any request
@@ -87,6 +92,7 @@ def summary_table(runs: list[CellRun], verdicts: list) -> Table:
             f"{1000.0 * n / ms:.0f}" if ms else "-",
             f"{accepted}/{drafted}" if drafted else "-",
             f"{up['speedup']:.2f}x" if up else "-",
+            work_report.text(work_report.totals(done.get((suite, model, mode, spec, backend), [])), short=True),
             f"[red]harness error: {', '.join(faults)}[/]"
             if faults
             else f"[red]failed: {', '.join(failed)}[/]"

@@ -110,7 +110,7 @@ def test_bench_runs_both_engines_side_by_side_and_never_overwrites(tmp_path, cap
     ]
     assert main(argv) == 0
     printed = capsys.readouterr().out
-    assert "aggregate" in printed and "inproc/server" in printed
+    assert "aggregate" in printed and "inproc/server" in printed and "dec/tok" in printed
     data = json.loads((out / "bench.json").read_text())
     assert json.loads((tmp_path / "b.json").read_text())["rows"] == data["rows"]
     assert len(data["rows"]) == 2 * 2 * 2 and not any(r["errors"] for r in data["rows"])
@@ -124,8 +124,13 @@ def test_bench_runs_both_engines_side_by_side_and_never_overwrites(tmp_path, cap
             server["accepted"],
         )
         assert inproc["tok_s"] > 0 and inproc["ratio"] > 0
+        # the counted work beside them: the engine counts its decodes (every generated token, drafts included),
+        # llama-server none (neither its timings nor its -lv 5 lines give them), both their prompt tokens
+        assert inproc["work_per_token"]["target_decoded"] >= 1 and server["work"]["target_decoded"] is None
+        for row in (inproc, server):
+            assert row["work"]["prompt_read"] + row["work"]["prompt_reused"] > 0
     html = (out / "bench.html").read_text()
-    assert 'id="aggregate-table"' in html and "<svg" in html
+    assert 'id="aggregate-table"' in html and "<svg" in html and "target dec/tok" in html
     assert 'src="http' not in html and 'href="http' not in html  # self-contained
     before = (out / "bench.json").read_bytes()
     assert main(argv) == 2

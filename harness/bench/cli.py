@@ -13,7 +13,7 @@ from harness import interrupt
 from harness.argtypes import csv
 from harness.bench import costs, speed
 from harness.bench.builds import bench_build_step
-from harness.bench.page import write_html, write_json
+from harness.bench.page import work_text, write_html, write_json
 from harness.bench.reportload import bench_report
 from harness.errors import HarnessError
 from harness.paths import reports_dir
@@ -47,8 +47,9 @@ def _table(title: str, rows: list[dict], first: str) -> Table:
         "spread",
         "speed-up",
         "inproc/server",
+        "work",
     ):
-        table.add_column(name, justify="right" if name not in (first, "model", "config") else "left")
+        table.add_column(name, justify="right" if name not in (first, "model", "config", "work") else "left")
     for r in rows:
         config = f"{r['engine']} {r['spec']}" + (f" logits {r['logits']}" if r["logits"] else "")
         vary = "*" if r.get("counts_vary") else ""
@@ -65,6 +66,7 @@ def _table(title: str, rows: list[dict], first: str) -> Table:
             f"{_fmt(r['spread_pct'])}%",
             _fmt(r["speedup"], 2),
             _fmt(r["ratio"], 3),
+            work_text(r),
         )
     return table
 

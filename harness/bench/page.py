@@ -1,11 +1,13 @@
 """A bench's numbers as files: `bench.json` (everything measured) and `bench.html` (rendered with the
-report templates: tables, bar charts of tokens/s and speed-up, the parity targets, the harness costs)."""
+report templates: tables with the counted work beside acceptance and speed-up, bar charts of tokens/s and
+speed-up, the parity targets, the harness costs)."""
 
 import json
 from pathlib import Path
 
 from harness.errors import HarnessError
 from harness.paths import write_atomic
+from harness.report import work as work_report
 from harness.report.html import render
 
 
@@ -20,6 +22,13 @@ def write_json(path: Path, data: dict) -> Path:
 
 def _fmt(x, digits: int = 1) -> str:
     return "—" if x is None else f"{x:.{digits}f}"
+
+
+def work_text(row: dict, short: bool = True) -> str:
+    """A bench row's counted work per repeat (harness.report.work.text; `short`: target decodes per generated
+    token, checkpoints and partial rollbacks), `—` for a row without work."""
+    work = row.get("work")
+    return work_report.text({**work, "generated": row["predicted_n"]}, short=short) if work else "—"
 
 
 def charts(aggregate: list[dict]) -> list[dict]:
@@ -45,7 +54,7 @@ def charts(aggregate: list[dict]) -> list[dict]:
 
 def write_html(out_dir: Path, data: dict) -> Path:
     """Render `bench.html` into `out_dir`."""
-    html = render("bench.html.j2", bench=data, charts=charts(data.get("aggregate", [])), fmt=_fmt)
+    html = render("bench.html.j2", bench=data, charts=charts(data.get("aggregate", [])), fmt=_fmt, bench_work=work_text)
     target = out_dir / "bench.html"
     write_atomic(target, lambda p: p.write_text(html, encoding="utf-8"))
     return target

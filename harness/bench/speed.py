@@ -8,7 +8,9 @@ engine's own generation timing (llama-server's `timings.predicted_per_second`; t
 same span), the median over repeats with its spread (min–max); in-process / server is paired, the median
 over repeats of the two engines' ratio within a repeat. Drafted and accepted counts are the
 engines' own counters; `acc/draft` (mean accepted tokens per verified draft) needs the number of drafts,
-which llama-server does not report.
+which llama-server does not report. Work is each request's counted work (`Result.work`: target and draft
+decodes, prompt tokens read and reused, checkpoints and their bytes, partial rollbacks; llama-server counts no
+decodes), summed like the counts (`work`, the mean per repeat) and per generated token (`work_per_token`).
 """
 
 import itertools
@@ -24,7 +26,7 @@ from harness.execute import ExecOptions, serve_config
 from harness.matrix import Cell
 from harness.models import ModelUnavailable, draft_for, resolve
 from harness.request import Request, Sampling
-from harness.result import Result
+from harness.result import WORK_COUNTERS, Result
 from harness.suites import case_keys, load_suite
 
 GROUPS = ("categories", "quicksort", "w1")
@@ -88,6 +90,8 @@ class Sample:
     drafted: int
     accepted: int
     drafts: int | None
+    work: dict | None = None
+    """The request's counted work (`Work.to_dict()`: None per counter the engine did not count)."""
 
 
 @dataclass
@@ -136,6 +140,7 @@ def _sample(repeat: int, result: Result, wall_ms: float) -> Sample:
         stats.get("draft_n", 0),
         stats.get("draft_n_accepted", 0),
         stats.get("spec_cycles"),
+        result.work.to_dict(),
     )
 
 
@@ -217,9 +222,22 @@ def _tok_s(samples: list[Sample]) -> float:
     return 1000.0 * sum(s.predicted_n for s in samples) / ms if ms > 0 else 0.0
 
 
+def work_of(done: list[list[Sample]], predicted_n: int) -> tuple[dict, dict]:
+    """Each work counter summed per repeat, then the mean over repeats (None where a request did not count it,
+    or none ran), and that per generated token (over the repeats' mean `predicted_n`)."""
+    mean: dict = {}
+    for name in WORK_COUNTERS:
+        sums = [[(s.work or {}).get(name) for s in samples] for samples in done]
+        known = done and all(v is not None for values in sums for v in values)
+        mean[name] = round(statistics.mean(sum(values) for values in sums), 1) if known else None
+    per = {name: v / predicted_n if v is not None and predicted_n else None for name, v in mean.items()}
+    return mean, per
+
+
 def summarize(key: dict, per_repeat: list[list[Sample]]) -> dict:
     """A row: counts per repeat (their mean; `counts_vary` when repeats differ, as with `ngram-mod`, whose
-    hash pool learns from every earlier request of its slot), tokens/s median and spread over repeats."""
+    hash pool learns from every earlier request of its slot), tokens/s median and spread over repeats, and the
+    counted work (`work`: per repeat, its mean; `work_per_token`: per generated token)."""
     done = [samples for samples in per_repeat if samples]
     speeds = [_tok_s(samples) for samples in done]
     by_repeat = [[samples[0].repeat, speed] for samples, speed in zip(done, speeds, strict=False)]
@@ -228,6 +246,7 @@ def summarize(key: dict, per_repeat: list[list[Sample]]) -> dict:
     drafts = [sum(s.drafts for s in x) for x in done if all(s.drafts is not None for s in x)]
     per_draft = sum(c[2] for c in counts) / sum(drafts) if drafts and len(drafts) == len(done) and sum(drafts) else None
     median = statistics.median(speeds) if speeds else None
+    work, work_per_token = work_of(done, n)
     return {
         **key,
         "predicted_n": n,
@@ -243,6 +262,8 @@ def summarize(key: dict, per_repeat: list[list[Sample]]) -> dict:
         "spread_pct": 100 * (max(speeds) - min(speeds)) / median if median else None,
         "wall_ms": statistics.mean(sum(s.wall_ms for s in x) for x in done) if done else None,
         "repeats": len(speeds),
+        "work": work,
+        "work_per_token": work_per_token,
     }
 
 

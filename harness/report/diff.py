@@ -12,6 +12,12 @@ candidate), case by case.
   measured itself (`files.speedups`), flagged beyond a threshold and outside both runs' own noise bands.
   Absolute tokens/s are shown, marked machine-dependent, and never judged: across two runs they measure how
   busy the machine was, not llama.cpp.
+- per cell, the work its requests did (results.json `work`, harness.report.work) per generated token, the two runs
+  side by side, over the same requests: target tokens decoded, prompt tokens read and reused, checkpoints created
+  and restored and their bytes, partial rollbacks, draft decodes (where the backend counts them); a counter that
+  grew is flagged. Counted work is deterministic and machine-independent, but it is shown, not judged here: the
+  `work` check judges it against the baselines with its calibrated tolerances and request pairing (its newly
+  failing verdicts make the diff exit 1), where a cell's sum in `par` can move with the prompt cache a slot met.
 
 Something regressed — a newly failing verdict, a verdict no longer judged, an acceptance drop or a speed-up loss
 beyond its threshold — makes the exit status 1.
@@ -21,6 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from harness.paths import write_atomic
+from harness.report import work
 from harness.report.files import (
     RunDir,
     cell_id,
@@ -66,6 +73,11 @@ class RunDiff:
         return [p for p in self.performance if p["speed_regressed"] or p["acceptance_regressed"]]
 
     @property
+    def more_work(self) -> list[dict]:
+        """The cells where a work counter grew per generated token (flagged, not a regression: see the module)."""
+        return [p for p in self.performance if p["work"]["grew"]]
+
+    @property
     def regressed(self) -> bool:
         return bool(self.newly_failing or self.no_longer_judged or self.slower)
 
@@ -78,7 +90,7 @@ class RunDiff:
             + self.no_longer_judged
             + self.other_changes
             + self.changed_outputs
-        } | {p["cell"] for p in self.performance if p["flagged"]}
+        } | {p["cell"] for p in self.performance if p["flagged"] or p["work"]["grew"]}
 
 
 def _verdicts(run: RunDir) -> dict[tuple[str, str], dict]:
@@ -170,6 +182,7 @@ def compare(
                 "speed_regressed": speed_bad,
                 "acceptance_regressed": acc_bad,
                 "flagged": speed_bad or speed_good or acc_bad or acc_good,
+                "work": work.compare(rows_a, rows_b),
             }
         )
     return diff
@@ -271,6 +284,7 @@ def print_diff(diff: RunDiff, console) -> None:
     _print_status_changes(diff, console)
     _print_changed_outputs(diff, console)
     _print_performance(diff, console)
+    _print_work(diff, console)
     _print_summary(diff, console)
 
 
@@ -374,6 +388,36 @@ def _print_performance(diff: RunDiff, console) -> None:
     console.print("* tokens/s measure the machine as much as llama.cpp: shown, never judged", markup=False)
 
 
+def _print_work(diff: RunDiff, console) -> None:
+    """The cells whose work per generated token grew: one row per grown counter, both runs side by side."""
+    from rich.table import Table
+
+    if not diff.more_work:
+        return
+    table = Table(
+        title=f"cells doing more work per generated token ({len(diff.more_work)}; shown, judged by the `work` check)",
+        title_style="bold yellow",
+        title_justify="left",
+    )
+    for column in ("cell", "counter", "per generated token before", "after", "change", "total before → after"):
+        table.add_column(column, justify="left" if column in ("cell", "counter") else "right")
+    for p in diff.more_work:
+        w = p["work"]
+        for c in w["counters"]:
+            if c["grew"]:
+                name = c["counter"]
+                table.add_row(
+                    p["cell"],
+                    work.LABELS[name],
+                    work.value(name, c["a_per_token"]),
+                    f"[yellow]{work.value(name, c['b_per_token'])}[/]",
+                    work.change_text(c),
+                    f"{work.value(name, c['a'])} → {work.value(name, c['b'])} "
+                    f"({w['a']['generated']} → {w['b']['generated']} tokens)",
+                )
+    console.print(table)
+
+
 def _print_summary(diff: RunDiff, console) -> None:
     """Cases only in one run, then the one-line verdict: REGRESSED or not, with the counts."""
     if diff.only_a or diff.only_b:
@@ -387,7 +431,8 @@ def _print_summary(diff: RunDiff, console) -> None:
         ("REGRESSED: " if diff.regressed else "no regression: ")
         + f"{len(diff.newly_failing)} newly failing, {len(diff.no_longer_judged)} no longer judged, "
         f"{len(diff.slower)} speculative cells with less acceptance or speed-up, "
-        f"{len(diff.newly_passing)} newly passing, {len(diff.changed_outputs)} changed outputs",
+        f"{len(diff.newly_passing)} newly passing, {len(diff.changed_outputs)} changed outputs, "
+        f"{len(diff.more_work)} cells with more work per generated token",
         style="bold red" if diff.regressed else "bold green",
         markup=False,
     )
@@ -404,6 +449,10 @@ def _fmt(x: float | None) -> str:
 
 def _pct(x: float | None) -> str:
     return "-" if x is None else f"{100 * x:.1f} %"
+
+
+WORK_COLUMNS = tuple(work.LABELS)
+"""The work counters diff.html shows per cell, in this order."""
 
 
 def write_diff_html(diff: RunDiff, target: Path) -> Path:
@@ -423,6 +472,8 @@ def write_diff_html(diff: RunDiff, target: Path) -> Path:
         diff=diff,
         differing=differing_properties(diff.a, diff.b),
         speedup_text=speedup_text,
+        work_counters=WORK_COLUMNS,
+        work=work,
         identity_a=llama_cpp_identity(diff.a.meta),
         identity_b=llama_cpp_identity(diff.b.meta),
         speed_chart=bar_chart(ratios, ref=1.0, label_width=360) if ratios else "",

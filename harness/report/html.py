@@ -16,6 +16,7 @@ from pathlib import Path
 from jinja2 import ChainableUndefined, Environment, PackageLoader, select_autoescape
 
 from harness.paths import write_atomic
+from harness.report import work
 from harness.report.charts import bar_chart, margin_chart, position_chart
 from harness.report.files import STATUSES, RunDir, cell_id, item_name, joined, speedups, status, throughput, worst
 from harness.signatures import Failure
@@ -76,6 +77,7 @@ def environment() -> Environment:
         STATUSES=STATUSES,
         NOT_RECORDED=NOT_RECORDED,
         triage_line=triage_line,
+        work_text=work.text,
     )
     env.filters["first_line"] = lambda text: (str(text or "").strip().splitlines() or [""])[0]
     env.filters["num"] = _num
@@ -202,8 +204,9 @@ def spec_counters(rows: list[dict]) -> dict:
 
 def performance(records: list[dict], checks: list[dict] = ()) -> list[dict]:
     """Per (suite, model, backend, mode, spec), over the requests that produced output: tokens/s, acceptance,
-    the speed-up over no speculation measured in this run, and — from the `acceptance` verdicts — the
-    baseline's acceptance beside this run's, per draft position where known."""
+    the speed-up over no speculation measured in this run, the work the requests' steps did (`work`:
+    harness.report.work.totals), and — from the `acceptance` verdicts — the baseline's acceptance beside this
+    run's, per draft position where known."""
     groups: dict[tuple, list[dict]] = defaultdict(list)
     for r in records:
         if r.get("error") is None:
@@ -224,6 +227,7 @@ def performance(records: list[dict], checks: list[dict] = ()) -> list[dict]:
             "requests": len(rs),
             **throughput(rs),
             "speedup": speed.get(f"{suite} {mode}-{spec}-{model}-{backend}"),
+            "work": work.totals(rs),
         }
         mine = verdicts.get((suite, model, backend, mode, spec))
         if mine:
@@ -308,6 +312,7 @@ def case_view(run: RunDir, item: Item) -> dict:
         "item": item,
         "verdicts": verdicts,
         "counters": spec_counters([r for r in item.records if r.get("error") is None]),
+        "work": work.totals([r for r in item.records if r.get("error") is None]),
         "kv": kv,
         "errors": errors,
         "rerun": rerun_command(run.meta, item.row),
