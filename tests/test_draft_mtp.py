@@ -78,3 +78,17 @@ def test_a_model_without_an_mtp_block_is_a_one_line_error():
     with pytest.raises(HarnessError, match="draft-mtp needs a model with one MTP \\(nextn\\) block: tiny-hybrid-"):
         with Engine(resolve("tiny-hybrid").path, ContextParams(n_ctx=256), SpecConfig(spec_type=("draft-mtp",))):
             pass
+
+
+def test_the_mtp_wrong_row_fault_moves_the_drafts_not_the_output():
+    """`mtp-wrong-row`: after a rejection the MTP head gets the hidden row of the last verified position, not the
+    last accepted one: other drafts, more target decodes (what `work` catches, exact in seq), the same output."""
+    model = resolve(MODEL)
+    got = {}
+    for fault in (None, "mtp-wrong-row"):
+        with Engine(model.path, ContextParams(n_ctx=1024), SpecConfig(spec_type=("draft-mtp",), fault=fault)) as e:
+            got[fault] = e.run(requests(32))
+    clean, wrong = got[None], got["mtp-wrong-row"]
+    assert [r.tokens for r in wrong] == [r.tokens for r in clean]
+    assert [r.spec_stats["accepted_per_pos"] for r in wrong] != [r.spec_stats["accepted_per_pos"] for r in clean]
+    assert sum(r.work.target_decoded for r in wrong) > sum(r.work.target_decoded for r in clean)

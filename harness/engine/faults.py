@@ -29,6 +29,12 @@ FAULTS = {
     "full-checkpoint": "checkpoint the whole sequence state (the attention KV cells too) before each verification "
     "where the PARTIAL_ONLY state suffices (the kind of ggml-org/llama.cpp PR #28873 and #28118; outputs and "
     "acceptance stay the same, each step copies more bytes)",
+    "mtp-wrong-row": "draft-mtp pairs the next token with the target's hidden row of the last verified position "
+    "instead of the last accepted one after a rejection (the MTP head drafts from a neighbouring position's "
+    "state; outputs stay lossless, its drafts degrade)",
+    "stale-partial-rollback": "a partial rollback (recurrent snapshots, n_rs_seq) restores the recurrent state "
+    "one token stale: the state before the last kept token, as llama.cpp serves a snapshot plane a single-token "
+    "step left behind (ggml-org/llama.cpp PR #29117); positions and attention cells stay right, the output drifts",
 }
 
 

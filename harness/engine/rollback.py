@@ -7,8 +7,11 @@
   the snapshot window (no replay).
 """
 
+import struct
+
 import llama_cpp
 
+from harness.engine.batch import Batch
 from harness.engine.context import Context
 from harness.errors import HarnessError
 from harness.rollback_options import CHECKPOINT_KINDS, STRATEGIES
@@ -60,3 +63,38 @@ def restore(ctx: Context, seq_id: int, state: bytes, flags: int, n_keep: int, tr
         raise LlamaRefused(f"llama.cpp refused to restore the checkpoint of sequence {seq_id}")
     if trim and not ctx.seq_rm(seq_id, n_keep, -1):
         raise LlamaRefused(f"llama.cpp refused to trim sequence {seq_id} at {n_keep} after a restore")
+
+
+SEQ_STATE_MAGIC = 0xAF143CD8
+"""The first u32 of a `llama_state_seq_get_data_ext` blob; then the i32 sequence id, then (PARTIAL_ONLY on a hybrid)
+the recurrent section: u32 cell count (1: the sequence's tail) and that cell's i32 position."""
+
+
+def stale_partial(ctx: Context, seq_id: int, keep: int, last_token: int) -> bool:
+    """Fault `stale-partial-rollback`: roll back to `keep` with the recurrent state of one token before (the
+    state before `last_token`, the last kept token at `keep - 1`), as llama.cpp serves a snapshot plane that a
+    single-token step left stale (ggml-org/llama.cpp PR #29117); positions and attention cells stay right.
+
+    llama.cpp hands the stale state out itself: a rollback one token further reads the snapshot plane of
+    `keep - 2`, the attention cell at `keep - 1` is decoded again, and the stale recurrent state goes back
+    in labelled `keep - 1`. Returns False (nothing done) where that plane is outside the snapshot window;
+    the caller then rolls back right."""
+    partial = CHECKPOINT_FLAGS["partial"]
+    if not ctx.seq_rm(seq_id, keep - 1, -1):
+        return False
+    stale = bytearray(ctx.state_seq(seq_id, partial))
+    magic, _, n_cells, pos = struct.unpack_from("<IiIi", stale)
+    if magic != SEQ_STATE_MAGIC or n_cells != 1 or pos != keep - 2:
+        raise LlamaRefused(f"stale-partial-rollback: unexpected recurrent state of sequence {seq_id} (pos {pos})")
+    batch = Batch(1)
+    try:
+        batch.add(last_token, keep - 1, seq_id, False)
+        status = ctx.decode(batch)
+    finally:
+        batch.free()
+    if status != 0:
+        raise LlamaRefused(f"stale-partial-rollback: llama_decode returned {status} re-decoding position {keep - 1}")
+    struct.pack_into("<i", stale, 12, keep - 1)
+    if not ctx.set_state_seq(seq_id, bytes(stale), partial):
+        raise LlamaRefused(f"llama.cpp refused the recurrent state of sequence {seq_id}")
+    return True

@@ -139,7 +139,9 @@ def build_drafters(config: SpecConfig, target: Context) -> list[Drafter]:
             c.spec_ngram_map_k4v_size_n, c.spec_ngram_map_k4v_size_m, c.spec_ngram_map_k4v_min_hits
         ),
         "ngram-mod": lambda: NgramMod(c.spec_ngram_mod_n_match, c.spec_ngram_mod_n_min, c.spec_ngram_mod_n_max),
-        "draft-mtp": lambda: DraftMTP(target, c.spec_draft_n_max, c.spec_draft_n_min, c.spec_draft_p_min),
+        "draft-mtp": lambda: DraftMTP(
+            target, c.spec_draft_n_max, c.spec_draft_n_min, c.spec_draft_p_min, wrong_row=c.fault == "mtp-wrong-row"
+        ),
         "ngram-cache": lambda: NgramCache(keep_across_requests=c.fault == "ngram-cache-kept-across-requests"),
         "draft-simple": lambda: DraftSimple(
             c.spec_draft_model,
@@ -363,7 +365,13 @@ class Speculation:
         base, keep = plan.base, plan.base + 1 + n_match
         off_by_one = 1 if self.fault == "rollback-off-by-one" else 0
         if self.strategy in ("seq-rm", "partial"):
-            if not self.ctx.seq_rm(slot.id, keep + off_by_one, -1):
+            stale = (
+                self.fault == "stale-partial-rollback"
+                and self.strategy == "partial"
+                and n_match > 0  # the plane one token back was written by this verification batch
+                and rollback.stale_partial(self.ctx, slot.id, keep, plan.tokens[n_match])
+            )
+            if not stale and not self.ctx.seq_rm(slot.id, keep + off_by_one, -1):
                 raise rollback.LlamaRefused(f"llama.cpp refused to remove positions {keep}.. of sequence {slot.id}")
             work.partial_rollback(slot)
             self._truncate_drafters(slot.id, keep)

@@ -26,8 +26,10 @@ class DraftMTP(Drafter):
 
     name = "draft-mtp"
 
-    def __init__(self, target: Context, n_max: int = 3, n_min: int = 0, p_min: float = 0.0):
+    def __init__(self, target: Context, n_max: int = 3, n_min: int = 0, p_min: float = 0.0, wrong_row: bool = False):
         self.n_max, self.n_min, self.p_min = n_max, n_min, p_min
+        self.wrong_row = wrong_row
+        """Fault `mtp-wrong-row`: `accept` keeps the row of the last verified position, not the last accepted."""
         self.target = target
         params = llama_cpp.llama_model_default_params()
         params.load_mtp = True
@@ -132,10 +134,11 @@ class DraftMTP(Drafter):
         return result if len(result) >= self.n_min else []
 
     def accept(self, seq_id: int, n_accepted: int, is_other: bool) -> None:
-        """The pending row becomes the target's row of the last accepted position."""
+        """The pending row becomes the target's row of the last accepted position (with the `mtp-wrong-row` fault,
+        that of the last verified position: a rejected draft token's)."""
         rows = self.verify.get(seq_id)
         if rows is not None and len(rows):
-            self.pending[seq_id] = rows[min(n_accepted, len(rows) - 1)].copy()
+            self.pending[seq_id] = rows[len(rows) - 1 if self.wrong_row else min(n_accepted, len(rows) - 1)].copy()
 
     def truncate(self, seq_id: int, n_keep: int) -> None:
         llama_cpp.llama_memory_seq_rm(self.memory, seq_id, n_keep, -1)
