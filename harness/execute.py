@@ -24,7 +24,8 @@ from harness.models import draft_for, resolve
 from harness.models.registry import HEAD_TYPES, head_draft_for
 from harness.request import Request, Sampling
 from harness.result import Result
-from harness.suites import Case, Suite, case_keys  # noqa: F401 - case_keys is used from here too
+from harness.slot_restore import SlotRestore
+from harness.suites import RESTORE_ROUNDS, Case, Suite, case_keys  # noqa: F401 - case_keys is used from here too
 
 
 @dataclass
@@ -143,6 +144,8 @@ class Executor:
             reference = self.run(suite, cell.reference(spec="none"))
             script = {tuple(o.result.prompt_tokens): o.result.tokens for o in reference.outcomes if o.round == 0}
             engine["script"] = {"kind": preset.scripted, "outputs": script}  # the backend builds the drafter
+        if any(how in RESTORE_ROUNDS for how in suite.rounds):
+            engine["slot_save"] = True  # the engine keeps each finished request's slot state for a save
         return serve_config(cell, self.options, serve=suite.serve, engine=engine)
 
     def _execute(self, suite: Suite, cells: list[Cell], ticks: dict) -> dict[Cell, CellRun]:
@@ -198,19 +201,32 @@ class Executor:
         cases = [suite.cell_case(case, run.cell.model) for case in suite.cases]
         histories = {case.name: [] for case in cases if case.is_chat}
         alive = {case.name for case in cases}
-        for step in range(max(len(case.turns) or 1 for case in cases)):
-            todo = [
-                (case, self._request(case, step, histories, suite.deadline_s))
-                for case in cases
-                if case.name in alive and step < (len(case.turns) or 1)
-            ]
-            if how == "seq":  # each recorded as it comes: a request served stays served if a later one breaks
-                for case, request in todo:
-                    self._record(run, r, step, case, session.run([request])[0], histories, alive, on_request)
-            else:
-                results = session.run([request for _, request in todo])
-                for (case, _), result in zip(todo, results, strict=False):
-                    self._record(run, r, step, case, result, histories, alive, on_request)
+        restore = SlotRestore(session, how, suite.restore_after, lambda: self._open_fresh(suite, run.cell))
+        try:
+            for step in range(max(len(case.turns) or 1 for case in cases)):
+                todo = [
+                    (case, self._request(case, step, histories, suite.deadline_s))
+                    for case in cases
+                    if case.name in alive and step < (len(case.turns) or 1)
+                ]
+                if how != "par":  # each recorded as it comes: a request served stays served if a later one breaks
+                    for case, request in todo:
+                        result = restore.serve(case.name, step, request)
+                        self._record(run, r, step, case, result, histories, alive, on_request)
+                else:
+                    self._par_step(session, run, r, step, todo, histories, alive, on_request)
+        finally:
+            restore.close()
+
+    def _open_fresh(self, suite: Suite, cell: Cell):
+        """A fresh session of `cell` (a `restore-fresh` round continues its chats there)."""
+        return self._backend(cell.backend).open(self._config(suite, cell))
+
+    def _par_step(self, session, run: CellRun, r: int, step: int, todo, histories, alive, on_request) -> None:
+        """One chat step of a `par` round: every case's request at once."""
+        results = session.run([request for _, request in todo])
+        for (case, _), result in zip(todo, results, strict=False):
+            self._record(run, r, step, case, result, histories, alive, on_request)
 
     @staticmethod
     def _record(run: CellRun, r: int, step: int, case: Case, result: Result, histories, alive, on_request) -> None:

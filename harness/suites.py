@@ -30,6 +30,11 @@ SERVE_FIELDS = {
     "stall_s": "number",
 }
 
+RESTORE_ROUNDS = ("restore", "restore-fresh")
+"""Round kinds that interrupt each chat after turn `restore.after_turn`: its slot is saved (llama-server's
+`POST /slots/{id}?action=save`), then erased and restored into the same session (`restore`), or restored into a
+fresh session of the same cell (`restore-fresh`), and the chat goes on there; requests go one at a time."""
+
 _NAMES = {"type": "array", "items": {"type": "string"}, "minItems": 1}
 _CASE = {
     "type": "object",
@@ -93,7 +98,13 @@ SUITE_SCHEMA = {
             },
         },
         "repeats": {"type": "integer", "minimum": 1},
-        "run_order": {"type": "array", "items": {"enum": ["seq", "par"]}, "minItems": 1},
+        "run_order": {"type": "array", "items": {"enum": ["seq", "par", *RESTORE_ROUNDS]}, "minItems": 1},
+        "restore": {
+            "type": "object",
+            "additionalProperties": False,
+            "required": ["after_turn"],
+            "properties": {"after_turn": {"type": "integer", "minimum": 1}},
+        },
         "checks": _NAMES,
         "allow_errors": {"type": "array", "items": {"enum": ["context_full"]}},
         "expect": {
@@ -143,6 +154,7 @@ CHECK_NAMES = (
     "prompt-reuse",
     "within-n-predict",
     "work",
+    "restore-identical",
 )
 """The checks a suite may name (their functions live in harness.checks, which must define exactly these)."""
 DEFAULT_CHECKS = [
@@ -208,6 +220,8 @@ class Suite:
     deadline_s: float | None = None
     """Seconds each request may take before it ends as `timeout`; None: derived from n_predict and the
     measured speed (harness.backends.base.request_deadline)."""
+    restore_after: int | None = None
+    """`restore.after_turn`: the chat turn after which RESTORE_ROUNDS save the slot and restore it."""
 
     def cell_case(self, case: Case, model: str) -> Case:
         """`case` as the cells of `model` run it: with its matrix block's sampling overrides applied."""
@@ -342,6 +356,7 @@ def parse_suite(text: str, path: Path | None = None) -> Suite:
                 f"{where}:{_line_of(root, field_path)}: {'.'.join(map(str, field_path))}: "
                 f"unknown name '{value}' (known: {', '.join(known)})"
             )
+    _check_restore(data, root, where, blocks, where_block)
     names = [c["name"] for c in data["cases"]]
     dupes = sorted({n for n in names if names.count(n) > 1})
     if dupes:
@@ -370,7 +385,39 @@ def parse_suite(text: str, path: Path | None = None) -> Suite:
         tolerances=data.get("tolerances", {}),
         slow=data.get("slow", False),
         deadline_s=data.get("deadline_s"),
+        restore_after=data.get("restore", {}).get("after_turn"),
     )
+
+
+def _check_restore(data: dict, root: yaml.Node, where: str, blocks: list[dict], where_block) -> None:
+    """Restore rounds need `restore.after_turn`, chats that go on after it, and `seq` cells (one slot, whose
+    state is the chat's own when it is saved); `restore` without restore rounds is a mistake too."""
+    kinds = [k for k in data.get("run_order", []) if k in RESTORE_ROUNDS]
+    if not kinds:
+        if "restore" in data:
+            raise HarnessError(
+                f"{where}:{_line_of(root, ['restore'])}: restore: no run_order round restores a slot "
+                f"(add {' or '.join(RESTORE_ROUNDS)})"
+            )
+        return
+    if "restore" not in data:
+        raise HarnessError(
+            f"{where}:{_line_of(root, ['run_order'])}: run_order: '{kinds[0]}' needs `restore: {{after_turn: N}}`"
+        )
+    after = data["restore"]["after_turn"]
+    for i, case in enumerate(data["cases"]):
+        if len(case.get("chat", [])) <= after:
+            raise HarnessError(
+                f"{where}:{_line_of(root, ['cases', i])}: cases.{i}: restore rounds need a chat of more than "
+                f"{after} turns (restore.after_turn)"
+            )
+    for b, block in enumerate(blocks):
+        modes = block.get("modes", DEFAULT_MATRIX["modes"])
+        if list(modes) != ["seq"]:
+            raise HarnessError(
+                f"{where}:{_line_of(root, [*where_block(b), 'modes'])}: {'.'.join(map(str, where_block(b)))}.modes: "
+                "restore rounds need `modes: [seq]` (one slot, holding the chat's own state when it is saved)"
+            )
 
 
 def _case(raw: dict[str, Any], base: dict, path: Path | None, expect_accepts: bool) -> Case:

@@ -101,6 +101,14 @@ class LlamaClient:
         """POST /slots/{id}?action=save: the slot's state into the server's --slot-save-path directory."""
         return self._post(f"/slots/{slot_id}?action=save", {"filename": filename})
 
+    def restore_slot(self, slot_id: int, filename: str) -> dict:
+        """POST /slots/{id}?action=restore: a saved state from the --slot-save-path directory into the slot."""
+        return self._post(f"/slots/{slot_id}?action=restore", {"filename": filename})
+
+    def erase_slot(self, slot_id: int) -> dict:
+        """POST /slots/{id}?action=erase: the slot's sequence cleared (target and draft contexts) and its tokens."""
+        return self._post(f"/slots/{slot_id}?action=erase", {})
+
     def completion(self, payload: dict, until: float | None = None) -> dict:
         """POST /completion (non-streaming) and return the final response object."""
         return self._post("/completion", payload, until)

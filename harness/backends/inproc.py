@@ -63,6 +63,7 @@ def spec_config(config: ServeConfig) -> SpecConfig:
     """The engine's speculative options from llama-server style names plus the in-process extras."""
     options = dict(config.engine)
     drafters = options.pop("drafters", [])
+    options.pop("slot_save", None)
     script = options.pop("script", None)
     spec = SpecConfig.from_options({**config.spec, "spec-draft-model": config.draft_model, **options})
     spec.drafters = list(drafters) + ([from_script(script["kind"], script["outputs"])] if script else [])
@@ -101,7 +102,12 @@ class InprocSession:
         self.speed = SpeedMeter()
         self.stall = StallMeter(config.stall_s)
         self.args = EngineArgs(
-            config.model, context_params(config), spec_config(config), config.logit_top_k, config.kv_scan
+            config.model,
+            context_params(config),
+            spec_config(config),
+            config.logit_top_k,
+            config.kv_scan,
+            keep_slot_states=bool(config.engine.get("slot_save")),
         )
         self.process = None
         self.conn = None
@@ -211,6 +217,35 @@ class InprocSession:
                 if message[0] == "bug":
                     raise HarnessBug(message[1])
                 raise HarnessError(message[1])
+
+    def save_slot(self, slot_id: int) -> dict:
+        """The state the slot's last request left (the engine's `save_slot`; its `state` goes to `restore_slot`, of
+        this session or another); `error` when there is none or the worker is gone."""
+        return self._ask(("save", slot_id))
+
+    def restore_slot(self, slot_id: int, state, erase: bool = False) -> dict:
+        """Restore a `save_slot` state into the slot (target and draft contexts); `erase`: forget what it held
+        first. The engine's answer, or `error`."""
+        return self._ask(("restore", slot_id, state, erase))
+
+    def _ask(self, message: tuple) -> dict:
+        if self.process is None or not self.process.is_alive():
+            return {"error": f"{WHO} is not running (it ended after its last request)"}
+        self.conn.send(message)
+        reply = self._receive(OPEN_TIMEOUT_S)
+        if reply is None:
+            self.process.join(STOP_GRACE_S)
+            return {"error": crash_report(WHO, self.process.exitcode, self.log_path).split("\n")[0]}
+        if reply is QUIET:
+            self._kill()
+            return {"error": f"{WHO} did not answer a slot {message[0]} within {OPEN_TIMEOUT_S:.0f} s"}
+        if reply[0] == "bug":
+            self._kill()
+            raise HarnessBug(reply[1])
+        if reply[0] != "answer":
+            self._kill()
+            raise HarnessError(reply[1])
+        return reply[1]
 
     def _budget(self, requests: list[Request]) -> float:
         """Seconds the worker gets for a `run` call before its unfinished requests end `timeout`: each

@@ -24,6 +24,7 @@ KV cache whenever a task starts, so a slot can be found empty at its save).
 from __future__ import annotations
 
 import itertools
+import shutil
 import sys
 import tempfile
 import threading
@@ -224,9 +225,10 @@ class ServerSession:
         """Slots whose request was sent and whose state is not saved yet (see `_launch`)."""
         self._launched_cond = threading.Condition()
         """Lends each request its slot (None: one slot, served one request at a time, or the caller's `id_slot`)."""
+        self.slots_dir = run_dir / "slots"
+        """llama-server's --slot-save-path: the KV scan's slot files and `save_slot`'s."""
+        self.slots_dir.mkdir(parents=True, exist_ok=True)
         if config.kv_scan != "off":
-            self.slots_dir = run_dir / "slots"
-            self.slots_dir.mkdir(parents=True, exist_ok=True)
             self.layout = layout_from_model(config.model)
 
     def start(self) -> None:
@@ -234,8 +236,7 @@ class ServerSession:
         self.starts += 1
         log = free_log_name(self.run_dir, f"llama-server-{self.config.mode}")
         options = dict(self.server_options)
-        if self.config.kv_scan != "off":
-            options["slot_save_path"] = self.slots_dir
+        options["slot_save_path"] = self.slots_dir
         options.setdefault("verbosity", server_work.VERBOSITY)  # the checkpoint lines `work` counts
         self.server = LlamaServer.from_config(self.config, self.build.server_bin, log_path=log, **options).start()
 
@@ -303,6 +304,35 @@ class ServerSession:
                     self._launched.discard(lent[0])
                     self._launched_cond.notify_all()
                 self.pool.release(lent[0], held)
+
+    def save_slot(self, slot_id: int) -> dict:
+        """The slot's state saved by llama-server (`POST /slots/{id}?action=save`, once the slot is idle) into a file
+        of this session's --slot-save-path: its answer (`n_saved` tokens, `n_written` bytes) with `state`, the
+        file `restore_slot` takes (here or in another session); `{"error": ...}` when llama-server refused."""
+        path = self.slots_dir / f"saved-slot{slot_id}-{next(self._saves)}.bin"
+        client = LlamaClient(self.server.url, self.request_timeout)
+        client.slot_idle(slot_id)
+        try:
+            return {**client.save_slot(slot_id, path.name), "state": path}
+        except (ServerError, ConnectionLost, RequestTimedOut) as err:
+            return {"error": f"POST /slots/{slot_id}?action=save: {err}"}
+
+    def restore_slot(self, slot_id: int, state: Path, erase: bool = False) -> dict:
+        """Restore a `save_slot` state into the slot (`POST /slots/{id}?action=restore`; the file is copied into this
+        session's --slot-save-path first when another session saved it); `erase`: erase the slot first
+        (`action=erase`: its sequence leaves the target and draft contexts). llama-server's answer (`n_restored`
+        tokens, `n_read` bytes), or `{"error": ...}` when it refused."""
+        if state.parent != self.slots_dir:
+            shutil.copyfile(state, self.slots_dir / state.name)
+        client = LlamaClient(self.server.url, self.request_timeout)
+        action = "erase" if erase else "restore"
+        try:
+            if erase:
+                client.erase_slot(slot_id)
+                action = "restore"
+            return client.restore_slot(slot_id, state.name)
+        except (ServerError, ConnectionLost, RequestTimedOut) as err:
+            return {"error": f"POST /slots/{slot_id}?action={action}: {err}"}
 
     def _launch(self, server: LlamaServer, slot: int) -> None:
         """Mark `slot` launched, after waiting (a few seconds at most) until no other launched slot is idle on a

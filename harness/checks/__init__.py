@@ -33,6 +33,7 @@ from harness.checks.base import (
 from harness.checks.budget import within_n_predict
 from harness.checks.compare import compare_outcome, compare_tokens
 from harness.checks.probs import probs_complete
+from harness.checks.restore import restore_identical
 from harness.checks.reuse import prompt_reuse
 from harness.checks.work import work
 from harness.errors import HarnessBug, HarnessError
@@ -437,6 +438,7 @@ CHECKS: dict[str, Check] = {
     "prompt-reuse": prompt_reuse,
     "within-n-predict": within_n_predict,
     "work": work,
+    "restore-identical": restore_identical,
 }
 
 

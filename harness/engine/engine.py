@@ -4,6 +4,7 @@ from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
+from harness.engine import slot_state
 from harness.engine.context import Context, ContextParams
 from harness.engine.model import Model
 from harness.engine.scheduler import Scheduler
@@ -24,6 +25,7 @@ class Engine:
         spec: SpecConfig | None = None,
         logit_top_k: int = 0,
         kv_scan: str = "off",
+        keep_slot_states: bool = False,
     ):
         if spec is not None and spec.enabled and spec.rollback == "partial":
             params = replace(params, n_rs_seq=spec.max_draft())
@@ -34,6 +36,7 @@ class Engine:
         try:
             self.ctx = Context(self.model, params)
             self.scheduler = Scheduler(self.ctx, spec, logit_top_k, kv_scan)
+            self.scheduler.keep_states = keep_slot_states
         except BaseException:
             self.close()
             raise
@@ -47,6 +50,33 @@ class Engine:
         """Serve the requests on the slots (concurrently when there are several); Results in order,
         each also passed to `on_result(index, result)` as soon as it finishes; `on_step` as in Scheduler.run."""
         return self.scheduler.run(requests, on_result, on_step)
+
+    def save_slot(self, slot_id: int) -> dict:
+        """The state the slot's last request left (target and draft contexts; `keep_slot_states` on), as llama-server
+        answers `POST /slots/{id}?action=save`, with `state` (a harness.engine.slot_state.SavedSlot); `error`
+        when there is none."""
+        saved = self.scheduler.saved.get(slot_id)
+        if saved is None:
+            return {"error": f"slot {slot_id} holds no finished request's state (keep_slot_states off, or none ended)"}
+        size = len(saved.target) + sum(len(d) for d in saved.drafts)
+        return {"id_slot": slot_id, "n_saved": len(saved.tokens), "n_written": size, "state": saved}
+
+    def restore_slot(self, slot_id: int, state: slot_state.SavedSlot, erase: bool = False) -> dict:
+        """Restore a `save_slot` state into the slot (target and draft contexts), for its next request to reuse;
+        `erase`: forget what the slot held first (the engine clears a slot's sequences at each request's end, so
+        only a captured or restored state). llama-server's answer fields, or `error`."""
+        if not 0 <= slot_id < len(self.scheduler.slots):
+            return {"error": f"no slot {slot_id} (the engine has {len(self.scheduler.slots)})"}
+        if erase:
+            self.scheduler.saved.pop(slot_id, None)
+            self.scheduler.restored.pop(slot_id, None)
+        why = slot_state.restore(self.ctx, self.scheduler.spec, slot_id, state)
+        if why is not None:
+            self.scheduler.restored.pop(slot_id, None)
+            return {"error": why}
+        self.scheduler.restored[slot_id] = state
+        size = len(state.target) + sum(len(d) for d in state.drafts)
+        return {"id_slot": slot_id, "n_restored": len(state.tokens), "n_read": size}
 
     def close(self) -> None:
         """Free the drafters, the batch, the context and the model."""

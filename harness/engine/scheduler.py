@@ -11,7 +11,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from harness.engine import work
+from harness.engine import slot_state, work
 from harness.engine.context import Context
 from harness.engine.ctxshift import needs_shift, shift_span
 from harness.engine.kvcheck import KvChecker
@@ -78,6 +78,11 @@ class Scheduler:
         ]
         self.batch = ctx.new_batch()
         self.spec = Speculation(spec, ctx, scans=self.kv is not None) if spec is not None and spec.enabled else None
+        self.keep_states = False
+        """Capture each finished request's slot (harness.engine.slot_state) for a later `Engine.save_slot`."""
+        self.saved: dict[int, slot_state.SavedSlot] = {}
+        self.restored: dict[int, slot_state.SavedSlot] = {}
+        """slot → the state `Engine.restore_slot` put into it, which the slot's next request reuses."""
 
     def run(
         self,
@@ -107,6 +112,9 @@ class Scheduler:
                         finished(index, failed)
                     else:
                         work.begin(slot, self.spec)
+                        if slot.id in self.restored:
+                            reused = slot_state.reuse(self.ctx, self.spec, slot, self.restored.pop(slot.id))
+                            slot.result.work.add("prompt_reused", reused)
             if on_step is not None:
                 on_step(sum(len(s.prompt) for s in self._active() if len(s.result.tokens) < 2))
             for slot, result in self.step():
@@ -114,6 +122,8 @@ class Scheduler:
                     self._scan(slot)
                     if self.spec:
                         self._scan_draft(slot)
+                if self.keep_states and result.ok:
+                    self.saved[slot.id] = slot_state.capture(self.ctx, self.spec, slot)
                 if self.spec:
                     self.spec.end(slot)
                 work.finish(slot, self.spec)

@@ -5,8 +5,10 @@ so the in-process engine runs in a child process: what would kill the harness en
 the backend turns it into a `crashed` Result naming the assert, like a crashed llama-server.
 
 Messages (tuples, pickled by multiprocessing):
-  parent → worker: ("open", EngineArgs) · ("run", [Request, ...]) · ("close",)
+  parent → worker: ("open", EngineArgs) · ("run", [Request, ...]) · ("save", slot) · ("restore", slot, state, erase)
+                   · ("close",)
   worker → parent: ("ready",) · ("result", index, Result) per finished request, then ("done",) ·
+                   ("answer", dict) to a save or restore (Engine.save_slot / restore_slot) ·
                    ("refused", one-line reason) for bad input · ("bug", traceback) for a harness exception
 Progress goes through shared memory instead, read by the parent whenever it likes: `progress[STEPS]` counts
 the engine's steps, `progress[PROMPT]` holds the prompt tokens the current step may have to read first
@@ -43,6 +45,7 @@ class EngineArgs:
     spec: SpecConfig | None
     logit_top_k: int
     kv_scan: str
+    keep_slot_states: bool = False
 
 
 def serve(conn, log_path: str, verbose: bool, progress) -> None:
@@ -69,13 +72,17 @@ def serve(conn, log_path: str, verbose: bool, progress) -> None:
             try:
                 if kind == "open":
                     a: EngineArgs = message[1]
-                    engine = Engine(a.model, a.params, a.spec, a.logit_top_k, a.kv_scan)
+                    engine = Engine(a.model, a.params, a.spec, a.logit_top_k, a.kv_scan, a.keep_slot_states)
                     conn.send(("ready",))
                 elif kind == "run":
                     engine.run(
                         message[1], on_result=lambda index, result: conn.send(("result", index, result)), on_step=step
                     )
                     conn.send(("done",))
+                elif kind == "save":
+                    conn.send(("answer", engine.save_slot(message[1])))
+                elif kind == "restore":
+                    conn.send(("answer", engine.restore_slot(message[1], message[2], message[3])))
                 elif kind == "close":
                     return
             except HarnessError as err:
