@@ -54,7 +54,7 @@ def test_the_fault_restores_the_state_one_token_stale_at_the_right_position(mode
     assert pos == 3 and close_to(rows, kept)
 
     stale = decoded(model, TOKENS)
-    assert rollback.stale_partial(stale, 0, 4, TOKENS[3])
+    assert rollback.stale_partial(stale, 0, 4)
     pos, rows = recurrent(stale)
     assert pos == 3 and stale.seq_pos_max(0) == 3
     assert close_to(rows, before_last) and not close_to(rows, kept)
@@ -68,6 +68,6 @@ def test_the_fault_restores_the_state_one_token_stale_at_the_right_position(mode
 
 def test_outside_the_snapshot_window_it_does_nothing(model):
     ctx = decoded(model, TOKENS)
-    assert not rollback.stale_partial(ctx, 0, 3, TOKENS[2])  # 4 tokens back: beyond 3 snapshots
+    assert not rollback.stale_partial(ctx, 0, 3)  # 4 tokens back: beyond 3 snapshots
     assert ctx.seq_pos_max(0) == 5
     ctx.close()

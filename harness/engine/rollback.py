@@ -11,7 +11,6 @@ import struct
 
 import llama_cpp
 
-from harness.engine.batch import Batch
 from harness.engine.context import Context
 from harness.errors import HarnessError
 from harness.rollback_options import CHECKPOINT_KINDS, STRATEGIES
@@ -70,31 +69,26 @@ SEQ_STATE_MAGIC = 0xAF143CD8
 the recurrent section: u32 cell count (1: the sequence's tail) and that cell's i32 position."""
 
 
-def stale_partial(ctx: Context, seq_id: int, keep: int, last_token: int) -> bool:
-    """Fault `stale-partial-rollback`: roll back to `keep` with the recurrent state of one token before (the
-    state before `last_token`, the last kept token at `keep - 1`), as llama.cpp serves a snapshot plane that a
-    single-token step left stale (ggml-org/llama.cpp PR #29117); positions and attention cells stay right.
+def stale_partial(ctx: Context, seq_id: int, keep: int) -> bool:
+    """Fault `stale-partial-rollback`: roll back to `keep` with the recurrent state of one token before (the state
+    before the last kept token, at `keep - 1`), as llama.cpp serves a snapshot plane that a single-token step left
+    stale (ggml-org/llama.cpp PR #29117); positions and attention cells stay right.
 
     llama.cpp hands the stale state out itself: a rollback one token further reads the snapshot plane of
-    `keep - 2`, the attention cell at `keep - 1` is decoded again, and the stale recurrent state goes back
-    in labelled `keep - 1`. Returns False (nothing done) where that plane is outside the snapshot window;
-    the caller then rolls back right."""
+    `keep - 2`; the sequence then goes back to its state before (no decode: other slots' rows of the step may
+    not be sampled yet), rolls back to `keep`, and takes the stale recurrent state labelled `keep - 1`. Returns
+    False (nothing done) where that plane is outside the snapshot window; the caller then rolls back right."""
     partial = CHECKPOINT_FLAGS["partial"]
+    whole = ctx.state_seq(seq_id, 0)
     if not ctx.seq_rm(seq_id, keep - 1, -1):
         return False
     stale = bytearray(ctx.state_seq(seq_id, partial))
     magic, _, n_cells, pos = struct.unpack_from("<IiIi", stale)
     if magic != SEQ_STATE_MAGIC or n_cells != 1 or pos != keep - 2:
         raise LlamaRefused(f"stale-partial-rollback: unexpected recurrent state of sequence {seq_id} (pos {pos})")
-    batch = Batch(1)
-    try:
-        batch.add(last_token, keep - 1, seq_id, False)
-        status = ctx.decode(batch)
-    finally:
-        batch.free()
-    if status != 0:
-        raise LlamaRefused(f"stale-partial-rollback: llama_decode returned {status} re-decoding position {keep - 1}")
     struct.pack_into("<i", stale, 12, keep - 1)
+    if not ctx.set_state_seq(seq_id, whole, 0) or not ctx.seq_rm(seq_id, keep, -1):
+        raise LlamaRefused(f"llama.cpp refused to restore and roll back sequence {seq_id} to {keep}")
     if not ctx.set_state_seq(seq_id, bytes(stale), partial):
         raise LlamaRefused(f"llama.cpp refused the recurrent state of sequence {seq_id}")
     return True

@@ -369,7 +369,7 @@ class Speculation:
                 self.fault == "stale-partial-rollback"
                 and self.strategy == "partial"
                 and n_match > 0  # the plane one token back was written by this verification batch
-                and rollback.stale_partial(self.ctx, slot.id, keep, plan.tokens[n_match])
+                and rollback.stale_partial(self.ctx, slot.id, keep)
             )
             if not stale and not self.ctx.seq_rm(slot.id, keep + off_by_one, -1):
                 raise rollback.LlamaRefused(f"llama.cpp refused to remove positions {keep}.. of sequence {slot.id}")
