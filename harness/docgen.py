@@ -720,6 +720,8 @@ def calibration_page() -> str:
             rows,
         )
     )
+    out.extend(_near_tie_section(data))
+    out.extend(_refused_section(data))
     out.append("## Commands\n")
     out.append(
         _table(
@@ -731,6 +733,72 @@ def calibration_page() -> str:
         )
     )
     return "\n".join(out)
+
+
+def _near_tie_section(data: list[dict]) -> list[str]:
+    """The numbers docs/near-tie-policy.md's rule reads: the speculative `seq` variants that decide whether a
+    proven near-tie is excused in `seq`, and each mode's near-tie floor (harness.noise)."""
+    from harness import noise
+
+    out = ["## The near-tie floor per mode\n"]
+    out.append(
+        "The speculative `seq` variants served as the cells serve them (not `seq/none`, not the `n_ubatch=7` "
+        "split), whose largest max |Δ| decides whether a proven near-tie is excused in `seq` "
+        "(`harness.noise.seq_bit_exact`), in-process `seq/scripted-accept` alone (it accepts every draft: only the "
+        "batch shape changes), and the near-tie floor of the file and of each mode (`NoiseFloor.for_mode`: "
+        f"{noise.SAFETY:g} × the largest margin change or flipped margin in that mode, at least "
+        f"{noise.MINIMUM_NEAR_TIE:g}, at most the file's). The rule: [Near-tie policy](../near-tie-policy.md).\n"
+    )
+    rows = []
+    for d in data:
+        measured = d["measured"]
+        served = [
+            v["max_abs_max"]
+            for k, v in measured.items()
+            if k.startswith("seq/") and k.split("/")[1] != "none" and noise.is_default_batch(k)
+        ]
+        floor = noise.from_data(d, d["model"])
+        accept = measured.get("seq/scripted-accept", {}).get("max_abs_max")
+        rows.append(
+            [
+                _code(d["model"]),
+                d["backend"],
+                _num(max(served, default=0)),
+                "—" if accept is None else _num(accept),
+                "no" if floor.seq_bit_exact else "yes",
+                _num(floor.near_tie),
+                *(_num(floor.for_mode(m).near_tie) for m in ("seq", "par", "no-kv-unified")),
+            ]
+        )
+    head = ["model", "backend", "seq speculative max \\|Δ\\|", "`seq/scripted-accept`", "near-tie excused in seq"]
+    out.append(_table([*head, "floor: file", "seq", "par", "no-kv-unified"], rows))
+    return out
+
+
+def _refused_section(data: list[dict]) -> list[str]:
+    """The acceptance tolerances calibration refused (≥ harness.noise.RANGE: no drop could fail them)."""
+    from harness import noise
+
+    out = ["## Refused acceptance tolerances\n"]
+    out.append(
+        f"An acceptance fraction lies in [0, 1], so a tolerance ≥ {noise.RANGE:g} lets every drop pass: calibration "
+        "writes it as null with the reason, and a committed value that large loads as refused "
+        "(`harness.noise.acceptance_of`); that comparison is then *not run: not judged: noise exceeds the range*. "
+        "The refused ones, and each file's largest tolerance kept:\n"
+    )
+    rows = []
+    for d in data:
+        refused, kept = [], 0.0
+        for spec, v in sorted(d.get("acceptance", {}).items()):
+            for key in noise.ACCEPTANCE_KEYS.values():
+                raw = v.get(key, v["tolerance"])
+                if raw is None or float(raw) >= noise.RANGE:
+                    refused.append(f"{_code(spec)} `{key}` {'null' if raw is None else _num(float(raw))}")
+                else:
+                    kept = max(kept, float(raw))
+        rows.append([_code(d["model"]), d["backend"], "; ".join(refused) or "none", _num(kept)])
+    out.append(_table(["model", "backend", "refused", "largest kept"], rows))
+    return out
 
 
 # --- driver -------------------------------------------------------------------------------------------------------
