@@ -720,6 +720,7 @@ def calibration_page() -> str:
             rows,
         )
     )
+    out.extend(_acceptance_section(data))
     out.extend(_near_tie_section(data))
     out.extend(_refused_section(data))
     out.append("## Commands\n")
@@ -733,6 +734,35 @@ def calibration_page() -> str:
         )
     )
     return "\n".join(out)
+
+
+def _acceptance_section(data: list[dict]) -> list[str]:
+    """Each file's `acceptance`: the measured spreads per speculative config and the tolerances the check uses."""
+    out = ["## Acceptance spread\n"]
+    out.append(
+        "Per speculative config, how far a request's acceptance (accepted / drafted and accepted / generated, the "
+        "larger difference) moved between equivalent runs: between repeats of one variant, between the 7-token "
+        "micro-batch split and seq, between par / no-kv-unified and seq (drafters without state between requests), "
+        "and between repeats of the variant that sends the requests one at a time (drafters that learn across "
+        "requests); then the three tolerances the `acceptance` check uses: against the baseline's same request "
+        "(`tolerance`), the same for rounds whose requests are sent all at once (`sent at once`), and a par / "
+        "no-kv-unified request against the same request in seq (`against seq`). Null: refused (below).\n"
+    )
+
+    def cell(v: dict, key: str) -> str:
+        if key not in v:
+            return "—"
+        return "null" if v[key] is None else _num(float(v[key]))
+
+    rows = []
+    for d in data:
+        for spec, v in sorted(d.get("acceptance", {}).items()):
+            keys = ("repeat_spread", "ubatch_spread", "mode_spread", "in_order_spread", "tolerance")
+            more = [cell(v, "tolerance_concurrent"), cell(v, "tolerance_modes")]
+            rows.append([_code(d["model"]), d["backend"], _code(spec), *(cell(v, k) for k in keys), *more])
+    head = ["model", "backend", "spec", "repeats", "n_ubatch 7", "modes", "one at a time", "tolerance"]
+    out.append(_table([*head, "sent at once", "against seq"], rows))
+    return out
 
 
 def _near_tie_section(data: list[dict]) -> list[str]:
