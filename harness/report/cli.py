@@ -95,7 +95,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         type=fraction,
         default=SPEED_THRESHOLD,
         metavar="FRACTION",
-        help=f"flag tokens/s changes beyond this fraction; a slowdown beyond it regresses (default {SPEED_THRESHOLD})",
+        help=f"a speed-up over no speculation that fell by more than this fraction of RUN_A's, outside both runs' "
+        f"noise bands, regresses (default {SPEED_THRESHOLD})",
     )
     d.add_argument(
         "--acceptance-threshold",
