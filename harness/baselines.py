@@ -255,10 +255,15 @@ class BaselineStore:
         """The stored work rows of this cell's case under `key` (as `acceptance`'s), one per round with the
         `generated` count and `output` digest of the request they were measured on, None when the baseline holds
         none for it (a file recorded before work was), and the baseline's path. With `update`, this run's rows
-        are stored first (where the baseline file exists and every request of the case completed)."""
+        are stored first (where every request of the case completed; a suite without the `baseline` check gets
+        its baseline file, the canonical output, here)."""
         path = self.file_of(ctx)
         data = self.load(path)
-        if self.update and data is not None and ctx.completed() and all(o.result.ok for o in ctx.outcomes):
+        complete = ctx.completed() and all(o.result.ok for o in ctx.outcomes)
+        if self.update and data is None and complete:
+            self._update(ctx, path, ctx.executor.environment(ctx.cell))
+            data = self.load(path)
+        if self.update and data is not None and complete:
             rows = [
                 {
                     "round": o.round,

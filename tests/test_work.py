@@ -6,6 +6,7 @@ import json
 import shutil
 
 import pytest
+import yaml
 
 from harness.backends.choose import backend_factories
 from harness.baselines import BaselineStore, default_root
@@ -196,3 +197,46 @@ def test_llama_server_requests_count_their_checkpoints_and_pass_work():
         w = o.result.work
         assert w.ckpt_created > 1 and w.ckpt_created_bytes > 0  # the prompt's, then one per drafted step
         assert w.ckpt_restored > 0 and w.ckpt_restored_bytes > 0 and w.target_decoded is None
+
+
+def _work_gaps() -> list[str]:
+    """Every default suite's clean run under `--backend inproc,server` (its default matrix) where `work` would be
+    not run without a documented reason: the suite does not list `work`; a case `cannot_judge` names a reason for
+    that the suite's description does not explain (it names `work`); or a cell whose requests complete (no known
+    crash of llama.cpp covers it) has no work rows in its baseline file."""
+    from harness.checks.work import cannot_judge
+    from harness.matrix import cells, narrowing
+    from harness.running import known_failures
+    from harness.suites import case_keys, suite_files
+
+    crashes = [k for k in known_failures() if "no-crash" in k.check]
+    root, gaps = default_root(), []
+    for path in suite_files():
+        suite = load_suite(str(path))
+        if "work" not in suite.checks:
+            gaps.append(f"{suite.name}: `work` is not in its checks")
+            continue
+        for cell in cells(suite.matrix, narrowing(backends=["inproc", "server"])):
+            if any(k.covers(suite.name, cell) for k in crashes):
+                continue  # a known llama.cpp crash: no output, `work` says so
+            for case in suite.cases:
+                why = cannot_judge(suite, suite.cell_case(case, cell.model))
+                if why:
+                    if "`work`" not in yaml.safe_load(path.read_text()).get("description", ""):
+                        gaps.append(f"{suite.name}/{case.name}: not run ({why}), undocumented in its description")
+                    continue
+                for key in case_keys(case):
+                    file = root / suite.name / f"{key}--{cell.model}--{cell.backend}--cpu.json"
+                    rows = json.loads(file.read_text()).get("work", {}) if file.exists() else {}
+                    if f"{cell.mode}/{cell.spec}" not in rows:
+                        gaps.append(f"{suite.name} {key} {cell.id}: no work rows in {file.name}")
+    return gaps
+
+
+def test_every_default_suite_judges_work_or_documents_why_not():
+    """The acceptance line of issue 29 item 4, checked on the files: every default suite lists `work`, a case it
+    cannot judge by design (sampled, or requests that may fail by design) is documented in the suite's description,
+    and every other cell of the default matrix on both backends has its work rows in the baseline, so a clean run
+    compares (`work` is not run with "no work in the baseline" nowhere)."""
+    gaps = _work_gaps()
+    assert not gaps, f"{len(gaps)} gaps, e.g.:\n" + "\n".join(gaps[:20])

@@ -50,6 +50,23 @@ def tolerance(ctx: CheckContext, same_output: bool) -> float:
     return SAME_OUTPUT_TOLERANCE.get((ctx.cell.backend, ctx.cell.mode), DEFAULT_TOLERANCE)
 
 
+def cannot_judge(suite, case) -> str | None:
+    """Why `work` cannot judge a case of a suite by design (its not-run reason), None where it can: a sampled case
+    (temperature > 0), whose steps follow the tokens the sampler draws, and a suite whose requests may end with an
+    allowed error (kv-fill's context_full: which requests end so is the slots' race), keep no work baseline."""
+    if suite.allow_errors:
+        return (
+            f"requests of {suite.name} may end with {', '.join(suite.allow_errors)} by design (which ones is chance: "
+            "the slots race for the KV cache), so no baseline holds their work"
+        )
+    if case.sampling.temperature > 0:
+        return (
+            f"sampled at temperature {case.sampling.temperature:g}: the steps follow the tokens the sampler draws, "
+            "and baselines hold greedy runs' work only"
+        )
+    return None
+
+
 def work(ctx: CheckContext) -> CheckResult:
     """No request does more work per generated token than the same request of the baseline (the `work` rows
     `--update-baselines` stores per cell and round): target tokens decoded, prompt tokens read, checkpoints and
@@ -60,7 +77,11 @@ def work(ctx: CheckContext) -> CheckResult:
     the counters of its speculative rounds (checkpoints, partial rollbacks) only where its rounds are known to be the
     baseline's (llama-server reports none). A counter the backend cannot count (None) is not compared.
     Fails naming the counters and the request; not run where the backend counted no work or the baseline holds
-    none for the cell (`--update-baselines` records it)."""
+    none for the cell (`--update-baselines` records it), with the reason where it cannot judge a case by design
+    (`cannot_judge`: sampled cases, requests that may fail by design)."""
+    why = cannot_judge(ctx.run.suite, ctx.case_def)
+    if why:
+        return not_run("work", why)
     done = ctx.completed()
     if not done:
         return not_run("work", NO_OUTPUT)
