@@ -30,10 +30,11 @@ SERVE_FIELDS = {
     "stall_s": "number",
 }
 
-RESTORE_ROUNDS = ("restore", "restore-fresh")
+RESTORE_ROUNDS = ("restore", "restore-fresh", "restore-over")
 """Round kinds that interrupt each chat after turn `restore.after_turn`: its slot is saved (llama-server's
-`POST /slots/{id}?action=save`), then erased and restored into the same session (`restore`), or restored into a
-fresh session of the same cell (`restore-fresh`), and the chat goes on there; requests go one at a time."""
+`POST /slots/{id}?action=save`), then erased and restored into the same session (`restore`), restored into a
+fresh session of the same cell (`restore-fresh`), or restored, without an erase, into the same slot after it
+served another, longer conversation (`restore-over`), and the chat goes on there; requests go one at a time."""
 
 _NAMES = {"type": "array", "items": {"type": "string"}, "minItems": 1}
 _CASE = {

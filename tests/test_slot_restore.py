@@ -99,7 +99,8 @@ def test_restore_identical_does_not_judge_turns_before_the_restore_nor_cells_wit
 
 def test_the_slot_restore_suite_runs_by_default_on_both_backends():
     suite = load_suite("slot-restore")
-    assert "restore-identical" in suite.checks and {"restore", "restore-fresh"} <= set(suite.rounds)
+    assert "restore-identical" in suite.checks and {"restore", "restore-fresh", "restore-over"} <= set(suite.rounds)
+    assert suite.rounds[-1] == "restore-over"  # last: its abort on llama-server (a hybrid draft) spares the others
     block = suite.matrix[0]
     assert set(block["backends"]) == {"inproc", "server"} and "draft-simple" in block["specs"]
     assert {"tiny-dense", "tiny-hybrid"} <= set(block["models"]) and not suite.slow
@@ -171,3 +172,45 @@ def test_a_save_before_any_request_is_an_error_answer(tiny_models):
         assert "no slot 3" in session.restore_slot(3, SavedSlot([1], b""))["error"]
     finally:
         session.close()
+
+
+class _Recorder:
+    """A session that records what a restore round asks of it (each request's prompt, saves, restores)."""
+
+    def __init__(self):
+        self.calls = []
+
+    def run(self, requests):
+        [request] = requests
+        self.calls.append(("run", request.tag or request.messages[-1]["content"], request.sampling.n_predict))
+        return [Result(prompt_tokens=[1] * 30, tokens=[2] * 48, stop_reason="limit", slot_id=0)]
+
+    def save_slot(self, slot):
+        self.calls.append(("save", slot))
+        return {"n_saved": 77, "state": "file"}
+
+    def restore_slot(self, slot, state, erase=False):
+        self.calls.append(("restore", slot, state, erase))
+        return {"n_restored": 77}
+
+
+def test_restore_over_serves_another_longer_conversation_then_restores_without_an_erase():
+    """`restore-over`: after the saved turn the slot serves DETOUR (greedy, ignore_eos, as many tokens generated as
+    the saved turn's prompt and output: the slot then holds more positions than the restore brings back), then the
+    saved state comes back with no erase (llama-server's draft context keeps the other conversation: #28619)."""
+    from harness.slot_restore import DETOUR, SlotRestore, detour
+
+    session = _Recorder()
+    restore = SlotRestore(session, "restore-over", 1, lambda: pytest.fail("restore-over opens no fresh session"))
+    for step, turn in enumerate(["a", "b", "c"]):
+        assert restore.serve("chat", step, Request(messages=[{"role": "user", "content": turn}])).ok
+    assert session.calls == [
+        ("run", "a", 128),
+        ("save", 0),
+        ("run", "detour", 78),
+        ("restore", 0, "file", False),
+        ("run", "b", 128),
+        ("run", "c", 128),
+    ]
+    other = detour(78)
+    assert other.prompt == DETOUR and other.sampling.ignore_eos and other.sampling.temperature == 0

@@ -45,7 +45,7 @@ def restore_identical(ctx: CheckContext) -> CheckResult | None:
     if reference is None:
         return not_run("restore-identical", "no uninterrupted round of the case completed (no-crash says why)")
     earlier = ctx.earlier_replies(ctx.cell, reference.round)
-    compared, failures, skipped = [], [], []
+    compared, failures, skipped, said = [], [], [], []
     for r, outcome in sorted(done.items()):
         if kinds[r] not in RESTORE_ROUNDS:
             continue
@@ -63,19 +63,20 @@ def restore_identical(ctx: CheckContext) -> CheckResult | None:
             }
         )
         if any(mine.spec_stats.get(k, 0) != theirs.spec_stats.get(k, 0) for k in COUNTERS):
-            failures.append(
-                f"round {r} ({kinds[r]}): {ctx.case} accepted {mine.spec_stats.get('draft_n_accepted', 0)} of "
-                f"{mine.spec_stats.get('draft_n', 0)} drafted tokens, "
-                f"{theirs.spec_stats.get('draft_n_accepted', 0)} of {theirs.spec_stats.get('draft_n', 0)} in the "
-                f"uninterrupted round {reference.round}"
+            counts = (
+                f"accepted {mine.spec_stats.get('draft_n_accepted', 0)} of {mine.spec_stats.get('draft_n', 0)} "
+                f"drafted tokens, {theirs.spec_stats.get('draft_n_accepted', 0)} of "
+                f"{theirs.spec_stats.get('draft_n', 0)} in the uninterrupted round {reference.round}"
                 + (" (same output)" if mine.tokens == theirs.tokens else " (another output)")
             )
+            failures.append(f"round {r} ({kinds[r]}): {ctx.case} {counts}")
+            said.append(f"round {r} ({kinds[r]}): the restored turn {counts}")
     evidence = {"reference_round": reference.round, "compared": compared, "not_compared": skipped}
     if not compared:
         return not_run("restore-identical", "every restored round sent another prompt (repeat-identical says why)")
     if failures:
         more = f" (and {len(failures) - 1} more)" if len(failures) > 1 else ""
-        return CheckResult(
-            "restore-identical", False, f"{ctx.cell.id}, {failures[0]}{more}", evidence, failures=failures
-        )
+        # the message names neither the cell nor the case: its signature is the same in a run and in a
+        # `specharness repro` / `shrink` trial (whose verdicts carry no cell to take out of it)
+        return CheckResult("restore-identical", False, f"{said[0]}{more}", evidence, failures=failures)
     return CheckResult("restore-identical", True, evidence=evidence)
