@@ -245,3 +245,63 @@ def test_repro_sh_of_a_divergence_reproduces_only_where_the_run_diverged(tmp_pat
     short.chmod(0o755)
     equal = repro(tmp_path / "bundle", work, LLAMA_SERVER=str(short))
     assert equal.returncode == 0 and "not reproduced: the outputs are equal" in equal.stdout, equal.stdout
+
+
+def test_the_reproducers_of_slot_restore_failures_replay_the_saves_and_restores(tmp_path, tiny_models):
+    """slot-restore on llama-server (ggml-org/llama.cpp#28619): the bundle replays each restore round's slot steps
+    (`POST /slots/0?action=save|erase|restore`, a fresh llama-server for `restore-fresh`, the other conversation
+    before `restore-over`'s restore). Known defect slot-restore-drops-draft-context (tiny-dense): repro.sh
+    reproduces the run's drafted / accepted counts after each restore (exit 1); repro.py, on the engine that
+    restores the draft context too, does not (exit 0). Known defect slot-restore-over-recurrent-draft-aborts
+    (tiny-hybrid): repro.sh reproduces the abort of `restore-over`."""
+    run = specharness(
+        "run",
+        "--suite",
+        "slot-restore",
+        "--backend",
+        "server",
+        "--spec",
+        "draft-simple",
+        "--model",
+        "tiny-dense",
+        "--model",
+        "tiny-hybrid",
+        "--out",
+        str(tmp_path / "run"),
+    )
+    assert run.returncode == 0, run.stderr[-2000:]
+    bundles = {}
+    for model, check in (("tiny-dense", "restore-identical"), ("tiny-hybrid", "no-crash")):
+        failure = f"slot-restore[chat.turn2-seq-draft-simple-{model}-server]"
+        bundles[model] = tmp_path / f"bundle-{model}"
+        done = specharness(
+            "repro", failure, "--check", check, "--tries", "1", "--from-run", str(tmp_path / "run"),
+            "--out", str(bundles[model]),
+        )  # fmt: skip
+        assert done.returncode == 0, done.stderr[-3000:]
+    script = (bundles["tiny-dense"] / "repro.sh").read_text()
+    steps = ["slot_action subject 0 save saved-r1-chat.bin", "slot_action subject 0 erase",
+             "slot_action subject 0 restore saved-r1-chat.bin", "start_server subject-fresh",
+             "slot_action subject 0 restore saved-r2-chat.bin", "use_server main", "-detour",
+             "slot_action subject 0 restore saved-r3-chat.bin"]  # fmt: skip
+    at = 0
+    for step in steps:  # in this order
+        assert step in script[at:], f"{step} missing after the earlier steps:\n{script}"
+        at = script.index(step, at)
+    assert "--slot-save-path" in script
+    assert "action=save" in (bundles["tiny-dense"] / "ISSUE.md").read_text()
+    work = tmp_path / "work"
+    work.mkdir()
+    same = repro(bundles["tiny-dense"], work)
+    assert same.returncode == 1, same.stdout + same.stderr
+    assert "REPRODUCED: a restored turn drafted / accepted other counts, same output" in same.stdout
+    assert "uninterrupted: drafted / accepted 69 29" in same.stdout
+    assert "round 1 (restore): drafted / accepted 88 24" in same.stdout  # the run's counts (known-failures.yaml)
+    engine = subprocess.run(
+        [sys.executable, str(bundles["tiny-dense"] / "repro.py")], cwd=ROOT, capture_output=True, text=True, timeout=300
+    )
+    assert engine.returncode == 0, engine.stdout + engine.stderr
+    assert "round 3 (restore-over): drafted / accepted (69, 29)" in engine.stdout
+    aborted = repro(bundles["tiny-hybrid"], work)
+    assert aborted.returncode == 1, aborted.stdout + aborted.stderr
+    assert "common.cpp:1539: failed to remove sequence 0 with p0=" in aborted.stdout

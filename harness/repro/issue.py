@@ -15,6 +15,8 @@ EXPECTED = {
     "error": "every request completes without an error",
     "kv": "a healthy KV cache: one cell per (seq_id, position), none past the sequence, no holes",
     "rounds-differ": "every round gives the same tokens (greedy decoding)",
+    "restore": "a turn served after its slot's save and restore drafts and accepts as many tokens as the same turn "
+    "of the uninterrupted round (the restore brings back the draft context with the target's)",
 }
 """What a judge expects when there is no reference leg."""
 
@@ -125,7 +127,9 @@ def render(
     sent = sum(len(b["requests"]) for b in subject["batches"])
     out += [
         f"Requests ({sent}, `requests/*.json`: one `/completion` body each, the prompt as token ids; "
-        f"{'sent at once' if any(b['how'] == 'par' for b in subject['batches']) else 'one after another'}). "
+        f"{'sent at once' if any(b['how'] == 'par' for b in subject['batches']) else 'one after another'}).",
+        "",
+        *_slot_steps(subject),
         f"The failing request ({case['key']}):",
         "",
         "```json",
@@ -172,3 +176,24 @@ def render(
     if shrunk:
         out += ["", shrunk]
     return "\n".join(out) + "\n"
+
+
+def _slot_steps(leg: dict) -> list[str]:
+    """How a leg's slot saves and restores go between its requests (restore rounds), in words."""
+    steps = [b for b in leg["batches"] if b["how"] in ("save", "restore")]
+    if not steps:
+        return []
+    words = {
+        "restore": "erased (`action=erase`) and restored (`action=restore`)",
+        "restore-fresh": "restored into a fresh llama-server of the same command line (`action=restore`)",
+        "restore-over": "restored (`action=restore`, no erase) after the slot served another, longer conversation "
+        "(`requests/*-detour.json`)",
+    }
+    kinds = sorted({b["kind"] for b in steps if b["how"] == "restore"})
+    return [
+        "Between the requests the slot is saved (`POST /slots/{id}?action=save`, llama-server started with "
+        "`--slot-save-path`) after a chat's turn and, before its next turn, "
+        + "; or ".join(f"{words[k]} ({k} round)" for k in kinds)
+        + ".",
+        "",
+    ]

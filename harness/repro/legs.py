@@ -5,6 +5,12 @@ comparison, the reference it is compared with (spec `none` for `lossless`, `seq`
 holds the ServeConfig's fields, the llama-server command line (paths as `$LLAMA_SERVER`, `$MODEL`,
 `$DRAFT_MODEL`), the request batches in the order they were sent (`seq`: one at a time, `par`: at once), each
 request's /completion body with its prompt as token ids, and the tokens each request produced.
+
+A restore round (harness.slot_restore) is replayed step by step: its requests one at a time, with a `save` step
+after the turn the round saves and a `restore` step before the next one (`restore`: erase, then restore;
+`restore-over`: the other conversation's request, then restore; `restore-fresh`: a fresh server or engine of the
+same configuration, where the chat's later requests of the round go, `"server": "fresh"`, and a `close-fresh`
+step at the round's end).
 """
 
 from __future__ import annotations
@@ -15,7 +21,8 @@ from pathlib import Path
 from harness.backends.base import ServeConfig
 from harness.backends.client import completion_payload
 from harness.execute import CellRun, Executor
-from harness.suites import Suite, case_keys
+from harness.slot_restore import DETOUR, detour
+from harness.suites import RESTORE_ROUNDS, Suite, case_keys
 
 SUBJECT, REFERENCE = "subject", "reference"
 JUDGES = {
@@ -24,6 +31,8 @@ JUDGES = {
     "differs": "the subject's output differs from the reference's: the failure reproduces",
     "rounds-differ": "the rounds' outputs differ from one another: the failure reproduces",
     "kv": "the KV cache of the request's slot is unhealthy (`specharness scan`): the failure reproduces",
+    "restore": "a turn served after its slot's save and restore drafts or accepts other counts than the same turn "
+    "of the uninterrupted round, with the same output: the failure reproduces",
 }
 """How a reproducer decides, by judge name."""
 PLACEHOLDERS = {
@@ -47,6 +56,8 @@ def judge_of(check: str, kind: str) -> str | None:
         return "rounds-differ"
     if check == "kv-healthy":
         return "kv"
+    if check == "restore-identical":
+        return "restore"
     return None
 
 
@@ -106,10 +117,14 @@ def server_command(config: ServeConfig, server_bin: Path, slot_save: bool) -> li
 
 def batches(suite: Suite, run: CellRun, config: ServeConfig, prompts: dict[str, list[int]]) -> list[dict]:
     """The requests of a cell run in the order the executor sent them: per round, per chat step, one batch
-    (`par`: sent at once). A request's prompt is the one the backend evaluated, else `prompts[key]`."""
+    (`par`: sent at once); a restore round's requests one at a time with its slot steps (see the module). A
+    request's prompt is the one the backend evaluated, else `prompts[key]`."""
     out = []
     cases = [suite.cell_case(c, run.cell.model) for c in suite.cases]
     for r, how in enumerate(suite.rounds):
+        restoring = how in RESTORE_ROUNDS and suite.restore_after is not None
+        saved: dict[str, tuple[int, int]] = {}  # case → (slot, tokens of the saved turn)
+        fresh: set[str] = set()  # cases whose chat went on in the fresh server
         for step in range(max(len(c.turns) or 1 for c in cases)):
             requests = []
             for case in cases:
@@ -122,12 +137,45 @@ def batches(suite: Suite, run: CellRun, config: ServeConfig, prompts: dict[str, 
                 )
                 if tokens is None:  # a chat turn never sent (an earlier turn failed)
                     continue
-                requests.append(
-                    {"key": key, "round": r, "payload": completion_payload(tokens, case.sampling, config.logit_top_k)}
-                )
+                request = {
+                    "key": key,
+                    "round": r,
+                    "kind": how,
+                    "payload": completion_payload(tokens, case.sampling, config.logit_top_k),
+                }
+                if not (restoring and case.is_chat):
+                    requests.append(request)
+                    continue
+                if step == suite.restore_after and case.name in saved:
+                    out.append(_restore_step(how, r, case.name, *saved.pop(case.name), config))
+                    if how == "restore-fresh":
+                        fresh.add(case.name)
+                out.append({"how": "seq", "requests": [request], "server": "fresh" if case.name in fresh else "main"})
+                if step == suite.restore_after - 1 and done is not None and done.result.ok:
+                    slot = done.result.slot_id if done.result.slot_id >= 0 else 0
+                    saved[case.name] = (slot, len(done.result.prompt_tokens) + len(done.result.tokens))
+                    out.append(
+                        {"how": "save", "round": r, "slot": slot, "file": _slot_file(r, case.name), "requests": []}
+                    )
             if requests:
                 out.append({"how": "par" if how == "par" and config.n_slots > 1 else "seq", "requests": requests})
+        if fresh:
+            out.append({"how": "close-fresh", "round": r, "requests": []})
     return out
+
+
+def _slot_file(r: int, case: str) -> str:
+    return f"saved-r{r}-{case}.bin"
+
+
+def _restore_step(how: str, r: int, case: str, slot: int, saved_len: int, config: ServeConfig) -> dict:
+    """The restore before the chat's turn after `restore.after_turn` (with the other conversation of
+    `restore-over`, as harness.slot_restore.detour sends it)."""
+    step = {"how": "restore", "kind": how, "round": r, "slot": slot, "file": _slot_file(r, case), "requests": []}
+    if how == "restore-over":
+        other = detour(saved_len)
+        step["detour"] = completion_payload(tokenize(config.model, DETOUR), other.sampling, config.logit_top_k)
+    return step
 
 
 def outputs(run: CellRun, key: str) -> list[dict]:
@@ -162,7 +210,9 @@ def leg(
         "role": role,
         "cell": asdict(cell),
         "serve": serve_fields(config),
-        "command": server_command(config, server_bin, slot_save) if server_bin else None,
+        "command": server_command(config, server_bin, slot_save or any(h in RESTORE_ROUNDS for h in suite.rounds))
+        if server_bin
+        else None,
         "batches": batches(suite, run, config, prompts),
         "outputs": outputs(run, key),
     }

@@ -49,11 +49,22 @@ def _request(payload: dict) -> Request:
 
 
 def run_leg(case: dict, leg: dict) -> dict[str, list]:
-    """Serve one leg; request key → its Results, in the order sent."""
-    session = InprocBackend().open(_config(case, leg))
+    """Serve one leg (a restore round's slot steps as the run took them, harness.repro.legs.batches); request key →
+    its Results, in the order sent."""
+    config = _config(case, leg)
+    backend = InprocBackend()
+    sessions = {"main": backend.open(config)}
+    saved: dict[str, object] = {}
     results: dict[str, list] = {}
     try:
         for batch in leg["batches"]:
+            if batch["how"] in ("save", "restore", "close-fresh"):
+                failed = _slot_step(batch, sessions, saved, backend, config)
+                if failed is not None:  # the run's later turns of the chat end with this error
+                    results.setdefault(case["key"], []).append(failed)
+                    break
+                continue
+            session = sessions.get(batch.get("server", "main"), sessions["main"])
             requests = [_request(r["payload"]) for r in batch["requests"]]
             if batch["how"] == "par":
                 done = session.run(requests)
@@ -62,8 +73,42 @@ def run_leg(case: dict, leg: dict) -> dict[str, list]:
             for request, result in zip(batch["requests"], done, strict=False):
                 results.setdefault(request["key"], []).append(result)
     finally:
-        session.close()
+        for session in sessions.values():
+            session.close()
     return results
+
+
+def _slot_step(step: dict, sessions: dict, saved: dict, backend, config: ServeConfig):
+    """Save, restore (erase first; after the other conversation; into a fresh engine) or close the fresh engine;
+    None, or a failed Result saying why the engine refused."""
+    from harness.result import Result
+
+    if step["how"] == "close-fresh":
+        fresh = sessions.pop("fresh", None)
+        if fresh is not None:
+            fresh.close()
+        return None
+    if step["how"] == "save":
+        answer = sessions["main"].save_slot(step["slot"])
+        if "error" in answer:
+            return Result(stop_reason="error", error=f"slot save refused: {answer['error']}")
+        saved[step["file"]] = answer["state"]
+        return None
+    kind = step["kind"]
+    if kind == "restore-fresh":
+        if "fresh" not in sessions:
+            sessions["fresh"] = backend.open(config)
+        target = sessions["fresh"]
+    else:
+        target = sessions["main"]
+    if kind == "restore-over":
+        other = target.run([_request(step["detour"])])[0]
+        if not other.ok:
+            return other
+    answer = target.restore_slot(step["slot"], saved[step["file"]], erase=kind == "restore")
+    if "error" in answer:
+        return Result(stop_reason="error", error=f"slot restore refused ({kind}): {answer['error']}")
+    return None
 
 
 def _first_damage(scan: dict) -> str | None:
@@ -101,6 +146,8 @@ def judge(case: dict, outputs: dict[str, dict[str, list]]) -> tuple[int, str]:
         if found == case["signature"] or not case["signature"].startswith("kv-healthy: "):
             return REPRODUCED, f"REPRODUCED: {found}, KV scan totals {scan['totals']}"
         return DIFFERENT, f"DIFFERENT FAILURE: {found}, KV scan totals {scan['totals']}"
+    if kind == "restore":
+        return _restore_judge(case, subject)
     if kind == "rounds-differ":
         lines = [f"round {i + 1}: {r.tokens}" for i, r in enumerate(subject)]
         differ = len({tuple(r.tokens) for r in subject}) > 1
@@ -147,3 +194,35 @@ def main(case_file: Path) -> int:
     status, seen = judge(case, outputs)
     print(seen)
     return status
+
+
+def _restore_judge(case: dict, subject: list) -> tuple[int, str]:
+    """The failing turn's drafted and accepted counts after each restore against the uninterrupted round's (as
+    repro.sh: other counts with the same tokens reproduce it, other tokens are a different failure)."""
+    from harness.suites import RESTORE_ROUNDS
+
+    leg = next(leg for leg in case["legs"] if leg["role"] == SUBJECT)
+    kinds = [r for b in leg["batches"] for r in b.get("requests", []) if r["key"] == case["key"]]
+    served = list(zip(kinds, subject, strict=False))
+    reference = next((res for r, res in served if r["kind"] not in RESTORE_ROUNDS), None)
+    if reference is None:
+        return UNDECIDED, "the bundle has no uninterrupted turn to compare"
+
+    def counts(res) -> tuple[int, int]:
+        return res.spec_stats.get("draft_n", 0), res.spec_stats.get("draft_n_accepted", 0)
+
+    lines = [f"uninterrupted: drafted / accepted {counts(reference)}"]
+    status = NOT_REPRODUCED
+    for r, res in served:
+        if r["kind"] not in RESTORE_ROUNDS:
+            continue
+        lines.append(f"round {r['round']} ({r['kind']}): drafted / accepted {counts(res)}")
+        if res.tokens != reference.tokens:
+            return DIFFERENT, "\n".join([*lines, "DIFFERENT FAILURE: the restored turn returned other tokens"])
+        if counts(res) != counts(reference):
+            status = REPRODUCED
+    verdict = {
+        REPRODUCED: "REPRODUCED: a restored turn drafted / accepted other counts, same output",
+        NOT_REPRODUCED: "not reproduced: every restored turn drafted and accepted as the uninterrupted one",
+    }
+    return status, "\n".join([*lines, verdict[status]])

@@ -27,6 +27,7 @@ from pathlib import Path
 
 from harness.repro.legs import JUDGES, REFERENCE, SUBJECT
 from harness.signatures.signature import EXIT, KV_DAMAGE, abort_reason
+from harness.suites import RESTORE_ROUNDS
 
 NOT_REPRODUCED, REPRODUCED, UNDECIDED, DIFFERENT = 0, 1, 2, 3
 EXIT_CODES = {
@@ -39,8 +40,12 @@ EXIT_CODES = {
 HELPERS = r"""
 WORK="$(mktemp -d)"
 PID=""
+OTHER_PID=""  # a restore-fresh round's other llama-server (see use_server)
 cleanup() {
-  if [ -n "$PID" ]; then kill "$PID" 2>/dev/null; wait "$PID" 2>/dev/null; fi
+  local p
+  for p in "$PID" "$OTHER_PID"; do
+    if [ -n "$p" ]; then kill "$p" 2>/dev/null; wait "$p" 2>/dev/null; fi
+  done
   rm -rf "$WORK"
 }
 trap cleanup EXIT
@@ -54,9 +59,10 @@ free_port() {
   done
 }
 
-start_server() {  # LEG ARGS...: start llama-server and wait until /health answers
+start_server() {  # LEG ARGS...: start llama-server and wait until /health answers (its log: $WORK/LEG.log)
   local leg="$1"; shift
   local try
+  LOG_OF="$leg"
   for try in 1 2 3 4 5; do  # another process may take the free port before llama-server binds it
     PORT="$(free_port)"
     echo "\$ $LLAMA_SERVER --host 127.0.0.1 --port $PORT $*"
@@ -78,6 +84,36 @@ start_server() {  # LEG ARGS...: start llama-server and wait until /health answe
 
 stop_server() {
   kill "$PID" 2>/dev/null; wait "$PID" 2>/dev/null; PID=""
+}
+
+ON=main
+use_server() {  # main|fresh: the llama-server the next requests go to (a restore-fresh round's fresh one, or not)
+  if [ "$1" = "$ON" ]; then return; fi
+  local pid="$PID" port="${PORT:-}" log="${LOG_OF:-}"
+  PID="$OTHER_PID"; PORT="${OTHER_PORT:-}"; LOG_OF="${OTHER_LOG:-}"
+  OTHER_PID="$pid"; OTHER_PORT="$port"; OTHER_LOG="$log"; ON="$1"
+}
+
+slot_action() {  # ROLE SLOT ACTION [FILE]: POST /slots/SLOT?action=ACTION (save, erase, restore; FILE in $WORK)
+  local body='{}'
+  if [ -n "${4:-}" ]; then body="{\"filename\": \"$4\"}"; fi
+  local code
+  code="$(curl -s -o "$WORK/slot-$3.json" -w '%{http_code}' --max-time "$REQUEST_TIMEOUT" -X POST \
+    -H 'Content-Type: application/json' -d "$body" "http://127.0.0.1:$PORT/slots/$2?action=$3" 2>/dev/null)"
+  echo "POST /slots/$2?action=$3 ${4:-}: HTTP $code $(head -c 200 "$WORK/slot-$3.json" 2>/dev/null)"
+  if [ "$code" = 200 ]; then return 0; fi
+  if [ "$1" != subject ]; then echo "the $1 leg's slot $3 failed"; exit 2; fi
+  DIED=""; STATUS=""; ROLE="$1"
+  if ended 10; then DIED=1; fi
+  if [ -n "$DIED" ]; then subject_failed; fi
+  different "POST /slots/$2?action=$3: HTTP $code"
+}
+
+counts_of() {  # NAME: "drafted accepted" of an answer (llama-server leaves them out when nothing was drafted)
+  local n a
+  n="$(grep -o '"draft_n": *[0-9]*' "$WORK/$1.json" 2>/dev/null | head -n 1 | grep -o '[0-9]*$')"
+  a="$(grep -o '"draft_n_accepted": *[0-9]*' "$WORK/$1.json" 2>/dev/null | head -n 1 | grep -o '[0-9]*$')"
+  echo "${n:-0} ${a:-0}"
 }
 
 post() {  # NAME: send requests/NAME.json to /completion; the answer goes to $WORK/NAME.json, its HTTP status to NAME.code
@@ -124,7 +160,7 @@ judge_batch() {  # ROLE NAME...: after a batch: when a request failed or the ser
 }
 
 describe_failure() {  # NAME...: what went wrong, in one line
-  if [ -n "$DIED" ]; then echo "llama-server ended (exit status $STATUS): $(abort_line "$ROLE")"; return; fi
+  if [ -n "$DIED" ]; then echo "llama-server ended (exit status $STATUS): $(abort_line "$LOG_OF")"; return; fi
   local name="$1"
   if timed_out "$name"; then echo "$name got no answer within $REQUEST_TIMEOUT s (llama-server still runs)"; return; fi
   echo "$name: HTTP $(code_of "$name"): $(message_of "$name")"
@@ -207,12 +243,21 @@ def write(bundle: Path, case: dict, defaults: dict[str, str]) -> Path:
         body += [f'echo "== {role}: {leg["cell_id"]}"', "start_server " + role + " " + _argv(leg["command"])]
         scanned = role == SUBJECT and judge == "kv"
         last = (
-            [f"{role}-{b}-{i}" for b, batch in enumerate(leg["batches"]) for i, r in enumerate(batch["requests"])]
+            [
+                f"{role}-{b}-{i}"
+                for b, batch in enumerate(leg["batches"])
+                for i, r in enumerate(batch.get("requests", []))
+            ]
             if scanned
             else []
         )
         last = next((n for n in reversed(last) if _request_of(leg, n)["key"] == key), None)
         for b, batch in enumerate(leg["batches"]):
+            if batch["how"] in SLOT_STEPS:
+                body += _slot_step(role, f"{role}-{b}", batch, leg["command"], requests_dir)
+                continue
+            if "server" in batch:  # a restore round's request: to the fresh llama-server after a restore-fresh
+                body.append(f"use_server {batch['server']}")
             names = []
             for i, request in enumerate(batch["requests"]):
                 name = f"{role}-{b}-{i}"
@@ -250,6 +295,8 @@ SAME = {
     "differs": "the subject's output first differs from the reference's at the generated token where it did in the run",
     "rounds-differ": "the rounds' outputs differ",
     "kv": "the slot's KV scan finds the run's first kind of damage",
+    "restore": "a turn served after its slot's save and restore drafts or accepts other counts than the same turn of "
+    "the uninterrupted round, with the same tokens",
 }
 """What counts as the run's signature, by judge."""
 
@@ -325,8 +372,8 @@ def _subject_failed(case: dict) -> list[str]:
     elif judge == "crash":
         lines += [
             '  if [ -n "$DIED" ]; then',
-            f"    if same_abort subject {shlex.quote(want['abort'])}; then",
-            '      reproduced "llama-server stopped answering (exit status $STATUS): $(abort_line subject)"',
+            f'    if same_abort "$LOG_OF" {shlex.quote(want["abort"])}; then',
+            '      reproduced "llama-server stopped answering (exit status $STATUS): $(abort_line "$LOG_OF")"',
             "    fi",
             "  fi",
         ]
@@ -341,6 +388,33 @@ def _subject_failed(case: dict) -> list[str]:
             "  done",
         ]
     return [*lines, '  different "$(describe_failure "$@")"', "}"]
+
+
+SLOT_STEPS = ("save", "restore", "close-fresh")
+"""The steps of a restore round that are no /completion request (harness.repro.legs.batches)."""
+
+
+def _slot_step(role: str, name: str, step: dict, command: list[str], requests_dir: Path) -> list[str]:
+    """A restore round's slot step in repro.sh: save the slot, restore it (erase first; after the other
+    conversation's request; into a fresh llama-server), or stop the fresh llama-server at the round's end."""
+    how = step["how"]
+    if how == "close-fresh":
+        return ["use_server fresh", "stop_server", "use_server main"]
+    slot, file = step["slot"], step["file"]
+    if how == "save":
+        return ["use_server main", f"slot_action {role} {slot} save {file}"]
+    kind = step["kind"]
+    if kind == "restore-fresh":
+        lines = [f'echo "== {role}: a fresh llama-server for round {step["round"]}"', "use_server fresh"]
+        lines += ['if [ -z "$PID" ]; then', f"  start_server {role}-fresh {_argv(command)}", "fi"]
+        return [*lines, f"slot_action {role} {slot} restore {file}"]
+    lines = ["use_server main"]
+    if kind == "restore-over":  # another, longer conversation on the slot first
+        (requests_dir / f"{name}-detour.json").write_text(json.dumps(step["detour"]) + "\n")
+        lines += [f"post {name}-detour", f"judge_batch {role} {name}-detour"]
+    else:
+        lines.append(f"slot_action {role} {slot} erase")
+    return [*lines, f"slot_action {role} {slot} restore {file}"]
 
 
 def _request_of(leg: dict, name: str) -> dict:
@@ -421,6 +495,8 @@ def _verdict(judge: str, targets: dict[str, list[str]], case: dict) -> list[str]
             'echo "not reproduced: the outputs are equal"',
             "exit 0",
         ]
+    if judge == "restore":
+        return _restore_verdict(case)
     if judge == "rounds-differ":
         out = [f'FIRST="$(tokens_of {subject[0]})"', 'echo "round 1: $FIRST"', "REPRODUCED=0"]
         for i, n in enumerate(subject[1:], start=2):
@@ -436,3 +512,39 @@ def _verdict(judge: str, targets: dict[str, list[str]], case: dict) -> list[str]
             "exit 0",
         ]
     return []
+
+
+def _restore_verdict(case: dict) -> list[str]:
+    """The failing turn's drafted and accepted counts after each restore against the uninterrupted round's: other
+    counts with the same tokens reproduce it; other tokens are a different failure (the target's state)."""
+    subject = next(leg for leg in case["legs"] if leg["role"] == SUBJECT)
+    served = [
+        (f"{SUBJECT}-{b}-{i}", r)
+        for b, batch in enumerate(subject["batches"])
+        for i, r in enumerate(batch.get("requests", []))
+        if r["key"] == case["key"]
+    ]
+    reference = next((n for n, r in served if r["kind"] not in RESTORE_ROUNDS), None)
+    restored = [(n, r) for n, r in served if r["kind"] in RESTORE_ROUNDS]
+    if reference is None or not restored:
+        return ['echo "the bundle has no uninterrupted and restored turn to compare"', "exit 2"]
+    out = [
+        f'EXPECTED="$(counts_of {reference})"; EXPECTED_TOKENS="$(tokens_of {reference})"',
+        'echo "uninterrupted: drafted / accepted $EXPECTED"',
+        "REPRODUCED=0; OTHER=''",
+    ]
+    for name, r in restored:
+        out += [
+            f'ACTUAL="$(counts_of {name})"',
+            f'echo "round {r["round"]} ({r["kind"]}): drafted / accepted $ACTUAL"',
+            f'if [ "$(tokens_of {name})" != "$EXPECTED_TOKENS" ]; then OTHER="$OTHER {r["round"]}"',
+            'elif [ "$ACTUAL" != "$EXPECTED" ]; then REPRODUCED=1; fi',
+        ]
+    return [
+        *out,
+        'if [ -n "$OTHER" ]; then different "the restored turn returned other tokens than the uninterrupted one '
+        '(round(s)$OTHER)"; fi',
+        'if [ $REPRODUCED = 1 ]; then reproduced "a restored turn drafted / accepted other counts, same output"; fi',
+        'echo "not reproduced: every restored turn drafted and accepted as the uninterrupted one"',
+        "exit 0",
+    ]
