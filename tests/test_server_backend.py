@@ -604,3 +604,31 @@ def test_llama_server_context_errors_read_as_context_full_and_others_do_not():
     )
     assert str(too_long).startswith("context_full: HTTP 400")
     assert not str(ServerError(500, "Invalid input batch.", "server_error")).startswith("context_full")
+
+
+def test_an_http_error_answer_looks_briefly_for_an_exit_and_a_dropped_connection_waits_the_crash_grace():
+    """A 5xx with llama-server's error body came from a live process (a `context_full` of a filled KV cache, a
+    failed task): a short look for an exit that raced it, not the dropped connection's grace, which every such
+    answer used to wait under the session's lock (kv-fill: most of a cell's time)."""
+    from harness.backends import server_backend
+    from harness.backends.client import KV_FULL_MESSAGE, ConnectionLost, ServerError
+
+    class Alive:
+        log_path = None
+
+        def __init__(self):
+            self.waited = []
+
+        def wait_exit(self, timeout):
+            self.waited.append(timeout)
+            return None
+
+    session = object.__new__(server_backend.ServerSession)
+    session._lock, session._stalls, session._killed = threading.Lock(), {}, {}
+    server = Alive()
+    answered = session._failed(server, ServerError(500, KV_FULL_MESSAGE), quicksort("C"))
+    dropped = session._failed(server, ConnectionLost("/completion: connection reset"), quicksort("C"))
+    assert server.waited == [server_backend.ANSWERED_GRACE_S, server_backend.CRASH_GRACE_S]
+    assert server_backend.ANSWERED_GRACE_S < 1 < server_backend.CRASH_GRACE_S
+    assert answered.stop_reason == dropped.stop_reason == "error"
+    assert answered.error.startswith("context_full: HTTP 500")

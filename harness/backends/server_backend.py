@@ -49,7 +49,12 @@ from harness.request import Request
 from harness.result import Result
 
 CRASH_GRACE_S = 5.0
-"""How long a dropped connection or 5xx may take to show up as a process exit."""
+"""How long a dropped connection may take to show up as a process exit."""
+ANSWERED_GRACE_S = 0.5
+"""How long an HTTP error answer (a 5xx with llama-server's error body) may take to show up as a process exit: the
+process was alive to write it (llama-server answers a failed task and goes on; an abort answers nothing), so this
+is only a short look for an exit that raced it. Every `context_full` answer of a filled KV cache waits this long,
+under the session's lock: 5 s each was most of a kv-fill cell's time."""
 LAUNCH_WAIT_S = 5.0
 """How long a request waits before its launch for other finished requests' slots to be saved (`_launch`)."""
 LAUNCH_POLL_S = 0.002
@@ -414,7 +419,8 @@ class ServerSession:
                 return Result(
                     stop_reason="error", error=f"cut off: llama-server was restarted because {self._killed[server]}"
                 )
-            if server.wait_exit(CRASH_GRACE_S) is None:
+            grace = ANSWERED_GRACE_S if isinstance(err, ServerError) else CRASH_GRACE_S
+            if server.wait_exit(grace) is None:
                 return Result(stop_reason="error", error=_explained(err, server))
             report = server.crash_report()
             self._restart(server)
