@@ -44,3 +44,9 @@ def default_repack() -> bool:
 def default_threads() -> int:
     """Half the cores (at least one): spin barriers make all-core decoding slow on a busy 2-core box."""
     return max(1, (os.cpu_count() or 2) // 2)
+
+
+NO_BACKTRACE = "GGML_NO_BACKTRACE"
+"""Set (to 1) in llama-server's and the engine worker's environment: on an abort ggml otherwise forks gdb to attach
+and print a backtrace (ggml_print_backtrace), which takes seconds where gdb is installed; under load longer than
+the stall window (a known GGML_ASSERT read as a timeout) or the crash grace. The reports use the abort line."""

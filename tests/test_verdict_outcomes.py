@@ -241,6 +241,9 @@ def test_a_llama_cpp_abort_at_start_up_is_a_no_crash_failure_with_its_abort_line
     assert "llama-server was killed by SIGABRT during start-up" in server["message"]
     run = json.loads((out / "run.json").read_text())
     assert all(c["status"] == "done" for c in run["cells"])  # served (and crashed): no cell error
+    # no gdb attached for a backtrace on the abort (GGML_NO_BACKTRACE: seconds where gdb is installed)
+    logs = [p for p in out.rglob("*.log") if "GGML_ASSERT" in p.read_text(errors="replace")]
+    assert len(logs) == 2 and not [p for p in logs if "gdb" in p.read_text(errors="replace")], logs
 
 
 class _AbortingRestart:

@@ -25,6 +25,7 @@ from harness.backends.build import require_executable
 from harness.backends.flags import fit_to_build, server_flags, server_version
 from harness.backends.process import ABORT_LINES, abort_line, crash_report, describe_exit
 from harness.errors import HarnessError, LlamaAbort
+from harness.llama_defaults import NO_BACKTRACE
 
 HOST = "127.0.0.1"
 STOP_GRACE_S = 5.0
@@ -160,6 +161,7 @@ class LlamaServer:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         cmd = self.command()
         env = {k: v for k, v in os.environ.items() if not k.startswith("LLAMA_ARG_")}  # flags only
+        env.setdefault(NO_BACKTRACE, "1")
         with open(self.log_path, "w") as log:
             log.write("$ " + " ".join(cmd) + "\n")
             log.flush()

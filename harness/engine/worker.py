@@ -26,6 +26,7 @@ from harness.engine.engine import Engine
 from harness.engine.logging import set_llama_verbose
 from harness.engine.speculative import SpecConfig
 from harness.errors import HarnessError
+from harness.llama_defaults import NO_BACKTRACE
 
 WORKER_IGNORES = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 """The signals a terminal or `kill -- -PGID` sends the whole process group, the worker included: the parent
@@ -52,6 +53,7 @@ def serve(conn, log_path: str, verbose: bool, progress) -> None:
     """The worker's main loop (the target of the child process); `progress`: see the module docstring."""
     for sig in WORKER_IGNORES:  # the parent's to handle (harness.interrupt); it stops the worker (SIGKILL)
         signal.signal(sig, signal.SIG_IGN)
+    os.environ.setdefault(NO_BACKTRACE, "1")  # read by ggml when it aborts
     log = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
     os.dup2(log, 1)
     os.dup2(log, 2)  # where llama.cpp prints `file:line: GGML_ASSERT(...) failed` and the backtrace
