@@ -146,6 +146,25 @@ def test_outside_seq_round_counters_are_compared_only_on_the_baseline_s_rounds(t
     assert not _same_rounds({**server, "spec_cycles": 20}, {"draft_n": 68, "draft_n_accepted": 53})
 
 
+def test_outside_seq_llama_server_s_checkpoint_counts_are_not_compared(tmp_path):
+    """llama-server fills its batch with the slots' tokens in turn, so outside seq where a prompt breaks (and so how
+    many prompt checkpoints it makes) depends on the other slots (small-batch par: 2 against 1, same output): its
+    checkpoint counters are not compared there (`rounds_not_compared`), in seq they are."""
+    root = tmp_path / "baselines"
+    shutil.copytree(default_root() / "quicksort", root / "quicksort")
+    path = root / "quicksort" / "Java--tiny-hybrid--server--cpu.json"
+    data = json.loads(path.read_text())
+    for key in ("par/none", "seq/none"):
+        row = data["work"][key][1]
+        row["ckpt_created"], row["ckpt_created_bytes"] = row["ckpt_created"] - 1, 0  # one prompt checkpoint less
+    path.write_text(json.dumps(data))
+    narrowing = {**CELL, "backends": ["server"], "modes": ["seq", "par"], "specs": ["none"]}
+    verdicts, _ = run(root=root, narrowing=narrowing)
+    java = {c.mode: r for _, k, c, r in verdicts if r.name == "work" and k == "Java"}
+    assert java["par"].passed and java["par"].evidence["rounds_not_compared"] >= 1
+    assert not java["seq"].passed and "ckpt_created" in java["seq"].message
+
+
 LOG = """\
 0.02.612.900 D que  process_new_: processing task, id = 1
 0.02.612.950 I slot      release: id  0 | task 0 | stop processing: n_tokens = 149, truncated = 0
