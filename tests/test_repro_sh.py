@@ -69,6 +69,7 @@ def _server(bundle: Path) -> str:
     raise AssertionError("no LLAMA_SERVER default in repro.sh")
 
 
+@pytest.mark.xdist_group("repro-sh-bundle")  # one bundle fixture for these tests
 def test_the_bundle_sends_the_batch_at_once_and_waits_for_its_requests_only(bundle):
     script = (bundle / "repro.sh").read_text()
     assert 'post subject-0-0 & REQS+=($!); post subject-0-1 & REQS+=($!); wait "${REQS[@]}"' in script
@@ -77,12 +78,14 @@ def test_the_bundle_sends_the_batch_at_once_and_waits_for_its_requests_only(bund
     assert "1 the failure reproduces" in head and "3 a different failure" in head and "0 it does not" in head
 
 
+@pytest.mark.xdist_group("repro-sh-bundle")  # one bundle fixture for these tests
 def test_repro_sh_reproduces_the_abort_on_the_build_with_the_defect(bundle, tmp_path):
     done = repro(bundle, tmp_path)
     assert done.returncode == 1, done.stdout + done.stderr
     assert "REPRODUCED: llama-server stopped answering" in done.stdout and ABORT in done.stdout
 
 
+@pytest.mark.xdist_group("repro-sh-bundle")  # one bundle fixture for these tests
 def test_repro_sh_ends_not_reproduced_where_the_defect_is_absent(bundle, tmp_path):
     """The maintainer's check of a fix: every request completes, the script must end (it hung before)."""
     server = tmp_path / "llama-server"
@@ -93,6 +96,7 @@ def test_repro_sh_ends_not_reproduced_where_the_defect_is_absent(bundle, tmp_pat
     assert "not reproduced: every request completed" in done.stdout
 
 
+@pytest.mark.xdist_group("repro-sh-bundle")  # one bundle fixture for these tests
 def test_a_timeout_where_the_run_crashed_is_a_different_failure(bundle, tmp_path):
     """llama-server keeps running and a request gets no answer in time: not the abort (it used to count as
     "REPRODUCED: llama-server stopped answering")."""
@@ -104,6 +108,7 @@ def test_a_timeout_where_the_run_crashed_is_a_different_failure(bundle, tmp_path
     assert "DIFFERENT FAILURE" in done.stdout and "got no answer within 0.01 s" in done.stdout
 
 
+@pytest.mark.xdist_group("repro-sh-bundle")  # one bundle fixture for these tests
 def test_the_issue_says_how_to_get_the_specharness_that_wrote_it(bundle):
     case = json.loads((bundle / "case.json").read_text())
     issue = (bundle / "ISSUE.md").read_text()
@@ -131,6 +136,7 @@ wait $pid
 """
 
 
+@pytest.mark.xdist_group("repro-sh-bundle")  # one bundle fixture for these tests
 def test_specharness_repro_tells_not_reproduced_and_a_different_failure_apart(bundle, tmp_path):
     run = bundle.parent / "run"
     fixed = tmp_path / "fixed"

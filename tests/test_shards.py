@@ -103,6 +103,10 @@ def test_pytest_shards_split_the_suite_items_without_overlap():
                 "no:cacheprovider",
                 "-n",
                 "0",
+                "-p",
+                "no:hypothesispytest",  # half of each collection's start-up; no suite item uses it
+                "-p",
+                "no:benchmark",
                 *extra,
             ],
             cwd=REPO,

@@ -18,6 +18,8 @@ from harness.cli import main
 from harness.report.diff import compare
 from harness.report.files import RunDir, speedups
 
+pytestmark = pytest.mark.xdist_group("speed-verdicts")  # the module's runs are made once, on one worker
+
 NARROW = ["--suite", "quicksort", "--model", "tiny-dense", "--mode", "seq", "--spec", "none,draft-simple"]
 
 
