@@ -17,6 +17,7 @@ from bisect_history import REGRESSION, builds_at
 
 ROOT = Path(__file__).resolve().parents[1]
 SEEDED_SUITE = ROOT / "tests" / "data" / "shrink-seeded.yaml"
+FAULT_SUITE = ROOT / "tests" / "data" / "shrink-fault.yaml"
 
 
 def specharness(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
@@ -48,12 +49,13 @@ def assert_small(summary: dict, case: dict) -> None:
 
 @pytest.fixture(scope="module")
 def fault_bundle(tmp_path_factory) -> Path:
-    """A run with an in-process fault (rejected drafts' attention cells kept after a checkpoint restore), shrunk."""
+    """A run with an in-process fault (rejected drafts' attention cells kept after a checkpoint restore), shrunk.
+    quicksort's C case narrowed (tests/data/shrink-fault.yaml): one case beside it, two rounds, 64 tokens."""
     tmp = tmp_path_factory.mktemp("shrink-fault")
     run = specharness(
         "run",
         "--suite",
-        "quicksort",
+        str(FAULT_SUITE),
         "--model",
         "tiny-hybrid",
         "--mode",
@@ -74,9 +76,11 @@ def fault_bundle(tmp_path_factory) -> Path:
     return tmp / "bundle"
 
 
+@pytest.mark.xdist_group("shrink-fault")  # one fault_bundle for both tests
 def test_shrink_of_an_in_process_fault_keeps_its_signature(fault_bundle):
     summary, case = shrunk(fault_bundle)
     assert summary["signature"] == "kv-healthy: duplicate cells" and summary["policy"] == "1 of 1"
+    assert summary["original"]["companions"] and len(summary["original"]["rounds"]) > 1  # each pass had work
     assert_small(summary, case)
     assert summary["final"]["n_predict"] < summary["original"]["n_predict"]
     assert summary["final"]["companions"] == [] and len(summary["final"]["rounds"]) == 1
@@ -88,6 +92,7 @@ def test_shrink_of_an_in_process_fault_keeps_its_signature(fault_bundle):
     )
 
 
+@pytest.mark.xdist_group("shrink-fault")
 def test_repro_py_fails_with_the_fault_and_passes_without(fault_bundle):
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     faulty = subprocess.run(
@@ -131,6 +136,8 @@ def test_shrink_of_a_failing_chat_turn_drops_the_other_turns_then_shrinks_it_as_
         "sorts.turn3",
         "--check",
         "kv-healthy",
+        "--tries",
+        "1",  # deterministic (the fault): the 3 runs of the 4 chats that would tell are the fault test's
         "--out",
         str(tmp_path / "bundle"),
     )
@@ -166,6 +173,8 @@ def seeded(tmp_path_factory):
         "Python",
         "--check",
         "lossless",
+        "--tries",
+        "1",  # a deterministic defect (greedy, seq): no runs of the original case to tell it
         "--out",
         str(tmp / "bundle"),
     )
