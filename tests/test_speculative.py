@@ -45,6 +45,25 @@ def assert_lossless(reference, results):
 
 
 @pytest.fixture(scope="module")
+def shared():
+    """Runs that several tests read (the same model, requests, mode and config), by key: each runs once per module
+    (per xdist worker) and every test that needs it reads it."""
+    return {}
+
+
+def once(shared, key, make):
+    if key not in shared:
+        shared[key] = make()
+    return shared[key]
+
+
+def draft_model_spec(name, fault=None):
+    return SpecConfig(
+        spec_type=("draft-simple",), spec_draft_model=resolve(f"{name}-draft").path, spec_draft_n_max=4, fault=fault
+    )
+
+
+@pytest.fixture(scope="module")
 def greedy_reference(tiny_models):
     """The non-speculative greedy output of each quicksort prompt, per arch (the same in every mode)."""
     return {name: solo(tiny_models[name], [quicksort(lang) for lang in LANGS]) for name in ARCHS}
@@ -76,9 +95,11 @@ def test_scripted_drafts_with_planted_rejections_are_lossless(tiny_models, greed
 
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("name", ARCHS)
-def test_draft_model_speculation_is_lossless(tiny_models, greedy_reference, name, mode):
-    spec = SpecConfig(spec_type=("draft-simple",), spec_draft_model=resolve(f"{name}-draft").path, spec_draft_n_max=4)
-    results = run(tiny_models[name], [quicksort(lang) for lang in LANGS], mode, spec)
+def test_draft_model_speculation_is_lossless(tiny_models, greedy_reference, shared, name, mode):
+    requests = [quicksort(lang) for lang in LANGS]
+    results = once(
+        shared, ("draft-simple", name, mode), lambda: run(tiny_models[name], requests, mode, draft_model_spec(name))
+    )
     assert_lossless(greedy_reference[name], results)
     t = totals(results)
     assert t["draft_n_accepted"] > 0 and t["draft_n"] > t["draft_n_accepted"], t
@@ -155,9 +176,9 @@ def valid_json(text):
 
 
 @pytest.mark.parametrize("fault, expect_intact", [(None, True), ("no-sampler-restore", False)])
-def test_json_schema_under_forced_rejections(tiny_models, fault, expect_intact):
+def test_json_schema_under_forced_rejections(tiny_models, shared, fault, expect_intact):
     model = tiny_models["tiny-hybrid"]
-    reference = solo(model, [json_request()])[0]
+    reference = once(shared, "json-reference", lambda: solo(model, [json_request()])[0])
     assert valid_json(reference.text), reference.text
     outcomes = []
     for i in range(20):
@@ -220,9 +241,9 @@ def test_keep_drafts_on_decode_failure_fault_breaks_the_next_decode(tiny_models)
         ("partial-checkpoint-only", "tiny-hybrid"),
     ],
 )
-def test_rollback_faults_change_the_output(tiny_models, fault, name):
+def test_rollback_faults_change_the_output(tiny_models, shared, fault, name):
     model = tiny_models[name]
-    reference = solo(model, [quicksort("C", n_predict=128)])[0]
+    reference = once(shared, ("C-128", name), lambda: solo(model, [quicksort("C", n_predict=128)])[0])
     spec = SpecConfig(drafters=[Scripted(reference.tokens, wrong_at=lambda s, j, k: k == 1)], fault=fault)
     faulty = run(model, [quicksort("C", n_predict=128)], spec=spec)[0]
     assert not faulty.ok or faulty.tokens != reference.tokens
@@ -248,12 +269,17 @@ def loop_reference():
     return {name: solo(resolve(f"{name}-loop"), [quicksort(lang, n_predict=128) for lang in LANGS]) for name in ARCHS}
 
 
+def ngram_run(spec_type, name, mode, fault=None):
+    """The quicksort prompts (128 tokens) on the `-loop` model with one n-gram type."""
+    spec = SpecConfig(spec_type=(spec_type,), **SMALL_NGRAMS, fault=fault)
+    return run(resolve(f"{name}-loop"), [quicksort(lang, n_predict=128) for lang in LANGS], mode, spec)
+
+
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("name", ARCHS)
 @pytest.mark.parametrize("spec_type", NGRAM_TYPES)
-def test_ngram_speculation_is_lossless(loop_reference, spec_type, name, mode):
-    spec = SpecConfig(spec_type=(spec_type,), **SMALL_NGRAMS)
-    results = run(resolve(f"{name}-loop"), [quicksort(lang, n_predict=128) for lang in LANGS], mode, spec)
+def test_ngram_speculation_is_lossless(loop_reference, shared, spec_type, name, mode):
+    results = once(shared, (spec_type, name, mode), lambda: ngram_run(spec_type, name, mode))
     assert_lossless(loop_reference[name], results)
     t = totals(results)
     assert t["draft_n_accepted"] > 0 and t["draft_n"] > t["draft_n_accepted"], t
@@ -301,33 +327,32 @@ def test_per_position_counters_add_up_to_the_drafted_and_accepted_totals(tiny_mo
 
 
 @pytest.mark.parametrize("name", ARCHS)
-def test_stale_draft_context_fault_stays_lossless_and_lowers_acceptance(tiny_models, greedy_reference, name):
+def test_stale_draft_context_fault_stays_lossless_and_lowers_acceptance(tiny_models, greedy_reference, shared, name):
     """The draft context keeps its rejected tokens: the target never sees it (output unchanged), the drafts do."""
 
-    def spec(fault):
-        return SpecConfig(
-            spec_type=("draft-simple",), spec_draft_model=resolve(f"{name}-draft").path, spec_draft_n_max=4, fault=fault
-        )
-
     requests = [quicksort(lang) for lang in LANGS]
-    clean = run(tiny_models[name], requests, spec=spec(None))
-    stale = run(tiny_models[name], requests, spec=spec("stale-draft-context"))
+    clean = once(
+        shared, ("draft-simple", name, "seq"), lambda: run(tiny_models[name], requests, spec=draft_model_spec(name))
+    )
+    stale = run(tiny_models[name], requests, spec=draft_model_spec(name, "stale-draft-context"))
     assert_lossless(greedy_reference[name], stale)
     assert rate(stale) < rate(clean) - 0.05, (rate(clean), rate(stale))
 
 
-def test_shared_drafter_state_fault_lowers_acceptance_in_par_only(loop_reference):
+def test_shared_drafter_state_fault_lowers_acceptance_in_par_only(loop_reference, shared):
     """n-gram drafters keyed by slot 0 for every slot: seq (one slot) is untouched; in par the other slots'
     drafts come from slot 0's n-gram map (output unchanged, acceptance lower)."""
-    model = resolve("tiny-dense-loop")
-    requests = [quicksort(lang, n_predict=128) for lang in LANGS]
 
-    def spec(fault):
-        return SpecConfig(spec_type=("ngram-map-k",), **SMALL_NGRAMS, fault=fault)
+    def runs(mode):  # the clean run is test_ngram_speculation_is_lossless's (the same requests and config)
+        clean = once(shared, ("ngram-map-k", "tiny-dense", mode), lambda: ngram_run("ngram-map-k", "tiny-dense", mode))
+        return {
+            None: clean,
+            "shared-drafter-state": ngram_run("ngram-map-k", "tiny-dense", mode, "shared-drafter-state"),
+        }
 
-    seq = {f: run(model, requests, "seq", spec(f)) for f in (None, "shared-drafter-state")}
+    seq = runs("seq")
     assert totals(seq[None]) == totals(seq["shared-drafter-state"])
-    par = {f: run(model, requests, "par", spec(f)) for f in (None, "shared-drafter-state")}
+    par = runs("par")
     assert_lossless(loop_reference["tiny-dense"], par["shared-drafter-state"])
     share = {f: [r.spec_stats["draft_n_accepted"] / len(r.tokens) for r in par[f]] for f in par}
     assert max(a - b for a, b in zip(share[None], share["shared-drafter-state"], strict=False)) > 0.2, share

@@ -20,9 +20,21 @@ CELL = {"models": ["tiny-hybrid"], "modes": ["seq"], "specs": ["draft-simple"], 
 """A hybrid target (rollback by checkpoint) drafted by a draft model: every counter moves but partial rollbacks."""
 
 
-def run(fault=None, root=None, update=False, narrowing=None):
+def executor_for(fault=None):
     require_model("tiny-hybrid")
-    executor = Executor(ExecOptions(backends=backend_factories(), engine={"fault": fault}, kv_scan="request"))
+    return Executor(ExecOptions(backends=backend_factories(), engine={"fault": fault}, kv_scan="request"))
+
+
+@pytest.fixture(scope="module")
+def clean():
+    """The fault-free executor of this module: it runs each cell on first use and remembers it, so the tests that
+    judge the same clean cell against baselines of their own (edited copies) run it once and judge it each time."""
+    return executor_for()
+
+
+def run(executor, root=None, update=False, narrowing=None):
+    """Judge the quicksort cells of `narrowing` (CELL by default) run by `executor` against the baselines under
+    `root` (the committed ones by default)."""
     store = BaselineStore(root or default_root(), update=update)
     verdicts = run_suites([(load_suite("quicksort"), narrowing or CELL)], executor, store)
     return verdicts, executor
@@ -41,11 +53,11 @@ def test_work_round_trips_and_counts_none_apart_from_zero():
     assert set(w.to_dict()) == set(WORK_COUNTERS)
 
 
-def test_the_engine_counts_every_request_s_work_and_a_clean_run_passes_work():
-    verdicts, executor = run()
+def test_the_engine_counts_every_request_s_work_and_a_clean_run_passes_work(clean):
+    verdicts, executor = run(clean)
     work = by_check(verdicts, "work")
     assert work and all(r.passed and r.not_run is None for r in work), [r.message for r in work]
-    for cell in executor.runs():
+    for cell in [c for c in executor.runs() if (c.cell.backend, c.cell.mode) == ("inproc", "seq")]:  # CELL's
         for o in cell.outcomes:
             w = o.result.work
             assert w.prompt_read == len(o.result.prompt_tokens) and w.prompt_reused == 0
@@ -59,7 +71,7 @@ def test_the_engine_counts_every_request_s_work_and_a_clean_run_passes_work():
 
 
 def test_full_checkpoint_fails_work_naming_the_bytes_and_nothing_else():
-    verdicts, _ = run("full-checkpoint")
+    verdicts, _ = run(executor_for("full-checkpoint"))
     failing = {r.name for _, _, _, r in verdicts if not r.passed}
     assert failing == {"work"}, [(r.name, r.message) for _, _, _, r in verdicts if not r.passed]
     failed = [r for r in by_check(verdicts, "work") if not r.passed]
@@ -68,26 +80,26 @@ def test_full_checkpoint_fails_work_naming_the_bytes_and_nothing_else():
     assert all(r.is_verdict for _, _, _, r in verdicts if r.name != "work" and r.not_run is None)
 
 
-def test_a_baseline_without_work_is_not_run_and_update_records_it(tmp_path):
+def test_a_baseline_without_work_is_not_run_and_update_records_it(tmp_path, clean):
     root = tmp_path / "baselines"
     shutil.copytree(default_root() / "quicksort", root / "quicksort")
     for path in (root / "quicksort").glob("*--tiny-hybrid--inproc--cpu.json"):
         data = json.loads(path.read_text())
         data.pop("work", None)
         path.write_text(json.dumps(data))
-    verdicts, _ = run(root=root)
+    verdicts, _ = run(clean, root=root)
     work = by_check(verdicts, "work")
     assert work and all(r.not_run and "no work in the baseline" in r.not_run for r in work)
     assert all("--update-baselines" in r.not_run for r in work)
-    run(root=root, update=True)
+    run(clean, root=root, update=True)
     stored = json.loads((root / "quicksort" / "C--tiny-hybrid--inproc--cpu.json").read_text())["work"]
     assert stored["seq/draft-simple"][0]["ckpt_created"] > 0 and "output" in stored["seq/draft-simple"][0]
-    verdicts, _ = run(root=root)
+    verdicts, _ = run(clean, root=root)
     assert all(r.passed and r.not_run is None for r in by_check(verdicts, "work"))
 
 
 @pytest.mark.parametrize("key", ["no-kv-unified/none"])
-def test_more_work_than_the_baseline_fails_naming_counter_and_request(tmp_path, key):
+def test_more_work_than_the_baseline_fails_naming_counter_and_request(tmp_path, clean, key):
     root = tmp_path / "baselines"
     shutil.copytree(default_root() / "quicksort", root / "quicksort")
     path = root / "quicksort" / "Java--tiny-hybrid--inproc--cpu.json"
@@ -95,13 +107,13 @@ def test_more_work_than_the_baseline_fails_naming_counter_and_request(tmp_path, 
     data["work"][key][1]["prompt_read"] -= 1  # the baseline's round 1 read one prompt token less
     path.write_text(json.dumps(data))
     mode = key.split("/")[0]
-    verdicts, _ = run(root=root, narrowing={**CELL, "modes": [mode], "specs": ["none"]})
+    verdicts, _ = run(clean, root=root, narrowing={**CELL, "modes": [mode], "specs": ["none"]})
     failed = [(k, r) for _, k, _, r in verdicts if r.name == "work" and not r.passed]
     assert [k for k, _ in failed] == ["Java"]
     assert "prompt_read" in failed[0][1].message and "Java round 1" in failed[0][1].message
 
 
-def test_outside_seq_a_request_that_met_another_prompt_cache_is_not_compared(tmp_path):
+def test_outside_seq_a_request_that_met_another_prompt_cache_is_not_compared(tmp_path, clean):
     """llama-server lends a par request any slot, whose cache may hold its prompt: such a request's counts are chance
     (measured on Gemma and tiny-hybrid); in seq they are not, and a prompt read again fails there."""
     root = tmp_path / "baselines"
@@ -112,13 +124,13 @@ def test_outside_seq_a_request_that_met_another_prompt_cache_is_not_compared(tmp
         row = data["work"][key][1]
         row["prompt_read"], row["prompt_reused"] = row["prompt_read"] - 18, 18  # the baseline met a cached prompt
     path.write_text(json.dumps(data))
-    verdicts, _ = run(root=root, narrowing={**CELL, "modes": ["seq", "par"], "specs": ["none"]})
+    verdicts, _ = run(clean, root=root, narrowing={**CELL, "modes": ["seq", "par"], "specs": ["none"]})
     java = {c.mode: r for _, k, c, r in verdicts if r.name == "work" and k == "Java"}
     assert java["par"].passed and java["par"].evidence["not_compared"] == 1
     assert not java["seq"].passed and "prompt_read" in java["seq"].message
 
 
-def test_outside_seq_round_counters_are_compared_only_on_the_baseline_s_rounds(tmp_path):
+def test_outside_seq_round_counters_are_compared_only_on_the_baseline_s_rounds(tmp_path, clean):
     """In par the split of the drafts into rounds may vary (llama-server: the same 68 drafts with 2, 3 and 4 partial
     rollbacks): a request's checkpoints and rollbacks are compared only when its rounds are known to be the
     baseline's (the engine reports them, `spec_cycles`), else not, counted as `rounds_not_compared`."""
@@ -131,12 +143,12 @@ def test_outside_seq_round_counters_are_compared_only_on_the_baseline_s_rounds(t
     data["work"]["par/draft-simple"][1]["ckpt_created"] -= 1  # the baseline's round 1 created one checkpoint less
     path.write_text(json.dumps(data))
     narrowing = {**CELL, "modes": ["par"]}
-    verdicts, _ = run(root=root, narrowing=narrowing)
+    verdicts, _ = run(clean, root=root, narrowing=narrowing)
     (java,) = [r for _, k, _, r in verdicts if r.name == "work" and k == "Java"]
     assert not java.passed and "ckpt_created" in java.message and "Java round 1" in java.message
     data["work"]["par/draft-simple"][1]["rounds"] = 10**6  # rounds other than this run's: not comparable
     path.write_text(json.dumps(data))
-    verdicts, _ = run(root=root, narrowing=narrowing)
+    verdicts, _ = run(clean, root=root, narrowing=narrowing)
     (java,) = [r for _, k, _, r in verdicts if r.name == "work" and k == "Java"]
     assert java.passed and java.evidence["rounds_not_compared"] == 1
     server = {"draft_n": 68, "draft_n_accepted": 54}  # llama-server's /completion reports no rounds
@@ -146,7 +158,7 @@ def test_outside_seq_round_counters_are_compared_only_on_the_baseline_s_rounds(t
     assert not _same_rounds({**server, "spec_cycles": 20}, {"draft_n": 68, "draft_n_accepted": 53})
 
 
-def test_outside_seq_llama_server_s_checkpoint_counts_are_not_compared(tmp_path):
+def test_outside_seq_llama_server_s_checkpoint_counts_are_not_compared(tmp_path, clean):
     """llama-server fills its batch with the slots' tokens in turn, so outside seq where a prompt breaks (and so how
     many prompt checkpoints it makes) depends on the other slots (small-batch par: 2 against 1, same output): its
     checkpoint counters are not compared there (`rounds_not_compared`), in seq they are."""
@@ -159,7 +171,7 @@ def test_outside_seq_llama_server_s_checkpoint_counts_are_not_compared(tmp_path)
         row["ckpt_created"], row["ckpt_created_bytes"] = row["ckpt_created"] - 1, 0  # one prompt checkpoint less
     path.write_text(json.dumps(data))
     narrowing = {**CELL, "backends": ["server"], "modes": ["seq", "par"], "specs": ["none"]}
-    verdicts, _ = run(root=root, narrowing=narrowing)
+    verdicts, _ = run(clean, root=root, narrowing=narrowing)
     java = {c.mode: r for _, k, c, r in verdicts if r.name == "work" and k == "Java"}
     assert java["par"].passed and java["par"].evidence["rounds_not_compared"] >= 1
     assert not java["seq"].passed and "ckpt_created" in java["seq"].message
@@ -208,8 +220,8 @@ def test_a_server_request_s_work_comes_from_its_timings_and_its_own_task_s_lines
     assert quiet.ckpt_created is None and quiet.prompt_read == 4
 
 
-def test_llama_server_requests_count_their_checkpoints_and_pass_work():
-    verdicts, executor = run(narrowing={**CELL, "backends": ["server"]})
+def test_llama_server_requests_count_their_checkpoints_and_pass_work(clean):
+    verdicts, executor = run(clean, narrowing={**CELL, "backends": ["server"]})
     assert all(r.passed and r.not_run is None for r in by_check(verdicts, "work"))
     (cell,) = [c for c in executor.runs() if c.cell.spec == "draft-simple" and c.cell.backend == "server"]
     for o in cell.outcomes:
