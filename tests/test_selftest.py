@@ -5,7 +5,8 @@ item per row of the matrix (the rows are independent runs of the plan), so pytes
 import pytest
 
 from harness.engine.faults import FAULTS
-from harness.selftest import EXPECTED, FAULT_PLAN, PLAN, run_plan
+from harness.matrix import cells
+from harness.selftest import EXPECTED, FAULT_PLAN, PLAN, ROUNDS, load_parts, run_plan
 from harness.suites import load_suite
 
 DUPLICATES = "kv-healthy: duplicate cells"
@@ -33,25 +34,53 @@ DISTINCT = {  # the failure signatures each fault shows on the plan (harness.sig
     # a stale recurrent state: a hard divergence where the logits before it still agree, drift where they do not
     "stale-partial-rollback": ["lossless: hard divergence", "lossless: drift divergence"],
 }
-OWN_PART_ONLY = {"mtp-wrong-row", "stale-partial-rollback"}
-"""Faults only draft-mtp reaches (its drafter, its partial rollback): the selftest plan's cells run none of it, so
-their test runs their own part alone (the plan's cells are those of the clean row)."""
+OWN_PART_ONLY = {
+    "mtp-wrong-row": "draft-mtp",
+    "stale-partial-rollback": "draft-mtp",
+    "shared-drafter-state": "ngram-map-k",
+    "ngram-cache-kept-across-requests": "ngram-cache",
+}
+"""Faults only one drafter reaches (draft-mtp's drafter and its partial rollback; the fault switches of ngram-map-k /
+-k4v and ngram-cache are read by those drafters alone, harness/engine/speculative.py): the selftest plan's cells run
+none of them, so with the fault on they serve what the clean row serves, and the fault's test runs its own part
+alone (the plan's cells are those of the clean row)."""
 
 
 def test_every_fault_has_its_expected_evidence():
     assert set(EXPECTED) == set(FAULTS) == set(DISTINCT)
 
 
-def test_the_plan_runs_no_draft_mtp():
-    """What lets the draft-mtp faults' tests skip the plan: none of its cells drafts with draft-mtp (the only type
-    whose rollback is `partial` by default)."""
-    assert OWN_PART_ONLY <= set(FAULT_PLAN)
-    assert not [only for _, only in PLAN if any("draft-mtp" in spec for spec in only["specs"])]
+def test_the_plan_runs_none_of_the_drafters_whose_faults_skip_it():
+    """What lets these faults' tests skip the plan: none of its cells drafts with draft-mtp (the only type whose
+    rollback is `partial` by default), ngram-map-k / -k4v or ngram-cache, and each fault's own part does."""
+    assert set(OWN_PART_ONLY) <= set(FAULT_PLAN)
+    specs = [spec for _, only in PLAN for spec in only["specs"]]
+    assert not [spec for spec in specs for drafter in OWN_PART_ONLY.values() if drafter in spec]
+    for fault, drafter in OWN_PART_ONLY.items():
+        assert [only for _, only in FAULT_PLAN[fault] if any(drafter in spec for spec in only["specs"])]
+
+
+def test_the_plan_serves_one_seq_round_and_shared_drafter_state_its_par_round():
+    """The selftest serves quicksort and sampling one `seq` round (`ROUNDS`), `shared-drafter-state`'s part the par
+    round it is caught in: each a prefix of the suite's `run_order`, so round r is sent as the baselines' stored
+    round r, and each cell (and the cell without speculation it is compared with) one way in the whole plan (the
+    executor serves a cell of a suite once)."""
+    parts = PLAN + [part for fault_parts in FAULT_PLAN.values() for part in fault_parts]
+    served = {}
+    for (name, _), (suite, only) in zip(parts, load_parts(parts), strict=True):
+        full = load_suite(name).rounds
+        assert suite.rounds == full[: len(suite.rounds)], (name, suite.rounds, full)
+        assert "run_order" not in only
+        for cell in cells(suite.matrix, only):
+            for c in (cell, cell.reference(spec="none")):
+                assert served.setdefault((name, c), suite.rounds) == suite.rounds, (name, c.id)
+    assert [suite.rounds for suite, _ in load_parts(PLAN) if suite.name in ROUNDS] == [["seq"], ["seq"]]
+    assert "par" in load_parts(FAULT_PLAN["shared-drafter-state"])[0][0].rounds
 
 
 @pytest.mark.parametrize("fault", list(FAULTS))
 def test_the_fault_is_caught_by_its_expected_check_and_evidence(fault):
-    own = [(load_suite(name), only) for name, only in FAULT_PLAN[fault]] if fault in OWN_PART_ONLY else None
+    own = load_parts(FAULT_PLAN[fault]) if fault in OWN_PART_ONLY else None
     row = run_plan(fault, own)
     assert not row.harness_errors, row.harness_errors
     caught = {name for name, n in row.caught.items() if n}
@@ -59,7 +88,7 @@ def test_the_fault_is_caught_by_its_expected_check_and_evidence(fault):
     assert row.distinct == DISTINCT[fault]
     if fault in ("skip-seq-rm-after-restore", "stale-draft-context"):  # the scan itself, not only a consequence
         assert row.caught["kv-healthy"] > 0
-    if fault in OWN_PART_ONLY:  # its own part: the seq draft-mtp cell of the hybrid with an MTP head
+    if OWN_PART_ONLY.get(fault) == "draft-mtp":  # its own part: the seq draft-mtp cell of the MTP hybrid
         assert row.failing_cells == {"seq-draft-mtp-tiny-hybrid-mtp-inproc"}, row.failing_cells
     if fault == "shared-drafter-state":  # one slot has no other slot to share with
         assert not [c for c in row.failing_cells if c.startswith("seq-")], row.failing_cells
