@@ -87,8 +87,14 @@ def test_without_its_known_failure_entry_the_abort_fails_the_run(tmp_path, monke
     assert {(c["spec"], c["check"]) for c in failed} == {("draft-simple", "no-crash")}
 
 
+@pytest.mark.stress
 @pytest.mark.parametrize("backend", ["inproc"])  # the server's calibration runs the same code (measured by hand)
-def test_a_re_measurement_stays_within_the_committed_tolerances(backend, tiny_models):
+def test_a_re_measurement_stays_within_the_committed_tolerances(backend, tiny_models, request):
+    """A whole calibration of tiny-dense again (21 variants over every suite's tiny-model prompts: 131 s on an idle
+    2-core machine, the longest item): it runs in CI's stress pass (`.ci/run`: `pytest -m stress --stress N`), where
+    busy cores change no logit (the engine's threads split the work by index), so the warm `pytest` stays in budget."""
+    if request.config.getoption("--stress") == 0:
+        pytest.skip("a whole calibration re-measured (131 s): `pytest -m stress --stress N` (.ci/run's second pass)")
     committed = json.loads(calibration_path("tiny-dense", backend, "cpu").read_text())
     again = calibrate("tiny-dense", backend, repeats=1)
     assert within_spread(again, committed) == []
