@@ -98,12 +98,18 @@ def test_a_baseline_without_work_is_not_run_and_update_records_it(tmp_path, clea
     assert all(r.passed and r.not_run is None for r in by_check(verdicts, "work"))
 
 
-@pytest.mark.parametrize("key", ["no-kv-unified/none"])
-def test_more_work_than_the_baseline_fails_naming_counter_and_request(tmp_path, clean, key):
+def java_baseline(tmp_path, backend="inproc"):
+    """A copy of quicksort's baselines under tmp_path: (its root, the Java tiny-hybrid file of `backend`, its data),
+    for a test to edit and judge a run against."""
     root = tmp_path / "baselines"
     shutil.copytree(default_root() / "quicksort", root / "quicksort")
-    path = root / "quicksort" / "Java--tiny-hybrid--inproc--cpu.json"
-    data = json.loads(path.read_text())
+    path = root / "quicksort" / f"Java--tiny-hybrid--{backend}--cpu.json"
+    return root, path, json.loads(path.read_text())
+
+
+@pytest.mark.parametrize("key", ["no-kv-unified/none"])
+def test_more_work_than_the_baseline_fails_naming_counter_and_request(tmp_path, clean, key):
+    root, path, data = java_baseline(tmp_path)
     data["work"][key][1]["prompt_read"] -= 1  # the baseline's round 1 read one prompt token less
     path.write_text(json.dumps(data))
     mode = key.split("/")[0]
@@ -116,10 +122,7 @@ def test_more_work_than_the_baseline_fails_naming_counter_and_request(tmp_path, 
 def test_outside_seq_a_request_that_met_another_prompt_cache_is_not_compared(tmp_path, clean):
     """llama-server lends a par request any slot, whose cache may hold its prompt: such a request's counts are chance
     (measured on Gemma and tiny-hybrid); in seq they are not, and a prompt read again fails there."""
-    root = tmp_path / "baselines"
-    shutil.copytree(default_root() / "quicksort", root / "quicksort")
-    path = root / "quicksort" / "Java--tiny-hybrid--inproc--cpu.json"
-    data = json.loads(path.read_text())
+    root, path, data = java_baseline(tmp_path)
     for key in ("par/none", "seq/none"):
         row = data["work"][key][1]
         row["prompt_read"], row["prompt_reused"] = row["prompt_read"] - 18, 18  # the baseline met a cached prompt
@@ -136,10 +139,7 @@ def test_outside_seq_round_counters_are_compared_only_on_the_baseline_s_rounds(t
     baseline's (the engine reports them, `spec_cycles`), else not, counted as `rounds_not_compared`."""
     from harness.checks.work import _same_rounds
 
-    root = tmp_path / "baselines"
-    shutil.copytree(default_root() / "quicksort", root / "quicksort")
-    path = root / "quicksort" / "Java--tiny-hybrid--inproc--cpu.json"
-    data = json.loads(path.read_text())
+    root, path, data = java_baseline(tmp_path)
     data["work"]["par/draft-simple"][1]["ckpt_created"] -= 1  # the baseline's round 1 created one checkpoint less
     path.write_text(json.dumps(data))
     narrowing = {**CELL, "modes": ["par"]}
@@ -162,10 +162,7 @@ def test_outside_seq_llama_server_s_checkpoint_counts_are_not_compared(tmp_path,
     """llama-server fills its batch with the slots' tokens in turn, so outside seq where a prompt breaks (and so how
     many prompt checkpoints it makes) depends on the other slots (small-batch par: 2 against 1, same output): its
     checkpoint counters are not compared there (`rounds_not_compared`), in seq they are."""
-    root = tmp_path / "baselines"
-    shutil.copytree(default_root() / "quicksort", root / "quicksort")
-    path = root / "quicksort" / "Java--tiny-hybrid--server--cpu.json"
-    data = json.loads(path.read_text())
+    root, path, data = java_baseline(tmp_path, backend="server")
     for key in ("par/none", "seq/none"):
         row = data["work"][key][1]
         row["ckpt_created"], row["ckpt_created_bytes"] = row["ckpt_created"] - 1, 0  # one prompt checkpoint less
