@@ -18,6 +18,7 @@ from bisect_history import REGRESSION, builds_at
 ROOT = Path(__file__).resolve().parents[1]
 SEEDED_SUITE = ROOT / "tests" / "data" / "shrink-seeded.yaml"
 FAULT_SUITE = ROOT / "tests" / "data" / "shrink-fault.yaml"
+CHAT_SUITE = ROOT / "tests" / "data" / "shrink-chat.yaml"
 
 
 def specharness(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
@@ -111,13 +112,14 @@ def test_repro_py_fails_with_the_fault_and_passes_without(fault_bundle):
 
 
 def test_shrink_of_a_failing_chat_turn_drops_the_other_turns_then_shrinks_it_as_a_prompt(tmp_path):
-    """A real chat failure: kv-fill's concurrent chats with the draft context not rolled back, its third turn
-    judged by kv-healthy. The shrink drops the chats in flight beside it, then the earlier turns, then sends the
-    failing turn as one prompt of token ids and cuts that, keeping the signature at every step."""
+    """A real chat failure: four concurrent chats on a small KV cache (tests/data/shrink-chat.yaml, kv-fill as it
+    was) with the draft context not rolled back, the third turn of one judged by kv-healthy. The shrink drops the
+    chats in flight beside it, then the earlier turns, then sends the failing turn as one prompt of token ids and
+    cuts that, keeping the signature at every step."""
     run = specharness(
         "run",
         "--suite",
-        "kv-fill",
+        str(CHAT_SUITE),
         "--model",
         "tiny-dense",
         "--backend",
