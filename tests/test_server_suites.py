@@ -7,9 +7,10 @@ from harness.cli import main
 
 
 def test_quicksort_and_kv_fill_on_llama_server(tmp_path, tiny_models):
-    # the tiny models' quicksort block on the server (Gemma's server cells are suite items already)
+    # the tiny models' quicksort block on the server (Gemma's server cells are suite items already), in seq and par:
+    # no-kv-unified on llama-server is the sampling suite's (the tiny models, none and draft-simple, both backends)
     models = [arg for name in tiny_models for arg in ("--model", name)]
-    runs = {"quicksort": ["--suite", "quicksort", *models], "kv-fill": ["--suite", "kv-fill"]}
+    runs = {"quicksort": ["--suite", "quicksort", *models, "--mode", "seq,par"], "kv-fill": ["--suite", "kv-fill"]}
     checks, records = [], []
     for name, args in runs.items():
         out = tmp_path / name

@@ -31,7 +31,7 @@ def test_seeded_rollback_bug_in_llama_server_fails_and_no_divergence_is_a_near_t
     argv = [
         "run",
         "--suite",
-        "quicksort",
+        "quicksort" if model == "tiny-hybrid" else str(Path(__file__).parent / "data" / "seeded-gemma.yaml"),
         "--backend",
         "server",
         "--mode",
