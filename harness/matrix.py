@@ -238,7 +238,7 @@ def shard(jobs: list[tuple], part: Shard, cost=estimated_cost) -> list[tuple]:
     groups: dict[tuple, list[tuple]] = {}
     for suite, cell in jobs:
         groups.setdefault((suite.name, cell.backend, cell.model), []).append((suite, cell))
-    units = [(sum(cost(s, c) for s, c in members), key, members) for key, members in groups.items()]
+    units = [(_cost_of(_executes(members), cost), key, members) for key, members in groups.items()]
     share = sum(u[0] for u in units) / part.count
 
     def too_big() -> bool:
@@ -249,27 +249,32 @@ def shard(jobs: list[tuple], part: Shard, cost=estimated_cost) -> list[tuple]:
         units.sort(key=lambda u: (len(u[2]) > 1, u[0], u[1]))
         _, key, members = units.pop()
         for suite, cell in members:
-            refs = {cell.reference(spec="none"), cell.reference(mode="seq"), cell.reference(mode="seq", spec="none")}
-            units.append((sum(cost(suite, c) for c in refs | {cell}), (*key, cell.mode, cell.spec), [(suite, cell)]))
+            units.append((_cost_of(_executes([(suite, cell)]), cost), (*key, cell.mode, cell.spec), [(suite, cell)]))
     load = [0.0] * part.count
     held: list[set] = [set() for _ in range(part.count)]  # (suite, cell) each shard executes, references too
     mine = set()
     for _, _key, members in sorted(units, key=lambda u: (-u[0], u[1])):
-        needs = {
-            (s.name, ref): s
-            for s, c in members
-            for ref in (
-                {c}
-                if len(members) > 1
-                else {c, c.reference(spec="none"), c.reference(mode="seq"), c.reference(mode="seq", spec="none")}
-            )
-        }
-        extra = [
-            sum(cost(s, c) for (name, c), s in needs.items() if (name, c) not in held[i]) for i in range(part.count)
-        ]
+        needs = _executes(members)
+        extra = [_cost_of({k: s for k, s in needs.items() if k not in held[i]}, cost) for i in range(part.count)]
         target = min(range(part.count), key=lambda i: (load[i] + extra[i], i))
         load[target] += extra[target]
         held[target].update(needs)
         if target == part.index - 1:
             mine.update((s.name, c) for s, c in members)
     return [(s, c) for s, c in jobs if (s.name, c) in mine]
+
+
+def _executes(members: list[tuple]) -> dict[tuple, object]:
+    """(suite name, cell) → suite of what a shard unit executes: a whole group its own cells (they hold each
+    other's references); a lone cell also the cells it compares with, run on demand (lossless with spec `none`,
+    mode-invariant with `seq`, logits-close with both). Its cost is what the unit weighs when shards are filled,
+    so a lone cell whose references are dear (Gemma's ngram-cache in par) counts them."""
+    if len(members) > 1:
+        return {(s.name, c): s for s, c in members}
+    ((suite, cell),) = members
+    refs = (cell, cell.reference(spec="none"), cell.reference(mode="seq"), cell.reference(mode="seq", spec="none"))
+    return {(suite.name, ref): suite for ref in refs}
+
+
+def _cost_of(executed: dict[tuple, object], cost) -> float:
+    return sum(cost(suite, cell) for (_, cell), suite in executed.items())
