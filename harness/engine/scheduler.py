@@ -268,6 +268,8 @@ class Scheduler:
             victim = parts.pop()
             finished.append((victim.slot, victim.slot.fail(decode_error(1))))
             self.ctx.seq_rm(victim.slot.id)
+            if self.spec:  # its draft contexts' cells too: the retried step is mirrored there (draft-mtp)
+                self.spec.evicted(victim.slot)
             status, rows = self._decode(parts)
             if status == 0:
                 return finished + self._finish_step(parts, rows)

@@ -232,6 +232,12 @@ class Speculation:
             if self._shared(d):
                 self.owner[index] = slot.id
 
+    def evicted(self, slot) -> None:
+        """The KV cache had no room for a step and the slot's request ended to make some: its sequence leaves
+        the drafters' contexts now, before the retried step is mirrored into them (`end` follows as usual)."""
+        for d in self.drafters:
+            d.end(self._seq(slot.id, d))
+
     def end(self, slot) -> None:
         """The slot's request ended."""
         self.replays.pop(slot.id, None)
