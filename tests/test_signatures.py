@@ -24,7 +24,7 @@ ABORT = "crash: GGML_ASSERT(n_ubatch > n_keep_tail) failed"
 DUPLICATES = "kv-healthy: duplicate cells"
 RUNS = {
     # a real abort inside llama.cpp (split_equal, recurrent snapshots): the hybrid model with a drafter only
-    "abort": ["--suite", "small-ubatch"],
+    "abort": ["--suite", "small-ubatch", "--model", "tiny-hybrid"],
     # the engine fault: only a checkpoint restore (hybrid) after a rejection (scripted drafts) leaves cells; its
     # lossless, baseline, logits and acceptance failures are consequences of the damaged cache
     "fault": [
@@ -257,7 +257,7 @@ def test_what_a_known_llama_cpp_defect_explains_is_grouped_by_signature_too(tmp_
     root = make_checkout(tmp_path)
     with inside(root):
         with contextlib.redirect_stderr(io.StringIO()) as err:
-            assert main(["run", "--suite", "small-ubatch", "--out", "known"]) == 0
+            assert main(["run", "--suite", "small-ubatch", "--model", "tiny-hybrid", "--out", "known"]) == 0
     line = next(x for x in err.getvalue().splitlines() if x.startswith("known llama.cpp defect "))
     assert line.startswith(f"known llama.cpp defect split-equal-keep-tail-exceeds-ubatch: 1 signature: {ABORT} (")
     row = parse_html((root / "known" / "index.html").read_text()).find(
