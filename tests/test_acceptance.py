@@ -85,7 +85,7 @@ def test_repeat_compares_round_r_with_stored_round_r_modulo_the_rounds_stored(tm
     assert result.status == "passed" and result.evidence["compared"] == 9, result.message
     worse = {SEQ: [ok(TOKENS)] * 9, SPEC: [spec_ok(TOKENS, 40, 24)] * 7 + [spec_ok(TOKENS, 40, 6)] * 2}
     failed = acceptance(worse, SPEC, thrice, store)  # round 7 against stored round 1
-    assert failed.status == "failed" and failed.failures[0].startswith("round 7 against baseline")
+    assert failed.status == "failed" and failed.failures[0].startswith("round 7 (seq) against baseline")
 
 
 def test_repeat_does_not_compare_a_drafter_that_learns_with_rounds_it_never_had(tmp_path):

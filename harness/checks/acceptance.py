@@ -229,7 +229,7 @@ def check(ctx: CheckContext) -> CheckResult:
     except HarnessError as err:
         return CheckResult(NAME, False, f"{err} (fix or delete it; it is never replaced silently)")
     against_seq(ctx, plan, mine)
-    problems = judge(plan, mine)
+    problems = judge(plan, mine, ctx.run.suite.rounds)
     return result(ctx, plan, mine, problems)
 
 
@@ -343,14 +343,16 @@ def against_seq(ctx: CheckContext, plan: Plan, mine: dict) -> None:
                 pair.skipped = why
 
 
-def judge(plan: Plan, mine: dict) -> list[str]:
-    """Step 5: one line per compared request whose acceptance fell beyond its tolerance."""
+def judge(plan: Plan, mine: dict, rounds: list[str]) -> list[str]:
+    """Step 5: one line per compared request whose acceptance fell beyond its tolerance, naming how its round sent
+    it (`round 5 (par)`: with `--repeat`, which rounds sent their requests at once follows from the run order)."""
     problems = []
     for pair in plan.pairs:
         if pair.skipped is None and pair.before is not None:
             why = fall(pair.before, mine[pair.round][0], pair.limit)
             if why:
-                problems.append(f"round {pair.round} against {pair.label} (tolerance {pair.limit:.3g}): {why}")
+                how = f" ({rounds[pair.round]})" if pair.round < len(rounds) else ""
+                problems.append(f"round {pair.round}{how} against {pair.label} (tolerance {pair.limit:.3g}): {why}")
     return problems
 
 
