@@ -31,6 +31,8 @@ class CellRun:
     - `error`: the harness could not serve the cell (a start-up timeout, a missing model or flag, an unmade draft
       model, a backend that broke mid-run): a harness fault, never a check verdict (exit 3, a pytest ERROR).
     - `harness_error`: the traceback when that fault was a bug of the harness itself (`error` says so too).
+    - `unservable`: the model has nothing the cell's speculative type needs (errors.Unservable): nothing is served
+      and every check of the cell is `not run` with this reason.
     """
 
     suite: Suite
@@ -39,6 +41,7 @@ class CellRun:
     error: str | None = None
     harness_error: str | None = None
     crash: str | None = None
+    unservable: str | None = None
 
     @property
     def fault(self) -> str | None:

@@ -17,11 +17,11 @@ from dataclasses import dataclass, field, replace
 from harness import interrupt
 from harness.backends.base import Backend, ServeConfig
 from harness.cellrun import CellRun, Outcome  # noqa: F401 - the executor's products, imported from here too
-from harness.errors import HarnessBug, HarnessError, LlamaAbort
+from harness.errors import HarnessBug, HarnessError, LlamaAbort, Unservable
 from harness.logits import PositionLogits
 from harness.matrix import Cell, spec_preset
 from harness.models import draft_for, resolve
-from harness.models.registry import HEAD_TYPES, head_draft_for
+from harness.models.registry import HEAD_TYPES, has_mtp_block, head_draft_for
 from harness.request import Request, Sampling
 from harness.result import Result
 from harness.slot_restore import SlotRestore
@@ -56,10 +56,18 @@ def serve_config(
     if "draft-simple" in types:
         name = options.draft_model or draft_for(cell.model)
         if name is None:
-            raise HarnessError(f"draft-simple needs --draft-model: {cell.model} has no registered draft")
+            raise Unservable(f"draft-simple needs a draft model: {cell.model} has no registered draft (--draft-model)")
         draft = resolve(name).path
     elif heads := [t for t in types if t in HEAD_TYPES]:  # draft-eagle3 / -dflash / -dspark: a generated head
-        draft = resolve(options.draft_model or head_draft_for(cell.model, heads[0])).path
+        if options.draft_model is None:
+            try:
+                draft = resolve(head_draft_for(cell.model, heads[0])).path
+            except HarnessError as err:
+                raise Unservable(f"{err} or --draft-model") from None
+        else:
+            draft = resolve(options.draft_model).path
+    if "draft-mtp" in types and not has_mtp_block(resolve(cell.model)):
+        raise Unservable(f"draft-mtp needs a model with an MTP (nextn) block: {cell.model} has none")
     serve = dict(serve or {})
     return ServeConfig(
         model=resolve(cell.model).path,
@@ -156,6 +164,8 @@ class Executor:
             for cell in cells:
                 try:
                     sessions[cell] = self._backend(cell.backend).open(self._config(suite, cell))
+                except Unservable as err:  # the model lacks what the spec needs: its checks are not run
+                    runs[cell].unservable = str(err)
                 except LlamaAbort as err:  # llama.cpp aborted in its start-up: a finding, `no-crash` fails on it
                     runs[cell].crash = str(err)
                 except HarnessError as err:

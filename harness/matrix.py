@@ -7,7 +7,7 @@ one that force rejections.
 
 from dataclasses import dataclass
 
-from harness import MODES
+from harness import DEFAULT_MODELS, MODES
 from harness.errors import HarnessError
 
 BACKEND_NAMES = ("inproc", "server")
@@ -134,15 +134,20 @@ def cells(matrix: dict | list[dict], only: dict[str, list[str] | None] | None = 
     order, each once) — with explicit choices (`only[axis]`) replacing a block's axis.
 
     Chosen models pick the blocks that name them (`--model gemma3-270m` runs Gemma's block, not the tiny
-    models' configs on Gemma); models no block names run in every block. A spec config is left out of the
-    cells of a backend that does not have it (`SpecPreset.runs_on`)."""
+    models' configs on Gemma); a model no block names (one of your own) runs in the generic blocks, those of the
+    default tiny models: a block made for one model's gifts (Gemma's prompt-repeating replies for ngram-cache,
+    tiny-hybrid-mtp's MTP block and heads, the -loop model's repetition) would ask of it what it may not have. A
+    spec config is left out of the cells of a backend that does not have it (`SpecPreset.runs_on`)."""
     blocks = matrix if isinstance(matrix, list) else [matrix]
     chosen = (only or {}).get("models")
     out: list[Cell] = []
     for block in blocks:
         axes = {axis: (only or {}).get(axis) or block[axis] for axis in AXES}
         if chosen:
-            axes["models"] = [m for m in chosen if m in block["models"] or not any(m in b["models"] for b in blocks)]
+            generic = set(block["models"]) <= set(DEFAULT_MODELS)
+            axes["models"] = [
+                m for m in chosen if m in block["models"] or (generic and not any(m in b["models"] for b in blocks))
+            ]
         for spec in axes["specs"]:
             spec_preset(spec)
         for cell in (

@@ -195,6 +195,9 @@ def print_verdicts(console: Console, runs: list[CellRun], verdicts: list, done: 
     """The summary table, a line per failing (or known) verdict, and a line per known failure that did not
     reproduce in the cells that ran; returns those known failures."""
     wide_console().print(summary_table(runs, verdicts))
+    for run in runs:
+        if run.unservable is not None:  # served nothing, so no row above: say which cells and why
+            console.print(f"NOT RUN {run.suite.name}[{run.cell.id}]: {run.unservable}", markup=False, highlight=False)
     for suite, key, cell, r in verdicts:
         if r.harness_error is not None:
             console.print(

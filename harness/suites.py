@@ -14,7 +14,7 @@ import jsonschema
 import yaml
 
 import harness
-from harness import MODES
+from harness import DEFAULT_MODELS, MODES
 from harness.errors import HarnessError
 from harness.matrix import SPEC_PRESETS, block_of
 from harness.request import SAMPLING_SCHEMA, Request, Sampling
@@ -137,7 +137,7 @@ DEFAULT_MATRIX = {
     "backends": ["inproc"],
     "modes": list(MODES),
     "specs": ["none"],
-    "models": ["tiny-dense", "tiny-hybrid", "tiny-recurrent"],
+    "models": list(DEFAULT_MODELS),
 }
 CHECK_NAMES = (
     "no-crash",

@@ -74,3 +74,34 @@ def test_a_new_model_runs_with_no_baseline_yet_then_records_and_compares(tmp_pat
     assert main([*ARGV, "--model", str(moved), "--baselines-dir", str(recorded), "--out", str(tmp_path / "r4")]) == 1
     failed = [v for v in verdicts(tmp_path / "r4", "baseline") if not v["passed"]]
     assert {v["case"] for v in failed} == {"C"} and "at token 5" in failed[0]["message"]
+
+
+def test_a_model_of_your_own_runs_the_generic_blocks_only():
+    """quicksort's blocks made for one model's gifts (Gemma's ngram-cache, tiny-hybrid-mtp's MTP and heads, the
+    -loop model's n-gram types) are not asked of a model no block names; the tiny models' block is."""
+    from harness.matrix import cells
+    from harness.suites import load_suite
+
+    suite = load_suite("quicksort")
+    mine = cells(suite.matrix, {"models": ["/models/mine.gguf"]})
+    assert {(c.spec, c.backend) for c in mine} == {("none", "inproc"), ("draft-simple", "inproc")}
+    assert {c.mode for c in mine} == {"seq", "par", "no-kv-unified"}
+    gemma = cells(suite.matrix, {"models": ["gemma3-270m"]})
+    assert {c.spec for c in gemma} == {"none", "ngram-cache"}  # a named model keeps its own blocks
+
+
+def test_a_cell_the_model_cannot_serve_is_not_run_with_the_reason(tmp_path, capsys):
+    """No draft model for draft-simple, no MTP block for draft-mtp: the cell is not served and each of its checks
+    is `not run` with what would make it run (exit 0), not a harness error (exit 3)."""
+    model = tmp_path / "mine.gguf"
+    shutil.copyfile(resolve("tiny-dense-loop").path, model)
+    argv = ["run", "--suite", "quicksort", "--backend", "inproc", "--mode", "seq"]
+    assert main([*argv, "--model", str(model), "--out", str(tmp_path / "own")]) == 0
+    out = "".join(capsys.readouterr())
+    assert f"NOT RUN quicksort[seq-draft-simple-{model}-inproc]: draft-simple needs a draft model" in out
+    skipped = [c for c in json.loads((tmp_path / "own" / "checks.json").read_text()) if c["spec"] == "draft-simple"]
+    assert skipped and all(c["not_run"] and "--draft-model" in c["not_run"] for c in skipped)
+    mtp = ["--model", "tiny-hybrid", "--spec", "none,draft-mtp", "--out", str(tmp_path / "mtp")]
+    assert main([*argv, *mtp]) == 0
+    out = "".join(capsys.readouterr())
+    assert "draft-mtp needs a model with an MTP (nextn) block: tiny-hybrid has none" in out

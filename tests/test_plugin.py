@@ -125,12 +125,13 @@ def test_a_known_failure_for_a_cpu_feature_this_cpu_lacks_is_reported_skipped_wi
 
 
 def _unservable_suite(project, tiny_models) -> str:
-    """A suite whose only cell the harness cannot serve: draft-simple on a .gguf path no draft is registered for
-    (a harness fault: the draft model cannot be made), with a known-failure entry covering it."""
-    model = tiny_models["tiny-dense"].path
+    """A suite whose only cell the harness cannot serve: the engine asked to roll a hybrid model back with seq_rm
+    (a configuration the harness refuses: a harness fault), with a known-failure entry covering it."""
+    model = "tiny-hybrid"
     (project.path / "suites" / "unservable.yaml").write_text(
         "suite: unservable\n"
-        f"matrix: {{backends: [inproc], modes: [seq], specs: [draft-simple], models: ['{model}']}}\n"
+        f"matrix: {{backends: [inproc], modes: [seq], specs: [draft-simple], models: [{model}]}}\n"
+        "engine: {rollback: seq-rm}\n"
         "sampling: {n_predict: 4}\n"
         "checks: [no-crash, lossless]\n"
         "cases:\n  - {name: hello, prompt: Hello}\n"
@@ -140,7 +141,7 @@ def _unservable_suite(project, tiny_models) -> str:
         "  evidence: 'could not be served'\n  measured: ['round 0: the cell could not be served']\n"
         "  wider: ['round 0: killed']\n  llama_cpp_commit: 0c1e570\n  upstream: none\n  reason: a demo\n"
     )
-    return str(model)
+    return model
 
 
 def test_a_harness_error_is_an_error_never_a_failure_or_an_xfail_even_in_a_known_failure_item(project, tiny_models):
@@ -148,7 +149,7 @@ def test_a_harness_error_is_an_error_never_a_failure_or_an_xfail_even_in_a_known
     result = project.runpytest("-p", "no:xdist", "suites/unservable.yaml", "suites/known-failures.yaml")
     result.assert_outcomes(errors=2)
     out = result.stdout.str()
-    assert "draft-simple needs --draft-model" in out and "harness error (a fault of specharness" in out
+    assert "rollback seq-rm cannot roll back" in out and "harness error (a fault of specharness" in out
     assert "XFAIL" not in out and "xfailed" not in out and "Traceback" not in out
 
 

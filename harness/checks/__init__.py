@@ -454,6 +454,8 @@ def evaluate(ctx: CheckContext, names: list[str]) -> list[CheckResult]:
       exits 3, the pytest item is an ERROR.
     """
     interrupt.phase("checking")
+    if ctx.run.unservable is not None:  # the model has nothing the cell's speculative type needs: no verdict
+        return [not_run(name, ctx.run.unservable) for name in names]
     if ctx.run.fault is not None:  # the cell was never (fully) served: nothing in it was earned
         trace = ctx.run.harness_error or ctx.run.fault
         return [harness_fault(name, f"the cell could not be served: {trace}") for name in names]

@@ -1,7 +1,7 @@
 """Models the harness runs: generated tiny GGUF models, the real Gemma 3 270M, or any .gguf path."""
 
+from harness import DEFAULT_MODELS
 from harness.models.registry import (
-    DEFAULT_MODELS,
     ModelInfo,
     ModelUnavailable,
     draft_for,

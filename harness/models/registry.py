@@ -24,9 +24,6 @@ from harness.gguf import kind_of_arch, read_metadata
 from harness.models import generator
 from harness.paths import cache_dir, write_atomic
 
-DEFAULT_MODELS = ("tiny-dense", "tiny-hybrid", "tiny-recurrent")
-"""The generated targets a run uses by default: one per kind."""
-
 GEMMA = "gemma3-270m"
 GEMMA_DRAFT = "gemma3-270m-draft"
 GEMMA_DRAFT_TYPE = "Q2_K"
@@ -89,6 +86,16 @@ def head_draft_for(name: str, spec_type: str) -> str:
             f"{spec_type} needs a {head} draft head made for the target: {name} has none (use {', '.join(having)})"
         )
     return found
+
+
+def has_mtp_block(model: ModelInfo) -> bool:
+    """Whether the model's GGUF declares an MTP (nextn) block (`<arch>.nextn_predict_layers` > 0), which draft-mtp
+    drafts with."""
+    try:
+        layers = read_metadata(model.path).get(f"{model.arch}.nextn_predict_layers")
+    except (OSError, ValueError) as err:
+        raise HarnessError(f"not a readable GGUF model file: {model.path} ({err})") from err
+    return isinstance(layers, int) and layers > 0
 
 
 def _models_dir() -> Path:
