@@ -76,6 +76,7 @@ _ENTRY = {
         "reason": {"type": "string"},
         "cpu_flags": {"type": "array", "items": {"type": "string"}, "minItems": 1},
         "upstream": {"type": "string", "minLength": 1},
+        "tries": {"type": "integer", "minimum": 2, "maximum": 5},
     },
 }
 
@@ -131,6 +132,10 @@ class KnownFailure:
     limits: tuple[Limit, ...] = ()
     anywhere: bool = True
     """Recognised in any suite (False: only in `suites`, for evidence not specific to the defect)."""
+    tries: int = 1
+    """An intermittent defect (it shows only when the slots' steps interleave so): its strict expected failure
+    serves its cells afresh up to this many times and counts as gone only when none of them reproduces it
+    (`found` says how often it did)."""
 
     @property
     def suite(self) -> str:

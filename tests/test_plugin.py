@@ -166,3 +166,21 @@ def test_a_model_named_by_model_that_is_unavailable_is_an_error_with_its_fix_not
     assert "--model tiny-dense was asked for, but tiny-dense needs the [real] extra" in named.stdout.str()
     unnamed = project.runpytest("-p", "no:xdist", "suites/good.yaml", "--mode", "seq")
     unnamed.assert_outcomes(skipped=1)
+
+
+def test_an_intermittent_known_failure_is_served_again_before_it_counts_as_gone(project):
+    """`tries: 2`: its cells are served a second time, afresh, when the first serving did not reproduce it; a
+    defect that never shows is still a strict failure (XPASS), one that shows is XFAIL."""
+    entry = (
+        "- id: a-demo-defect\n  suites: [good]\n  backend: inproc\n  check: no-crash\n  tries: 2\n"
+        "  evidence: '{evidence}'\n  measured: ['{measured}']\n"
+        "  wider: ['round 0: killed']\n  llama_cpp_commit: 0c1e570\n  upstream: none\n  reason: a demo\n"
+    )
+    known = project.path / "suites" / "known-failures.yaml"
+    known.write_text(entry.format(evidence="never printed", measured="never printed"))
+    gone = project.runpytest("-p", "no:xdist", "suites/known-failures.yaml", "-rX")
+    gone.assert_outcomes(failed=1)
+    assert "[XPASS(strict)]" in gone.stdout.str()
+    known.write_text(entry.replace("tries: 2", "tries: 6").format(evidence="x", measured="x"))
+    bad = project.runpytest("-p", "no:xdist", "suites/known-failures.yaml")
+    assert "known-failures.yaml: entry 0: 6 is greater than the maximum of 5" in bad.stderr.str()
