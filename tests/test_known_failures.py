@@ -312,3 +312,23 @@ def test_the_gemma_flip_without_logits_is_known_only_where_the_triage_lacked_the
         Cell("server", "seq", "ngram-mod", "tiny-dense"),
     ):
         assert not entry.shows_in(cell)
+
+
+def test_a_run_without_an_intermittent_known_failure_says_so_and_does_not_fail_on_it(suites):
+    """`specharness run`: a deterministic entry whose cells ran without it is `FIXED?` (the run fails); one with
+    `tries` (intermittent) only says it did not show this time: one run without it proves nothing."""
+    import io
+
+    from rich.console import Console
+
+    from harness.runner import print_verdicts
+
+    (suites / "known-failures.yaml").write_text(ENTRY + ENTRY.replace("demo-defect", "rare-defect") + "  tries: 3\n")
+    deterministic, intermittent = load(suites / "known-failures.yaml")
+    out = io.StringIO()
+    done = [("kv-fill", Cell("server", "par", "draft-simple", "tiny-dense"))]
+    assert print_verdicts(Console(file=out), [], [], done, [deterministic, intermittent]) == [deterministic]
+    text = out.getvalue()
+    assert "FIXED? known failure demo-defect did not reproduce" in text
+    assert "not reproduced this run: known failure rare-defect (intermittent" in text
+    assert "FIXED? known failure rare-defect" not in text
