@@ -21,7 +21,7 @@ def test_quicksort_and_kv_fill_on_llama_server(tmp_path, tiny_models):
         checks += verdicts
         records += json.loads((out / "results.json").read_text())
     assert {c["check"] for c in checks if c["suite"] == "quicksort"} >= {"baseline", "lossless", "kv-healthy"}
-    assert {r["model"] for r in records} == set(tiny_models)
+    assert set(tiny_models) <= {r["model"] for r in records}  # kv-fill adds tiny-hybrid-mtp (draft-mtp)
     crashes = [r for r in records if r["stop_reason"] == "crashed"]
     assert not crashes, crashes[:1]
     scans = [r["kv_scan"] for r in records if r["kv_scan"] is not None]
