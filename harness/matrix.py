@@ -83,6 +83,14 @@ SPEC_PRESETS: dict[str, SpecPreset] = {
         rejects_all=True,
         server_only=True,
     ),
+    # the same over the target's own MTP head (tiny-hybrid-mtp): every step rolls back inside the target's recurrent
+    # snapshots (`n_rs_seq` 3, partial rollback) and the MTP context's KV, never through a checkpoint
+    "synth-reject-mtp": SpecPreset(
+        {"spec-type": "draft-mtp", "spec-draft-n-max": 3, "spec-synth-len": 1},
+        expect_accepts=False,
+        rejects_all=True,
+        server_only=True,
+    ),
     # drafting stops at a token whose top-10 probability is below p_min: many short drafts, some rejected. The tiny
     # models' counterpart of upstream's `--spec-draft-p-min 0.99` (their drafts' top-10 probabilities lie in
     # 0.12-0.59, median 0.2: at 0.99 they never draft)
