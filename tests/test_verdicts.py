@@ -107,6 +107,24 @@ def test_a_re_measurement_stays_within_the_committed_tolerances(backend, tiny_mo
             assert measured.get(kind, 0.0) <= committed["acceptance"][spec].get(kind, 0.0), (spec, kind, measured)
 
 
+def test_calibration_measures_each_speculative_type_the_model_can_serve_and_no_draft_head(tiny_models):
+    """draft-mtp is measured on a model with an MTP block (and only there); draft-simple only with a draft model;
+    the draft heads never (EAGLE3's collapse with slots verifying together would be measured as noise)."""
+    from harness.calibrate import variants
+
+    def specs(backend, model):
+        return {name.split("/")[1] for name, _, _ in variants(backend, model)}
+
+    for backend in ("inproc", "server"):
+        mtp = specs(backend, "tiny-hybrid-mtp")
+        assert "draft-mtp" in mtp and "draft-simple" not in mtp, mtp
+        assert not mtp & {"draft-eagle3", "draft-dflash", "draft-dspark"}
+        dense = specs(backend, "tiny-dense")
+        assert "draft-simple" in dense and "draft-mtp" not in dense, dense
+    names = [name for name, _, _ in variants("server", "tiny-hybrid-mtp")]
+    assert {"seq/draft-mtp", "par/draft-mtp", "no-kv-unified/draft-mtp", "seq/draft-mtp/n_ubatch=7"} <= set(names)
+
+
 def test_acceptance_spread_compares_modes_only_for_drafters_without_state_between_requests():
     from harness.calibrate import acceptance_spread
 
