@@ -267,7 +267,7 @@ class BaselineStore:
             rows = [
                 {
                     "round": o.round,
-                    **{k: v for k, v in o.result.work.to_dict().items() if v is not None},
+                    **{k: v for k, v in o.result.work.counters().items() if v is not None},
                     "draft_n": o.result.spec_stats.get("draft_n", 0),
                     "generated": len(o.result.tokens),
                     "output": output_digest(o.result.tokens),

@@ -57,6 +57,10 @@ WORK_COUNTERS = (
 - `draft_decoded`: tokens a draft model's context decoded for the request (its copy of the prompt included)."""
 
 
+CKPT_SIZE_FIELDS = ("kind", "n_tokens", "bytes")
+"""The fields of one `Work.ckpt_sizes` entry."""
+
+
 @dataclass
 class Work:
     """The work counters of one request (WORK_COUNTERS); None: not counted by this backend."""
@@ -70,24 +74,46 @@ class Work:
     ckpt_restored_bytes: int | None = None
     partial_rollbacks: int | None = None
     draft_decoded: int | None = None
+    ckpt_sizes: list | None = None
+    """Each checkpoint the request created, `[kind, n_tokens, bytes]` (kind `prompt`: llama-server's context
+    checkpoint of a prompt; `speculative`: before a verification), in order; None where not counted. Not a
+    counter: the `work` check compares their sizes with each other (CHECKPOINT_KINDS), not with a baseline."""
 
     @classmethod
     def zero(cls) -> "Work":
         """Every counter counted, at zero (the engine counts them all)."""
-        return cls(**dict.fromkeys(WORK_COUNTERS, 0))
+        return cls(**dict.fromkeys(WORK_COUNTERS, 0), ckpt_sizes=[])
+
+    def checkpoint(self, kind: str, n_tokens: int, nbytes: int) -> None:
+        """Count one created checkpoint of `nbytes` taken at `n_tokens` positions, and keep its size."""
+        self.add("ckpt_created", 1)
+        self.add("ckpt_created_bytes", nbytes)
+        self.ckpt_sizes = [*(self.ckpt_sizes or []), [kind, n_tokens, nbytes]]
 
     def add(self, name: str, n: int) -> None:
         """Add `n` to a counter (a counter not counted yet starts at 0)."""
         setattr(self, name, (getattr(self, name) or 0) + n)
 
-    def to_dict(self) -> dict:
+    def counters(self) -> dict:
+        """The counters (WORK_COUNTERS), as a baseline's work row stores them."""
         return {name: getattr(self, name) for name in WORK_COUNTERS}
+
+    def to_dict(self) -> dict:
+        """The counters and, where kept, the checkpoint sizes (a stored run's record: one {kind, n_tokens, bytes}
+        per checkpoint, which a parquet column holds as a list of structs)."""
+        if self.ckpt_sizes is None:
+            return self.counters()
+        sizes = [dict(zip(CKPT_SIZE_FIELDS, c, strict=True)) for c in self.ckpt_sizes]
+        return self.counters() | {"ckpt_sizes": sizes}
 
     @classmethod
     def from_dict(cls, data: dict | None) -> "Work":
         """A Work from `to_dict`'s record (unknown keys ignored, missing ones None)."""
         data = data or {}
-        return cls(**{name: data.get(name) for name in WORK_COUNTERS})
+        sizes = data.get("ckpt_sizes")
+        if sizes is not None:
+            sizes = [[c[f] for f in CKPT_SIZE_FIELDS] for c in sizes]
+        return cls(**{name: data.get(name) for name in WORK_COUNTERS}, ckpt_sizes=sizes)
 
     def counted(self) -> bool:
         """Whether any counter was counted."""

@@ -114,7 +114,7 @@ def test_a_task_s_lines_are_read_behind_prefixes_and_past_bytes_that_are_not_utf
         b"0.03.989.679 I slot      release: id  0 | task 1 | stop processing: n_tokens = 149, truncated = 0\n"
     )
     task, messages, ended = task_lines(_read(log, 0), 0)
-    assert task == 1 and ended and count(messages)["partial_rollbacks"] == 1
+    assert task == 1 and ended and count(messages).partial_rollbacks == 1
 
 
 def _helpers(work: Path, script: str) -> str:

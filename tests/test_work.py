@@ -2,6 +2,7 @@
 check fails a cell that does more of it than its baseline, and the `full-checkpoint` fault fails `work` and
 nothing else."""
 
+import importlib
 import json
 import shutil
 
@@ -50,7 +51,10 @@ def test_work_round_trips_and_counts_none_apart_from_zero():
     assert Work.from_dict(json.loads(json.dumps(w.to_dict()))) == w
     assert not Work().counted() and Work.from_dict({"prompt_read": 3}).counted()
     assert Work.from_dict(None) == Work() and Result().work == Work()
-    assert set(w.to_dict()) == set(WORK_COUNTERS)
+    assert set(w.counters()) == set(WORK_COUNTERS) and set(w.to_dict()) == {*WORK_COUNTERS, "ckpt_sizes"}
+    w.checkpoint("prompt", 18, 58720)
+    assert Work.from_dict(json.loads(json.dumps(w.to_dict()))) == w
+    assert w.to_dict()["ckpt_sizes"] == [{"kind": "prompt", "n_tokens": 18, "bytes": 58720}]
 
 
 def test_the_engine_counts_every_request_s_work_and_a_clean_run_passes_work(clean):
@@ -78,6 +82,54 @@ def test_full_checkpoint_fails_work_naming_the_bytes_and_nothing_else():
     assert all("ckpt_created_bytes" in r.message and "ckpt_restored_bytes" in r.message for r in failed)
     assert all(r.evidence["counters"] == ["ckpt_created_bytes", "ckpt_restored_bytes"] for r in failed)
     assert all(r.is_verdict for _, _, _, r in verdicts if r.name != "work" and r.not_run is None)
+    # the whole state (attention cells too) grows with the sequence: the checkpoint-size rule sees it as well
+    assert all(
+        any("a speculative checkpoint of" in f and "grows with the sequence" in f for f in r.failures) for r in failed
+    )
+
+
+def _sizes_of(model, *requests):
+    """checkpoint_sizes over requests given as lists of (kind, n_tokens, bytes), one per round."""
+    from types import SimpleNamespace
+
+    from harness.checks.work import checkpoint_sizes
+    from harness.matrix import Cell
+
+    ctx = SimpleNamespace(cell=Cell("server", "seq", "draft-mtp", model), case="turn2")
+    outcomes = [
+        SimpleNamespace(round=i, result=Result(work=Work(ckpt_sizes=[list(c) for c in r])))
+        for i, r in enumerate(requests)
+    ]
+    return checkpoint_sizes(ctx, outcomes)
+
+
+def test_a_partial_checkpoint_that_grows_with_the_sequence_fails_and_one_of_fixed_size_passes(tiny_models):
+    """llama-server's PARTIAL_ONLY checkpoints of a target without a sliding-window cache hold fixed-size state: one
+    size at every position passes, a later larger one fails naming both (ggml-org/llama.cpp PR #28873: the draft
+    context's whole KV carried; the strict expected failure `server-partial-checkpoint-holds-draft-kv` is the same
+    rule on llama-server's own output), a change without growth says `differs`, and kinds are compared apart."""
+    fixed = [("prompt", 34, 58720), ("prompt", 184, 58720)]
+    assert _sizes_of("tiny-hybrid", fixed, [("speculative", 40, 117440), ("speculative", 90, 117440)])[0] == []
+    lines, evidence = _sizes_of("tiny-hybrid", [("prompt", 34, 68198), ("prompt", 184, 110080)], fixed[:1])
+    assert lines == [  # the reference: the smallest checkpoint at the fewest positions
+        "turn2 round 0: a prompt checkpoint of 107.5 KiB at 184 tokens against 57.3 KiB at 34 tokens (round 1): "
+        "a partial checkpoint grows with the sequence"
+    ]
+    lines, _ = _sizes_of("tiny-hybrid", fixed[:1], [("prompt", 34, 68198)])
+    assert lines == [
+        "turn2 round 1: a prompt checkpoint of 66.6 KiB at 34 tokens against 57.3 KiB at 34 tokens (round 0): "
+        "a partial checkpoint differs with the sequence"
+    ]
+    assert evidence["checkpoint_sizes"]["prompt"] == [(34, 58720), (34, 68198), (184, 110080)]
+
+
+def test_checkpoint_sizes_are_not_compared_on_a_model_with_a_sliding_window(monkeypatch, tiny_models):
+    """Gemma 3's partial checkpoint holds its sliding-window cache, which grows with the sequence up to the window:
+    there sizes are not compared, and the evidence says why."""
+    work_check = importlib.import_module("harness.checks.work")  # the package exports the check function `work`
+    monkeypatch.setattr(work_check, "sliding_window", lambda model: 512)
+    lines, evidence = _sizes_of("tiny-hybrid", [("prompt", 34, 68198), ("prompt", 184, 110080)])
+    assert lines == [] and "sliding-window cache (512 positions)" in evidence["checkpoint_sizes_not_compared"]
 
 
 def test_a_baseline_without_work_is_not_run_and_update_records_it(tmp_path, clean):
@@ -210,6 +262,7 @@ def test_a_server_request_s_work_comes_from_its_timings_and_its_own_task_s_lines
     mib = round(0.056 * 1024 * 1024) + round(0.112 * 1024 * 1024)
     assert (w.prompt_read, w.prompt_reused) == (4, 18)
     assert (w.ckpt_created, w.ckpt_created_bytes) == (2, mib)
+    assert w.ckpt_sizes == [["prompt", 18, round(0.056 * 1024 * 1024)], ["speculative", 22, round(0.112 * 1024 * 1024)]]
     assert (w.ckpt_restored, w.ckpt_restored_bytes) == (2, 116936 + round(0.112 * 1024 * 1024))
     assert w.partial_rollbacks == 1  # 1 of 4 drafts accepted, no restore
     assert w.target_decoded is None and w.draft_decoded is None  # llama-server does not tell them

@@ -10,6 +10,8 @@
   - `created speculative checkpoint (..., size = X MiB, draft = Y MiB)` (MiB again) and `restoring speculative
     checkpoint (pos_min = .., pos_max = .., size = N)` (bytes, exact): the checkpoint before a verification and its
     restore after a rejection; their sizes hold the target's state, the draft context's and the drafter's;
+  - each created checkpoint's kind (prompt or speculative), `n_tokens` and size also go to `Work.ckpt_sizes`, whose
+    sizes the `work` check compares with each other;
   - `add accepted tokens: sampled=.., ids.size=K, n_draft=N` with K - 1 < N: a rejection rolled back by
     `seq_rm` alone (a restored step returns before that line), the engine's `partial_rollbacks`.
 - Not to be had from llama-server (None): `target_decoded` (no timing or line counts the target's decoded tokens
@@ -37,6 +39,7 @@ LOG_WAIT_S = 2.0
 _SLOT = re.compile(r"id\s+(\d+) \| task (-?\d+) \| (.*)")
 _SIZE_MIB = re.compile(r"size = ([\d.]+) MiB")
 _SIZE_BYTES = re.compile(r"size = (\d+)\)")
+_N_TOKENS = re.compile(r"n_tokens = (\d+)")
 _ACCEPTED = re.compile(r"add accepted tokens: sampled=-?\d+, ids\.size=(\d+), n_draft=(\d+)")
 MIB = 1024 * 1024
 
@@ -77,28 +80,32 @@ def task_lines(lines: list[str], slot_id: int) -> tuple[int | None, list[str], b
     return task, out, ended
 
 
-def count(messages: list[str]) -> dict:
-    """The checkpoint and rollback counters of one task's log messages."""
-    c = dict.fromkeys(("ckpt_created", "ckpt_created_bytes", "ckpt_restored", "ckpt_restored_bytes"), 0)
-    c["partial_rollbacks"] = 0
+def count(messages: list[str]) -> Work:
+    """The checkpoint and rollback counters of one task's log messages, and each created checkpoint's size."""
+    c = Work(ckpt_restored=0, ckpt_restored_bytes=0, partial_rollbacks=0)
+    c.ckpt_created, c.ckpt_created_bytes, c.ckpt_sizes = 0, 0, []
     for message in messages:
         if message.startswith(("created context checkpoint", "created speculative checkpoint")):
-            c["ckpt_created"] += 1
-            size = _SIZE_MIB.search(message)
-            c["ckpt_created_bytes"] += round(float(size.group(1)) * MIB) if size else 0
+            size, n_tokens = _SIZE_MIB.search(message), _N_TOKENS.search(message)
+            kind = "prompt" if message.startswith("created context") else "speculative"
+            c.checkpoint(kind, int(n_tokens.group(1)) if n_tokens else -1, _mib(size))
         elif message.startswith("restored context checkpoint"):
-            c["ckpt_restored"] += 1
-            size = _SIZE_MIB.search(message)
-            c["ckpt_restored_bytes"] += round(float(size.group(1)) * MIB) if size else 0
+            c.add("ckpt_restored", 1)
+            c.add("ckpt_restored_bytes", _mib(_SIZE_MIB.search(message)))
         elif message.startswith("restoring speculative checkpoint"):
-            c["ckpt_restored"] += 1
+            c.add("ckpt_restored", 1)
             size = _SIZE_BYTES.search(message)
-            c["ckpt_restored_bytes"] += int(size.group(1)) if size else 0
+            c.add("ckpt_restored_bytes", int(size.group(1)) if size else 0)
         else:
             accepted = _ACCEPTED.match(message)
             if accepted and int(accepted.group(1)) - 1 < int(accepted.group(2)):
-                c["partial_rollbacks"] += 1
+                c.add("partial_rollbacks", 1)
     return c
+
+
+def _mib(size: re.Match | None) -> int:
+    """Bytes of a `size = X MiB` match (0 where the line has none)."""
+    return round(float(size.group(1)) * MIB) if size else 0
 
 
 def work_of(result: Result, log_path: Path | None, start: int, verbosity: int | None = VERBOSITY) -> Work:
@@ -117,6 +124,8 @@ def work_of(result: Result, log_path: Path | None, start: int, verbosity: int | 
         time.sleep(0.02)
     if task is None:  # the task's lines are not in the log: not counted
         return work
-    for name, value in count(messages).items():
-        setattr(work, name, value)
+    counted = count(messages)
+    for name in ("ckpt_created", "ckpt_created_bytes", "ckpt_restored", "ckpt_restored_bytes", "partial_rollbacks"):
+        setattr(work, name, getattr(counted, name))
+    work.ckpt_sizes = counted.ckpt_sizes
     return work

@@ -5,9 +5,13 @@ one suffices, the whole draft KV serialised, a prompt read again). Tokens/s cann
 counts (`Result.work`, harness.result.WORK_COUNTERS) are deterministic and machine-independent.
 """
 
+import dataclasses
+
 from harness.baselines import BaselineError, output_digest, shown
 from harness.checks.acceptance import options_key
 from harness.checks.base import NO_OUTPUT, CheckContext, CheckResult, not_run
+from harness.models import resolve
+from harness.models.registry import sliding_window
 from harness.result import WORK_COUNTERS
 
 MORE_IS_WORSE = tuple(c for c in WORK_COUNTERS if c != "prompt_reused")
@@ -75,7 +79,88 @@ def cannot_judge(suite, case) -> str | None:
     return None
 
 
+CHECKPOINT_KINDS = ("prompt", "speculative")
+"""The kinds of checkpoint whose sizes are compared with each other (harness.result.Work.ckpt_sizes): llama-server's
+prompt checkpoints, and those before a verification. Each is PARTIAL_ONLY (tools/server/server-context.cpp: the
+target's and the draft context's `update_tgt` / `update_dft`): it holds the state a `seq_rm` cannot cut back, a
+recurrent state of fixed size, and no KV cell. So on a model without a sliding-window cache every checkpoint of a
+kind has one size, at any position (measured: tiny-hybrid 0.056 MiB at 18 to 184 tokens; with its hybrid draft
+0.112 MiB, prompt and speculative, at 18 to 146). One that grows with the sequence carries a KV cache whole: the
+state write of a plain KV cache ignores PARTIAL_ONLY (src/llama-kv-cache.cpp, `GGML_UNUSED(flags)`; PR #28873)."""
+
+
 def work(ctx: CheckContext) -> CheckResult:
+    """No request does more work than it should. Two rules:
+
+    - against the baseline: no request does more work per generated token than the same request of the baseline
+      (rows below);
+    - a partial checkpoint does not grow with the sequence: on a model without a sliding-window cache, every
+      checkpoint of a kind the case's requests create has the same size (CHECKPOINT_KINDS), baseline or not.
+
+    Fails naming the counters and the request, or the checkpoint that grew; not run where the backend counted no
+    work, with the reason where it cannot judge a case by design (`cannot_judge`: sampled cases, requests that may
+    fail by design), or where the baseline holds no work for the cell (`--update-baselines` records it) and no
+    checkpoint size could be compared."""
+    why = cannot_judge(ctx.run.suite, ctx.case_def)
+    if why:
+        return not_run("work", why)
+    done = ctx.completed()
+    if not done:
+        return not_run("work", NO_OUTPUT)
+    counted = [o for o in done if o.result.work.counted()]
+    if not counted:
+        return not_run("work", f"the {ctx.cell.backend} backend counted no work")
+    return with_sizes(against_baseline(ctx, counted), *checkpoint_sizes(ctx, counted))
+
+
+def checkpoint_sizes(ctx: CheckContext, counted: list) -> tuple[list[str], dict]:
+    """The rule that a partial checkpoint does not grow with the sequence (CHECKPOINT_KINDS): per kind, every
+    checkpoint the requests created is compared with the one at the fewest positions. Returns a line per request
+    with a checkpoint of another size, and the evidence (the distinct [n_tokens, bytes] per kind, or why sizes
+    are not compared)."""
+    window = sliding_window(resolve(ctx.cell.model))
+    if window:
+        return [], {
+            "checkpoint_sizes_not_compared": f"{ctx.cell.model} has a sliding-window cache ({window} positions): "
+            "its partial checkpoints hold the window's cells, which grow with the sequence up to the window"
+        }
+    lines, evidence = [], {}
+    for kind in CHECKPOINT_KINDS:
+        taken = [(n, size, o.round) for o in counted for k, n, size in (o.result.work.ckpt_sizes or []) if k == kind]
+        if not taken:
+            continue
+        evidence.setdefault("checkpoint_sizes", {})[kind] = sorted({(n, size) for n, size, _ in taken})[:10]
+        n0, size0, round0 = min(taken)
+        for o in counted:
+            other = [(abs(size - size0), n, size) for k, n, size in (o.result.work.ckpt_sizes or []) if k == kind]
+            _, n, size = max(other, default=(0, 0, size0))
+            if size != size0:
+                how = "grows" if size > size0 and n > n0 else "differs"
+                lines.append(
+                    f"{ctx.case} round {o.round}: a {kind} checkpoint of {_kib(size)} at {n} tokens against "
+                    f"{_kib(size0)} at {n0} tokens (round {round0}): a partial checkpoint {how} with the sequence"
+                )
+    return lines, evidence
+
+
+def with_sizes(verdict: CheckResult, lines: list[str], evidence: dict) -> CheckResult:
+    """The baseline rule's verdict with the checkpoint-size rule's lines and evidence: failed where either failed
+    (every failing request's line kept, so a known defect must explain each)."""
+    evidence = {**verdict.evidence, **evidence}
+    if not lines:
+        return dataclasses.replace(verdict, evidence=evidence)
+    more = f" (and {len(lines) - 1} more)" if len(lines) > 1 else ""
+    if verdict.not_run is None and not verdict.passed:
+        failures = (verdict.failures or [verdict.message]) + lines
+        return CheckResult("work", False, verdict.message, evidence, failures=failures)
+    return CheckResult("work", False, f"{lines[0]}{more}", evidence, failures=lines)
+
+
+def _kib(nbytes: int) -> str:
+    return f"{nbytes / 1024:.1f} KiB"
+
+
+def against_baseline(ctx: CheckContext, counted: list) -> CheckResult:
     """No request does more work per generated token than the same request of the baseline (the `work` rows
     `--update-baselines` stores per cell and round): target tokens decoded, prompt tokens read, checkpoints and
     their bytes, partial rollbacks, draft-model decodes (harness.result.WORK_COUNTERS). A request with the
@@ -88,15 +173,6 @@ def work(ctx: CheckContext) -> CheckResult:
     Fails naming the counters and the request; not run where the backend counted no work or the baseline holds
     none for the cell (`--update-baselines` records it), with the reason where it cannot judge a case by design
     (`cannot_judge`: sampled cases, requests that may fail by design)."""
-    why = cannot_judge(ctx.run.suite, ctx.case_def)
-    if why:
-        return not_run("work", why)
-    done = ctx.completed()
-    if not done:
-        return not_run("work", NO_OUTPUT)
-    counted = [o for o in done if o.result.work.counted()]
-    if not counted:
-        return not_run("work", f"the {ctx.cell.backend} backend counted no work")
     store, key = ctx.baselines, options_key(ctx)
     try:
         rows, path = store.work(ctx, key)

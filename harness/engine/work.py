@@ -73,8 +73,8 @@ def decoded(parts: list) -> None:
 
 
 def checkpoint_created(slot, state: bytes) -> None:
-    slot.result.work.add("ckpt_created", 1)
-    slot.result.work.add("ckpt_created_bytes", len(state))
+    """A checkpoint of the slot's sequence before a verification, at its `n_past` positions."""
+    slot.result.work.checkpoint("speculative", slot.n_past, len(state))
 
 
 def checkpoint_restored(slot, state: bytes) -> None:

@@ -98,6 +98,15 @@ def has_mtp_block(model: ModelInfo) -> bool:
     return isinstance(layers, int) and layers > 0
 
 
+def sliding_window(model: ModelInfo) -> int:
+    """The span of the model's sliding-window attention (`<arch>.attention.sliding_window`), 0 where it has none."""
+    try:
+        window = read_metadata(model.path).get(f"{model.arch}.attention.sliding_window")
+    except (OSError, ValueError) as err:
+        raise HarnessError(f"not a readable GGUF model file: {model.path} ({err})") from err
+    return window if isinstance(window, int) and window > 0 else 0
+
+
 def _models_dir() -> Path:
     path = cache_dir() / "models"
     path.mkdir(parents=True, exist_ok=True)
