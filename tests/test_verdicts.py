@@ -172,6 +172,8 @@ SEQ_SPECULATION_MAX_ABS = {  # the largest max |Δ| of a seq speculative variant
     "tiny-hybrid--server": 5.10e-5,
     "tiny-recurrent--inproc": 3.27e-6,
     "tiny-recurrent--server": 2.38e-6,
+    "tiny-hybrid-mtp--inproc": 2.33e-5,
+    "tiny-hybrid-mtp--server": 2.50e-5,
 }
 SEQ_FLOOR = {  # the near-tie floor a seq divergence is judged with (docs/near-tie-policy.md)
     "gemma3-270m--inproc": 1.53,
@@ -182,6 +184,8 @@ SEQ_FLOOR = {  # the near-tie floor a seq divergence is judged with (docs/near-t
     "tiny-hybrid--server": 1.70e-4,
     "tiny-recurrent--inproc": 1e-4,
     "tiny-recurrent--server": 1e-4,
+    "tiny-hybrid-mtp--inproc": 1e-4,
+    "tiny-hybrid-mtp--server": 1e-4,
 }
 
 

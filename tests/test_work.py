@@ -104,23 +104,25 @@ def _sizes_of(model, *requests):
 
 
 def test_a_partial_checkpoint_that_grows_with_the_sequence_fails_and_one_of_fixed_size_passes(tiny_models):
-    """llama-server's PARTIAL_ONLY checkpoints of a target without a sliding-window cache hold fixed-size state: one
-    size at every position passes, a later larger one fails naming both (ggml-org/llama.cpp PR #28873: the draft
-    context's whole KV carried; the strict expected failure `server-partial-checkpoint-holds-draft-kv` is the same
-    rule on llama-server's own output), a change without growth says `differs`, and kinds are compared apart."""
+    """llama-server's PARTIAL_ONLY checkpoints of a target without a sliding-window cache hold fixed-size state: within
+    a request, one size at every position passes, a later larger one fails naming both (ggml-org/llama.cpp PR #28873:
+    the draft context's whole KV carried; the strict expected failure `server-partial-checkpoint-holds-draft-kv` is
+    the same rule on llama-server's own output), a change without growth says `differs`, kinds are compared apart,
+    and requests are not compared with each other (a restored slot's checkpoint lacks the draft context: #28619)."""
     fixed = [("prompt", 34, 58720), ("prompt", 184, 58720)]
     assert _sizes_of("tiny-hybrid", fixed, [("speculative", 40, 117440), ("speculative", 90, 117440)])[0] == []
+    assert _sizes_of("tiny-hybrid", [("prompt", 132, 117440)], [("prompt", 85, 58720)])[0] == []  # slot-restore
     lines, evidence = _sizes_of("tiny-hybrid", [("prompt", 34, 68198), ("prompt", 184, 110080)], fixed[:1])
-    assert lines == [  # the reference: the smallest checkpoint at the fewest positions
-        "turn2 round 0: a prompt checkpoint of 107.5 KiB at 184 tokens against 57.3 KiB at 34 tokens (round 1): "
-        "a partial checkpoint grows with the sequence"
-    ]
-    lines, _ = _sizes_of("tiny-hybrid", fixed[:1], [("prompt", 34, 68198)])
     assert lines == [
-        "turn2 round 1: a prompt checkpoint of 66.6 KiB at 34 tokens against 57.3 KiB at 34 tokens (round 0): "
-        "a partial checkpoint differs with the sequence"
+        "turn2 round 0: a prompt checkpoint of 107.5 KiB at 184 tokens against 66.6 KiB at 34 tokens in the same "
+        "request: a partial checkpoint grows with the sequence"
     ]
     assert evidence["checkpoint_sizes"]["prompt"] == [(34, 58720), (34, 68198), (184, 110080)]
+    lines, _ = _sizes_of("tiny-hybrid", fixed[:1], [("prompt", 34, 68198), ("prompt", 90, 58720)])
+    assert lines == [
+        "turn2 round 1: a prompt checkpoint of 57.3 KiB at 90 tokens against 66.6 KiB at 34 tokens in the same "
+        "request: a partial checkpoint differs with the sequence"
+    ]
 
 
 def test_checkpoint_sizes_are_not_compared_on_a_model_with_a_sliding_window(monkeypatch, tiny_models):
