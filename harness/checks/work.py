@@ -171,9 +171,9 @@ def against_baseline(ctx: CheckContext, counted: list) -> CheckResult:
     its checkpoint and rollback counters only where its rounds are known to be the baseline's (llama-server reports
     neither its rounds nor its prompt's batches: SPLITS_UNREPORTED). A counter the backend cannot count (None) is not
     compared.
-    Fails naming the counters and the request; not run where the backend counted no work or the baseline holds
-    none for the cell (`--update-baselines` records it), with the reason where it cannot judge a case by design
-    (`cannot_judge`: sampled cases, requests that may fail by design)."""
+    Fails naming the counters and the request; not run where the baseline holds none for the cell
+    (`--update-baselines` records it) or none of the requests could be compared (`work` has already set aside
+    the cases it cannot judge and requests without counted work)."""
     store, key = ctx.baselines, options_key(ctx)
     try:
         rows, path = store.work(ctx, key)
