@@ -124,6 +124,11 @@ class Executor:
         """Every cell run so far, in execution order."""
         return list(self._runs.values())
 
+    def adopt(self, run: CellRun) -> None:
+        """Take `run` as this executor's run of its suite and cell (served by another executor whose serving of
+        that cell is the same as this one's would be): the cell is not served again."""
+        self._runs.setdefault((run.suite.name, run.cell), run)
+
     def rescorer(self) -> "Rescorer":
         """Re-scores positions whose logits a backend withheld (a context manager; sessions close on exit)."""
         return Rescorer(self)

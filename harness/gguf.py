@@ -6,7 +6,9 @@
 - `kind_of_arch`: llama.cpp's memory kind of an architecture (dense, hybrid, recurrent).
 """
 
+import functools
 import mmap
+import os
 import struct
 from pathlib import Path
 
@@ -17,8 +19,15 @@ _U32 = struct.Struct("<I")
 
 def read_metadata(path: Path) -> dict:
     """A GGUF file's key/values: scalars, strings and short numeric arrays (long or string arrays are None).
+    Read once per file version (path, size, modification time); the caller gets its own copy.
 
     Raises ValueError for a file that is not GGUF or whose header is cut short."""
+    stat = os.stat(path)
+    return dict(_read_metadata(str(path), stat.st_size, stat.st_mtime_ns))
+
+
+@functools.lru_cache(maxsize=64)
+def _read_metadata(path: str, size: int, mtime_ns: int) -> dict:
     with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
         try:
             return _metadata(buf)

@@ -6,6 +6,9 @@ failures — so a catch is measured exactly where the faults show. A fault count
 expected check fails with its expected evidence (`EXPECTED`); a Python exception of the harness is a
 harness error, reported in its own column, never a catch. `--clean-runs N` adds N runs of every suite's
 default matrix with no fault, which must also report zero failures.
+
+The cells without speculation of the plan are served once and shared by the rows (`Unspeculated`): a fault
+switch acts only inside the engine's speculation, which such a cell does not have.
 """
 
 import argparse
@@ -178,14 +181,48 @@ def load_parts(parts) -> list:
     return plan
 
 
-def run_plan(fault: str | None, plan: list | None = None) -> Row:
-    """One run of `plan` (default: the selftest plan) with `fault` switched on (None: clean)."""
+class Unspeculated:
+    """The runs of cells without speculation, served once and shared by every row of a catch matrix.
+
+    A fault switch is read only by the engine's speculation (harness/engine/speculative.py, and the scheduler
+    through it), which a cell without speculation never creates (harness/engine/scheduler.py: no `Speculation`
+    unless the spec is enabled): such a cell serves the same with any fault on as with none. So a row takes the
+    ones an earlier row served (same suite, same rounds) instead of serving them again."""
+
+    def __init__(self):
+        self._runs: dict[tuple, object] = {}
+
+    @staticmethod
+    def _key(run) -> tuple:
+        return run.suite.name, tuple(run.suite.rounds), run.cell
+
+    def lend(self, executor: Executor, plan: list) -> None:
+        """Give `executor` the shared runs of the suites (and rounds) of `plan`."""
+        parts = {(suite.name, tuple(suite.rounds)) for suite, _ in plan}
+        for (name, rounds, _), run in self._runs.items():
+            if (name, rounds) in parts:
+                executor.adopt(run)
+
+    def keep(self, executor: Executor) -> None:
+        """Remember the runs of cells without speculation that `executor` served whole."""
+        for run in executor.runs():
+            if run.cell.spec == "none" and run.fault is None and run.crash is None:
+                self._runs.setdefault(self._key(run), run)
+
+
+def run_plan(fault: str | None, plan: list | None = None, shared: Unspeculated | None = None) -> Row:
+    """One run of `plan` (default: the selftest plan) with `fault` switched on (None: clean); with `shared`,
+    the cells without speculation that an earlier row served are taken from it, not served again."""
     label = fault or ("none (selftest plan)" if plan is None else "none (default matrices)")
     if plan is None:
         extra = FAULT_PLAN.get(fault, []) if fault else [part for parts in FAULT_PLAN.values() for part in parts]
         plan = load_parts(part for i, part in enumerate(PLAN + extra) if part not in (PLAN + extra)[:i])
     executor = Executor(ExecOptions(backends=backend_factories(), engine={"fault": fault}, kv_scan="request"))
+    if shared is not None:
+        shared.lend(executor, plan)
     verdicts = run_suites(plan, executor, BaselineStore(default_root()))
+    if shared is not None:
+        shared.keep(executor)
     row = Row(fault or "none", dict.fromkeys(CHECKS, 0), dict.fromkeys(CHECKS, 0), label=label)
     expected = dict(EXPECTED.get(fault or "", []))
     known = load_known(suites_dir() / KNOWN_FAILURES)
@@ -213,9 +250,10 @@ def default_matrices() -> list:
 def catch_matrix(clean_runs: int = 0, faults: list[str] | None = None) -> Iterator[Row]:
     """Every fault once on the plan, the plan's clean row, then `clean_runs` clean runs of the default matrices
     (row by row: an interrupted selftest still shows the rows that finished)."""
+    shared = Unspeculated()
     for fault in faults or list(FAULTS):
-        yield run_plan(fault)
-    yield run_plan(None)
+        yield run_plan(fault, shared=shared)
+    yield run_plan(None, shared=shared)
     if clean_runs:
         clean = Row(
             "none",

@@ -3,6 +3,7 @@
 import dataclasses
 import hashlib
 import json
+import os
 
 import gguf
 import llama_cpp
@@ -10,6 +11,7 @@ import pytest
 
 from harness.cli import main
 from harness.errors import HarnessError
+from harness.gguf import read_metadata
 from harness.models import DEFAULT_MODELS, draft_for, make, registry, resolve
 from harness.models.agreement import PROMPTS, teacher_forced_agreement
 from harness.models.generator import RECIPES
@@ -106,6 +108,21 @@ def test_arch_found_after_other_header_keys(tmp_path):
     writer.write_kv_data_to_file()
     writer.close()
     assert (resolve(str(path)).arch, resolve(str(path)).kind) == ("mamba", "recurrent")
+
+
+def test_gguf_metadata_is_read_again_when_the_file_changes(tmp_path):
+    """read_metadata keeps a file's header by path, size and modification time: a rewritten file is read anew."""
+    path = tmp_path / "rewritten.gguf"
+    for arch, mtime in (("mamba", 1_000_000_000), ("llama", 2_000_000_000)):
+        writer = gguf.GGUFWriter(path, arch)
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.close()
+        os.utime(path, ns=(mtime, mtime))  # a second write within the clock's resolution still counts
+        meta = read_metadata(path)
+        assert meta["general.architecture"] == arch
+        meta["general.architecture"] = "edited"  # a caller's copy: the kept one is untouched
+        assert read_metadata(path)["general.architecture"] == arch
 
 
 def test_gemma_reads_arch_from_header():

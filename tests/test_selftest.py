@@ -2,12 +2,25 @@
 evidence, the same plan without a fault reports no failure at all, and no run is a harness error. One
 item per row of the matrix (the rows are independent runs of the plan), so pytest-xdist spreads them."""
 
+from pathlib import Path
+
 import pytest
 
+from harness.backends.base import ServeConfig
+from harness.backends.inproc import spec_config
 from harness.engine.faults import FAULTS
 from harness.matrix import cells
-from harness.selftest import EXPECTED, FAULT_PLAN, PLAN, ROUNDS, load_parts, run_plan
+from harness.selftest import EXPECTED, FAULT_PLAN, PLAN, ROUNDS, Unspeculated, load_parts, run_plan
 from harness.suites import load_suite
+
+pytestmark = pytest.mark.xdist_group("selftest")  # one worker: every row takes the cells without speculation
+# that the clean row (first) served, as `specharness selftest` does (harness.selftest.Unspeculated)
+
+
+@pytest.fixture(scope="module")
+def shared():
+    return Unspeculated()
+
 
 DUPLICATES = "kv-healthy: duplicate cells"
 DISTINCT = {  # the failure signatures each fault shows on the plan (harness.signatures): one per defect. An
@@ -82,10 +95,25 @@ def test_the_plan_serves_one_seq_round_and_shared_drafter_state_its_par_round():
     assert "par" in load_parts(FAULT_PLAN["shared-drafter-state"])[0][0].rounds
 
 
+def test_the_same_plan_without_a_fault_is_clean(shared):
+    row = run_plan(None, shared=shared)
+    assert not row.harness_errors, row.harness_errors
+    assert not any(row.failures.values()), f"false positives on the clean selftest plan: {row.failures}"
+    assert row.distinct == []
+
+
+def test_a_fault_switch_leaves_a_cell_without_speculation_as_it_is():
+    """What lets the rows share those cells: the engine reads a fault only through its speculation, which a cell
+    without speculation does not create (harness/engine/scheduler.py), whatever fault its options name."""
+    for fault in FAULTS:
+        config = spec_config(ServeConfig(model=Path("m.gguf"), mode="seq", engine={"fault": fault}))
+        assert config.fault == fault and not config.enabled
+
+
 @pytest.mark.parametrize("fault", list(FAULTS))
-def test_the_fault_is_caught_by_its_expected_check_and_evidence(fault):
+def test_the_fault_is_caught_by_its_expected_check_and_evidence(fault, shared):
     own = load_parts(FAULT_PLAN[fault]) if fault in OWN_PART_ONLY else None
-    row = run_plan(fault, own)
+    row = run_plan(fault, own, shared)
     assert not row.harness_errors, row.harness_errors
     caught = {name for name, n in row.caught.items() if n}
     assert caught, f"{fault} not caught by its expected evidence; failures: {row.failures}"
@@ -96,10 +124,3 @@ def test_the_fault_is_caught_by_its_expected_check_and_evidence(fault):
         assert row.failing_cells == {"seq-draft-mtp-tiny-hybrid-mtp-inproc"}, row.failing_cells
     if fault == "shared-drafter-state":  # one slot has no other slot to share with
         assert not [c for c in row.failing_cells if c.startswith("seq-")], row.failing_cells
-
-
-def test_the_same_plan_without_a_fault_is_clean():
-    row = run_plan(None)
-    assert not row.harness_errors, row.harness_errors
-    assert not any(row.failures.values()), f"false positives on the clean selftest plan: {row.failures}"
-    assert row.distinct == []
