@@ -1,6 +1,7 @@
 """The catch matrix under control: every fault switch is caught by its expected check with its expected
 evidence, the same plan without a fault reports no failure at all, and no run is a harness error. One
-item per row of the matrix (the rows are independent runs of the plan), so pytest-xdist spreads them."""
+item per row of the matrix; the rows run on one xdist worker, the clean row first, and share the cells without
+speculation it served (harness.selftest.Unspeculated), as `specharness selftest` does."""
 
 from pathlib import Path
 
@@ -13,8 +14,7 @@ from harness.matrix import cells
 from harness.selftest import EXPECTED, FAULT_PLAN, PLAN, ROUNDS, Unspeculated, load_parts, run_plan
 from harness.suites import load_suite
 
-pytestmark = pytest.mark.xdist_group("selftest")  # one worker: every row takes the cells without speculation
-# that the clean row (first) served, as `specharness selftest` does (harness.selftest.Unspeculated)
+pytestmark = pytest.mark.xdist_group("selftest")
 
 
 @pytest.fixture(scope="module")
