@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -106,6 +107,20 @@ def test_a_timeout_where_the_run_crashed_is_a_different_failure(bundle, tmp_path
     done = repro(bundle, tmp_path, LLAMA_SERVER=str(server), REQUEST_TIMEOUT="0.01")
     assert done.returncode == 3, done.stdout + done.stderr
     assert "DIFFERENT FAILURE" in done.stdout and "got no answer within 0.01 s" in done.stdout
+
+
+@pytest.mark.xdist_group("repro-sh-bundle")  # one bundle fixture for these tests
+def test_an_http_error_from_a_live_server_where_the_run_crashed_is_a_different_failure(bundle, tmp_path):
+    """llama-server answers the subject requests with an HTTP error and keeps running: not the abort (an HTTP error
+    answer used to count as "REPRODUCED: llama-server stopped answering"). Here the error is the refusal of a
+    request without the API key llama-server was started with; repro.sh reads every non-200 answer of a live
+    llama-server alike."""
+    server = tmp_path / "llama-server"
+    server.write_text(f'#!/usr/bin/env bash\nexec "{_server(bundle)}" "$@" -b 64 --api-key not-sent\n')
+    server.chmod(0o755)
+    done = repro(bundle, tmp_path, LLAMA_SERVER=str(server))
+    assert done.returncode == 3, done.stdout + done.stderr
+    assert "DIFFERENT FAILURE" in done.stdout and re.search(r"subject-0-\d: HTTP [45]\d\d: ", done.stdout), done.stdout
 
 
 @pytest.mark.xdist_group("repro-sh-bundle")  # one bundle fixture for these tests

@@ -76,6 +76,28 @@ def test_hand_edited_baseline_fails_exactly_that_case_and_update_restores_it(che
     assert all(p.read_bytes() == content for p, content in before.items())
 
 
+def test_a_run_that_updates_the_baselines_judges_nothing_against_what_it_wrote(checkout):
+    """Issue 28: `--update-baselines` compared the cells with the rows it had just written and reported "passed".
+    In the run that writes them, `baseline`, `acceptance` and `work` are not run, with that reason, for every case;
+    the next run compares with them."""
+    edited = checkout / "fixtures/baselines/quicksort/Java--tiny-dense--inproc--cpu.json"
+    data = json.loads(edited.read_text())
+    data["tokens"][17] += 1  # a difference the update run must not judge either way
+    edited.write_text(json.dumps(data))
+    argv = ["run", "--suite", "quicksort", "--model", "tiny-dense", "--mode", "seq", "--spec", "draft-simple"]
+    assert main(argv + ["--update-baselines", "--out", "r1"]) == 0
+    records = json.loads((checkout / "r1/checks.json").read_text())
+    judged = {(c["case"], c["check"]): c for c in records if c["check"] in ("baseline", "acceptance", "work")}
+    assert set(judged) == {
+        (case, check) for case in ("C", "Java", "Python") for check in ("baseline", "acceptance", "work")
+    }
+    for c in judged.values():
+        assert "baselines updated in this run" in c.get("not_run", ""), c
+    assert main(argv + ["--out", "r2"]) == 0
+    again = [c for c in json.loads((checkout / "r2/checks.json").read_text()) if c["check"] in ("baseline", "work")]
+    assert again and not [c for c in again if c.get("not_run")], again  # compared now
+
+
 def test_missing_baseline_says_how_to_create_it(checkout):
     (checkout / "fixtures/baselines/quicksort/C--tiny-dense--inproc--cpu.json").unlink()
     assert main(["run", "--model", "tiny-dense", "--mode", "seq", "--spec", "none", "--out", "r"]) == 1
