@@ -200,6 +200,9 @@ def test_in_seq_mode_a_proven_near_tie_is_excused_where_calibration_measured_spe
     # a 7-token micro-batch split is no configuration a cell runs: it does not make seq noisy
     measured["measured"]["seq/ngram-mod/n_ubatch=7"] = {"max_abs_max": 0.39, "margin_delta_max": 0.03}
     assert noise.from_data(measured, "calibrated (split only)").seq_bit_exact
+    # nor does a variant without speculation, whatever its batch: the policy is about what speculation does to seq
+    measured["measured"]["seq/none/in-order"] = {"max_abs_max": 0.39, "margin_delta_max": 0.03}
+    assert noise.from_data(measured, "calibrated (no speculation)").seq_bit_exact
     # a verification batch of k+1 tokens runs other kernels than a one-token decode (every committed model)
     measured["measured"]["seq/ngram-mod"] = {"max_abs_max": 0.39, "margin_delta_max": 0.03}
     noisy = noise.from_data(measured, "calibrated (noisy)")
