@@ -21,6 +21,7 @@ from harness.report.charts import bar_chart, margin_chart, position_chart
 from harness.report.files import STATUSES, RunDir, cell_id, item_name, joined, speedups, status, throughput, worst
 from harness.signatures import Failure
 from harness.signatures.group import by_verdict
+from harness.signatures.text import NEW_SUITE
 
 CONTEXT_TOKENS = 12
 """Tokens of common prefix shown before the first divergence in a token diff."""
@@ -340,7 +341,7 @@ def not_run_view(run: RunDir) -> list[dict]:
 
 def known_view(run: RunDir, known: dict[str, list[Failure]]) -> list[dict]:
     """The known-failure entries with the items each explains in this run and, by signature, what it explained
-    (`known`: RunDir.known)."""
+    (`known`: RunDir.known); `new_suites`: where it showed in a suite its entry does not list (not failing the run)."""
     entries = {e["id"]: e for e in run.meta.get("known_failures") or []}
     return [
         {
@@ -348,6 +349,9 @@ def known_view(run: RunDir, known: dict[str, list[Failure]]) -> list[dict]:
             "entry": entries.get(kid, {}),
             "failures": failures,
             "cases": sorted({item_name(v) for f in failures for v in f.verdicts + f.consequences}),
+            "new_suites": sorted(
+                {str(s) for f in failures for v in f.verdicts if (s := (v.get("evidence") or {}).get(NEW_SUITE))}
+            ),
         }
         for kid, failures in known.items()
     ]
