@@ -21,7 +21,7 @@ from harness.report.charts import bar_chart, margin_chart, position_chart
 from harness.report.files import STATUSES, RunDir, cell_id, item_name, joined, speedups, status, throughput, worst
 from harness.signatures import Failure
 from harness.signatures.group import by_verdict
-from harness.signatures.text import NEW_SUITE
+from harness.signatures.text import new_suites
 
 CONTEXT_TOKENS = 12
 """Tokens of common prefix shown before the first divergence in a token diff."""
@@ -349,9 +349,7 @@ def known_view(run: RunDir, known: dict[str, list[Failure]]) -> list[dict]:
             "entry": entries.get(kid, {}),
             "failures": failures,
             "cases": sorted({item_name(v) for f in failures for v in f.verdicts + f.consequences}),
-            "new_suites": sorted(
-                {str(s) for f in failures for v in f.verdicts if (s := (v.get("evidence") or {}).get(NEW_SUITE))}
-            ),
+            "new_suites": new_suites(failures),
         }
         for kid, failures in known.items()
     ]

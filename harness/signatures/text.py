@@ -36,6 +36,18 @@ NEW_SUITE = "known_failure_new_suite"
 """Evidence key of a verdict a known defect explains in a suite its entry does not list (harness.known_failures)."""
 
 
+def new_suites(failures: list[Failure]) -> list[str]:
+    """The suites a known defect's entry does not list yet where it showed in these failures (sorted)."""
+    return sorted(
+        {
+            str((v.get("evidence") or {}).get(NEW_SUITE))
+            for f in failures
+            for v in f.verdicts + f.consequences
+            if (v.get("evidence") or {}).get(NEW_SUITE)
+        }
+    )
+
+
 def known_lines(known: dict[str, list[Failure]]) -> list[str]:
     """One line per known llama.cpp defect of a run: what it explained, by signature, and the suites its entry
     does not list yet where it showed (a known defect seen in a new suite: it does not fail the run) ([] when
@@ -43,14 +55,7 @@ def known_lines(known: dict[str, list[Failure]]) -> list[str]:
     out = []
     for kid, failures in known.items():
         line = f"known llama.cpp defect {kid}: " + headline(failures).replace("distinct failure", "signature")
-        new = sorted(
-            {
-                str((v.get("evidence") or {}).get(NEW_SUITE))
-                for f in failures
-                for v in f.verdicts + f.consequences
-                if (v.get("evidence") or {}).get(NEW_SUITE)
-            }
-        )
+        new = new_suites(failures)
         if new:
             line += (
                 f"; seen in a new suite: {', '.join(new)} (known defect, not failing the run: add the suite to the "
