@@ -77,8 +77,8 @@ def test_a_new_model_runs_with_no_baseline_yet_then_records_and_compares(tmp_pat
 
 
 def test_a_model_of_your_own_runs_the_generic_blocks_only():
-    """quicksort's blocks made for one model's gifts (Gemma's ngram-cache, tiny-hybrid-mtp's MTP and heads, the
-    -loop model's n-gram types) are not asked of a model no block names; the tiny models' block is."""
+    """quicksort's blocks made for one model's gifts (tiny-hybrid-mtp's MTP and heads, the -loop model's n-gram
+    types) are not asked of a model no block names; the tiny models' block is."""
     from harness.matrix import cells
     from harness.suites import load_suite
 
@@ -86,8 +86,8 @@ def test_a_model_of_your_own_runs_the_generic_blocks_only():
     mine = cells(suite.matrix, {"models": ["/models/mine.gguf"]})
     assert {(c.spec, c.backend) for c in mine} == {("none", "inproc"), ("draft-simple", "inproc")}
     assert {c.mode for c in mine} == {"seq", "par", "no-kv-unified"}
-    gemma = cells(suite.matrix, {"models": ["gemma3-270m"]})
-    assert {c.spec for c in gemma} == {"none", "ngram-cache"}  # a named model keeps its own blocks
+    loop = cells(suite.matrix, {"models": ["tiny-dense-loop"]})
+    assert {c.spec for c in loop} == {"none", "ngram-simple", "ngram-map-k", "ngram-map-k4v"}  # its own block
 
 
 def test_a_cell_the_model_cannot_serve_is_not_run_with_the_reason(tmp_path, capsys):
