@@ -96,3 +96,25 @@ def test_the_default_quicksort_matrix_runs_the_cells_that_catch_shared_drafter_s
     for name, only in FAULT_PLAN["shared-drafter-state"]:
         assert name == "quicksort"
         assert set(cells(suite.matrix, only)) <= default
+
+
+def test_a_chain_of_ngram_mod_and_draft_mtp_runs_by_default_and_its_n_gram_drafts_pass_the_mtp_snapshots():
+    """Issue 29's chain (`--spec-type ngram-mod,draft-mtp`): echo serves it on tiny-hybrid-mtp on both backends.
+    Its baselines show both drafters at work: drafts accepted, and on llama-server drafts longer than the target's
+    3 recurrent snapshots (draft-mtp alone drafts at most 3), which llama-server takes through speculative
+    checkpoints beyond the one its request without speculation makes."""
+    suite = load_suite("echo")
+    chain = [c for c in cells(suite.matrix) if c.spec == "ngram-mod+draft-mtp"]
+    assert {(c.backend, c.model) for c in chain} == {("inproc", "tiny-hybrid-mtp"), ("server", "tiny-hybrid-mtp")}
+    assert spec_preset("ngram-mod+draft-mtp").options["spec-type"] == "ngram-mod,draft-mtp"
+    for cell in chain:
+        rows = [r for rs in baseline_rows(suite, cell).values() for r in rs or []]
+        assert len(rows) == len(suite.cases) and sum(r["draft_n_accepted"] for r in rows) > 0, cell
+    server = next(c for c in chain if c.backend == "server")
+    longer = []
+    for case in suite.cases:
+        work = json.loads((BASELINES / "echo" / f"{case.name}--tiny-hybrid-mtp--server--cpu.json").read_text())["work"]
+        (spec,), (none,) = work[f"{server.mode}/ngram-mod+draft-mtp"], work[f"{server.mode}/none"]
+        if spec["ckpt_created"] > none["ckpt_created"]:  # draft-mtp alone rolls back inside the snapshots
+            longer.append(case.name)
+    assert longer, "no request of the chain took an n-gram draft past the MTP snapshots"
