@@ -8,6 +8,7 @@ from harness.backends.build import ensure_server
 from harness.backends.inproc import InprocBackend
 from harness.backends.server_backend import ServerBackend
 from harness.engine import ContextParams, Engine
+from harness.engine.slot_state import SavedSlot
 from harness.engine.speculative import SpecConfig
 from harness.errors import HarnessError
 from harness.execute import ExecOptions, serve_config
@@ -92,3 +93,40 @@ def test_the_mtp_wrong_row_fault_moves_the_drafts_not_the_output():
     assert [r.tokens for r in wrong] == [r.tokens for r in clean]
     assert [r.spec_stats["accepted_per_pos"] for r in wrong] != [r.spec_stats["accepted_per_pos"] for r in clean]
     assert sum(r.work.target_decoded for r in wrong) > sum(r.work.target_decoded for r in clean)
+
+
+def test_the_engine_saves_and_restores_a_slot_with_its_mtp_context():
+    """Slot save / restore with draft-mtp (ggml-org/llama.cpp#28619 concerns the MTP draft context): the saved state
+    carries the MTP context's sequence and the target row waiting for the next token; restored into a fresh engine,
+    a request whose prompt continues the saved tokens reuses them and drafts exactly as it does restored into the
+    engine that saved it (whose MTP context and rows never left). An MTP context left empty (the target's state
+    alone: what llama-server's restore leaves) drafts otherwise, its output unchanged."""
+    model = resolve(MODEL)
+    first = Request(prompt=TEXTS[0], sampling=Sampling(n_predict=24, temperature=0, ignore_eos=True))
+
+    def engine() -> Engine:
+        return Engine(
+            model.path, ContextParams(n_ctx=1024), SpecConfig(spec_type=("draft-mtp",)), keep_slot_states=True
+        )
+
+    with engine() as e:
+        turn1 = e.run([first])[0]
+        saved = e.save_slot(0)
+        state = saved["state"]
+        follow = Request(prompt=state.tokens + turn1.tokens[-1:], sampling=Sampling(n_predict=24, temperature=0))
+        assert e.restore_slot(0, state).get("n_restored") == len(state.tokens)
+        same_engine = e.run([follow])[0]
+        empty = e.scheduler.spec.mirrors[0].save_seq(1)  # a sequence this engine never used
+    [(mtp, row)] = state.drafts
+    assert len(mtp) > len(empty[0]) and row is not None and row.any()
+    assert saved["n_written"] == len(state.target) + len(mtp) + row.nbytes
+    assert same_engine.timings.cache_n == len(state.tokens)
+    for variant in ("whole", "target only"):
+        restoring = state if variant == "whole" else SavedSlot(state.tokens, state.target, [empty])
+        with engine() as fresh:
+            assert fresh.restore_slot(0, restoring).get("n_restored") == len(state.tokens)
+            again = fresh.run([follow])[0]
+        assert again.tokens == same_engine.tokens and again.timings.cache_n == len(state.tokens)
+        counts = (again.spec_stats["draft_n"], again.spec_stats["draft_n_accepted"])
+        reference = (same_engine.spec_stats["draft_n"], same_engine.spec_stats["draft_n_accepted"])
+        assert (counts == reference) == (variant == "whole"), (variant, counts, reference)

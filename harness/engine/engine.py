@@ -58,8 +58,7 @@ class Engine:
         saved = self.scheduler.saved.get(slot_id)
         if saved is None:
             return {"error": f"slot {slot_id} holds no finished request's state (keep_slot_states off, or none ended)"}
-        size = len(saved.target) + sum(len(d) for d in saved.drafts)
-        return {"id_slot": slot_id, "n_saved": len(saved.tokens), "n_written": size, "state": saved}
+        return {"id_slot": slot_id, "n_saved": len(saved.tokens), "n_written": saved.n_bytes, "state": saved}
 
     def restore_slot(self, slot_id: int, state: slot_state.SavedSlot, erase: bool = False) -> dict:
         """Restore a `save_slot` state into the slot (target and draft contexts), for its next request to reuse;
@@ -75,8 +74,7 @@ class Engine:
             self.scheduler.restored.pop(slot_id, None)
             return {"error": why}
         self.scheduler.restored[slot_id] = state
-        size = len(state.target) + sum(len(d) for d in state.drafts)
-        return {"id_slot": slot_id, "n_restored": len(state.tokens), "n_read": size}
+        return {"id_slot": slot_id, "n_restored": len(state.tokens), "n_read": state.n_bytes}
 
     def close(self) -> None:
         """Free the drafters, the batch, the context and the model."""

@@ -1,5 +1,6 @@
 """Slot save / restore in the engine, as llama-server's `POST /slots/{id}?action=save|restore` but whole: the
-target's sequence and every draft model's copy of it (llama_state_seq_get_data / set_data, full state).
+target's sequence and every mirror drafter's copy of it (llama_state_seq_get_data / set_data, full state: a draft
+model's context; the MTP head's context and the target row that waits for its next token).
 
 With `Engine(keep_slot_states=True)` the scheduler captures each finished request's slot (`capture`, before it
 clears the sequence) so that a later `save` can hand it out; `restore` writes a saved state back into a slot's
@@ -17,21 +18,37 @@ from harness.engine.slot import Slot
 
 @dataclass
 class SavedSlot:
-    """A slot's state: its tokens (positions 0..n-1), the target's sequence and the draft contexts' copies."""
+    """A slot's state: its tokens (positions 0..n-1), the target's sequence and the mirror drafters' copies."""
 
     tokens: list[int]
     target: bytes
-    drafts: list[bytes] = field(default_factory=list)
+    drafts: list[object] = field(default_factory=list)
+
+    @property
+    def n_bytes(self) -> int:
+        """The bytes of state it carries (llama-server's `n_written` / `n_read`)."""
+        return len(self.target) + sum(_n_bytes(d) for d in self.drafts)
+
+
+def _n_bytes(state: object) -> int:
+    """The bytes of one drafter's saved state: llama.cpp's serialized sequence, and the arrays beside it."""
+    if state is None:
+        return 0
+    if isinstance(state, (bytes, bytearray)):
+        return len(state)
+    if isinstance(state, tuple):
+        return sum(_n_bytes(part) for part in state)
+    return int(state.nbytes)  # a numpy array
 
 
 def _mirrors(spec) -> list:
-    """The drafters with a context of their own that follows the target (draft models), in order."""
+    """The drafters with a context of their own that follows the target (draft models, the MTP head), in order."""
     return list(spec.mirrors) if spec is not None else []
 
 
 def capture(ctx, spec, slot: Slot) -> SavedSlot:
     """The state of a slot whose request just ended (called before its sequences are cleared)."""
-    drafts = [d.ctx.state_seq(spec._seq(slot.id, d)) for d in _mirrors(spec)]
+    drafts = [d.save_seq(spec._seq(slot.id, d)) for d in _mirrors(spec)]
     return SavedSlot(list(slot.history), ctx.state_seq(slot.id), drafts)
 
 
@@ -45,9 +62,7 @@ def restore(ctx, spec, slot_id: int, saved: SavedSlot) -> str | None:
         ctx.seq_rm(slot_id)
         return f"the saved state has {len(saved.drafts)} draft contexts, this engine {len(mirrors)}"
     for d, state in zip(mirrors, saved.drafts, strict=True):
-        seq = spec._seq(slot_id, d)
-        d.ctx.seq_rm(seq)
-        if not d.ctx.set_state_seq(seq, state):
+        if not d.load_seq(spec._seq(slot_id, d), state):
             ctx.seq_rm(slot_id)
             return f"llama_state_seq_set_data_ext refused the draft context's state of slot {slot_id}"
     return None
@@ -61,17 +76,17 @@ def reuse(ctx, spec, slot: Slot, saved: SavedSlot) -> int:
     limit = min(len(saved.tokens), len(slot.prompt) - 1)
     while n < limit and saved.tokens[n] == slot.prompt[n]:
         n += 1
-    contexts = [ctx] + [d.ctx for d in _mirrors(spec)]
-    if n < len(saved.tokens) and not all(rollback.can_seq_rm(c) for c in contexts):
+    if n < len(saved.tokens) and not rollback.can_seq_rm(ctx):
         n = 0
+    mirrors = _mirrors(spec)
+    if n and not all(d.keep_seq(spec._seq(slot.id, d), n) for d in mirrors):
+        n = 0  # a draft model whose memory cannot drop the suffix: read the prompt from the start
     if n == 0:
         ctx.seq_rm(slot.id)
-        for d in _mirrors(spec):
-            d.ctx.seq_rm(spec._seq(slot.id, d))
+        for d in mirrors:
+            d.keep_seq(spec._seq(slot.id, d), 0)
         return 0
     ctx.seq_rm(slot.id, n, -1)
-    for d in _mirrors(spec):
-        d.ctx.seq_rm(spec._seq(slot.id, d), n, -1)
     slot.n_past = n
     slot.result.timings.prompt_n = len(slot.prompt) - n
     slot.result.timings.cache_n = n

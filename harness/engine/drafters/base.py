@@ -63,3 +63,19 @@ class Drafter(ABC):
 
     def end(self, seq_id: int) -> None:
         """The request on `seq_id` ended; its positions are gone from the target."""
+
+    # A drafter with a context of its own that follows the target (a `mirror`: draft models, the MTP head) saves
+    # and restores its copy of a slot with the target's (harness.engine.slot_state, slot save / restore).
+
+    def save_seq(self, seq_id: int) -> object:
+        """This drafter's state of `seq_id`, for `load_seq` (mirrors only)."""
+        raise NotImplementedError(f"{self.name} keeps no state of a slot to save")
+
+    def load_seq(self, seq_id: int, state: object) -> bool:
+        """Replace `seq_id`'s state with a `save_seq` one; False when llama.cpp refused (the sequence is empty)."""
+        raise NotImplementedError(f"{self.name} keeps no state of a slot to restore")
+
+    def keep_seq(self, seq_id: int, n_keep: int) -> bool:
+        """Keep positions 0..n_keep-1 of `seq_id` (0: none), as the target does when its next request reuses a
+        restored prefix; False where this drafter's memory cannot drop a suffix exactly (nothing is dropped)."""
+        raise NotImplementedError(f"{self.name} keeps no state of a slot")

@@ -197,6 +197,20 @@ class DraftSimple(Drafter):
         if redo and self._decode([(t, m.pos0 + i, seq_id, i == len(redo) - 1) for i, t in enumerate(redo)]) != 0:
             self.broken.add(seq_id)
 
+    def save_seq(self, seq_id: int) -> bytes:
+        return self.ctx.state_seq(seq_id)
+
+    def load_seq(self, seq_id: int, state: bytes) -> bool:
+        self.ctx.seq_rm(seq_id)
+        return self.ctx.set_state_seq(seq_id, state)
+
+    def keep_seq(self, seq_id: int, n_keep: int) -> bool:
+        if n_keep == 0:
+            return self.ctx.seq_rm(seq_id)
+        if self.ctx.seq_pos_max(seq_id) < n_keep:  # nothing past it
+            return True
+        return self.exact_rm and self.ctx.seq_rm(seq_id, n_keep, -1)
+
     def shift_context(self, seq_id: int, n_keep: int, n_discard: int, history: list[int]) -> None:
         """The draft context shifts with the target, as llama-server's common_memory does it for both: positions
         [n_keep, n_keep + n_discard) removed, the rest moved down (a refused removal stops drafting)."""

@@ -146,6 +146,29 @@ class DraftMTP(Drafter):
     def end(self, seq_id: int) -> None:
         llama_cpp.llama_memory_seq_rm(self.memory, seq_id, -1, -1)
 
+    def save_seq(self, seq_id: int) -> tuple[bytes, np.ndarray | None]:
+        """The MTP context's sequence (its nextn KV) and the target's row that waits for the next token."""
+        size = llama_cpp.llama_state_seq_get_size_ext(self.ctx, seq_id, 0)
+        buf = (ctypes.c_uint8 * size)()
+        n = llama_cpp.llama_state_seq_get_data_ext(self.ctx, buf, size, seq_id, 0)
+        row = self.pending.get(seq_id)
+        return ctypes.string_at(buf, n), None if row is None else row.copy()
+
+    def load_seq(self, seq_id: int, state: tuple[bytes, np.ndarray | None]) -> bool:
+        data, row = state
+        llama_cpp.llama_memory_seq_rm(self.memory, seq_id, -1, -1)
+        self.pending.pop(seq_id, None)
+        buf = (ctypes.c_uint8 * len(data)).from_buffer_copy(data)
+        if llama_cpp.llama_state_seq_set_data_ext(self.ctx, buf, len(data), seq_id, 0) <= 0:
+            return False
+        if row is not None:
+            self.pending[seq_id] = row.copy()
+        return True
+
+    def keep_seq(self, seq_id: int, n_keep: int) -> bool:
+        """The MTP context holds attention KV only (the nextn block): a suffix drops exactly."""
+        return bool(llama_cpp.llama_memory_seq_rm(self.memory, seq_id, n_keep if n_keep else -1, -1))
+
     def close(self) -> None:
         if getattr(self, "batch", None):
             llama_cpp.llama_batch_ext_free(self.batch)
