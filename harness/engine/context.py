@@ -76,6 +76,22 @@ class ContextParams:
         return p
 
 
+def seq_state(ctx_ptr, seq_id: int, flags: int = 0, buf=None) -> bytes:
+    """The serialized state of one sequence of a llama_context (`llama_state_seq_get_data_ext`), written into
+    `buf` when it is large enough (else into a new buffer)."""
+    size = llama_cpp.llama_state_seq_get_size_ext(ctx_ptr, seq_id, flags)
+    if buf is None or len(buf) < size:
+        buf = (ctypes.c_uint8 * size)()
+    n = llama_cpp.llama_state_seq_get_data_ext(ctx_ptr, buf, size, seq_id, flags)
+    return ctypes.string_at(buf, n)
+
+
+def set_seq_state(ctx_ptr, seq_id: int, data: bytes, flags: int = 0) -> bool:
+    """Restore one sequence of a llama_context from `seq_state` bytes; False (and an empty sequence) on failure.
+    llama.cpp reads `bytes` in place (it only reads); other buffers are copied first."""
+    return llama_cpp.llama_state_seq_set_data_ext(ctx_ptr, _read_only_u8(data), len(data), seq_id, flags) > 0
+
+
 class Context:
     """One llama_context: the slots' sequences live in its memory (seq id = slot id)."""
 
@@ -133,19 +149,15 @@ class Context:
         llama.cpp writes into a buffer the context keeps (grown as needed, up to `KEEP_STATE_BUFFER`; no
         fresh pages at every checkpoint); the bytes come out of it in one memcpy."""
         size = llama_cpp.llama_state_seq_get_size_ext(self.ptr, seq_id, flags)
-        buf = self._state_buf
-        if buf is None or len(buf) < size:
-            buf = (ctypes.c_uint8 * size)()
-            if size <= KEEP_STATE_BUFFER:
-                self._state_buf = buf
-        n = llama_cpp.llama_state_seq_get_data_ext(self.ptr, buf, size, seq_id, flags)
-        return ctypes.string_at(buf, n)
+        if (self._state_buf is None or len(self._state_buf) < size) and size <= KEEP_STATE_BUFFER:
+            self._state_buf = (ctypes.c_uint8 * size)()
+        return seq_state(self.ptr, seq_id, flags, self._state_buf)
 
     def set_state_seq(self, seq_id: int, data: bytes, flags: int = 0) -> bool:
         """Restore one sequence from `state_seq` bytes; False (and an empty sequence) on failure.
 
         llama.cpp reads `bytes` in place (it only reads); other buffers are copied first."""
-        return llama_cpp.llama_state_seq_set_data_ext(self.ptr, _read_only_u8(data), len(data), seq_id, flags) > 0
+        return set_seq_state(self.ptr, seq_id, data, flags)
 
     def close(self) -> None:
         """Free the context (the model stays loaded)."""

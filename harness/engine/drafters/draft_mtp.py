@@ -14,7 +14,7 @@ import llama_cpp
 import numpy as np
 from llama_cpp import llama_cpp_ext
 
-from harness.engine.context import Context
+from harness.engine.context import Context, seq_state, set_seq_state
 from harness.engine.drafters.base import Drafter, DraftRequest
 from harness.engine.drafters.draft_model import top10_best
 from harness.errors import HarnessError
@@ -148,18 +148,14 @@ class DraftMTP(Drafter):
 
     def save_seq(self, seq_id: int) -> tuple[bytes, np.ndarray | None]:
         """The MTP context's sequence (its nextn KV) and the target's row that waits for the next token."""
-        size = llama_cpp.llama_state_seq_get_size_ext(self.ctx, seq_id, 0)
-        buf = (ctypes.c_uint8 * size)()
-        n = llama_cpp.llama_state_seq_get_data_ext(self.ctx, buf, size, seq_id, 0)
         row = self.pending.get(seq_id)
-        return ctypes.string_at(buf, n), None if row is None else row.copy()
+        return seq_state(self.ctx, seq_id), None if row is None else row.copy()
 
     def load_seq(self, seq_id: int, state: tuple[bytes, np.ndarray | None]) -> bool:
         data, row = state
         llama_cpp.llama_memory_seq_rm(self.memory, seq_id, -1, -1)
         self.pending.pop(seq_id, None)
-        buf = (ctypes.c_uint8 * len(data)).from_buffer_copy(data)
-        if llama_cpp.llama_state_seq_set_data_ext(self.ctx, buf, len(data), seq_id, 0) <= 0:
+        if not set_seq_state(self.ctx, seq_id, data):
             return False
         if row is not None:
             self.pending[seq_id] = row.copy()
