@@ -66,12 +66,10 @@ SPEC_PRESETS: dict[str, SpecPreset] = {
     # target rolls back inside 3 recurrent snapshots on both backends (llama-server's need_n_rs_seq)
     "draft-mtp": SpecPreset({"spec-type": "draft-mtp", "spec-draft-n-max": 3}),
     # draft heads fed with the target's hidden states, generated for tiny-hybrid-mtp (`-md` its `<model>-eagle3` /
-    # `-dflash` / `-dspark`); llama-server only. The tiny DFlash head's drafts are never accepted (its mask slots
-    # are not trained to read the anchor), so its cells check verification, not acceptance
+    # `-dflash` / `-dspark`); llama-server only. The tiny DFlash head's block is 2 (the anchor and one mask slot),
+    # so llama-server clamps its drafts to 1 token (block_size - 1)
     "draft-eagle3": SpecPreset({"spec-type": "draft-eagle3", "spec-draft-n-max": 3}, server_only=True),
-    "draft-dflash": SpecPreset(
-        {"spec-type": "draft-dflash", "spec-draft-n-max": 3}, expect_accepts=False, server_only=True
-    ),
+    "draft-dflash": SpecPreset({"spec-type": "draft-dflash", "spec-draft-n-max": 3}, server_only=True),
     "draft-dspark": SpecPreset({"spec-type": "draft-dspark", "spec-draft-n-max": 3}, server_only=True),
     "scripted-accept": SpecPreset({}, scripted="accept-all"),
     # every draft rejected: a draft-simple draft is synthetically accepted with probability 0 (`--spec-synth-len 1`

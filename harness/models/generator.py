@@ -70,9 +70,13 @@ class Recipe:
     """A draft head for llama-server's draft-eagle3 / draft-dflash / draft-dspark (`eagle3`, `dflash`, `dspark`),
     fed with the hidden states of `head_of`, whose embedding and output it reuses (see `_write_head`)."""
     head_of: str | None = None
+    reads_anchor: bool = False
+    """`dflash` heads only: the mask slot attends to the block's anchor token and copies its embedding, so it
+    predicts the target's likely next token, as EAGLE3's head does (see `_dflash_anchor_reader`); the block is 2
+    (the anchor and one mask slot), so each step drafts one token."""
 
 
-_NEW_FIELDS = {"trunk_gain": 1.0, "mtp": 0.0, "head": "", "head_of": None}
+_NEW_FIELDS = {"trunk_gain": 1.0, "mtp": 0.0, "head": "", "head_of": None, "reads_anchor": False}
 """Recipe fields added after models were first published: left out of a fingerprint at their defaults, so the
 older models keep their file names."""
 
@@ -138,7 +142,14 @@ RECIPES: dict[str, Recipe] = {
         dataclasses.replace(_HYBRID, name="tiny-hybrid-mtp", trunk_gain=0.15, mtp=0.1),
         # Draft heads for llama-server's draft-eagle3 / -dflash / -dspark on tiny-hybrid-mtp (its layer inputs)
         *(
-            dataclasses.replace(_HYBRID, name=f"tiny-hybrid-mtp-{head}", seed=8, head=head, head_of="tiny-hybrid-mtp")
+            dataclasses.replace(
+                _HYBRID,
+                name=f"tiny-hybrid-mtp-{head}",
+                seed=8,
+                head=head,
+                head_of="tiny-hybrid-mtp",
+                reads_anchor=head == "dflash",
+            )
             for head in ("eagle3", "dflash", "dspark")
         ),
     )
@@ -383,28 +394,24 @@ the `trunk_gain`-damped target mostly predicts from that token (the MTP block's 
 def _write_head(recipe: Recipe, writer: gguf.GGUFWriter) -> dict[str, np.ndarray]:
     """The keys (into `writer`) and tensors of a one-layer draft head for `recipe.head_of`, a qwen35 target, as
     src/models/eagle3.cpp and dflash.cpp load them. All read the target's layer inputs 1..3 (`target_layers`) and
-    take the embedding and output matrix from the target (no `token_embd` / `output` of their own); DFlash and
-    DSpark draft blocks of 4 (the anchor and up to 3 mask tokens, id 0). EAGLE3's attention looks at its own
-    position (Q = K = 2 x the normed embedding) and V copies it, so the decoder passes the token's embedding
-    through: it predicts the target's likely next token. DSpark adds a Markov head whose bias is the target's
-    bigram logits (w1 = the normed embeddings, w2 = the output matrix) of the previous token. Plain DFlash
-    reads its drafts at the mask positions, which nothing untrained makes read the anchor: its drafts are
-    never accepted."""
+    take the embedding and output matrix from the target (no `token_embd` / `output` of their own). EAGLE3's
+    attention looks at its own position (Q = K = 2 x the normed embedding) and V copies it, so the decoder passes
+    the token's embedding through: it predicts the target's likely next token. DSpark drafts blocks of 4 (the
+    anchor and 3 mask tokens, id 0) with a random decoder and a Markov head whose bias is the target's bigram
+    logits (w1 = the normed embeddings, w2 = the output matrix) of the previous token. DFlash reads its draft at
+    the mask slot, which attends to the anchor (`_dflash_anchor_reader`)."""
     target = RECIPES[recipe.head_of]
     hp = target.hparams
     tt = _build(target, _NoWriter()).arrays
-    e, n_head, ff = hp.n_embd, hp.n_head, hp.n_ff
-    head_dim = e // n_head
+    e, ff = hp.n_embd, hp.n_ff
     rng = np.random.default_rng(recipe.seed)
-    eye = np.eye(e, dtype=np.float32)
 
     def w(ne0: int, ne1: int, std: float) -> np.ndarray:
         return rng.standard_normal((ne1, ne0), dtype=np.float32) * np.float32(std / np.sqrt(ne0))
 
-    def ones(n: int) -> np.ndarray:
-        return np.ones(n, dtype=np.float32)
-
-    arch = "eagle3" if recipe.head == "eagle3" else "dflash"
+    arch = file_arch(recipe)
+    # DFlash's anchor reader: two query heads over one KV head as wide as the embedding (see its docstring)
+    n_head, n_head_kv, head_dim = (2, 1, e) if recipe.reads_anchor else (hp.n_head, hp.n_head_kv, e // hp.n_head)
     writer.add_name(recipe.name)
     writer.add_file_type(gguf.LlamaFileType.ALL_F32)
     writer.add_context_length(hp.n_ctx)
@@ -417,36 +424,38 @@ def _write_head(recipe: Recipe, writer: gguf.GGUFWriter) -> dict[str, np.ndarray
     writer.add_array(f"{arch}.target_layers", list(range(hp.n_layer - 3, hp.n_layer)))
     for key, value, vtype, sub_type in _tokenizer_fields():
         writer.add_key_value(key, value, vtype, sub_type=sub_type)
-    t: dict[str, np.ndarray] = {}
+    t: dict[str, np.ndarray] = {"output_norm.weight": np.ones(e, dtype=np.float32)}
     if arch == "eagle3":
+        eye = np.eye(e, dtype=np.float32)
         writer.add_head_count_kv(n_head)  # V as wide as the embedding: it carries the token's embedding
         writer.add_uint32("eagle3.target_hidden_size", e)
         t["fc.weight"] = w(3 * e, e, HEAD_GAIN)
-        t["output_norm.weight"] = ones(e)
-        t["blk.0.attn_norm.weight"] = ones(e)
-        t["blk.0.attn_norm_2.weight"] = ones(e)
+        t["blk.0.attn_norm.weight"] = np.ones(e, dtype=np.float32)
+        t["blk.0.attn_norm_2.weight"] = np.ones(e, dtype=np.float32)
         t["blk.0.attn_q.weight"] = np.concatenate([2 * eye + w(e, e, 0.3), w(e, e, 0.3)], axis=1)
         t["blk.0.attn_k.weight"] = np.concatenate([2 * eye + w(e, e, 0.3), w(e, e, 0.3)], axis=1)
         t["blk.0.attn_v.weight"] = np.concatenate([eye, w(e, e, HEAD_GAIN)], axis=1)
         t["blk.0.attn_output.weight"] = eye + w(e, e, HEAD_GAIN)
-        t["blk.0.ffn_norm.weight"] = ones(e)
+        t["blk.0.ffn_norm.weight"] = np.ones(e, dtype=np.float32)
     else:
-        writer.add_head_count_kv(hp.n_head_kv)
+        writer.add_head_count_kv(n_head_kv)
         writer.add_key_length(head_dim)
         writer.add_value_length(head_dim)
-        writer.add_uint32("dflash.block_size", 4)
-        writer.add_uint32("tokenizer.ggml.mask_token_id", 0)
-        t["fc.weight"] = w(3 * e, e, HEAD_GAIN)
-        t["enc.output_norm.weight"] = ones(e)
-        t["output_norm.weight"] = ones(e)
-        t["blk.0.attn_norm.weight"] = ones(e)
-        t["blk.0.attn_q.weight"] = w(e, n_head * head_dim, 1.0)
-        t["blk.0.attn_k.weight"] = w(e, hp.n_head_kv * head_dim, 1.0)
-        t["blk.0.attn_v.weight"] = w(e, hp.n_head_kv * head_dim, 1.0)
-        t["blk.0.attn_output.weight"] = w(n_head * head_dim, e, HEAD_GAIN)
-        t["blk.0.attn_q_norm.weight"] = ones(head_dim)
-        t["blk.0.attn_k_norm.weight"] = ones(head_dim)
-        t["blk.0.ffn_norm.weight"] = ones(e)
+        writer.add_uint32("dflash.block_size", 2 if recipe.reads_anchor else 4)
+        writer.add_uint32("tokenizer.ggml.mask_token_id", MASK_TOKEN)
+        t["enc.output_norm.weight"] = np.ones(e, dtype=np.float32)
+        t["blk.0.attn_norm.weight"] = np.ones(e, dtype=np.float32)
+        t["blk.0.ffn_norm.weight"] = np.ones(e, dtype=np.float32)
+        if recipe.reads_anchor:
+            t.update(_dflash_anchor_reader(tt, w(3 * e, e, 1.0), rng))
+        else:
+            t["fc.weight"] = w(3 * e, e, HEAD_GAIN)
+            t["blk.0.attn_q.weight"] = w(e, n_head * head_dim, 1.0)
+            t["blk.0.attn_k.weight"] = w(e, n_head_kv * head_dim, 1.0)
+            t["blk.0.attn_v.weight"] = w(e, n_head_kv * head_dim, 1.0)
+            t["blk.0.attn_output.weight"] = w(n_head * head_dim, e, HEAD_GAIN)
+            t["blk.0.attn_q_norm.weight"] = np.ones(head_dim, dtype=np.float32)
+            t["blk.0.attn_k_norm.weight"] = np.ones(head_dim, dtype=np.float32)
         if recipe.head == "dspark":
             emb = tt["token_embd.weight"]
             t["markov_w1.weight"] = emb / np.sqrt((emb * emb).mean(axis=1, keepdims=True) + np.float32(1e-6))
@@ -454,7 +463,68 @@ def _write_head(recipe: Recipe, writer: gguf.GGUFWriter) -> dict[str, np.ndarray
     t["blk.0.ffn_gate.weight"] = w(e, ff, 1.0)
     t["blk.0.ffn_up.weight"] = w(e, ff, 1.0)
     t["blk.0.ffn_down.weight"] = w(ff, e, HEAD_GAIN)
-    return t
+    if recipe.reads_anchor:
+        t["blk.0.ffn_down.weight"] = np.zeros_like(t["blk.0.ffn_down.weight"])  # the FFN adds nothing
+    return {name: t[name] for name in _HEAD_TENSORS if name in t}
+
+
+_HEAD_TENSORS = (
+    "fc.weight",
+    "enc.output_norm.weight",
+    "output_norm.weight",
+    *(
+        f"blk.0.{n}.weight"
+        for n in ("attn_norm", "attn_norm_2", "attn_q", "attn_k", "attn_v", "attn_output", "attn_q_norm")
+    ),
+    *(f"blk.0.{n}.weight" for n in ("attn_k_norm", "ffn_norm")),
+    "markov_w1.weight",
+    "markov_w2.weight",
+    *(f"blk.0.{n}.weight" for n in ("ffn_gate", "ffn_up", "ffn_down")),
+)
+"""The order the heads' tensors are written in (their files' bytes depend on it)."""
+
+
+MASK_TOKEN = 0
+"""The DFlash / DSpark heads' `tokenizer.ggml.mask_token_id` (the vocab's <unk>)."""
+
+
+def _dflash_anchor_reader(tt: dict[str, np.ndarray], features: np.ndarray, rng: np.random.Generator) -> dict:
+    """The attention of a DFlash head whose mask slot reads the anchor (the last sampled token) and nothing else:
+    its draft is the target's likely next token (the bigram of the `trunk_gain`-damped target, as EAGLE3's head).
+
+    One KV head as wide as the embedding e, two query heads. With x the RMS-normed embedding and x0 the mask
+    token's, K = (u . x) on the last head dim (u a unit vector orthogonal to x0), which the K norm makes
+    +-sqrt(e) times 1.5: the anchor's key is +-k, the mask slots' keys are 0, and the injected target features'
+    keys are 0 too (`fc`'s rows are orthogonal to u). The mask slot's query is +q in head 0 and -q in head 1, so
+    whatever the anchor's sign, one head scores it 1.5^2 sqrt(e) (about 25 for e = 128: e^25 outweighs any
+    context) and takes its V, and the other scores it -25 and averages the rest (V of the mask token: 0; of the
+    features: a tenth, through `enc.output_norm`). V = x without its x0 part, so the two heads' sum, 4 times
+    through `attn_output`, is the anchor's embedding plus a tenth of the context's features, the target's final
+    norm then predicts from it. The last head dim sits in RoPE's slowest pair, so the anchor one position back
+    scores as if it were at the slot's own position."""
+    emb = tt["token_embd.weight"]
+    e = emb.shape[1]
+    x0 = emb[MASK_TOKEN] / np.linalg.norm(emb[MASK_TOKEN])
+    u = rng.standard_normal(e).astype(np.float32)
+    u -= (u @ x0) * x0
+    u /= np.linalg.norm(u)
+    last = np.zeros(e, dtype=np.float32)
+    last[-1] = 1.0
+    q = np.outer(last, x0)
+    sharp = np.ones(e, dtype=np.float32)
+    sharp[-1] = 1.5
+    eye = np.eye(e, dtype=np.float32)
+    return {
+        "fc.weight": (eye - np.outer(u, u)) @ features,
+        "enc.output_norm.weight": np.full(e, 0.1, dtype=np.float32),
+        "output_norm.weight": tt["output_norm.weight"],
+        "blk.0.attn_q.weight": np.concatenate([q, -q], axis=0),
+        "blk.0.attn_k.weight": np.outer(last, u),
+        "blk.0.attn_v.weight": eye - np.outer(x0, x0),
+        "blk.0.attn_output.weight": 4 * np.concatenate([eye, eye], axis=1),
+        "blk.0.attn_q_norm.weight": sharp,
+        "blk.0.attn_k_norm.weight": sharp,
+    }
 
 
 def file_arch(recipe: Recipe) -> str:
