@@ -54,7 +54,8 @@ WORK_COUNTERS = (
   context's state it keeps with them);
 - `partial_rollbacks`: rejections rolled back without a checkpoint (`seq_rm`: the `n_rs_seq` snapshots of a
   hybrid, the attention cells of a dense model);
-- `draft_decoded`: tokens a draft model's context decoded for the request (its copy of the prompt included)."""
+- `draft_decoded`: tokens a draft model's context (or the MTP drafter's) decoded for the request (its copy of the prompt
+  included)."""
 
 
 CKPT_SIZE_FIELDS = ("kind", "n_tokens", "bytes")

@@ -60,6 +60,16 @@ def test_the_output_is_the_output_without_speculation_on_both_backends(runs):
     assert [r.tokens for r in runs["inproc", "none"]] == [r.tokens for r in runs["server", "none"]]
 
 
+def test_the_mtp_context_decodes_count_as_draft_decodes_every_target_token_plus_one_per_drafted_token(runs):
+    """`draft_decoded` of a draft-mtp request: the MTP context follows every token the target decodes for the
+    request (prompt, verifications) and decodes once per drafted token (id_last, then each draft but the last).
+    It was 0 before the MTP drafter counted into the work meter."""
+    for r in runs["inproc", "draft-mtp"]:
+        w = r.work
+        assert w.draft_decoded == w.target_decoded + r.spec_stats["draft_n"] > w.target_decoded, (w, r.spec_stats)
+    assert all(r.work.draft_decoded == 0 for r in runs["inproc", "none"])
+
+
 def test_auto_rollback_is_partial_under_draft_mtp_and_checkpoint_drafts_less():
     """llama-server gives the target n_rs_seq = n_max snapshots for draft-mtp: the engine's `auto` does the same;
     checkpoint rollback (no snapshots) replays after each rejection, so fewer steps draft, with the same output."""

@@ -6,7 +6,8 @@ The scheduler and the speculation call these at the events they count:
 - `checkpoint_created` / `checkpoint_restored` with the state's bytes, `partial_rollback` for a rejection rolled
   back with `seq_rm` alone.
 A draft model's context counts its own decodes per sequence (`DecodeMeter`, switched on by `meter_drafts`): the
-drafters are not edited for it, and every decode into their context is counted whatever made it.
+drafters are not edited for it, and every decode into their context is counted whatever made it. The MTP drafter
+decodes through llama_process on a batch of its own, and counts into the meter it is given.
 """
 
 from collections import Counter
@@ -27,23 +28,31 @@ class DecodeMeter:
         for i in range(batch.n_tokens):
             self.counts[s.seq_id[i][0]] += 1
 
+    def add(self, seq_ids: list[int]) -> None:
+        """One decoded batch whose tokens belong to these sequences (one id per token)."""
+        self.counts.update(seq_ids)
+
     def take(self, seq_id: int) -> int:
         """The tokens counted for `seq_id` since the last take (and start again from 0)."""
         return self.counts.pop(seq_id, 0)
 
 
-def meter_drafts(drafters: list, target: Context) -> list[Context]:
-    """Switch on the decode meter of every drafter's own context (a draft model's); returns those contexts."""
-    contexts = []
+def meter_drafts(drafters: list, target: Context) -> list:
+    """Switch on the decode meter of every drafter's own context (a draft model's, or the MTP drafter's); returns
+    the objects whose `meter` counts."""
+    metered = []
     for d in drafters:
         ctx = getattr(d, "ctx", None)
-        if isinstance(ctx, Context) and ctx is not target and ctx not in contexts:
+        if isinstance(ctx, Context) and ctx is not target and ctx not in metered:
             ctx.meter = DecodeMeter()
-            contexts.append(ctx)
-    return contexts
+            metered.append(ctx)
+        elif not isinstance(ctx, Context) and hasattr(d, "meter") and d not in metered:
+            d.meter = DecodeMeter()
+            metered.append(d)
+    return metered
 
 
-def _drafts(spec) -> list[Context]:
+def _drafts(spec) -> list:
     return getattr(spec, "metered", []) if spec is not None else []
 
 

@@ -60,6 +60,10 @@ class DraftMTP(Drafter):
         """seq → the target's row to pair with the sequence's next token (kept across requests, as in llama.cpp)."""
         self.verify: dict[int, np.ndarray] = {}
         """seq → the target's rows of the sequence's tokens in the last target batch (row 0: the sampled token)."""
+        self.meter = None
+        """Switched on by harness.engine.work.meter_drafts: counts the MTP context's decodes per sequence."""
+        self.batch_seqs: list[int] = []
+        """The sequence of each token in `batch` (what `meter` counts once the batch decodes)."""
 
     def _row(self, seq_id: int) -> np.ndarray:
         return self.pending.setdefault(seq_id, np.zeros(self.n_embd, dtype=np.float32))
@@ -70,6 +74,7 @@ class DraftMTP(Drafter):
         idx = llama_cpp.llama_batch_ext_add_token(self.batch, seq_id, token)
         if idx < 0:
             raise HarnessError(f"draft-mtp: the MTP batch refused a token ({idx})")
+        self.batch_seqs.append(seq_id)
         embd = llama_cpp.llama_embd(row.ctypes.data_as(ctypes.POINTER(ctypes.c_float)), 1, self.n_embd)
         llama_cpp.llama_batch_ext_set_embd_token(self.batch, idx, embd)
         llama_cpp.llama_batch_ext_set_pos(self.batch, idx, (llama_cpp.llama_pos * 1)(pos))
@@ -77,8 +82,15 @@ class DraftMTP(Drafter):
             llama_cpp.llama_batch_ext_set_output_logits(self.batch, idx, True)
         return idx
 
+    def _clear(self) -> None:
+        llama_cpp.llama_batch_ext_clear(self.batch)
+        self.batch_seqs = []
+
     def _process(self) -> int:
-        return llama_cpp.llama_process(self.ctx, llama_cpp.LLAMA_PROCESS_TYPE_DECODE, self.batch)
+        status = llama_cpp.llama_process(self.ctx, llama_cpp.LLAMA_PROCESS_TYPE_DECODE, self.batch)
+        if status == 0 and self.meter is not None:
+            self.meter.add(self.batch_seqs)
+        return status
 
     def begin(self, seq_id: int, prompt: list[int]) -> None:
         """The MTP context already holds the prompt (it followed every prompt batch)."""
@@ -92,7 +104,7 @@ class DraftMTP(Drafter):
             llama_cpp_ext.llama_get_embeddings_nextn(self.target.ptr), shape=(len(entries), self.n_embd)
         ).copy()
         first: dict[int, int] = {}
-        llama_cpp.llama_batch_ext_clear(self.batch)
+        self._clear()
         keep: list = []
         for k, (token, pos, seq_id, _) in enumerate(entries):
             first.setdefault(seq_id, k)
@@ -111,7 +123,7 @@ class DraftMTP(Drafter):
         seq_id, pos0 = req.seq_id, len(req.history)
         n_max = min(self.n_max, req.n_max)
         result: list[int] = []
-        llama_cpp.llama_batch_ext_clear(self.batch)
+        self._clear()
         keep: list = []
         idx = self._add(req.id_last, pos0, seq_id, self._row(seq_id), True, keep)
         while True:
@@ -127,7 +139,7 @@ class DraftMTP(Drafter):
             row = np.ctypeslib.as_array(
                 llama_cpp_ext.llama_get_embeddings_nextn_ith(self.ctx, idx), shape=(self.n_embd,)
             ).copy()
-            llama_cpp.llama_batch_ext_clear(self.batch)
+            self._clear()
             keep = []
             idx = self._add(token, pos0 + len(result), seq_id, row, True, keep)
         llama_cpp.llama_memory_seq_rm(self.memory, seq_id, pos0, -1)
