@@ -86,7 +86,7 @@ def test_without_its_known_failure_entry_the_abort_fails_the_run(tmp_path, monke
     assert main(["run", "--suite", "small-ubatch", "--out", "run"]) == 1
     failed = [c for c in checks_of(tmp_path / "run") if not c["passed"]]
     assert {(c["spec"], c["check"]) for c in failed} == {
-        (spec, "no-crash") for spec in ("draft-simple", "draft-mtp", "draft-eagle3", "draft-dspark")
+        (spec, "no-crash") for spec in ("draft-simple", "draft-mtp", "draft-eagle3", "draft-dflash", "draft-dspark")
     }
 
 
