@@ -25,8 +25,7 @@ class DecodeMeter:
 
     def count(self, batch) -> None:
         s = batch.struct
-        for i in range(batch.n_tokens):
-            self.counts[s.seq_id[i][0]] += 1
+        self.add([s.seq_id[i][0] for i in range(batch.n_tokens)])
 
     def add(self, seq_ids: list[int]) -> None:
         """One decoded batch whose tokens belong to these sequences (one id per token)."""

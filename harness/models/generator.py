@@ -472,11 +472,8 @@ _HEAD_TENSORS = (
     "fc.weight",
     "enc.output_norm.weight",
     "output_norm.weight",
-    *(
-        f"blk.0.{n}.weight"
-        for n in ("attn_norm", "attn_norm_2", "attn_q", "attn_k", "attn_v", "attn_output", "attn_q_norm")
-    ),
-    *(f"blk.0.{n}.weight" for n in ("attn_k_norm", "ffn_norm")),
+    *(f"blk.0.{n}.weight" for n in ("attn_norm", "attn_norm_2", "attn_q", "attn_k", "attn_v", "attn_output")),
+    *(f"blk.0.{n}.weight" for n in ("attn_q_norm", "attn_k_norm", "ffn_norm")),
     "markov_w1.weight",
     "markov_w2.weight",
     *(f"blk.0.{n}.weight" for n in ("ffn_gate", "ffn_up", "ffn_down")),
