@@ -62,11 +62,12 @@ def test_the_type_drafts_and_gets_drafts_accepted_in_a_default_suite_in_seq_and_
     assert accepted_in == {"seq", "par"}, f"{spec}: drafts accepted only in {sorted(accepted_in)}"
 
 
-def test_the_heads_run_on_llama_server_in_every_mode_lossless_and_dflash_accepts_20_to_95_percent():
+def test_the_heads_run_on_llama_server_in_every_mode_lossless_and_accept_20_to_95_percent_of_each_request_in_seq():
     """quicksort serves the generated EAGLE3, DFlash and DSpark heads of tiny-hybrid-mtp on llama-server in seq, par
     and no-kv-unified; every baseline row keeps the output of no speculation and some drafts are accepted in each
-    mode. DFlash (one token a step: its block is 2) accepts 20-95 % in seq. EAGLE3 and DSpark draft 3 tokens
-    from bigram-like heads and accept 19.6 % and 17.6 % in seq (2026-11-26)."""
+    mode. In seq each request accepts 20-95 % of its drafts (2026-11-26, session 11, three rounds: EAGLE3 78 of
+    240, DFlash 69 of 201, DSpark 117 of 471). par and no-kv-unified are held to seq by `acceptance`: EAGLE3's
+    round sent at once falls there (known failure server-eagle3-acceptance-falls-with-slots-verifying-together)."""
     suite = load_suite("quicksort")
     heads = ("draft-eagle3", "draft-dflash", "draft-dspark")
     by_key = {(c.backend, c.mode, c.spec): c for c in cells(suite.matrix) if c.model == "tiny-hybrid-mtp"}
@@ -81,9 +82,9 @@ def test_the_heads_run_on_llama_server_in_every_mode_lossless_and_dflash_accepts
                 plain = json.loads(path.read_text())["work"][f"{mode}/none"]
                 assert {r["output"] for r in case_rows + plain} == {plain[0]["output"]}, (head, mode, case)
             assert sum(r["draft_n_accepted"] for rs in rows.values() for r in rs) > 0, (head, mode)
-    rows = [r for rs in baseline_rows(suite, by_key[("server", "seq", "draft-dflash")]).values() for r in rs]
-    accepted, drafted = sum(r["draft_n_accepted"] for r in rows), sum(r["draft_n"] for r in rows)
-    assert 0.2 <= accepted / drafted <= 0.95, (accepted, drafted)
+        for case, case_rows in baseline_rows(suite, by_key[("server", "seq", head)]).items():
+            for r in case_rows:
+                assert 0.2 <= r["draft_n_accepted"] / r["draft_n"] <= 0.95, (head, case, r)
 
 
 def test_draft_mtp_on_both_backends_drafts_alike_within_20_to_95_percent_in_every_mode():

@@ -74,9 +74,20 @@ class Recipe:
     """`dflash` heads only: the mask slot attends to the block's anchor token and copies its embedding, so it
     predicts the target's likely next token, as EAGLE3's head does (see `_dflash_anchor_reader`); the block is 2
     (the anchor and one mask slot), so each step drafts one token."""
+    decoder_gain: float = 1.0
+    """`dspark` heads only: the decoder's output norm weight. Below 1 the decoder's logits flatten beside the
+    Markov head's bias (the target's bigram logits of the previous token), so the drafts follow the target's
+    bigram chain and the decoder only breaks near-ties."""
 
 
-_NEW_FIELDS = {"trunk_gain": 1.0, "mtp": 0.0, "head": "", "head_of": None, "reads_anchor": False}
+_NEW_FIELDS = {
+    "trunk_gain": 1.0,
+    "mtp": 0.0,
+    "head": "",
+    "head_of": None,
+    "reads_anchor": False,
+    "decoder_gain": 1.0,
+}
 """Recipe fields added after models were first published: left out of a fingerprint at their defaults, so the
 older models keep their file names."""
 
@@ -115,6 +126,9 @@ _LONG = Recipe(
 that a 16k-token prompt takes seconds: llama-server caps a slot's context at the model's n_ctx_train, and the
 other tiny models say 4096."""
 
+DSPARK_DECODER_GAIN = 0.1
+"""The generated DSpark head's `decoder_gain` (quicksort, llama-server, seq: see docs/upstream-defects.md)."""
+
 # Draft noise S: teacher-forced greedy agreement with the target, measured with
 # harness.models.agreement.teacher_forced_agreement (4 prompts x 64 tokens; 2 x 48 in brackets).
 # Chosen mid-band so drafts are accepted often but not always (S=0.025: dense 0.895, hybrid 0.789).
@@ -149,6 +163,7 @@ RECIPES: dict[str, Recipe] = {
                 head=head,
                 head_of="tiny-hybrid-mtp",
                 reads_anchor=head == "dflash",
+                decoder_gain=DSPARK_DECODER_GAIN if head == "dspark" else 1.0,
             )
             for head in ("eagle3", "dflash", "dspark")
         ),
@@ -397,9 +412,10 @@ def _write_head(recipe: Recipe, writer: gguf.GGUFWriter) -> dict[str, np.ndarray
     take the embedding and output matrix from the target (no `token_embd` / `output` of their own). EAGLE3's
     attention looks at its own position (Q = K = 2 x the normed embedding) and V copies it, so the decoder passes
     the token's embedding through: it predicts the target's likely next token. DSpark drafts blocks of 4 (the
-    anchor and 3 mask tokens, id 0) with a random decoder and a Markov head whose bias is the target's bigram
-    logits (w1 = the normed embeddings, w2 = the output matrix) of the previous token. DFlash reads its draft at
-    the mask slot, which attends to the anchor (`_dflash_anchor_reader`)."""
+    anchor and 3 mask tokens, id 0) with a random decoder, whose logits its output norm (`decoder_gain`) flattens,
+    and a Markov head whose bias is the target's bigram logits (w1 = the normed embeddings, w2 = the output
+    matrix) of the previous token. DFlash reads its draft at the mask slot, which attends to the anchor
+    (`_dflash_anchor_reader`)."""
     target = RECIPES[recipe.head_of]
     hp = target.hparams
     tt = _build(target, _NoWriter()).arrays
@@ -457,6 +473,7 @@ def _write_head(recipe: Recipe, writer: gguf.GGUFWriter) -> dict[str, np.ndarray
             t["blk.0.attn_q_norm.weight"] = np.ones(head_dim, dtype=np.float32)
             t["blk.0.attn_k_norm.weight"] = np.ones(head_dim, dtype=np.float32)
         if recipe.head == "dspark":
+            t["output_norm.weight"] = np.full(e, recipe.decoder_gain, dtype=np.float32)
             emb = tt["token_embd.weight"]
             t["markov_w1.weight"] = emb / np.sqrt((emb * emb).mean(axis=1, keepdims=True) + np.float32(1e-6))
             t["markov_w2.weight"] = tt["output.weight"]
