@@ -285,6 +285,21 @@ def test_build_is_cached_and_rebuilt_when_a_source_changes(fake_tree, tmp_path):
     assert _entries(tmp_path) == sorted([root.name, second.server_bin.parent.parent.name])  # nothing half-built
 
 
+def test_build_cached_only_says_in_one_line_that_a_build_is_missing_and_compiles_nothing(fake_tree, tmp_path, capsys):
+    from harness.cli import main
+
+    assert main(["build", "--source", str(fake_tree), "--cached-only"]) == 1
+    out = capsys.readouterr().out
+    assert out.count("\n") == 1 and out.startswith(f"no cached llama-server of {fake_tree} (cpu): build it with")
+    assert not (tmp_path / "cache" / "builds").exists() or _entries(tmp_path) == []
+    assert main(["build", "--release", "0.0.1", "--cached-only"]) == 1  # never extracted: nothing fetched
+    assert "no cached llama-server of llama-cpp-python 0.0.1's llama.cpp" in capsys.readouterr().out
+    assert not (tmp_path / "cache" / "downloads").exists()
+    built = ensure_server(fake_tree, "cpu", [], jobs=2)
+    assert main(["build", "--source", str(fake_tree), "--cached-only"]) == 0
+    assert f"llama-server  {built.server_bin}" in capsys.readouterr().out
+
+
 def _entries(tmp_path: Path) -> list[str]:
     """The build cache's entries, without the lock files beside them."""
     return sorted(p.name for p in (tmp_path / "cache" / "builds").iterdir() if p.suffix != ".lock")

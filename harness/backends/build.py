@@ -13,12 +13,14 @@ changed and a copy of a tree built before costs little (see "persistent build tr
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import importlib.metadata
 import json
 import os
 import platform
 import re
+import shlex
 import shutil
 import signal
 import subprocess
@@ -27,6 +29,7 @@ import tarfile
 import tempfile
 import time
 import zlib
+from collections.abc import Callable
 from contextlib import contextmanager, suppress
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -35,6 +38,14 @@ from filelock import FileLock, Timeout
 
 from harness import interrupt
 from harness.backends.flags import server_version
+from harness.backends.wheel_link import (
+    WheelLibraries,
+    copy_libraries,
+    installed_libraries,
+    library_digest,
+    link_plan,
+    relinked,
+)
 from harness.errors import HarnessError
 from harness.paths import cache_dir
 
@@ -64,6 +75,8 @@ class BuildInfo:
     source: str
     source_identity: str
     build_seconds: float = 0.0
+    linked_libraries: str = ""
+    """The llama-cpp-python libraries the binaries link (in the entry's lib/), or '' when compiled in."""
     cached: bool = False
     """True when this call reused an existing build (not stored in build-info.json)."""
 
@@ -126,11 +139,7 @@ def vendored_source(version: str | None = None) -> Path:
     Downloads the matching sdist with pip into the cache and extracts only `vendor/llama.cpp` into
     `cache_dir()/src/llama.cpp-<version>/`, recording the submodule commit the sdist carries.
     """
-    if version is None:
-        try:
-            version = importlib.metadata.version("llama-cpp-python")
-        except importlib.metadata.PackageNotFoundError:
-            raise HarnessError("llama-cpp-python is not installed; install it or pass --source DIR") from None
+    version = version or installed_version()
     dest = cache_dir() / "src" / f"llama.cpp-{version}"
     if _valid_marker(dest):
         return dest
@@ -146,6 +155,14 @@ def vendored_source(version: str | None = None) -> Path:
             )
             _replace_dir(tree, dest)  # dest may hold an earlier extraction with a bad or missing marker
     return dest
+
+
+def installed_version() -> str:
+    """The installed llama-cpp-python's version; HarnessError when it is not installed."""
+    try:
+        return importlib.metadata.version("llama-cpp-python")
+    except importlib.metadata.PackageNotFoundError:
+        raise HarnessError("llama-cpp-python is not installed; install it or pass --source DIR") from None
 
 
 def _valid_marker(tree: Path) -> bool:
@@ -289,13 +306,14 @@ def _is_source(rel: str) -> bool:
     return base == "CMakeLists.txt" or os.path.splitext(base)[1] in SOURCE_SUFFIXES
 
 
-def tree_digest(source: Path) -> str:
-    """sha256 over the relative path and bytes of every source-like file under `source`.
+def tree_digest(source: Path, only: list[str] | None = None) -> str:
+    """sha256 over the relative path and bytes of every source-like file under `source` (or only under its
+    relative paths `only`, files or directories).
 
     Skips `.git`, `models/`, `node_modules/`, `build*` directories and hidden directories.
     """
-    files: list[str] = []
-    stack = [""]
+    files: list[str] = [p for p in only or () if (source / p).is_file() and _is_source(p)]
+    stack = [p for p in only if (source / p).is_dir()] if only is not None else [""]
     while stack:
         rel = stack.pop()
         with os.scandir(source / rel) as entries:
@@ -315,9 +333,13 @@ def tree_digest(source: Path) -> str:
 # ------------------------------------------------------------------------------------------ builds
 
 
-def build_key(identity: SourceIdentity, backend: str, args: list[str]) -> str:
-    """The cache directory name of a build: backend, short commit and a hash of everything that matters."""
-    blob = json.dumps({"source": [identity.commit, identity.digest], "backend": backend, "cmake": args})
+def build_key(identity: SourceIdentity, backend: str, args: list[str], libraries: WheelLibraries | None = None) -> str:
+    """The cache directory name of a build: backend, short commit and a hash of everything that matters (with
+    the shared libraries it links, when it links llama-cpp-python's)."""
+    data = {"source": [identity.commit, identity.digest], "backend": backend, "cmake": args}
+    if libraries is not None:
+        data["link"] = libraries.digest
+    blob = json.dumps(data)
     return f"{backend}-{identity.commit[:8]}-{hashlib.sha256(blob.encode()).hexdigest()[:16]}"
 
 
@@ -338,11 +360,7 @@ def ensure_server(
     interrupt.phase("building")
     if server_bin is not None:
         return prebuilt_server(server_bin)
-    check_platform(backend)
-    args = cmake_options(backend, list(cmake_args or []))
-    source = (source or vendored_source()).resolve()
-    identity = source_identity(source)
-    root = cache_dir() / "builds" / build_key(identity, backend, args)
+    source, identity, args, libraries, root = _entry(source, backend, cmake_args)
     cached = load_build(root)
     if cached is not None:
         return cached
@@ -351,7 +369,51 @@ def ensure_server(
         cached = load_build(root)  # built by another process while we waited for the lock
         if cached is not None:
             return cached
-        return _build(source, identity, backend, args, root, jobs or os.cpu_count() or 1)
+        return _build(source, identity, backend, args, root, jobs or os.cpu_count() or 1, libraries)
+
+
+def cached_server(source: Path, backend: str = "cpu", cmake_args: list[str] | None = None) -> BuildInfo | None:
+    """The cached llama-server of (source, backend, CMake args), or None when it would have to be built."""
+    return load_build(_entry(source, backend, cmake_args)[-1])
+
+
+def _entry(source: Path | None, backend: str, cmake_args: list[str] | None):
+    """(source, identity, CMake args, linked libraries, cache entry) of a build of `source` (None: vendored)."""
+    check_platform(backend)
+    args = cmake_options(backend, list(cmake_args or []))
+    source = (source or vendored_source()).resolve()
+    identity = source_identity(source)
+    libraries = linkable_libraries(source, backend, list(cmake_args or []))
+    return source, identity, args, libraries, cache_dir() / "builds" / build_key(identity, backend, args, libraries)
+
+
+def extracted_source(version: str) -> Path | None:
+    """The vendored tree of llama-cpp-python `version` when it is already extracted in the cache, else None."""
+    tree = cache_dir() / "src" / f"llama.cpp-{version}"
+    return tree if _valid_marker(tree) else None
+
+
+def linkable_libraries(source: Path, backend: str, extra: list[str]) -> WheelLibraries | None:
+    """The installed llama-cpp-python's shared libraries when a build of `source` may link them instead of
+    compiling libllama, ggml and mtmd again (harness/backends/wheel_link.py): a CPU build without extra CMake
+    options, with Ninja, whose library sources equal those of the vendored tree the wheel was compiled from
+    (already extracted: deciding never downloads). None otherwise: everything is compiled."""
+    if backend != "cpu" or extra or not shutil.which("ninja"):
+        return None
+    libraries = installed_libraries()
+    if libraries is None:
+        return None
+    vendored = extracted_source(libraries.version)
+    if vendored is None:
+        return None
+    same = source == vendored.resolve() or library_digest(source, tree_digest) == _vendored_library_digest(vendored)
+    return libraries if same else None
+
+
+@functools.lru_cache(maxsize=4)
+def _vendored_library_digest(vendored: Path) -> str:
+    """The library digest of an extracted vendored tree (written once, never edited by the harness): once a process."""
+    return library_digest(vendored, tree_digest)
 
 
 def load_build(root: Path) -> BuildInfo | None:
@@ -433,14 +495,22 @@ def require_executable(path: Path) -> Path:
     return path
 
 
-def _build(source: Path, identity: SourceIdentity, backend: str, args: list[str], root: Path, jobs: int) -> BuildInfo:
-    """Configure and build into `<root>.tmp-<pid>`, keep bin/ + info + log, move to `root` (called under
-    the key's lock; an unusable entry already in `root` is replaced)."""
+def _build(
+    source: Path,
+    identity: SourceIdentity,
+    backend: str,
+    args: list[str],
+    root: Path,
+    jobs: int,
+    libraries: WheelLibraries | None = None,
+) -> BuildInfo:
+    """Configure and build into `<root>.tmp-<pid>`, keep bin/ (and lib/) + info + log, move to `root` (called
+    under the key's lock; an unusable entry already in `root` is replaced)."""
     _remove_stale_temps(root)
     tmp = root.with_name(f"{root.name}.tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     try:
-        info = _build_into(tmp, source, identity, backend, args, root, jobs)
+        info = _build_into(tmp, source, identity, backend, args, root, jobs, libraries)
         _replace_dir(tmp, root)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -471,33 +541,42 @@ def _remove_path(path: Path) -> None:
 
 
 def _build_into(
-    tmp: Path, source: Path, identity: SourceIdentity, backend: str, args: list[str], root: Path, jobs: int
+    tmp: Path,
+    source: Path,
+    identity: SourceIdentity,
+    backend: str,
+    args: list[str],
+    root: Path,
+    jobs: int,
+    libraries: WheelLibraries | None,
 ) -> BuildInfo:
-    """Build in the persistent tree of (source, backend, args), then copy the binaries into `tmp/bin`."""
+    """Build in the persistent tree of (source, backend, args), then put the binaries into `tmp/bin` (linked
+    against `libraries`, copied into `tmp/lib`, when given and the link works; else compiled in)."""
     log_path = tmp / "build.log"
     tmp.mkdir(parents=True)
     started = time.monotonic()
     stats_log = tmp / "ccache-stats.log"
+    env = compiler_cache_env(stats_log)
     with _mounted_tree(source, backend, args) as work, open(log_path, "w") as log:
         build_dir = work / "build"
+        what = f"against {libraries.describe()}" if libraries else "with its libraries compiled in"
         print(
-            f"building llama-server {identity} ({backend}) with {jobs} jobs in "
-            f"{build_tree_dir(source, backend, args)}; "
-            f"log: {log_path}",
+            f"building llama-server {identity} ({backend}) {what}, with {jobs} jobs in "
+            f"{build_tree_dir(source, backend, args)}; log: {log_path}",
             file=sys.stderr,
         )
-        steps = [("build", ["cmake", "--build", str(build_dir), "-j", str(jobs), "--target", *TARGETS])]
         if not _configured(build_dir):  # a configured tree re-runs CMake by itself when a CMakeLists.txt changes
             configure = ["cmake", "-S", str(work / "src"), "-B", str(build_dir), *_toolchain_args(backend), *args]
-            steps.insert(0, ("configure", configure))
-        for step, cmd in steps:
-            log.write("$ " + " ".join(cmd) + "\n")
-            log.flush()
-            if _run_logged(cmd, log, compiler_cache_env(stats_log)) != 0:
-                _fail(root, log_path, step)
+            _step(root, log_path, log, "configure", configure, env)
         (tmp / "bin").mkdir()
-        for target in TARGETS:
-            shutil.copy2(build_dir / "bin" / target, tmp / "bin" / target)
+        linked = libraries is not None and _link_to_libraries(
+            libraries, build_dir, tmp, jobs, log, env, lambda step: _fail(root, log_path, step)
+        )
+        if not linked:
+            build = ["cmake", "--build", str(build_dir), "-j", str(jobs), "--target", *TARGETS]
+            _step(root, log_path, log, "build", build, env)
+            for target in TARGETS:
+                shutil.copy2(build_dir / "bin" / target, tmp / "bin" / target)
         compiler = _compiler(build_dir)
     hits = compiler_cache_hits(stats_log)
     stats_log.unlink(missing_ok=True)
@@ -513,11 +592,50 @@ def _build_into(
         source=str(source),
         source_identity=str(identity),
         build_seconds=round(time.monotonic() - started, 1),
+        linked_libraries=libraries.describe() if linked else "",
     )
     with open(log_path, "a") as log:
         log.write(f"# compiler cache: {hits}\n" if hits else "# compiler cache: not used\n")
     (tmp / "build-info.json").write_text(json.dumps(info.to_json(), indent=2) + "\n")
     return info
+
+
+def _step(root: Path, log_path: Path, log, step: str, cmd: list[str], env: dict) -> None:
+    """Run one build step with its command line and output in the build log; a failure ends the build."""
+    log.write("$ " + " ".join(cmd) + "\n")
+    log.flush()
+    if _run_logged(cmd, log, env) != 0:
+        _fail(root, log_path, step)
+
+
+def _link_to_libraries(
+    libraries: WheelLibraries, build_dir: Path, tmp: Path, jobs: int, log, env: dict, fail: Callable[[str], None]
+) -> bool:
+    """Compile what TARGETS need but the wheel's libraries (a compile error ends the build through `fail`), make
+    their other archives, then link each into `tmp/bin` against copies of those libraries in `tmp/lib`. False
+    (said in the log) when the tree's commands are not as expected or an archive or link step fails: the caller
+    then compiles the libraries as well."""
+    try:
+        plan = link_plan(build_dir, TARGETS)
+    except HarnessError as err:
+        log.write(f"# not linking llama-cpp-python's libraries: {err}\n")
+        return False
+    compile_ = ["ninja", "-C", str(build_dir), "-j", str(jobs), *plan.objects]
+    log.write("$ " + " ".join(compile_) + "\n")
+    log.flush()
+    if _run_logged(compile_, log, env) != 0:
+        fail("build")
+    copy_libraries(libraries, tmp / "lib")
+    steps = [["/bin/sh", "-c", command] for command in plan.archives.values()]
+    steps += [relinked(argv, tmp / "lib", tmp / "bin" / target) for target, argv in plan.links.items()]
+    for cmd in steps:
+        log.write("$ " + shlex.join(cmd) + "\n")
+        log.flush()
+        if _run_logged(cmd, log, env, cwd=build_dir) != 0:
+            log.write("# linking llama-cpp-python's libraries failed; compiling them instead\n")
+            shutil.rmtree(tmp / "lib", ignore_errors=True)
+            return False
+    return True
 
 
 # --------------------------------------------------------------------------- persistent build trees
@@ -612,12 +730,18 @@ def _toolchain_args(backend: str) -> list[str]:
     return args
 
 
-def _run_logged(cmd: list[str], log, env: dict | None = None) -> int:
+def _run_logged(cmd: list[str], log, env: dict | None = None, cwd: Path | None = None) -> int:
     """Run `cmd` with stdout and stderr appended to `log`, in a process group of its own; on Ctrl-C or
     SIGTERM kills the whole group (cmake, ninja and every compiler) and re-raises."""
     try:
         proc = subprocess.Popen(
-            cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env, start_new_session=True
+            cmd,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env=env,
+            cwd=cwd,
+            start_new_session=True,
         )
     except OSError as err:
         raise HarnessError(f"cannot run {cmd[0]}: {err}") from None

@@ -8,7 +8,14 @@ import time
 from pathlib import Path
 
 from harness.argtypes import accept_cmake_definitions
-from harness.backends.build import BACKENDS, ensure_server, vendored_source
+from harness.backends.build import (
+    BACKENDS,
+    cached_server,
+    ensure_server,
+    extracted_source,
+    installed_version,
+    vendored_source,
+)
 from harness.errors import HarnessError
 
 
@@ -17,6 +24,8 @@ def cmd_build(args: argparse.Namespace) -> int:
     started = time.monotonic()
     if args.release and args.source:
         raise HarnessError("give --source DIR or --release VERSION, not both")
+    if args.cached_only:
+        return _report_cached(args)
     source = vendored_source(args.release) if args.release else args.source
     info = ensure_server(source, args.backend, args.cmake_arg, args.jobs, server_bin=args.server_bin)
     if args.json:
@@ -25,6 +34,21 @@ def cmd_build(args: argparse.Namespace) -> int:
     how = "cached" if info.cached else f"built in {info.build_seconds:.0f} s"
     print(f"llama-server  {info.server_bin}")
     print(f"commit        {info.source_identity} ({info.backend}, {how}, {time.monotonic() - started:.1f} s)")
+    return 0
+
+
+def _report_cached(args: argparse.Namespace) -> int:
+    """`--cached-only`: print the cached build, or say in one line that there is none (exit 1); nothing is
+    downloaded or compiled."""
+    release = args.release or (None if args.source else installed_version())
+    source = extracted_source(release) if release else args.source
+    info = cached_server(source, args.backend, args.cmake_arg) if source is not None else None
+    if info is None:
+        what = f"llama-cpp-python {release}'s llama.cpp" if release else str(args.source)
+        print(f"no cached llama-server of {what} ({args.backend}): build it with this command without --cached-only")
+        return 1
+    print(f"llama-server  {info.server_bin}")
+    print(f"commit        {info.source_identity} ({info.backend}, cached)")
     return 0
 
 
@@ -55,5 +79,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--jobs", type=int, metavar="N", help="parallel compile jobs (default: all cores)")
     p.add_argument("--server-bin", type=Path, metavar="PATH", help="use this llama-server binary instead of building")
     p.add_argument("--json", action="store_true", help="print the build info as JSON")
+    p.add_argument(
+        "--cached-only",
+        action="store_true",
+        help="only look in the build cache: exit 1, saying so, when the build is not there (downloads and "
+        "compiles nothing)",
+    )
     p.set_defaults(func=cmd_build)
     accept_cmake_definitions(p)

@@ -14,7 +14,9 @@ def backend_facts(name: str, backend) -> dict:
     if build is not None:
         data = build.to_json()
         facts["build"] = {
-            k: data[k] for k in ("commit", "dirty", "backend", "cmake_args", "compiler", "built_at") if k in data
+            k: data[k]
+            for k in ("commit", "dirty", "backend", "cmake_args", "linked_libraries", "compiler", "built_at")
+            if data.get(k, "") != ""
         }
         facts["version"] = server_version(build.server_bin)
     elif name == "inproc":

@@ -69,6 +69,8 @@ def environment(executor, backend: str) -> dict:
     if build:
         out["llama.cpp"] = f"commit {build.get('commit')}" + (" (modified tree)" if build.get("dirty") else "")
         out["build"] = f"{build.get('backend')}, {build.get('compiler')}, CMake {' '.join(build.get('cmake_args', []))}"
+        if build.get("linked_libraries"):
+            out["build"] += f"; linked against {build['linked_libraries']}"
     else:
         out["llama.cpp"] = (
             f"in-process, the llama.cpp vendored in llama-cpp-python {facts.get('llama_cpp_python', '?')}"
