@@ -24,6 +24,7 @@ from harness.backends.base import (
     ServeConfig,
     SpeedMeter,
     StallMeter,
+    prompt_tokens_bound,
     request_deadline,
 )
 from harness.backends.build import ensure_server
@@ -50,12 +51,31 @@ cases:
 """
 
 
+def test_a_long_prompt_adds_its_reading_time_at_the_slowest_measured_prompt_speed_to_the_deadline():
+    long = Request(prompt="one two three four five six seven eight nine ten " * 1636, sampling=Sampling(n_predict=8))
+    short = Request(prompt="x", sampling=Sampling(n_predict=8))
+    # 81,800 bytes, bounded by the context: 16,384 tokens at 2 ms each, DEADLINE_SLACK times
+    extra = request_deadline(long, 16384, 50.0, 0.002) - request_deadline(short, 16384, 50.0, 0.002)
+    assert extra == pytest.approx(DEADLINE_SLACK * (16384 - 1) * 0.002)
+    tokens = Request(prompt=list(range(300)), sampling=Sampling(n_predict=8))
+    assert request_deadline(tokens, 16384, 50.0, 0.002) - request_deadline(short, 16384, 50.0, 0.002) == pytest.approx(
+        DEADLINE_SLACK * 299 * 0.002
+    )
+    chat = Request(messages=[{"role": "user", "content": "abc"}], sampling=Sampling(n_predict=8))
+    assert prompt_tokens_bound(chat, 4096) == 3
+
+
 def test_deadline_is_the_override_or_n_predict_over_the_slowest_measured_speed():
     request = Request(prompt="x", sampling=Sampling(n_predict=100))
     assert request_deadline(Request(prompt="x", deadline_s=2.5), 4096, 1000.0) == 2.5
-    assert request_deadline(request, 4096, 50.0) == pytest.approx(DEADLINE_FLOOR_S + DEADLINE_SLACK * 100 / 50.0)
+    one_byte = DEADLINE_SLACK * 1 / ASSUMED_PROMPT_TOKENS_PER_S  # the prompt "x": at most one token
+    assert request_deadline(request, 4096, 50.0) == pytest.approx(
+        DEADLINE_FLOOR_S + DEADLINE_SLACK * 100 / 50.0 + one_byte
+    )
     unlimited = Request(prompt="x", sampling=Sampling(n_predict=-1))
-    assert request_deadline(unlimited, 512, 50.0) == pytest.approx(DEADLINE_FLOOR_S + DEADLINE_SLACK * 512 / 50.0)
+    assert request_deadline(unlimited, 512, 50.0) == pytest.approx(
+        DEADLINE_FLOOR_S + DEADLINE_SLACK * 512 / 50.0 + one_byte
+    )
     assert request_deadline(request, 4096, None) > request_deadline(request, 4096, 50.0)  # unmeasured: assume slow
     meter = SpeedMeter()
     meter.record(100, 1.0)

@@ -45,6 +45,7 @@ def test_the_link_builds_the_servers_own_code_and_takes_the_wheels_five_librarie
     assert [a for a in new if a in ARCHIVES] == []
     assert sum(a.startswith(str(tmp_path / "lib")) for a in new) == 5
     assert new[new.index("-o") + 1] == str(tmp_path / "bin" / "llama-server") and new[-1] == RUN_PATH
+    assert relinked(argv, tmp_path / "lib", tmp_path / "out", tmp_path / "final")[-1] == f"{RUN_PATH}:{tmp_path}/final"
 
 
 @pytest.fixture
@@ -101,6 +102,13 @@ def test_the_vendored_llama_server_links_the_wheels_libraries_from_its_own_lib_d
     for name in ("libllama.so.0", "libggml-cpu.so.0", "libmtmd.so.0"):  # its own copies, not the installed wheel's
         assert Path(loaded[name]).resolve() == (root / "lib" / name).resolve()
     assert "0.5.0-dev" in server_version(build.server_bin)
+
+
+def test_a_copy_of_the_linked_llama_server_elsewhere_still_runs(tmp_path):
+    build = ensure_server()
+    copy = tmp_path / "llama-server"
+    shutil.copy2(build.server_bin, copy)
+    assert server_version(copy) == server_version(build.server_bin)
 
 
 @pytest.mark.skipif(shutil.which("ninja") is None, reason="the linked build needs Ninja (apt-get install ninja-build)")

@@ -25,16 +25,33 @@ ASSUMED_TOKENS_PER_S = 5.0
 """The speed assumed before a session has measured one (a small model on a busy 2-core machine does more)."""
 
 
-def request_deadline(request: Request, n_ctx: int, tokens_per_second: float | None = None) -> float:
+def request_deadline(
+    request: Request, n_ctx: int, tokens_per_second: float | None = None, prompt_token_s: float | None = None
+) -> float:
     """Seconds a request may take before it ends as `stop_reason: timeout`: the request's (suite's)
-    `deadline_s` when set, else DEADLINE_FLOOR_S + DEADLINE_SLACK × n_predict / the measured speed
-    (`n_predict: -1` counts as the context size `n_ctx`, which bounds it)."""
+    `deadline_s` when set, else DEADLINE_FLOOR_S + DEADLINE_SLACK × (n_predict / the measured speed + the prompt's
+    tokens × the slowest measured seconds per prompt token) (`n_predict: -1` counts as the context size `n_ctx`,
+    which bounds it; the prompt counts as its bytes, at most `n_ctx`: no token is shorter than a byte).
+    The prompt term is what a 16k-token prompt needs (long-context): on a loaded 2-core machine reading it took
+    longer than the floor alone (2026-11-27, tiny-long with a draft model, 55.6 s budget overrun)."""
     if request.deadline_s is not None:
         return request.deadline_s
     n = request.sampling.n_predict
     n = n_ctx if n < 0 or n > n_ctx else n
     speed = tokens_per_second if tokens_per_second and tokens_per_second > 0 else ASSUMED_TOKENS_PER_S
-    return DEADLINE_FLOOR_S + DEADLINE_SLACK * n / speed
+    per_prompt_token = prompt_token_s if prompt_token_s and prompt_token_s > 0 else 1.0 / ASSUMED_PROMPT_TOKENS_PER_S
+    return DEADLINE_FLOOR_S + DEADLINE_SLACK * (n / speed + prompt_tokens_bound(request, n_ctx) * per_prompt_token)
+
+
+def prompt_tokens_bound(request: Request, n_ctx: int) -> int:
+    """At most how many tokens the request's prompt is: its token ids, or its text's bytes, at most `n_ctx`."""
+    if isinstance(request.prompt, list):
+        return min(len(request.prompt), n_ctx)
+    if isinstance(request.prompt, str):
+        texts = [request.prompt]
+    else:
+        texts = [str(m.get("content", "")) for m in request.messages or ()]
+    return min(sum(len(t.encode()) for t in texts), n_ctx)
 
 
 class SpeedMeter:

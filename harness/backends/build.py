@@ -39,6 +39,7 @@ from filelock import FileLock, Timeout
 from harness import interrupt
 from harness.backends.flags import server_version
 from harness.backends.wheel_link import (
+    LINK_FORMAT,
     WheelLibraries,
     copy_libraries,
     installed_libraries,
@@ -338,7 +339,7 @@ def build_key(identity: SourceIdentity, backend: str, args: list[str], libraries
     the shared libraries it links, when it links llama-cpp-python's)."""
     data = {"source": [identity.commit, identity.digest], "backend": backend, "cmake": args}
     if libraries is not None:
-        data["link"] = libraries.digest
+        data["link"] = [LINK_FORMAT, libraries.digest]
     blob = json.dumps(data)
     return f"{backend}-{identity.commit[:8]}-{hashlib.sha256(blob.encode()).hexdigest()[:16]}"
 
@@ -570,7 +571,7 @@ def _build_into(
             _step(root, log_path, log, "configure", configure, env)
         (tmp / "bin").mkdir()
         linked = libraries is not None and _link_to_libraries(
-            libraries, build_dir, tmp, jobs, log, env, lambda step: _fail(root, log_path, step)
+            libraries, build_dir, tmp, root, jobs, log, env, lambda step: _fail(root, log_path, step)
         )
         if not linked:
             build = ["cmake", "--build", str(build_dir), "-j", str(jobs), "--target", *TARGETS]
@@ -609,10 +610,18 @@ def _step(root: Path, log_path: Path, log, step: str, cmd: list[str], env: dict)
 
 
 def _link_to_libraries(
-    libraries: WheelLibraries, build_dir: Path, tmp: Path, jobs: int, log, env: dict, fail: Callable[[str], None]
+    libraries: WheelLibraries,
+    build_dir: Path,
+    tmp: Path,
+    root: Path,
+    jobs: int,
+    log,
+    env: dict,
+    fail: Callable[[str], None],
 ) -> bool:
     """Compile what TARGETS need but the wheel's libraries (a compile error ends the build through `fail`), make
-    their other archives, then link each into `tmp/bin` against copies of those libraries in `tmp/lib`. False
+    their other archives, then link each into `tmp/bin` against copies of those libraries in `tmp/lib` (run path:
+    beside the binary, then `root/lib`, where the entry will be). False
     (said in the log) when the tree's commands are not as expected or an archive or link step fails: the caller
     then compiles the libraries as well."""
     try:
@@ -627,7 +636,8 @@ def _link_to_libraries(
         fail("build")
     copy_libraries(libraries, tmp / "lib")
     steps = [["/bin/sh", "-c", command] for command in plan.archives.values()]
-    steps += [relinked(argv, tmp / "lib", tmp / "bin" / target) for target, argv in plan.links.items()]
+    final = root / "lib"
+    steps += [relinked(argv, tmp / "lib", tmp / "bin" / target, final) for target, argv in plan.links.items()]
     for cmd in steps:
         log.write("$ " + shlex.join(cmd) + "\n")
         log.flush()

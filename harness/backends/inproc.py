@@ -250,7 +250,9 @@ class InprocSession:
     def _budget(self, requests: list[Request]) -> float:
         """Seconds the worker gets for a `run` call before its unfinished requests end `timeout`: each
         request's deadline (`request_deadline`), the slots serving them `n_slots` at a time."""
-        deadlines = sorted((request_deadline(r, self.config.n_ctx, self.speed.slowest) for r in requests), reverse=True)
+        slowest, per_prompt_token = self.speed.slowest, self.stall.prompt_token_s
+        deadlines = [request_deadline(r, self.config.n_ctx, slowest, per_prompt_token) for r in requests]
+        deadlines.sort(reverse=True)
         return sum(deadlines[:: self.config.n_slots])
 
     def _timed_out(self, requests: list[Request], results: list[Result | None], why: str) -> list[Result]:

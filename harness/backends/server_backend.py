@@ -263,7 +263,7 @@ class ServerSession:
             if not self.server.alive:  # it died after its last answer
                 self._restart(self.server)
             server = self.server
-        deadline = request_deadline(request, self.config.n_ctx, self.speed.slowest)
+        deadline = request_deadline(request, self.config.n_ctx, self.speed.slowest, self.stall.prompt_token_s)
         started = time.monotonic()
         lent: list[int] = []  # the slot the pool lent this request, once its prompt is known
         held: list[int] = []  # what the slot holds afterwards, as far as the harness knows

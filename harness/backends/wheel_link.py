@@ -43,6 +43,10 @@ ARCHIVES = {
 
 RUN_PATH = "-Wl,-rpath,$ORIGIN/../lib"
 
+LINK_FORMAT = 2
+"""Part of the build key of a linked build: raised when the way it links changes (2: the entry's own lib/ as a
+second run path, so copies of the binary run)."""
+
 
 @dataclass(frozen=True)
 class WheelLibraries:
@@ -151,12 +155,13 @@ def link_inputs(argv: list[str]) -> list[str]:
     return [a for a in built if a not in ARCHIVES and a != out]
 
 
-def relinked(argv: list[str], lib_dir: Path, output: Path) -> list[str]:
+def relinked(argv: list[str], lib_dir: Path, output: Path, final_lib_dir: Path | None = None) -> list[str]:
     """The link command with the wheel's libraries (in `lib_dir`) for the archives, `output` for its `-o` and the
-    run path `$ORIGIN/../lib`."""
+    run path `$ORIGIN/../lib`, then `final_lib_dir` (where `lib_dir` will be once the build entry is in place), so
+    a copy of the binary elsewhere (`--server-bin`, a bisect step command) still finds them."""
     new = [str(lib_dir / ARCHIVES[a]) if a in ARCHIVES else a for a in argv]
     new[new.index("-o") + 1] = str(output)
-    return [*new, RUN_PATH]
+    return [*new, RUN_PATH + (f":{final_lib_dir}" if final_lib_dir else "")]
 
 
 def copy_libraries(libs: WheelLibraries, dest: Path) -> None:
