@@ -48,10 +48,27 @@ def pytest_configure(config: pytest.Config) -> None:
         "markers",
         "stress: a test of signals, servers, bisect or reports, run under load in CI (`pytest -m stress --stress N`)",
     )
+    config.addinivalue_line(
+        "markers",
+        "long: a test of a minute or more on 2 cores, outside any xdist group: started before the other such tests",
+    )
     if config.getoption("--stress") > 0 and not hasattr(config, "workerinput"):  # the controller only, once
         config.stash[BUSY] = [
             subprocess.Popen([sys.executable, "-c", BUSY_LOOP]) for _ in range(config.getoption("--stress"))
         ]
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_collection_modifyitems(config: pytest.Config, items: list) -> None:
+    """The `long` tests first. pytest-xdist hands out its groups biggest first and then the single tests in this
+    order, two or three at a time: a long single test collected late (the calibration's re-measurement, 620 s of
+    the stress pass on 2 cores) started when the others were done and ran alone at the end. Only tests outside an
+    xdist group move (a group keeps its order, e.g. the selftest's clean row first); after every deselection
+    (trylast), so `-m`, `-k` and `--shard` choose as before."""
+    first = [i for i in items if i.get_closest_marker("long") and not i.get_closest_marker("xdist_group")]
+    if first:
+        moved = set(first)
+        items[:] = first + [i for i in items if i not in moved]
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:

@@ -69,6 +69,7 @@ def clean_run() -> tuple[list[str], list[str], int]:
     return failing, errors, known
 
 
+@pytest.mark.long
 def test_consecutive_clean_runs_report_no_failing_verdict(request, tiny_models):
     if request.config.getoption("--stress") == 0:
         pytest.skip("consecutive clean runs under load: `pytest -m stress --stress N` (.ci/run's second pass)")

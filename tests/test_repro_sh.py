@@ -268,6 +268,7 @@ def test_repro_sh_of_a_divergence_reproduces_only_where_the_run_diverged(tmp_pat
     assert equal.returncode == 0 and "not reproduced: the outputs are equal" in equal.stdout, equal.stdout
 
 
+@pytest.mark.long
 def test_the_reproducers_of_slot_restore_failures_replay_the_saves_and_restores(tmp_path, tiny_models):
     """slot-restore on llama-server (ggml-org/llama.cpp#28619): the bundle replays each restore round's slot steps
     (`POST /slots/0?action=save|erase|restore`, a fresh llama-server for `restore-fresh`, the other conversation

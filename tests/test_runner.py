@@ -40,6 +40,7 @@ def checkout(tmp_path, monkeypatch):
     return tmp_path
 
 
+@pytest.mark.long
 def test_run_writes_every_language_and_mode_of_a_tiny_model(tmp_path, tiny_models, capsys):
     out = tmp_path / "run"
     assert main(["run", "--model", "tiny-dense", "--out", str(out)]) == 0  # the suites run the other models

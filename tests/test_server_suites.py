@@ -3,6 +3,8 @@ the recorded llama.cpp defect shows as a known failure instead of a red run."""
 
 import json
 
+import pytest
+
 from harness.cli import main
 
 ATTENTION = ["--model", "tiny-dense", "--model", "tiny-hybrid"]
@@ -11,6 +13,7 @@ are forced-rejection's (none, synth-reject, draft-p-min-0.2: draft-simple's path
 tiny-hybrid-mtp cells are suite items on both backends; Gemma's server cells are quicksort's and w1's."""
 
 
+@pytest.mark.long
 def test_quicksort_and_kv_fill_on_llama_server(tmp_path, tiny_models):
     # quicksort's generic block on the server in seq and par (no-kv-unified on llama-server is the sampling suite's)
     runs = {

@@ -111,6 +111,7 @@ def test_repro_py_fails_with_the_fault_and_passes_without(fault_bundle):
     assert clean.returncode == 0, clean.stdout + clean.stderr
 
 
+@pytest.mark.long
 def test_shrink_of_a_failing_chat_turn_drops_the_other_turns_then_shrinks_it_as_a_prompt(tmp_path):
     """A real chat failure: four concurrent chats on a small KV cache (tests/data/shrink-chat.yaml, kv-fill as it
     was) with the draft context not rolled back, the third turn of one judged by kv-healthy. The shrink drops the

@@ -90,6 +90,7 @@ def test_without_its_known_failure_entry_the_abort_fails_the_run(tmp_path, monke
     }
 
 
+@pytest.mark.long
 @pytest.mark.stress
 @pytest.mark.parametrize("backend", ["inproc"])  # the server's calibration runs the same code (measured by hand)
 def test_a_re_measurement_stays_within_the_committed_tolerances(backend, tiny_models, request):
