@@ -244,12 +244,12 @@ def test_detokenizer_shows_the_engines_text(tiny_models):
     assert result.ok and detokenizer(info.path)(result.tokens) == result.text
 
 
-def test_a_killed_engine_worker_crashes_its_requests_and_the_next_run_restarts_it(tiny_models):
+def test_a_killed_engine_worker_crashes_its_requests_and_the_next_run_restarts_it(tiny_models, tmp_path):
     import os
     import signal
     import threading
 
-    session = InprocBackend().open(ServeConfig(model=tiny_models["tiny-dense"].path, mode="seq"))
+    session = InprocBackend(tmp_path).open(ServeConfig(model=tiny_models["tiny-dense"].path, mode="seq"))
     try:
         first = session.process
         timer = threading.Timer(0.5, lambda: os.kill(first.pid, signal.SIGKILL))

@@ -16,12 +16,11 @@ import multiprocessing.connection
 # next RawArray imports it again) makes objects pickle can no longer match to their class
 import multiprocessing.sharedctypes  # noqa: F401
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 from harness.backends.base import ServeConfig, SpeedMeter, StallMeter, request_deadline
-from harness.backends.process import crash_report, free_log_name
+from harness.backends.process import LogDir, crash_report, free_log_name
 from harness.engine import ContextParams
 from harness.engine.drafters.scripted import from_script
 from harness.engine.logging import is_verbose
@@ -96,9 +95,9 @@ def _start_without_main(process) -> None:
 class InprocSession:
     """An Engine serving one model in one mode, in a worker process that is restarted after a crash."""
 
-    def __init__(self, config: ServeConfig, log_dir: Path):
+    def __init__(self, config: ServeConfig, logs: LogDir):
         self.config = config
-        self.log_dir = log_dir
+        self.logs = logs
         self.speed = SpeedMeter()
         self.stall = StallMeter(config.stall_s)
         self.args = EngineArgs(
@@ -118,7 +117,7 @@ class InprocSession:
     def _start(self) -> None:
         """Start a worker and open the engine in it; HarnessError (one line) when that fails."""
         self.starts += 1
-        self.log_path = free_log_name(self.log_dir, f"engine-{self.config.mode}")
+        self.log_path = free_log_name(self.logs.path, f"engine-{self.config.mode}")
         ctx = _context()
         self.conn, child = ctx.Pipe()
         self.progress = ctx.RawArray("q", 2)
@@ -138,6 +137,7 @@ class InprocSession:
             raise
         if reply is not None and reply[0] == "ready":
             return
+        self.logs.cite(self.log_path)
         if reply is QUIET:
             why = f"{WHO} did not load {self.config.model.name} within {OPEN_TIMEOUT_S:.0f} s (log: {self.log_path})"
         elif reply is None:
@@ -235,7 +235,7 @@ class InprocSession:
         reply = self._receive(OPEN_TIMEOUT_S)
         if reply is None:
             self.process.join(STOP_GRACE_S)
-            return {"error": crash_report(WHO, self.process.exitcode, self.log_path).split("\n")[0]}
+            return {"error": crash_report(WHO, self.process.exitcode, self.logs.cite(self.log_path)).split("\n")[0]}
         if reply is QUIET:
             self._kill()
             return {"error": f"{WHO} did not answer a slot {message[0]} within {OPEN_TIMEOUT_S:.0f} s"}
@@ -271,7 +271,7 @@ class InprocSession:
     def _crashed(self, results: list[Result | None]) -> list[Result]:
         """The worker died: what it finished stays, the rest becomes `crashed` with its exit and log tail."""
         self.process.join(STOP_GRACE_S)
-        error = crash_report(WHO, self.process.exitcode, self.log_path)
+        error = crash_report(WHO, self.process.exitcode, self.logs.cite(self.log_path))
         self._kill()
         return [r if r is not None else Result(stop_reason="crashed", error=error) for r in results]
 
@@ -284,7 +284,8 @@ class InprocSession:
         self.process = self.conn = None
 
     def close(self) -> None:
-        """Close the engine and let the worker exit (killed if it does not within a few seconds)."""
+        """Close the engine and let the worker exit (killed if it does not within a few seconds); its temp log
+        dir goes unless a message cited a log in it (LogDir)."""
         if self.process is not None and self.process.is_alive():
             try:
                 self.conn.send(("close",))
@@ -292,10 +293,11 @@ class InprocSession:
                 pass
             self.process.join(STOP_GRACE_S)
         self._kill()
+        self.logs.close()
 
 
 class InprocBackend:
-    """`--backend inproc`; `run_dir` receives one engine log per worker start (a temp dir when None)."""
+    """`--backend inproc`; `run_dir` receives one engine log per worker start (a temp dir when None: LogDir)."""
 
     name = "inproc"
 
@@ -314,5 +316,4 @@ class InprocBackend:
         }
 
     def open(self, config: ServeConfig) -> InprocSession:
-        log_dir = Path(self.run_dir) if self.run_dir else Path(tempfile.mkdtemp(prefix="specharness-engine-"))
-        return InprocSession(config, log_dir)
+        return InprocSession(config, LogDir(self.run_dir, "specharness-engine-"))

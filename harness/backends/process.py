@@ -1,10 +1,13 @@
 """How a child process that runs llama.cpp ended: shared by the llama-server process and the in-process
 engine's worker, so a crash reads the same from both backends (how it ended, the abort line, the log tail);
-and why llama.cpp refused a batch, from llama-server's log (worded as the engine words it: base.invalid_batch)."""
+and why llama.cpp refused a batch, from llama-server's log (worded as the engine words it: base.invalid_batch);
+where a session's logs go when no run directory is given (LogDir)."""
 
 import itertools
 import re
+import shutil
 import signal
+import tempfile
 from pathlib import Path
 
 from harness import llama_log
@@ -88,3 +91,25 @@ def free_log_name(run_dir: Path, stem: str) -> Path:
             return path
         except FileExistsError:
             continue
+
+
+class LogDir:
+    """Where one session's process logs (and llama-server's slot files) go. A run directory given by the caller
+    is the caller's and is never removed. Without one the session makes a temp dir `<prefix>XXXX` and `close()`
+    removes it, unless a message cited a file in it (`cite`: a crash's log, a slot file kept as evidence, a start
+    that failed): that dir stays for the reader, so the shared machine keeps only what somebody was pointed to."""
+
+    def __init__(self, run_dir: Path | None, prefix: str):
+        self.owned = run_dir is None
+        self.path = Path(tempfile.mkdtemp(prefix=prefix)) if self.owned else Path(run_dir)
+        self.kept = not self.owned
+
+    def cite(self, path=None):
+        """Keep the dir (a message names `path`, a file in it); returns `path` to fit inside the message."""
+        self.kept = True
+        return path
+
+    def close(self) -> None:
+        """Remove the temp dir unless it was cited; safe to call repeatedly."""
+        if not self.kept:
+            shutil.rmtree(self.path, ignore_errors=True)

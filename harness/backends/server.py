@@ -12,7 +12,6 @@ import os
 import signal
 import socket
 import subprocess
-import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -23,7 +22,7 @@ from harness import llama_log
 from harness.backends.base import ServeConfig, default_threads
 from harness.backends.build import require_executable
 from harness.backends.flags import fit_to_build, server_flags, server_version
-from harness.backends.process import ABORT_LINES, abort_line, crash_report, describe_exit
+from harness.backends.process import ABORT_LINES, LogDir, abort_line, crash_report, describe_exit
 from harness.errors import HarnessError, LlamaAbort
 from harness.llama_defaults import NO_BACKTRACE
 
@@ -57,11 +56,12 @@ class LlamaServer:
     metrics: bool = False  # --metrics
     warmup: bool = True  # --no-warmup when False
     port: int | None = None  # --port; None picks a free loopback port
-    log_path: Path | None = None  # stdout + stderr; None = a file in a new temp dir
+    log_path: Path | None = None  # stdout + stderr; None = a file in a temp dir that stop() removes (LogDir)
     verbosity: int | None = None  # -lv (None: llama-server's default)
     start_timeout: float = 60.0  # seconds for /health to answer 200
 
     process: subprocess.Popen | None = field(default=None, init=False, repr=False)
+    _logs: LogDir | None = field(default=None, init=False, repr=False)
 
     @classmethod
     def from_config(cls, config: ServeConfig, server_bin: Path, **options) -> LlamaServer:
@@ -157,7 +157,8 @@ class LlamaServer:
         elif not port_is_free(self.port):
             raise HarnessError(f"port {self.port} on {HOST} is already in use")
         if self.log_path is None:
-            self.log_path = Path(tempfile.mkdtemp(prefix="specharness-server-")) / "llama-server.log"
+            self._logs = LogDir(None, "specharness-server-")
+            self.log_path = self._logs.path / "llama-server.log"
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         cmd = self.command()
         env = {k: v for k, v in os.environ.items() if not k.startswith("LLAMA_ARG_")}  # flags only
@@ -177,6 +178,7 @@ class LlamaServer:
         try:
             self._wait_healthy()
         except BaseException:
+            self._cite_log()
             self.stop()
             raise
         return self
@@ -245,6 +247,8 @@ class LlamaServer:
                 except subprocess.TimeoutExpired:
                     continue
         _RUNNING.discard(self)
+        if self._logs is not None and (self.process is None or self.process.returncode is not None):
+            self._logs.close()
 
     def __enter__(self) -> LlamaServer:
         return self.start()
@@ -267,7 +271,13 @@ class LlamaServer:
 
     def crash_report(self) -> str:
         """How the process ended, the abort line and the end of its log (for a Result's `error`)."""
-        return crash_report("llama-server", self.process.returncode, self.log_path)
+        return crash_report("llama-server", self.process.returncode, self._cite_log())
+
+    def _cite_log(self) -> Path | None:
+        """The log, kept past stop() because a message names it."""
+        if self._logs is not None:
+            self._logs.cite()
+        return self.log_path
 
 
 def _spec_flag(key: str, value) -> list[str]:

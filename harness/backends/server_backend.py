@@ -26,7 +26,6 @@ from __future__ import annotations
 import itertools
 import shutil
 import sys
-import tempfile
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -40,7 +39,7 @@ from harness.backends.base import ServeConfig, SpeedMeter, StallMeter, request_d
 from harness.backends.build import BuildInfo, ensure_server
 from harness.backends.client import COMPLETION_FIELDS, ConnectionLost, LlamaClient, RequestTimedOut, ServerError
 from harness.backends.flags import server_version
-from harness.backends.process import free_log_name, invalid_batch_in_log
+from harness.backends.process import LogDir, free_log_name, invalid_batch_in_log
 from harness.backends.server import LlamaServer
 from harness.backends.slots_watch import SlotsWatch
 from harness.errors import HarnessError
@@ -146,7 +145,7 @@ def slot_ownership(held: list[int] | None, result: Result) -> str | None:
 class ServerBackend:
     """Serves models with llama-server; `build` None means the default CPU build of the vendored tree.
 
-    `run_dir` receives one log file per server start (a temp dir when None). `fields` are extra
+    `run_dir` receives one log file per server start (a temp dir when None: LogDir). `fields` are extra
     /completion fields for every request (see client.COMPLETION_FIELDS). `server_options` set the
     LlamaServer fields a ServeConfig has no say on (`cache_prompt`, `metrics`, `slot_save_path`,
     `warmup`, `start_timeout`).
@@ -186,8 +185,8 @@ class ServerBackend:
     def open(self, config: ServeConfig) -> ServerSession:
         """Start llama-server for `config` and wait until it is healthy."""
         self.build = self.build or ensure_server()
-        run_dir = Path(self.run_dir) if self.run_dir else Path(tempfile.mkdtemp(prefix="specharness-server-"))
-        session = ServerSession(config, self.build, run_dir, self.request_timeout, self.fields, self.server_options)
+        logs = LogDir(self.run_dir, "specharness-server-")
+        session = ServerSession(config, self.build, logs, self.request_timeout, self.fields, self.server_options)
         session.start()
         return session
 
@@ -199,14 +198,15 @@ class ServerSession:
         self,
         config: ServeConfig,
         build: BuildInfo,
-        run_dir: Path,
+        logs: LogDir,
         request_timeout: float,
         fields: dict[str, Any],
         server_options: dict[str, Any],
     ):
         self.config = config
         self.build = build
-        self.run_dir = run_dir
+        self.logs = logs
+        self.run_dir = logs.path
         self.request_timeout = request_timeout
         self.fields = fields
         self.server_options = server_options
@@ -230,20 +230,25 @@ class ServerSession:
         """Slots whose request was sent and whose state is not saved yet (see `_launch`)."""
         self._launched_cond = threading.Condition()
         """Lends each request its slot (None: one slot, served one request at a time, or the caller's `id_slot`)."""
-        self.slots_dir = run_dir / "slots"
+        self.slots_dir = self.run_dir / "slots"
         """llama-server's --slot-save-path: the KV scan's slot files and `save_slot`'s."""
         self.slots_dir.mkdir(parents=True, exist_ok=True)
         if config.kv_scan != "off":
             self.layout = layout_from_model(config.model)
 
     def start(self) -> None:
-        """(Re)start the server with a fresh port and a new log file in run_dir."""
+        """(Re)start the server with a fresh port and a new log file in run_dir (kept when the start fails: the
+        error names it)."""
         self.starts += 1
         log = free_log_name(self.run_dir, f"llama-server-{self.config.mode}")
         options = dict(self.server_options)
         options["slot_save_path"] = self.slots_dir
         options.setdefault("verbosity", server_work.VERBOSITY)  # the checkpoint lines `work` counts
-        self.server = LlamaServer.from_config(self.config, self.build.server_bin, log_path=log, **options).start()
+        try:
+            self.server = LlamaServer.from_config(self.config, self.build.server_bin, log_path=log, **options).start()
+        except BaseException:
+            self.logs.cite(log)
+            raise
 
     def run(self, requests: list[Request]) -> list[Result]:
         """One Result per request, in order: one at a time in `seq`, n_slots at a time otherwise."""
@@ -313,7 +318,8 @@ class ServerSession:
     def save_slot(self, slot_id: int) -> dict:
         """The slot's state saved by llama-server (`POST /slots/{id}?action=save`, once the slot is idle) into a file
         of this session's --slot-save-path: its answer (`n_saved` tokens, `n_written` bytes) with `state`, the
-        file `restore_slot` takes (here or in another session); `{"error": ...}` when llama-server refused."""
+        file `restore_slot` takes (here or in another session, while this one is open); `{"error": ...}` when
+        llama-server refused."""
         path = self.slots_dir / f"saved-slot{slot_id}-{next(self._saves)}.bin"
         client = LlamaClient(self.server.url, self.request_timeout)
         client.slot_idle(slot_id)
@@ -398,7 +404,7 @@ class ServerSession:
         if verdict["healthy"]:
             path.unlink()
         else:
-            verdict["file"] = str(path)
+            verdict["file"] = str(self.logs.cite(path))
         return verdict
 
     def _failed(self, server: LlamaServer, err: Exception, request: Request, slot: int | None = None) -> Result:
@@ -423,6 +429,7 @@ class ServerSession:
             if server.wait_exit(grace) is None:
                 return Result(stop_reason="error", error=_explained(err, server))
             report = server.crash_report()
+            self.logs.cite(server.log_path)
             self._restart(server)
         return Result(stop_reason="crashed", error=report)
 
@@ -443,11 +450,13 @@ class ServerSession:
                 self.server.stop()
 
     def close(self) -> None:
-        """Stop the server; the session cannot be used afterwards."""
+        """Stop the server; the session cannot be used afterwards. Its temp dir (no run_dir given) goes, with the
+        states `save_slot` wrote there, unless a message cited a file in it (LogDir)."""
         self._closed = True
         self.watch.close()
         if self.server is not None:
             self.server.stop()
+        self.logs.close()
 
     def __enter__(self) -> ServerSession:
         return self
