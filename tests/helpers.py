@@ -1,5 +1,11 @@
 """Small helpers shared by the engine tests."""
 
+import os
+import threading
+import time
+
+import requests
+
 from harness.request import Request, Sampling
 
 QUICKSORT_PROMPT = "Write a quicksort demo in {lang}. Please, write just code. Do not write any extra comments."
@@ -14,3 +20,17 @@ def quicksort(lang: str, n_predict: int = 64, **sampling) -> Request:
 def first_divergence(a: list[int], b: list[int]) -> int:
     """Index of the first differing token (the shorter length when one is a prefix of the other)."""
     return next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
+
+
+def kill_when_busy(server, sig: int, done: threading.Event, wait_s: float = 60.0) -> None:
+    """Send `sig` to a LlamaServer's process as soon as one of its slots is processing (a state, not a sleep);
+    gives up after `wait_s` seconds or once `done` is set."""
+    deadline = time.monotonic() + wait_s
+    while time.monotonic() < deadline and not done.is_set():
+        try:
+            if any(slot["is_processing"] for slot in requests.get(f"{server.url}/slots", timeout=5).json()):
+                os.kill(server.process.pid, sig)
+                return
+        except requests.RequestException:
+            pass
+        time.sleep(0.005)

@@ -19,9 +19,8 @@ import time
 from pathlib import Path
 
 import pytest
-import requests
 from filelock import FileLock
-from helpers import quicksort
+from helpers import kill_when_busy, quicksort
 
 from harness.backends import build as build_module
 from harness.backends.base import ServeConfig
@@ -137,24 +136,11 @@ def test_logit_top_k_fills_log_probabilities(build, model, tmp_path):
 # ------------------------------------------------------------------------------------ crashes
 
 
-def _kill_when_busy(server: LlamaServer, sig: int, done: threading.Event) -> None:
-    """Send `sig` to the server process as soon as one of its slots is processing."""
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline and not done.is_set():
-        try:
-            if any(slot["is_processing"] for slot in requests.get(f"{server.url}/slots", timeout=5).json()):
-                os.kill(server.process.pid, sig)
-                return
-        except requests.RequestException:
-            pass
-        time.sleep(0.005)
-
-
 def test_killed_server_turns_case_into_crash_and_next_case_completes(build, model, tmp_path):
     long_case = quicksort("C", n_predict=4000)
     with ServerBackend(build, run_dir=tmp_path).open(config(model, "seq", n_ctx=4096)) as session:
         done = threading.Event()
-        killer = threading.Thread(target=_kill_when_busy, args=(session.server, signal.SIGKILL, done))
+        killer = threading.Thread(target=kill_when_busy, args=(session.server, signal.SIGKILL, done))
         killer.start()
         try:
             crashed = session.run([long_case])[0]
@@ -172,7 +158,7 @@ def test_abort_in_par_mode_fails_in_flight_cases_and_restarts_once(build, model,
     long_cases = [quicksort(lang, n_predict=3000) for lang in LANGS]
     with ServerBackend(build, run_dir=tmp_path).open(config(model, "par")) as session:
         done = threading.Event()
-        killer = threading.Thread(target=_kill_when_busy, args=(session.server, signal.SIGABRT, done))
+        killer = threading.Thread(target=kill_when_busy, args=(session.server, signal.SIGABRT, done))
         killer.start()
         try:
             results = session.run(long_cases + quicksort_requests())

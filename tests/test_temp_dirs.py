@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
-from helpers import quicksort
+from helpers import kill_when_busy, quicksort
 
 from harness.backends.base import ServeConfig
 from harness.backends.build import ensure_server
@@ -79,20 +79,6 @@ def test_a_crashed_engine_session_keeps_the_log_its_error_cites(tiny_models):
     shutil.rmtree(log.parent)
 
 
-def _kill_when_processing(server: LlamaServer, done: threading.Event) -> None:
-    import requests
-
-    deadline = time.monotonic() + KILL_WAIT_S
-    while time.monotonic() < deadline and not done.is_set():
-        try:
-            if any(slot["is_processing"] for slot in requests.get(f"{server.url}/slots", timeout=5).json()):
-                os.kill(server.process.pid, signal.SIGKILL)
-                return
-        except requests.RequestException:
-            pass
-        time.sleep(0.005)
-
-
 def test_a_server_session_without_a_run_dir_removes_its_dir_when_clean_and_keeps_a_cited_crash_log(tiny_models):
     build = ensure_server(None, "cpu", [], jobs=None)
     config = ServeConfig(model=tiny_models["tiny-dense"].path, mode="seq")
@@ -102,7 +88,7 @@ def test_a_server_session_without_a_run_dir_removes_its_dir_when_clean_and_keeps
 
     with ServerBackend(build).open(config) as session:
         done = threading.Event()
-        killer = threading.Thread(target=_kill_when_processing, args=(session.server, done))
+        killer = threading.Thread(target=kill_when_busy, args=(session.server, signal.SIGKILL, done, KILL_WAIT_S))
         killer.start()
         try:
             [crashed] = session.run([quicksort("C", n_predict=4000)])
