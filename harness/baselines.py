@@ -18,7 +18,7 @@ from pathlib import Path
 
 from harness import noise
 from harness.errors import HarnessError
-from harness.logits import PositionLogits, from_frame, load_parquet, save_parquet, to_frame
+from harness.logits import PositionLogits, load_case, save_parquet, to_frame
 from harness.models import model_key
 from harness.paths import write_atomic
 from harness.suites import suites_dir
@@ -167,10 +167,9 @@ class BaselineStore:
     def load_logits(self, path: Path) -> list[PositionLogits]:
         """The baseline's logits, [] when none were stored (or they cannot be read: triage then says unknown)."""
         try:
-            frames = load_parquet(self.logits_path(path))
+            return load_case(self.logits_path(path), "baseline")
         except (OSError, ValueError):
             return []
-        return from_frame(frames["baseline"]) if "baseline" in frames else []
 
     def store(self, path: Path, data: dict, logits: list[PositionLogits]) -> bool:
         """Write `data` (and its logits) atomically unless the file already holds the same tokens and text;

@@ -22,7 +22,7 @@ from collections.abc import Callable
 from dataclasses import MISSING, fields
 from pathlib import Path
 
-import yaml
+from harness import yamltext
 
 ROOT = Path(__file__).resolve().parent.parent
 """The checkout: suites/, fixtures/ and docs/ sit beside the package."""
@@ -400,7 +400,7 @@ def suites_page() -> str:
     for path in sorted((ROOT / "suites").glob("*.yaml")):
         if path.name == "known-failures.yaml":
             continue
-        data = yaml.safe_load(path.read_text()) or {}
+        data = yamltext.load(path.read_text()) or {}
         out.append(f"### `{data.get('suite', path.stem)}`\n")
         if data.get("description"):
             out.append(_paragraphs(str(data["description"])) + "\n")
@@ -507,7 +507,7 @@ _KF_ORDER = (
 
 def known_failures_page() -> str:
     path = ROOT / "suites" / "known-failures.yaml"
-    entries = yaml.safe_load(path.read_text()) or []
+    entries = yamltext.load(path.read_text()) or []
     out = [_header("Known llama.cpp defects", "`suites/known-failures.yaml`")]
     comment = [ln[1:].strip() for ln in path.read_text().splitlines() if ln.startswith("#")]
     if comment:

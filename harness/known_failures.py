@@ -25,6 +25,7 @@ from pathlib import Path
 import jsonschema
 import yaml
 
+from harness import jsonschemas, yamltext
 from harness.backends.base import cpu_flags
 from harness.checks.base import CheckResult
 from harness.errors import HarnessError
@@ -245,7 +246,7 @@ def load(path: Path) -> list[KnownFailure]:
     if not path.is_file():
         return []
     try:
-        data = yaml.safe_load(path.read_text()) or []
+        data = yamltext.load(path.read_text()) or []
     except yaml.YAMLError as err:
         raise HarnessError(f"{path}: not valid YAML ({err})") from None
     if not isinstance(data, list):
@@ -261,7 +262,7 @@ def load(path: Path) -> list[KnownFailure]:
                     "'suite' is now 'suites': the list of suites the defect has been seen in "
                     f"(write suites: [{raw['suite']}])"
                 )
-            jsonschema.validate(raw, _ENTRY)
+            jsonschemas.validate(raw, _ENTRY)
             if re.search(raw["evidence"], "") is not None:
                 raise HarnessError(
                     f"evidence pattern {raw['evidence']!r} matches an empty string, so it would "

@@ -18,6 +18,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 
@@ -268,6 +269,26 @@ def load_parquet(path: Path) -> dict[str, pd.DataFrame]:
     return {case: group.drop(columns="case").reset_index(drop=True) for case, group in df.groupby("case", sort=False)}
 
 
+def load_case(path: Path, case: str) -> list[PositionLogits]:
+    """One case's records from a `save_parquet` file, in position order ([] when the file has none): what
+    `from_frame(load_parquet(path)[case])` gives, read with pyarrow alone (no pandas frames; a baseline's
+    logits are read once per case and check run, about 2.5x faster so)."""
+    table = pq.read_table(Path(path), schema=SCHEMA)
+    rows = table.filter(pc.equal(table["case"], case)).to_pydict()
+    order = sorted(range(len(rows["position"])), key=rows["position"].__getitem__)
+    return [
+        PositionLogits(
+            top_ids=np.asarray(rows["top_ids"][i], dtype=np.int32),
+            top_logits=np.asarray(rows["top_logits"][i], dtype=np.float32),
+            digest=rows["digest"][i],
+            head=tuple(rows["head"][i]),
+            tail=tuple(rows["tail"][i]),
+            log_z=float(rows["log_z"][i]),
+        )
+        for i in order
+    ]
+
+
 # --- comparison -------------------------------------------------------------------------------------------
 
 
@@ -319,6 +340,8 @@ class LogitsComparison:
 
 def _position_diff(a: PositionLogits, b: PositionLogits, k: int) -> dict:
     """The metrics of one position (see `compare`) plus the NMSE sums that pool over positions."""
+    if _identical(a, b, k):
+        return _same_position(a, k)
     la, lb = a.logprobs()[:k], b.logprobs()[:k]
     ia, ib = a.top_ids[:k], b.top_ids[:k]
     va, vb = dict(zip(ia.tolist(), la, strict=False)), dict(zip(ib.tolist(), lb, strict=False))
@@ -345,6 +368,34 @@ def _position_diff(a: PositionLogits, b: PositionLogits, k: int) -> dict:
         "kl": max(kl, 0.0),
         "_err": err,
         "_ref": ref,
+    }
+
+
+def _identical(a: PositionLogits, b: PositionLogits, k: int) -> bool:
+    """Both sides hold the same top-k ids and values (bit for bit) and the same normaliser."""
+    return (
+        a.log_z == b.log_z
+        and np.array_equal(a.top_ids[:k], b.top_ids[:k])
+        and np.array_equal(a.top_logits[:k], b.top_logits[:k])
+    )
+
+
+def _same_position(a: PositionLogits, k: int) -> dict:
+    """`_position_diff` of a position against an identical one, without its general arithmetic (most compared
+    positions are identical: a baseline against its own configuration, a cell against an equal one). The same
+    numbers: every |Δ| is 0, so the worst id is the lowest; Σ(a−b)² is 0; each KL term is 0 or, where a
+    probability is under the 1e-12 floor, negative, and KL is floored at 0."""
+    la, ia = a.logprobs()[:k], a.top_ids[:k]
+    return {
+        "a_top1": int(ia[0]),
+        "b_top1": int(ia[0]),
+        "top1_agree": True,
+        "max_abs": 0.0,
+        "max_abs_id": int(ia.min()),
+        "nmse": 0.0,
+        "kl": 0.0,
+        "_err": 0.0,
+        "_ref": float(np.sum(la**2)),
     }
 
 

@@ -14,7 +14,7 @@ import jsonschema
 import yaml
 
 import harness
-from harness import DEFAULT_MODELS, MODES
+from harness import DEFAULT_MODELS, MODES, yamltext
 from harness.errors import HarnessError
 from harness.matrix import SPEC_PRESETS, block_of
 from harness.request import SAMPLING_SCHEMA, Request, Sampling
@@ -317,8 +317,8 @@ def parse_suite(text: str, path: Path | None = None) -> Suite:
     """Parse and validate suite YAML; any problem is a one-line HarnessError naming file, line and field."""
     where = str(path) if path else "<suite>"
     try:
-        root = yaml.compose(text)
-        data = yaml.safe_load(text)
+        root = yamltext.compose(text)
+        data = yamltext.load(text)
     except yaml.YAMLError as err:
         mark = getattr(err, "problem_mark", None)
         line = f":{mark.line + 1}" if mark else ""

@@ -19,6 +19,7 @@ from harness.logits import (
     compare,
     from_frame,
     from_server_probs,
+    load_case,
     load_parquet,
     save_parquet,
     to_frame,
@@ -94,14 +95,16 @@ def test_parquet_round_trip_keeps_dtypes_and_exact_values(tmp_path):
     save_parquet(path, {"dense/C": to_frame(run), "silent/C": to_frame([]), "server/C": to_frame(served)})
     loaded = load_parquet(path)
     assert list(loaded) == ["dense/C", "server/C"]  # a case without positions has no rows
-    for original, frame in ((run, loaded["dense/C"]), (served, loaded["server/C"])):
-        back = from_frame(frame)
-        assert len(back) == len(original)
-        for x, y in zip(original, back, strict=False):
-            assert y.top_ids.dtype == np.int32 and y.top_logits.dtype == np.float32
-            assert np.array_equal(x.top_ids, y.top_ids) and np.array_equal(x.top_logits, y.top_logits)
-            assert (x.digest, x.head, x.tail, x.log_z) == (y.digest, y.head, y.tail, y.log_z)
+    for case, original in (("dense/C", run), ("server/C", served)):
+        # both readers: the frames (reports) and one case read with pyarrow alone (baselines)
+        for back in (from_frame(loaded[case]), load_case(path, case)):
+            assert len(back) == len(original)
+            for x, y in zip(original, back, strict=True):
+                assert y.top_ids.dtype == np.int32 and y.top_logits.dtype == np.float32
+                assert np.array_equal(x.top_ids, y.top_ids) and np.array_equal(x.top_logits, y.top_logits)
+                assert (x.digest, x.head, x.tail, x.log_z) == (y.digest, y.head, y.tail, y.log_z)
     assert len(from_frame(loaded["server/C"])[1].top_ids) == 0
+    assert load_case(path, "silent/C") == [] and load_case(path, "absent/C") == []
     # 128 positions × k = 10 plus both runs' digests: a baseline stays small (real tiny-model logits: ~16.6 kB)
     assert path.stat().st_size < 20_000
 
@@ -137,6 +140,34 @@ def test_compare_skips_empty_positions_and_uses_the_common_length():
     c = compare(a, b)
     assert (c.n_compared, c.n_skipped, c.n_a, c.n_b) == (2, 1, 4, 3)
     assert c.per_position.position.tolist() == [0, 2] and c.max_abs == 0.0 and c.kl_max == 0.0
+
+
+def test_identical_positions_get_the_numbers_of_the_general_comparison(monkeypatch):
+    """compare's shortcut for bit-identical positions gives what its general arithmetic gives: the lowest id as
+    the worst, a zero KL where probabilities fall under the 1e-12 floor, its share of the pooled NMSE's Σa²."""
+    rng = np.random.default_rng(7)
+    a = []
+    for _ in range(300):
+        n = int(rng.integers(2, 13))
+        ids = rng.permutation(1000)[:n].astype(np.int32)  # not ascending: the lowest id is rarely the top-1
+        scale = float(rng.choice([0.01, 3.0, 40.0]))  # 40: log-probabilities far below log(1e-12)
+        values = np.sort(rng.normal(scale=scale, size=n).astype(np.float32))[::-1].copy()
+        a.append(PositionLogits(ids, values, log_z=float(rng.choice([0.0, 2.5, 60.0]))))
+    b = [PositionLogits(p.top_ids.copy(), p.top_logits.copy(), log_z=p.log_z) for p in a]
+    for p in b[::3]:  # a third differ: the pooled NMSE then sums the identical positions' Σa² too
+        p.top_logits = (p.top_logits - np.float32(0.01)).astype(np.float32)
+    for k in (1, 3, 10):
+        fast = compare(a, b, k)
+        monkeypatch.setattr("harness.logits._identical", lambda *_: False)
+        general = compare(a, b, k)
+        monkeypatch.undo()
+        assert fast.per_position.equals(general.per_position)
+        assert (fast.nmse, fast.kl_mean, fast.kl_max, fast.max_abs) == (
+            general.nmse,
+            general.kl_mean,
+            general.kl_max,
+            general.max_abs,
+        )
 
 
 def test_check_judges_aggregates_names_the_worst_position_and_fails_without_positions():

@@ -1,7 +1,11 @@
 """Suite files: the shipped suites load; malformed ones give one line naming file, line and field."""
 
-import pytest
+from pathlib import Path
 
+import pytest
+import yaml
+
+from harness import yamltext
 from harness.errors import HarnessError
 from harness.matrix import Cell, cells, spec_preset
 from harness.suites import load_suite, parse_suite, suite_files
@@ -130,3 +134,19 @@ def test_non_utf8_suite_file_is_one_line_error(tmp_path):
     path.write_bytes(b"suite: demo\xff\n")
     with pytest.raises(HarnessError, match="not UTF-8 text"):
         load_suite(str(path))
+
+
+def test_the_fast_yaml_reader_gives_pyyaml_s_safe_data_and_its_error_wording():
+    """harness.yamltext reads with libyaml where PyYAML has it: every shipped suite and the known-failures file
+    read the same as `yaml.safe_load`; a broken text fails with the pure-Python loader's words and line."""
+    shipped = sorted((Path(__file__).resolve().parent.parent / "suites").glob("*.yaml"))
+    assert shipped
+    for path in shipped:
+        text = path.read_text()
+        assert yamltext.load(text) == yaml.safe_load(text), path.name
+    for bad in ("a: [1, 2", "a: b: c", "- x\ny: 1"):
+        with pytest.raises(yaml.YAMLError) as pyyaml:
+            yaml.safe_load(bad)
+        with pytest.raises(yaml.YAMLError) as ours:
+            yamltext.load(bad)
+        assert str(ours.value) == str(pyyaml.value)

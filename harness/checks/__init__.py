@@ -16,7 +16,7 @@ from collections.abc import Callable
 import jsonschema
 
 from harness import detok as detokenizers
-from harness import interrupt
+from harness import interrupt, jsonschemas
 from harness.baselines import BaselineError, shown
 from harness.cellrun import CellRun
 from harness.checks.acceptance import check as acceptance_check
@@ -228,7 +228,7 @@ def grammar_valid(ctx: CheckContext) -> CheckResult | None:
     problems = []
     for o in ctx.completed():
         try:
-            jsonschema.validate(json.loads(o.result.text), schema)
+            jsonschemas.validate(json.loads(o.result.text), schema)
         except (ValueError, jsonschema.ValidationError) as err:
             problems.append(f"round {o.round}: {str(err).splitlines()[0]} in {o.result.text[:80]!r}")
     evidence = {"outputs": len(ctx.completed()), "invalid": len(problems)}
