@@ -300,7 +300,7 @@ class InprocSession:
 @functools.cache
 def _environment() -> dict:
     """`InprocBackend.environment`, read once per process: the checks ask for it per case and per check, and
-    reading the package metadata costs milliseconds each time (profiled: 12 s of a 385 s quicksort pytest)."""
+    reading the package metadata costs about 4 ms each time here (933 calls in a 165-case quicksort pytest)."""
     import importlib.metadata
 
     import llama_cpp
