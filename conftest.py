@@ -10,6 +10,7 @@ import pytest
 
 from harness.engine.logging import set_llama_verbose
 from harness.models import DEFAULT_MODELS, resolve
+from harness.paths import cache_dir
 
 pytest_plugins = ["harness.pytest_plugin", "pytester"]
 
@@ -25,6 +26,26 @@ def quiet_llama_cpp():
 def tiny_models():
     """name → ModelInfo for tiny-dense, tiny-hybrid and tiny-recurrent (generated on first use)."""
     return {name: resolve(name) for name in DEFAULT_MODELS}
+
+
+BYTECODE = pytest.StashKey[str]()
+
+
+def _cache_bytecode() -> str | None:
+    """Where bytecode goes when the environment asks for none (`PYTHONDONTWRITEBYTECODE`, which some images set):
+    the specharness cache (`PYTHONPYCACHEPREFIX`, or the one already set), never the checkout. A run starts several
+    hundred Python processes (pytest-xdist workers, `specharness` and inner pytest subprocesses, engine fork
+    servers); without a cache each compiles the harness again and each pytest process rewrites the assertions of
+    tests/ again: 934 s instead of 880-885 s for a warm `pytest` on a 2-core machine (docs/benchmarks.md, session 17).
+    For this process and every process it starts; None when bytecode was not switched off."""
+    if not os.environ.get("PYTHONDONTWRITEBYTECODE"):
+        return None
+    prefix = os.environ.get("PYTHONPYCACHEPREFIX") or str(cache_dir() / "pycache")
+    del os.environ["PYTHONDONTWRITEBYTECODE"]
+    os.environ["PYTHONPYCACHEPREFIX"] = prefix
+    sys.dont_write_bytecode = False
+    sys.pycache_prefix = prefix
+    return prefix
 
 
 BUSY = pytest.StashKey[list]()
@@ -44,6 +65,9 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 
 def pytest_configure(config: pytest.Config) -> None:
+    prefix = _cache_bytecode()  # before pytest-xdist starts its workers (pytest_sessionstart)
+    if prefix is not None:
+        config.stash[BYTECODE] = prefix
     config.addinivalue_line(
         "markers",
         "stress: a test of signals, servers, bisect or reports, run under load in CI (`pytest -m stress --stress N`)",
@@ -79,4 +103,7 @@ def pytest_unconfigure(config: pytest.Config) -> None:
 
 def pytest_report_header(config: pytest.Config) -> list[str]:
     n = config.getoption("--stress")
-    return [f"stress: {n} busy loops on {os.cpu_count()} cores"] if n > 0 else []
+    lines = [f"stress: {n} busy loops on {os.cpu_count()} cores"] if n > 0 else []
+    if BYTECODE in config.stash:
+        lines.append(f"bytecode: PYTHONDONTWRITEBYTECODE was set; written under {config.stash[BYTECODE]} instead")
+    return lines
