@@ -36,8 +36,10 @@ def _cache_bytecode() -> str | None:
     the specharness cache (`PYTHONPYCACHEPREFIX`, or the one already set), never the checkout. A run starts several
     hundred Python processes (pytest-xdist workers, `specharness` and inner pytest subprocesses, engine fork
     servers); without a cache each compiles the harness again and each pytest process rewrites the assertions of
-    tests/ again: 934 s instead of 880-885 s for a warm `pytest` on a 2-core machine (docs/benchmarks.md, session 17).
-    For this process and every process it starts; None when bytecode was not switched off."""
+    tests/ again: a warm `pytest` in a fresh clone on a 2-core machine took 934 s without bytecode and 864 s with it
+    written here, its first run included (docs/benchmarks.md, session 17). Python then reads bytecode only under the
+    prefix, so the first run compiles the installed packages into it once. For this process and every process it
+    starts; None when bytecode was not switched off."""
     if not os.environ.get("PYTHONDONTWRITEBYTECODE"):
         return None
     prefix = os.environ.get("PYTHONPYCACHEPREFIX") or str(cache_dir() / "pycache")
