@@ -3,6 +3,7 @@
 - `read_metadata`: a GGUF file's metadata without loading tensors or building the vocabulary in Python
   (gguf.GGUFReader turns every vocabulary entry into Python objects: seconds per tiny model, tens of seconds for
   Gemma 3's 262k tokens; this walks the key/value header of a memory-mapped file only);
+- `read_fields`: some keys whole (the tokenizer's, which the model generator copies), with their GGUF types;
 - `kind_of_arch`: llama.cpp's memory kind of an architecture (dense, hybrid, recurrent).
 """
 
@@ -33,6 +34,50 @@ def _read_metadata(path: str, size: int, mtime_ns: int) -> dict:
             return _metadata(buf)
         except struct.error as err:
             raise ValueError(f"truncated GGUF header ({err})") from err
+
+
+def read_fields(path: Path, prefix: str) -> tuple[tuple[str, object, int, int | None], ...]:
+    """The key/values of a GGUF file whose key starts with `prefix`, whole (long and string arrays included), as
+    (key, value, GGUF value type, array element type or None): the values and types `gguf.GGUFReader`'s
+    `field.contents()` and `field.types` give, without building the reader's array views of every entry (over a
+    second for a 32000-token vocabulary). Raises ValueError for a file that is not GGUF or is cut short."""
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
+        if bytes(buf[:4]) != b"GGUF":
+            raise ValueError("no GGUF magic")
+        try:
+            n_kv = struct.unpack_from("<Q", buf, 16)[0]
+            off, out = 24, []
+            for _ in range(n_kv):
+                key, off = _value(buf, off, _GGUF_STRING)
+                vtype = _U32.unpack_from(buf, off)[0]
+                if not key.startswith(prefix):
+                    off = _value(buf, off + 4, vtype)[1]
+                    continue
+                etype = _U32.unpack_from(buf, off + 4)[0] if vtype == _GGUF_ARRAY else None
+                value, off = _whole(buf, off + 4, vtype)
+                out.append((key, value, vtype, etype))
+        except struct.error as err:
+            raise ValueError(f"truncated GGUF header ({err})") from err
+    return tuple(out)
+
+
+def _whole(buf, off: int, vtype: int):
+    """(value, end offset) of one GGUF value, arrays whole; strings decoded strictly, as gguf.GGUFReader does."""
+    if vtype == _GGUF_STRING:
+        length = struct.unpack_from("<Q", buf, off)[0]
+        return bytes(buf[off + 8 : off + 8 + length]).decode("utf-8"), off + 8 + length
+    if vtype != _GGUF_ARRAY:
+        return _value(buf, off, vtype)
+    etype, count = struct.unpack_from("<IQ", buf, off)
+    off += 12
+    if etype in _GGUF_SCALARS:
+        code = _GGUF_SCALARS[etype]
+        return list(struct.unpack_from(f"<{count}{code}", buf, off)), off + count * struct.calcsize(code)
+    items = []
+    for _ in range(count):
+        item, off = _whole(buf, off, etype)
+        items.append(item)
+    return items, off
 
 
 def _metadata(buf) -> dict:

@@ -11,7 +11,7 @@ import pytest
 
 from harness.cli import main
 from harness.errors import HarnessError
-from harness.gguf import read_metadata
+from harness.gguf import read_fields, read_metadata
 from harness.models import DEFAULT_MODELS, draft_for, make, registry, resolve
 from harness.models.agreement import PROMPTS, teacher_forced_agreement
 from harness.models.generator import RECIPES
@@ -108,6 +108,34 @@ def test_arch_found_after_other_header_keys(tmp_path):
     writer.write_kv_data_to_file()
     writer.close()
     assert (resolve(str(path)).arch, resolve(str(path)).kind) == ("mamba", "recurrent")
+
+
+def test_read_fields_gives_what_gguf_reader_gives(tmp_path):
+    """What the model generator copies from the vocab file (harness.gguf.read_fields): each key's value and GGUF
+    types exactly as gguf.GGUFReader reads them, arrays of strings and numbers included; other keys
+    skipped; a file cut inside its header is a ValueError."""
+    path = tmp_path / "fields.gguf"
+    writer = gguf.GGUFWriter(path, "llama")
+    writer.add_array("tokenizer.ggml.tokens", ["<unk>", "a", "\u00e9t\u00e9", ""])
+    writer.add_array("tokenizer.ggml.scores", [0.0, -1.5, 3.25e-8, -0.1])
+    writer.add_array("tokenizer.ggml.token_type", [2, 1, 1, 6])
+    writer.add_bool("tokenizer.ggml.add_bos_token", True)
+    writer.add_uint32("tokenizer.ggml.bos_token_id", 1)
+    writer.add_string("tokenizer.ggml.model", "llama")
+    writer.add_array("other.strings", ["x", "y"])
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.close()
+    fields = gguf.GGUFReader(path).fields
+    expected = [
+        (key, f.contents(), int(f.types[0]), int(f.types[1]) if f.types[0] == gguf.GGUFValueType.ARRAY else None)
+        for key, f in fields.items()
+        if key.startswith("tokenizer.")
+    ]
+    assert list(read_fields(path, "tokenizer.")) == expected and len(expected) == 6
+    path.write_bytes(path.read_bytes()[:60])
+    with pytest.raises(ValueError, match="truncated GGUF header"):
+        read_fields(path, "tokenizer.")
 
 
 def test_gguf_metadata_is_read_again_when_the_file_changes(tmp_path):

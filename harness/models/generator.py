@@ -21,6 +21,8 @@ from typing import Any
 import gguf
 import numpy as np
 
+from harness.gguf import read_fields
+
 GENERATOR_VERSION = 1
 """Bump whenever the bytes written for an unchanged recipe change (layout, keys, value scales)."""
 
@@ -177,11 +179,9 @@ _VOCAB = Path(__file__).resolve().parents[1] / "data" / "ggml-vocab-llama-spm.gg
 @functools.cache
 def _tokenizer_fields() -> tuple[tuple[str, Any, gguf.GGUFValueType, gguf.GGUFValueType | None], ...]:
     """The vocab file's `tokenizer.*` keys as (key, value, type, array sub-type) tuples, read once."""
-    reader = gguf.GGUFReader(_VOCAB)
     return tuple(
-        (key, field.contents(), field.types[0], field.types[-1] if field.types[0] == gguf.GGUFValueType.ARRAY else None)
-        for key, field in reader.fields.items()
-        if key.startswith("tokenizer.")
+        (key, value, gguf.GGUFValueType(vtype), None if etype is None else gguf.GGUFValueType(etype))
+        for key, value, vtype, etype in read_fields(_VOCAB, "tokenizer.")
     )
 
 
