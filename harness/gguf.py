@@ -29,11 +29,7 @@ def read_metadata(path: Path) -> dict:
 
 @functools.lru_cache(maxsize=64)
 def _read_metadata(path: str, size: int, mtime_ns: int) -> dict:
-    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
-        try:
-            return _metadata(buf)
-        except struct.error as err:
-            raise ValueError(f"truncated GGUF header ({err})") from err
+    return {key: value for key, value, _, _ in _entries(path, whole=None)}
 
 
 def read_fields(path: Path, prefix: str) -> tuple[tuple[str, object, int, int | None], ...]:
@@ -41,6 +37,12 @@ def read_fields(path: Path, prefix: str) -> tuple[tuple[str, object, int, int | 
     (key, value, GGUF value type, array element type or None): the values and types `gguf.GGUFReader`'s
     `field.contents()` and `field.types` give, without building the reader's array views of every entry (over a
     second for a 32000-token vocabulary). Raises ValueError for a file that is not GGUF or is cut short."""
+    return tuple(entry for entry in _entries(path, whole=prefix) if entry[0].startswith(prefix))
+
+
+def _entries(path: str | Path, whole: str | None) -> list[tuple[str, object, int, int | None]]:
+    """Every header key/value of a memory-mapped GGUF file, in order, as (key, value, type, array element type or
+    None): the values of keys starting with `whole` read whole (`_whole`), the others as `_value` reads them."""
     with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
         if bytes(buf[:4]) != b"GGUF":
             raise ValueError("no GGUF magic")
@@ -50,15 +52,13 @@ def read_fields(path: Path, prefix: str) -> tuple[tuple[str, object, int, int | 
             for _ in range(n_kv):
                 key, off = _value(buf, off, _GGUF_STRING)
                 vtype = _U32.unpack_from(buf, off)[0]
-                if not key.startswith(prefix):
-                    off = _value(buf, off + 4, vtype)[1]
-                    continue
                 etype = _U32.unpack_from(buf, off + 4)[0] if vtype == _GGUF_ARRAY else None
-                value, off = _whole(buf, off + 4, vtype)
+                read = _whole if whole is not None and key.startswith(whole) else _value
+                value, off = read(buf, off + 4, vtype)
                 out.append((key, value, vtype, etype))
         except struct.error as err:
             raise ValueError(f"truncated GGUF header ({err})") from err
-    return tuple(out)
+    return out
 
 
 def _whole(buf, off: int, vtype: int):
@@ -78,18 +78,6 @@ def _whole(buf, off: int, vtype: int):
         item, off = _whole(buf, off, etype)
         items.append(item)
     return items, off
-
-
-def _metadata(buf) -> dict:
-    if bytes(buf[:4]) != b"GGUF":
-        raise ValueError("no GGUF magic")
-    n_kv = struct.unpack_from("<Q", buf, 16)[0]
-    off, out = 24, {}
-    for _ in range(n_kv):
-        key, off = _value(buf, off, _GGUF_STRING)
-        vtype = _U32.unpack_from(buf, off)[0]
-        out[key], off = _value(buf, off + 4, vtype)
-    return out
 
 
 def _value(buf, off: int, vtype: int):
