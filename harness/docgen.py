@@ -499,7 +499,8 @@ _KF_ORDER = (
     "check",
     "evidence",
     "limits",
-    "llama_cpp_commit",
+    "versions",
+    "fixed_in",
     "found",
     "upstream",
 )

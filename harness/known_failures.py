@@ -27,6 +27,7 @@ import yaml
 
 from harness import jsonschemas, yamltext
 from harness.backends.base import cpu_flags
+from harness.backends.versions import UNKNOWN, LlamaVersion, covers, parse_item
 from harness.checks.base import CheckResult
 from harness.errors import HarnessError
 from harness.matrix import Cell, narrowing
@@ -41,7 +42,7 @@ _ENTRY = {
         "backend",
         "check",
         "evidence",
-        "llama_cpp_commit",
+        "versions",
         "reason",
         "upstream",
         "measured",
@@ -72,7 +73,8 @@ _ENTRY = {
         "models": {"type": "array", "items": {"type": "string"}},
         "check": {"oneOf": [{"type": "string"}, {"type": "array", "items": {"type": "string"}, "minItems": 1}]},
         "evidence": {"type": "string"},
-        "llama_cpp_commit": {"type": "string"},
+        "versions": {"type": "array", "items": {"type": "string"}, "minItems": 1},
+        "fixed_in": {"type": "string", "pattern": r"^b\d+$"},
         "found": {"type": "string"},
         "reason": {"type": "string"},
         "cpu_flags": {"type": "array", "items": {"type": "string"}, "minItems": 1},
@@ -116,7 +118,6 @@ class KnownFailure:
     check: tuple[str, ...]
     """The checks whose failures the defect explains (a string in the file is one check)."""
     evidence: str
-    llama_cpp_commit: str
     reason: str
     upstream: str
     """Where llama.cpp tracks it (an issue or pull request), or what was filed."""
@@ -133,6 +134,11 @@ class KnownFailure:
     limits: tuple[Limit, ...] = ()
     anywhere: bool = True
     """Recognised in any suite (False: only in `suites`, for evidence not specific to the defect)."""
+    versions: tuple[str, ...] = ()
+    """The llama.cpp versions it was measured in: tags (bN), tag ranges (bA..bB), commits, or COMMIT..bN (from a
+    vendored commit to a tag). It applies only there (harness/backends/versions.py)."""
+    fixed_in: str = ""
+    """The first tag where it no longer reproduces (found by `specharness bisect --tags`), or ''."""
     tries: int = 1
     """An intermittent defect (it shows only when the slots' steps interleave so): its strict expected failure
     serves its cells afresh up to this many times and counts as gone only when none of them reproduces it
@@ -227,7 +233,34 @@ class KnownFailure:
 
     @property
     def summary(self) -> str:
-        return f"known llama.cpp defect {self.id} (llama.cpp {self.llama_cpp_commit[:12]}; see suites/{FILE_NAME})"
+        return f"known llama.cpp defect {self.id} (llama.cpp {', '.join(self.versions)}; see suites/{FILE_NAME})"
+
+
+def scope_line(entry: KnownFailure, version: LlamaVersion, backend: str) -> str | None:
+    """Why `entry` does not apply to a backend of `version` (None: it applies). An unknown version applies every
+    entry (a history of its own, e.g. a fork's: nothing says where it stands)."""
+    if not version.known or covers(entry.versions, version):
+        return None
+    where = "llama-server" if backend == "server" else "the in-process engine"
+    if entry.fixed_in and version.at_or_after(int(entry.fixed_in[1:])):
+        return f"known failure {entry.id}: fixed in {entry.fixed_in} ({where} runs {version}): its cells are judged"
+    return (
+        f"known failure {entry.id}: not known for {version} (measured in {', '.join(entry.versions)}; {where}): "
+        "its cells are judged"
+    )
+
+
+def scoped(entries: list[KnownFailure], versions: dict[str, LlamaVersion]) -> tuple[list[KnownFailure], list[str]]:
+    """The entries that apply to the backends' llama.cpp versions, and a line for each that does not (said in the
+    console and run.json): its cells are judged as any others."""
+    kept, lines = [], []
+    for entry in entries:
+        line = scope_line(entry, versions.get(entry.backend, UNKNOWN), entry.backend)
+        if line is None:
+            kept.append(entry)
+        else:
+            lines.append(line)
+    return kept, lines
 
 
 def _check_limits(raw: dict) -> None:
@@ -248,7 +281,7 @@ def load(path: Path) -> list[KnownFailure]:
     try:
         data = yamltext.load(path.read_text()) or []
     except yaml.YAMLError as err:
-        raise HarnessError(f"{path}: not valid YAML ({err})") from None
+        raise HarnessError(f"{path}: not valid YAML ({' '.join(str(err).split())})") from None
     if not isinstance(data, list):
         raise HarnessError(f"{path}: must be a list of entries")
     from harness.suites import CHECK_NAMES, suite_files
@@ -269,8 +302,10 @@ def load(path: Path) -> list[KnownFailure]:
                     "explain any failure; make it name the defect's message"
                 )
             _check_limits(raw)
+            for item in raw["versions"]:
+                parse_item(item)
             narrowing([raw["backend"]], list(raw.get("modes", [])), list(raw.get("specs", [])))
-        except (jsonschema.ValidationError, re.error, HarnessError) as err:
+        except (jsonschema.ValidationError, re.error, HarnessError, ValueError) as err:
             raise HarnessError(f"{path}: entry {i}: {str(err).splitlines()[0]}") from None
         raw["check"] = [raw["check"]] if isinstance(raw["check"], str) else raw["check"]
         for value, known, what in (

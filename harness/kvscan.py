@@ -31,8 +31,12 @@ from harness.errors import HarnessError
 from harness.gguf import read_metadata
 
 SEQ_MAGIC = 0xAF143CD8
-GGSQ_MAGIC, GGSQ_VERSION = 0x67677371, 3
-GGSN_MAGIC, GGSN_VERSION = 0x6767736E, 10
+GGSQ_MAGIC, GGSN_MAGIC = 0x67677371, 0x6767736E
+GGSQ_VERSIONS = {3: False, 4: True}
+"""`LLAMA_STATE_SEQ_VERSION` -> whether a KV section's data header carries the K and V rotation sizes after `v_trans`
+and the layer count (version 4, llama.cpp b11434 and newer: `n_rot_k`, `n_rot_v`, two u32)."""
+GGSN_VERSIONS = {10: False, 11: True}
+"""`LLAMA_SESSION_VERSION` -> the same (version 11 came with the same change)."""
 SLOT_TOKENS_VERSION = 1
 KINDS = ("auto", "context", "seq", "ggsq", "ggsn")
 
@@ -85,6 +89,7 @@ _RECURRENT_INTERVAL_ARCHS = {"qwen3next", "qwen35", "qwen35moe"}
 
 _MAX_SEQ = 256  # LLAMA_MAX_SEQ
 _MAX_LAYERS = 4096
+_MAX_ROT = 1 << 14  # a rotation matrix's side: 0 (none) or a power of two up to the head size
 _MAX_GGML_TYPE = 64
 _ARCH_NAME = re.compile(rb"[A-Za-z0-9_.\-]{1,64}")
 
@@ -297,10 +302,12 @@ class _Mismatch(Exception):
 class _Parser:
     """Reads memory sections of one blob; section parses are memoized because hypotheses share prefixes."""
 
-    def __init__(self, data):
+    def __init__(self, data, kv_rot: bool = False):
         self.data = data
         self.n = len(data)
         self.memo: dict = {}
+        self.kv_rot = kv_rot
+        """The KV data header carries the rotation sizes (a version-4 state)."""
 
     def need(self, off: int, size: int, what: str) -> None:
         if off + size > self.n:
@@ -392,7 +399,13 @@ class _Parser:
             v_trans, n_layer = self.u32(off, "v_trans"), self.u32(off + 4, "layer count")
             if v_trans > 1 or not 1 <= n_layer <= _MAX_LAYERS or header not in (None, (v_trans, n_layer)):
                 raise _Mismatch(off, f"implausible KV data header (v_trans {v_trans}, {n_layer} layers)")
-            header, start, off = (v_trans, n_layer), off + 8, off + 8
+            off += 8
+            if self.kv_rot:
+                n_rot_k, n_rot_v = self.u32(off, "n_rot_k"), self.u32(off + 4, "n_rot_v")
+                if any(n & (n - 1) or n > _MAX_ROT for n in (n_rot_k, n_rot_v)):
+                    raise _Mismatch(off, f"implausible KV rotation sizes ({n_rot_k}, {n_rot_v})")
+                off += 8
+            header, start = (v_trans, n_layer), off
             for _ in range(n_layer):
                 off = self.block(off, count, False, dev)
             for _ in range(0 if mla else n_layer):
@@ -478,6 +491,8 @@ class _Framing:
     seq_id: int | None = None
     tokens: int | None = None
     token_ids: list[int] | None = None
+    kv_rot: bool = False
+    """A version-4 state (GGSQ_VERSIONS): the KV data header carries the rotation sizes."""
 
 
 def _read_framing(data, kind: str, name: str) -> _Framing:
@@ -508,9 +523,11 @@ def _read_framing(data, kind: str, name: str) -> _Framing:
     if size < 12:
         raise HarnessError(f"{name}: truncated {found} header ({size} of 12 bytes)")
     _, version, n_tokens = _HEADER3.unpack_from(data, 0)
-    expected = GGSQ_VERSION if found == "ggsq" else GGSN_VERSION
-    if version != expected:
-        raise OtherFormatVersion(f"{name}: {found} version {version}; this scanner reads version {expected}")
+    versions = GGSQ_VERSIONS if found == "ggsq" else GGSN_VERSIONS
+    if version not in versions:
+        known = " and ".join(map(str, versions))
+        raise OtherFormatVersion(f"{name}: {found} version {version}; this scanner reads versions {known}")
+    kv_rot = versions[version]
     body = 12 + 4 * n_tokens
     if body > size:
         raise HarnessError(f"{name}: truncated: header announces {n_tokens} tokens, file has {size} bytes")
@@ -518,10 +535,10 @@ def _read_framing(data, kind: str, name: str) -> _Framing:
         arch = _arch_at(data, body)
         if arch is None:
             raise HarnessError(f"{name}: no architecture name after the {n_tokens} session tokens")
-        return _Framing("ggsn", arch[1], arch=arch[0], tokens=n_tokens)
+        return _Framing("ggsn", arch[1], arch=arch[0], tokens=n_tokens, kv_rot=kv_rot)
     words = np.frombuffer(data, dtype="<u4", count=n_tokens, offset=12)
     if n_tokens == 0 or words[0] != 0xFFFFFFFF:
-        return _Framing("ggsq", body, tokens=n_tokens, token_ids=words.astype(np.int32).tolist())
+        return _Framing("ggsq", body, tokens=n_tokens, token_ids=words.astype(np.int32).tolist(), kv_rot=kv_rot)
     if n_tokens < 3 or words[1] != SLOT_TOKENS_VERSION or 3 + int(words[2]) > n_tokens:
         raise OtherFormatVersion(
             f"{name}: llama-server slot token blob with version {words[1] if n_tokens > 1 else '?'} "
@@ -529,7 +546,7 @@ def _read_framing(data, kind: str, name: str) -> _Framing:
         )
     n_slot_tokens = int(words[2])
     ids = words[3 : 3 + n_slot_tokens].astype(np.int32).tolist()
-    return _Framing("ggsq-slot", body, tokens=n_slot_tokens, token_ids=ids)
+    return _Framing("ggsq-slot", body, tokens=n_slot_tokens, token_ids=ids, kv_rot=kv_rot)
 
 
 def _hypotheses(layout: Layout, framing: str, name: str) -> list[Layout]:
@@ -559,7 +576,7 @@ def _cells_signature(parts: list[Part]) -> tuple:
 
 def _parse(data, fr: _Framing, layout: Layout, name: str) -> tuple[Layout, list[Part], list[str]]:
     """Try every hypothesis; keep the parse that consumes exactly all bytes → (agreed layout, parts, notes)."""
-    parser = _Parser(data)
+    parser = _Parser(data, fr.kv_rot)
     fits, furthest = [], None
     for hyp in _hypotheses(layout, fr.framing, name):
         names = MEMORIES[hyp.memory][1 if hyp.partial_only else 0]

@@ -28,6 +28,10 @@ class SpecPreset:
     request (vLLM's forced-rejection test asserts the same)."""
     server_only: bool = False
     """llama-server only: options the in-process engine does not have (synthetic acceptance)."""
+    keeps_seeded_tokens: bool = True
+    """False for rejection sampling (`--spec-draft-sampling probabilistic`): at temperature > 0 a drafted token is
+    accepted with probability min(1, p/q) and a rejected one redrawn from the residual, so the output keeps the
+    target's distribution but not the non-speculative run's seeded tokens."""
 
     @property
     def speculative(self) -> bool:
@@ -99,6 +103,14 @@ SPEC_PRESETS: dict[str, SpecPreset] = {
     # 0.12-0.59, median 0.2: at 0.99 they never draft)
     "draft-p-min-0.2": SpecPreset({"spec-type": "draft-simple", "spec-draft-n-max": 4, "spec-draft-p-min": 0.2}),
     "scripted-reject": SpecPreset({}, scripted="reject-all", expect_accepts=False, rejects_all=True),
+    # rejection sampling (llama.cpp b11434 and newer; an older llama-server has no --spec-draft-sampling, and its
+    # cells are not run): at temperature > 0 the draft samples at the target's temperature and the target accepts
+    # a drafted token with probability min(1, p/q); greedy requests verify as draft-simple does
+    "draft-simple-probabilistic": SpecPreset(
+        {"spec-type": "draft-simple", "spec-draft-n-max": 4, "spec-draft-sampling": "probabilistic"},
+        server_only=True,
+        keeps_seeded_tokens=False,
+    ),
     "scripted-wrong-at-2": SpecPreset({}, scripted="wrong-at-2"),
 }
 

@@ -19,12 +19,13 @@ from harness.argtypes import count, csv
 from harness.backends.base import KV_SCAN
 from harness.backends.choose import backend_factories
 from harness.backends.facts import run_backends
+from harness.backends.versions import UNKNOWN, planned_versions
 from harness.baselines import BaselineStore, not_recorded_lines, uncalibrated_lines
 from harness.checks import evaluate_cell, harness_errors
 from harness.errors import HarnessBug, HarnessError
 from harness.execute import ExecOptions, Executor, case_keys
 from harness.known_failures import FILE_NAME as KNOWN_FAILURES
-from harness.known_failures import KnownFailure, tag
+from harness.known_failures import KnownFailure, scope_line, tag
 from harness.known_failures import load as load_known
 from harness.matrix import BACKEND_NAMES, Shard, cells, narrowing, shard
 from harness.models import ModelUnavailable, resolve
@@ -102,7 +103,11 @@ def pytest_configure(config: pytest.Config) -> None:
     try:
         only = narrowing(csv(opt("--backend")), csv(opt("--mode")), csv(opt("--spec")), csv(opt("--model")))
         extra = user_suites_dir(path_setting(config, "suites_dir"))
-        known = known_failures(extra)
+        versions = planned_versions(
+            Path(opt("--server-bin")) if opt("--server-bin") else None,
+            Path(opt("--source")) if opt("--source") else None,
+        )
+        known, _ = known_failures(extra, versions)
         part = Shard.parse(opt("--shard")) if opt("--shard") else None
     except HarnessError as err:
         raise pytest.UsageError(str(err)) from None
@@ -136,6 +141,7 @@ def pytest_configure(config: pytest.Config) -> None:
         ),
         "checks": [],
         "known": known,
+        "versions": versions,
     }
     config.stash[STATE]["signals"].enter_context(interrupt.handled())  # SIGTERM stops the session as Ctrl-C does
 
@@ -342,8 +348,17 @@ class KnownFailuresFile(pytest.File):
         except HarnessError as err:
             yield BrokenSuite.from_parent(self, name="known-failures[load]", error=str(err))
             return
+        versions = self.config.stash[STATE]["versions"]
         for entry in entries:
             suite = load_suite(entry.suite, self.path.parent)
+            out_of_range = scope_line(entry, versions.get(entry.backend, UNKNOWN), entry.backend)
+            if out_of_range:
+                item = KnownFailureItem.from_parent(
+                    self, name=f"known-failures[{entry.id}]", entry=entry, suite=suite, cells=[]
+                )
+                item.add_marker(pytest.mark.skip(reason=out_of_range))
+                yield item
+                continue
             if entry.missing_cpu_flags:
                 item = KnownFailureItem.from_parent(
                     self, name=f"known-failures[{entry.id}]", entry=entry, suite=suite, cells=[]

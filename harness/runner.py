@@ -20,6 +20,7 @@ from harness import interrupt
 from harness.argtypes import csv
 from harness.backends.choose import backend_factories
 from harness.backends.facts import run_backends
+from harness.backends.versions import planned_versions
 from harness.baselines import BaselineStore, not_recorded_lines, uncalibrated_lines
 from harness.checks import harness_errors
 from harness.errors import HarnessError
@@ -258,6 +259,7 @@ def write_and_publish(
     interrupted: bool,
     uncalibrated: list[str],
     console: Console,
+    known_scope: list[str] = (),
 ) -> list:
     """Write the run directory, print its failures (read back from it, as every report) and publish its
     report; returns the planned (suite name, cell) pairs."""
@@ -280,6 +282,7 @@ def write_and_publish(
         interrupted=interrupted,
     )
     meta["uncalibrated"] = uncalibrated
+    meta["known_failures_scope"] = list(known_scope)
     results = write_run(out, runs, verdicts, meta, detokenizers.for_model)
     interrupt.phase("report")
     stored = RunDir.load(out)  # the summary comes from the stored run, as every report
@@ -321,12 +324,14 @@ def cmd_run(args: argparse.Namespace) -> int:
         interrupt.phase("writing")
         interrupted = interrupt.received() is not None
         runs = executor.runs()
-        known = known_failures(run_plan.extra)
+        known, out_of_range = known_failures(run_plan.extra, planned_versions(args.server_bin, args.source))
+        for line in out_of_range:
+            console.print(line, markup=False, highlight=False)
         failed = [r for suite, _, cell, r in verdicts if tag(known, suite, cell, [r])]
         fixed = print_verdicts(console, runs, verdicts, done, known)
         uncalibrated = print_notes(console, executor, baselines, verdicts)
         planned = write_and_publish(
-            args, run_plan, executor, verdicts, done, known, started, interrupted, uncalibrated, console
+            args, run_plan, executor, verdicts, done, known, started, interrupted, uncalibrated, console, out_of_range
         )
         return exit_status(console, planned, done, runs, verdicts, failed, fixed)
 

@@ -13,6 +13,7 @@ from harness.checks import evaluate_cell
 from harness.execute import Executor, case_keys
 from harness.known_failures import FILE_NAME as KNOWN_FAILURES
 from harness.known_failures import load as load_known
+from harness.known_failures import scoped
 from harness.matrix import Cell, Shard, cells, shard
 from harness.suites import Suite, suites_dir
 
@@ -66,6 +67,9 @@ def wide_console() -> Console:
     return Console(soft_wrap=True, width=None if sys.stdout.isatty() else 200)
 
 
-def known_failures(extra: Path | None = None) -> list:
-    """The known-failures entries of the suites in use and of a `--suites-dir`."""
-    return [*load_known(suites_dir() / KNOWN_FAILURES), *(load_known(extra / KNOWN_FAILURES) if extra else [])]
+def known_failures(extra: Path | None = None, versions: dict | None = None) -> tuple[list, list[str]]:
+    """The known-failures entries of the suites in use and of a `--suites-dir` that apply to the backends'
+    llama.cpp `versions` (harness/backends/versions.py `planned_versions`; None: every entry), and a line for each
+    entry that does not apply (fixed in a tag, or not known for this version)."""
+    entries = [*load_known(suites_dir() / KNOWN_FAILURES), *(load_known(extra / KNOWN_FAILURES) if extra else [])]
+    return scoped(entries, versions) if versions is not None else (entries, [])

@@ -52,7 +52,7 @@ PLAN = [
 
 def clean_run() -> tuple[list[str], list[str], int]:
     """One run of the plan: (failures no known defect explains, harness errors, verdicts known failures explain)."""
-    entries, baselines = known_failures(), BaselineStore(default_root())
+    entries, baselines = known_failures()[0], BaselineStore(default_root())
     failing, errors, known = [], [], 0
     for suite, cells, together in PLAN:
         executor = Executor(ExecOptions(backends=backend_factories(), kv_scan="request"))

@@ -18,7 +18,7 @@ ENTRY = """\
   modes: [par]
   check: no-crash
   evidence: 'batch index \\d+ is not inside'
-  llama_cpp_commit: 0c1e570
+  versions: [0c1e570]
   upstream: ggml-org/llama.cpp#24840
   reason: a demo
   measured: ['round 0: HTTP 500: speculative batch index 12 is not inside the current sub-batch [0, 8)']

@@ -316,3 +316,32 @@ def test_bad_magic_and_truncation_are_one_line_errors(blobs):
         scan_bytes(good, layout=Layout(memory="recurrent"))
     with pytest.raises(HarnessError, match="unknown memory class 'paged'"):
         Layout(memory="paged")
+
+
+def _as_version_4(v3: bytes, n_tokens: int) -> bytes:
+    """A version-3 ggsq file of one dense sequence rewritten as llama.cpp b11434 writes it (LLAMA_STATE_SEQ_VERSION
+    4): the KV data header gains the K and V rotation sizes (`n_rot_k`, `n_rot_v`) after v_trans and the layer count."""
+    from harness.kvscan import _Parser
+
+    body = 12 + 4 * n_tokens
+    n_stream = struct.unpack_from("<I", v3, body)[0]
+    assert n_stream == 1
+    count = struct.unpack_from("<I", v3, body + 4)[0]
+    *_, data = _Parser(v3).meta(body + 8, count, False, kv=True)
+    head = struct.pack("<III", 0x67677371, 4, n_tokens) + v3[12:data]
+    return head + v3[data : data + 8] + struct.pack("<II", 0, 64) + v3[data + 8 :]
+
+
+def test_a_version_4_slot_file_has_rotation_sizes_in_its_kv_header(blobs, tmp_path):
+    b = blobs("tiny-dense")
+    b.decode(0, range(6))
+    v3 = b.save_seq_file(tmp_path / "s.ggsq", 0, list(range(6))).read_bytes()
+    v4 = _as_version_4(v3, 6)
+    r = scan_bytes(v4, layout=layout_from_model(b.path), expected_len={0: 6})
+    assert (r.framing, r.tokens) == ("ggsq", 6) and seqs(r.parts[0]) == {0: (6, 0, 5)} and r.healthy
+    assert r.parts[0].tensor_bytes == scan_bytes(v3, layout=layout_from_model(b.path)).parts[0].tensor_bytes
+    with pytest.raises(HarnessError, match="consumes exactly"):  # the same bytes read as version 3 do not fit
+        scan_bytes(v3[:4] + v4[4:8].replace(b"\x04", b"\x03") + v4[8:], layout=layout_from_model(b.path))
+    bad = v4.replace(struct.pack("<II", 0, 64), struct.pack("<II", 0, 65), 1)
+    with pytest.raises(HarnessError, match="implausible KV rotation sizes"):
+        scan_bytes(bad, layout=layout_from_model(b.path))

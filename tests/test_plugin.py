@@ -116,7 +116,7 @@ def test_a_known_failure_for_a_cpu_feature_this_cpu_lacks_is_reported_skipped_wi
     (project.path / "suites" / "known-failures.yaml").write_text(
         "- id: needs-a-flag\n  suites: [good]\n  backend: inproc\n  check: no-crash\n"
         "  cpu_flags: [no-cpu-has-this-flag]\n  evidence: 'x'\n  measured: ['x']\n  wider: ['y']\n"
-        "  llama_cpp_commit: 0c1e570\n  upstream: none\n  reason: a demo\n"
+        "  versions: [0c1e570]\n  upstream: none\n  reason: a demo\n"
     )
     result = project.runpytest("-p", "no:xdist", "-rs", "suites/known-failures.yaml")
     result.assert_outcomes(skipped=1)
@@ -139,7 +139,7 @@ def _unservable_suite(project, tiny_models) -> str:
     (project.path / "suites" / "known-failures.yaml").write_text(
         "- id: a-demo-defect\n  suites: [unservable]\n  backend: inproc\n  check: no-crash\n"
         "  evidence: 'could not be served'\n  measured: ['round 0: the cell could not be served']\n"
-        "  wider: ['round 0: killed']\n  llama_cpp_commit: 0c1e570\n  upstream: none\n  reason: a demo\n"
+        "  wider: ['round 0: killed']\n  versions: [0c1e570]\n  upstream: none\n  reason: a demo\n"
     )
     return model
 
@@ -174,7 +174,7 @@ def test_an_intermittent_known_failure_is_served_again_before_it_counts_as_gone(
     entry = (
         "- id: a-demo-defect\n  suites: [good]\n  backend: inproc\n  check: no-crash\n  tries: 2\n"
         "  evidence: '{evidence}'\n  measured: ['{measured}']\n"
-        "  wider: ['round 0: killed']\n  llama_cpp_commit: 0c1e570\n  upstream: none\n  reason: a demo\n"
+        "  wider: ['round 0: killed']\n  versions: [0c1e570]\n  upstream: none\n  reason: a demo\n"
     )
     known = project.path / "suites" / "known-failures.yaml"
     known.write_text(entry.format(evidence="never printed", measured="never printed"))

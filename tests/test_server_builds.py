@@ -58,27 +58,30 @@ def test_an_older_release_runs_with_its_commit_in_the_header_and_a_missing_flag_
         "--out",
         str(out),
     ]
-    assert main(argv) == 3  # the synth-reject cell could not be served
+    # the synth-reject cell is not run (this build predates its option): never a harness error (exit 3); on Java
+    # this llama.cpp answers HTTP 500 (below), which may fail the run
+    assert main(argv) in (0, 1)
     meta = json.loads((out / "run.json").read_text())
     server = meta["backends"]["server"]
     assert server["llama_cpp_commit"] == OLD_COMMIT and server["version"] == server_version(old_build.server_bin)
     assert OLD_COMMIT[:12] in (out / "index.html").read_text()
     cells = {c["spec"]: c for c in meta["cells"]}
     assert cells["none"]["status"] == "done"
-    error = cells["synth-reject"]["error"]
-    assert "\n" not in error and error.startswith(
-        f"llama-server {server['version']} (llama-server) has no "
-        "--spec-synth-len, which the speculative option spec-synth-len = 1"
+    reason = (
+        f"llama-server {server['version']} (llama-server) has no --spec-synth-len, which the speculative option "
+        "spec-synth-len = 1 needs"
     )
+    synth = [c for c in json.loads((out / "checks.json").read_text()) if c["spec"] == "synth-reject"]
+    assert synth and all(c.get("not_run", "").startswith(reason) for c in synth)
     err = capsys.readouterr().err
-    assert f"error: quicksort seq-synth-reject-tiny-dense-server: {error}" in err
+    assert f"NOT RUN quicksort[seq-synth-reject-tiny-dense-server]: {reason}" in err
     # the cell without the missing flag runs and is judged (on Java this llama.cpp answers HTTP 500 "The model
     # produced output that does not match the expected Content-only format": a finding on that build) ...
     records = [c for c in json.loads((out / "checks.json").read_text()) if c["spec"] == "none" and c["case"] != "Java"]
     checks = [c for c in records if c.get("not_run") is None]
     assert {c["check"] for c in checks} >= {"no-crash", "baseline"} and all(c["passed"] for c in checks)
     # ... but its slot files are an older format: said once, and kv-healthy is recorded as not run, with that reason
-    assert err.count("no KV scan on llama-server") == 1 and "ggsq version 2; this scanner reads version 3" in err
+    assert err.count("no KV scan on llama-server") == 1 and "ggsq version 2; this scanner reads versions 3 and 4" in err
     assert "kv-healthy" not in {c["check"] for c in checks}
     assert {c["check"] for c in records if c.get("not_run") is not None} >= {"kv-healthy"}
 

@@ -293,7 +293,7 @@ def _work_gaps() -> list[str]:
     from harness.running import known_failures
     from harness.suites import case_keys, suite_files
 
-    crashes = [k for k in known_failures() if "no-crash" in k.check]
+    crashes = [k for k in known_failures()[0] if "no-crash" in k.check]
     root, gaps = default_root(), []
     for path in suite_files():
         suite = load_suite(str(path))

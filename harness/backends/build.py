@@ -78,6 +78,8 @@ class BuildInfo:
     build_seconds: float = 0.0
     linked_libraries: str = ""
     """The llama-cpp-python libraries the binaries link (in the entry's lib/), or '' when compiled in."""
+    tag: str = ""
+    """The upstream build tag (bN) of the tree, when it is a tag's tree (`specharness build --tag`), else ''."""
     cached: bool = False
     """True when this call reused an existing build (not stored in build-info.json)."""
 
@@ -173,6 +175,15 @@ def _valid_marker(tree: Path) -> bool:
     except HarnessError:
         return False
     return True
+
+
+def tag_of(tree: Path) -> str | None:
+    """The upstream tag (bN) recorded in an extracted tree's marker (harness/backends/tags.py), or None."""
+    try:
+        tag = json.loads((Path(tree) / SOURCE_MARKER).read_text()).get("tag")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return tag if isinstance(tag, str) and re.fullmatch(r"b\d+", tag) else None
 
 
 def read_marker(marker: Path) -> str:
@@ -364,13 +375,24 @@ def ensure_server(
     source, identity, args, libraries, root = _entry(source, backend, cmake_args)
     cached = load_build(root)
     if cached is not None:
-        return cached
+        return mark_used(cached)
     root.parent.mkdir(parents=True, exist_ok=True)
     with _locked(root, f"llama-server {identity} ({backend})"):
         cached = load_build(root)  # built by another process while we waited for the lock
         if cached is not None:
-            return cached
-        return _build(source, identity, backend, args, root, jobs or os.cpu_count() or 1, libraries)
+            return mark_used(cached)
+        return mark_used(_build(source, identity, backend, args, root, jobs or os.cpu_count() or 1, libraries))
+
+
+LAST_USED = "last-used"
+"""A file in a build entry whose modification time is when a command last asked for the build."""
+
+
+def mark_used(info: BuildInfo) -> BuildInfo:
+    """Record that `info`'s build was asked for now (`specharness build --list` and `--prune` read it)."""
+    with suppress(OSError):
+        (info.server_bin.parent.parent / LAST_USED).touch()
+    return info
 
 
 def cached_server(source: Path, backend: str = "cpu", cmake_args: list[str] | None = None) -> BuildInfo | None:
@@ -460,7 +482,7 @@ def prebuilt_server(server_bin: Path) -> BuildInfo:
     if not commit or commit.group(1) == "unknown":
         built = load_build(server_bin.parent.parent)
         if built is not None and built.server_bin.resolve() == server_bin:
-            return built
+            return mark_used(built)
     quantize = server_bin.with_name("llama-quantize")
     return BuildInfo(
         server_bin=server_bin,
@@ -594,6 +616,7 @@ def _build_into(
         source_identity=str(identity),
         build_seconds=round(time.monotonic() - started, 1),
         linked_libraries=libraries.describe() if linked else "",
+        tag=tag_of(source) or "",
     )
     with open(log_path, "a") as log:
         log.write(f"# compiler cache: {hits}\n" if hits else "# compiler cache: not used\n")

