@@ -17,6 +17,7 @@ import re
 from pathlib import Path
 
 from harness import noise
+from harness.backends.versions import environment_version, narrowest_covering
 from harness.errors import HarnessError
 from harness.logits import PositionLogits, load_case, save_parquet, to_frame
 from harness.models import model_key
@@ -92,11 +93,16 @@ class BaselineStore:
         update: bool = False,
         option: str = "",
         calibration_dir: Path | None = None,
+        version_range: str = "",
     ):
         self.root = Path(root) if root else None
         self.update = update
         self.option = option
         self.calibration_dir = calibration_dir
+        self.range = version_range
+        """`--baselines-range`: read and write the baselines kept for this llama.cpp version range."""
+        self.versioned_used: set[str] = set()
+        """The baselines kept for a version range that this run read or wrote (run.json; `diff` shows them)."""
         self.written: list[Path] = []
 
     def root_of(self, suite) -> Path:
@@ -111,12 +117,29 @@ class BaselineStore:
             (root or self.root) / _safe(suite) / f"{_safe(case)}--{_safe(model_key(model))}--{backend}--{device}.json"
         )
 
-    def file_of(self, ctx) -> Path:
-        """The baseline file of a check's case and cell."""
+    def file_of(self, ctx, case: str | None = None) -> Path:
+        """The baseline file of a check's case (or of `case`) and cell: the one kept for the backend's llama.cpp
+        version when there is one (`versioned`)."""
         cell, env = ctx.cell, ctx.executor.environment(ctx.cell)
-        return self.path(
-            ctx.run.suite.name, ctx.case, cell.model, cell.backend, env["device"], self.root_of(ctx.run.suite)
+        plain = self.path(
+            ctx.run.suite.name, case or ctx.case, cell.model, cell.backend, env["device"], self.root_of(ctx.run.suite)
         )
+        return self.versioned(plain, environment_version(env))
+
+    def versioned(self, plain: Path, version) -> Path:
+        """The file kept for `version` beside the baseline `plain`: `<name>@<range>.json`, where `<range>` is a
+        known failure's kind of version item (bA..bB, bN, a commit), for what legitimately changes between llama.cpp
+        versions (acceptance, work, numerics); the narrowest range that covers the version wins, else `plain`
+        (every other version). With `--baselines-range R` this run reads and writes `<name>@R.json`."""
+        if self.range:
+            chosen = plain.with_name(f"{plain.stem}@{self.range}.json")
+        else:
+            kept = {p.name[len(plain.stem) + 1 : -len(".json")]: p for p in plain.parent.glob(f"{plain.stem}@*.json")}
+            chosen = narrowest_covering(kept, version) if kept else None
+        if chosen is None:
+            return plain
+        self.versioned_used.add(shown(chosen))
+        return chosen
 
     def not_recorded(self, ctx) -> str | None:
         """`no baseline yet ...` with the command that records them when this cell's model has no baseline at
@@ -206,13 +229,10 @@ class BaselineStore:
 
     def earlier_replies(self, ctx) -> list[list[int] | None]:
         """The baseline's replies to a chat turn's earlier turns (None where not recorded or unreadable)."""
-        env, root = ctx.executor.environment(ctx.cell), self.root_of(ctx.run.suite)
         out = []
         for key in ctx.earlier_turns:
             try:
-                data = self.load(
-                    self.path(ctx.run.suite.name, key, ctx.cell.model, ctx.cell.backend, env["device"], root)
-                )
+                data = self.load(self.file_of(ctx, key))
             except BaselineError:
                 data = None
             out.append(data["tokens"] if data else None)

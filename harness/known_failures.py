@@ -19,7 +19,7 @@ reproduces, that fails the run, and the entry is removed.
 
 import re
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import jsonschema
@@ -30,7 +30,7 @@ from harness.backends.base import cpu_flags
 from harness.backends.versions import UNKNOWN, LlamaVersion, covers, parse_item
 from harness.checks.base import CheckResult
 from harness.errors import HarnessError
-from harness.matrix import Cell, narrowing
+from harness.matrix import Cell, cells, narrowing
 
 FILE_NAME = "known-failures.yaml"
 _ENTRY = {
@@ -315,8 +315,26 @@ def load(path: Path) -> list[KnownFailure]:
             if value not in known:
                 raise HarnessError(f"{path}: entry {i}: unknown {what} '{value}' (known: {', '.join(sorted(known))})")
         raw["limits"] = [Limit(**limit) for limit in raw.get("limits", [])]
-        entries.append(KnownFailure(**{k: tuple(v) if isinstance(v, list) else v for k, v in raw.items()}))
+        entry = KnownFailure(**{k: tuple(v) if isinstance(v, list) else v for k, v in raw.items()})
+        _check_strict_cell(entry, path, i)
+        entries.append(entry)
     return entries
+
+
+def _check_strict_cell(entry: KnownFailure, path: Path, i: int) -> None:
+    """An entry must have a cell in its home suite's default matrix: its strict expected failure runs there, and
+    without one it could never show as fixed while it still excuses failures elsewhere. (A CPU-gated entry's cells
+    are judged on a CPU with its flags only: checked as if this one had them.)"""
+    from harness.suites import load_suite
+
+    suite = load_suite(entry.suite, path.parent)
+    gated = replace(entry, cpu_flags=())
+    if not any(gated.covers(suite.name, cell) for cell in cells(suite.matrix, {})):
+        raise HarnessError(
+            f"{path}: entry {i} ({entry.id}): no cell of its home suite {entry.suite}'s default matrix has its "
+            f"backend, modes, specs and models, so its strict expected failure never runs; add such a cell to the "
+            "suite or remove the entry"
+        )
 
 
 def matching(entries: list[KnownFailure], suite: str, cell: Cell, result: CheckResult) -> KnownFailure | None:

@@ -323,6 +323,8 @@ class SuiteItem(_FaultsInOneLine, pytest.Item):
         known = [r.evidence["known_failure"] for r in results if "known_failure" in r.evidence]
         if known:
             pytest.xfail(next(e.summary for e in state["known"] if e.id == known[0]))
+        if results and all(r.not_run is not None for r in results):  # nothing judged: not a pass
+            pytest.skip(f"not run: {results[0].not_run}")
 
     def repr_failure(self, excinfo):
         # a known failure's xfail: pytest still asks for a failure text (which no report shows: they show the

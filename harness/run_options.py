@@ -134,6 +134,14 @@ def add_run_options(p: argparse.ArgumentParser) -> None:
         help="read (and with --update-baselines write) baselines here (default: fixtures/baselines beside the suites)",
     )
     p.add_argument(
+        "--baselines-range",
+        metavar="bA..bB",
+        type=baselines_range,
+        help="read (and with --update-baselines write) the baselines kept for these llama.cpp versions "
+        "(`<case>--...@bA..bB.json`: what legitimately changed from the version-free ones); without it a run reads "
+        "the narrowest kept range that covers its llama.cpp, else the version-free file",
+    )
+    p.add_argument(
         "--calibration-dir",
         type=Path,
         metavar="DIR",
@@ -166,3 +174,16 @@ def run_defaults() -> dict:
     p = argparse.ArgumentParser(add_help=False)
     add_run_options(p)
     return vars(p.parse_args([]))
+
+
+def baselines_range(text: str) -> str:
+    """`--baselines-range`: a llama.cpp version item (bA..bB, bN, a commit), checked."""
+    import argparse
+
+    from harness.backends.versions import parse_item
+
+    try:
+        parse_item(text)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+    return text

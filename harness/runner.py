@@ -166,11 +166,14 @@ def plan_run(args: argparse.Namespace) -> RunPlan:
 
 def baseline_store(args: argparse.Namespace) -> BaselineStore:
     """The baselines the run reads (and with `--update-baselines` writes)."""
+    option = f" --baselines-dir {args.baselines_dir}" if args.baselines_dir else ""
+    option += f" --baselines-range {args.baselines_range}" if args.baselines_range else ""
     return BaselineStore(
         args.baselines_dir,
         update=args.update_baselines,
-        option=f" --baselines-dir {args.baselines_dir}" if args.baselines_dir else "",
+        option=option,
         calibration_dir=args.calibration_dir,
+        version_range=args.baselines_range or "",
     )
 
 
@@ -260,6 +263,7 @@ def write_and_publish(
     uncalibrated: list[str],
     console: Console,
     known_scope: list[str] = (),
+    baselines: BaselineStore | None = None,
 ) -> list:
     """Write the run directory, print its failures (read back from it, as every report) and publish its
     report; returns the planned (suite name, cell) pairs."""
@@ -283,6 +287,7 @@ def write_and_publish(
     )
     meta["uncalibrated"] = uncalibrated
     meta["known_failures_scope"] = list(known_scope)
+    meta["versioned_baselines"] = sorted(baselines.versioned_used) if baselines else []
     results = write_run(out, runs, verdicts, meta, detokenizers.for_model)
     interrupt.phase("report")
     stored = RunDir.load(out)  # the summary comes from the stored run, as every report
@@ -331,7 +336,18 @@ def cmd_run(args: argparse.Namespace) -> int:
         fixed = print_verdicts(console, runs, verdicts, done, known)
         uncalibrated = print_notes(console, executor, baselines, verdicts)
         planned = write_and_publish(
-            args, run_plan, executor, verdicts, done, known, started, interrupted, uncalibrated, console, out_of_range
+            args,
+            run_plan,
+            executor,
+            verdicts,
+            done,
+            known,
+            started,
+            interrupted,
+            uncalibrated,
+            console,
+            out_of_range,
+            baselines,
         )
         return exit_status(console, planned, done, runs, verdicts, failed, fixed)
 

@@ -30,6 +30,7 @@ from bisect_history import (
 )
 from interrupts import interrupt, left_behind, spawn, wait_for_phase
 
+from harness.backends.build import TREE_MARKER, build_tree_dir, cmake_options
 from harness.bisect.judge import excused
 from harness.bisect.plan import from_run, from_suite
 from harness.bisect.releases import release_range
@@ -146,7 +147,12 @@ def test_interrupted_bisect_leaves_the_checkout_clean_and_resume_finishes_it(his
     assert left_behind(run_dir) == []
     with pytest.raises(ProcessLookupError):
         os.kill(current["pid"], 0)  # the step process is gone, with its build or server
-    assert not (cache_dir() / "work").exists()  # the build tree went back to its place
+    # this checkout's build tree went back to its place; the shared work path may hold another build's by now
+    # (another xdist worker, another job on the machine), never this one's
+    own = build_tree_dir(history, "cpu", cmake_options("cpu"))
+    assert own.is_dir() and (own / TREE_MARKER).read_text().strip() == own.name, own
+    mounted = cache_dir() / "work" / "src"
+    assert not (mounted.is_symlink() and mounted.resolve() == history.resolve())
     logged = len(read_log(run_dir))
     status, out, err = finish(specharness("bisect", "--resume", str(run_dir)))
     assert status == 0, err[-3000:]

@@ -243,8 +243,9 @@ def test_a_chat_turn_is_compared_only_with_a_reference_that_sent_it_the_same_pro
         lossless(2, [ok([1, 2]), ok([5])], [ok([1, 9]), ok([7])]),
     )
     assert not first.passed  # the divergence is reported once, on the turn it happened in
-    assert second.passed and second.evidence["not_compared"] == 1 and second.evidence["prompt_differs_at"] == "c.turn1"
-    assert "not compared" in second.message and "c.turn1" in second.message
+    assert second.status == "not run", second  # nothing compared: no pass
+    assert second.evidence["not_compared"] == 1 and second.evidence["prompt_differs_at"] == "c.turn1"
+    assert "c.turn1" in second.not_run and "that turn's verdict reports it" in second.not_run
     assert not lossless(2, [ok([1, 2]), ok([5])], [ok([1, 2]), ok([7])]).passed  # same prompt: compared, fails
 
 
@@ -256,6 +257,27 @@ def test_a_kv_finding_is_never_a_near_tie():
     failed = verdict(context({SEQ: [tie_ref], par: [tie_par]}, par), "mode-invariant")
     assert not failed.passed and failed.evidence["first_divergence"]["kind"] == "kv-corrupt"
     assert "1 duplicate (seq_id, pos) cells" in failed.message
+
+
+def test_a_comparison_that_compared_no_request_is_not_run_with_the_reason(tmp_path):
+    """A reference request that ended with an error the suite allows, or a chat turn whose every request sent
+    another prompt than the reference's: nothing was compared, so no pass (as logits-close and acceptance)."""
+    allow = suite(allow=["context_full"])
+    full = Result(stop_reason="error", error="context_full: no free KV cells")
+    spec, par = SEQ.reference(spec="draft-simple"), SEQ.reference(mode="par")
+    for cell, name in ((spec, "lossless"), (par, "mode-invariant")):
+        result = verdict(context({SEQ: [full], cell: [ok([1, 2])]}, cell, allow), name)
+        assert result.status == "not run", result
+        assert "reference failed" in result.not_run and "context_full: no free KV cells" in result.not_run
+    s = Suite(name="demo", path=None, cases=[Case("c", Sampling(), turns=["u1", "u2"])], matrix={}, checks=[])
+    writer = BaselineStore(tmp_path, update=True)
+    recorded = ChatRuns(s, {SEQ: [ok([1, 2]), ok([5])]})
+    for turn in (1, 2):
+        writer.recorded(CheckContext(recorded.run(s, SEQ), f"c.turn{turn}", recorded, writer, str, "repro"))
+    runs = ChatRuns(s, {SEQ: [ok([1, 9]), ok([5])]})  # turn 1 replied otherwise: turn 2 had another prompt
+    ctx = CheckContext(runs.run(s, SEQ), "c.turn2", runs, BaselineStore(tmp_path), str, "repro")
+    moot = verdict(ctx, "baseline")
+    assert moot.status == "not run" and "c.turn1" in moot.not_run, moot
 
 
 def test_baseline(tmp_path):
@@ -270,6 +292,16 @@ def test_baseline(tmp_path):
     store.path("demo", "a", "m", "inproc", "cpu").rename(store.path("demo", "b", "m", "inproc", "cpu"))
     missing = verdict(context({SEQ: [ok([4, 5])]}, SEQ, baselines=store), "baseline")  # it has others: a failure
     assert not missing.passed and "--update-baselines" in missing.message
+
+
+def test_a_corrupt_baseline_file_is_a_harness_error_naming_the_file_not_a_failure(tmp_path):
+    store = BaselineStore(tmp_path)
+    path = store.path("demo", "a", "m", "inproc", "cpu")
+    path.parent.mkdir(parents=True)
+    path.write_text("{not json")
+    (result,) = evaluate(context({SEQ: [ok([4, 5])]}, SEQ, baselines=store), ["baseline"])
+    assert result.status == "harness error" and not result.is_verdict, result
+    assert path.name in result.harness_error and "(fix or delete it" in result.harness_error
 
 
 def test_spec_ran():
@@ -476,15 +508,16 @@ def test_acceptance_in_par_compares_each_request_with_seq_unless_the_drafter_lea
             assert result.passed and "seq" not in result.evidence
 
 
-def test_a_corrupt_acceptance_baseline_is_an_error_naming_the_file(tmp_path):
+def test_a_corrupt_acceptance_baseline_is_a_harness_error_naming_the_file(tmp_path):
     spec = SEQ.reference(spec="draft-simple")
     store = BaselineStore(tmp_path, update=True)
     cells = {SEQ: [ok([1, 2])], spec: [spec_ok([1, 2], 4, 2)]}
     store.recorded(context(cells, spec, baselines=store))
     path = next(tmp_path.rglob("*.json"))
     path.write_text(path.read_text().replace('"tokens"', '"acceptance": {"seq/draft-simple": 3}, "tokens"'))
-    failed = verdict(context(cells, spec, baselines=BaselineStore(tmp_path)), "acceptance")
-    assert not failed.passed and "corrupt baseline file" in failed.message and path.name in failed.message
+    (error,) = evaluate(context(cells, spec, baselines=BaselineStore(tmp_path)), ["acceptance"])
+    assert error.status == "harness error" and not error.is_verdict, error
+    assert "corrupt baseline file" in error.harness_error and path.name in error.harness_error
 
 
 def test_an_acceptance_change_one_token_undoes_is_no_finding():

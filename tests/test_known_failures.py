@@ -332,3 +332,11 @@ def test_a_run_without_an_intermittent_known_failure_says_so_and_does_not_fail_o
     assert "FIXED? known failure demo-defect did not reproduce" in text
     assert "not reproduced this run: known failure rare-defect (intermittent" in text
     assert "FIXED? known failure rare-defect" not in text
+
+
+def test_an_entry_whose_strict_cell_is_not_in_its_home_suite_is_an_error_of_the_registry(suites):
+    """Its strict expected failure would never run, so it could never show as fixed while it still excuses
+    failures wherever its signature shows."""
+    (suites / "known-failures.yaml").write_text(ENTRY.replace("modes: [par]", "modes: [par]\n  models: [gemma3-270m]"))
+    with pytest.raises(HarnessError, match=r"entry 0 \(demo-defect\): no cell of its home suite kv-fill's default"):
+        load(suites / "known-failures.yaml")

@@ -77,6 +77,15 @@ def test_models_list_json_has_every_entry(built, capsys):
         assert rows[name] == info.to_dict()
 
 
+def test_models_list_keeps_full_names_and_paths_when_piped(built, capsys, monkeypatch):
+    """`specharness models list | grep tiny-hybrid-mtp`: a pipe gets whole names and paths, not rich's 80 columns."""
+    monkeypatch.delenv("COLUMNS", raising=False)
+    assert main(["models", "list"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    for name, info in built.items():
+        assert any(f" {name} " in line and str(info.path) in line for line in lines), f"{name}: {info.path}"
+
+
 def test_models_make_prints_sha(built, capsys):
     assert main(["models", "make", "tiny-recurrent"]) == 0
     assert built["tiny-recurrent"].sha256 in capsys.readouterr().out

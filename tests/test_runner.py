@@ -107,15 +107,21 @@ def test_missing_baseline_says_how_to_create_it(checkout):
     assert failure["message"].split("\n")[0].endswith("--model tiny-dense --update-baselines")
 
 
-def test_corrupt_baseline_is_an_error_and_is_not_replaced(checkout):
+def test_corrupt_baseline_is_a_harness_error_and_is_not_replaced(checkout):
+    """A baseline file the harness cannot read is its own fault, not the build's: exit 3, no failed verdict."""
     corrupt = checkout / "fixtures/baselines/quicksort/C--tiny-dense--inproc--cpu.json"
     corrupt.write_text("{not json")
     argv = ["run", "--model", "tiny-dense", "--mode", "seq", "--spec", "none", "--update-baselines", "--out", "r"]
-    assert main(argv) == 1
-    failure = next(c for c in json.loads((checkout / "r/checks.json").read_text()) if not c["passed"])
-    assert failure["message"].startswith(
-        "corrupt baseline file fixtures/baselines/quicksort/C--tiny-dense--inproc--cpu.json"
-    )
+    assert main(argv) == 3
+    records = json.loads((checkout / "r/checks.json").read_text())
+    assert not [c for c in records if not c["passed"]]  # no verdict on the software under test
+    errors = [c for c in records if c.get("harness_error")]
+    assert {(c["case"], c["check"]) for c in errors} == {("C", "baseline"), ("C", "work")}
+    for c in errors:
+        assert c["harness_error"].startswith(
+            "corrupt baseline file fixtures/baselines/quicksort/C--tiny-dense--inproc--cpu.json"
+        )
+        assert c["harness_error"].endswith("(fix or delete it; it is never replaced silently)")
     assert corrupt.read_text() == "{not json"
 
 

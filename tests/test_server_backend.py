@@ -596,6 +596,44 @@ def test_slot_save_files_scan_healthy_and_a_planted_duplicate_is_found(build, ti
     assert [(d["seq_id"], d["pos"], d["count"]) for d in found] == [(0, 2, 2)]
 
 
+@pytest.mark.parametrize("save", ["refused", "timed-out", "died"])
+def test_a_failed_slot_save_leaves_kv_healthy_not_run_unless_llama_server_died_in_it(
+    build, model, tmp_path, monkeypatch, save
+):
+    """llama-server answered the completion; only the KV scan's `POST /slots/0?action=save` failed: refused (HTTP
+    500 "Unable to save slot": its --slot-save-path is gone) or not answered in time. The request completed:
+    no-crash passes, kv-healthy is not run, naming the save. A save the process died in is a crash, as before."""
+    from test_checks import SEQ, context
+
+    from harness.backends.client import RequestTimedOut
+    from harness.checks import evaluate
+
+    saved = LlamaClient.save_slot
+
+    def failing(client, slot_id, filename):
+        if save == "timed-out":
+            raise RequestTimedOut(f"/slots/{slot_id}?action=save got no answer within 0.1 s")
+        os.killpg(session.server.process.pid, signal.SIGKILL)
+        return saved(client, slot_id, filename)
+
+    with ServerBackend(build, run_dir=tmp_path).open(config(model, "seq", kv_scan="request")) as session:
+        if save == "refused":
+            shutil.rmtree(session.slots_dir)  # llama-server cannot open the slot file: it answers 500
+        else:
+            monkeypatch.setattr(LlamaClient, "save_slot", failing)
+        [result] = session.run([quicksort("C", n_predict=8)])
+        assert session.starts == (2 if save == "died" else 1)
+    crash, kv = evaluate(context({SEQ: [result]}, SEQ), ["no-crash", "kv-healthy"])
+    if save == "died":
+        assert result.stop_reason == "crashed" and "SIGKILL" in result.error, result.error
+        assert crash.status == "failed" and kv.status == "not run", (crash, kv)
+        return
+    assert result.ok, result.error
+    assert crash.status == "passed", crash
+    why = "HTTP 500: Unable to save slot" if save == "refused" else "got no answer within 0.1 s"
+    assert kv.status == "not run" and "POST /slots/0?action=save: " in kv.not_run and why in kv.not_run, kv
+
+
 def test_llama_server_context_errors_read_as_context_full_and_others_do_not():
     from harness.backends.client import KV_FULL_MESSAGE, ServerError
 

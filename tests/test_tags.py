@@ -113,11 +113,12 @@ def test_an_entry_with_a_bad_version_is_one_line(tmp_path):
     text = (shipped / "known-failures.yaml").read_text()
     first = text.index("- id:")
     entry = text[first : text.index("\n- id:", first + 1) + 1]
-    (tmp_path / "known-failures.yaml").write_text(entry.replace("versions: [0c1e570]", "versions: [latest]"))
+    versions = next(line for line in entry.splitlines(keepends=True) if line.startswith("  versions:"))
+    (tmp_path / "known-failures.yaml").write_text(entry.replace(versions, "  versions: [latest]\n"))
     (tmp_path / "kv-fill.yaml").write_text((shipped / "kv-fill.yaml").read_text())
     with pytest.raises(HarnessError, match=r"entry 0: 'latest' is not a version"):
         load(tmp_path / "known-failures.yaml")
-    (tmp_path / "known-failures.yaml").write_text(entry.replace("  versions: [0c1e570]\n", ""))
+    (tmp_path / "known-failures.yaml").write_text(entry.replace(versions, ""))
     with pytest.raises(HarnessError, match="entry 0: 'versions' is a required property"):
         load(tmp_path / "known-failures.yaml")
 

@@ -18,7 +18,8 @@ request gets before its save (SlotPool: a slot is lent to one request at a time 
 and the saved token list must hold the request's prompt and returned tokens (`slot_ownership`). A saved state
 that is not provably the request's own is recorded as `kv_scan = {"judged": False, "reason": ...}`: not judged,
 never a pass or a failure (llama-server's `--cache-idle-slots`, on by default, clears the idle slots of a unified
-KV cache whenever a task starts, so a slot can be found empty at its save).
+KV cache whenever a task starts, so a slot can be found empty at its save); so is a save llama-server refused or
+did not answer while it lives on (the request completed; a save the process died in is the request's crash).
 """
 
 from __future__ import annotations
@@ -298,7 +299,7 @@ class ServerSession:
                 self.stall.record(result)
                 held = result.prompt_tokens + result.tokens
             if self.config.kv_scan != "off" and result.ok and result.slot_id >= 0 and self.unscannable is None:
-                result.kv_scan = self._scan_slot(client, result, lent[0] if lent else None)
+                result.kv_scan = self._scan_slot(server, client, result, lent[0] if lent else None)
             return result
         except (ConnectionLost, ServerError) as err:
             return self._failed(server, err, request, lent[0] if lent else None)
@@ -370,18 +371,26 @@ class ServerSession:
         with self._launched_cond:
             self._launched.add(slot)
 
-    def _scan_slot(self, client: LlamaClient, result: Result, lent: int | None) -> dict | None:
+    def _scan_slot(self, server: LlamaServer, client: LlamaClient, result: Result, lent: int | None) -> dict | None:
         """Save the slot's state and scan it; an unhealthy file is kept in run_dir/slots as evidence. A state that
         is not provably the request's own (`slot_ownership`; a request served on another slot than the one lent)
-        is not judged: `{"judged": False, "reason": ...}`. A build that saves slots in a format version the
-        scanner does not read (another llama.cpp) is not scanned: None, said once on stderr, and `kv-healthy`
-        does not apply to its requests."""
+        is not judged: `{"judged": False, "reason": ...}`; nor is one llama-server did not save (an error answer or
+        no answer to the save while the process lives on: the request completed, only its scan failed). A save
+        the process died in raises, as the request's crash (`_failed`). A build that saves slots in a format
+        version the scanner does not read (another llama.cpp) is not scanned: None, said once on stderr, and
+        `kv-healthy` does not apply to its requests."""
         slot_id = result.slot_id
         if lent is not None and slot_id != lent:
             return {"judged": False, "reason": f"served on slot {slot_id}, not on slot {lent} it was pinned to"}
         name = f"slot{slot_id}-{next(self._saves)}.bin"
         client.slot_idle(slot_id)  # else the save may wait among the deferred tasks for another slot's release
-        client.save_slot(slot_id, name)
+        try:
+            client.save_slot(slot_id, name)
+        except (ServerError, ConnectionLost, RequestTimedOut) as err:
+            grace = ANSWERED_GRACE_S if isinstance(err, ServerError) else CRASH_GRACE_S
+            if server.wait_exit(grace) is not None:  # the process died: a crash of the request (`_failed`)
+                raise ConnectionLost(f"POST /slots/{slot_id}?action=save: {err}") from err
+            return {"judged": False, "reason": f"the slot was not saved: POST /slots/{slot_id}?action=save: {err}"}
         path = self.slots_dir / name
         try:
             report = scan_file(path, layout=self.layout)

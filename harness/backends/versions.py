@@ -144,13 +144,47 @@ def planned_versions(server_bin: Path | None = None, source: Path | None = None)
     """backend name -> the version it will run, from the options alone (before anything is built or started):
     `--server-bin`'s own build or `--version`, `--source`'s tag or commit, else the vendored llama.cpp."""
     from harness.backends.build import prebuilt_server, source_identity, tag_of
+    from harness.errors import HarnessError
 
     engine = engine_version()
-    if server_bin is not None:
-        server = build_version(prebuilt_server(Path(server_bin)))
-    elif source is not None:
-        tag = tag_of(Path(source))
-        server = tag_version(tag) if tag else commit_version(source_identity(Path(source)).commit)
-    else:
-        server = engine
+    try:
+        if server_bin is not None:
+            server = build_version(prebuilt_server(Path(server_bin)))
+        elif source is not None:
+            tag = tag_of(Path(source))
+            server = tag_version(tag) if tag else commit_version(source_identity(Path(source)).commit)
+        else:
+            server = engine
+    except HarnessError:  # not a llama-server, or not a tree: the run says so where it serves; no version here
+        server = UNKNOWN
     return {"server": server, "inproc": engine}
+
+
+def environment_version(env: dict) -> LlamaVersion:
+    """The version of the llama.cpp behind a backend's `environment()` (what a baseline records): a tag's build
+    names its tag as its commit, a vendored commit is placed, llama-cpp-python names its release."""
+    commit = str(env.get("llama_cpp_commit") or "")
+    if re.fullmatch(r"b\d+", commit):
+        return tag_version(commit)
+    if commit:
+        return commit_version(commit)
+    if env.get("llama_cpp_python"):
+        return release_version(str(env["llama_cpp_python"]))
+    return UNKNOWN
+
+
+def narrowest_covering(ranges: dict[str, object], version: LlamaVersion) -> object | None:
+    """Of `ranges` (a `versions` item -> anything), the value of the narrowest item that covers `version`."""
+    best = None
+    for item, value in ranges.items():
+        try:
+            parsed = parse_item(item)
+        except ValueError:
+            continue
+        if isinstance(parsed, str):
+            width = 0 if version.commit and version.commit.startswith(parsed) else None
+        else:
+            width = parsed[1] - parsed[0] if version.within(*parsed) else None
+        if width is not None and (best is None or width < best[0]):
+            best = (width, value)
+    return best[1] if best else None

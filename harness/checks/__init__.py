@@ -31,7 +31,7 @@ from harness.checks.base import (
     past_returned,
 )
 from harness.checks.budget import within_n_predict
-from harness.checks.compare import compare_outcome, compare_tokens
+from harness.checks.compare import NOT_RUN, compare_outcome, compare_tokens
 from harness.checks.probs import probs_complete
 from harness.checks.restore import restore_identical
 from harness.checks.reuse import prompt_reuse
@@ -47,9 +47,11 @@ Check = Callable[[CheckContext], CheckResult | None]
 
 
 def verdict(name: str, comparison: tuple[bool, str, dict]) -> CheckResult:
-    """A CheckResult from a (passed, message, evidence) comparison; its per-output failures become `failures`."""
+    """A CheckResult from a (passed, message, evidence) comparison; its per-output failures become `failures`, and
+    one that compared no request (compare.NOT_RUN: why) is not run."""
     passed, message, evidence = comparison
-    return CheckResult(name, passed, message, evidence, failures=evidence.pop("failures", []))
+    reason = evidence.pop(NOT_RUN, None)
+    return CheckResult(name, passed, message, evidence, failures=evidence.pop("failures", []), not_run=reason)
 
 
 def no_crash(ctx: CheckContext) -> CheckResult:
@@ -147,7 +149,7 @@ def baseline(ctx: CheckContext) -> CheckResult | None:
     try:
         data, path = store.recorded(ctx)
     except BaselineError as err:
-        return CheckResult("baseline", False, f"{err} (fix or delete it; it is never replaced silently)")
+        return harness_fault("baseline", f"{err} (fix or delete it; it is never replaced silently)")
     if store.update:  # comparing with what this run has just written proves nothing
         return not_run("baseline", "baselines updated in this run (not compared with what it wrote)")
     if data is None:

@@ -20,7 +20,7 @@ differs (a near-tie flip or a divergence the token checks report), a tolerance c
 from dataclasses import dataclass, field
 
 from harness.baselines import output_digest
-from harness.checks.base import CheckContext, CheckResult, not_run
+from harness.checks.base import CheckContext, CheckResult, harness_fault, not_run
 from harness.errors import HarnessError
 from harness.matrix import spec_preset
 
@@ -227,7 +227,7 @@ def check(ctx: CheckContext) -> CheckResult:
     try:
         against_baseline(ctx, plan, mine)
     except HarnessError as err:
-        return CheckResult(NAME, False, f"{err} (fix or delete it; it is never replaced silently)")
+        return harness_fault(NAME, f"{err} (fix or delete it; it is never replaced silently)")
     against_seq(ctx, plan, mine)
     problems = judge(plan, mine, ctx.run.suite.rounds)
     return result(ctx, plan, mine, problems)

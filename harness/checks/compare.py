@@ -13,14 +13,21 @@ from harness.noise import NoiseFloor
 from harness.result import Result
 from harness.triage import Divergence, triage
 
+NOT_RUN = "not_run"
+"""The evidence key of a comparison that compared no request, with why: its check is not run
+(harness.checks.verdict), never passed."""
+
 
 def compare_outcome(
     ctx: CheckContext, reference: Outcome | None, label: str, ref_cell: Cell | None = None
 ) -> tuple[bool, str, dict]:
-    """Compare every completed outcome of this case with another outcome; (passed, message, evidence)."""
+    """Compare every completed outcome of this case with another outcome; (passed, message, evidence). A reference
+    that ended with an error the suite allows leaves nothing to compare with: not run (`NOT_RUN`)."""
     if reference is None or not reference.result.ok:
         why = "missing" if reference is None else f"failed: {reference.result.error}"
-        return (ctx.allowed(reference) if reference else False), f"{label} reference {why}", {}
+        if reference is not None and ctx.allowed(reference):
+            return _not_run(f"the {label} reference {why} (an error the suite allows)", {})
+        return False, f"{label} reference {why}", {}
     earlier = ctx.earlier_replies(ref_cell, reference.round) if ref_cell else None
     return compare_tokens(
         ctx, reference.result.tokens, reference.result.logits, label, reference.result, ref_cell, earlier
@@ -77,14 +84,16 @@ def _same_prompt(ctx: CheckContext, earlier: list[list[int] | None] | None) -> t
 def _not_compared(label: str, moot: dict[int, str]) -> tuple[bool, str, dict]:
     """The result when no outcome sent the reference's prompt: nothing compared (the earlier turn reports it)."""
     first = min(moot)
-    return (
-        True,
-        (
-            f"not compared: round {first}'s prompt carries the reply to {moot[first]}, which already "
-            f"differs from the {label}'s (that turn's verdict reports it)"
-        ),
+    return _not_run(
+        f"round {first}'s prompt carries the reply to {moot[first]}, which already differs from the {label}'s "
+        "(that turn's verdict reports it)",
         {"compared": 0, "not_compared": len(moot), "prompt_differs_at": moot[first]},
     )
+
+
+def _not_run(reason: str, evidence: dict) -> tuple[bool, str, dict]:
+    """A comparison that compared no request: no verdict, and why (`NOT_RUN` in the evidence)."""
+    return True, f"not run: {reason}", {**evidence, NOT_RUN: reason}
 
 
 def _triaged(

@@ -9,7 +9,7 @@ import dataclasses
 
 from harness.baselines import BaselineError, output_digest, shown
 from harness.checks.acceptance import options_key
-from harness.checks.base import NO_OUTPUT, CheckContext, CheckResult, not_run
+from harness.checks.base import NO_OUTPUT, CheckContext, CheckResult, harness_fault, not_run
 from harness.models import resolve
 from harness.models.registry import sliding_window
 from harness.result import WORK_COUNTERS
@@ -178,7 +178,7 @@ def against_baseline(ctx: CheckContext, counted: list) -> CheckResult:
     try:
         rows, path = store.work(ctx, key)
     except BaselineError as err:
-        return CheckResult("work", False, f"{err} (fix or delete it; it is never replaced silently)")
+        return harness_fault("work", f"{err} (fix or delete it; it is never replaced silently)")
     if store.update:
         return not_run("work", "baselines updated in this run (not compared with what it wrote)")
     if rows is None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 
 from rich.console import Console
 from rich.table import Column, Table
@@ -24,7 +25,8 @@ def cmd_list(args: argparse.Namespace) -> int:
     table = Table("name", "arch", "kind", "size", "sha256", Column("path", overflow="fold"))
     for m in models:
         table.add_row(m.name, m.arch, m.kind, _size(m.size), m.sha256[:12] or "-", str(m.path))
-    Console().print(table)
+    # a file or a pipe keeps whole names and paths (`models list | grep`), not rich's 80 columns
+    Console(soft_wrap=True, width=None if sys.stdout.isatty() else 200).print(table)
     return 0
 
 

@@ -263,6 +263,8 @@ def properties(run: RunDir) -> dict[str, str]:
                 out[f"{name} {key}"] = value
     for name, facts in (meta.get("models") or {}).items():
         out[f"model {name}"] = facts.get("sha256") or facts.get("error")
+    if "versioned_baselines" in meta:  # which baselines kept for a llama.cpp version range the run compared with
+        out["baselines kept for its llama.cpp version"] = ", ".join(meta["versioned_baselines"]) or "none"
     return {k: "not recorded" if v is None else str(v) for k, v in out.items()}
 
 
