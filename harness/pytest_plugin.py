@@ -31,7 +31,7 @@ from harness.matrix import BACKEND_NAMES, Shard, cells, narrowing, shard
 from harness.models import ModelUnavailable, resolve
 from harness.models.facts import run_models
 from harness.report import describe_run, publish, write_run
-from harness.report.files import RunDir, now
+from harness.report.files import RunDir, now, reported_lines
 from harness.report.merge import merge
 from harness.running import known_failures
 from harness.signatures.text import known_lines, summary_lines
@@ -570,6 +570,6 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config: pytest.Config)
         terminalreporter.write_line(f"specharness: {line}")
     if state and state.get("report"):
         stored = RunDir.load(state["report"].parent)
-        for line in known_lines(stored.known()) + summary_lines(stored.failures()):
+        for line in known_lines(stored.known()) + summary_lines(stored.failures()) + reported_lines(stored.checks):
             terminalreporter.write_line(f"specharness: {line}")
         terminalreporter.write_line(f"specharness report: {state['report']}")

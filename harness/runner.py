@@ -18,6 +18,7 @@ from rich.table import Table
 from harness import detok as detokenizers
 from harness import interrupt
 from harness.argtypes import csv
+from harness.backends.build import require_executable
 from harness.backends.choose import backend_factories
 from harness.backends.facts import run_backends
 from harness.backends.versions import planned_versions
@@ -33,7 +34,7 @@ from harness.models.facts import run_models
 from harness.paths import reports_dir
 from harness.report import describe_run, frame, publish, records, write_run
 from harness.report import work as work_report
-from harness.report.files import RunDir, command_line, now, speedups
+from harness.report.files import RunDir, check_records, command_line, now, reported_lines, speedups
 from harness.run_options import (
     DEFAULT_SUITE,
     add_run_options,
@@ -79,7 +80,9 @@ def summary_table(runs: list[CellRun], verdicts: list) -> Table:
         failed = sorted({r.name for r in mine if not r.passed and "known_failure" not in r.evidence})
         known = sorted({r.evidence["known_failure"] for r in mine if "known_failure" in r.evidence})
         pending = sum(1 for r in mine if r.passed and r.evidence.get("no_baseline"))
-        not_run = f", [dim]{skipped} not run[/]" if skipped else ""
+        reported = sum(1 for r in mine if r.passed and r.evidence.get("reported_only"))
+        notes = f", [cyan]{reported} with a sampled divergence reported only[/]" if reported else ""
+        notes += f", [dim]{skipped} not run[/]" if skipped else ""
         errors = len(rows) - len(ok)
         up = speed.get(f"{suite} {mode}-{spec}-{model}-{backend}")
         table.add_row(
@@ -100,9 +103,9 @@ def summary_table(runs: list[CellRun], verdicts: list) -> Table:
             if failed
             else f"[yellow]known llama.cpp defect: {', '.join(known)}[/]"
             if known
-            else f"[green]{len(mine) - pending} passed[/], [blue]{pending} no baseline yet[/]{not_run}"
+            else f"[green]{len(mine) - pending} passed[/], [blue]{pending} no baseline yet[/]{notes}"
             if pending
-            else f"[green]{len(mine)} passed[/]{not_run}",
+            else f"[green]{len(mine)} passed[/]{notes}",
         )
     return table
 
@@ -144,6 +147,8 @@ def plan_run(args: argparse.Namespace) -> RunPlan:
     whose optional package is missing is skipped), and its run directory."""
     only = narrowing(csv(args.backend), csv(args.mode), csv(args.spec), args.model)
     part = Shard.parse(args.shard) if args.shard else None
+    if args.server_bin is not None:  # bad input, said before anything is served (not a cell's harness error)
+        require_executable(Path(args.server_bin).expanduser())
     extra = user_suites_dir(args.suites_dir)
     names = args.suite or ([path.stem for path in suite_files(extra)] if extra else [DEFAULT_SUITE])
     suites = [find_suite(name, extra) for name in names]
@@ -196,8 +201,9 @@ def serve(run_plan: RunPlan, executor: Executor, baselines: BaselineStore, conso
 
 
 def print_verdicts(console: Console, runs: list[CellRun], verdicts: list, done: list, known: list) -> list:
-    """The summary table, a line per failing (or known) verdict, and a line per known failure that did not
-    reproduce in the cells that ran; returns those known failures, less the intermittent ones (`tries`)."""
+    """The summary table, a line per failing (or known) verdict, how many seeded sampled divergences were reported
+    only with a line per such verdict, and a line per known failure that did not reproduce in the cells that ran;
+    returns those known failures, less the intermittent ones (`tries`)."""
     wide_console().print(summary_table(runs, verdicts))
     for run in runs:
         if run.unservable is not None:  # served nothing, so no row above: say which cells and why
@@ -210,6 +216,8 @@ def print_verdicts(console: Console, runs: list[CellRun], verdicts: list, done: 
         elif not r.passed:
             label = f"KNOWN {r.evidence['known_failure']}" if "known_failure" in r.evidence else "FAIL"
             console.print(f"{label} {suite}[{key}-{cell.id}] [{r.name}] {r.message}", markup=False, highlight=False)
+    for line in reported_lines(check_records(verdicts)):  # passed, yet an output changed: never silent
+        console.print(line, markup=False, highlight=False)
     absent = [
         e
         for e in known

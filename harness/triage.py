@@ -7,8 +7,8 @@ is a claim, so each needs its evidence (the README's class table says the same):
                   sequence or holes: a logic bug, whatever the margin (checked first);
 * `drift`       — the two runs' logits were already apart before the divergence, beyond the calibrated
                   tolerance, or the other run prefers its token by more than the near-tie floor there;
-* `near-tie`    — proven: the reference prefers its token over the other run's by less than the calibrated
-                  near-tie floor of the mode, the other run prefers its own (0 ≤ its gap < that floor; logits
+* `near-tie`    — proven: the reference prefers its token over the other run's (0 ≤ its gap < the calibrated
+                  near-tie floor of the mode), the other run prefers its own (0 ≤ its gap < that floor; logits
                   of BOTH runs at the divergence, each from the configuration that produced its tokens), and
                   both runs' logits agree within tolerance before it;
 * `hard`        — the logits agree within tolerance before it and the reference's margin is beyond the
@@ -17,8 +17,8 @@ is a claim, so each needs its evidence (the README's class table says the same):
                   the picks differ: the sampler's state differed (also for sampled tokens);
 * `unexplained` — the evidence a class needs is missing (e.g. llama-server withholds the probabilities of
                   tokens emitted by a speculative verification step, and no other configuration may stand in
-                  for the run's), or it points the wrong way (the other run's own logits rank the reference's
-                  token higher, yet it picked its own); fails like `hard`.
+                  for the run's), or it points the wrong way (a run's own logits rank the other run's token
+                  higher, yet it picked its own); fails like `hard`.
 
 Where a run has no logits at a position, `rescore(side, position)` may supply them, but only logits of the
 configuration that produced that run's tokens (harness.execute.Rescorer: a plain decode for a run without
@@ -305,6 +305,11 @@ class _Judge:
                 "speculative verification step emitted) and its own configuration cannot supply them"
             )
         margin = gap(self.ref_here, self.ref_token, self.other_token)
+        if margin is not None and margin < 0:
+            return "unexplained", (
+                f"the reference's own logits prefer the other token by {-margin:.3g} nats, yet it picked its "
+                "own: not a near-tie"
+            )
         floor = self.floor.near_tie
         if margin is None or margin >= floor:
             shown = "beyond its top-k" if margin is None else f"{margin:.3g} nats"

@@ -557,3 +557,50 @@ def test_acceptance_of_a_chat_turn_is_compared_only_with_a_baseline_of_the_same_
     other_reply = [99] + t1[1:]  # this run's turn-1 reply differs from the baseline's: turn 2 had another prompt
     moot = verdict(ctx({SEQ: [ok(t1), ok(t2)], spec: [spec_ok(other_reply, 40, 24), worse]}, 2, store), "acceptance")
     assert moot.passed and moot.evidence["not_compared_with_baseline"] == 1
+
+
+def test_prompt_reuse_is_not_run_where_the_engine_reports_no_prompt_cache_reuse():
+    """The in-process engine clears a slot after every request and reads each prompt whole (harness.engine
+    scheduler: `seq_rm` after each request): `cache_n` is 0 in both cells by construction, and comparing 0 with 0
+    proves nothing. Only the first request after a slot restore reuses a state (the restored one,
+    `slot_state.reuse` reports it): that is compared; llama-server's cells as before."""
+
+    def served(cache_n: int) -> Result:
+        result = ok([7, 8])
+        result.prompt_tokens = list(range(90))
+        result.timings.cache_n = cache_n
+        return result
+
+    def ctx_of(backend: str, rounds: list[str], cache_n: dict, case: str = "c.turn2") -> CheckContext:
+        s = Suite(
+            name="demo",
+            path=None,
+            cases=[Case("c", Sampling(), turns=["u1", "u2", "u3"])],
+            matrix={},
+            checks=list(CHECKS),
+            rounds=rounds,
+            restore_after=1 if len(rounds) > 1 else None,
+        )
+        spec = Cell(backend, "seq", "draft-simple", "m")
+        outcomes = {
+            cell: [Outcome(t, r, served(n[r])) for r in range(len(rounds)) for t in ("c.turn1", "c.turn2", "c.turn3")]
+            for cell, n in ((spec, cache_n["spec"]), (spec.reference(spec="none"), cache_n["none"]))
+        }
+        runs = Runs(s, {})
+        runs.cells = {cell: CellRun(s, cell, found) for cell, found in outcomes.items()}
+        return CheckContext(runs.run(s, spec), case, runs, None, str, "repro")
+
+    engine = verdict(ctx_of("inproc", ["seq"], {"spec": [0], "none": [0]}), "prompt-reuse")
+    assert engine.not_run is not None, engine
+    assert "the in-process engine reports no prompt-cache reuse" in engine.not_run
+    # llama-server reports its prompt cache: compared, 0 against 0 included
+    assert verdict(ctx_of("server", ["seq"], {"spec": [0], "none": [0]}), "prompt-reuse").passed
+    assert not verdict(ctx_of("server", ["seq"], {"spec": [27], "none": [57]}), "prompt-reuse").passed
+    # after a slot restore the engine reuses the restored state and reports it: the turn after it is compared
+    rounds = ["seq", "restore"]
+    restored = verdict(ctx_of("inproc", rounds, {"spec": [0, 73], "none": [0, 73]}), "prompt-reuse")
+    assert restored.passed and restored.evidence["cache_n"] == [73] and restored.evidence["compared"] == 1
+    lost = verdict(ctx_of("inproc", rounds, {"spec": [0, 0], "none": [0, 73]}), "prompt-reuse")
+    assert not lost.passed and lost.failures[0].startswith("round 1: c.turn2 reused 0 of its 90 prompt tokens")
+    later = verdict(ctx_of("inproc", rounds, {"spec": [0, 0], "none": [0, 0]}, "c.turn3"), "prompt-reuse")
+    assert later.not_run is not None and "the in-process engine reports no prompt-cache reuse" in later.not_run

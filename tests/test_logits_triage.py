@@ -240,6 +240,24 @@ def test_no_near_tie_when_the_other_runs_own_logits_prefer_the_references_token(
     assert triage([9, 9, 5], [9, 9, 6], ref, tie).kind == "near-tie"
 
 
+def test_no_near_tie_when_the_references_own_logits_prefer_the_other_token():
+    """`0 ≤ ref_gap < floor` too: a reference whose own logged row ranks the other run's token first (a negative
+    gap for its own token) is below the floor, but shows no preference for the token it emitted. The other run's
+    row alone must not make that a near-tie, however far the reference's row points the wrong way."""
+    other = same(3)
+    other[2] = lp([6, 5], [-0.70, -0.71])  # the other run prefers its own token 6 by 0.01 nats: fine
+    for ref_values, shown in (([-0.70, -3.00], "2.3 nats"), ([-0.70, -0.71], "0.01 nats")):
+        ref = same(3)
+        ref[2] = lp([6, 5], ref_values)  # the reference's logits prefer 6 (the other's token), yet it emitted 5
+        d = triage([9, 9, 5], [9, 9, 6], ref, other)
+        assert d.kind == "unexplained", (shown, d.kind, d.reason)
+        assert f"the reference's own logits prefer the other token by {shown}" in d.reason
+        assert "not a near-tie" in d.reason
+    tie = same(3)
+    tie[2] = lp([5, 6], [-0.70, -0.70])  # an exact tie in the reference: it may pick either
+    assert triage([9, 9, 5], [9, 9, 6], tie, other).kind == "near-tie"
+
+
 def test_a_speculative_run_is_never_re_scored_by_a_decode_without_speculation():
     """llama-server returns no probabilities for tokens a verification step emits; a plain decode would give the
     reference's view of the position, not the run's, so the Rescorer gives nothing for a speculative cell (and

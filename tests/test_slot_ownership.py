@@ -104,6 +104,88 @@ def test_an_unjudged_scan_is_no_verdict_of_kv_healthy():
     assert mixed.evidence["scanned"] == 1 and mixed.evidence["not_judged"]["requests"] == 1
 
 
+# ------------------------------------------------------------------------------ seq: one slot, nothing else on it
+
+
+HEALTHY = {
+    "healthy": True,
+    "totals": {"duplicate_cells": 0, "orphans": 0, "missing_positions": 0},
+    "pos_max": {},
+    "duplicates": [],
+    "orphans": [],
+    "holes": [],
+}
+
+
+def scan_saved(tmp_path, monkeypatch, mode: str, held: list[int] | None, r: Result) -> dict | None:
+    """`ServerSession._scan_slot` of a session serving `mode`, on a saved slot holding `held` (the save and the
+    scan stand-ins: no llama-server)."""
+    from harness.backends import server_backend
+
+    monkeypatch.setattr(
+        server_backend,
+        "scan_file",
+        lambda path, layout=None: SimpleNamespace(
+            token_ids=held, brief=lambda: {**HEALTHY, "pos_max": {"0": len(held) - 1} if held else {}}
+        ),
+    )
+    session = SimpleNamespace(
+        config=ServeConfig(model=tmp_path / "m.gguf", mode=mode, kv_scan="request"),
+        slots_dir=tmp_path,
+        _saves=iter(range(100)),
+        layout=None,
+        _lock=threading.Lock(),
+        unscannable=None,
+        logs=SimpleNamespace(cite=lambda path=None: path),
+    )
+    client = SimpleNamespace(
+        slot_idle=lambda slot_id: None,
+        save_slot=lambda slot_id, name: (tmp_path / name).write_bytes(b"") or {},
+    )
+    return server_backend.ServerSession._scan_slot(session, None, client, r, None)
+
+
+@pytest.mark.parametrize("held", [[], P, P + G[:1]])
+def test_in_seq_a_slot_saved_shorter_than_its_request_lost_cells_and_fails_kv_healthy(tmp_path, monkeypatch, held):
+    """In `seq` the one slot is saved right after its own request, with no other request on the server and no
+    idle-slot clearing (`--cache-idle-slots` clears slots of a unified cache only, and `seq` is not unified):
+    a slot holding fewer cells than the request's prompt + returned tokens (save the last, sampled one) lost
+    cells. That is KV damage, never "not judged"; in `par` and `no-kv-unified` it stays not judged."""
+    r = result(prompt=P, tokens=G)  # 5 + 3: the slot must hold at least 7 cells
+    scan = scan_saved(tmp_path, monkeypatch, "seq", held, r)
+    assert scan is not None and scan.get("judged", True), scan
+    assert "file" in scan  # the slot file is kept as evidence
+    r.kv_scan = scan
+    problems = kv_problems(r)
+    lost = 7 - len(held)
+    named = f"{lost} cell{'s' if lost > 1 else ''} lost"
+    assert problems and named in problems[0] and "5 prompt + 3 returned tokens" in problems[0]
+    assert f"holds {len(held)} " in problems[0]
+    verdict = kv_healthy(SimpleNamespace(completed=lambda: [SimpleNamespace(result=r, round=0)]))
+    assert verdict is not None and verdict.not_run is None and not verdict.passed
+    assert named in verdict.message and verdict.evidence["lost_cells"] == lost
+    for mode in ("par", "no-kv-unified"):  # other slots' tasks may clear or take the slot: not judged there
+        other = scan_saved(tmp_path, monkeypatch, mode, held, result(prompt=P, tokens=G))
+        assert other is not None and other["judged"] is False and "5 prompt + 3 returned tokens" in other["reason"]
+
+
+def test_in_seq_the_requests_own_slot_and_other_excuses_are_unchanged(tmp_path, monkeypatch):
+    """What `slot_ownership` accepts stays accepted in `seq`, and a truncated request's context shift the
+    ownership proof cannot match, a slot file without a token list and a state of other tokens stay not judged."""
+    for held in (P + G[:-1], P + G, P + G + [2, 30]):
+        scan = scan_saved(tmp_path, monkeypatch, "seq", held, result())
+        assert scan.get("judged", True) and "lost" not in scan
+    r = result()
+    r.kv_scan = scan_saved(tmp_path, monkeypatch, "seq", P + G[:-1], r)
+    assert kv_problems(r) == []
+    shifted = scan_saved(tmp_path, monkeypatch, "seq", P[:1], result(truncated=True))
+    assert shifted["judged"] is False
+    other = scan_saved(tmp_path, monkeypatch, "seq", [1, 10, 11, 40, 41, 42, 43, 44], result())
+    assert other["judged"] is False
+    no_list = scan_saved(tmp_path, monkeypatch, "seq", None, result())
+    assert no_list["judged"] is False and "no token list" in no_list["reason"]
+
+
 # ------------------------------------------------------------------------------ the dispatch
 
 
@@ -143,12 +225,13 @@ def _own_positions(r: Result) -> bool:
     return last in (len(r.prompt_tokens) + len(r.tokens) - 1, len(r.prompt_tokens) + len(r.tokens) - 2)
 
 
-@pytest.mark.parametrize("mode", ["no-kv-unified", "par"])
+@pytest.mark.parametrize("mode", ["seq", "no-kv-unified", "par"])
 def test_a_slot_saved_late_is_still_the_requests_own(tiny_models, tmp_path, monkeypatch, mode):
     """The first request's save waits 1 s (a descheduled client thread on a busy machine) while the other
     requests go on: before the fix the server gave its freed slot to the next request (or, with a unified cache,
     cleared it), and the scan read that state as the first request's. Now every scan is of the request's own
-    state or not judged, saying why; without a unified cache (no idle-slot clearing) every scan is judged."""
+    state or not judged, saying why; without a unified cache (no idle-slot clearing) every scan is judged, and in
+    `seq` (one slot, one request at a time) none lost cells (`lost_cells` cries no wolf on a clean run)."""
     save = LlamaClient.save_slot
     delayed = []
 
@@ -168,9 +251,10 @@ def test_a_slot_saved_late_is_still_the_requests_own(tiny_models, tmp_path, monk
     assert all(_own_positions(r) for r in judged), [
         (len(r.prompt_tokens), len(r.tokens), r.kv_scan["pos_max"]) for r in judged
     ]
-    assert all(r.kv_scan["healthy"] for r in judged)
+    assert all(r.kv_scan["healthy"] and "lost" not in r.kv_scan for r in judged)
+    assert not [p for r in results for p in kv_problems(r)]
     unjudged = [r.kv_scan["reason"] for r in results if not r.kv_scan.get("judged", True)]
-    if mode == "no-kv-unified":
+    if mode in ("seq", "no-kv-unified"):
         assert not unjudged
     else:
         assert len(judged) >= 4 and all("empty" in why for why in unjudged), unjudged

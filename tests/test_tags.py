@@ -277,6 +277,9 @@ def test_a_tag_bisection_names_two_neighbouring_tags_in_log2_steps():
     assert headline(outcome, None) == "first passing tag: b11368; last failing: b11349"
 
     still = _Judged({t: "bad" for t in tags}, fixed=True)
-    with pytest.raises(Stop, match=r"the newer tag b11434 still fails the case \(bad at b11434\): not fixed in "):
+    with pytest.raises(
+        Stop, match=r"the newer tag b11434 still fails the case \(bad at b11434\): not fixed in "
+    ) as stop:
         still.bisection.run()
+    assert headline(None, stop.value).startswith("no first passing tag: the newer tag b11434 still fails")
     assert still.judged == ["b11311", "b11434"]  # two builds say so

@@ -1,13 +1,15 @@
 """Every check gets exactly one of passed / failed / not run (with the reason) / harness error, through the one
 evaluation (harness.checks.evaluate_cell), and every report shows which: index.html, junit.xml, diff."""
 
+import io
 import json
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
 import pytest
 from report_helpers import parse_html
-from test_checks import SEQ, Runs, context, ok, suite
+from rich.console import Console
+from test_checks import SEQ, Runs, context, ok, rows, suite, verdict
 
 from harness.baselines import BaselineStore
 from harness.bisect.judge import BAD, GOOD, SKIP, judged_checks, verdict_of
@@ -20,6 +22,7 @@ from harness.matrix import Cell
 from harness.report.diff import compare
 from harness.report.files import RunDir, check_records
 from harness.result import Result
+from harness.runner import print_verdicts, summary_table
 
 SPEC = SEQ.reference(spec="draft-simple")
 
@@ -157,6 +160,74 @@ def test_diff_flags_a_check_that_ran_before_and_does_not_run_now(tmp_path, capsy
         "demo[a-seq-draft-simple-m-inproc] kv-healthy",
         "demo[a-seq-draft-simple-m-inproc] lossless",
     ]
+
+
+# --- seeded sampled divergences reported only: passed, and shown everywhere a verdict is ----------------------
+
+
+def sampled_lossless(*outputs: list[int]) -> CheckResult:
+    """`lossless` of a seeded sampled case whose rounds gave `outputs`, against no speculation's [1, 2, 3]; the logit
+    rows at token 1 differ, so a divergence there is reported only (harness.checks.lossless)."""
+    s = suite(rounds=("seq",) * len(outputs), temperature=0.7, seed=42)
+    mine = [ok(tokens, logits=rows("a", "B", "c")) for tokens in outputs]
+    return verdict(context({SEQ: [ok([1, 2, 3], logits=rows("a", "b", "c"))], SPEC: mine}, SPEC, s), "lossless")
+
+
+def sampled_verdicts() -> list[tuple]:
+    """Case `a`: round 1 of 2 diverged at token 1 (reported only); case `b`: both rounds matched."""
+    reported, matching = sampled_lossless([1, 2, 3], [1, 9, 3]), sampled_lossless([1, 2, 3], [1, 2, 3])
+    assert reported.passed and reported.evidence["reported_only"] and matching.passed
+    return [
+        ("demo", "a", SPEC, CheckResult("no-crash", True)),
+        ("demo", "a", SPEC, reported),
+        ("demo", "b", SPEC, matching),
+    ]
+
+
+HEADLINE = (
+    "sampled divergences reported only: 1 of 4 seeded sampled speculative requests (lossless; the logits at the "
+    "divergence are not proven bit-identical, and llama-server gives no logit digests: not judged token for token)"
+)
+
+
+def test_a_sampled_divergence_reported_only_is_counted_on_the_console_after_the_verdict_lines():
+    verdicts = sampled_verdicts()
+    console = Console(file=io.StringIO(), soft_wrap=True)  # as `specharness run` prints
+    print_verdicts(console, [], verdicts, [], [])
+    message = verdicts[1][3].message
+    assert "round 1: First divergence at token 1" in message and message.endswith("reported only)")
+    assert console.file.getvalue().splitlines() == [
+        HEADLINE,
+        f"SAMPLED demo[a-seq-draft-simple-m-inproc] [lossless] {message}",
+    ]
+    runs = Runs(suite(rounds=("seq", "seq")), {SPEC: [ok([1, 2, 3]), ok([1, 9, 3])]})
+    table = Console(file=io.StringIO(), width=400)
+    table.print(summary_table([runs.cells[SPEC]], verdicts))
+    assert "3 passed, 1 with a sampled divergence reported only" in table.file.getvalue()
+
+
+def test_a_sampled_divergence_reported_only_shows_on_index_html_first_screen_and_in_junit(tmp_path):
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "checks.json").write_text(json.dumps(check_records(sampled_verdicts())))
+    (run / "results.json").write_text("[]")
+    assert main(["report", str(run)]) == 0
+    doc = parse_html((run / "index.html").read_text())
+    assert doc.find(id="run-status").text == "PASSED"  # a verdict it does not change, shown apart
+    assert "1 of them with a sampled divergence reported only" in doc.find(id="all-passed").text
+    assert doc.find(id="reported-headline").text == HEADLINE
+    (row,) = doc.find(id="reported").find_all("tr", class_="reported")
+    case, check, round_, triage, message = (td.text for td in row.find_all("td"))
+    assert (case, check, round_) == ("demo[a-seq-draft-simple-m-inproc]", "lossless", "1")
+    assert "at token 1" in triage and message.endswith("(seeded sampling, the logits differ there: reported only)")
+    counts = doc.find("table", data_axis="check").find("tr", data_key="lossless")
+    assert counts.find("td", data_status="reported").text == "1" and counts.find("td", data_status="passed").text == "1"
+    cases = {c.get("name"): c for c in ET.parse(run / "junit.xml").getroot().iter("testcase")}
+    reported = cases["demo[a-seq-draft-simple-m-inproc]::lossless"]
+    assert reported.find("failure") is None and reported.find("skipped") is None
+    assert reported.find("properties/property").attrib == {"name": "reported_only", "value": message}
+    assert reported.find("system-out").text == f"reported only: {message}"
+    assert cases["demo[b-seq-draft-simple-m-inproc]::lossless"].find("system-out") is None
 
 
 # --- bisect -----------------------------------------------------------------------------------------------------

@@ -20,6 +20,9 @@ that is not provably the request's own is recorded as `kv_scan = {"judged": Fals
 never a pass or a failure (llama-server's `--cache-idle-slots`, on by default, clears the idle slots of a unified
 KV cache whenever a task starts, so a slot can be found empty at its save); so is a save llama-server refused or
 did not answer while it lives on (the request completed; a save the process died in is the request's crash).
+In `seq` (one slot, not unified, one request at a time, saved before the next is sent) nothing else can empty or
+take the slot: one holding fewer cells than the request's prompt and returned tokens lost them (`lost_cells`,
+kept as `kv_scan["lost"]`), which `kv-healthy` fails.
 """
 
 from __future__ import annotations
@@ -141,6 +144,26 @@ def slot_ownership(held: list[int] | None, result: Result) -> str | None:
         f"the slot's {len(held)} saved tokens differ from {expected} at token {common}: the state of another request "
         "or a slot cleared before its save"
     )
+
+
+def lost_cells(held: list[int], result: Result) -> dict | None:
+    """For a slot saved right after its own request with nothing else on the server (`seq`: one slot, one request
+    at a time, no unified cache whose idle slots llama-server clears): None when the slot holds at least the
+    request's prompt and returned tokens save the last (sampled, never decoded), or when the request reached
+    the context end (`truncated`: a context shift discards cells). Else the slot lost cells, KV damage: how
+    many it holds, how many the request needs, and where its token list parts from the request's."""
+    own = list(result.prompt_tokens) + list(result.tokens)
+    needed = max(0, len(own) - 1)
+    if result.truncated or len(held) >= needed:
+        return None
+    return {
+        "held": len(held),
+        "needed": needed,
+        "prompt": len(result.prompt_tokens),
+        "returned": len(result.tokens),
+        "lost": needed - len(held),
+        "common": _common_prefix(held, own),
+    }
 
 
 class ServerBackend:
@@ -406,11 +429,17 @@ class ServerSession:
                 )
             return None
         foreign = slot_ownership(report.token_ids, result)
-        if foreign is not None:
+        # seq: one slot, saved right after its own request with nothing else on the server, and not unified (no
+        # idle-slot clearing): a slot shorter than the request lost cells, which no other request explains
+        seq = foreign is not None and report.token_ids is not None and self.config.mode == "seq"
+        lost = lost_cells(report.token_ids, result) if seq else None
+        if foreign is not None and lost is None:
             path.unlink()
             return {"judged": False, "reason": foreign}
         verdict = report.brief()
-        if verdict["healthy"]:
+        if lost is not None:
+            verdict["lost"] = lost
+        if verdict["healthy"] and lost is None:
             path.unlink()
         else:
             verdict["file"] = str(self.logs.cite(path))

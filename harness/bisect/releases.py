@@ -92,6 +92,13 @@ class ReleaseBisection:
         return entry
 
     def run(self) -> Outcome:
+        try:
+            return self._search()
+        except Stop as stop:
+            stop.what = f"first {'passing' if self.plan.fixed else 'bad'} {self.kind}"
+            raise
+
+    def _search(self) -> Outcome:
         versions = self.versions
         before, after = (BAD, GOOD) if self.plan.fixed else (GOOD, BAD)
         first = self.judge(versions[0], f"verify-{before.lower()}")

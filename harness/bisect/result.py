@@ -20,6 +20,8 @@ class Stop(Exception):
     def __init__(self, message: str, candidates: list[str] | None = None):
         super().__init__(message)
         self.candidates = candidates or []
+        self.what = "first bad commit"
+        """What the bisect looked for (`--tags`: the first failing tag, or with `--fixed` the first passing one)."""
 
 
 @dataclass
@@ -36,7 +38,7 @@ class Outcome:
 
 def headline(outcome: Outcome | None, stop: Stop | None) -> str:
     if outcome is None:
-        return f"no first bad commit: {stop}"
+        return f"no {stop.what}: {stop}"
     if outcome.extra.get("kind") == "tag":
         change = "first passing tag" if outcome.extra.get("fixed") else "first failing tag"
         before = "last failing" if outcome.extra.get("fixed") else "last passing"

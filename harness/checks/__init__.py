@@ -118,6 +118,8 @@ def lossless(ctx: CheckContext) -> CheckResult | None:
     result = verdict(
         "lossless", compare_outcome(ctx, ctx.reference_outcome(reference), "non-speculative output", reference)
     )
+    if not sampling.greedy and result.not_run is None:
+        result.evidence["sampled"] = True  # reports count the seeded sampled requests compared (files.reported_only)
     if result.passed or sampling.greedy or "first_divergence" not in result.evidence:
         return result
     result.evidence["seeded_sampling"] = True
@@ -269,6 +271,16 @@ def kv_problems(result: Result) -> list[str]:
     draft = scan.get("draft")
     if draft and not draft["healthy"]:
         problems.append("the draft context: " + _damage(draft))
+    lost = scan.get("lost")
+    if lost:  # a seq slot of llama-server shorter than its own request (server_backend.lost_cells)
+        parts = (
+            f", its tokens part from the request's at token {lost['common']}" if lost["common"] < lost["held"] else ""
+        )
+        problems.append(
+            f"{lost['lost']} cell{'s' if lost['lost'] > 1 else ''} lost: the slot, saved right after the request "
+            f"with no other on the server, holds {lost['held']} cells after {lost['prompt']} prompt + "
+            f"{lost['returned']} returned tokens (at least {lost['needed']} expected){parts}"
+        )
     past = past_returned(result)
     if past is not None:
         n = past[1] - past[0] + 1
@@ -284,7 +296,9 @@ def kv_healthy(ctx: CheckContext) -> CheckResult | None:
     """The KV scanner found no duplicate (seq_id, pos) cells, orphans past the sequence or holes, and the
     sequence holds no position past the request's prompt and returned tokens (`past_returned`); where a draft
     model's context was scanned too (in-process), its copy of the sequence holds exactly the target's positions
-    (a draft context not rolled back keeps the rejected drafts' cells: orphans past the sequence)."""
+    (a draft context not rolled back keeps the rejected drafts' cells: orphans past the sequence); and a `seq`
+    slot of llama-server, saved right after its request with no other on the server, holds at least the request's
+    prompt and returned tokens (fewer: cells lost, `server_backend.lost_cells`)."""
     scanned = [o for o in ctx.completed() if o.result.kv_scan is not None and o.result.kv_scan.get("judged", True)]
     unjudged = [o for o in ctx.completed() if o.result.kv_scan is not None and not o.result.kv_scan.get("judged", True)]
     if not scanned:
@@ -305,6 +319,9 @@ def kv_healthy(ctx: CheckContext) -> CheckResult | None:
         **{k: sum(t[k] for t in totals) for k in counts},
         "past_returned": sum(p[1] - p[0] + 1 for p in map(past_returned, (o.result for o in scanned)) if p),
     }
+    lost = sum(o.result.kv_scan["lost"]["lost"] for o in scanned if o.result.kv_scan.get("lost"))
+    if lost:  # cells a seq slot lost (server_backend.lost_cells)
+        evidence["lost_cells"] = lost
     if unjudged:  # saved states not provably the request's own (server_backend.slot_ownership)
         evidence["not_judged"] = {"requests": len(unjudged), "first": unjudged[0].result.kv_scan["reason"]}
     drafts = [o.result.kv_scan["draft"]["totals"] for o in scanned if o.result.kv_scan.get("draft")]
@@ -321,12 +338,13 @@ def kv_healthy(ctx: CheckContext) -> CheckResult | None:
         if any(draft.get(k) for k in counts)
         else ""
     )
+    lost_part = f", {lost} cell{'s' if lost > 1 else ''} lost" if lost else ""
     return CheckResult(
         "kv-healthy",
         False,
         f"{len(bad)} of {len(scanned)} requests left an unhealthy KV cache "
         f"({evidence['duplicate_cells']} duplicate cells, {evidence['orphans']} orphans, "
-        f"{evidence['past_returned']} positions past the returned tokens{in_draft} in all); first: "
+        f"{evidence['past_returned']} positions past the returned tokens{in_draft}{lost_part} in all); first: "
         f"{failures[0]}",
         evidence,
         failures=failures,

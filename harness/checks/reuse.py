@@ -11,6 +11,29 @@ re-processes the prompt from a context checkpoint or from the start: the same ou
 from harness.cellrun import Outcome
 from harness.checks.base import NO_OUTPUT, NOT_SPECULATIVE, CheckContext, CheckResult, not_run, past_returned
 from harness.matrix import spec_preset
+from harness.suites import RESTORE_ROUNDS
+
+NO_ENGINE_REUSE = (
+    "the in-process engine reports no prompt-cache reuse (it clears a slot after every request and reads each "
+    "prompt whole: cache_n is 0 in both cells; only a request served right after a slot restore reuses a state)"
+)
+
+
+def engine_reuses(ctx: CheckContext, outcome: Outcome) -> bool:
+    """Whether the request could reuse a prompt cache and report it: always on llama-server; in-process only the
+    chat turn right after a slot restore (harness.engine.slot_state.reuse), as every other request starts on a
+    cleared slot."""
+    if ctx.cell.backend != "inproc":
+        return True
+    suite = ctx.run.suite
+    turn = ctx.case.rpartition(".turn")[2]
+    return (
+        suite.restore_after is not None
+        and turn.isdigit()
+        and int(turn) == suite.restore_after + 1
+        and outcome.round < len(suite.rounds)
+        and suite.rounds[outcome.round] in RESTORE_ROUNDS
+    )
 
 
 def left_behind(ctx: CheckContext, outcome: Outcome) -> str:
@@ -34,18 +57,23 @@ def prompt_reuse(ctx: CheckContext) -> CheckResult | None:
     """Per round, the speculative cell's request of this case (a chat turn) reuses as many prompt tokens from
     the slot's cache (`Result.timings.cache_n`) as the non-speculative cell's request of the same round, where
     both sent the same prompt (a prompt that differs follows an earlier reply that differed: `lossless`'s to
-    report). The in-process engine reuses none (0 in both cells). Meaningful where the slot a request lands on
-    and what it served before follow from the suite: one case at a time (`run_order: [seq]`, or one case). A
-    failing chat turn names what its previous turn left in the slot (`left_behind`)."""
+    report). The in-process engine reuses no prompt cache between requests (cache_n 0 in both cells): on its cells
+    only the chat turn right after a slot restore is compared (`engine_reuses`), else the check is not run.
+    Meaningful where the slot a request lands on and what it served before follow from the suite: one case at a
+    time (`run_order: [seq]`, or one case). A failing chat turn names what its previous turn left in the slot
+    (`left_behind`)."""
     if not spec_preset(ctx.cell.spec).speculative:
         return not_run("prompt-reuse", NOT_SPECULATIVE)
     if not ctx.completed():
         return not_run("prompt-reuse", NO_OUTPUT)
+    reusing = [o for o in ctx.completed() if engine_reuses(ctx, o)]
+    if not reusing:
+        return not_run("prompt-reuse", NO_ENGINE_REUSE)
     reference = ctx.cell.reference(spec="none")
     theirs = {o.round: o.result for o in ctx.other(reference) if o.result.ok}
     pairs = [
         (o, theirs[o.round])
-        for o in ctx.completed()
+        for o in reusing
         if o.round in theirs and theirs[o.round].prompt_tokens == o.result.prompt_tokens
     ]
     if not pairs:

@@ -4,7 +4,7 @@ candidate), case by case.
 - verdicts that newly fail (failed in B, not failed or absent in A) and newly pass;
 - checks no longer judged: a verdict in A whose check is missing from B's case, did not run there or met a
   harness error (a `kv-healthy` that disappears because a build's slot file cannot be scanned);
-- other status changes (a known defect fixed, a near-tie appearing);
+- other status changes (a known defect fixed, a near-tie or a sampled divergence reported only appearing);
 - outputs that changed (same case, cell and round, different tokens), each triaged: the first
   divergence of B's tokens from A's, with A's logit margins and both runs' logits before it;
 - per speculative cell, draft acceptance (compared only over the requests that produced output in both
@@ -190,7 +190,7 @@ def compare(
 
 UNJUDGED = ("not-run", "harness-error")
 """Check statuses that are no verdict."""
-VERDICT_STATUSES = ("failed", "known", "near-tie", "no-baseline", "passed")
+VERDICT_STATUSES = ("failed", "known", "reported", "near-tie", "no-baseline", "passed")
 
 
 def no_longer_judged(va: dict, vb: dict) -> list[dict]:

@@ -29,10 +29,15 @@ from harness.signatures import Failure, Pattern, failure_patterns, group
 
 FORMAT = 1
 """Version of the run directory layout (`run.json` `format`)."""
-STATUSES = ("harness-error", "failed", "known", "near-tie", "no-baseline", "passed", "not-run")
+STATUSES = ("harness-error", "failed", "known", "reported", "near-tie", "no-baseline", "passed", "not-run")
 """A check record's status in reports, worst first: `harness-error` and `not-run` records are no verdicts (a
 harness fault kept the check from judging; the check does not apply or lacked what it judges, with the reason).
 `not-run` comes last: a case whose other checks passed passed (its checks not run are listed apart)."""
+REPORTED_WHY = (
+    "lossless; the logits at the divergence are not proven bit-identical, and llama-server gives no logit digests: "
+    "not judged token for token"
+)
+"""Why a `reported` verdict passed (harness.checks.lossless)."""
 
 
 def records(runs: list) -> list[dict]:
@@ -96,8 +101,8 @@ def frame(rows: list[dict]) -> pd.DataFrame:
 
 def status(verdict: dict) -> str:
     """`harness-error` or `not-run` (no verdict: see STATUSES), `known` (a recorded llama.cpp defect), `failed`,
-    `near-tie` (passed by excusing proven near-ties), `no-baseline` (passed; the model has no baseline yet to compare
-    with) or `passed`."""
+    `reported` (passed with a seeded sampled divergence reported only: `reported_only`), `near-tie` (passed by
+    excusing proven near-ties), `no-baseline` (passed; the model has no baseline yet to compare with) or `passed`."""
     evidence = verdict.get("evidence") or {}
     if verdict.get("harness_error") is not None:
         return "harness-error"
@@ -107,9 +112,35 @@ def status(verdict: dict) -> str:
         return "known"
     if not verdict.get("passed"):
         return "failed"
+    if evidence.get("reported_only"):
+        return "reported"
     if evidence.get("near_ties"):
         return "near-tie"
     return "no-baseline" if evidence.get("no_baseline") else "passed"
+
+
+def reported_only(checks: list[dict]) -> tuple[str, list[dict]]:
+    """The verdicts that passed with a seeded sampled divergence reported only (status `reported`), and their
+    headline: how many of the seeded sampled speculative requests compared (evidence `sampled`) diverged so
+    ("" and [] when none did)."""
+    shown = [v for v in checks if status(v) == "reported"]
+    if not shown:
+        return "", []
+    evidence = [v.get("evidence") or {} for v in checks]
+    sampled = sum(e.get("compared", 0) for e in evidence if e.get("sampled") or e.get("seeded_sampling"))
+    diverged = sum(v["evidence"].get("compared", 0) - v["evidence"].get("matching", 0) for v in shown)
+    line = f"sampled divergences reported only: {diverged} of {sampled} seeded sampled speculative requests"
+    return f"{line} ({REPORTED_WHY})", shown
+
+
+def reported_lines(checks: list[dict]) -> list[str]:
+    """The console lines of `reported_only`: its headline, then `SAMPLED <item> [<check>] <message's first line>`
+    per verdict ([] when none)."""
+    headline, shown = reported_only(checks)
+    if not shown:
+        return []
+    first = [(str(v.get("message") or "").strip().splitlines() or [""])[0] for v in shown]
+    return [headline, *(f"SAMPLED {item_name(v)} [{v['check']}] {m}" for v, m in zip(shown, first, strict=True))]
 
 
 def worst(statuses) -> str:

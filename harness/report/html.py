@@ -18,7 +18,18 @@ from jinja2 import ChainableUndefined, Environment, PackageLoader, select_autoes
 from harness.paths import write_atomic
 from harness.report import work
 from harness.report.charts import bar_chart, margin_chart, position_chart
-from harness.report.files import STATUSES, RunDir, cell_id, item_name, joined, speedups, status, throughput, worst
+from harness.report.files import (
+    STATUSES,
+    RunDir,
+    cell_id,
+    item_name,
+    joined,
+    reported_only,
+    speedups,
+    status,
+    throughput,
+    worst,
+)
 from harness.signatures import Failure
 from harness.signatures.group import by_verdict
 from harness.signatures.text import new_suites
@@ -322,10 +333,10 @@ def case_view(run: RunDir, item: Item) -> dict:
 
 def run_status(run: RunDir) -> str:
     """The worst status of the run's check records (STATUSES; a cell that could not be served is a harness error),
-    `passed` when every check passed or did not run."""
+    `passed` when every check passed or did not run (a `reported` verdict passed: the report shows it apart)."""
     cells = run.meta.get("cells") or []
     statuses = [status(v) for v in run.checks] + ["harness-error" for c in cells if c.get("status") == "error"]
-    found = worst(statuses)
+    found = worst(s for s in statuses if s != "reported")
     return "passed" if found == "not-run" else found
 
 
@@ -366,6 +377,7 @@ def render_index(run: RunDir) -> str:
     cells = run.meta.get("cells") or []
     found, known = run.failures(), run.known()
     grouped = [v for f, _ in found for v in f.verdicts + f.consequences]
+    reported_headline, reported = reported_only(run.checks)
     signature = by_verdict([f for f, _ in found] + [f for failures in known.values() for f in failures])
     return (
         environment()
@@ -378,7 +390,9 @@ def render_index(run: RunDir) -> str:
             failures=found,
             signature=lambda v: signature.get(id(v), (None, False)),
             failing=grouped
-            + [v for v in run.checks if status(v) not in ("passed", "failed", "no-baseline", "not-run")],
+            + [v for v in run.checks if status(v) not in ("passed", "failed", "no-baseline", "not-run", "reported")],
+            reported=reported,
+            reported_headline=reported_headline,
             checks_not_run=not_run_view(run),
             verdicts=sum(1 for v in run.checks if status(v) not in ("not-run", "harness-error")),
             cases=[case_view(run, i) for i in shown],

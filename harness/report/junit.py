@@ -11,7 +11,8 @@ fault kept from judging (its cell or reference cell could not be served) is an `
 check that did not run (it does not apply, or lacked what it judges) is `<skipped type="not-run">` with the reason,
 and a cell an interrupted run never reached one `<skipped type="cell-not-run">` testcase named like its pytest item
 (a consumer tells work lost to the interruption from checks that do not apply); a verdict that passed by
-excusing proven near-ties passes, with a property saying so.
+excusing proven near-ties passes, with a property saying so, and one that passed with a seeded sampled divergence
+reported only (status `reported`) passes with a `reported_only` property and `<system-out>reported only: <message>`.
 """
 
 import xml.etree.ElementTree as ET
@@ -74,6 +75,9 @@ def junit_xml(run: RunDir) -> bytes:
         elif st == "near-tie":
             props = ET.SubElement(case, "properties")
             ET.SubElement(props, "property", name="near_ties", value=str(v["evidence"]["near_ties"]))
+        elif st == "reported":  # passed, yet its output changed: a dashboard shows it
+            ET.SubElement(ET.SubElement(case, "properties"), "property", name="reported_only", value=first)
+            ET.SubElement(case, "system-out").text = f"reported only: {message}"
         by_suite[suite].append(case)
     for c in cells:
         if c.get("status") == "not run":
