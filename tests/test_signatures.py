@@ -402,3 +402,54 @@ def test_a_timeout_and_what_it_cut_off_are_one_signature_whatever_the_case():
     cut = of_error(f"cut off: llama-server was restarted because {timeout}")
     assert (cut.text, cut.kind, cut.consequence) == (of_error(other).text, "timeout", True)
     assert "code_c" not in of_error("HTTP 500: case code_c failed").text
+
+
+def test_a_refused_batch_folds_under_the_runs_kv_damage_and_stands_as_kv_damage_without_one():
+    """Issue 48: two seeded defects in one llama-server build (rejected draft cells left in the KV cache, grammar
+    state not advanced). The scan of case a finds the leaked cells; case b's request fails later with
+    `Invalid input batch.`, llama.cpp's log saying the cache's last position of sequence 0 is X = 25 where the
+    slot's batch starts it at Y = 21: positions in the cache the slot's tokens do not account for, KV damage of
+    another request. It folds under the run's KV-damage signature as a consequence (with what restates it), so
+    the two defects are exactly two failures, in a cell of their own too; a run without a KV-damage root keeps
+    it as its own signature, named as KV damage; Y = X + 1 is no evidence of damage."""
+    from harness.signatures import group, headline
+
+    cell = ("seq", "draft-simple", "tiny-dense")
+    scan = _verdict(
+        "kv-healthy",
+        *cell,
+        case="a",
+        message="1 of 1 requests left an unhealthy KV cache (0 duplicate cells, 0 orphans, 4 positions past the "
+        "returned tokens in all); first: round 0: 4 positions past the returned tokens",
+        evidence={"scanned": 1, "unhealthy": 1, "duplicate_cells": 0, "orphans": 0, "past_returned": 4},
+        failures=["round 0: 4 positions past the returned tokens"],
+    )
+    grammar = _verdict("grammar-valid", *cell, case="json", message="1 of 1 outputs invalid", failures=["round 0: x"])
+    refused = f"HTTP 500: Invalid input batch. {invalid_batch(0, 25, 21)}"
+    batch = _verdict(
+        "no-crash",
+        *cell,
+        case="b",
+        message=f"1 of 1 requests failed; b round 0: {refused}",
+        failures=[f"round 0: {refused}"],
+    )
+    unsent = _verdict("spec-ran", *cell, case="b", message="no drafts at all for the case (1 requests)")
+    two = ["grammar-valid: invalid output", "kv-healthy: positions past the returned tokens"]
+    found = group([scan, grammar, batch, unsent], [], bool)
+    assert [f.signature for f in found] == two, headline(found)
+    kv = found[1]
+    assert kv.verdicts == [scan] and kv.consequences == [batch, unsent]
+    far = {**batch, "mode": "par", "spec": "ngram-mod", "model": "tiny-hybrid"}  # shares no axis with the scan
+    found = group([scan, grammar, far], [], bool)
+    assert [f.signature for f in found] == two, headline(found)
+    assert found[1].consequences == [far]
+    there = {**scan, "mode": "par", "spec": "ngram-mod", "model": "tiny-hybrid"}  # the same damage over there
+    near, away = group([scan, there, far], [], bool)  # two parts: the batch folds under its own cell's
+    assert (near.verdicts, near.consequences, away.verdicts) == ([there], [far], [scan]), headline([near, away])
+    assert near.signature.endswith("[par · ngram-mod · tiny-hybrid]")
+    [alone] = group([batch, unsent], [], bool)  # no KV-damage root in the run
+    assert (alone.signature, alone.verdicts, alone.consequences) == ("kv-healthy: duplicate cells", [batch], [unsent])
+    skip = f"HTTP 500: Invalid input batch. {invalid_batch(0, 25, 29)}"
+    assert signature_of({**batch, "message": f"1 of 1 requests failed; b round 0: {skip}"}) == "kv-healthy: holes"
+    follows = f"HTTP 500: Invalid input batch. {invalid_batch(0, 25, 26)}"
+    assert signature_of({**batch, "message": f"1 of 1 requests failed; b round 0: {follows}"}).startswith("error: ")

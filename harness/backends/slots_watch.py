@@ -4,7 +4,8 @@ within the stall window (StallMeter), not at the end of its deadline.
 The /completion requests stay non-streamed: at 0c1e570 a streamed /completion leaves out the id of every
 token that ends in an incomplete UTF-8 sequence (server-context.cpp `process_token` sends no chunk for it
 and the final chunk's `tokens` is empty), so a streamed Result would lose tokens. Instead a thread polls
-GET /slots (on by default; answered by the server's main loop between two decode steps).
+GET /slots (on by default; answered by the server's main loop between two decode steps, and at the vendored
+llama.cpp during one too: `decode` yields to the task queue, `yield_to_queue`, with the counters of before it).
 
 Progress means tokens returned. A slot's `next_token[0].n_decoded` is its task's `stats.n_gen`, which
 llama-server increments exactly once per token it hands to `process_token` (the token the request returns),
@@ -18,6 +19,18 @@ of the window while it has not returned its first tokens), whatever else it repo
 no slot serves yet waits on the server as a whole (a new task, a slot finishing, a token anywhere, or prompt
 tokens read); a server whose /slots does not answer for the window is stalled too. A server that answers
 /slots with another status than 200 or 503 (a build without the endpoint) is left to the deadlines.
+
+A slot that returns tokens waits on its batch mates' prompts too (issue 48): llama-server decodes a slot's
+next token in one batch with up to n_batch prompt tokens of the other slots, so while another slot reads a
+prompt the slot returns nothing for the whole batch, and nothing in /slots moves meanwhile (a slot's
+`n_prompt_tokens_processed` moves only after each llama_decode call of up to n_batch tokens; its
+`n_prompt_tokens` has already taken the whole batch before it). gemma3-270m stood a generating slot still for
+5.2 s while another read 2047 tokens of a 4002-token prompt (2026-11-28, default batch of 2048, 2-core box under
+load), past the 5 s floor. So while any request in flight may still be before its second token, a slot that
+returned its first tokens has the prompt term of the other requests in flight (those of all in flight, less its
+own: `n_prompt_tokens_processed` + `n_prompt_tokens_cache`, the tokens its task read or found cached) in its
+window; still measured from its last token, so a slot that spins while another reads is stalled once that
+window has passed.
 """
 
 from __future__ import annotations
@@ -63,6 +76,23 @@ def reading_prompts(slots: list[dict], in_flight: int) -> bool:
     return len(busy) < in_flight or any(n_decoded(s) < 2 for s in busy)
 
 
+def prompt_read(slot: dict) -> int:
+    """The prompt tokens a slot's task has read or found cached: its whole prompt once it returns tokens."""
+    return slot.get("n_prompt_tokens_processed", 0) + slot.get("n_prompt_tokens_cache", 0)
+
+
+def slot_prompt_term(slot: dict, slots: list[dict], in_flight: int, prompts: int) -> int:
+    """The prompt tokens in a busy slot's window, `prompts` being those of all requests in flight: all of them
+    before its second token (its own prompt, and others read in the same batches); after it, those of the other
+    requests while one of them may still be before its second token (their prompt tokens share the batches that
+    carry this slot's next tokens), else none."""
+    if n_decoded(slot) < 2:
+        return prompts
+    if reading_prompts(slots, in_flight):
+        return max(0, prompts - prompt_read(slot))
+    return 0
+
+
 class Stall:
     """Per busy slot, since when its task has returned no token; and since when the server as a whole got on."""
 
@@ -83,19 +113,22 @@ class Stall:
                 busy[slot.get("id")] = before if before is not None and before[0] == key else (key, now)
         self.slots = busy
 
-    def overdue(self, slots: list[dict], in_flight: int, window: Callable[[int], float], now: float):
+    def overdue(
+        self, slots: list[dict], in_flight: int, prompts: int, window: Callable[[int], float], now: float
+    ) -> tuple[object, float, int] | None:
         """(slot id or None for the server as a whole, seconds without progress, prompt tokens of the window) when
-        the server made no progress, or a busy slot returned no token, for its window; else None. `window(n)`:
-        the stall window when `n` prompt tokens may have to be read first (n = -1: all those in flight)."""
-        prompt = -1 if reading_prompts(slots, in_flight) else 0
-        if now - self.server_since >= window(prompt):
-            return None, now - self.server_since, prompt
+        the server made no progress, or a busy slot returned no token, for its window; else None. `prompts`: the
+        prompt tokens of the requests in flight; `window(n)`: the stall window when `n` prompt tokens may have to
+        be read first."""
+        tokens = prompts if reading_prompts(slots, in_flight) else 0
+        if now - self.server_since >= window(tokens):
+            return None, now - self.server_since, tokens
         for slot in slots:
             if slot.get("is_processing"):
                 _, since = self.slots.get(slot.get("id"), (None, now))
-                prompt = -1 if n_decoded(slot) < 2 else 0
-                if now - since >= window(prompt):
-                    return slot.get("id"), now - since, prompt
+                tokens = slot_prompt_term(slot, slots, in_flight, prompts)
+                if now - since >= window(tokens):
+                    return slot.get("id"), now - since, tokens
         return None
 
 
@@ -165,19 +198,15 @@ class SlotsWatch:
                     return False
                 in_flight, prompt_tokens = len(self._prompts), sum(self._prompts.values())
             now = time.monotonic()
-
-            def window(prompt: int, all_prompts: int = prompt_tokens) -> float:
-                return self.meter.window(all_prompts if prompt < 0 else prompt)
-
-            late = stall.overdue(slots, in_flight, window, now)
+            late = stall.overdue(slots, in_flight, prompt_tokens, self.meter.window, now)
             if late is not None:
-                slot, waited, prompt = late
+                slot, waited, tokens = late
                 where = f"slot {slot} returned none" if slot is not None else "llama-server made no progress"
-                tokens = prompt_tokens if prompt < 0 else prompt
                 self.on_stall(server, f"got no token for {waited:.1f} s ({where}; {self.meter.explain(tokens)})", slot)
                 return True
             # a look at /slots waits no longer than the server's window can end (a server that does not answer)
-            left = stall.server_since + window(-1 if reading_prompts(slots, in_flight) else 0) - now
+            reading = prompt_tokens if reading_prompts(slots, in_flight) else 0
+            left = stall.server_since + self.meter.window(reading) - now
             try:
                 answer = requests.get(f"{server.url}/slots", timeout=max(0.05, min(left, ANSWER_WAIT_S)))
                 if answer.status_code == 200:

@@ -5,14 +5,21 @@ A signature's text is keyed within its pattern: the same text in cells that shar
 model kind (nor a cell linked to both through such shared values) is two failures, each named with where it
 shows (`lossless: hard divergence [seq · ngram-mod · dense]`), until evidence of the defect itself joins them:
 a crash's abort line, an error's message (`SPECIFIC`). A divergence's triage class, a kind of KV damage or a
-check's shape is what many defects have in common, so it joins only through the axes."""
+check's shape is what many defects have in common, so it joins only through the axes.
+
+A batch llama.cpp refused because the KV cache's positions disagree with the slot's tokens (X and Y in its
+message: `Signature.refused_batch`) is the damage another request left, which no root of its own request
+explains: where the run has a KV-damage root (a failing `kv-healthy` verdict that is no consequence), it and
+the verdicts that restate it are consequences of that root, under its signature and in its pattern's part (the
+root of the same cell, else of the same backend, else the run's first; a folded verdict links no cells); where
+the run has none, it stands as its own KV damage (`kv-healthy: duplicate cells` / `holes`)."""
 
 import re
 from collections import defaultdict
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
-from harness.signatures.signature import CHECK, CRASH, DIVERGENCE, ERROR, TIMEOUT, classify
+from harness.signatures.signature import CHECK, CRASH, DIVERGENCE, ERROR, TIMEOUT, Signature, classify
 
 KINDS = (CRASH, TIMEOUT, ERROR, DIVERGENCE, CHECK)
 """Signature kinds, in the order a report lists them."""
@@ -91,6 +98,7 @@ def group(
     for r in records:
         requests[case_key(r)].append(r)
     classified = [(v, classify(v, requests.get(case_key(v), ()), verdicts[case_key(v)])) for v in failing]
+    classified, anchors = _fold_refused_batches(classified)
     by_text: dict[str, list] = defaultdict(list)
     for v, sig in classified:
         by_text[sig.text].append((v, sig))
@@ -98,17 +106,40 @@ def group(
     for text, shown in by_text.items():
         kind = shown[0][1].kind
         cell = [(v["mode"], v["spec"], kinds.get(v["model"]) or v["model"]) for v, _ in shown]
-        parts = [0] * len(shown) if specific(text, kind) else _components(cell)
+        own = [i for i, (v, _) in enumerate(shown) if id(v) not in anchors]  # a folded batch links no cells
+        linked = [0] * len(own) if specific(text, kind) else _components([cell[i] for i in own])
+        part_of = {id(shown[i][0]): p for i, p in zip(own, linked, strict=True)}
+        parts = [part_of[id(anchors[id(v)])] if id(v) in anchors else part_of[id(v)] for v, _ in shown]
         labels = list(dict.fromkeys(parts))
         for part in labels:
             mine = [i for i, p in enumerate(parts) if p == part]
-            name = text if len(labels) == 1 else f"{text} [{_where([cell[i] for i in mine])}]"
+            name = text if len(labels) == 1 else f"{text} [{_where([cell[i] for i in own if parts[i] == part])}]"
             entry = Failure(name, kind)
             for i in mine:
                 v, sig = shown[i]
                 (entry.consequences if sig.consequence else entry.verdicts).append(v)
             found.append(entry)
     return sorted(found, key=lambda f: (KINDS.index(f.kind), -len(f.cases), f.signature))
+
+
+def _fold_refused_batches(
+    classified: list[tuple[dict, Signature]],
+) -> tuple[list[tuple[dict, Signature]], dict[int, dict]]:
+    """`classified` with every refused batch (and what restates it) a consequence of the run's KV-damage root,
+    under its signature, where the run has one; and id(folded verdict) → the root verdict it folds under (the
+    root of the same cell, else of the same backend, else the run's first)."""
+    roots = [(v, sig) for v, sig in classified if v["check"] == "kv-healthy" and not sig.consequence]
+    if not roots:
+        return classified, {}
+    out, anchors = [], {}
+    for v, sig in classified:
+        if sig.refused_batch:
+            root, root_sig = min(
+                roots, key=lambda r: (case_key(r[0])[:-1] != case_key(v)[:-1], r[0]["backend"] != v["backend"])
+            )
+            sig, anchors[id(v)] = Signature(root_sig.text, root_sig.kind, consequence=True), root
+        out.append((v, sig))
+    return out, anchors
 
 
 def by_verdict(failures: list[Failure]) -> dict[int, tuple[str, bool]]:

@@ -9,9 +9,12 @@
 * a divergence: the check and the triage class (`lossless: hard divergence`);
 * a KV cache the scanner found corrupt: the first kind of damage (`kv-healthy: duplicate cells`), also for
   a divergence triaged `kv-corrupt` (which only restates the scan) and for a batch llama.cpp refused because
-  of it: one that starts a sequence at a position the KV cache already holds is the damage the scanner finds
-  as duplicate cells where llama.cpp's check does not look (a hybrid memory's last position is its recurrent
-  part's), one that skips positions the scanner's holes (backends.base.invalid_batch);
+  of it: one that starts a sequence at a position the KV cache already holds (Y <= X) is the damage the scanner
+  finds as duplicate cells where llama.cpp's check does not look (a hybrid memory's last position is its
+  recurrent part's), one that skips positions (Y > X + 1) the scanner's holes (backends.base.invalid_batch).
+  Such a batch is another request's KV damage showing: where the run has a KV-damage root (a failing
+  `kv-healthy` verdict of its own), the refused batch and what restates it fold under it as consequences
+  (group.group), in whatever request, case or cell;
 * any other check: the check and what failed, without the details (`grammar-valid: invalid output`,
   `acceptance: fell against baseline`, `spec-ran: no drafts at all for the case (N requests)`).
 
@@ -30,7 +33,7 @@ the results.json records of its case and cell).
 
 import re
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from harness import llama_log
@@ -90,6 +93,9 @@ class Signature:
     text: str
     kind: str
     consequence: bool = False
+    refused_batch: bool = False
+    """KV damage read from a batch llama.cpp refused (its X and Y), not found by the scanner: the damage of
+    another request, which `group` folds under the run's KV-damage root where it has one."""
 
 
 def normalise(text: str) -> str:
@@ -148,9 +154,9 @@ def of_error(error: str) -> Signature:
         reason = abort_reason(error)
         return Signature("crash: " + normalise(reason or ended.group(0).replace("was ", "")), CRASH)
     refused = REFUSED_BATCH.search(first)
-    if refused:
+    if refused and int(refused.group(2)) != int(refused.group(1)) + 1:  # Y = X + 1 says nothing of the cache
         last, start = map(int, refused.groups())
-        return Signature(f"kv-healthy: {'duplicate cells' if start <= last else 'holes'}", CHECK)
+        return Signature(f"kv-healthy: {'duplicate cells' if start <= last else 'holes'}", CHECK, refused_batch=True)
     return Signature("error: " + normalise(CASE.sub("the request", first)), ERROR)
 
 
@@ -280,7 +286,7 @@ def _shape(verdict: dict) -> str:
 
 
 def _restating(root: Signature) -> Signature:
-    return Signature(root.text, root.kind, consequence=True)
+    return replace(root, consequence=True)
 
 
 def signature_of(verdict: Any, records: Iterable[dict] = (), siblings: Iterable[Any] = ()) -> str:
