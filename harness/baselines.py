@@ -101,6 +101,7 @@ class BaselineStore:
         self.calibration_dir = calibration_dir
         self.range = version_range
         """`--baselines-range`: read and write the baselines kept for this llama.cpp version range."""
+        self._kept: dict[Path, list[str]] = {}
         self.versioned_used: set[str] = set()
         """The baselines kept for a version range that this run read or wrote (run.json; `diff` shows them)."""
         self.written: list[Path] = []
@@ -111,6 +112,13 @@ class BaselineStore:
     def calibration_of(self, suite) -> Path:
         """Where this suite's checks look for calibration files before the default root."""
         return self.calibration_dir or suite_root(suite).parent / "calibration"
+
+    def _kept_in(self, folder: Path) -> list[str]:
+        """The names of the version-range baselines in `folder` (read once a run: every check of every case asks)."""
+        if folder not in self._kept:
+            names = [p.name for p in folder.glob("*@*.json")] if folder.is_dir() else []
+            self._kept[folder] = [n for n in names if not n.endswith(".logits.json")]
+        return self._kept[folder]
 
     def path(self, suite: str, case: str, model: str, backend: str, device: str, root: Path | None = None) -> Path:
         return (
@@ -134,7 +142,12 @@ class BaselineStore:
         if self.range:
             chosen = plain.with_name(f"{plain.stem}@{self.range}.json")
         else:
-            kept = {p.name[len(plain.stem) + 1 : -len(".json")]: p for p in plain.parent.glob(f"{plain.stem}@*.json")}
+            prefix = f"{plain.stem}@"
+            kept = {
+                name[len(prefix) : -len(".json")]: plain.parent / name
+                for name in self._kept_in(plain.parent)
+                if name.startswith(prefix)
+            }
             chosen = narrowest_covering(kept, version) if kept else None
         if chosen is None:
             return plain

@@ -200,12 +200,17 @@ def read_marker(marker: Path) -> str:
 
 
 def _extract_sdist(version: str, tree: Path) -> str:
-    """Extract the vendored tree of the sdist into `tree`; a corrupt download is deleted and fetched again once."""
+    """Extract the vendored tree of llama-cpp-python `version`'s sdist into `tree` (harness: extract_fetched)."""
+    return extract_fetched(lambda: _download_sdist(version), _extract_vendored, tree)
+
+
+def extract_fetched(fetch: Callable[[], Path], extract: Callable[[Path, Path], str], tree: Path) -> str:
+    """`extract(fetch(), tree)`; a corrupt download is deleted and fetched again once."""
     retries = 1
     while True:
-        sdist = _download_sdist(version)
+        sdist = fetch()
         try:
-            return _extract_vendored(sdist, tree)
+            return extract(sdist, tree)
         except (tarfile.TarError, EOFError, zlib.error, OSError) as err:  # truncated or garbled archive
             shutil.rmtree(tree, ignore_errors=True)
             sdist.unlink(missing_ok=True)
@@ -217,26 +222,34 @@ def _extract_sdist(version: str, tree: Path) -> str:
 
 def _download_sdist(version: str) -> Path:
     """The llama-cpp-python sdist of `version` in `cache_dir()/downloads`, fetched with pip if missing."""
-    downloads = cache_dir() / "downloads"
-    name = f"llama_cpp_python-{version}.tar.gz"
-    if not (downloads / name).is_file():
-        cmd = [
-            sys.executable,
-            "-m",
-            "pip",
-            "download",
-            "--no-deps",
-            "--no-binary",
-            ":all:",
-            "--dest",
-            str(downloads),
-            f"llama-cpp-python=={version}",
-        ]
-        proc = subprocess.run(cmd, capture_output=True, text=True)
-        if proc.returncode != 0 or not (downloads / name).is_file():
-            last = (proc.stderr.strip().splitlines() or ["no output"])[-1]
-            raise HarnessError(f"could not download the llama-cpp-python {version} sdist with pip: {last}")
-    return downloads / name
+    return pip_sdist("llama-cpp-python", version, f"llama_cpp_python-{version}.tar.gz", ":all:")
+
+
+class NotInIndex(HarnessError):
+    """pip found no such version of the package in the package index."""
+
+
+def pip_sdist(package: str, version: str, filename: str, no_binary: str) -> Path:
+    """`package==version`'s sdist `filename` in `cache_dir()/downloads`, fetched with pip when missing (into a
+    scratch folder first: a cut download never lands in the cache). `no_binary` is pip's `--no-binary` (the
+    package, to let its build requirements come as wheels, or `:all:`)."""
+    target = cache_dir() / "downloads" / filename
+    if target.is_file():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent, prefix=".download-") as scratch:
+        cmd = [sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--no-binary", no_binary]
+        proc = subprocess.run([*cmd, "--dest", scratch, f"{package}=={version}"], capture_output=True, text=True)
+        fetched = Path(scratch) / filename
+        if proc.returncode != 0 or not fetched.is_file():
+            text = proc.stderr + proc.stdout
+            last = ([ln for ln in text.strip().splitlines() if not ln.startswith("WARNING")] or ["no output"])[-1]
+            missing = "No matching distribution" in text or "Could not find a version" in text
+            raise (NotInIndex if missing else HarnessError)(
+                f"could not download the {package} {version} sdist with pip: {last}"
+            )
+        fetched.replace(target)
+    return target
 
 
 def _extract_vendored(sdist: Path, tree: Path) -> str:

