@@ -6,7 +6,7 @@ importing the executor.
 
 from dataclasses import dataclass, field
 
-from harness.matrix import Cell
+from harness.matrix import Cell, keeps_seeded_tokens, spec_preset
 from harness.result import Result
 from harness.suites import Suite
 
@@ -42,6 +42,14 @@ class CellRun:
     harness_error: str | None = None
     crash: str | None = None
     unservable: str | None = None
+    spec: dict | None = None
+    """The speculative options the cell was served with (its preset's and the run's `--spec-*` overrides, llama-server
+    flag names); None when it was never served."""
+
+    @property
+    def keeps_seeded_tokens(self) -> bool:
+        """Whether the cell's verification keeps seeded sampled tokens (matrix.keeps_seeded_tokens)."""
+        return keeps_seeded_tokens(self.spec if self.spec is not None else spec_preset(self.cell.spec).options)
 
     @property
     def fault(self) -> str | None:

@@ -10,6 +10,7 @@ speculation included, so each speculative request's speed-up over the same reque
 (report.files.speedups) compares requests made moments apart, on an equally busy machine.
 """
 
+import atexit
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
@@ -120,6 +121,10 @@ class Executor:
                 self._runs[(suite.name, c)] = run
         return self._runs[key]
 
+    def planned(self, suite: Suite, cell: Cell) -> bool:
+        """Whether the run plans to serve (or has served) `cell` of `suite`."""
+        return (suite.name, cell) in self._planned or (suite.name, cell) in self._runs
+
     def runs(self) -> list[CellRun]:
         """Every cell run so far, in execution order."""
         return list(self._runs.values())
@@ -132,6 +137,13 @@ class Executor:
     def rescorer(self) -> "Rescorer":
         """Re-scores positions whose logits a backend withheld (a context manager; sessions close on exit)."""
         return Rescorer(self)
+
+    def token_scorer(self) -> "TokenScorer":
+        """Scores returned tokens under their request's sampler chain: one scorer per executor, its engine kept
+        open from check to check (the worker is a daemon: it ends with the harness)."""
+        if getattr(self, "_scorer", None) is None:
+            self._scorer = TokenScorer(self)
+        return self._scorer
 
     def backends(self) -> dict[str, Backend]:
         """The backends started so far, by name (what a report describes)."""
@@ -168,7 +180,9 @@ class Executor:
         try:
             for cell in cells:
                 try:
-                    sessions[cell] = self._backend(cell.backend).open(self._config(suite, cell))
+                    config = self._config(suite, cell)
+                    runs[cell].spec = dict(config.spec)
+                    sessions[cell] = self._backend(cell.backend).open(config)
                 except Unservable as err:  # the model lacks what the spec needs: its checks are not run
                     runs[cell].unservable = str(err)
                 except LlamaAbort as err:  # llama.cpp aborted in its start-up: a finding, `no-crash` fails on it
@@ -320,3 +334,48 @@ def _harness_error(run: CellRun, err: Exception) -> None:
     last = trace.strip().splitlines()[-1] if trace.strip() else type(err).__name__
     run.error = f"harness error (a bug of specharness, not a llama.cpp finding): {last}"
     run.harness_error = trace
+
+
+class TokenScorer:
+    """The probability of each token a request returned, under the target and the request's sampler chain
+    (harness.engine.score), for any backend's results: an in-process engine serving nothing but the scoring (no
+    speculation, one slot, no fault switch, the cell's context size), for one model at a time (another model's
+    request closes it and opens the next). Scores are cached per (model, prompt, output, sampling)."""
+
+    def __init__(self, executor: Executor):
+        self.executor = executor
+        self.session = None
+        self.config = None
+        self.cache: dict[tuple, dict] = {}
+
+    def score(self, suite: Suite, cell: Cell, pairs: list[tuple[Request, Result]]) -> list[dict]:
+        """Each (request, result)'s scores: {"scores": [[p, below], ...]} (and `impossible_at`), or
+        {"unscorable": why}."""
+        plain = cell.reference(backend="inproc", spec="none", mode="seq")
+        config = self.executor._config(suite, plain)
+        engine = {k: v for k, v in config.engine.items() if k not in ("fault", "script", "slot_save")}
+        config = replace(config, parallel=1, spec={}, draft_model=None, kv_scan="off", logit_top_k=0, engine=engine)
+        keys = [(config.model, tuple(r.prompt_tokens), tuple(r.tokens), repr(q.sampling)) for q, r in pairs]
+        todo = [(k, pair) for k, pair in zip(keys, pairs, strict=True) if k not in self.cache]
+        if todo:
+            if self.config != config:
+                self.close()
+                self.session, self.config = self.executor._backend("inproc").open(config), config
+                # the worker ignores SIGTERM (the harness stops it itself): multiprocessing's own exit handler
+                # would wait for it forever, so the session closes before that handler runs (atexit: LIFO)
+                atexit.register(self.close)
+            for (key, _), scored in zip(todo, self.session.score([pair for _, pair in todo]), strict=True):
+                self.cache[key] = scored
+        return [self.cache[k] for k in keys]
+
+    def close(self) -> None:
+        if self.session is not None:
+            self.session.close()
+            atexit.unregister(self.close)
+        self.session = self.config = None
+
+    def __enter__(self) -> "TokenScorer":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        pass  # kept open for the next check (close() ends it)

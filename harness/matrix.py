@@ -28,14 +28,15 @@ class SpecPreset:
     request (vLLM's forced-rejection test asserts the same)."""
     server_only: bool = False
     """llama-server only: options the in-process engine does not have (synthetic acceptance)."""
-    keeps_seeded_tokens: bool = True
-    """False for rejection sampling (`--spec-draft-sampling probabilistic`): at temperature > 0 a drafted token is
-    accepted with probability min(1, p/q) and a rejected one redrawn from the residual, so the output keeps the
-    target's distribution but not the non-speculative run's seeded tokens."""
 
     @property
     def speculative(self) -> bool:
         return bool(self.options) or self.scripted is not None
+
+    @property
+    def keeps_seeded_tokens(self) -> bool:
+        """`keeps_seeded_tokens` of the preset's options."""
+        return keeps_seeded_tokens(self.options)
 
     def runs_on(self, backend: str) -> bool:
         """Whether `backend` has this config: scripted ones are in-process only, `server_only` ones llama-server's."""
@@ -47,6 +48,14 @@ class SpecPreset:
         shared by all): its acceptance depends on which requests a slot served before, so it compares only
         with a run that served them in the same order."""
         return bool(set(str(self.options.get("spec-type", "")).split(",")) & LEARNING_DRAFTERS)
+
+
+def keeps_seeded_tokens(options: dict) -> bool:
+    """False under rejection sampling (`--spec-draft-sampling probabilistic`): at temperature > 0 a drafted token is
+    accepted with probability min(1, p/q) and a rejected one redrawn from the residual, so the output keeps the
+    target's distribution but not the non-speculative run's seeded tokens. `options`: the speculative options a
+    cell was served with (its preset's, with the run's `--spec-*` overrides)."""
+    return options.get("spec-draft-sampling", "greedy") != "probabilistic"
 
 
 LEARNING_DRAFTERS = {"ngram-map-k", "ngram-map-k4v", "ngram-mod"}
@@ -98,6 +107,14 @@ SPEC_PRESETS: dict[str, SpecPreset] = {
         rejects_all=True,
         server_only=True,
     ),
+    # synthetic acceptance at known rates: draft position i of a draft-simple draft is accepted with unconditional
+    # probability P_i (llama-server draws each position's decision from a per-slot std::mt19937 seeded with the
+    # request's seed, at conditional rate P_i / P_{i-1}), whatever the target says: the output is not the target's
+    # (`lossless` and `baseline` are not run); `synth-acceptance` tests the counts against the rates
+    "synth-rates": SpecPreset(
+        {"spec-type": "draft-simple", "spec-draft-n-max": 4, "spec-synth-rates": "0.9,0.7,0.5,0.3"},
+        server_only=True,
+    ),
     # drafting stops at a token whose top-10 probability is below p_min: many short drafts, some rejected. The tiny
     # models' counterpart of upstream's `--spec-draft-p-min 0.99` (their drafts' top-10 probabilities lie in
     # 0.12-0.59, median 0.2: at 0.99 they never draft)
@@ -108,8 +125,9 @@ SPEC_PRESETS: dict[str, SpecPreset] = {
     # a drafted token with probability min(1, p/q); greedy requests verify as draft-simple does
     "draft-simple-probabilistic": SpecPreset(
         {"spec-type": "draft-simple", "spec-draft-n-max": 4, "spec-draft-sampling": "probabilistic"},
-        server_only=True,
-        keeps_seeded_tokens=False,
+    ),
+    "draft-mtp-probabilistic": SpecPreset(
+        {"spec-type": "draft-mtp", "spec-draft-n-max": 3, "spec-draft-sampling": "probabilistic"},
     ),
     "scripted-wrong-at-2": SpecPreset({}, scripted="wrong-at-2"),
 }

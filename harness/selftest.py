@@ -14,7 +14,7 @@ switch acts only inside the engine's speculation, which such a cell does not hav
 import argparse
 import re
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from rich.table import Table
 
@@ -61,6 +61,18 @@ MTP_PART = (
 )
 """draft-mtp on the hybrid with an MTP head: rolled back inside its recurrent snapshots (`partial`), one slot,
 where `work` compares a request's counts exactly with its baseline's."""
+DISTRIBUTION_PART = (
+    "statistical/sampling-distribution",
+    {
+        "models": ["tiny-dense"],
+        "modes": ["seq"],
+        "specs": ["draft-simple-probabilistic"],
+        "backends": ["inproc"],
+        "sampling": {"temperature": 0.5, "n_predict": 1536, "ignore_eos": True},
+    },
+)
+"""Rejection sampling judged by `distribution`: the statistical suite's cases with the `sampling` given to every
+case (`load_parts`), a sample on which every rejection fault that moves the distribution fails the check."""
 FAULT_PLAN = {
     "stale-draft-context": [
         (
@@ -100,12 +112,37 @@ FAULT_PLAN = {
     # seq sees the request that decodes more, acceptance's tolerance does not
     "mtp-wrong-row": [MTP_PART],
     "stale-partial-rollback": [MTP_PART],
+    # rejection sampling on tiny-dense: the statistical suite's two cases (a suite below suites/ by its relative
+    # name) at temperature 0.5 (at its own temperature 1 q-wrong-temperature's wrong q is the right one), 1536 tokens
+    # each, end-of-generation ignored (an output that ends early has too few tokens to fail): measured 2026-11-28
+    "lenient-accept": [DISTRIBUTION_PART],
+    "residual-unnormalised": [DISTRIBUTION_PART],
+    "q-wrong-temperature": [DISTRIBUTION_PART],
+    # the same sample on tiny-hybrid, which rolls back through a checkpoint restore (the fault is llama-server b11434's
+    # defect, known failure server-rejection-rng-rewound-on-checkpoint-restore)
+    "rejection-rng-rewound": [(DISTRIBUTION_PART[0], {**DISTRIBUTION_PART[1], "models": ["tiny-hybrid"]})],
+    # sample-and-match on tiny-dense (rolled back by seq_rm: a checkpoint restore would put the sampler back) in
+    # every mode: no committed model's verification logits are bit-identical to a single-token decode's, so the
+    # shifted draws are proven by the seeded count of the group (harness.checks.seeded), which needs more than
+    # seq's two seeded sampled requests
+    "extra-draw-after-reject": [
+        (
+            "sampling",
+            {
+                "models": ["tiny-dense"],
+                "modes": ["seq", "par", "no-kv-unified"],
+                "specs": ["none", "draft-simple"],
+                "backends": ["inproc"],
+            },
+        )
+    ],
 }
 """What a fault needs beyond the plan: draft-model speculation, an n-gram drafter with a state per slot
 on a model whose text repeats (the dense `-loop` model: on Gemma's three quicksort prompts, nearly the same
-text, a shared state moves one token per request, which no acceptance check can tell from noise), and draft-mtp
-with its partial rollback. A fault runs the plan and its own part; the clean row runs the plan and every fault's
-part (each once)."""
+text, a shared state moves one token per request, which no acceptance check can tell from noise), draft-mtp
+with its partial rollback, rejection sampling on a sample large enough for `distribution`, and sample-and-match on a
+target rolled back by seq_rm in every mode (the seeded count of `lossless`). A fault runs the plan and its own part;
+the clean row runs the plan and every fault's part (each once)."""
 
 ROUNDS = {"quicksort": ["seq"], "sampling": ["seq"]}
 """The rounds the selftest serves of these suites, in place of their `run_order` (quicksort's [seq, seq, par],
@@ -141,6 +178,11 @@ EXPECTED: dict[str, list[tuple[str, str]]] = {
         ("acceptance", r"against baseline \(tolerance [\d.e-]+\): (acceptance|accepted tokens)"),
     ],
     "stale-partial-rollback": [("lossless", r"Class (hard|drift)")],
+    "lenient-accept": [("distribution", r"not draws from the target's distribution")],
+    "residual-unnormalised": [("distribution", r"not draws from the target's distribution")],
+    "q-wrong-temperature": [("distribution", r"not draws from the target's distribution")],
+    "rejection-rng-rewound": [("distribution", r"not draws from the target's distribution")],
+    "extra-draw-after-reject": [("lossless", r"diverged from the non-speculative output: the measured noise rate")],
 }
 """Per fault, the (check, evidence) pairs that count as catching it (any one): the check must fail and its
 message must match the evidence — the bug class, not just any failure."""
@@ -171,12 +213,17 @@ class Row:
 
 
 def load_parts(parts) -> list:
-    """The (suite, narrowing) plan of selftest parts (suite name, narrowing), each suite served its `ROUNDS`."""
+    """The (suite, narrowing) plan of selftest parts (suite name, narrowing), each suite served its `ROUNDS`; a
+    part's `sampling` is set on every case of its suite (the executor keys runs by suite name: one suite is served
+    with one such `sampling` in a selftest)."""
     plan = []
     for name, only in parts:
         only = dict(only)
         suite = load_suite(name)
         suite.rounds = list(only.pop("run_order", None) or ROUNDS.get(name, suite.rounds))
+        sampling = only.pop("sampling", None)
+        if sampling:
+            suite.cases = [replace(case, sampling=replace(case.sampling, **sampling)) for case in suite.cases]
         plan.append((suite, only))
     return plan
 

@@ -156,6 +156,8 @@ CHECK_NAMES = (
     "within-n-predict",
     "work",
     "restore-identical",
+    "distribution",
+    "synth-acceptance",
 )
 """The checks a suite may name (their functions live in harness.checks, which must define exactly these)."""
 DEFAULT_CHECKS = [
@@ -169,6 +171,7 @@ DEFAULT_CHECKS = [
     "logits-close",
     "acceptance",
     "work",
+    "distribution",
 ]
 
 

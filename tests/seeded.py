@@ -4,8 +4,12 @@ The bug class of llama.cpp PR #20925: after rejected drafts the attention cells 
 stay in the KV cache. In tools/server/server-context.cpp the seeded variant drops the `seq_rm` that
 follows a checkpoint restore (the rollback of hybrid and recurrent targets) and the `seq_rm` that follows a
 partial acceptance (the rollback of attention-only targets such as Gemma 3, which never take the
-checkpoint path)."""
+checkpoint path).
 
+`seeded_tree` seeds other variants too, in server-context.cpp or (`file`) in any other file of the tree: the
+sampled-verification bug below is in common/sampling.cpp."""
+
+import hashlib
 import json
 import shutil
 from pathlib import Path
@@ -21,28 +25,41 @@ SEEDED = {
 }
 
 
+SERVER_CONTEXT = "tools/server/server-context.cpp"
+"""The file a seeded variant edits unless it names another (the server's slot and speculative loop)."""
+
+
 def seeded_tree(
-    edits: dict[str, str] = SEEDED, name: str = "seeded-no-seq-rm", origin: str = "tests/seeded.py"
+    edits: dict[str, str] = SEEDED,
+    name: str = "seeded-no-seq-rm",
+    origin: str = "tests/seeded.py",
+    file: str = SERVER_CONTEXT,
 ) -> Path:
-    """The vendored tree with `edits` (line -> replacement) applied to tools/server/server-context.cpp, kept in the
-    cache under `name` (same bytes, same build key, built once)."""
+    """The vendored tree with `edits` (text -> replacement, each text found exactly once) applied to `file` (a path
+    relative to the tree's root, tools/server/server-context.cpp unless given), kept in the cache under `name`
+    (same bytes, same build key, built once). The marker records a digest of (file, edits): a tree staged with
+    other edits under the same name is staged again, not built as it is (trees staged before the digest was
+    recorded are kept)."""
     source = vendored_source()
     tree = cache_dir() / "src" / f"{source.name}-{name}"
-    target = tree / "tools" / "server" / "server-context.cpp"
+    target = tree / file
+    digest = hashlib.sha256(json.dumps([file, sorted(edits.items())]).encode()).hexdigest()[:16]
     with FileLock(str(tree) + ".lock"):
+        if target.is_file() and json.loads((tree / SOURCE_MARKER).read_text()).get("edits", digest) != digest:
+            shutil.rmtree(tree)
         if not target.is_file():
             staging = tree.with_name(tree.name + ".tmp")
             shutil.rmtree(staging, ignore_errors=True)
             shutil.copytree(source, staging, symlinks=True)
-            path = staging / "tools" / "server" / "server-context.cpp"
+            path = staging / file
             text = path.read_text()
             for line, replacement in edits.items():
-                assert text.count(line) == 1, f"the vendored server-context.cpp changed: cannot seed {line.strip()!r}"
+                assert text.count(line) == 1, f"the vendored {file} changed: cannot seed {line.strip()!r}"
                 text = text.replace(line, replacement)
             path.write_text(text)
             commit = read_marker(source / SOURCE_MARKER)
             (staging / SOURCE_MARKER).write_text(
-                json.dumps({"commit": f"{commit[:12]}-{name}", "origin": origin}) + "\n"
+                json.dumps({"commit": f"{commit[:12]}-{name}", "origin": origin, "edits": digest}) + "\n"
             )
             staging.rename(tree)
     return tree
@@ -50,3 +67,32 @@ def seeded_tree(
 
 def seeded_server() -> BuildInfo:
     return ensure_server(source=seeded_tree())
+
+
+SAMPLED_VERIFY = {
+    (
+        "    for (; i < draft.size(); i++) {\n"
+        "        const llama_token id = common_sampler_sample(gsmpl, ctx, idxs[i], grammar_first);\n"
+    ): (
+        "    for (; i < draft.size(); i++) {\n"
+        "        llama_token id = common_sampler_sample(gsmpl, ctx, idxs[i], grammar_first);\n"
+        "        // seeded bug: a draft that is the target's most probable token is accepted, whatever the sampler drew\n"
+        "        if (draft[i] == common_sampler_get_candidates(gsmpl, true)->data[0].id) { id = draft[i]; }\n"
+    ),
+}
+"""A sampled-verification bug in common/sampling.cpp (`common_sampler_sample_and_accept_n`, the sample-and-match
+verification of every drafter at 0c1e570): a drafted token is accepted when it is the target's most probable token
+under the request's chain (the first of the sorted candidates), not only when it equals the token the sampler
+drew; the accepted draft is what the request returns and what the KV cache holds. At temperature 0 the chain keeps
+only the argmax, which is also the token drawn, so greedy output is untouched; at temperature > 0 the output leans
+to the argmax (the sampler still draws, so its random state moves as without the bug) and seeded sampled output
+departs from the non-speculative output. The for line anchors the edit: the same sample line follows the loop."""
+SAMPLED_VERIFY_NAME = "seeded-sampled-verify"
+
+
+def sampled_verify_server() -> BuildInfo:
+    """The vendored llama-server with SAMPLED_VERIFY (built once through the build cache; the compiler cache serves
+    every object but common/sampling.cpp's)."""
+    return ensure_server(
+        source=seeded_tree(SAMPLED_VERIFY, SAMPLED_VERIFY_NAME, "tests/seeded.py", file="common/sampling.cpp")
+    )

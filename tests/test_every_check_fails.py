@@ -66,6 +66,10 @@ SCENARIOS = {
     "draft-past-n-predict": "seeded fault draft-past-n-predict (this module): drafts are not capped at "
     "n_remaining - 1 and a step's accepted tokens are all returned, as llama-server did before "
     "ggml-org/llama.cpp#10641",
+    "lenient-accept": "seeded fault lenient-accept (harness/engine/faults.py): rejection sampling accepts every "
+    "drafted token the target gives any probability",
+    "llama-server synth rates": "real: llama-server served with --spec-synth-rates 0.5,0.3,0.2,0.1 and judged "
+    "against the synth-rates preset's 0.9,0.7,0.5,0.3 (the executor that judges was not given the override)",
 }
 
 GRAMMAR = Cell("inproc", "seq", "scripted-reject", "tiny-hybrid")
@@ -177,6 +181,22 @@ FAILS = {
         "a",
         r"1 of 1 requests broke n_predict; round 0: 1[0-9] tokens returned for n_predict 9",
         "test_checks.py::test_within_n_predict",
+    ),
+    "distribution": Failing(
+        "lenient-accept",
+        Cell("inproc", "seq", "draft-simple-probabilistic", "tiny-dense"),
+        "prose",
+        r"the returned tokens are not draws from the target's distribution: Kolmogorov-Smirnov D = [\d.]+ over "
+        r"\d+ tokens of 1 outputs, p = [\d.e+-]+ < 1e-06",
+        "test_selftest.py::test_the_fault_is_caught_by_its_expected_check_and_evidence",
+    ),
+    "synth-acceptance": Failing(
+        "llama-server synth rates",
+        Cell("server", "seq", "synth-rates", "tiny-dense"),
+        "C",
+        r"round 0: \d+ of \d+ drafted tokens accepted, [\d.]+ expected at rates \[0\.9, 0\.7, 0\.5, 0\.3\]: "
+        r"p = [\d.e+-]+ < alpha",
+        "test_synth_acceptance.py::test_llama_server_counts_fail_against_rates_it_was_not_given",
     ),
     "work": Failing(
         "stale-draft-context",
@@ -296,6 +316,9 @@ class Scenarios:
         if name == "draft-past-n-predict":
             suite = self.suite(BUDGET)
             return None, {cell: draft_past_n_predict(suite, cell) for cell in cells}
+        if name == "llama-server synth rates":  # served with other rates than the judging executor's (the preset's)
+            served = executor(spec_overrides={"spec-synth-rates": "0.5,0.3,0.2,0.1"})
+            return executor(), {cell: served.run(narrowed("quicksort", ["C"]), cell) for cell in cells}
         suite, ex = {
             "start-up abort": lambda: (self.suite(START_UP_ABORT), executor()),
             "random seed": lambda: (self.suite(RANDOM_SEED), executor()),
@@ -306,6 +329,10 @@ class Scenarios:
                 executor(engine={"fault": name}),
             ),
             "stale-draft-context": lambda: (narrowed("quicksort", ["C"]), executor(engine={"fault": name})),
+            "lenient-accept": lambda: (
+                narrowed("statistical/sampling-distribution", ["prose"]),
+                executor(engine={"fault": name}),
+            ),
             "llama-server eog": lambda: (narrowed("eog", ["chat"]), executor()),
             "llama-server probs": lambda: (narrowed("probs", ["logprobs"]), executor()),
             "llama-server slot restore": lambda: (load_suite("slot-restore"), executor()),

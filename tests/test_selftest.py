@@ -11,7 +11,16 @@ from harness.backends.base import ServeConfig
 from harness.backends.inproc import spec_config
 from harness.engine.faults import FAULTS
 from harness.matrix import cells
-from harness.selftest import EXPECTED, FAULT_PLAN, PLAN, ROUNDS, Unspeculated, load_parts, run_plan
+from harness.selftest import (
+    DISTRIBUTION_PART,
+    EXPECTED,
+    FAULT_PLAN,
+    PLAN,
+    ROUNDS,
+    Unspeculated,
+    load_parts,
+    run_plan,
+)
 from harness.suites import load_suite
 
 pytestmark = pytest.mark.xdist_group("selftest")
@@ -23,6 +32,10 @@ def shared():
 
 
 DUPLICATES = "kv-healthy: duplicate cells"
+NOT_DRAWS = (
+    "distribution: the returned tokens are not draws from the target's distribution: Kolmogorov-Smirnov D = N over N "
+    "tokens of N outputs, p = N < N (mean PIT N, N expected"
+)
 DISTINCT = {  # the failure signatures each fault shows on the plan (harness.signatures): one per defect. An
     # off-by-one rollback is the same signature where llama.cpp refuses the next batch (dense: the cache holds
     # its first position) and where its check does not look (hybrid: the scan finds the duplicate cells); stale
@@ -51,17 +64,33 @@ DISTINCT = {  # the failure signatures each fault shows on the plan (harness.sig
     ],
     # a stale recurrent state: a hard divergence where the logits before it still agree, drift where they do not
     "stale-partial-rollback": ["lossless: hard divergence", "lossless: drift divergence"],
+    # rejection sampling that leaves the target's distribution: both cases of the statistical part fail the KS test
+    "lenient-accept": [NOT_DRAWS],
+    "residual-unnormalised": [NOT_DRAWS],
+    "q-wrong-temperature": [NOT_DRAWS],
+    "rejection-rng-rewound": [NOT_DRAWS],
+    # one draw too many after a mismatch: every seeded sampled request of tiny-dense's sample-and-match cells diverges;
+    # the logits there differ in the last bits (a verification batch against a one-token decode), so no single
+    # divergence is proven (`unexplained`) and the group's count fails (harness.checks.seeded)
+    "extra-draw-after-reject": ["lossless: unexplained divergence"],
 }
 OWN_PART_ONLY = {
     "mtp-wrong-row": "draft-mtp",
     "stale-partial-rollback": "draft-mtp",
     "shared-drafter-state": "ngram-map-k",
     "ngram-cache-kept-across-requests": "ngram-cache",
+    "lenient-accept": "draft-simple-probabilistic",
+    "residual-unnormalised": "draft-simple-probabilistic",
+    "q-wrong-temperature": "draft-simple-probabilistic",
+    "rejection-rng-rewound": "draft-simple-probabilistic",
 }
 """Faults only one drafter reaches (draft-mtp's drafter and its partial rollback; the fault switches of ngram-map-k /
--k4v and ngram-cache are read by those drafters alone, harness/engine/speculative.py): the selftest plan's cells run
-none of them, so with the fault on they serve what the clean row serves, and the fault's test runs its own part
-alone (the plan's cells are those of the clean row)."""
+-k4v and ngram-cache are read by those drafters alone, harness/engine/speculative.py; the rejection faults but
+`extra-draw-after-reject` act only in rejection sampling, which only the -probabilistic presets verify by): the
+selftest plan's cells run none of them, so with the fault on they serve what the clean row serves, and the fault's
+test runs its own part alone (the plan's cells are those of the clean row). `extra-draw-after-reject` also acts in
+sample-and-match, which the plan's draft-simple cells verify by: it runs the plan too."""
+DISTRIBUTION_FAULTS = ("lenient-accept", "residual-unnormalised", "q-wrong-temperature")
 
 
 def test_every_fault_has_its_expected_evidence():
@@ -96,6 +125,22 @@ def test_the_plan_serves_one_seq_round_and_shared_drafter_state_its_par_round():
     assert "par" in load_parts(FAULT_PLAN["shared-drafter-state"])[0][0].rounds
 
 
+def test_a_part_with_sampling_serves_every_case_with_it_and_one_suite_takes_one_sampling():
+    """The rejection faults' part: the statistical suite (found below suites/ by its relative name) with every case at
+    the part's temperature, length and ignore_eos. The executor keys a run by suite name and cell, so the selftest
+    gives a suite one `sampling` in all its parts (the clean row serves them in one executor)."""
+    parts = PLAN + [part for fault_parts in FAULT_PLAN.values() for part in fault_parts]
+    ((suite, only),) = load_parts([DISTRIBUTION_PART])
+    assert suite.name == "sampling-distribution" and "sampling" not in only
+    assert {(c.sampling.temperature, c.sampling.n_predict, c.sampling.ignore_eos) for c in suite.cases} == {
+        (0.5, 1536, True)
+    }
+    assert {c.sampling.seed for c in suite.cases} == {c.sampling.seed for c in load_suite(DISTRIBUTION_PART[0]).cases}
+    samplings = {}
+    for name, only in parts:
+        assert samplings.setdefault(name, only.get("sampling")) == only.get("sampling"), name
+
+
 def test_the_same_plan_without_a_fault_is_clean(shared):
     row = run_plan(None, shared=shared)
     assert not row.harness_errors, row.harness_errors
@@ -125,3 +170,10 @@ def test_the_fault_is_caught_by_its_expected_check_and_evidence(fault, shared):
         assert row.failing_cells == {"seq-draft-mtp-tiny-hybrid-mtp-inproc"}, row.failing_cells
     if fault == "shared-drafter-state":  # one slot has no other slot to share with
         assert not [c for c in row.failing_cells if c.startswith("seq-")], row.failing_cells
+    if fault == "rejection-rng-rewound":  # the rejection-sampling cell of the hybrid (a checkpoint restore)
+        assert row.failing_cells == {"seq-draft-simple-probabilistic-tiny-hybrid-inproc"}, row.failing_cells
+    if fault in DISTRIBUTION_FAULTS:  # both cases of the one rejection-sampling cell
+        assert row.failing_cells == {"seq-draft-simple-probabilistic-tiny-dense-inproc"}, row.failing_cells
+        assert row.caught["distribution"] == 2
+    if fault == "extra-draw-after-reject":  # every mode of tiny-dense; the plan's hybrid restores the sampler
+        assert row.failing_cells == {f"{m}-draft-simple-tiny-dense-inproc" for m in ("seq", "par", "no-kv-unified")}

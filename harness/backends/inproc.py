@@ -229,6 +229,14 @@ class InprocSession:
         first. The engine's answer, or `error`."""
         return self._ask(("restore", slot_id, state, erase))
 
+    def score(self, pairs: list[tuple[Request, Result]]) -> list[dict]:
+        """Each (request, result)'s tokens scored under the request's sampler chain by this session's model
+        (harness.engine.score); HarnessError when the worker cannot answer."""
+        answer = self._ask(("score", pairs))
+        if "error" in answer:
+            raise HarnessError(f"scoring the outputs failed: {answer['error']}")
+        return answer["scores"]
+
     def _ask(self, message: tuple) -> dict:
         if self.process is None or not self.process.is_alive():
             return {"error": f"{WHO} is not running (it ended after its last request)"}

@@ -18,7 +18,8 @@ from harness.bench.reportload import bench_report
 from harness.errors import HarnessError
 from harness.paths import reports_dir
 
-WHATS = ("speed", "costs", "scan", "overhead", "build-step", "report")
+DISTRIBUTION_SUITE = "suites/statistical/sampling-distribution.yaml"
+WHATS = ("speed", "costs", "scan", "overhead", "build-step", "report", "distribution", "seeded")
 
 
 def _choose(given: list[str] | None, allowed: tuple[str, ...], default: list[str], what: str) -> list[str]:
@@ -226,11 +227,54 @@ def cmd_speed(args: argparse.Namespace, console: Console) -> int:
     return 0
 
 
+def cmd_distribution(args: argparse.Namespace, console: Console) -> int:
+    """`specharness bench distribution`: the `distribution` check's p-values over `--runs` fresh-seeded
+    repetitions of a suite's cases, per cell (false alarms on a clean build; power with `--fault`)."""
+    from harness.backends.choose import backend_factories
+    from harness.bench import distribution
+    from harness.execute import ExecOptions, Executor
+
+    out = Path(args.out) if args.out else reports_dir() / time.strftime("bench-distribution-%Y%m%d-%H%M%S")
+    out.mkdir(parents=True, exist_ok=True)
+    engine = {"fault": args.fault} if args.fault else {}
+    executor = Executor(
+        ExecOptions(backends=backend_factories(args.server_bin, args.source, out), engine=engine, kv_scan="off")
+    )
+    only = {
+        "backends": _opt(args.engine),
+        "modes": _opt(args.mode),
+        "specs": _opt(args.spec),
+        "models": _opt(args.model),
+    }
+
+    def show(cell: str, row: dict) -> None:
+        console.print(f"{cell}: " + ", ".join(f"{k} {v}" for k, v in row.items() if k != "first_failure"))
+
+    if args.what == "seeded":
+        suite = args.suite if args.suite != DISTRIBUTION_SUITE else "sampling"
+        rows = distribution.measure_seeded(suite, args.runs, executor, only, on_cell=show)
+        data = {"suite": suite, "runs": args.runs, "fault": args.fault, **rows}
+    else:
+        rows = distribution.measure(args.suite, args.runs, executor, only, on_cell=show)
+        data = {"suite": args.suite, "runs": args.runs, "fault": args.fault, "alpha": distribution.ALPHA, "cells": rows}
+    write_json(out / "bench.json", data)
+    if args.json:
+        write_json(Path(args.json), data)
+    console.print(f"bench: {out / 'bench.json'}")
+    return 0
+
+
+def _opt(value: str | None) -> list[str] | None:
+    return [v for v in value.split(",") if v] if value else None
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
     """Run one bench and print what it measured."""
     console = Console() if Console().is_terminal else Console(width=160)
     if args.what == "speed":
         return cmd_speed(args, console)
+    if args.what in ("distribution", "seeded"):
+        return cmd_distribution(args, console)
     if args.what == "costs":
         rows = harness_costs(args.quick, console)
     elif args.what == "scan":
@@ -307,4 +351,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--jobs", type=int, help="parallel compile jobs (build-step; default all cores)")
     p.add_argument("--verdicts", type=int, default=2000, help="check verdicts in the generated report (report)")
     p.add_argument("--loads", type=int, default=5, help="browser loads timed (report)")
+    p.add_argument(
+        "--suite",
+        default=DISTRIBUTION_SUITE,
+        help="distribution, seeded: the suite whose cases are repeated, a name or a path (default: "
+        "distribution suites/statistical/sampling-distribution.yaml, seeded sampling)",
+    )
+    p.add_argument("--runs", type=int, default=200, help="distribution: fresh-seeded repetitions of the cases")
+    p.add_argument("--mode", help="distribution: modes, comma-separated (default: the suite's)")
+    p.add_argument("--fault", help="distribution: an engine fault switch (in-process cells; power)")
     p.set_defaults(func=cmd_bench)

@@ -19,6 +19,7 @@ from harness import detok as detokenizers
 from harness import interrupt, jsonschemas
 from harness.baselines import BaselineError, shown
 from harness.cellrun import CellRun
+from harness.checks import seeded
 from harness.checks.acceptance import check as acceptance_check
 from harness.checks.base import (
     NO_OUTPUT,
@@ -32,9 +33,11 @@ from harness.checks.base import (
 )
 from harness.checks.budget import within_n_predict
 from harness.checks.compare import NOT_RUN, compare_outcome, compare_tokens
+from harness.checks.distribution import output_distribution
 from harness.checks.probs import probs_complete
 from harness.checks.restore import restore_identical
 from harness.checks.reuse import prompt_reuse
+from harness.checks.synth import NOT_VALID, accepts_synthetically, synth_acceptance
 from harness.checks.work import work
 from harness.errors import HarnessBug, HarnessError
 from harness.logits import check as logits_within
@@ -106,7 +109,9 @@ def lossless(ctx: CheckContext) -> CheckResult | None:
     preset = spec_preset(ctx.cell.spec)
     if not preset.speculative:
         return not_run("lossless", NOT_SPECULATIVE)
-    if not preset.keeps_seeded_tokens and not sampling.greedy:
+    if accepts_synthetically(preset.options):
+        return not_run("lossless", NOT_VALID)
+    if not ctx.run.keeps_seeded_tokens and not sampling.greedy:
         return not_run(
             "lossless", "rejection sampling does not keep seeded tokens (--spec-draft-sampling probabilistic)"
         )
@@ -125,10 +130,23 @@ def lossless(ctx: CheckContext) -> CheckResult | None:
     result.evidence["seeded_sampling"] = True
     if result.evidence.get("identical_logits_at_divergence"):
         return result
+    return _seeded_count(ctx, result)
+
+
+def _seeded_count(ctx: CheckContext, result: CheckResult) -> CheckResult:
+    """A seeded sampled divergence the logits do not prove: judged by its group's count against the measured
+    noise rate (harness.checks.seeded); a count within the noise passes, and says so (`reported_only`)."""
+    passed, why, evidence = seeded.judge(ctx)
+    result.evidence.update(evidence)
+    first = result.message.split("\n")[0]
+    if not passed:
+        result.message = f"{first}\n  {why}"
+        result.failures = [why]
+        return result
     result.evidence["reported_only"] = True
     result.failures = []
     result.passed = True
-    result.message = result.message.split("\n")[0] + " (seeded sampling, the logits differ there: reported only)"
+    result.message = f"{first} (seeded sampling, the logits differ there: {why})"
     return result
 
 
@@ -147,6 +165,8 @@ def baseline(ctx: CheckContext) -> CheckResult | None:
     with `--update-baselines` this run's canonical output is stored first)."""
     if not (ctx.completed() or ctx.baselines.update):
         return not_run("baseline", NO_OUTPUT)
+    if accepts_synthetically(spec_preset(ctx.cell.spec).options):
+        return not_run("baseline", NOT_VALID)
     store = ctx.baselines
     try:
         data, path = store.recorded(ctx)
@@ -464,6 +484,8 @@ CHECKS: dict[str, Check] = {
     "within-n-predict": within_n_predict,
     "work": work,
     "restore-identical": restore_identical,
+    "distribution": output_distribution,
+    "synth-acceptance": synth_acceptance,
 }
 
 

@@ -25,15 +25,25 @@ class Rescorer(Protocol):
     def score(self, suite: Suite, cell: Cell, result: Result, pos: int) -> PositionLogits | None: ...
 
 
+class TokenScorer(Protocol):
+    """Scores returned tokens under their request's sampler chain (harness.execute.TokenScorer)."""
+
+    def score(self, suite: Suite, cell: Cell, pairs: list) -> list[dict]: ...
+
+
 class CellSource(Protocol):
     """What checks see of the other cells of a run: their runs (served on first use), the facts of the backend
-    that served a cell, and a re-scorer. harness.execute.Executor implements it."""
+    that served a cell, a re-scorer and a token scorer. harness.execute.Executor implements it."""
 
     def run(self, suite: Suite, cell: Cell) -> CellRun: ...
 
     def environment(self, cell: Cell) -> dict: ...
 
     def rescorer(self) -> AbstractContextManager[Rescorer]: ...
+
+    def token_scorer(self) -> AbstractContextManager[TokenScorer]: ...
+
+    def planned(self, suite: Suite, cell: Cell) -> bool: ...
 
 
 @dataclass

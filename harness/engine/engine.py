@@ -8,6 +8,7 @@ from harness.engine import slot_state
 from harness.engine.context import Context, ContextParams
 from harness.engine.model import Model
 from harness.engine.scheduler import Scheduler
+from harness.engine.score import score
 from harness.engine.speculative import SpecConfig
 from harness.request import Request
 from harness.result import Result
@@ -50,6 +51,11 @@ class Engine:
         """Serve the requests on the slots (concurrently when there are several); Results in order,
         each also passed to `on_result(index, result)` as soon as it finishes; `on_step` as in Scheduler.run."""
         return self.scheduler.run(requests, on_result, on_step)
+
+    def score(self, results: list[tuple[Request, Result]]) -> list[dict]:
+        """Each result's tokens scored under its request's sampler chain (harness.engine.score.score), on this
+        engine's context (its slots must be idle: the scorer opens an engine of its own)."""
+        return [score(self.model, self.ctx, req.sampling, res.prompt_tokens, res.tokens) for req, res in results]
 
     def save_slot(self, slot_id: int) -> dict:
         """The state the slot's last request left (target and draft contexts; `keep_slot_states` on), as llama-server

@@ -35,6 +35,25 @@ FAULTS = {
     "stale-partial-rollback": "a partial rollback (recurrent snapshots, n_rs_seq) restores the recurrent state "
     "one token stale: the state before the last kept token, as llama.cpp serves a snapshot plane a single-token "
     "step left behind (ggml-org/llama.cpp PR #29117); positions and attention cells stay right, the output drifts",
+    # rejection sampling (--spec-draft-sampling probabilistic, temperature > 0): each keeps the output plausible
+    # and changes the distribution of sampled outputs (or only the seeded tokens), which only a statistical check sees
+    "lenient-accept": "rejection sampling accepts a drafted token whenever the target gives it any probability "
+    "(p_x > 0) instead of with probability min(1, p/q) (the output leans to the draft's distribution)",
+    "residual-unnormalised": "after a rejection the redraw walks the residual max(0, p - q) with a uniform in "
+    "[0, 1) not scaled by the residual's sum (falling off the end picks its last token: the redraw leans to "
+    "unlikely tokens)",
+    "q-wrong-temperature": "the draft samples at the target's temperature but keeps q, its candidates' "
+    "probabilities, at temperature 1 (acceptance p/q and the residual are computed against the wrong q)",
+    "extra-draw-after-reject": "after a rejected draft one extra random number is drawn: under rejection sampling "
+    "one uniform from the rejection stream before the residual draw, under sample-and-match (a mismatch at "
+    "temperature > 0) one draw of the sampler chain's generator, the chain applied once more to the row without "
+    "accepting (the distribution is kept; the seeded tokens change, so sample-and-match output leaves the "
+    "non-speculative output where the logits are identical: on targets rolled back by seq_rm or recurrent "
+    "snapshots, a checkpoint restore puts the sampler back)",
+    "rejection-rng-rewound": "after a checkpoint restore, the rejection-sampling stream is rewound with the rest of "
+    "the sampler, as llama-server b11434 does (common_sampler_copy copies `rng`; the replay draws none): the next "
+    "verification reuses the uniforms that decided the rolled-back step (hybrid and recurrent targets; the "
+    "distribution moves)",
 }
 
 

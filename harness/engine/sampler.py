@@ -11,7 +11,10 @@ llama.cpp's own samplers:
 - the prompt is fed to the chain before the first token (llama-server's `init_sampler`): penalties and
   DRY see the prompt, the grammar does not;
 - `clone` copies the whole state (penalty history, DRY history, grammar stacks, every random number
-  generator), which a checkpoint rollback restores.
+  generator), which a checkpoint rollback restores;
+- rejection sampling (`--spec-draft-sampling probabilistic`, llama.cpp b11434): a `DraftCheck` set before a
+  verification row makes `sample` accept the drafted token with probability min(1, p/q) or redraw from the
+  residual (`accept_or_redraw`), with the sampler's own `RejectionRng`; `DraftSampler` samples the drafts.
 
 Plain greedy sampling (no sampler that can move the top logit, no grammar, no bias) is the logits'
 argmax, without building the candidate array over the whole vocabulary.
@@ -21,6 +24,8 @@ import ctypes
 import json
 import math
 import re
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import llama_cpp
 import numpy as np
@@ -173,15 +178,136 @@ class Candidates:
         """The last `apply`'s candidates as llama-server reports them with `post_sampling_probs`
         (`populate_token_probs`): the chain's candidate list sorted by probability, its first `n`, ending
         at the first zero probability; (ids int32, probabilities float32), ties by the lower id."""
-        array = self.last
-        address = ctypes.addressof(array.data.contents)
-        left = np.frombuffer((llama_cpp.llama_token_data * array.size).from_address(address), dtype=_CANDIDATE)
+        left = self._left()
         p = left["p"]
         k = min(n, len(left))
         cut = np.argpartition(-p, k - 1)[:k] if 0 < k < len(left) else np.arange(k)
         order = cut[np.lexsort((left["id"][cut], -p[cut]))]
         order = order[p[order] > 0]
         return left["id"][order].astype(np.int32), p[order].astype(np.float32)
+
+    def _left(self) -> np.ndarray:
+        """The last `apply`'s candidate list as the chain left it (a view of the buffer)."""
+        array = self.last
+        address = ctypes.addressof(array.data.contents)
+        return np.frombuffer((llama_cpp.llama_token_data * array.size).from_address(address), dtype=_CANDIDATE)
+
+    def distribution(self) -> "Dist":
+        """The last `apply`'s candidates and probabilities, sorted by probability as
+        `common_sampler_get_candidates(gsmpl, true)` sorts them (a copy; ties keep the chain's order, where
+        llama.cpp's std::sort may swap them: the chain's top-k already leaves them sorted)."""
+        left = self._left()
+        order = np.argsort(-left["p"], kind="stable")
+        return Dist(left["id"][order].astype(np.int32), left["p"][order].astype(np.float32))
+
+
+@dataclass
+class Dist:
+    """A candidate distribution: token ids (int32) and their probabilities (float32), most probable first.
+    Tokens outside it have probability 0."""
+
+    ids: np.ndarray
+    p: np.ndarray
+
+    def prob(self, token: int) -> np.float32:
+        """The probability of `token` (common/sampling.cpp `prob_of`)."""
+        hit = np.flatnonzero(self.ids == token)
+        return self.p[hit[0]] if len(hit) else np.float32(0.0)
+
+    def probs_of(self, ids: np.ndarray) -> np.ndarray:
+        """The probabilities of `ids`, one each (float32)."""
+        if not len(self.ids):
+            return np.zeros(len(ids), dtype=np.float32)
+        order = np.argsort(self.ids, kind="stable")
+        known = self.ids[order]
+        at = np.minimum(np.searchsorted(known, ids), len(known) - 1)
+        return np.where(known[at] == ids, self.p[order][at], np.float32(0.0)).astype(np.float32)
+
+
+def mask_by_grammar(p: Dist, allowed: np.ndarray) -> Dist:
+    """p with the tokens the grammar rejects at 0 and the rest renormalised in float32 (the `masked` branch
+    of common/sampling.cpp `common_sampler_sample_and_accept_n_rejection` at b11434: "masking drops probability
+    mass, so rescale what is left or the residual is over-weighted"; all masked: left unscaled)."""
+    raw = np.where(allowed, p.p, np.float32(0.0)).astype(np.float32)
+    total = np.add.accumulate(raw)[-1] if len(raw) else np.float32(0.0)  # summed in order, as the C++ loop
+    norm = np.float32(1.0) / total if total > 0 else np.float32(1.0)
+    return Dist(p.ids, (raw * norm).astype(np.float32))
+
+
+def residual_draw(p: Dist, q: Dist, fallback: int, uniform: Callable[[], float], normalised: bool = True) -> int:
+    """After a rejection, a token from norm(max(0, p - q)) (tokens outside q's support keep all of p), walked in
+    p's order with one uniform u scaled by the residual's sum; `fallback` (the target's own sample) when the
+    residual is empty, without a draw (common_sampler_sample_and_accept_n_rejection, b11434). Float32
+    throughout, as the C++. `normalised` False is fault `residual-unnormalised`: u is not scaled by the sum
+    (a u past the residual's mass falls off the end onto its last token)."""
+    r = (p.p - q.probs_of(p.ids)).astype(np.float32)
+    keep = r > 0
+    ids, r = p.ids[keep], r[keep]
+    if not len(ids):
+        return fallback
+    total = np.add.accumulate(r)[-1]
+    u = np.float32(uniform()) * (total if normalised else np.float32(1.0))
+    left = np.subtract.accumulate(np.concatenate((np.array([u], dtype=np.float32), r)))[1:]  # u -= e.p, in order
+    hit = np.flatnonzero(left <= 0)
+    return int(ids[hit[0]] if len(hit) else ids[-1])
+
+
+def accept_or_redraw(
+    p: Dist, q: Dist, draft_token: int, sampled: int, uniform: Callable[[], float], fault: str | None = None
+) -> tuple[int, bool]:
+    """Rejection sampling of one drafted token: (token, accepted). Accepted when q_x > 0 and (p_x >= q_x or
+    u < p_x / q_x), one uniform drawn only in the second case; else redrawn (`residual_draw`) with `sampled`,
+    the target chain's own sample, as the fallback. common/sampling.cpp
+    `common_sampler_sample_and_accept_n_rejection` at b11434, per drafted token; `uniform` is the sampler's
+    own stream (`RejectionRng.uniform`). The faults of this rule (harness.engine.faults):
+    `lenient-accept` accepts any token with p_x > 0; `extra-draw-after-reject` draws one more uniform after a
+    rejection; `residual-unnormalised` redraws without scaling by the residual's sum."""
+    q_x, p_x = q.prob(draft_token), p.prob(draft_token)
+    if fault == "lenient-accept" and p_x > 0:
+        return draft_token, True
+    if q_x > 0 and (p_x >= q_x or np.float32(uniform()) < p_x / q_x):
+        return draft_token, True
+    if fault == "extra-draw-after-reject":
+        uniform()
+    return residual_draw(p, q, sampled, uniform, normalised=fault != "residual-unnormalised"), False
+
+
+_BELOW_ONE = np.nextafter(np.float32(1.0), np.float32(0.0))
+REJECTION_SEED_MIX = 0x9E3779B9
+"""common_sampler_init (b11434) seeds its rejection `rng` with the chain's seed xor this."""
+
+
+class RejectionRng:
+    """The rejection sampler's own random stream, bit for bit llama.cpp's: a `std::mt19937` seeded with
+    `seed` (its init_genrand, as numpy's legacy seeding), read through libstdc++'s
+    `std::uniform_real_distribution<float>(0, 1)` (`generate_canonical<float, 24>`: one 32-bit draw, converted to
+    float, over 2^32, kept below 1)."""
+
+    def __init__(self, seed: int | None = None):
+        self.bits = np.random.MT19937(0)
+        if seed is not None:
+            key = np.random.RandomState(seed & UINT32).get_state()[1]
+            self.bits.state = {"bit_generator": "MT19937", "state": {"key": key, "pos": 624}}
+
+    def uniform(self) -> np.float32:
+        u = np.float32(int(self.bits.random_raw())) / np.float32(4294967296.0)
+        return min(u, _BELOW_ONE)
+
+    def clone(self) -> "RejectionRng":
+        copy = RejectionRng()
+        copy.bits.state = self.bits.state
+        return copy
+
+
+@dataclass
+class DraftCheck:
+    """What `Sampler.sample` does with its next row instead of keeping its own sample: rejection sampling of
+    `token` against the draft's distribution `q`, or (q None) accepting `token` as it is, the chain still
+    sampling the row (llama-server's `server_accept_replay` after a checkpoint restore at temperature > 0)."""
+
+    token: int
+    q: Dist | None
+    fault: str | None = None
 
 
 def _allows(grammar, token: int) -> bool:
@@ -192,16 +318,35 @@ def _allows(grammar, token: int) -> bool:
     return array.data[0].logit != -math.inf
 
 
+def _grammar_allows(grammar, ids: np.ndarray) -> np.ndarray:
+    """Which of `ids` the grammar accepts next: the grammar applied to a copy of the candidates."""
+    cand = np.zeros(len(ids), dtype=_CANDIDATE)
+    cand["id"] = ids
+    array = llama_cpp.llama_token_data_array(
+        cand.ctypes.data_as(ctypes.POINTER(llama_cpp.llama_token_data)), len(ids), -1, False
+    )
+    llama_cpp.llama_sampler_apply(grammar, ctypes.byref(array))
+    return cand["logit"] != -np.inf
+
+
 class Sampler:
     """One request's sampler: the chain and the grammar (both llama.cpp samplers), or plain argmax."""
 
-    def __init__(self, chain, grammar, candidates: Candidates | None):
+    def __init__(self, chain, grammar, candidates: Candidates | None, seed: int = UINT32):
         self.chain = chain
         self.grammar = grammar
         self.candidates = candidates
         self.argmax = chain is None
         """Plain greedy: the chain has no state, so sampling is the logits' argmax (first on ties, as
         llama.cpp's greedy selection), without a candidate array over the whole vocabulary."""
+        self.seed = seed
+        """The request's seed (what llama-server passes a drafter that samples: `DraftSampler`)."""
+        self.rng: RejectionRng | None = None
+        """The rejection sampler's stream, made at its first draw (`_uniform`), cloned with the sampler."""
+        self.check: DraftCheck | None = None
+        """Set by the verifier before a drafted row: what the next `sample` does with it (then cleared)."""
+        self.accepted: bool | None = None
+        """After a `sample` with a check: whether it accepted the drafted token; None without a check."""
 
     @classmethod
     def for_request(cls, sampling: Sampling, default_seed: int, model: Model) -> "Sampler":
@@ -217,7 +362,7 @@ class Sampler:
             grammar = llama_cpp.llama_sampler_init_grammar(model.vocab, text.encode(), b"root")
             if not grammar:
                 raise ValueError("llama.cpp could not parse the grammar")
-        return cls(_chain(sampling, seed, model), grammar, Candidates(model.n_vocab))
+        return cls(_chain(sampling, seed, model), grammar, Candidates(model.n_vocab), seed)
 
     def accept_prompt(self, tokens: list[int]) -> None:
         """Feed the prompt to the chain (penalties, DRY), not to the grammar, as llama-server does when
@@ -230,22 +375,62 @@ class Sampler:
         """Sample from output row `index` of the last decode and accept the token (chain and grammar);
         `logits` is that row's view (`ctx.logits(index)`) when the caller already holds it."""
         row = ctx.logits(index) if logits is None else logits
+        check, self.check, self.accepted = self.check, None, None
         if self.argmax:
             return int(np.argmax(row))
         token = self.candidates.apply(row, self.chain)
+        if self.grammar is not None and not _allows(self.grammar, token):
+            token = self.candidates.apply(row, self.grammar, self.chain)
+        if check is not None:
+            token, self.accepted = self._verify(check, token)
         if self.grammar is not None:
-            if not _allows(self.grammar, token):
-                token = self.candidates.apply(row, self.grammar, self.chain)
             llama_cpp.llama_sampler_accept(self.grammar, token)
         llama_cpp.llama_sampler_accept(self.chain, token)
         return token
 
+    def draw_again(self, ctx: Context, index: int) -> None:
+        """Fault `extra-draw-after-reject` under sample-and-match: apply the chain once more to output row `index`
+        without accepting anything, which spends one draw of its random number generator (`dist`); plain argmax has
+        no generator and draws nothing."""
+        if not self.argmax:
+            self.candidates.apply(ctx.logits(index), self.chain)
+
+    def _verify(self, check: DraftCheck, sampled: int) -> tuple[int, bool]:
+        """The token to keep for a drafted row the chain just sampled as `sampled`: the drafted one on a replay,
+        else rejection sampling against the target's distribution p (the chain's candidates, masked by the
+        grammar and renormalised when there is one; with no reasoning budget the grammar always applies)."""
+        if check.q is None:
+            return check.token, True
+        p = self.candidates.distribution()
+        if self.grammar is not None:
+            p = mask_by_grammar(p, _grammar_allows(self.grammar, p.ids))
+        return accept_or_redraw(p, check.q, check.token, sampled, self._uniform, check.fault)
+
+    def _uniform(self) -> np.float32:
+        """The next uniform of the rejection stream, seeded as common_sampler_init seeds `rng` (b11434):
+        `llama_sampler_get_seed(chain) ^ 0x9e3779b9`."""
+        if self.rng is None:
+            self.rng = RejectionRng(llama_cpp.llama_sampler_get_seed(self.chain) ^ REJECTION_SEED_MIX)
+        return self.rng.uniform()
+
     def clone(self) -> "Sampler":
         """A deep copy: penalty and DRY histories, grammar stacks, random number generators."""
         if self.argmax:
-            return Sampler(None, None, None)
+            return Sampler(None, None, None, self.seed)
         grammar = llama_cpp.llama_sampler_clone(self.grammar) if self.grammar is not None else None
-        return Sampler(llama_cpp.llama_sampler_clone(self.chain), grammar, self.candidates)
+        copy = Sampler(llama_cpp.llama_sampler_clone(self.chain), grammar, self.candidates, self.seed)
+        copy.rng = None if self.rng is None else self.rng.clone()
+        return copy
+
+    def keep_rejection_stream_of(self, other: "Sampler") -> None:
+        """After a checkpoint restore, keep the rejection stream where the verification left it (`other`, the sampler
+        that verified): its uniforms decided the rolled-back step, and the replay draws none, so a rewound stream
+        would hand the next verification the same uniforms again and the output would not keep the target's
+        distribution. llama-server (b11434) rewinds it (common_sampler_copy copies `rng`; the known failure
+        server-rejection-rng-rewound-on-checkpoint-restore); the engine keeps it running, the fault
+        `rejection-rng-rewound` rewinds it as llama-server does."""
+        if other.rng is not None:
+            self.rng = other.rng.clone()
 
     def keep_penalties_of(self, other: "Sampler") -> None:
         """Fault `no-penalty-restore`: take the penalty sampler's state (its token history) from
@@ -264,3 +449,82 @@ class Sampler:
             if ptr:
                 llama_cpp.llama_sampler_free(ptr)
                 setattr(self, name, None)
+
+
+DRAFT_SEED_MIX = 0x85EBCA6B
+"""common/speculative.cpp `spec_retune` (b11434) seeds the draft's chain with the target's seed xor this."""
+DRAFT_TOP_K = 10
+
+
+class DraftSampler:
+    """A probabilistic drafter's sampler for one sequence, as common/speculative.cpp `spec_retune` builds it at
+    b11434 (common_sampler_init with top-k 10 and the target's temperature: the draft model's suppressed tokens
+    at -inf, top-k 10, temperature, `dist` seeded with the request's seed xor 0x85ebca6b, the default seed as
+    it is). `sample` returns the sampled token, the top candidate's probability (what `--spec-draft-p-min`
+    compares) and q, the candidates kept for the verifier (`result_q`). `wrong_q` is fault
+    `q-wrong-temperature`: q is the same candidates' distribution at temperature 1."""
+
+    def __init__(self, model: Model, temperature: float, seed: int, candidates: Candidates, wrong_q: bool = False):
+        self.temperature, self.seed, self.wrong_q = temperature, seed, wrong_q
+        self.candidates = candidates
+        self.chain = llama_cpp.llama_sampler_chain_init(llama_cpp.llama_sampler_chain_default_params())
+        suppress = model.vocabulary.suppress_tokens
+        if suppress:
+            biases = (llama_cpp.llama_logit_bias * len(suppress))(
+                *[llama_cpp.llama_logit_bias(t, -math.inf) for t in suppress]
+            )
+            self._add(llama_cpp.llama_sampler_init_logit_bias(model.n_vocab, len(suppress), biases))
+        self._add(llama_cpp.llama_sampler_init_top_k(DRAFT_TOP_K))
+        self._add(llama_cpp.llama_sampler_init_temp_ext(temperature, 0.0, 1.0))
+        self._add(llama_cpp.llama_sampler_init_dist(seed if seed == UINT32 else seed ^ DRAFT_SEED_MIX))
+
+    def _add(self, smpl) -> None:
+        llama_cpp.llama_sampler_chain_add(self.chain, smpl)
+
+    def sample(self, logits: np.ndarray) -> tuple[int, float, Dist]:
+        """Sample the draft's next token from its logits. Accepting it into the chain (llama.cpp does, after
+        the p_min check) changes nothing: logit bias, top-k, temperature and dist keep no history."""
+        token = self.candidates.apply(logits, self.chain)
+        q = self.candidates.distribution()
+        top = float(q.p[0])
+        if self.wrong_q:
+            x = logits[q.ids].astype(np.float64)
+            e = np.exp(x - x.max())
+            q = Dist(q.ids, (e / e.sum()).astype(np.float32))
+        return token, top, q
+
+    def free(self) -> None:
+        if self.chain:
+            llama_cpp.llama_sampler_free(self.chain)
+            self.chain = None
+
+
+class DraftSamplers:
+    """A drafter's `DraftSampler` per sequence (llama.cpp's `smpls` with `spec_retune`'s cache by temperature and
+    seed): made at a sequence's first probabilistic draft, kept across its request's steps (its stream goes on;
+    a checkpoint restore does not rewind it) and dropped at the next request's `begin` (llama.cpp resets it
+    there, which reseeds it: the same as a new one)."""
+
+    def __init__(self, model: Model, n_vocab: int, wrong_q: bool = False):
+        self.model, self.n_vocab, self.wrong_q = model, n_vocab, wrong_q
+        self.candidates: Candidates | None = None
+        self.by_seq: dict[int, DraftSampler] = {}
+
+    def get(self, seq_id: int, temperature: float, seed: int) -> DraftSampler:
+        sampler = self.by_seq.get(seq_id)
+        if sampler is None or (sampler.temperature, sampler.seed) != (temperature, seed):
+            self.reset(seq_id)
+            if self.candidates is None:
+                self.candidates = Candidates(self.n_vocab)
+            sampler = DraftSampler(self.model, temperature, seed, self.candidates, self.wrong_q)
+            self.by_seq[seq_id] = sampler
+        return sampler
+
+    def reset(self, seq_id: int) -> None:
+        sampler = self.by_seq.pop(seq_id, None)
+        if sampler is not None:
+            sampler.free()
+
+    def close(self) -> None:
+        for seq_id in list(self.by_seq):
+            self.reset(seq_id)

@@ -3,6 +3,18 @@
 Semantics follow llama.cpp's `common/speculative.cpp` and llama-server: one verification batch per
 step holds each slot's last sampled token plus its draft, every row an output; the slot's own sampler
 samples each row and accepts its sample while it equals the draft token, then adds the bonus token.
+
+With `--spec-draft-sampling probabilistic` (llama.cpp b11434) a request at temperature > 0 is verified by
+rejection sampling instead when its draft came from a drafter that samples and keeps its candidates q
+(draft-simple, draft-mtp: `draft_sampled`): each drafted token is accepted with probability min(1, p/q) or
+redrawn from the residual (harness.engine.sampler.accept_or_redraw), with the slot sampler's own random stream,
+and a replay after a checkpoint restore re-accepts the replayed tokens as they are (`server_accept_replay`).
+The stream is llama.cpp's std::mt19937 read as libstdc++'s uniform_real_distribution<float>, seeded as
+common_sampler_init seeds it, so the same seed gives the same tokens (and llama-server's draws where the logits
+match, up to the order of candidates of equal probability). As in llama-server, a checkpoint restore rewinds the
+stream with the rest of the sampler (common_sampler_copy) and the replay draws nothing from it, so the next
+verification draws the uniforms that made the last one reject again: on targets rolled back by checkpoint
+acceptance collapses and the output leaves the target's distribution (tests/test_engine_rejection.py).
 """
 
 import time
@@ -15,6 +27,7 @@ from harness.engine.batch import Batch
 from harness.engine.context import CACHE_TYPES, Context
 from harness.engine.drafters.base import Drafter, DraftRequest
 from harness.engine.faults import check_fault
+from harness.engine.sampler import DraftCheck
 from harness.errors import HarnessError
 
 SPEC_TYPES = (
@@ -29,6 +42,8 @@ SPEC_TYPES = (
 )
 """`--spec-type` values, in llama.cpp's priority order after `none` (common/speculative.cpp: the n-gram
 types before the draft model; the first drafter with a draft wins the step)."""
+DRAFT_SAMPLING = ("greedy", "probabilistic")
+"""`--spec-draft-sampling` values (common/arg.cpp at b11434; default greedy)."""
 
 
 @dataclass
@@ -55,6 +70,9 @@ class SpecConfig:
     spec_ngram_mod_n_match: int = 24
     spec_ngram_mod_n_min: int = 48
     spec_ngram_mod_n_max: int = 64
+    spec_draft_sampling: str = "greedy"
+    """`--spec-draft-sampling`: `greedy` (argmax drafts, verified by match) or `probabilistic` (sampled drafts
+    verified by rejection sampling at temperature > 0; b11434 and newer)."""
     rollback: str = "auto"
     checkpoint_flags: str = "partial"
     checkpoint_attempts: int = 3
@@ -77,6 +95,10 @@ class SpecConfig:
         ):
             if value not in CACHE_TYPES:
                 raise HarnessError(f"{flag} must be one of {', '.join(CACHE_TYPES)}, not '{value}'")
+        if self.spec_draft_sampling not in DRAFT_SAMPLING:
+            raise HarnessError(
+                f"spec-draft-sampling must be one of {', '.join(DRAFT_SAMPLING)}, not '{self.spec_draft_sampling}'"
+            )
         if self.checkpoint_flags not in rollback.CHECKPOINT_FLAGS:
             raise HarnessError(f"checkpoint_flags must be partial or full, not '{self.checkpoint_flags}'")
         self.spec_type = types
@@ -140,7 +162,12 @@ def build_drafters(config: SpecConfig, target: Context) -> list[Drafter]:
         ),
         "ngram-mod": lambda: NgramMod(c.spec_ngram_mod_n_match, c.spec_ngram_mod_n_min, c.spec_ngram_mod_n_max),
         "draft-mtp": lambda: DraftMTP(
-            target, c.spec_draft_n_max, c.spec_draft_n_min, c.spec_draft_p_min, wrong_row=c.fault == "mtp-wrong-row"
+            target,
+            c.spec_draft_n_max,
+            c.spec_draft_n_min,
+            c.spec_draft_p_min,
+            wrong_row=c.fault == "mtp-wrong-row",
+            wrong_q=c.fault == "q-wrong-temperature",
         ),
         "ngram-cache": lambda: NgramCache(keep_across_requests=c.fault == "ngram-cache-kept-across-requests"),
         "draft-simple": lambda: DraftSimple(
@@ -151,6 +178,7 @@ def build_drafters(config: SpecConfig, target: Context) -> list[Drafter]:
             c.spec_draft_p_min,
             stale=c.fault == "stale-draft-context",
             cache_types=(c.spec_draft_type_k, c.spec_draft_type_v),
+            wrong_q=c.fault == "q-wrong-temperature",
         ),
     }
     return list(c.drafters) + [make[t]() for t in SPEC_TYPES if t in c.spec_type]
@@ -167,6 +195,9 @@ class StepPlan:
     replay: bool = False
     checkpoint: bytes | None = None
     sampler_backup: Any = None
+    q: list | None = None
+    """The draft's candidates per drafted token (harness.engine.sampler.Dist) when it is verified by rejection
+    sampling (llama-server's `spec_draft_q`); None: verified by match."""
 
     @property
     def draft(self) -> list[int]:
@@ -272,6 +303,7 @@ class Speculation:
         if self.strategy == "partial":
             n_max = min(n_max, self.ctx.n_rs_seq)
         draft: list[int] = []
+        q = None
         if n_max > 0 and self.attempts[slot.id] <= self.config.checkpoint_attempts:
             t0 = time.perf_counter()
             req = DraftRequest(slot.id, slot.history, slot.pending, n_max)
@@ -280,7 +312,7 @@ class Speculation:
                 if self._shared(drafter) and self.owner.setdefault(index, slot.id) != slot.id:
                     drafter.begin(seq, list(slot.history))  # slot 0's state, last used by another slot
                     self.owner[index] = slot.id
-                draft = drafter.draft(req if seq == slot.id else replace(req, seq_id=seq))[:n_max]
+                draft, q = self._draft(slot, drafter, req if seq == slot.id else replace(req, seq_id=seq))
                 if draft:
                     self.producer[slot.id] = index
                     break
@@ -288,7 +320,25 @@ class Speculation:
             stats["draft_ms"] += 1000.0 * (time.perf_counter() - t0)
             if not draft:
                 stats["spec_empty"] += 1
-        return self._guard(slot, StepPlan(base, [slot.pending] + draft))
+        return self._guard(slot, StepPlan(base, [slot.pending] + draft, q=q))
+
+    def _draft(self, slot, drafter: Drafter, req: DraftRequest) -> tuple[list[int], list | None]:
+        """One drafter's draft, cut to `req.n_max`, and its candidates per token when the slot verifies by
+        rejection and the drafter samples (llama-server passes `result_q` at temperature > 0; draft-simple and
+        draft-mtp fill it with probabilistic drafting; b11393 and newer cut q with the draft only where it was
+        filled). None: the draft is verified by match."""
+        sampled = getattr(drafter, "draft_sampled", None)
+        if sampled is None or not self._rejects(slot):
+            return drafter.draft(req)[: req.n_max], None
+        draft, q = sampled(req, slot.request.sampling.temperature, slot.sampler.seed)
+        draft = draft[: req.n_max]
+        return draft, q[: len(draft)] if draft and len(q) >= len(draft) else None
+
+    def _rejects(self, slot) -> bool:
+        """Rejection sampling applies to the slot's request: probabilistic drafting and llama-server's
+        `use_spec_rejection()` (temperature > 0: "at temp 0 both p and q are point masses, so rejection is the same
+        as sample-and-match")."""
+        return self.config.spec_draft_sampling == "probabilistic" and slot.request.sampling.temperature > 0
 
     def _guard(self, slot, plan: StepPlan) -> StepPlan:
         """Take a checkpoint (state + sampler) before a multi-token verification when rolling back by checkpoint."""
@@ -316,7 +366,11 @@ class Speculation:
                 d.process(entries)
 
     def verify(self, slot, plan: StepPlan, rows: list[int]) -> bool:
-        """Sample every row, accept while the sample equals the draft, roll back the rest.
+        """Sample every row, accept while the sample equals the draft, roll back the rest. A draft with
+        candidates (`plan.q`) is accepted by rejection sampling instead (common/sampling.cpp
+        `common_sampler_sample_and_accept_n_rejection`, b11434): the row's token is then the drafted one or the
+        residual's redraw; a replay at temperature > 0 with probabilistic drafting keeps the replayed tokens,
+        each row still sampled (tools/server/server-context.cpp `server_accept_replay`).
 
         Returns True when the request is done."""
         stats = slot.result.spec_stats
@@ -326,14 +380,20 @@ class Speculation:
         k = len(draft)
         n_match = 0
         is_eog = slot.model.is_eog
+        replay = plan.replay and self._rejects(slot)
         for i, row in enumerate(rows):
+            if i < k and (replay or plan.q):
+                slot.sampler.check = DraftCheck(draft[i], None if replay else plan.q[i], self.fault)
             token, row_logits = slot.sample(self.ctx, row)
+            accepted = slot.sampler.accepted
             sampled.append(token)
             logits.append(row_logits)
             # an end-of-generation token ends the step as its sampled token, even where the draft has it too:
             # never counted as accepted, never kept in the sequence (a request without speculation never
             # decodes it either; ggml-org/llama.cpp#28049)
-            if i == k or token != draft[i] or is_eog(token):
+            if i == k or is_eog(token) or not (token == draft[i] if accepted is None else accepted):
+                if self.fault == "extra-draw-after-reject" and accepted is None and i < k and token != draft[i]:
+                    slot.sampler.draw_again(self.ctx, row)  # a mismatch: one more draw of the chain's generator
                 break
             n_match += 1
         if plan.replay:
@@ -402,6 +462,8 @@ class Speculation:
         else:
             if self.fault == "no-penalty-restore":
                 plan.sampler_backup.keep_penalties_of(slot.sampler)
+            if self.fault != "rejection-rng-rewound":
+                plan.sampler_backup.keep_rejection_stream_of(slot.sampler)
             slot.sampler.free()
             slot.sampler = plan.sampler_backup
         slot.n_past = base

@@ -34,8 +34,8 @@ STATUSES = ("harness-error", "failed", "known", "reported", "near-tie", "no-base
 harness fault kept the check from judging; the check does not apply or lacked what it judges, with the reason).
 `not-run` comes last: a case whose other checks passed passed (its checks not run are listed apart)."""
 REPORTED_WHY = (
-    "lossless; the logits at the divergence are not proven bit-identical, and llama-server gives no logit digests: "
-    "not judged token for token"
+    "lossless; the logits at the divergence are not proven bit-identical (llama-server gives no logit digests), and "
+    "the count of such divergences is within the measured noise rate: harness/checks/seeded.py"
 )
 """Why a `reported` verdict passed (harness.checks.lossless)."""
 
@@ -133,14 +133,31 @@ def reported_only(checks: list[dict]) -> tuple[str, list[dict]]:
     return f"{line} ({REPORTED_WHY})", shown
 
 
+def distribution_line(checks: list[dict]) -> str:
+    """How the `distribution` check judged the run's sampled speculative output: cases and tokens judged, how many
+    failed, the lowest p-value ("" when it judged none)."""
+    judged = [v for v in checks if v.get("check") == "distribution" and status(v) not in ("not-run", "harness-error")]
+    if not judged:
+        return ""
+    evidence = [v.get("evidence") or {} for v in judged]
+    failed = sum(1 for v in judged if status(v) in ("failed", "known"))
+    tokens = sum(e.get("tokens", 0) for e in evidence)
+    lowest = min((e["p_value"] for e in evidence if "p_value" in e), default=None)
+    low = f", lowest p {lowest:.3g}" if lowest is not None else ""
+    return (
+        f"sampled output distribution: {len(judged)} speculative sampled cases judged over {tokens} tokens, "
+        f"{failed} not draws from the target's distribution{low} (alpha {evidence[0].get('alpha', 0):g} per case)"
+    )
+
+
 def reported_lines(checks: list[dict]) -> list[str]:
-    """The console lines of `reported_only`: its headline, then `SAMPLED <item> [<check>] <message's first line>`
-    per verdict ([] when none)."""
+    """The console lines of sampled speculation: the distribution check's line, `reported_only`'s headline, then
+    `SAMPLED <item> [<check>] <message's first line>` per reported verdict ([] when there is neither)."""
+    line = distribution_line(checks)
     headline, shown = reported_only(checks)
-    if not shown:
-        return []
     first = [(str(v.get("message") or "").strip().splitlines() or [""])[0] for v in shown]
-    return [headline, *(f"SAMPLED {item_name(v)} [{v['check']}] {m}" for v, m in zip(shown, first, strict=True))]
+    sampled = [f"SAMPLED {item_name(v)} [{v['check']}] {m}" for v, m in zip(shown, first, strict=True)]
+    return [x for x in (line, headline) if x] + sampled
 
 
 def worst(statuses) -> str:

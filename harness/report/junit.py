@@ -78,6 +78,12 @@ def junit_xml(run: RunDir) -> bytes:
         elif st == "reported":  # passed, yet its output changed: a dashboard shows it
             ET.SubElement(ET.SubElement(case, "properties"), "property", name="reported_only", value=first)
             ET.SubElement(case, "system-out").text = f"reported only: {message}"
+        if v["check"] == "distribution" and "p_value" in (v.get("evidence") or {}):
+            evidence = v["evidence"]
+            props = case.find("properties")
+            props = ET.SubElement(case, "properties") if props is None else props
+            for name in ("p_value", "tokens", "alpha"):
+                ET.SubElement(props, "property", name=name, value=str(evidence.get(name)))
         by_suite[suite].append(case)
     for c in cells:
         if c.get("status") == "not run":

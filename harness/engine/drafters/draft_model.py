@@ -10,6 +10,7 @@ from harness.engine.context import Context
 from harness.engine.drafters.base import Drafter, DraftRequest
 from harness.engine.kvcheck import KvChecker
 from harness.engine.model import Model
+from harness.engine.sampler import Dist, DraftSamplers
 from harness.errors import HarnessError
 
 PARTIAL_ONLY = rollback.CHECKPOINT_FLAGS["partial"]
@@ -48,7 +49,10 @@ class DraftSimple(Drafter):
 
     `stale` is the `stale-draft-context` fault: `truncate` leaves the rejected tokens in the draft context
     and the sequence runs on after them (its positions shifted by the tokens left behind, so llama.cpp
-    still accepts every decode): the target never sees it, only the drafts degrade."""
+    still accepts every decode): the target never sees it, only the drafts degrade.
+
+    `draft_sampled` drafts as `--spec-draft-sampling probabilistic` does at temperature > 0 (b11434): each token
+    sampled by the sequence's `DraftSampler`, its candidates kept as q; `wrong_q` is fault `q-wrong-temperature`."""
 
     name = "draft-simple"
 
@@ -61,6 +65,7 @@ class DraftSimple(Drafter):
         p_min: float = 0.0,
         stale: bool = False,
         cache_types: tuple[str, str] = ("f16", "f16"),
+        wrong_q: bool = False,
     ):
         self.n_max, self.n_min, self.p_min = n_max, n_min, p_min
         self.stale = stale
@@ -81,6 +86,7 @@ class DraftSimple(Drafter):
             self.close()
             raise
         self.batch = self.ctx.new_batch()
+        self.samplers = DraftSamplers(self.model, self.model.n_vocab, wrong_q)
         self.exact_rm = rollback.can_seq_rm(self.ctx)
         self.mirrored: dict[int, _Mirrored] = {}
         self.at_checkpoint: dict[int, tuple[int, bytes]] = {}
@@ -101,7 +107,10 @@ class DraftSimple(Drafter):
             )
 
     def begin(self, seq_id: int, prompt: list[int]) -> None:
-        """The draft context already holds the prompt (it mirrored every prompt batch)."""
+        """The draft context already holds the prompt (it mirrored every prompt batch); the sequence's draft
+        sampler starts again (llama.cpp's `begin` resets it: "reset here rather than per round, or two identical
+        requests differ")."""
+        self.samplers.reset(seq_id)
 
     def _decode(self, entries: list[tuple[int, int, int, bool]]) -> int:
         self.batch.clear()
@@ -140,6 +149,30 @@ class DraftSimple(Drafter):
 
     def draft(self, req: DraftRequest) -> list[int]:
         """Argmax drafting in the draft context; the drafted positions are removed again afterwards."""
+        return self._draft(req, None)
+
+    def draft_sampled(self, req: DraftRequest, temperature: float, seed: int) -> tuple[list[int], list[Dist]]:
+        """Probabilistic drafting (common/speculative.cpp draft-simple `draft` with `result_q` set, b11434): each
+        token sampled at the target's `temperature` with the sequence's draft sampler (top-k 10, `seed`), p_min
+        compared with its top candidate's probability; (draft, q per drafted token)."""
+        q: list[Dist] = []
+        return self._draft(req, (temperature, seed, q)), q
+
+    def _next(self, seq: int, sampled: tuple | None) -> tuple[int, float | None]:
+        """The next draft token from the draft context's last row and the probability p_min is compared with
+        (None: not computed); a sampled draft's q is appended to `sampled`'s list."""
+        logits = self.ctx.logits(0)
+        if sampled is not None:
+            temperature, seed, q = sampled
+            token, top, dist = self.samplers.get(seq, temperature, seed).sample(logits)
+            if top >= self.p_min:
+                q.append(dist)
+            return token, top
+        if self.p_min > 0:
+            return top10_best(logits)
+        return greedy_token(logits), None
+
+    def _draft(self, req: DraftRequest, sampled: tuple | None) -> list[int]:
         if req.seq_id in self.broken:
             return []
         seq, pos0 = req.seq_id, len(req.history) + self.shift.get(req.seq_id, 0)
@@ -150,22 +183,23 @@ class DraftSimple(Drafter):
         while True:
             if self._decode([(token, pos0 + len(out), seq, True)]) != 0:
                 break
-            if self.p_min > 0:
-                token, p = top10_best(self.ctx.logits(0))
-                if p < self.p_min:
-                    break
-            else:
-                token = greedy_token(self.ctx.logits(0))
+            token, p = self._next(seq, sampled)
+            if p is not None and p < self.p_min:
+                break
             out.append(token)
             if len(out) >= min(self.n_max, req.n_max):
                 break
         if state is None:
             self.ctx.seq_rm(seq, pos0, -1)
         elif not self._restore(seq, state, pos0):
-            return []
+            out = []
         else:
             self.at_checkpoint[seq] = (pos0, state)
-        return out if len(out) >= self.n_min else []
+        if len(out) < self.n_min or not out:
+            out = []
+            if sampled is not None:
+                sampled[2].clear()
+        return out
 
     def _restore(self, seq_id: int, state: bytes, n_keep: int) -> bool:
         """Restore a draft-context checkpoint; a sequence llama.cpp refuses to restore stops drafting."""
@@ -248,9 +282,12 @@ class DraftSimple(Drafter):
         self.left.pop(seq_id, None)
         self.shift.pop(seq_id, None)
         self.n_mirrored.pop(seq_id, None)
+        self.samplers.reset(seq_id)
 
     def close(self) -> None:
         """Free the draft context and model."""
+        if getattr(self, "samplers", None) is not None:
+            self.samplers.close()
         if getattr(self, "batch", None) is not None:
             self.batch.free()
             self.batch = None

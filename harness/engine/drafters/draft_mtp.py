@@ -17,17 +17,29 @@ from llama_cpp import llama_cpp_ext
 from harness.engine.context import Context, seq_state, set_seq_state
 from harness.engine.drafters.base import Drafter, DraftRequest
 from harness.engine.drafters.draft_model import top10_best
+from harness.engine.sampler import Dist, DraftSamplers
 from harness.errors import HarnessError
 
 
 class DraftMTP(Drafter):
     """llama.cpp `--spec-type draft-mtp` with the target's single MTP block: greedy drafting (top-10
-    probability at or above `p_min`) up to `n_max` tokens; drafts shorter than `n_min` are dropped."""
+    probability at or above `p_min`) up to `n_max` tokens; drafts shorter than `n_min` are dropped.
+    `draft_sampled` samples them instead (`--spec-draft-sampling probabilistic` at temperature > 0, b11434), as
+    draft-simple does; `wrong_q` is fault `q-wrong-temperature`."""
 
     name = "draft-mtp"
 
-    def __init__(self, target: Context, n_max: int = 3, n_min: int = 0, p_min: float = 0.0, wrong_row: bool = False):
+    def __init__(
+        self,
+        target: Context,
+        n_max: int = 3,
+        n_min: int = 0,
+        p_min: float = 0.0,
+        wrong_row: bool = False,
+        wrong_q: bool = False,
+    ):
         self.n_max, self.n_min, self.p_min = n_max, n_min, p_min
+        self.samplers = DraftSamplers(target.model, target.model.n_vocab, wrong_q)
         self.wrong_row = wrong_row
         """Fault `mtp-wrong-row`: `accept` keeps the row of the last verified position, not the last accepted."""
         self.target = target
@@ -93,7 +105,12 @@ class DraftMTP(Drafter):
         return status
 
     def begin(self, seq_id: int, prompt: list[int]) -> None:
-        """The MTP context already holds the prompt (it followed every prompt batch)."""
+        """The MTP context already holds the prompt (it followed every prompt batch); the sequence's draft
+        sampler starts again (llama.cpp's draft-mtp `begin` resets it)."""
+        self.samplers.reset(seq_id)
+
+    def shift_context(self, seq_id: int, n_keep: int, n_discard: int, history: list[int]) -> None:
+        """Nothing: the MTP context and the draft sampler stay as they are (llama-server calls no `begin` there)."""
 
     def process(self, entries: list[tuple[int, int, int, bool]]) -> None:
         """Each token of the target's batch into the MTP context with the target's row of the position before it
@@ -120,6 +137,27 @@ class DraftMTP(Drafter):
     def draft(self, req: DraftRequest) -> list[int]:
         """Decode id_last at its position with the pending row, then each argmax token with the MTP's own row;
         the drafted positions leave the MTP context afterwards (llama-server removes them before verifying)."""
+        return self._draft(req, None)
+
+    def draft_sampled(self, req: DraftRequest, temperature: float, seed: int) -> tuple[list[int], list[Dist]]:
+        """Probabilistic drafting (common/speculative.cpp draft-mtp `draft` with `result_q` set, b11434): each
+        token sampled at the target's `temperature` by the sequence's draft sampler (top-k 10, `seed`), p_min
+        compared with its top candidate's probability; (draft, q per drafted token)."""
+        q: list[Dist] = []
+        return self._draft(req, (temperature, seed, q)), q
+
+    def _next(self, seq_id: int, logits: np.ndarray, sampled: tuple | None) -> tuple[int, float]:
+        """The next draft token and the probability p_min is compared with; a sampled draft's q is appended to
+        `sampled`'s list when it passes p_min."""
+        if sampled is None:
+            return top10_best(logits)
+        temperature, seed, q = sampled
+        token, top, dist = self.samplers.get(seq_id, temperature, seed).sample(logits)
+        if top >= self.p_min:
+            q.append(dist)
+        return token, top
+
+    def _draft(self, req: DraftRequest, sampled: tuple | None) -> list[int]:
         seq_id, pos0 = req.seq_id, len(req.history)
         n_max = min(self.n_max, req.n_max)
         result: list[int] = []
@@ -130,7 +168,7 @@ class DraftMTP(Drafter):
             if self._process() != 0:
                 break
             logits = np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(self.ctx, idx), shape=(self.n_vocab,))
-            token, p = top10_best(logits)
+            token, p = self._next(seq_id, logits, sampled)
             if p < self.p_min:
                 break
             result.append(token)
@@ -143,7 +181,11 @@ class DraftMTP(Drafter):
             keep = []
             idx = self._add(token, pos0 + len(result), seq_id, row, True, keep)
         llama_cpp.llama_memory_seq_rm(self.memory, seq_id, pos0, -1)
-        return result if len(result) >= self.n_min else []
+        if len(result) >= self.n_min:
+            return result
+        if sampled is not None:
+            sampled[2].clear()
+        return []
 
     def accept(self, seq_id: int, n_accepted: int, is_other: bool) -> None:
         """The pending row becomes the target's row of the last accepted position (with the `mtp-wrong-row` fault,
@@ -157,6 +199,7 @@ class DraftMTP(Drafter):
 
     def end(self, seq_id: int) -> None:
         llama_cpp.llama_memory_seq_rm(self.memory, seq_id, -1, -1)
+        self.samplers.reset(seq_id)
 
     def save_seq(self, seq_id: int) -> tuple[bytes, np.ndarray | None]:
         """The MTP context's sequence (its nextn KV) and the target's row that waits for the next token."""
@@ -178,6 +221,7 @@ class DraftMTP(Drafter):
         return bool(llama_cpp.llama_memory_seq_rm(self.memory, seq_id, n_keep if n_keep else -1, -1))
 
     def close(self) -> None:
+        self.samplers.close()
         if getattr(self, "batch", None):
             llama_cpp.llama_batch_ext_free(self.batch)
             self.batch = None

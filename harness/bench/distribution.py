@@ -1,0 +1,115 @@
+"""`specharness bench distribution`: the `distribution` check's false-alarm rate and power, measured.
+
+A suite's cases are repeated `runs` times with fresh seeds (case seed + SEED_STRIDE·i), so that each repetition
+is an independent sample of the test the check makes on one case of one cell: the same cells, the same prompts,
+the same sample size, other draws. Every cell of the suite's matrix (narrowed by backend, mode, spec and model)
+serves them in one session, then the `distribution` check judges each case. On a clean build the p-values are
+uniform and a test fails with probability ALPHA; with an engine fault switched on (`--fault`, in-process cells
+only) the share of failing tests is the check's power against that fault at the suite's sample size.
+"""
+
+import math
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+from scipy import stats
+
+from harness.checks import evaluate_cell
+from harness.checks.distribution import ALPHA
+from harness.execute import Executor
+from harness.matrix import cells, spec_preset
+from harness.suites import Suite, load_suite
+
+SEED_STRIDE = 7919
+"""Seed step between repetitions (a prime: the repetitions' seeds never meet another case's)."""
+BINS = 10
+"""Histogram bins of the p-values (equal width on [0, 1])."""
+
+
+def repeated(suite: Suite, runs: int) -> Suite:
+    """`suite` with every case repeated `runs` times, repetition i seeded case seed + SEED_STRIDE·i (named
+    `<case>-r<i>`), one round."""
+    cases = []
+    for i in range(runs):
+        for case in suite.cases:
+            seed = (case.sampling.seed if case.sampling.seed is not None else 42) + SEED_STRIDE * i
+            cases.append(replace(case, name=f"{case.name}-r{i}", sampling=replace(case.sampling, seed=seed)))
+    return replace(suite, cases=cases, rounds=[suite.rounds[0]])
+
+
+def summary(p_values: list[float], tokens: list[int]) -> dict:
+    """The p-values of one cell: how many tests failed at ALPHA, their histogram, their own uniformity."""
+    p = np.asarray(p_values, dtype=float)
+    counts, _ = np.histogram(p, bins=BINS, range=(0.0, 1.0))
+    failed = int((p < ALPHA).sum())
+    return {
+        "tests": len(p),
+        "failed": failed,
+        "failed_upper_95": _upper(failed, len(p)),
+        "min_p": float(p.min()) if len(p) else math.nan,
+        "histogram": counts.tolist(),
+        "p_uniform_ks": float(stats.kstest(p, "uniform").pvalue) if len(p) else math.nan,
+        "tokens_per_test": float(np.mean(tokens)) if tokens else 0.0,
+    }
+
+
+def _upper(k: int, n: int) -> float:
+    """The one-sided 95 % Clopper-Pearson upper bound of a rate seen k times in n (scipy's binomtest)."""
+    return float(stats.binomtest(k, n).proportion_ci(0.90, method="exact").high) if n else math.nan
+
+
+def measure(
+    suite_name: str, runs: int, executor: Executor, only: dict, on_cell=None, suites_dir: Path | None = None
+) -> dict:
+    """{cell id: summary} for every cell the narrowing `only` leaves; cells whose check did not run say why."""
+    suite = repeated(load_suite(suite_name, suites_dir), runs)
+    out = {}
+    for cell in cells(suite.matrix, only):
+        if cell.spec == "none":
+            continue
+        run = executor.run(suite, cell)
+        verdicts = [r for _, r in evaluate_cell(run, executor, None, ["distribution"], "")]
+        judged = [r for r in verdicts if r.is_verdict]
+        if not judged:
+            reasons = sorted({r.not_run or r.harness_error or "" for r in verdicts})
+            out[cell.id] = {"not_run": "; ".join(reasons)[:300]}
+        else:
+            out[cell.id] = summary(
+                [r.evidence.get("p_value", 0.0) for r in judged], [r.evidence["tokens"] for r in judged]
+            )
+            out[cell.id]["first_failure"] = next((r.message for r in judged if not r.passed), None)
+        if on_cell:
+            on_cell(cell.id, out[cell.id])
+    return out
+
+
+def measure_seeded(
+    suite_name: str, runs: int, executor: Executor, only: dict, on_cell=None, suites_dir: Path | None = None
+) -> dict:
+    """The noise rate of seeded identity (harness.checks.seeded.NOISE): per speculative sample-and-match cell, how
+    many of its seeded sampled requests (the suite's cases repeated `runs` times with fresh seeds) returned other
+    tokens than the same request without speculation; with the totals per (backend, mode)."""
+    base = load_suite(suite_name, suites_dir)
+    keep = [c for c in base.cases if not c.is_chat and not c.sampling.greedy and not c.sampling.random_seed]
+    suite = repeated(replace(base, cases=keep), runs)
+    seeded = [c.name for c in suite.cases if not c.is_chat and not c.sampling.greedy and not c.sampling.random_seed]
+    plan = [c for c in cells(suite.matrix, only) if c.spec != "none" and spec_preset(c.spec).keeps_seeded_tokens]
+    executor.expect([(suite, c) for c in plan])
+    out: dict = {"cells": {}, "by_backend_mode": {}}
+    for cell in plan:
+        mine, reference = executor.run(suite, cell), executor.run(suite, cell.reference(spec="none"))
+        diverged = compared = 0
+        for name in seeded:
+            a = next((o.result for o in mine.of_case(name) if o.result.ok), None)
+            b = next((o.result for o in reference.of_case(name) if o.result.ok), None)
+            if a is not None and b is not None:
+                compared += 1
+                diverged += a.tokens != b.tokens
+        out["cells"][cell.id] = {"diverged": diverged, "compared": compared}
+        total = out["by_backend_mode"].setdefault(f"{cell.backend} {cell.mode}", {"diverged": 0, "compared": 0})
+        total["diverged"] += diverged
+        total["compared"] += compared
+        if on_cell:
+            on_cell(cell.id, out["cells"][cell.id])
+    return out
