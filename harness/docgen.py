@@ -508,8 +508,14 @@ _KF_ORDER = (
 
 def known_failures_page() -> str:
     path = ROOT / "suites" / "known-failures.yaml"
-    entries = yamltext.load(path.read_text()) or []
-    out = [_header("Known llama.cpp defects", "`suites/known-failures.yaml`")]
+    statistical = ROOT / "suites" / "statistical" / "known-failures.yaml"
+    entries = (yamltext.load(path.read_text()) or []) + (yamltext.load(statistical.read_text()) or [])
+    out = [
+        _header(
+            "Known llama.cpp defects",
+            "`suites/known-failures.yaml` and, for the statistical suites, `suites/statistical/known-failures.yaml`",
+        )
+    ]
     comment = [ln[1:].strip() for ln in path.read_text().splitlines() if ln.startswith("#")]
     if comment:
         out.append(_text(" ".join(comment)).replace("\\|", "|") + "\n")

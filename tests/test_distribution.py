@@ -109,3 +109,31 @@ def test_seeded_count_noise_bound_and_threshold():
     assert seeded.noise_bound("server", "unknown-mode") > rate  # unmeasured: a wider bound
     assert seeded.ALPHA * seeded.MAX_GROUPS_PER_RUN <= 1e-3
     assert distribution.ALPHA * distribution.MAX_TESTS_PER_RUN <= 1e-3
+
+
+def test_bench_repeats_each_case_with_fresh_seeds_and_the_given_sampling():
+    from harness.bench.distribution import SEED_STRIDE, repeated, summary
+    from harness.suites import load_suite
+
+    suite = load_suite("statistical/sampling-distribution")
+    twice = repeated(suite, 2, {"temperature": 0.5})
+    assert [c.name for c in twice.cases] == ["code-r0", "prose-r0", "code-r1", "prose-r1"]
+    assert [c.sampling.seed for c in twice.cases] == [1, 2, 1 + SEED_STRIDE, 2 + SEED_STRIDE]
+    assert {c.sampling.temperature for c in twice.cases} == {0.5} and twice.rounds == suite.rounds[:1]
+    row = summary([0.5, 0.05, 1e-7, 0.9], [10, 10, 10, 10])
+    assert row["tests"] == 4 and row["failed"] == 1 and sum(row["histogram"]) == 4
+
+
+def test_bench_sampling_option_is_checked_in_one_line(capsys):
+    import subprocess
+    import sys
+
+    out = subprocess.run(
+        [sys.executable, "-m", "harness.cli", "bench", "distribution", "--sampling", '{"temprature": 1}'],
+        capture_output=True,
+        text=True,
+    )
+    assert out.returncode == 2
+    assert out.stderr.strip().splitlines() == [
+        "specharness: error: --sampling: unknown fields temprature (llama-server's /completion names)"
+    ]

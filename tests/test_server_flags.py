@@ -128,6 +128,10 @@ def test_every_command_line_the_harness_writes_fits_the_vendored_build(tmp_path)
                 LlamaServer(
                     server_bin=build.server_bin, model=tmp_path / "m.gguf", port=1, spec=preset.options
                 ).command()
+            # ... unless the value is what the build does anyway (`--spec-draft-sampling greedy`): the flag is left out
+            greedy = {**preset.options, "spec-draft-sampling": "greedy"}
+            command = LlamaServer(server_bin=build.server_bin, model=tmp_path / "m.gguf", port=1, spec=greedy).command()
+            assert "--spec-draft-sampling" not in command
             continue
         for kv_unified in (False, True):
             server = LlamaServer(

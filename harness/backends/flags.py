@@ -127,6 +127,11 @@ SWITCH_VALUES = {"-fa": {"on": ["-fa"], "off": []}}
 llama.cpp's `-fa on|off|auto`, `-fa` alone turned flash attention on and off was the default)."""
 
 
+ABSENT_MEANS = {"--spec-draft-sampling": "greedy"}
+"""Flags whose value a build without the flag already does (sample-and-match verification before rejection sampling
+landed in b11368): given that value, the flag is left out for such a build instead of the cell being unservable."""
+
+
 def fit_to_build(cmd: list[str], accepted: frozenset[str], version: str) -> list[str]:
     """`cmd` (a llama-server command line, the binary first) in the spelling of the build that accepts the flags
     `accepted` (server_flags) and calls itself `version` (server_version). Where `accepted` knows the arity of
@@ -150,6 +155,8 @@ def fit_to_build(cmd: list[str], accepted: frozenset[str], version: str) -> list
             spelled = word
         elif RENAMED.get(word) in accepted:
             spelled = RENAMED[word]
+        elif ABSENT_MEANS.get(word) == value:  # the build predates the flag and does what its default value says
+            continue
         else:
             older = f" (nor its older spelling {RENAMED[word]})" if word in RENAMED else ""
             # a speculative option the build predates: the cell is not run (its checks say why); a core setting

@@ -1,6 +1,7 @@
 """`specharness bench`: the command line of the benches (each lives in its own module)."""
 
 import argparse
+import json
 import os
 import time
 from dataclasses import dataclass
@@ -255,13 +256,33 @@ def cmd_distribution(args: argparse.Namespace, console: Console) -> int:
         rows = distribution.measure_seeded(suite, args.runs, executor, only, on_cell=show)
         data = {"suite": suite, "runs": args.runs, "fault": args.fault, **rows}
     else:
-        rows = distribution.measure(args.suite, args.runs, executor, only, on_cell=show)
-        data = {"suite": args.suite, "runs": args.runs, "fault": args.fault, "alpha": distribution.ALPHA, "cells": rows}
+        sampling = _sampling(args.sampling)
+        rows = distribution.measure(args.suite, args.runs, executor, only, on_cell=show, sampling=sampling)
+        data = {"suite": args.suite, "runs": args.runs, "fault": args.fault, "sampling": sampling}
+        data.update(alpha=distribution.ALPHA, cells=rows)
     write_json(out / "bench.json", data)
     if args.json:
         write_json(Path(args.json), data)
     console.print(f"bench: {out / 'bench.json'}")
     return 0
+
+
+def _sampling(text: str | None) -> dict | None:
+    """`--sampling`'s JSON object of Sampling fields (one line on a bad one)."""
+    if not text:
+        return None
+    from harness.request import Sampling
+
+    try:
+        fields = json.loads(text)
+    except json.JSONDecodeError as err:
+        raise HarnessError(f"--sampling: not JSON ({err.msg}); e.g. '{{\"temperature\": 0.5}}'") from None
+    unknown = (
+        sorted(set(fields) - set(Sampling.__dataclass_fields__)) if isinstance(fields, dict) else ["(not an object)"]
+    )
+    if unknown:
+        raise HarnessError(f"--sampling: unknown fields {', '.join(unknown)} (llama-server's /completion names)")
+    return fields
 
 
 def _opt(value: str | None) -> list[str] | None:
@@ -360,4 +381,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--runs", type=int, default=200, help="distribution: fresh-seeded repetitions of the cases")
     p.add_argument("--mode", help="distribution: modes, comma-separated (default: the suite's)")
     p.add_argument("--fault", help="distribution: an engine fault switch (in-process cells; power)")
+    p.add_argument(
+        "--sampling",
+        help="distribution: a JSON object of sampling fields given to every case, e.g. "
+        '\'{"temperature": 0.5, "n_predict": 1536, "ignore_eos": true}\' (the selftest\'s rejection part)',
+    )
     p.set_defaults(func=cmd_bench)

@@ -27,14 +27,15 @@ BINS = 10
 """Histogram bins of the p-values (equal width on [0, 1])."""
 
 
-def repeated(suite: Suite, runs: int) -> Suite:
+def repeated(suite: Suite, runs: int, sampling: dict | None = None) -> Suite:
     """`suite` with every case repeated `runs` times, repetition i seeded case seed + SEED_STRIDE·i (named
-    `<case>-r<i>`), one round."""
+    `<case>-r<i>`), one round; `sampling` (Sampling fields) replaces those fields of every case."""
     cases = []
     for i in range(runs):
         for case in suite.cases:
             seed = (case.sampling.seed if case.sampling.seed is not None else 42) + SEED_STRIDE * i
-            cases.append(replace(case, name=f"{case.name}-r{i}", sampling=replace(case.sampling, seed=seed)))
+            fields = {**(sampling or {}), "seed": seed}
+            cases.append(replace(case, name=f"{case.name}-r{i}", sampling=replace(case.sampling, **fields)))
     return replace(suite, cases=cases, rounds=[suite.rounds[0]])
 
 
@@ -60,10 +61,16 @@ def _upper(k: int, n: int) -> float:
 
 
 def measure(
-    suite_name: str, runs: int, executor: Executor, only: dict, on_cell=None, suites_dir: Path | None = None
+    suite_name: str,
+    runs: int,
+    executor: Executor,
+    only: dict,
+    on_cell=None,
+    suites_dir: Path | None = None,
+    sampling: dict | None = None,
 ) -> dict:
     """{cell id: summary} for every cell the narrowing `only` leaves; cells whose check did not run say why."""
-    suite = repeated(load_suite(suite_name, suites_dir), runs)
+    suite = repeated(load_suite(suite_name, suites_dir), runs, sampling)
     out = {}
     for cell in cells(suite.matrix, only):
         if cell.spec == "none":
