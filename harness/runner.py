@@ -28,7 +28,7 @@ from harness.errors import HarnessError
 from harness.execute import CellRun, Executor
 from harness.known_failures import FILE_NAME as KNOWN_FAILURES
 from harness.known_failures import tag
-from harness.matrix import Cell, Shard, cells, narrowing
+from harness.matrix import Cell, Shard, cells, narrowing, spec_preset
 from harness.models import ModelUnavailable, resolve
 from harness.models.facts import run_models
 from harness.paths import reports_dir
@@ -218,12 +218,18 @@ def print_verdicts(console: Console, runs: list[CellRun], verdicts: list, done: 
             console.print(f"{label} {suite}[{key}-{cell.id}] [{r.name}] {r.message}", markup=False, highlight=False)
     for line in reported_lines(check_records(verdicts)):  # passed, yet an output changed: never silent
         console.print(line, markup=False, highlight=False)
-    absent = [
-        e
-        for e in known
-        if any(e.covers(suite, cell) for suite, cell in done)
-        and not any(r.evidence.get("known_failure") == e.id for *_, r in verdicts)
-    ]
+    served_otherwise = {
+        (r.suite.name, r.cell) for r in runs if r.spec is not None and r.spec != spec_preset(r.cell.spec).options
+    }
+    shown = {r.evidence.get("known_failure") for *_, r in verdicts}
+    covering = [e for e in known if any(e.covers(suite, cell) for suite, cell in done) and e.id not in shown]
+    absent = [e for e in covering if any(e.covers(s, c) for s, c in done if (s, c) not in served_otherwise)]
+    for entry in (e for e in covering if e not in absent):  # its cells were served otherwise than measured
+        console.print(
+            f"not judged: known failure {entry.id} did not show, but its cells were served with this run's --spec-* "
+            "options, not as it was measured",
+            markup=False,
+        )
     for entry in absent:
         if entry.tries > 1:  # intermittent: one run without it proves nothing (its strict pytest item tries again)
             console.print(

@@ -34,13 +34,15 @@ def seeded_tree(
     name: str = "seeded-no-seq-rm",
     origin: str = "tests/seeded.py",
     file: str = SERVER_CONTEXT,
+    source: Path | None = None,
 ) -> Path:
-    """The vendored tree with `edits` (text -> replacement, each text found exactly once) applied to `file` (a path
-    relative to the tree's root, tools/server/server-context.cpp unless given), kept in the cache under `name`
-    (same bytes, same build key, built once). The marker records a digest of (file, edits): a tree staged with
-    other edits under the same name is staged again, not built as it is (trees staged before the digest was
-    recorded are kept)."""
-    source = vendored_source()
+    """The vendored tree (or `source`, any extracted tree with a marker, e.g. a tag's `llama.cpp-b11434`) with
+    `edits` (text -> replacement, each text found exactly once) applied to `file` (a path relative to the tree's
+    root, tools/server/server-context.cpp unless given), kept in the cache as `<source's name>-<name>` (so variants
+    of different sources never collide; same bytes, same build key, built once). The marker records a digest of
+    (file, edits): a tree staged with other edits under the same name is staged again, not built as it is (trees
+    staged before the digest was recorded are kept)."""
+    source = Path(source) if source is not None else vendored_source()
     tree = cache_dir() / "src" / f"{source.name}-{name}"
     target = tree / file
     digest = hashlib.sha256(json.dumps([file, sorted(edits.items())]).encode()).hexdigest()[:16]
@@ -54,7 +56,7 @@ def seeded_tree(
             path = staging / file
             text = path.read_text()
             for line, replacement in edits.items():
-                assert text.count(line) == 1, f"the vendored {file} changed: cannot seed {line.strip()!r}"
+                assert text.count(line) == 1, f"{source.name}'s {file} changed: cannot seed {line.strip()!r}"
                 text = text.replace(line, replacement)
             path.write_text(text)
             commit = read_marker(source / SOURCE_MARKER)

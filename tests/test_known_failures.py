@@ -335,6 +335,30 @@ def test_a_run_without_an_intermittent_known_failure_says_so_and_does_not_fail_o
     assert "FIXED? known failure rare-defect" not in text
 
 
+def test_a_known_failure_whose_cells_ran_with_other_spec_options_is_not_judged_fixed(suites):
+    """A run whose `--spec-*` options changed the entry's cells (e.g. `--spec-draft-sampling probabilistic` over a
+    defect measured under sample-and-match) cannot say the defect is gone: `not judged`, not `FIXED?`."""
+    import io
+
+    from rich.console import Console
+
+    from harness.cellrun import CellRun
+    from harness.runner import print_verdicts
+    from harness.suites import load_suite
+
+    (suites / "known-failures.yaml").write_text(ENTRY)
+    [entry] = load(suites / "known-failures.yaml")
+    cell = Cell("server", "par", "draft-simple", "tiny-dense")
+    run = CellRun(load_suite("kv-fill"), cell)
+    run.spec = {"spec-type": "draft-simple", "spec-draft-n-max": 4, "spec-draft-sampling": "probabilistic"}
+    out = io.StringIO()
+    assert print_verdicts(Console(file=out, width=200), [run], [], [("kv-fill", cell)], [entry]) == []
+    text = out.getvalue()
+    assert "not judged: known failure demo-defect did not show" in text and "FIXED?" not in text
+    run.spec = {"spec-type": "draft-simple", "spec-draft-n-max": 4}  # as measured: FIXED? again
+    assert print_verdicts(Console(file=io.StringIO()), [run], [], [("kv-fill", cell)], [entry]) == [entry]
+
+
 def test_an_entry_whose_strict_cell_is_not_in_its_home_suite_is_an_error_of_the_registry(suites):
     """Its strict expected failure would never run, so it could never show as fixed while it still excuses
     failures wherever its signature shows."""

@@ -144,9 +144,11 @@ def _seeded_count(ctx: CheckContext, result: CheckResult) -> CheckResult:
         result.failures = [why]
         return result
     result.evidence["reported_only"] = True
+    result.evidence["seeded_count"] = why
     result.failures = []
     result.passed = True
-    result.message = f"{first} (seeded sampling, the logits differ there: {why})"
+    counted = f"{evidence['group_diverged']} of {evidence['group_compared']} in its group, within the measured noise"
+    result.message = f"{first} (seeded sampling, the logits differ there, {counted}: reported only)"
     return result
 
 

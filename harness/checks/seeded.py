@@ -7,12 +7,12 @@ divergence with its logits (`lossless`: identical logits at the divergence fail)
 of verified tokens, so one divergence proves nothing there, but many do: a build whose sampled verification is
 wrong diverges in a large share of its seeded sampled requests.
 
-The count. A divergence that `lossless` cannot prove is judged with the seeded sampled requests of its group:
-the speculative sample-and-match cells of the same suite and backend the run serves (every model, mode and spec
-config), each request's round-0 tokens against its own cell's without speculation. With k diverged of n, the
-group fails when P(X ≥ k) < ALPHA for X ~ Binomial(n, r), r the noise rate's one-sided 95 % upper bound
-measured on clean builds (NOISE, per backend and mode; the group takes its modes' largest). A default run holds at
-most MAX_GROUPS_PER_RUN such groups, so a clean run turns red through this rule with probability at most
+The count. A divergence that `lossless` cannot prove is judged with the seeded sampled requests of its group: the
+speculative sample-and-match cells of the same suite and backend the run serves (every model, mode and spec config),
+each request's tokens (every round) against its own cell's without speculation (round 0). With k diverged of n, the
+group fails when P(X ≥ k) < ALPHA for X ~ Binomial(n, r), r the noise rate's one-sided 95 % upper bound measured on
+clean builds (NOISE, per backend and mode; the group takes its modes' largest). A default run holds at most
+MAX_GROUPS_PER_RUN such groups, so a clean run turns red through this rule with probability at most
 ALPHA · MAX_GROUPS_PER_RUN = 1e-3 (a union bound; r's own 5 % uncertainty is on top of that).
 """
 
@@ -62,7 +62,7 @@ def group_cells(ctx: CheckContext) -> list:
     suite = ctx.run.suite
     group = [
         c
-        for c in cells(suite.matrix)
+        for c in (cells(suite.matrix) if suite.matrix else [])
         if c.backend == ctx.cell.backend
         and spec_preset(c.spec).speculative
         and (c == ctx.cell or ctx.executor.planned(suite, c))
@@ -72,7 +72,7 @@ def group_cells(ctx: CheckContext) -> list:
 
 def group_count(ctx: CheckContext) -> tuple[int, int, list, list[str]]:
     """(diverged, compared, the group's cells compared, one line per divergence) over the group's seeded sampled
-    requests, each cell's round 0 against its own non-speculative cell's."""
+    requests, every round of each against its own non-speculative cell's round 0 (as `lossless` compares)."""
     suite = ctx.run.suite
     keys = [k for c in suite.cases for k in case_keys(c) if seeded_case(ctx, k)]
     diverged, compared, lines, judged = 0, 0, [], []
@@ -82,16 +82,17 @@ def group_count(ctx: CheckContext) -> tuple[int, int, list, list[str]]:
             continue
         judged.append(cell)
         for key in keys:
-            a = next((o.result for o in mine.of_case(key) if o.round == 0 and o.result.ok), None)
             b = next((o.result for o in reference.of_case(key) if o.round == 0 and o.result.ok), None)
-            if a is None or b is None or a.prompt_tokens != b.prompt_tokens:
-                continue
-            compared += 1
-            if a.tokens != b.tokens:
-                diverged += 1
-                at = next((i for i, (x, y) in enumerate(zip(a.tokens, b.tokens, strict=False)) if x != y), None)
-                at = min(len(a.tokens), len(b.tokens)) if at is None else at
-                lines.append(f"{cell.id} {key}: diverged at token {at}")
+            for o in mine.of_case(key):
+                a = o.result
+                if b is None or not a.ok or a.prompt_tokens != b.prompt_tokens:
+                    continue
+                compared += 1
+                if a.tokens != b.tokens:
+                    diverged += 1
+                    at = next((i for i, (x, y) in enumerate(zip(a.tokens, b.tokens, strict=False)) if x != y), None)
+                    at = min(len(a.tokens), len(b.tokens)) if at is None else at
+                    lines.append(f"{cell.id} {key} round {o.round}: diverged at token {at}")
     return diverged, compared, judged, lines
 
 
