@@ -2,9 +2,9 @@
 each draft position at its configured rate, and the same seed draws the same counts.
 
 The tests of the statistics on made-up counts, then one real llama-server run (the vendored build, tiny-dense,
-quicksort's `synth-rates` seq cell: about 6 s) that passes the check, whose per-step log lines give the same
-totals and per-position counts at the rates, and whose counts fail it when judged against rates the server was
-not given."""
+the synth-acceptance suite's `synth-rates` seq cell: about 6 s) that passes the check, whose per-step log lines
+give the same totals and per-position counts at the rates, and whose counts fail it when judged against rates the
+server was not given."""
 
 import json
 import re
@@ -75,7 +75,7 @@ def test_the_preset_sets_four_non_increasing_rates_of_draft_simple_on_llama_serv
 
 def test_alpha_spends_the_run_budget_over_positions_cases_and_cells():
     assert RUN_FALSE_ALARM == 1e-3 and ALPHA == pytest.approx(1e-3 / (4 * 3 * 2))
-    quicksort = load_suite("quicksort")
+    quicksort = load_suite("synth-acceptance")
     assert NAME in quicksort.checks
     from harness.matrix import cells
 
@@ -218,9 +218,9 @@ def test_the_check_is_not_run_where_it_cannot_judge():
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory, tiny_models):
-    """quicksort's synth-rates seq cell on the vendored llama-server: (run directory, checks, results)."""
+    """synth-acceptance's synth-rates seq cell on the vendored llama-server: (run directory, checks, results)."""
     out = tmp_path_factory.mktemp("synth") / "run"
-    args = ["run", "--suite", "quicksort", "--spec", "synth-rates", "--model", "tiny-dense", "--mode", "seq"]
+    args = ["run", "--suite", "synth-acceptance", "--spec", "synth-rates", "--model", "tiny-dense", "--mode", "seq"]
     status = main([*args, "--out", str(out)])
     checks = json.loads((out / "checks.json").read_text())
     results = json.loads((out / "results.json").read_text())
@@ -253,7 +253,7 @@ def test_llama_server_accepts_at_the_configured_rates(served):
 @pytest.mark.xdist_group("synth-acceptance-server")  # one worker serves the run once
 def test_llama_server_counts_fail_against_rates_it_was_not_given(served):
     _, _, _, results = served
-    suite = load_suite("quicksort")
+    suite = load_suite("synth-acceptance")
     records = [r for r in results if r["spec"] == "synth-rates" and r["case"] == "C"]
     outcomes = [
         Result(tokens=r["tokens"], stop_reason=r["stop_reason"], slot_id=r["slot_id"], spec_stats=r["spec_stats"])

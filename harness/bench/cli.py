@@ -259,7 +259,7 @@ def cmd_distribution(args: argparse.Namespace, console: Console) -> int:
         sampling = _sampling(args.sampling)
         rows = distribution.measure(args.suite, args.runs, executor, only, on_cell=show, sampling=sampling)
         data = {"suite": args.suite, "runs": args.runs, "fault": args.fault, "sampling": sampling}
-        data.update(alpha=distribution.ALPHA, cells=rows)
+        data.update(cells=rows)
     write_json(out / "bench.json", data)
     if args.json:
         write_json(Path(args.json), data)

@@ -4,7 +4,7 @@ A suite's cases are repeated `runs` times with fresh seeds (case seed + SEED_STR
 is an independent sample of the test the check makes on one case of one cell: the same cells, the same prompts,
 the same sample size, other draws. Every cell of the suite's matrix (narrowed by backend, mode, spec and model)
 serves them in one session, then the `distribution` check judges each case. On a clean build the p-values are
-uniform and a test fails with probability ALPHA; with an engine fault switched on (`--fault`, in-process cells
+uniform and a test fails with probability alpha; with an engine fault switched on (`--fault`, in-process cells
 only) the share of failing tests is the check's power against that fault at the suite's sample size.
 """
 
@@ -16,7 +16,6 @@ import numpy as np
 from scipy import stats
 
 from harness.checks import evaluate_cell
-from harness.checks.distribution import ALPHA
 from harness.execute import Executor
 from harness.matrix import cells, spec_preset
 from harness.suites import Suite, load_suite
@@ -39,11 +38,12 @@ def repeated(suite: Suite, runs: int, sampling: dict | None = None) -> Suite:
     return replace(suite, cases=cases, rounds=[suite.rounds[0]])
 
 
-def summary(p_values: list[float], tokens: list[int]) -> dict:
-    """The p-values of one cell: how many tests failed at ALPHA, their histogram, their own uniformity."""
+def summary(p_values: list[float], tokens: list[int], alpha: float = 1e-6) -> dict:
+    """The p-values of one cell: how many tests failed at `alpha` (the check's, as its verdicts record it), their
+    histogram, their own uniformity."""
     p = np.asarray(p_values, dtype=float)
     counts, _ = np.histogram(p, bins=BINS, range=(0.0, 1.0))
-    failed = int((p < ALPHA).sum())
+    failed = int((p < alpha).sum())
     return {
         "tests": len(p),
         "failed": failed,

@@ -39,20 +39,20 @@ counts, in every mode). The cases of a cell share the seed too (each request's g
 their counts agree wherever their drafts do, so they are not independent either; the union bound below holds
 whatever the dependence.
 
-False alarms: the test fails at p < ALPHA. A default run judges RUN_JUDGMENTS positions with it: 4 draft
-positions × 3 cases (quicksort: C, Java, Python) × 2 cells (seq and par of `synth-rates` on tiny-dense, llama-
-server), so ALPHA = 1e-3 / (4 × 3 × 2) = 1e-3 / 24 ≈ 4.2e-5 keeps a clean run red through this check with
+False alarms: the test fails at p < ALPHA. A default run judges RUN_JUDGMENTS positions with it: 4 draft positions ×
+3 cases (the synth-acceptance suite: C, Java, Python) × 2 cells (seq and par of `synth-rates` on tiny-dense,
+llama-server), so ALPHA = 1e-3 / (4 × 3 × 2) = 1e-3 / 24 ≈ 4.2e-5 keeps a clean run red through this check with
 probability at most 1e-3 (a union bound; the totals test makes 1 judgment per case and cell, 6 × ALPHA ≈ 2.5e-4).
 Power at that alpha is that of one request (the cases and cells share the seed: one sample a run; quicksort's 128
 tokens, about 37 steps), simulated over 300 requests: position 0 accepted at 0.5 instead of 0.9 (the later
-conditional rates unchanged) fails 89% of them from the totals, 100% per position; position 3 at 0.5 instead of
-0.3 fails 0% (totals) and 2% (per position), every rate at 0.8 times its value 5% and 24%. Gross faults only: a
-finer test needs more steps (longer requests, or cases with seeds of their own).
+conditional rates unchanged) fails 89% of them from the totals, 100% per position; position 3 at 0.5 instead of 0.3
+fails 0% (totals) and 2% (per position), every rate at 0.8 times its value 5% and 24%. Gross faults only: a finer
+test needs more steps (longer requests, or cases with seeds of their own).
 
 Not judged: a drafted end-of-generation token (its rejection is forced; tiny-dense's draft drafted none in the
-measured runs) biases the counts low; a request that reached the end of the context (`truncated`: the draft is
-also capped by the context) or stopped at a stop string (mid-step) is left out of the totals test, as is a cell
-whose drafts end early (`spec-draft-p-min` > 0: the lengths are then not known from the totals).
+measured runs) biases the counts low; a request that reached the end of the context (`truncated`: the draft is also
+capped by the context) or stopped at a stop string (mid-step) is left out of the totals test, as is a cell whose
+drafts end early (`spec-draft-p-min` > 0: the lengths are then not known from the totals).
 """
 
 from collections import defaultdict
