@@ -91,6 +91,26 @@ to the argmax (the sampler still draws, so its random state moves as without the
 departs from the non-speculative output. The for line anchors the edit: the same sample line follows the loop."""
 SAMPLED_VERIFY_NAME = "seeded-sampled-verify"
 
+EXTRA_DRAW = {
+    (
+        "        if (draft[i] != id || (llama_vocab_is_eog(vocab, id) && i + 1 < draft.size())) {\n            break;\n"
+    ): (
+        "        if (draft[i] != id || (llama_vocab_is_eog(vocab, id) && i + 1 < draft.size())) {\n"
+        "            // seeded bug: one more draw of the chain's generator after a rejected draft\n"
+        "            if (draft[i] != id) { common_sampler_sample(gsmpl, ctx, idxs[i], grammar_first); }\n"
+        "            break;\n"
+    ),
+}
+"""The extra-draw class in common/sampling.cpp (`common_sampler_sample_and_accept_n`): after a rejected draft the
+chain samples the row once more, a draw that nothing uses. The distribution of the output is kept; the seeded tokens
+after the first rejection move (where no checkpoint restore puts the sampler back: a dense target)."""
+EXTRA_DRAW_NAME = "seeded-extra-draw"
+
+
+def extra_draw_server() -> BuildInfo:
+    """The vendored llama-server with EXTRA_DRAW (built once through the build cache)."""
+    return ensure_server(source=seeded_tree(EXTRA_DRAW, EXTRA_DRAW_NAME, "tests/seeded.py", file="common/sampling.cpp"))
+
 
 def sampled_verify_server() -> BuildInfo:
     """The vendored llama-server with SAMPLED_VERIFY (built once through the build cache; the compiler cache serves

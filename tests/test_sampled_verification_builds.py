@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from seeded import sampled_verify_server
+from seeded import extra_draw_server, sampled_verify_server
 
 from harness.backends.build import BuildInfo, ensure_server
 from harness.checks import seeded
@@ -90,3 +90,13 @@ def test_the_unmodified_build_passes_the_same_sampling_run(clean_build, tmp_path
     assert not failing(checks)
     counted = [c for c in checks if c["check"] == "lossless" and "group_p_value" in c["evidence"]]
     assert all(c["evidence"]["group_p_value"] >= seeded.ALPHA for c in counted)
+
+
+def test_a_build_that_draws_once_more_after_a_rejection_fails_the_sampling_run_by_its_count_only(tmp_path, tiny_models):
+    """The extra-draw class (tests/seeded.py EXTRA_DRAW): the output keeps the target's distribution, so
+    `distribution` passes, and the seeded tokens move, so the count of seeded sampled divergences fails `lossless`."""
+    code, checks, console = sampling_run(extra_draw_server(), tmp_path / "run")
+    assert code == 1, console[-3000:]
+    failed = failing(checks)
+    assert {c["check"] for c in failed} == {"lossless"}, sorted({(c["check"], c["message"][:80]) for c in failed})
+    assert all(COUNT.search(c["message"]) for c in failed), failed[0]["message"]
