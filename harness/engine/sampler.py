@@ -329,6 +329,16 @@ def _grammar_allows(grammar, ids: np.ndarray) -> np.ndarray:
     return cand["logit"] != -np.inf
 
 
+def free_chain_and_grammar(owner) -> None:
+    """Release `owner.chain` and `owner.grammar` (llama.cpp samplers; None once released): a Sampler's, or the
+    scorer's ChainLaw's."""
+    for name in ("chain", "grammar"):
+        ptr = getattr(owner, name)
+        if ptr:
+            llama_cpp.llama_sampler_free(ptr)
+            setattr(owner, name, None)
+
+
 class Sampler:
     """One request's sampler: the chain and the grammar (both llama.cpp samplers), or plain argmax."""
 
@@ -444,11 +454,7 @@ class Sampler:
 
     def free(self) -> None:
         """Release the chain and the grammar."""
-        for name in ("chain", "grammar"):
-            ptr = getattr(self, name)
-            if ptr:
-                llama_cpp.llama_sampler_free(ptr)
-                setattr(self, name, None)
+        free_chain_and_grammar(self)
 
 
 DRAFT_SEED_MIX = 0x85EBCA6B

@@ -27,7 +27,7 @@ import numpy as np
 
 from harness.engine.context import Context
 from harness.engine.model import Model
-from harness.engine.sampler import _CANDIDATE, _chain, grammar_text
+from harness.engine.sampler import _CANDIDATE, _chain, free_chain_and_grammar, grammar_text
 from harness.request import Sampling
 
 SCORES_DTYPE = np.float64
@@ -133,11 +133,7 @@ class ChainLaw:
         llama_cpp.llama_sampler_accept(self.chain, token)
 
     def free(self) -> None:
-        for name in ("chain", "grammar"):
-            ptr = getattr(self, name)
-            if ptr:
-                llama_cpp.llama_sampler_free(ptr)
-                setattr(self, name, None)
+        free_chain_and_grammar(self)
 
 
 def rank_mass(p: np.ndarray, token: int) -> tuple[float, float]:
