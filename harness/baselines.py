@@ -14,6 +14,7 @@ file is an error naming it and is never replaced.
 import hashlib
 import json
 import re
+from dataclasses import asdict
 from pathlib import Path
 
 from harness import noise
@@ -24,12 +25,66 @@ from harness.models import model_key
 from harness.paths import write_atomic
 from harness.suites import suites_dir
 
-FIELDS = ("suite", "case", "model", "backend", "device", "text", "tokens", "environment", "acceptance", "work")
+FIELDS = (
+    "suite",
+    "case",
+    "model",
+    "backend",
+    "device",
+    "request",
+    "text",
+    "tokens",
+    "environment",
+    "acceptance",
+    "work",
+)
 ACCEPTANCE_FIELDS = ("draft_n", "draft_n_accepted", "drafted_per_pos", "accepted_per_pos")
 """What a baseline keeps of a request's `spec_stats` (the per-position lists only where the backend reports them)."""
 CELL_ROWS = ("acceptance", "work")
 """The fields that hold rows per cell (`<mode>/<spec>` key → one row per round): `acceptance`, and `work` (the
 counters of `Result.work` the backend counted, harness.result.WORK_COUNTERS; the `work` check compares with them)."""
+
+
+NOT_SHAPING = ("n_predict", "n_probs", "post_sampling_probs")
+"""Request fields that do not shape the output beyond its length: `n_predict` is kept on its own (a baseline recorded
+at another length is compared over the shorter of the two), the rest only logs."""
+SERVE_NOT_SHAPING = ("parallel",)
+"""A suite's `serve` settings that do not shape the canonical output (served in `seq`: one slot)."""
+
+
+def request_shape(suite, case) -> dict:
+    """What shapes a case's canonical output besides the model and the llama.cpp build, as a baseline records it
+    (`request`): `n_predict`, and a digest of the rest: the prompt or chat turns, the sampling (temperature, top-k/p,
+    penalties, grammar, seed, stop, ...) and the suite's `serve` settings (context and batch sizes). A baseline
+    whose digest differs was recorded for another request: there is no baseline yet for this one."""
+    sampling = {k: v for k, v in asdict(case.sampling).items() if k not in NOT_SHAPING}
+    serve = {k: v for k, v in suite.serve.items() if k not in SERVE_NOT_SHAPING}
+    body = {"prompt": case.prompt, "turns": list(case.turns), "sampling": sampling, "serve": serve}
+    digest = hashlib.sha256(json.dumps(body, sort_keys=True, default=str).encode()).hexdigest()[:16]
+    return {"n_predict": case.sampling.n_predict, "digest": digest}
+
+
+def shape_mismatch(recorded: dict | None, shape: dict) -> str | None:
+    """Why a baseline recorded for request `recorded` holds nothing for a request of `shape` (None: it was recorded
+    for this request, or for it at another `n_predict`, which `compared_length` handles)."""
+    if recorded is None or recorded.get("digest") == shape["digest"]:
+        return None
+    return (
+        f"it was recorded for other request options (prompt, sampling or serve settings: digest "
+        f"{recorded.get('digest')}, this run's {shape['digest']})"
+    )
+
+
+def compared_length(recorded: dict | None, shape: dict, stored: int, produced: int) -> int | None:
+    """Over how many tokens a baseline output of `stored` tokens is compared with an output of `produced` tokens
+    (None: in full). A baseline recorded at another `n_predict` is compared over the shorter limit; one that does not
+    say its request (recorded before baselines did) over its own length where it is the shorter."""
+    if recorded is None:
+        return stored if stored < produced else None
+    limits = [n for n in (recorded.get("n_predict"), shape["n_predict"]) if isinstance(n, int) and n > 0]
+    if recorded.get("n_predict") == shape["n_predict"] or not limits:
+        return None
+    return min(limits)
 
 
 def output_digest(tokens: list[int]) -> str:
@@ -166,6 +221,21 @@ class BaselineStore:
             f"record them with: {ctx.repro} --update-baselines{self.option}"
         )
 
+    def rows_mismatch(self, ctx, data: dict | None) -> str | None:
+        """Why the acceptance and work rows of baseline `data` are not this case's (None: they are, or there is no
+        file): they were measured on another request (another `n_predict`, other options), or the file does not
+        say which request (recorded before baselines did)."""
+        if data is None:
+            return None
+        recorded, shape = data.get("request"), request_shape(ctx.run.suite, ctx.case_def)
+        if recorded is None:
+            return "the baseline does not record the request its rows were measured on (recorded before baselines did)"
+        if recorded.get("n_predict") != shape["n_predict"]:
+            before, now = recorded.get("n_predict"), shape["n_predict"]
+            return f"the baseline was recorded at n_predict {before}, this run asks {now}"
+        why = shape_mismatch(recorded, shape)
+        return f"the baseline {why}" if why else None
+
     def load(self, path: Path) -> dict | None:
         """The baseline at `path`, None when there is none; BaselineError when it is corrupt."""
         if not path.exists():
@@ -211,11 +281,15 @@ class BaselineStore:
         """Write `data` (and its logits) atomically unless the file already holds the same tokens and text;
         True if written."""
         old = self.load(path)
-        if old is not None and "acceptance" in old:
-            data = {**data, "acceptance": old["acceptance"]}
-        if old is not None and "work" in old:
-            data = {**data, "work": old["work"]}
-        if old is not None and old["tokens"] == data["tokens"] and old.get("text") == data["text"]:
+        same_output = old is not None and old["tokens"] == data["tokens"] and old.get("text") == data["text"]
+        # a file recorded before baselines said their request is this one's where it holds this output
+        same_request = old is not None and old.get("request", data.get("request") if same_output else None) == data.get(
+            "request"
+        )
+        for rows in CELL_ROWS:  # rows measured on another request are not this one's: dropped
+            if same_request and rows in old:
+                data = {**data, rows: old[rows]}
+        if same_request and same_output and "request" in old:
             if logits and not self.logits_path(path).exists():
                 self._write(self.logits_path(path), lambda t: save_parquet(t, {"baseline": to_frame(logits)}))
             return False
@@ -261,6 +335,9 @@ class BaselineStore:
         cell, path = ctx.cell, self.file_of(ctx)
         key = key or f"{cell.mode}/{cell.spec}"
         data = self.load(path)
+        if self.update and data is not None and self.rows_mismatch(ctx, data):  # stamped for this request first
+            self._update(ctx, path, ctx.executor.environment(ctx.cell))
+            data = self.load(path)
         if self.update and data is not None and ctx.completed() and all(o.result.ok for o in ctx.outcomes):
             # a request that ended before its first draft (n_predict 1) has no counters yet: it drafted none
             rows = [
@@ -278,7 +355,7 @@ class BaselineStore:
                 data["acceptance"] = {**data.get("acceptance", {}), key: rows}
                 self._write(path, lambda t: t.write_text(render(data)))
         stored = None if data is None else data.get("acceptance", {}).get(key)
-        if stored is None:
+        if stored is None or self.rows_mismatch(ctx, data):
             return None, path
         own = {"generated": len(data["tokens"]), "output": output_digest(data["tokens"])}
         return [{**own, **row} for row in stored], path
@@ -292,7 +369,7 @@ class BaselineStore:
         path = self.file_of(ctx)
         data = self.load(path)
         complete = ctx.completed() and all(o.result.ok for o in ctx.outcomes)
-        if self.update and data is None and complete:
+        if self.update and complete and (data is None or self.rows_mismatch(ctx, data)):  # stamped for this request
             self._update(ctx, path, ctx.executor.environment(ctx.cell))
             data = self.load(path)
         if self.update and data is not None and complete:
@@ -310,7 +387,7 @@ class BaselineStore:
             if rows and data.get("work", {}).get(key) != rows:
                 data["work"] = {**data.get("work", {}), key: rows}
                 self._write(path, lambda t: t.write_text(render(data)))
-        stored = None if data is None else data.get("work", {}).get(key)
+        stored = None if data is None or self.rows_mismatch(ctx, data) else data.get("work", {}).get(key)
         if not isinstance(stored, list) or not all(
             isinstance(r, dict) and isinstance(r.get("round"), int) for r in stored
         ):
@@ -335,6 +412,7 @@ class BaselineStore:
                 "model": model_key(cell.model),
                 "backend": cell.backend,
                 "device": env["device"],
+                "request": request_shape(ctx.run.suite, ctx.case_def),
                 "text": canonical.result.text,
                 "tokens": canonical.result.tokens,
                 "environment": env,

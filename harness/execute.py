@@ -20,7 +20,7 @@ from harness.backends.base import Backend, ServeConfig
 from harness.cellrun import CellRun, Outcome  # noqa: F401 - the executor's products, imported from here too
 from harness.errors import HarnessBug, HarnessError, LlamaAbort, Unservable
 from harness.logits import PositionLogits
-from harness.matrix import Cell, spec_preset
+from harness.matrix import Cell, served_options, spec_preset
 from harness.models import draft_for, resolve
 from harness.models.registry import HEAD_TYPES, has_mtp_block, head_draft_for
 from harness.request import Request, Sampling
@@ -51,7 +51,7 @@ def serve_config(
     """How a cell is served: its model, mode and speculative preset (with the draft model a `draft-simple`
     preset needs), the run's logging options, and a suite's `serve` / in-process `engine` settings."""
     preset = spec_preset(cell.spec)
-    spec = {**preset.options, **options.spec_overrides} if preset.options else {}
+    spec = served_options(preset, options.spec_overrides)
     draft = None
     types = str(spec.get("spec-type", "")).split(",")
     if "draft-simple" in types:

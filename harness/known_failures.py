@@ -30,7 +30,7 @@ from harness.backends.base import cpu_flags
 from harness.backends.versions import UNKNOWN, LlamaVersion, covers, parse_item
 from harness.checks.base import CheckResult
 from harness.errors import HarnessError
-from harness.matrix import Cell, cells, narrowing
+from harness.matrix import Cell, cells, narrowing, served_as
 
 FILE_NAME = "known-failures.yaml"
 _ENTRY = {
@@ -155,26 +155,34 @@ class KnownFailure:
         have = cpu_flags()
         return [f for f in self.cpu_flags if f not in have]
 
-    def shows_in(self, cell: Cell) -> bool:
+    def shows_in(self, cell: Cell, overrides: dict | None = None) -> bool:
         """True for the cells whose configuration the defect needs (an empty list of modes, specs or models
-        means all), on a CPU it shows on, whatever the suite."""
+        means all), on a CPU it shows on, whatever the suite. A cell has one of the listed specs when it was served
+        as that spec would have been under the run's `--spec-*` `overrides` (matrix.served_as): the entry
+        goes by what a cell was served with, not by its preset's name."""
         return (
             cell.backend == self.backend
             and not self.missing_cpu_flags
             and all(
                 not allowed or value in allowed
-                for value, allowed in ((cell.mode, self.modes), (cell.spec, self.specs), (cell.model, self.models))
+                for value, allowed in ((cell.mode, self.modes), (cell.model, self.models))
             )
+            and self.has_spec(cell.spec, overrides or {})
         )
 
-    def covers(self, suite: str, cell: Cell) -> bool:
-        """True for the cells of the suites it has been seen in that the defect shows in."""
-        return suite in self.suites and self.shows_in(cell)
+    def has_spec(self, spec: str, overrides: dict) -> bool:
+        """Whether a cell of `spec` served under `overrides` is served as one of the entry's specs is."""
+        served = served_as(spec, overrides)
+        return not self.specs or any(served_as(listed, overrides) == served for listed in self.specs)
 
-    def recognises(self, suite: str, cell: Cell) -> bool:
+    def covers(self, suite: str, cell: Cell, overrides: dict | None = None) -> bool:
+        """True for the cells of the suites it has been seen in that the defect shows in."""
+        return suite in self.suites and self.shows_in(cell, overrides)
+
+    def recognises(self, suite: str, cell: Cell, overrides: dict | None = None) -> bool:
         """True where its signature counts as the defect: its listed suites, and any other one unless the
         entry says `anywhere: false`."""
-        return self.shows_in(cell) and (self.anywhere or suite in self.suites)
+        return self.shows_in(cell, overrides) and (self.anywhere or suite in self.suites)
 
     def matches(self, item: str) -> bool:
         """True when one failing item is this defect's evidence, counts within the limits."""
@@ -337,11 +345,14 @@ def _check_strict_cell(entry: KnownFailure, path: Path, i: int) -> None:
         )
 
 
-def matching(entries: list[KnownFailure], suite: str, cell: Cell, result: CheckResult) -> KnownFailure | None:
-    """The entry that explains a failed verdict of `suite` in `cell`, if any: one that lists the suite first,
-    else one recognised in it (a known defect seen in a new suite)."""
-    return next((e for e in entries if e.covers(suite, cell) and e.explains(result)), None) or next(
-        (e for e in entries if e.recognises(suite, cell) and e.explains(result)), None
+def matching(
+    entries: list[KnownFailure], suite: str, cell: Cell, result: CheckResult, overrides: dict | None = None
+) -> KnownFailure | None:
+    """The entry that explains a failed verdict of `suite` in `cell` (served under the run's `--spec-*`
+    `overrides`), if any: one that lists the suite first, else one recognised in it (a known defect seen in a new
+    suite)."""
+    return next((e for e in entries if e.covers(suite, cell, overrides) and e.explains(result)), None) or next(
+        (e for e in entries if e.recognises(suite, cell, overrides) and e.explains(result)), None
     )
 
 
@@ -352,18 +363,20 @@ NEW_SUITE = "known_failure_new_suite"
 """Evidence key of a verdict a known defect explains in a suite its entry does not list yet."""
 
 
-def tag(entries: list[KnownFailure], suite: str, cell: Cell, results: list[CheckResult]) -> list[CheckResult]:
+def tag(
+    entries: list[KnownFailure], suite: str, cell: Cell, results: list[CheckResult], overrides: dict | None = None
+) -> list[CheckResult]:
     """Mark the failed verdicts a known defect explains (`evidence["known_failure"]`, and `NEW_SUITE` with the
     suite where the entry does not list it: a known defect seen in a new suite, which does not fail the run);
-    returns the others."""
+    returns the others. `overrides`: the run's `--spec-*` options, which decide what each cell was served as."""
     unexplained = []
     for r in results:
         if r.passed:
             continue
-        entry = matching(entries, suite, cell, r)
+        entry = matching(entries, suite, cell, r, overrides)
         if entry is None:
             unexplained.append(r)
-            partial = [(e, *e.explained(r)) for e in entries if e.recognises(suite, cell)]
+            partial = [(e, *e.explained(r)) for e in entries if e.recognises(suite, cell, overrides)]
             for e, hits, total in partial:
                 if hits:
                     r.evidence["known_failure_partial"] = f"{e.id} explains {hits} of {total} failing requests"

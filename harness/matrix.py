@@ -50,6 +50,20 @@ class SpecPreset:
         return bool(set(str(self.options.get("spec-type", "")).split(",")) & LEARNING_DRAFTERS)
 
 
+def served_options(preset: SpecPreset, overrides: dict) -> dict:
+    """The llama-server options a cell of `preset` is served with under a run's `--spec-*` overrides (none for a
+    preset without options: `none` and the scripted ones)."""
+    return {**preset.options, **overrides} if preset.options else {}
+
+
+def served_as(spec: str, overrides: dict) -> tuple:
+    """What a spec config is served as under a run's `--spec-*` overrides: its options and its script. Two configs
+    with the same value are served alike (`draft-simple-probabilistic` with `--spec-draft-sampling greedy` is
+    `draft-simple`)."""
+    preset = spec_preset(spec)
+    return tuple(sorted((k, str(v)) for k, v in served_options(preset, overrides).items())), preset.scripted
+
+
 def keeps_seeded_tokens(options: dict) -> bool:
     """False under rejection sampling (`--spec-draft-sampling probabilistic`): at temperature > 0 a drafted token is
     accepted with probability min(1, p/q) and a rejected one redrawn from the residual, so the output keeps the

@@ -200,10 +200,13 @@ def serve(run_plan: RunPlan, executor: Executor, baselines: BaselineStore, conso
     return done, verdicts
 
 
-def print_verdicts(console: Console, runs: list[CellRun], verdicts: list, done: list, known: list) -> list:
+def print_verdicts(
+    console: Console, runs: list[CellRun], verdicts: list, done: list, known: list, overrides: dict | None = None
+) -> list:
     """The summary table, a line per failing (or known) verdict, how many seeded sampled divergences were reported
-    only with a line per such verdict, and a line per known failure that did not reproduce in the cells that ran;
-    returns those known failures, less the intermittent ones (`tries`)."""
+    only with a line per such verdict, and a line per known failure that did not reproduce in the cells that ran
+    (served under the run's `--spec-*` `overrides`); returns those known failures, less the intermittent ones
+    (`tries`)."""
     wide_console().print(summary_table(runs, verdicts))
     for run in runs:
         if run.unservable is not None:  # served nothing, so no row above: say which cells and why
@@ -222,8 +225,8 @@ def print_verdicts(console: Console, runs: list[CellRun], verdicts: list, done: 
         (r.suite.name, r.cell) for r in runs if r.spec is not None and r.spec != spec_preset(r.cell.spec).options
     }
     shown = {r.evidence.get("known_failure") for *_, r in verdicts}
-    covering = [e for e in known if any(e.covers(suite, cell) for suite, cell in done) and e.id not in shown]
-    absent = [e for e in covering if any(e.covers(s, c) for s, c in done if (s, c) not in served_otherwise)]
+    covering = [e for e in known if any(e.covers(s, c, overrides) for s, c in done) and e.id not in shown]
+    absent = [e for e in covering if any(e.covers(s, c, overrides) for s, c in done if (s, c) not in served_otherwise)]
     for entry in (e for e in covering if e not in absent):  # its cells were served otherwise than measured
         console.print(
             f"not judged: known failure {entry.id} did not show, but its cells were served with this run's --spec-* "
@@ -346,8 +349,9 @@ def cmd_run(args: argparse.Namespace) -> int:
         known, out_of_range = known_failures(run_plan.extra, planned_versions(args.server_bin, args.source))
         for line in out_of_range:
             console.print(line, markup=False, highlight=False)
-        failed = [r for suite, _, cell, r in verdicts if tag(known, suite, cell, [r])]
-        fixed = print_verdicts(console, runs, verdicts, done, known)
+        overrides = executor.options.spec_overrides
+        failed = [r for suite, _, cell, r in verdicts if tag(known, suite, cell, [r], overrides)]
+        fixed = print_verdicts(console, runs, verdicts, done, known, overrides)
         uncalibrated = print_notes(console, executor, baselines, verdicts)
         planned = write_and_publish(
             args,

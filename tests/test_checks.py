@@ -604,3 +604,69 @@ def test_prompt_reuse_is_not_run_where_the_engine_reports_no_prompt_cache_reuse(
     assert not lost.passed and lost.failures[0].startswith("round 1: c.turn2 reused 0 of its 90 prompt tokens")
     later = verdict(ctx_of("inproc", rounds, {"spec": [0, 0], "none": [0, 0]}, "c.turn3"), "prompt-reuse")
     assert later.not_run is not None and "the in-process engine reports no prompt-cache reuse" in later.not_run
+
+
+def test_a_baseline_recorded_for_other_request_options_is_no_baseline_yet_not_a_failure(tmp_path):
+    """A baseline says which request it was recorded for (`request`: n_predict and a digest of prompt, sampling and
+    serve settings); a run whose case asks otherwise (another temperature, seed, grammar, ...) has no baseline yet."""
+    store = BaselineStore(tmp_path)
+    BaselineStore(tmp_path, update=True).recorded(context({SEQ: [ok([4, 5])]}, SEQ, baselines=store))
+    assert store.load(store.path("demo", "a", "m", "inproc", "cpu"))["request"]["n_predict"] == 128
+    other = suite(repeat_penalty=1.3)
+    moved = verdict(context({SEQ: [ok([4, 6])]}, SEQ, other, baselines=store), "baseline")
+    assert moved.passed and moved.evidence["no_baseline"], moved
+    assert "no baseline yet" in moved.message and "other request options" in moved.message
+    assert "--update-baselines" in moved.message
+    assert not verdict(context({SEQ: [ok([4, 6])]}, SEQ, baselines=store), "baseline").passed  # same request: fails
+
+
+def test_a_baseline_recorded_at_another_n_predict_is_compared_over_the_shorter_length(tmp_path):
+    """Recorded at n_predict 2, asked 4: the first 2 tokens are compared and the other 2 reported, never an
+    `unexplained` failure for the reference stream ending; a divergence inside the 2 still fails."""
+    store = BaselineStore(tmp_path)
+    short = suite(n_predict=2)
+    BaselineStore(tmp_path, update=True).recorded(context({SEQ: [ok([4, 5])]}, SEQ, short, baselines=store))
+    longer = suite(n_predict=4)
+    same = verdict(context({SEQ: [ok([4, 5, 6, 7])]}, SEQ, longer, baselines=store), "baseline")
+    assert same.passed and same.evidence["compared_over"] == 2, same
+    assert "recorded at n_predict 2" in same.message and "2 tokens of this run's output not compared" in same.message
+    moved = verdict(context({SEQ: [ok([4, 9, 6, 7])]}, SEQ, longer, baselines=store), "baseline")
+    assert not moved.passed and "at token 1" in moved.message
+    # the other way round: asked fewer tokens than recorded, the baseline's prefix is compared
+    BaselineStore(tmp_path, update=True).recorded(context({SEQ: [ok([4, 5, 6, 7])]}, SEQ, longer, baselines=store))
+    assert verdict(context({SEQ: [ok([4, 5])]}, SEQ, short, baselines=store), "baseline").passed
+
+
+def test_a_baseline_that_does_not_say_its_request_is_compared_over_its_own_length_where_shorter(tmp_path):
+    store = BaselineStore(tmp_path)
+    BaselineStore(tmp_path, update=True).recorded(context({SEQ: [ok([4, 5])]}, SEQ, baselines=store))
+    path = store.path("demo", "a", "m", "inproc", "cpu")
+    import json
+
+    data = json.loads(path.read_text())
+    del data["request"]  # recorded before baselines said their request
+    path.write_text(json.dumps(data))
+    legacy = verdict(context({SEQ: [ok([4, 5, 6])]}, SEQ, baselines=store), "baseline")
+    assert legacy.passed and legacy.evidence["compared_over"] == 2, legacy
+    assert "a length it does not record" in legacy.message
+
+
+def test_acceptance_and_work_rows_of_another_request_are_not_compared(tmp_path):
+    """Rows measured at n_predict 64 say nothing of a request at 128 (work per generated token grows with the
+    length): not compared, `no baseline yet` naming why."""
+    spec = SEQ.reference(spec="draft-simple")
+    short = suite(n_predict=2)
+    cells = {SEQ: [ok([4, 5])], spec: [ok([4, 5], draft_n=4, draft_n_accepted=2)]}
+    writer = BaselineStore(tmp_path, update=True)
+    writer.recorded(context(cells, spec, short, baselines=writer))
+    writer.acceptance(context(cells, spec, short, baselines=writer))
+    rows, _ = BaselineStore(tmp_path).acceptance(context(cells, spec, short, baselines=writer))
+    assert rows, "recorded for this request"
+    longer = suite(n_predict=4)
+    store = BaselineStore(tmp_path)
+    ctx = context(cells, spec, longer, baselines=store)
+    assert store.acceptance(ctx) == (None, store.file_of(ctx))
+    why = store.rows_mismatch(ctx, store.load(store.file_of(ctx)))
+    assert why == "the baseline was recorded at n_predict 2, this run asks 4"
+    result = verdict(ctx, "acceptance")
+    assert "recorded at n_predict 2" in (result.message + str(result.not_run)), result

@@ -84,3 +84,20 @@ def test_the_site_builds_with_warnings_as_errors(tmp_path):
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert (tmp_path / "site" / "reference" / "cli" / "index.html").is_file()
+
+
+def test_what_readme_and_the_index_say_the_default_job_runs_is_generated_from_its_suite():
+    """The README's and docs/index.md's description of the default job is rendered from the default suite's matrix
+    (`<!-- generated: default-job -->`), so a block added to the suite cannot leave them behind."""
+    assert not docgen.stale_blocks(), f"regenerate with `{REGENERATE}`"
+    for page in docgen.BLOCKS:
+        assert "<!-- generated: default-job -->" in (ROOT / page).read_text(), page
+    block = docgen.default_job_block()
+    assert "`gemma3-270m` on `inproc` in `seq`: `ngram-mod` and no speculation" in block  # a real model that gains
+
+
+def test_a_stale_generated_block_is_found(tmp_path):
+    for page in docgen.BLOCKS:
+        (tmp_path / page).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / page).write_text((ROOT / page).read_text().replace("`ngram-mod` and no speculation", "x"))
+    assert docgen.stale_blocks(tmp_path) == list(docgen.BLOCKS)

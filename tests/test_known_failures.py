@@ -365,3 +365,28 @@ def test_an_entry_whose_strict_cell_is_not_in_its_home_suite_is_an_error_of_the_
     (suites / "known-failures.yaml").write_text(ENTRY.replace("modes: [par]", "modes: [par]\n  models: [gemma3-270m]"))
     with pytest.raises(HarnessError, match=r"entry 0 \(demo-defect\): no cell of its home suite kv-fill's default"):
         load(suites / "known-failures.yaml")
+
+
+def test_an_entry_goes_by_what_a_cell_was_served_with_not_by_its_presets_name():
+    """`--spec-draft-sampling greedy` turns a `draft-simple-probabilistic` cell into sample-and-match draft-simple:
+    the defect measured on draft-simple (#28049) is that cell's too, and only under that override; a cell served
+    otherwise than any listed spec would be under the run's options (rejection sampling) is not the entry's. Two
+    cells served alike are judged alike."""
+    entry = next(e for e in SHIPPED if e.id == "server-spec-keeps-eog-sampled")
+    cell = Cell("server", "seq", "draft-simple-probabilistic", "tiny-recurrent")
+    line = entry.measured[0]
+
+    def verdict():
+        return CheckResult("kv-healthy", False, line, failures=[line])
+
+    greedy, probabilistic = {"spec-draft-sampling": "greedy"}, {"spec-draft-sampling": "probabilistic"}
+    served_greedy = verdict()
+    assert tag([entry], "sampling", cell, [served_greedy], greedy) == []
+    assert served_greedy.evidence["known_failure"] == entry.id
+    assert tag([entry], "sampling", cell, [verdict()]) != []  # as the preset serves it: rejection sampling
+    # under --spec-draft-sampling probabilistic the listed draft-simple is served as the cell is: alike
+    listed = Cell("server", "seq", "draft-simple", "tiny-recurrent")
+    assert tag([entry], "sampling", listed, [verdict()], probabilistic) == []
+    assert tag([entry], "sampling", cell, [verdict()], probabilistic) == []
+    assert tag([entry], "sampling", listed, [verdict()], {"spec-draft-n-max": 2}) == []
+    assert tag([entry], "sampling", cell, [verdict()], {"spec-draft-n-max": 2}) != []

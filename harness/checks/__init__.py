@@ -17,7 +17,7 @@ import jsonschema
 
 from harness import detok as detokenizers
 from harness import interrupt, jsonschemas
-from harness.baselines import BaselineError, shown
+from harness.baselines import BaselineError, compared_length, request_shape, shape_mismatch, shown
 from harness.cellrun import CellRun
 from harness.checks import seeded
 from harness.checks.acceptance import check as acceptance_check
@@ -185,11 +185,36 @@ def baseline(ctx: CheckContext) -> CheckResult | None:
             False,
             f"no baseline {shown(path)}; create it with: {ctx.repro} --update-baselines{store.option}",
         )
+    recorded, shape = data.get("request"), request_shape(ctx.run.suite, ctx.case_def)
+    other = shape_mismatch(recorded, shape)
+    if other:  # recorded for another request: none yet for this one, as for a model new to the harness
+        return CheckResult(
+            "baseline",
+            True,
+            f"no baseline yet for {ctx.case} under this run's request: {shown(path)} {other}; record it with: "
+            f"{ctx.repro} --update-baselines{store.option}",
+            {"no_baseline": True, "baseline": shown(path)},
+        )
+    produced = max((len(o.result.tokens) for o in ctx.completed()), default=0)
+    over = compared_length(recorded, shape, len(data["tokens"]), produced)
     compared = compare_tokens(
-        ctx, data["tokens"], store.load_logits(path), f"baseline {shown(path)}", earlier=store.earlier_replies(ctx)
+        ctx,
+        data["tokens"],
+        store.load_logits(path),
+        f"baseline {shown(path)}",
+        earlier=store.earlier_replies(ctx),
+        over=over,
     )
     result = verdict("baseline", compared)
     result.evidence["baseline"] = shown(path)
+    if over is not None:
+        at = f"n_predict {recorded['n_predict']}" if recorded else "a length it does not record"
+        result.evidence["compared_over"] = over
+        note = (
+            f"compared over the first {over} tokens: the baseline was recorded at {at}, this run asks n_predict "
+            f"{shape['n_predict']} ({max(produced - over, 0)} tokens of this run's output not compared)"
+        )
+        result.message = f"{result.message}; {note}" if result.message else note
     return result
 
 

@@ -273,9 +273,11 @@ def against_baseline(ctx: CheckContext, plan: Plan, mine: dict) -> None:
         return
     if stored is None:
         what = plan.key if plan.key == f"{ctx.cell.mode}/{ctx.cell.spec}" else f"these options ({plan.key})"
+        other = store.rows_mismatch(ctx, store.load(path))
         plan.pending = store.not_recorded(ctx) or (
-            f"no baseline yet: no acceptance baseline for {what} in {path.name}; record it with: "
-            f"{ctx.repro} --update-baselines{store.option}"
+            f"no baseline yet: no acceptance baseline for {what} in {path.name}"
+            + (f" ({other})" if other else "")
+            + f"; record it with: {ctx.repro} --update-baselines{store.option}"
         )
         plan.notes.append(plan.pending)
         return

@@ -42,8 +42,10 @@ def compare_tokens(
     ref_result: Result | None = None,
     ref_cell: Cell | None = None,
     earlier: list[list[int] | None] | None = None,
+    over: int | None = None,
 ) -> tuple[bool, str, dict]:
-    """Compare every completed outcome of this case with reference tokens; (passed, message, evidence).
+    """Compare every completed outcome of this case with reference tokens; (passed, message, evidence). With
+    `over`, only the first `over` tokens of each (a baseline recorded at another `n_predict`).
 
     Each divergence is triaged with this cell's noise floor, the KV findings of both requests and, where
     llama-server withheld logits, a re-score. A proven near-tie is excused where numerics can move a token
@@ -56,9 +58,11 @@ def compare_tokens(
     moot, mine = _same_prompt(ctx, earlier)
     if moot and not mine:
         return _not_compared(label, moot)
-    reference = _Reference(ref_tokens, ref_logits, ref_result, ref_cell, label)
+    reference = _Reference(
+        ref_tokens[:over] if over is not None else ref_tokens, ref_logits, ref_result, ref_cell, label
+    )
     floor = ctx.noise_floor
-    diffs = _triaged(ctx, mine, reference, floor)
+    diffs = _triaged(ctx, mine, reference, floor, over)
     return _judged(ctx, mine, moot, diffs, reference, floor)
 
 
@@ -97,15 +101,17 @@ def _not_run(reason: str, evidence: dict) -> tuple[bool, str, dict]:
 
 
 def _triaged(
-    ctx: CheckContext, mine: list[Outcome], ref: _Reference, floor: NoiseFloor
+    ctx: CheckContext, mine: list[Outcome], ref: _Reference, floor: NoiseFloor, over: int | None = None
 ) -> list[tuple[Outcome, Divergence]]:
-    """Each outcome whose tokens differ from the reference's, with its first divergence triaged."""
+    """Each outcome whose tokens (the first `over` of them, when given) differ from the reference's, with its first
+    divergence triaged."""
     sampling = ctx.case_def.sampling
     greedy = sampling.picks_argmax  # a logit margin says nothing about a penalized or sampled pick
     diffs: list[tuple[Outcome, Divergence]] = []
     with ctx.executor.rescorer() as rescorer:
         for o in mine:
-            if o.result.tokens == ref.tokens:
+            tokens = o.result.tokens[:over] if over is not None else o.result.tokens
+            if tokens == ref.tokens:
                 continue
 
             def rescore(side: str, pos: int, o: Outcome = o):
@@ -119,7 +125,7 @@ def _triaged(
             other_logits = None if sampling.post_sampling_probs else o.result.logits or None
             divergence = triage(
                 ref.tokens,
-                o.result.tokens,
+                tokens,
                 ref.logits or None,
                 other_logits,
                 detokenize=ctx.detokenize,
