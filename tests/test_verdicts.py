@@ -13,6 +13,7 @@ from skips import require_model
 from harness import noise
 from harness.calibrate import calibrate, within_spread
 from harness.cli import main
+from harness.matrix import Cell
 from harness.noise import calibration_path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -122,8 +123,10 @@ def test_calibration_measures_each_speculative_type_the_model_can_serve_and_no_d
         assert not mtp & {"draft-eagle3", "draft-dflash", "draft-dspark"}
         dense = specs(backend, "tiny-dense")
         assert "draft-simple" in dense and "draft-mtp" not in dense, dense
-    names = [name for name, _, _ in variants("server", "tiny-hybrid-mtp")]
-    assert {"seq/draft-mtp", "par/draft-mtp", "no-kv-unified/draft-mtp", "seq/draft-mtp/n_ubatch=7"} <= set(names)
+    names = [name for name, _, _ in variants("server", "tiny-hybrid-mtp")]  # par: a known defect's (left out)
+    assert {"seq/draft-mtp", "seq/draft-mtp/n_ubatch=7"} <= set(names)
+    engine = [name for name, _, _ in variants("inproc", "tiny-hybrid-mtp")]
+    assert {"seq/draft-mtp", "par/draft-mtp", "no-kv-unified/draft-mtp", "seq/draft-mtp/n_ubatch=7"} <= set(engine)
 
 
 def test_acceptance_spread_compares_modes_only_for_drafters_without_state_between_requests():
@@ -175,6 +178,8 @@ SEQ_SPECULATION_MAX_ABS = {  # the largest max |Δ| of a seq speculative variant
     "tiny-recurrent--server": 2.38e-6,
     "tiny-hybrid-mtp--inproc": 2.33e-5,
     "tiny-hybrid-mtp--server": 2.50e-5,
+    "tiny-dense-loop--inproc": 8.42e-4,  # specharness calibrate --model tiny-dense-loop --write, 2026-12-01
+    "tiny-dense-loop--server": 4.08e-4,
 }
 SEQ_FLOOR = {  # the near-tie floor a seq divergence is judged with (docs/near-tie-policy.md)
     "gemma3-270m--inproc": 1.53,
@@ -187,6 +192,8 @@ SEQ_FLOOR = {  # the near-tie floor a seq divergence is judged with (docs/near-t
     "tiny-recurrent--server": 1e-4,
     "tiny-hybrid-mtp--inproc": 1e-4,
     "tiny-hybrid-mtp--server": 1e-4,
+    "tiny-dense-loop--inproc": 2.39e-3,
+    "tiny-dense-loop--server": 3.22e-4,
 }
 
 
@@ -260,3 +267,16 @@ def test_calibration_refuses_an_acceptance_tolerance_no_drop_could_fail():
     new = {**base, "acceptance": {"ngram-mod": {"tolerance": 0.1, "tolerance_concurrent": 0.2}}}
     kept = merged(new, {**base, "acceptance": {"ngram-mod": spread}})["acceptance"]["ngram-mod"]
     assert kept["tolerance_concurrent"] is None and kept["tolerance"] == 0.1
+
+
+def test_calibration_leaves_out_the_cells_where_a_known_defect_moves_tokens_or_logits():
+    """server-par-partial-rollback-diverges flips tokens of llama-server's draft-mtp cells on tiny-hybrid-mtp
+    outside seq, intermittently: measured as noise, one 0.2-nat flip would raise the near-tie floor and excuse it."""
+    from harness.calibrate import defect_of, variants
+
+    names = [name for name, *_ in variants("server", "tiny-hybrid-mtp")]
+    assert "seq/draft-mtp" in names and "par/none" in names
+    assert "par/draft-mtp" not in names and "no-kv-unified/draft-mtp" not in names
+    assert defect_of(Cell("server", "par", "draft-mtp", "tiny-hybrid-mtp")) == "server-par-partial-rollback-diverges"
+    engine = [name for name, *_ in variants("inproc", "tiny-hybrid-mtp")]
+    assert "par/draft-mtp" in engine  # the engine has no such defect
