@@ -372,3 +372,23 @@ def test_known_defects_near_ties_and_unserved_cells_in_html_and_junit(tmp_path):
     assert cases["kv-fill[chat1.turn1-seq-draft-simple-tiny-dense-server]::no-crash"].find("error") is not None
     near = cases["kv-fill[chat1.turn1-no-kv-unified-draft-simple-tiny-dense-server]::mode-invariant"]
     assert near.find("failure") is None and near.find("properties/property").get("value") == "2"
+
+
+def test_diff_triages_a_changed_output_with_the_floor_and_sampling_of_its_cell(tmp_path):
+    """`diff` classes a changed output as the run's checks do: the calibrated floor of its model, backend and mode
+    (not the uncalibrated default) and greedy only where its case picked the argmax (a sampled flip is no
+    near-tie on margins)."""
+    from harness import noise
+    from harness.report.diff import triage_context
+    from harness.report.files import RunDir
+
+    run = RunDir(tmp_path, [], [], {"backends": {"server": {"device": "cpu"}}, "suites": {}})
+    greedy = {"suite": "quicksort", "case": "C", "model": "tiny-dense", "backend": "server", "mode": "seq"}
+    floor, picks_argmax = triage_context(run, greedy)
+    assert picks_argmax and floor.calibrated
+    assert floor.near_tie == noise.load("tiny-dense", "server", "cpu").for_mode("seq").near_tie
+    assert floor.near_tie != noise.DEFAULT.near_tie
+    sampled = {**greedy, "suite": "sampling", "case": "quicksort_penalties"}
+    assert triage_context(run, sampled)[1] is False
+    gone = {**greedy, "suite": "a-suite-no-longer-here"}
+    assert triage_context(run, gone)[1] is False

@@ -156,3 +156,48 @@ def test_a_rollback_inside_the_last_multi_token_decode_is_exact(model, depth):
 def test_a_rollback_after_single_token_steps_is_refused_or_exact(model, steps, depth):
     accepted, diff = _rollback_after_steps(model, steps=steps, depth=depth)
     assert not accepted or diff <= 1e-5, f"seq_rm accepted the rollback and the logits differ by {diff:.3g}"
+
+
+def _replay(ctx: Context, model, seq: int, p0: int, n: int) -> np.ndarray:
+    return _decode(ctx, [(_token(model, seq, p), p, seq, True) for p in range(p0, p0 + n)])
+
+
+def test_a_checkpoint_loaded_into_a_dirty_context_replays_exactly(model):
+    """Upstream's test-recurrent-state-rollback.cpp: a sequence's saved state (a context checkpoint, as
+    llama-server takes before a verification) loaded into a context whose sequence holds other tokens and another
+    recurrent state replays with the logits of a context that never held them (upstream asserts NMSE 0)."""
+    p0, n = 16, 8
+    source, dirty, ref = _context(model), _context(model), _context(model)
+    try:
+        _decode(source, [(_token(model, 0, p), p, 0, False) for p in range(p0)])
+        checkpoint = source.state_seq(0)
+        _decode(dirty, [((_token(model, 0, p) + 11) % model.n_vocab, p, 0, False) for p in range(p0 + 5)])
+        assert dirty.set_state_seq(0, checkpoint), "llama.cpp refused the checkpoint"
+        assert dirty.seq_pos_max(0) == p0 - 1
+        _decode(ref, [(_token(model, 0, p), p, 0, False) for p in range(p0)])
+        got, want = _replay(dirty, model, 0, p0, n), _replay(ref, model, 0, p0, n)
+        assert _nmse(got, want) == 0.0, f"nmse {_nmse(got, want):.3g}, max |diff| {np.abs(got - want).max():.3g}"
+    finally:
+        for ctx in (source, dirty, ref):
+            ctx.close()
+
+
+@pytest.mark.parametrize("kv_unified", [False, True], ids=["no-kv-unified", "kv-unified"])
+def test_sequence_1_is_unaffected_by_what_sequence_0_holds_and_rolls_back(model, kv_unified):
+    """Upstream's test-recurrent-state-rollback.cpp: sequence 1's logits do not depend on sequence 0's contents —
+    here sequence 0 decodes another history in the same batches, then rolls back (a rejected draft) while
+    sequence 1 goes on; sequence 1 matches a context where sequence 0 never held anything (the cross-slot bleed
+    upstream #28286 reports under speculation)."""
+    p0, n = 16, 8
+    both, alone = _context(model, n_seqs=2, kv_unified=kv_unified), _context(model, n_seqs=2, kv_unified=kv_unified)
+    try:
+        _decode(both, [(_token(model, s, p), p, s, False) for s in (1, 0) for p in range(p0)])
+        _decode(both, [(_token(model, 0, p), p, 0, False) for p in range(p0, p0 + 4)])
+        assert both.seq_rm(0, p0 + 1, -1), "llama.cpp refused sequence 0's rollback"
+        _decode(alone, [(_token(model, 1, p), p, 1, False) for p in range(p0)])
+        got = _decode(both, [(_token(model, 1, p), p, 1, True) for p in range(p0, p0 + n)] + [(3, p0 + 1, 0, False)])
+        want = _replay(alone, model, 1, p0, n)
+        assert _nmse(got, want) <= NMSE_MAX, f"nmse {_nmse(got, want):.3g}, max |diff| {np.abs(got - want).max():.3g}"
+    finally:
+        both.close()
+        alone.close()

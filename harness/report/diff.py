@@ -26,6 +26,9 @@ beyond its threshold — makes the exit status 1.
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from harness import noise
+from harness.errors import HarnessError
+from harness.noise import NoiseFloor
 from harness.paths import write_atomic
 from harness.report import work
 from harness.report.files import (
@@ -40,6 +43,7 @@ from harness.report.files import (
     throughput,
 )
 from harness.signatures.group import by_verdict
+from harness.suites import case_keys, load_suite
 from harness.triage import triage
 
 SPEED_THRESHOLD = 0.10
@@ -101,12 +105,39 @@ def _pieces(a: RunDir, b: RunDir, model: str) -> dict[str, str]:
     return {**a.vocab.get(model, {}), **b.vocab.get(model, {})}
 
 
+def triage_context(run: RunDir, record: dict) -> tuple[NoiseFloor, bool]:
+    """What a stored request is triaged with, as the run's own checks triaged it: the calibrated floor of its model,
+    backend and device in its mode (NoiseFloor.for_mode), and whether its case picked the argmax (its suite as the
+    run names it in run.json; a suite no longer there: not greedy, so no flip is called a near-tie without the
+    evidence that the pick was the logits' argmax)."""
+    device = (run.meta.get("backends") or {}).get(record["backend"], {}).get("device", "cpu")
+    floor = noise.load(record["model"], record["backend"], device).for_mode(record["mode"])
+    for where in dict.fromkeys([(run.meta.get("suites") or {}).get(record["suite"]), record["suite"]]):
+        try:
+            suite = load_suite(where)
+            case = next(c for c in suite.cases if record["case"] in case_keys(c))
+            return floor, suite.cell_case(case, record["model"]).sampling.picks_argmax
+        except (HarnessError, StopIteration, OSError, TypeError):
+            continue
+    return floor, False
+
+
 def output_change(a: RunDir, b: RunDir, ra: dict, rb: dict) -> dict:
-    """The first divergence of B's output from A's for one request, triaged with both runs' logits, in
-    the shape of a check's `first_divergence` evidence (A is the reference)."""
+    """The first divergence of B's output from A's for one request, triaged with both runs' logits and the floor and
+    sampling of B's cell (`triage_context`), in the shape of a check's `first_divergence` evidence (A is the
+    reference)."""
     pieces = _pieces(a, b, ra["model"])
     la, lb = a.logits(logits_key(ra)), b.logits(logits_key(rb))
-    d = triage(ra["tokens"], rb["tokens"], la or None, lb or None, detokenize=lambda tokens: joined(pieces, tokens))
+    floor, greedy = triage_context(b, rb)
+    d = triage(
+        ra["tokens"],
+        rb["tokens"],
+        la or None,
+        lb or None,
+        detokenize=lambda tokens: joined(pieces, tokens),
+        floor=floor,
+        greedy=greedy,
+    )
     return d.to_evidence(ra["repeat"], f"output of {a.run_id}", ra["tokens"], rb["tokens"], la)
 
 
