@@ -47,6 +47,9 @@ _ENTRY = {
         "upstream",
         "measured",
         "wider",
+        "modes",
+        "specs",
+        "models",
     ],
     "properties": {
         "id": {"type": "string", "pattern": r"^[a-z0-9-]+$"},
@@ -68,9 +71,10 @@ _ENTRY = {
         "measured": {"type": "array", "items": {"type": "string"}, "minItems": 1},
         "wider": {"type": "array", "items": {"type": "string"}, "minItems": 1},
         "backend": {"type": "string"},
-        "modes": {"type": "array", "items": {"type": "string"}},
-        "specs": {"type": "array", "items": {"type": "string"}},
-        "models": {"type": "array", "items": {"type": "string"}},
+        # where the defect was measured: an entry is recognised in no other mode, speculative config or model
+        "modes": {"type": "array", "items": {"type": "string"}, "minItems": 1},
+        "specs": {"type": "array", "items": {"type": "string"}, "minItems": 1},
+        "models": {"type": "array", "items": {"type": "string"}, "minItems": 1},
         "check": {"oneOf": [{"type": "string"}, {"type": "array", "items": {"type": "string"}, "minItems": 1}]},
         "evidence": {"type": "string"},
         "versions": {"type": "array", "items": {"type": "string"}, "minItems": 1},

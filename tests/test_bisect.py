@@ -31,7 +31,7 @@ from bisect_history import (
 from interrupts import interrupt, left_behind, spawn, wait_for_phase
 
 from harness.backends.build import TREE_MARKER, build_tree_dir, cmake_options
-from harness.bisect.judge import excused
+from harness.bisect.judge import BAD, GOOD, SKIP, verdict_of
 from harness.bisect.plan import from_run, from_suite
 from harness.bisect.releases import release_range
 from harness.bisect.step import CURRENT, read_log
@@ -385,30 +385,29 @@ def test_from_run_pins_the_failing_cell_and_names_what_is_wrong(tmp_path):
         from_run(tmp_path, "C")
 
 
-def test_a_near_tie_is_bad_only_when_strict():
+def test_a_step_judges_as_run_does_and_is_bad_only_with_the_pinned_signature():
+    """The checks' own policy decides (a near-tie in seq on a model calibrated bit-exact is a failed verdict there,
+    and bisect does not excuse it again); a failure is bad only with the pinned failure's signature, another
+    failure at a step is a skip naming both; --strict counts a comparison that excused proven near-ties as bad."""
     near = CheckResult(
         "lossless",
         False,
-        "differs",
+        "1 of 1 outputs differ from the seq reference; round 0: near-tie at token 3",
         {"first_divergence": {"kind": "near-tie", "index": 3}},
         failures=["round 0: near-tie at token 3"],
     )
-    hard = CheckResult(
-        "lossless",
-        False,
-        "differs",
-        {"first_divergence": {"kind": "hard", "index": 3}},
-        failures=["round 0: hard at token 3"],
+    assert verdict_of([near], strict=False)["verdict"] == BAD  # the check failed it: not excused again
+    pinned = verdict_of([near], strict=False)["signatures"]
+    assert verdict_of([near], strict=False, pinned=pinned)["verdict"] == BAD
+    crash = CheckResult(
+        "no-crash", False, "1 of 1 requests failed", failures=["round 0: llama-server was killed by SIGSEGV"]
     )
-    mixed = CheckResult(
-        "lossless",
-        False,
-        "differs",
-        {"first_divergence": {"kind": "near-tie", "index": 3}},
-        failures=["round 0: near-tie at token 3", "round 1: hard at token 9"],
-    )
-    assert excused(near, strict=False) and not excused(near, strict=True)
-    assert not excused(hard, strict=False) and not excused(mixed, strict=False)
+    other = verdict_of([crash], strict=False, pinned=pinned)
+    assert other["verdict"] == SKIP and "another failure than the pinned one" in other["reason"], other
+    assert pinned[0] in other["reason"]
+    excused = CheckResult("lossless", True, "1 of 1 outputs differ at proven near-ties", {"near_ties": 1})
+    assert verdict_of([excused], strict=False)["verdict"] == GOOD
+    assert verdict_of([excused], strict=True)["verdict"] == BAD
 
 
 def test_release_ranges_are_validated():

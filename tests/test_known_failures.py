@@ -16,6 +16,8 @@ ENTRY = """\
   suites: [kv-fill]
   backend: server
   modes: [par]
+  specs: [draft-simple, draft-mtp]
+  models: [tiny-dense, tiny-hybrid, tiny-hybrid-mtp]
   check: no-crash
   evidence: 'batch index \\d+ is not inside'
   versions: [0c1e570]
@@ -82,6 +84,9 @@ def test_an_entry_must_explain_every_failing_request_of_a_verdict(suites):
         (("modes: [par]", "modes: [parallel]"), "unknown mode 'parallel'"),
         (("backend: server", "backend: cuda"), "unknown backend 'cuda'"),
         (("  reason: a demo\n", ""), "'reason' is a required property"),
+        # recognised only where it was measured: every entry lists its modes, specs and models
+        (("  models: [tiny-dense, tiny-hybrid, tiny-hybrid-mtp]\n", ""), "'models' is a required property"),
+        (("specs: [draft-simple, draft-mtp]", "specs: []"), "should be non-empty"),
     ],
 )
 def test_bad_entries_are_one_line_errors_naming_file_and_entry(suites, change, message):
@@ -362,7 +367,9 @@ def test_a_known_failure_whose_cells_ran_with_other_spec_options_is_not_judged_f
 def test_an_entry_whose_strict_cell_is_not_in_its_home_suite_is_an_error_of_the_registry(suites):
     """Its strict expected failure would never run, so it could never show as fixed while it still excuses
     failures wherever its signature shows."""
-    (suites / "known-failures.yaml").write_text(ENTRY.replace("modes: [par]", "modes: [par]\n  models: [gemma3-270m]"))
+    (suites / "known-failures.yaml").write_text(
+        ENTRY.replace("models: [tiny-dense, tiny-hybrid, tiny-hybrid-mtp]", "models: [gemma3-270m]")
+    )
     with pytest.raises(HarnessError, match=r"entry 0 \(demo-defect\): no cell of its home suite kv-fill's default"):
         load(suites / "known-failures.yaml")
 

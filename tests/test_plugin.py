@@ -114,7 +114,8 @@ def test_a_known_failure_for_a_cpu_feature_this_cpu_lacks_is_reported_skipped_wi
     """On a CPU without the entry's feature the item is skipped through a marker, and pytest places that
     report at the item's line: a None line was an INTERNALERROR that ended the whole session."""
     (project.path / "suites" / "known-failures.yaml").write_text(
-        "- id: needs-a-flag\n  suites: [good]\n  backend: inproc\n  check: no-crash\n"
+        "- id: needs-a-flag\n  suites: [good]\n  backend: inproc\n  modes: [seq]\n  specs: [none]\n"
+        "  models: [tiny-dense]\n  check: no-crash\n"
         "  cpu_flags: [no-cpu-has-this-flag]\n  evidence: 'x'\n  measured: ['x']\n  wider: ['y']\n"
         "  versions: [0c1e570]\n  upstream: none\n  reason: a demo\n"
     )
@@ -137,7 +138,8 @@ def _unservable_suite(project, tiny_models) -> str:
         "cases:\n  - {name: hello, prompt: Hello}\n"
     )
     (project.path / "suites" / "known-failures.yaml").write_text(
-        "- id: a-demo-defect\n  suites: [unservable]\n  backend: inproc\n  check: no-crash\n"
+        "- id: a-demo-defect\n  suites: [unservable]\n  backend: inproc\n  modes: [seq]\n  specs: [draft-simple]\n"
+        f"  models: [{model}]\n  check: no-crash\n"
         "  evidence: 'could not be served'\n  measured: ['round 0: the cell could not be served']\n"
         "  wider: ['round 0: killed']\n  versions: [0c1e570]\n  upstream: none\n  reason: a demo\n"
     )
@@ -172,7 +174,8 @@ def test_an_intermittent_known_failure_is_served_again_before_it_counts_as_gone(
     """`tries: 2`: its cells are served a second time, afresh, when the first serving did not reproduce it; a
     defect that never shows is still a strict failure (XPASS), one that shows is XFAIL."""
     entry = (
-        "- id: a-demo-defect\n  suites: [good]\n  backend: inproc\n  check: no-crash\n  tries: 2\n"
+        "- id: a-demo-defect\n  suites: [good]\n  backend: inproc\n  modes: [seq]\n  specs: [none]\n"
+        "  models: [tiny-dense]\n  check: no-crash\n  tries: 2\n"
         "  evidence: '{evidence}'\n  measured: ['{measured}']\n"
         "  wider: ['round 0: killed']\n  versions: [0c1e570]\n  upstream: none\n  reason: a demo\n"
     )

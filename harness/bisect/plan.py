@@ -15,6 +15,7 @@ from harness.baselines import default_root
 from harness.errors import HarnessError
 from harness.execute import case_keys
 from harness.matrix import Cell, narrowing, spec_preset
+from harness.signatures import signature_of
 from harness.suites import CHECK_NAMES, Suite, load_suite
 
 BACKEND = "server"
@@ -56,6 +57,9 @@ class Plan:
     """`--tags`: the upstream tags bisected, oldest first."""
     fixed: bool = False
     """`--fixed`: look for the change that made the case pass (the older end fails, the newer passes)."""
+    signatures: list[str] = field(default_factory=list)
+    """The pinned failure's signatures (harness.signatures): a step fails only with one of them, another failure
+    is a skip. From the run the plan was read from (`--from-run`), else from the failing end's first judgement."""
 
     @property
     def cell(self) -> Cell:
@@ -203,6 +207,7 @@ def from_run(
     mode, spec, model = cells[0]
     suite = load_suite(on_server[0]["suite"])
     names = sorted({r["check"] for r in on_server})
+    requests = _requests(run_dir, case, on_server[0])
     return _validated(
         Plan(
             suite=str(Path(suite.path).resolve()),
@@ -213,5 +218,21 @@ def from_run(
             model=model,
             strict=strict,
             baselines=str(default_root().resolve()),
+            signatures=sorted({signature_of(r, requests) for r in on_server}),
         )
     )
+
+
+def _requests(run_dir: Path, case: str, record: dict) -> list[dict]:
+    """The results.json records of a failing verdict's case and cell ([] when unreadable): their errors name a
+    crash's signature."""
+    try:
+        rows = json.loads((Path(run_dir) / "results.json").read_text())
+    except (OSError, ValueError):
+        return []
+    keys = ("suite", "model", "backend", "mode", "spec")
+    return [
+        r
+        for r in rows
+        if isinstance(r, dict) and r.get("case") == case and all(r.get(k) == record.get(k) for k in keys)
+    ]

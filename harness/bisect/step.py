@@ -134,6 +134,9 @@ def evaluate(plan: Plan, source: Path, run_dir: Path, facts: dict) -> dict:
             entry["server"] = {"server_bin": str(info.server_bin), "source_identity": info.source_identity}
             _phase(run_dir, entry, "judge")
             entry.update(judge(plan, info, run_dir / "server-logs" / label))
+            if entry.get("role") == "verify-bad" and entry["verdict"] == BAD and not plan.signatures:
+                plan.signatures = entry["signatures"]  # the failure every later step must show to be bad
+                plan.save(run_dir)
         entry["seconds"] = round(time.monotonic() - started, 1)
         with interrupt.deferred():  # a judged step is logged whole (what --resume goes on from)
             append_log(run_dir, entry)
