@@ -79,6 +79,13 @@ class Work:
     """Each checkpoint the request created, `[kind, n_tokens, bytes]` (kind `prompt`: llama-server's context
     checkpoint of a prompt; `speculative`: before a verification), in order; None where not counted. Not a
     counter: the `work` check compares their sizes with each other (CHECKPOINT_KINDS), not with a baseline."""
+    steps: dict | None = None
+    """llama-server's steps of the request, as its log tells them (harness.backends.server_work; None elsewhere):
+    `verifications` (one `[n_draft, n_accepted, speculative checkpoints created before it, their bytes, checkpoints
+    restored after it, their bytes]` per verification batch, n_accepted -1 where restored), `decodes` (steps without a
+    draft), `prompt_batches` (the position each batch of its prompt started at) and `prompt_restored` ([prompt
+    checkpoints restored, their bytes]). Not counters: the `work` check derives from them the request's drafting
+    rounds and compares the work of each request like with like (harness.checks.work `steps_of`)."""
 
     @classmethod
     def zero(cls) -> "Work":
@@ -101,11 +108,13 @@ class Work:
 
     def to_dict(self) -> dict:
         """The counters and, where kept, the checkpoint sizes (a stored run's record: one {kind, n_tokens, bytes}
-        per checkpoint, which a parquet column holds as a list of structs)."""
-        if self.ckpt_sizes is None:
-            return self.counters()
-        sizes = [dict(zip(CKPT_SIZE_FIELDS, c, strict=True)) for c in self.ckpt_sizes]
-        return self.counters() | {"ckpt_sizes": sizes}
+        per checkpoint, which a parquet column holds as a list of structs) and llama-server's steps."""
+        out = self.counters()
+        if self.ckpt_sizes is not None:
+            out["ckpt_sizes"] = [dict(zip(CKPT_SIZE_FIELDS, c, strict=True)) for c in self.ckpt_sizes]
+        if self.steps is not None:
+            out["steps"] = self.steps
+        return out
 
     @classmethod
     def from_dict(cls, data: dict | None) -> "Work":
@@ -114,7 +123,7 @@ class Work:
         sizes = data.get("ckpt_sizes")
         if sizes is not None:
             sizes = [[c[f] for f in CKPT_SIZE_FIELDS] for c in sizes]
-        return cls(**{name: data.get(name) for name in WORK_COUNTERS}, ckpt_sizes=sizes)
+        return cls(**{name: data.get(name) for name in WORK_COUNTERS}, ckpt_sizes=sizes, steps=data.get("steps"))
 
     def counted(self) -> bool:
         """Whether any counter was counted."""

@@ -52,6 +52,9 @@ def test_work_round_trips_and_counts_none_apart_from_zero():
     assert not Work().counted() and Work.from_dict({"prompt_read": 3}).counted()
     assert Work.from_dict(None) == Work() and Result().work == Work()
     assert set(w.counters()) == set(WORK_COUNTERS) and set(w.to_dict()) == {*WORK_COUNTERS, "ckpt_sizes"}
+    w.steps = {"verifications": [[4, -1, 1, 10, 1, 10], [2, 2, 0, 0, 0, 0]], "decodes": 1, "prompt_batches": [0]}
+    assert Work.from_dict(json.loads(json.dumps(w.to_dict()))) == w  # llama-server's steps, stored with the run
+    w.steps = None
     w.checkpoint("prompt", 18, 58720)
     assert Work.from_dict(json.loads(json.dumps(w.to_dict()))) == w
     assert w.to_dict()["ckpt_sizes"] == [{"kind": "prompt", "n_tokens": 18, "bytes": 58720}]
@@ -233,16 +236,24 @@ LOG = """\
 0.02.612.950 I slot      release: id  0 | task 0 | stop processing: n_tokens = 149, truncated = 0
 0.02.612.988 I slot launch_slot_: id  0 | task 1 | processing task, is_child = 0
 0.02.613.100 I slot launch_slot_: id  1 | task 2 | processing task, is_child = 0
+0.02.730.380 D slot   operator(): id  0 | task 1 | main/do_checkpoint = yes, pos_min = 17, pos_max = 17
 0.02.730.382 I slot create_check: id  0 | task 1 | created context checkpoint 1 of 32 (pos_min = 17, pos_max = 17, \
 n_tokens = 18, size = 0.056 MiB)
+0.02.900.100 D slot handle_last_: id  0 | task 1 | slot decode token, id=1193, n_ctx = 512, n_tokens = 22, \
+truncated = 0
 0.02.945.290 D slot   operator(): id  0 | task 1 | created speculative checkpoint (pos_min = 21, pos_max = 21, \
 n_tokens = 22, size = 0.112 MiB, draft = 0.056 MiB)
 0.02.945.300 D slot   operator(): id  1 | task 2 | created speculative checkpoint (pos_min = 21, pos_max = 21, \
 n_tokens = 22, size = 0.112 MiB, draft = 0.056 MiB)
+0.02.945.400 D slot handle_last_: id  0 | task 1 | generate_draft: id=1193, #tokens=23, #draft=4, pos_next=23
 0.02.981.602 D slot   operator(): id  0 | task 1 | add accepted tokens: sampled=1193, ids.size=5, n_draft=4
+0.02.981.650 D slot handle_last_: id  0 | task 1 | generate_draft: id=1193, #tokens=28, #draft=4, pos_next=28
 0.02.981.700 D slot   operator(): id  0 | task 1 | add accepted tokens: sampled=1193, ids.size=2, n_draft=4
+0.02.981.750 D slot handle_last_: id  0 | task 1 | generate_draft: id=1193, #tokens=30, #draft=4, pos_next=30
 0.02.990.446 D slot   operator(): id  0 | task 1 | restoring speculative checkpoint (pos_min = 26, pos_max = 26, \
 size = 116936)
+0.02.990.500 D slot handle_last_: id  0 | task 1 | generate_draft: id=1193, #tokens=30, #draft=2, pos_next=30
+0.02.990.600 D slot   operator(): id  0 | task 1 | add accepted tokens: sampled=1193, ids.size=3, n_draft=2
 0.03.130.018 I slot   operator(): id  0 | task 1 | restored context checkpoint (pos_min = 17, pos_max = 17, \
 n_tokens = 18, n_past = 18, size = 0.112 MiB)
 0.03.989.679 I slot      release: id  0 | task 1 | stop processing: n_tokens = 149, truncated = 0
@@ -267,9 +278,21 @@ def test_a_server_request_s_work_comes_from_its_timings_and_its_own_task_s_lines
     assert w.ckpt_sizes == [["prompt", 18, round(0.056 * 1024 * 1024)], ["speculative", 22, round(0.112 * 1024 * 1024)]]
     assert (w.ckpt_restored, w.ckpt_restored_bytes) == (2, 116936 + round(0.112 * 1024 * 1024))
     assert w.partial_rollbacks == 1  # 1 of 4 drafts accepted, no restore
-    assert w.target_decoded is None and w.draft_decoded is None  # llama-server does not tell them
+    assert w.target_decoded == 4 + 1 + 5 + 5 + 5 + 3  # the prompt, a decode, 3 drafts of 4 and a replay of 2
+    assert w.draft_decoded is None  # llama-server does not log the draft context's decodes per request
+    assert w.steps == {
+        "verifications": [
+            [4, 4, 1, round(0.112 * 1024 * 1024), 0, 0],
+            [4, 1, 0, 0, 0, 0],
+            [4, -1, 0, 0, 1, 116936],
+            [2, 2, 0, 0, 0, 0],
+        ],
+        "decodes": 1,
+        "prompt_batches": [18],
+        "prompt_restored": [1, round(0.112 * 1024 * 1024)],
+    }
     quiet = server_work.work_of(result, log, start, verbosity=None)  # a server not started at -lv 5
-    assert quiet.ckpt_created is None and quiet.prompt_read == 4
+    assert quiet.ckpt_created is None and quiet.prompt_read == 4 and quiet.steps is None
 
 
 def test_llama_server_requests_count_their_checkpoints_and_pass_work(clean):
@@ -279,7 +302,9 @@ def test_llama_server_requests_count_their_checkpoints_and_pass_work(clean):
     for o in cell.outcomes:
         w = o.result.work
         assert w.ckpt_created > 1 and w.ckpt_created_bytes > 0  # the prompt's, then one per drafted step
-        assert w.ckpt_restored > 0 and w.ckpt_restored_bytes > 0 and w.target_decoded is None
+        assert w.ckpt_restored > 0 and w.ckpt_restored_bytes > 0
+        assert w.target_decoded > w.prompt_read + len(o.result.tokens) - 1  # drafts and replays decoded too
+        assert len(w.steps["verifications"]) > 1 and w.steps["prompt_batches"]
 
 
 def _work_gaps() -> list[str]:
@@ -325,3 +350,138 @@ def test_every_default_suite_judges_work_or_documents_why_not():
     compares (`work` is not run with "no work in the baseline" nowhere)."""
     gaps = _work_gaps()
     assert not gaps, f"{len(gaps)} gaps, e.g.:\n" + "\n".join(gaps[:20])
+
+
+STEPS = [[4, 4, 1, 117440, 0, 0], [4, -1, 1, 117440, 1, 116936], [2, 2, 0, 0, 0, 0], [3, 1, 0, 0, 0, 0]]
+"""A llama-server request's verification batches (harness.result.Work.steps): a draft of 4 all accepted, one of 4
+restored (its replay verifies 1 accepted draft and the target's token: 2), and a draft of 3 rolled back partially
+(inside the hybrid's snapshots: no checkpoint)."""
+
+
+def _steps_work(verifications=STEPS, prompt_batches=(0,), reused=0, decodes=2):
+    w = Work(prompt_read=22 - reused, prompt_reused=reused, ckpt_sizes=[["prompt", 18, 58720]])
+    w.steps = {
+        "verifications": [list(v) for v in verifications],
+        "decodes": decodes,
+        "prompt_batches": list(prompt_batches),
+        "prompt_restored": [0, 0],
+    }
+    return w
+
+
+def test_steps_give_the_rounds_and_the_counts_of_each_part():
+    from harness.checks.work import steps_of
+
+    s = steps_of(_steps_work())
+    assert s["rounds"] == [(4, 4), (4, 1), (3, 1)]  # the replay is no round; the restored one accepted 1
+    assert s["speculative"] == {
+        "ckpt_created": 2,
+        "ckpt_created_bytes": 2 * 117440,
+        "ckpt_restored": 1,
+        "ckpt_restored_bytes": 116936,
+        "partial_rollbacks": 1,
+        "target_decoded": 2 + 5 + 5 + 3 + 4,
+    }
+    assert s["prompt"] == {
+        "prompt_read": 22,
+        "ckpt_created": 1,
+        "ckpt_created_bytes": 58720,
+        "ckpt_restored": 0,
+        "ckpt_restored_bytes": 0,
+    }
+    assert steps_of(Work.zero()) is None  # the engine logs no steps: its own counters and spec_cycles judge it
+
+
+def _seq_ctx(mode, mine, theirs, tokens=(1, 2, 3)):
+    """A CheckContext stand-in: this cell's requests (Work per round) in `mode`, seq's in `theirs`."""
+    from types import SimpleNamespace
+
+    from harness.matrix import Cell
+
+    def outcomes(works):
+        return [
+            SimpleNamespace(round=i, result=Result(tokens=list(tokens), prompt_tokens=[5, 6], work=w))
+            for i, w in enumerate(works)
+        ]
+
+    ctx = SimpleNamespace(
+        cell=Cell("server", mode, "draft-simple", "tiny-hybrid"),
+        case="C",
+        other=lambda cell: outcomes(theirs),
+        prompt_differs=lambda o, reference: None,
+        earlier_replies=lambda cell, r: [],
+    )
+    return ctx, outcomes(mine)
+
+
+def test_outside_seq_a_request_with_seq_s_rounds_does_seq_s_work_exactly():
+    """Like with like (issue 48 item 2): a par request with seq's output and drafting rounds creates and restores
+    the checkpoints seq's same request does. One more checkpoint (at the replay, where the restored one serves) fails
+    naming the part, the counters and the request, though each batch has one; drafts that differ, or a prompt read
+    from another cache or in other batches, are not compared and the evidence says why."""
+    from harness.checks.work import against_seq, per_batch
+
+    seq = [_steps_work(), _steps_work()]
+    ctx, mine = _seq_ctx("par", [_steps_work(), _steps_work()], seq)
+    assert against_seq(ctx, mine) == (
+        [],
+        {"against_seq": {"compared": {"speculative": 2, "prompt": 2}, "seq": "seq-draft-simple-tiny-hybrid-server"}},
+    )
+    extra = [list(v) for v in STEPS]
+    extra[2][2:4] = [1, 117440]  # a checkpoint before the replay
+    ctx, mine = _seq_ctx("par", [_steps_work(), _steps_work(extra)], seq)
+    lines, evidence = against_seq(ctx, mine)
+    assert lines == [
+        "C round 1: more speculative work than the same request in seq (same output and 3 drafting rounds): "
+        "ckpt_created 3 against 2, ckpt_created_bytes 352320 against 234880 (tolerance 0%)"
+    ]
+    assert per_batch(ctx, mine)[0] == []  # one checkpoint per batch: only seq's counts show it
+    other = [list(v) for v in STEPS]
+    other[0][1] = 3  # another acceptance: other rounds, not compared; its prompt part still is
+    ctx, mine = _seq_ctx(
+        "no-kv-unified", [_steps_work(other), _steps_work(reused=18), _steps_work(prompt_batches=[0, 8])], seq + seq[:1]
+    )
+    lines, evidence = against_seq(ctx, mine)
+    assert lines == [] and evidence["against_seq"]["compared"] == {"speculative": 2, "prompt": 1}
+    assert set(evidence["against_seq"]["not_compared"]) == {
+        "speculative part: its drafts or their acceptance differ from seq's (the drafter's state)",
+        "prompt part: it reused another part of its prompt from the slot's cache than in seq",
+        "prompt part: its prompt was read in other batches than in seq (the other slots shared them)",
+    }
+    ctx, mine = _seq_ctx("seq", seq, seq)
+    assert against_seq(ctx, mine) == ([], {})  # seq is the reference
+
+
+def test_a_verification_batch_checkpointed_twice_fails_without_a_reference():
+    from harness.checks.work import per_batch
+
+    twice = [list(v) for v in STEPS]
+    twice[0][2:4] = [2, 2 * 117440]
+    ctx, mine = _seq_ctx("par", [_steps_work(), _steps_work(twice)], [])
+    lines, evidence = per_batch(ctx, mine)
+    assert lines == [
+        "C round 1: 2 speculative checkpoints created for one verification batch where one suffices, in 1 of its 4 "
+        "batches (the first: batch 1, 4 drafts)"
+    ]
+    assert evidence == {"batches_checked": 8}
+
+
+def test_a_cell_whose_baseline_compared_nothing_passes_only_on_seq_s_comparison():
+    """A par cell none of whose requests the baseline could compare (another prompt cache, other drafts) is not run
+    unless `against_seq` compared a part of one of its requests: then it passes, saying why the baseline did not."""
+    import dataclasses
+
+    from harness.checks.base import not_run
+    from harness.checks.work import with_sizes
+
+    nothing = dataclasses.replace(
+        not_run("work", "every request met another prompt cache"), evidence={"nothing_compared": True}
+    )
+    compared = {"against_seq": {"compared": {"speculative": 1, "prompt": 0}}}
+    verdict = with_sizes(nothing, [], compared)
+    assert verdict.passed and verdict.not_run is None
+    assert verdict.evidence["baseline_not_compared"] == "every request met another prompt cache"
+    skipped = {"against_seq": {"compared": {"speculative": 0, "prompt": 0}, "not_compared": {"drafts differ": 1}}}
+    assert with_sizes(nothing, [], skipped).not_run == "every request met another prompt cache"
+    missing = not_run("work", "no work in the baseline x for par/none, re-record with: ...")
+    assert with_sizes(missing, [], compared).not_run.startswith("no work in the baseline")  # still to be recorded

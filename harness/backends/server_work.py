@@ -14,9 +14,17 @@
     sizes the `work` check compares with each other;
   - `add accepted tokens: sampled=.., ids.size=K, n_draft=N` with K - 1 < N: a rejection rolled back by
     `seq_rm` alone (a restored step returns before that line), the engine's `partial_rollbacks`.
-- Not to be had from llama-server (None): `target_decoded` (no timing or line counts the target's decoded tokens
-  of a request: draft and replay batches are not logged with their sizes at any verbosity) and `draft_decoded`
-  (the draft context's decodes are not logged per request).
+- `target_decoded`: `prompt_read`, then one token per `slot decode token` line (a step without a draft) and
+  1 + #draft per `generate_draft: ... #draft=N` line (a verification batch: the sampled token and N drafts, a replay
+  after a restore included); every generation step's batch logs one of the two (`handle_last_sampled_token`);
+- `Work.steps` (not counters: what the `work` check compares like with like, harness.checks.work): each
+  verification batch in order, `[n_draft, n_accepted, speculative checkpoints created before it, their bytes,
+  checkpoints restored after it, their bytes]` (n_accepted -1 where it was restored; a restored verification's
+  replay follows it), the one-token decodes, the position each batch of the prompt started at
+  (`main/do_checkpoint = ..., pos_max = P`: one line per batch that holds the slot's prompt tokens), and the prompt
+  checkpoints restored and their bytes;
+- Not to be had from llama-server (None): `draft_decoded` (the draft context's decodes are not logged per
+  request: common/speculative.cpp logs candidates, not decodes, and without the task).
 
 A request's lines are those of its task (`slot ... id S | task T | ...`): T is the task its slot S started
 (`processing task`) after the request was sent; its `stop processing` line ends them (the log is written by a
@@ -41,6 +49,8 @@ _SIZE_MIB = re.compile(r"size = ([\d.]+) MiB")
 _SIZE_BYTES = re.compile(r"size = (\d+)\)")
 _N_TOKENS = re.compile(r"n_tokens = (\d+)")
 _ACCEPTED = re.compile(r"add accepted tokens: sampled=-?\d+, ids\.size=(\d+), n_draft=(\d+)")
+_DRAFT_BATCH = re.compile(r"generate_draft: id=-?\d+, #tokens=\d+, #draft=(\d+)")
+_PROMPT_BATCH = re.compile(r"main/do_checkpoint = \w+, pos_min = -?\d+, pos_max = (-?\d+)")
 MIB = 1024 * 1024
 
 
@@ -81,25 +91,61 @@ def task_lines(lines: list[str], slot_id: int) -> tuple[int | None, list[str], b
 
 
 def count(messages: list[str]) -> Work:
-    """The checkpoint and rollback counters of one task's log messages, and each created checkpoint's size."""
-    c = Work(ckpt_restored=0, ckpt_restored_bytes=0, partial_rollbacks=0)
+    """The checkpoint and rollback counters of one task's log messages, each created checkpoint's size, the
+    target's decoded generation tokens (`target_decoded` less the prompt) and the steps (`Work.steps`)."""
+    c = Work(target_decoded=0, ckpt_restored=0, ckpt_restored_bytes=0, partial_rollbacks=0)
     c.ckpt_created, c.ckpt_created_bytes, c.ckpt_sizes = 0, 0, []
+    verifications, decodes, prompt_batches, prompt_restored = [], 0, [], [0, 0]
+    pending = [0, 0]  # speculative checkpoints created since the last batch, and their bytes
     for message in messages:
         if message.startswith(("created context checkpoint", "created speculative checkpoint")):
             size, n_tokens = _SIZE_MIB.search(message), _N_TOKENS.search(message)
             kind = "prompt" if message.startswith("created context") else "speculative"
             c.checkpoint(kind, int(n_tokens.group(1)) if n_tokens else -1, _mib(size))
+            if kind == "speculative":
+                pending[0], pending[1] = pending[0] + 1, pending[1] + _mib(size)
         elif message.startswith("restored context checkpoint"):
             c.add("ckpt_restored", 1)
             c.add("ckpt_restored_bytes", _mib(_SIZE_MIB.search(message)))
+            prompt_restored[0], prompt_restored[1] = (
+                prompt_restored[0] + 1,
+                prompt_restored[1] + _mib(_SIZE_MIB.search(message)),
+            )
         elif message.startswith("restoring speculative checkpoint"):
             c.add("ckpt_restored", 1)
             size = _SIZE_BYTES.search(message)
-            c.add("ckpt_restored_bytes", int(size.group(1)) if size else 0)
+            nbytes = int(size.group(1)) if size else 0
+            c.add("ckpt_restored_bytes", nbytes)
+            if verifications:
+                v = verifications[-1]
+                v[1], v[4], v[5] = -1, v[4] + 1, v[5] + nbytes
+        elif message.startswith("slot decode token"):
+            decodes += 1
+            c.add("target_decoded", 1)
+        elif message.startswith("generate_draft:"):
+            n_draft = int(m.group(1)) if (m := _DRAFT_BATCH.match(message)) else 0
+            verifications.append([n_draft, None, *pending, 0, 0])
+            pending = [0, 0]
+            c.add("target_decoded", 1 + n_draft)
+        elif message.startswith("main/do_checkpoint"):
+            if m := _PROMPT_BATCH.match(message):
+                prompt_batches.append(int(m.group(1)) + 1)
         else:
             accepted = _ACCEPTED.match(message)
-            if accepted and int(accepted.group(1)) - 1 < int(accepted.group(2)):
-                c.add("partial_rollbacks", 1)
+            if accepted:
+                k, n = int(accepted.group(1)), int(accepted.group(2))
+                if k - 1 < n:
+                    c.add("partial_rollbacks", 1)
+                if verifications and verifications[-1][1] is None:
+                    verifications[-1][1] = k - 1
+    c.steps = {
+        "verifications": verifications,
+        "decodes": decodes,
+        "prompt_batches": prompt_batches,
+        "prompt_restored": prompt_restored,
+    }
+    if pending[0]:  # checkpoints no batch followed (the request ended or was cut): kept, as a step of their own
+        c.steps["verifications"].append([0, None, *pending, 0, 0])
     return c
 
 
@@ -127,5 +173,8 @@ def work_of(result: Result, log_path: Path | None, start: int, verbosity: int | 
     counted = count(messages)
     for name in ("ckpt_created", "ckpt_created_bytes", "ckpt_restored", "ckpt_restored_bytes", "partial_rollbacks"):
         setattr(work, name, getattr(counted, name))
+    if ended and work.prompt_read is not None:  # every step's line is there: the target's decoded tokens are known
+        work.target_decoded = work.prompt_read + counted.target_decoded
     work.ckpt_sizes = counted.ckpt_sizes
+    work.steps = counted.steps if ended else None  # a task whose lines did not all come: its steps are not known
     return work

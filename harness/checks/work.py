@@ -42,15 +42,18 @@ that rejected. Where the split of the drafts into rounds is chance (CACHE_MOVES 
 its rounds, `spec_cycles`) they are compared only where the backend reports its rounds and they are the baseline's:
 llama-server split the same 68 drafts of Gemma quicksort (Python, par, ngram-mod, 54 accepted, same output, same
 prompt cache) into rounds with 2, 3 and 4 partial rollbacks in 3 requests and runs; its /completion reports no
-rounds, so there they are not compared (`rounds_not_compared` in the evidence) and the other counters are."""
+rounds and the baseline's rows hold none of its log's (harness.result.Work.steps), so against the baseline they are
+not compared there (`rounds_not_compared` in the evidence) and the other counters are: outside `seq` llama-server's
+rounds are compared with seq's same requests instead (`against_seq`), whose counts the baseline judges."""
 SPLITS_UNREPORTED = ("server",)
 """Backends whose split of a request into batches is shared with the other slots and not reported: llama-server
 fills its logical batch (n_batch) with the slots' tokens in turn, so outside `seq` where a slot's prompt breaks depends
 on what the other slots put in the same batch, and it creates a prompt checkpoint before each batch that starts near
 the prompt's end (tools/server/server-context.cpp, `near_prompt_end`). Measured: small-batch (`-b 2 -np 2`), par, no
 speculation, tiny-hybrid, C: 2 checkpoints created against 1 in its baseline, same output and prompt cache, in 2 of the
-last 4 full pytest runs (2026-11-26). There a request's checkpoint counters are never compared outside `seq`
-(ROUND_COUNTERS)."""
+last 4 full pytest runs (2026-11-26). There a request's checkpoint counters (and `target_decoded`, which counts
+each round's verification batch) are not compared with the baseline outside `seq` (ROUND_COUNTERS); `against_seq`
+compares them with seq's same request where the request's log shows the same rounds and prompt batches."""
 OTHER_OUTPUT_TOLERANCE = 0.25
 """Relative slack per generated token for a request whose output differs from its baseline's (its drafts, and
 so its steps, differ: `baseline` / `lossless` judge the tokens)."""
@@ -90,12 +93,18 @@ state write of a plain KV cache ignores PARTIAL_ONLY (src/llama-kv-cache.cpp, `G
 
 
 def work(ctx: CheckContext) -> CheckResult:
-    """No request does more work than it should. Two rules:
+    """No request does more work than it should. Four rules:
 
     - against the baseline: no request does more work per generated token than the same request of the baseline
       (rows below);
     - a partial checkpoint does not grow with the sequence: on a model without a sliding-window cache, every
-      checkpoint of a kind a request creates has the size of its first (CHECKPOINT_KINDS), baseline or not.
+      checkpoint of a kind a request creates has the size of its first (CHECKPOINT_KINDS), baseline or not;
+    - one checkpoint per draft (`per_batch`, llama-server's steps): no verification batch has more than one
+      speculative checkpoint created before it or restored after it;
+    - outside `seq`, like with like (`against_seq`, llama-server's steps): each request does the work of the same
+      request in `seq` of this run where that work is the request's own (its drafting rounds, and its prompt's
+      cache and batches, the same as there), every count exact; what differs is not compared and the evidence
+      says why (`against_seq`).
 
     Fails naming the counters and the request, or the checkpoint that grew; not run where the backend counted no
     work, with the reason where it cannot judge a case by design (`cannot_judge`: sampled cases, requests that may
@@ -110,7 +119,11 @@ def work(ctx: CheckContext) -> CheckResult:
     counted = [o for o in done if o.result.work.counted()]
     if not counted:
         return not_run("work", f"the {ctx.cell.backend} backend counted no work")
-    return with_sizes(against_baseline(ctx, counted), *checkpoint_sizes(ctx, counted))
+    lines, evidence = checkpoint_sizes(ctx, counted)
+    for rule in (against_seq, per_batch):
+        more, seen = rule(ctx, counted)
+        lines, evidence = lines + more, {**evidence, **seen}
+    return with_sizes(against_baseline(ctx, counted), lines, evidence)
 
 
 def checkpoint_sizes(ctx: CheckContext, counted: list) -> tuple[list[str], dict]:
@@ -144,17 +157,182 @@ def checkpoint_sizes(ctx: CheckContext, counted: list) -> tuple[list[str], dict]
     return lines, evidence
 
 
+STEP_PARTS = {
+    "speculative": (
+        "ckpt_created",
+        "ckpt_created_bytes",
+        "ckpt_restored",
+        "ckpt_restored_bytes",
+        "partial_rollbacks",
+        "target_decoded",
+    ),
+    "prompt": ("prompt_read", "ckpt_created", "ckpt_created_bytes", "ckpt_restored", "ckpt_restored_bytes"),
+}
+"""What `steps_of` counts of a llama-server request, in two parts compared apart (`against_seq`): the speculative
+part (checkpoints created before a verification and restored after one, partial rollbacks, and `target_decoded` of
+the generation: one-token decodes and verification batches, replays included), which follows from the request's
+drafting rounds; and the prompt part (prompt tokens read, prompt checkpoints created and restored), which follows
+from the prompt cache the slot held and the batches its prompt was read in."""
+SEQ_TOLERANCE = 0.0
+"""Relative slack of `against_seq`: measured, every compared part equal to seq's, bytes included (a checkpoint of
+one sequence has one size in every mode). `specharness run --suite categories --backend server` (its 22 cells; 140
+par and no-kv-unified requests of tiny-dense, tiny-hybrid and tiny-recurrent with draft-simple and tiny-hybrid-mtp
+with draft-mtp), 3 clean runs on 2026-12-01: the speculative part compared in 140 of 140 requests each run, the
+prompt part in 121, 119 and 119 (the others had another prompt cache than in seq), no count above seq's; `--suite
+quicksort --backend server`, 3 clean runs: the speculative part in 231, 230 and 230 of 234 (the rest: EAGLE3's
+drafts in par and no-kv-unified, which differ from seq's, a known defect), the prompt part in 194, 198 and 197, none
+above."""
+
+
+def steps_of(work) -> dict | None:
+    """A llama-server request's steps (harness.result.Work.steps) as what `against_seq` compares: its drafting
+    `rounds` (each fresh draft's size and how many of it the target accepted: a restored verification's accepted
+    count is its replay's draft less the target's token), and the counts of STEP_PARTS (`speculative`, `prompt`);
+    None where the backend logged no steps."""
+    steps = work.steps
+    if steps is None:
+        return None
+    verifications = steps.get("verifications") or []
+    rounds, spec = [], dict.fromkeys(STEP_PARTS["speculative"], 0)
+    spec["target_decoded"] = steps.get("decodes", 0)
+    replay = False
+    for i, (n_draft, accepted, made, made_bytes, restored, restored_bytes) in enumerate(verifications):
+        spec["ckpt_created"] += made
+        spec["ckpt_created_bytes"] += made_bytes
+        spec["ckpt_restored"] += restored
+        spec["ckpt_restored_bytes"] += restored_bytes
+        spec["target_decoded"] += (1 + n_draft) if n_draft else 0
+        if accepted is not None and 0 <= accepted < n_draft:
+            spec["partial_rollbacks"] += 1
+        if not replay and n_draft:
+            kept = accepted
+            if accepted == -1:  # restored: its replay verifies what was accepted and the target's token
+                kept = verifications[i + 1][0] - 1 if i + 1 < len(verifications) else None
+            rounds.append((n_draft, kept))
+        replay = accepted == -1  # the next batch replays this one
+    sizes = [c for c in work.ckpt_sizes or [] if c[0] == "prompt"]
+    restored = steps.get("prompt_restored") or [0, 0]
+    prompt = {
+        "prompt_read": work.prompt_read,
+        "ckpt_created": len(sizes),
+        "ckpt_created_bytes": sum(c[2] for c in sizes),
+        "ckpt_restored": restored[0],
+        "ckpt_restored_bytes": restored[1],
+    }
+    return {
+        "rounds": rounds,
+        "speculative": spec,
+        "prompt": prompt,
+        "prompt_batches": list(steps.get("prompt_batches") or []),
+        "verifications": verifications,
+    }
+
+
+def per_batch(ctx: CheckContext, counted: list) -> tuple[list[str], dict]:
+    """One checkpoint per draft: llama-server checkpoints a slot's state once before verifying a fresh draft (a
+    replay reuses it) and restores it at most once after, so a verification batch with more than one speculative
+    checkpoint created before it or restored after it is work done twice, in any mode and without a reference.
+    Returns a line per such request, and the evidence (the batches checked)."""
+    lines, batches = [], 0
+    for o in counted:
+        steps = steps_of(o.result.work)
+        if steps is None:
+            continue
+        batches += len(steps["verifications"])
+        over = [(i, v) for i, v in enumerate(steps["verifications"]) if v[2] > 1 or v[4] > 1]
+        if over:
+            i, v = over[0]
+            what = f"{v[2]} speculative checkpoints created" if v[2] > 1 else f"{v[4]} checkpoints restored"
+            lines.append(
+                f"{ctx.case} round {o.round}: {what} for one verification batch where one suffices, in {len(over)} "
+                f"of its {len(steps['verifications'])} batches (the first: batch {i + 1}, {v[0]} drafts)"
+            )
+    return lines, ({"batches_checked": batches} if batches else {})
+
+
+def against_seq(ctx: CheckContext, counted: list) -> tuple[list[str], dict]:
+    """Outside `seq`, each llama-server request against the same request in `seq` of this run, like with like:
+    the speculative part of its work (STEP_PARTS) where its output, prompt and drafting rounds (`steps_of`: each
+    fresh draft's size and its accepted count, which for a greedy request are the drafter's and the target's, not the
+    scheduler's) are seq's; the prompt part where its prompt, the prompt tokens it reused from the slot's cache and
+    the batches its prompt was read in are seq's (which slot the pool lends, and what the other slots put in a batch,
+    are chance). Every count is compared exact (SEQ_TOLERANCE). Returns a line per request that did more, and the
+    evidence: `against_seq` with how many requests' parts were compared and why the others were not (never a pass:
+    a cell none of whose requests could be compared has `compared` 0 and its reasons)."""
+    if ctx.cell.mode == "seq" or not any(o.result.work.steps is not None for o in counted):
+        return [], {}
+    seq_cell = ctx.cell.reference(mode="seq")
+    theirs = {o.round: o for o in ctx.other(seq_cell) if o.result.ok}
+    lines, compared, skipped = [], {"speculative": 0, "prompt": 0}, {}
+
+    def skip(why: str) -> None:
+        skipped[why] = skipped.get(why, 0) + 1
+
+    for o in counted:
+        mine, ref = steps_of(o.result.work), theirs.get(o.round)
+        if mine is None:
+            skip("llama-server logged no steps for it (its task's lines did not all come)")
+            continue
+        seq = steps_of(ref.result.work) if ref is not None else None
+        if seq is None:
+            skip("seq has no such request with logged steps")
+            continue
+        if ctx.prompt_differs(o, ctx.earlier_replies(seq_cell, o.round)) or (
+            o.result.prompt_tokens and ref.result.prompt_tokens and o.result.prompt_tokens != ref.result.prompt_tokens
+        ):
+            skip("its prompt differs from seq's (earlier replies differ)")
+            continue
+        parts = []
+        if o.result.work.prompt_reused != ref.result.work.prompt_reused:
+            skip("prompt part: it reused another part of its prompt from the slot's cache than in seq")
+        elif mine["prompt_batches"] != seq["prompt_batches"]:
+            skip("prompt part: its prompt was read in other batches than in seq (the other slots shared them)")
+        else:
+            parts.append(("prompt", "same prompt, prompt cache and prompt batches"))
+        if o.result.tokens != ref.result.tokens:
+            skip("speculative part: its output differs from seq's (the token checks judge it)")
+        elif mine["rounds"] != seq["rounds"]:
+            skip("speculative part: its drafts or their acceptance differ from seq's (the drafter's state)")
+        else:
+            parts.append(("speculative", f"same output and {len(mine['rounds'])} drafting rounds"))
+        for part, same in parts:
+            compared[part] += 1
+            grown = []
+            for counter in STEP_PARTS[part]:
+                a, b = mine[part][counter], seq[part][counter]
+                if a is not None and b is not None and a > b * (1 + SEQ_TOLERANCE) and a > b:
+                    grown.append(f"{counter} {a} against {b}")
+            if grown:
+                lines.append(
+                    f"{ctx.case} round {o.round}: more {part} work than the same request in seq ({same}): "
+                    f"{', '.join(grown)} (tolerance {SEQ_TOLERANCE:.0%})"
+                )
+    evidence = {"compared": compared, "seq": seq_cell.id}
+    if skipped:
+        evidence["not_compared"] = skipped
+    return lines, {"against_seq": evidence}
+
+
 def with_sizes(verdict: CheckResult, lines: list[str], evidence: dict) -> CheckResult:
     """The baseline rule's verdict with the checkpoint-size rule's lines and evidence: failed where either failed
     (every failing request's line kept, so a known defect must explain each)."""
     evidence = {**verdict.evidence, **evidence}
     if not lines:
+        if verdict.not_run is not None and verdict.evidence.get("nothing_compared") and _seq_compared(evidence):
+            # the baseline's rows were there but no request was comparable; seq's same requests were
+            evidence = {k: v for k, v in evidence.items() if k != "nothing_compared"}
+            return CheckResult("work", True, evidence={**evidence, "baseline_not_compared": verdict.not_run})
         return dataclasses.replace(verdict, evidence=evidence)
     more = f" (and {len(lines) - 1} more)" if len(lines) > 1 else ""
     if verdict.not_run is None and not verdict.passed:
         failures = (verdict.failures or [verdict.message]) + lines
         return CheckResult("work", False, verdict.message, evidence, failures=failures)
     return CheckResult("work", False, f"{lines[0]}{more}", evidence, failures=lines)
+
+
+def _seq_compared(evidence: dict) -> bool:
+    """Whether `against_seq` compared a part of any request."""
+    return any((evidence.get("against_seq") or {}).get("compared", {}).values())
 
 
 def _kib(nbytes: int) -> str:
@@ -188,6 +366,9 @@ def against_baseline(ctx: CheckContext, counted: list) -> CheckResult:
             f"--update-baselines{store.option}",
         )
     by_round = {r["round"]: r for r in rows}
+    # where the rounds are not reported, the target's decodes (a verification batch per round, replays included)
+    # follow the rounds too
+    round_counters = ROUND_COUNTERS + (("target_decoded",) if ctx.cell.backend in SPLITS_UNREPORTED else ())
     failures, compared, worst, grown, skipped, rounds_skipped = [], 0, None, set(), 0, 0
     for o in counted:
         row = by_round.get(o.round)
@@ -209,7 +390,7 @@ def against_baseline(ctx: CheckContext, counted: list) -> CheckResult:
         slack = tolerance(ctx, same)
         for counter in MORE_IS_WORSE:
             now, before = getattr(o.result.work, counter), row.get(counter)
-            if now is None or before is None or (counter in ROUND_COUNTERS and not rounds_known):
+            if now is None or before is None or (counter in round_counters and not rounds_known):
                 continue
             if same or counter in PROMPT_COUNTERS:
                 a, b, unit = now, before, ""
@@ -236,7 +417,7 @@ def against_baseline(ctx: CheckContext, counted: list) -> CheckResult:
             if skipped
             else f"the baseline {shown(path)} holds no work row for this case's rounds under {key}"
         )
-        return not_run("work", why)
+        return dataclasses.replace(not_run("work", why), evidence={**evidence, "nothing_compared": True})
     if failures:
         # the counters in a fixed order (the failure's signature), then the request that grew most
         counters = [c for c in MORE_IS_WORSE if c in grown]
