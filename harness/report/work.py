@@ -2,8 +2,9 @@
 summed per cell, per generated token, and as the short text the run summary, `index.html`, `diff` and `bench` show
 beside acceptance and speed-up.
 
-A counter is None for a group of requests where one of them has it not counted: llama-server counts no target or
-draft decodes (harness.backends.server_work), and records written before work was recorded have none.
+A counter is None for a group of requests where one of them has it not counted: llama-server counts no draft
+decodes, and target decodes only where the request's log was read whole (harness.backends.server_work); records
+written before work was recorded have none.
 """
 
 from harness.result import WORK_COUNTERS
