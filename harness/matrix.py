@@ -56,12 +56,21 @@ def served_options(preset: SpecPreset, overrides: dict) -> dict:
     return {**preset.options, **overrides} if preset.options else {}
 
 
+OPTION_DEFAULTS = {"spec-draft-sampling": "greedy"}
+"""llama-server's value of a speculative option it is not given: an option set to it serves as the option left out."""
+
+
+def canonical(options: dict) -> tuple:
+    """Speculative options as served: sorted, values as text, an option at its default left out."""
+    return tuple(sorted((k, str(v)) for k, v in options.items() if OPTION_DEFAULTS.get(k) != v))
+
+
 def served_as(spec: str, overrides: dict) -> tuple:
     """What a spec config is served as under a run's `--spec-*` overrides: its options and its script. Two configs
     with the same value are served alike (`draft-simple-probabilistic` with `--spec-draft-sampling greedy` is
     `draft-simple`)."""
     preset = spec_preset(spec)
-    return tuple(sorted((k, str(v)) for k, v in served_options(preset, overrides).items())), preset.scripted
+    return canonical(served_options(preset, overrides)), preset.scripted
 
 
 def keeps_seeded_tokens(options: dict) -> bool:

@@ -28,7 +28,7 @@ from harness.errors import HarnessError
 from harness.execute import CellRun, Executor
 from harness.known_failures import FILE_NAME as KNOWN_FAILURES
 from harness.known_failures import tag
-from harness.matrix import Cell, Shard, cells, narrowing, spec_preset
+from harness.matrix import Cell, Shard, canonical, cells, narrowing, spec_preset
 from harness.models import ModelUnavailable, resolve
 from harness.models.facts import run_models
 from harness.paths import reports_dir
@@ -222,7 +222,9 @@ def print_verdicts(
     for line in reported_lines(check_records(verdicts)):  # passed, yet an output changed: never silent
         console.print(line, markup=False, highlight=False)
     served_otherwise = {
-        (r.suite.name, r.cell) for r in runs if r.spec is not None and r.spec != spec_preset(r.cell.spec).options
+        (r.suite.name, r.cell)
+        for r in runs
+        if r.spec is not None and canonical(r.spec) != canonical(spec_preset(r.cell.spec).options)
     }
     shown = {r.evidence.get("known_failure") for *_, r in verdicts}
     covering = [e for e in known if any(e.covers(s, c, overrides) for s, c in done) and e.id not in shown]

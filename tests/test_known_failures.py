@@ -397,3 +397,12 @@ def test_an_entry_goes_by_what_a_cell_was_served_with_not_by_its_presets_name():
     assert tag([entry], "sampling", cell, [verdict()], probabilistic) == []
     assert tag([entry], "sampling", listed, [verdict()], {"spec-draft-n-max": 2}) == []
     assert tag([entry], "sampling", cell, [verdict()], {"spec-draft-n-max": 2}) != []
+
+
+def test_an_option_set_to_llama_servers_default_serves_as_the_preset_measured():
+    """`--spec-draft-sampling greedy` is what llama-server does without the flag: a cell it overrides is served as
+    measured (FIXED? stays possible), and the preset keeps its entries."""
+    from harness.matrix import served_as
+
+    assert served_as("ngram-mod", {"spec-draft-sampling": "greedy"}) == served_as("ngram-mod", {})
+    assert served_as("ngram-mod", {"spec-draft-sampling": "probabilistic"}) != served_as("ngram-mod", {})
