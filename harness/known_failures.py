@@ -179,6 +179,14 @@ class KnownFailure:
         served = served_as(spec, overrides)
         return not self.specs or any(served_as(listed, overrides) == served for listed in self.specs)
 
+    def measured_in(self, cell: Cell, overrides: dict | None = None) -> bool:
+        """Whether `cell`, served under the run's `overrides`, is served as one of the entry's specs was when the
+        defect was measured (no overrides): only such a cell can show that the defect is gone."""
+        served = served_as(cell.spec, overrides or {})
+        return self.shows_in(cell, overrides) and (
+            not self.specs or any(served_as(listed, {}) == served for listed in self.specs)
+        )
+
     def covers(self, suite: str, cell: Cell, overrides: dict | None = None) -> bool:
         """True for the cells of the suites it has been seen in that the defect shows in."""
         return suite in self.suites and self.shows_in(cell, overrides)

@@ -228,7 +228,13 @@ def print_verdicts(
     }
     shown = {r.evidence.get("known_failure") for *_, r in verdicts}
     covering = [e for e in known if any(e.covers(s, c, overrides) for s, c in done) and e.id not in shown]
-    absent = [e for e in covering if any(e.covers(s, c, overrides) for s, c in done if (s, c) not in served_otherwise)]
+    absent = [
+        e
+        for e in covering
+        if any(
+            e.covers(s, c, overrides) and e.measured_in(c, overrides) for s, c in done if (s, c) not in served_otherwise
+        )
+    ]
     for entry in (e for e in covering if e not in absent):  # its cells were served otherwise than measured
         console.print(
             f"not judged: known failure {entry.id} did not show, but its cells were served with this run's --spec-* "

@@ -406,3 +406,34 @@ def test_an_option_set_to_llama_servers_default_serves_as_the_preset_measured():
 
     assert served_as("ngram-mod", {"spec-draft-sampling": "greedy"}) == served_as("ngram-mod", {})
     assert served_as("ngram-mod", {"spec-draft-sampling": "probabilistic"}) != served_as("ngram-mod", {})
+
+
+def test_a_cell_the_override_makes_an_entrys_spec_cannot_show_the_defect_gone():
+    """Under `--spec-draft-sampling probabilistic` the eog-sampled entry's draft-simple is served by rejection
+    sampling, as `draft-simple-probabilistic` is: the entry covers both cells, but neither is served as the defect
+    was measured (sample-and-match), so a run where it does not show says nothing of a fix (no FIXED?)."""
+    import io
+
+    from rich.console import Console
+
+    from harness.cellrun import CellRun
+    from harness.runner import print_verdicts
+    from harness.suites import load_suite
+
+    entry = next(e for e in SHIPPED if e.id == "server-spec-keeps-eog-sampled")
+    suite = load_suite("sampling")
+    probabilistic = {"spec-draft-sampling": "probabilistic"}
+    runs, done = [], []
+    for spec in ("draft-simple", "draft-simple-probabilistic"):
+        cell = Cell("server", "seq", spec, "tiny-recurrent")
+        run = CellRun(suite, cell)
+        run.spec = {"spec-type": "draft-simple", "spec-draft-n-max": 4, **probabilistic}
+        runs.append(run)
+        done.append(("sampling", cell))
+    out = io.StringIO()
+    assert print_verdicts(Console(file=out, width=200), runs, [], done, [entry], probabilistic) == []
+    assert "FIXED?" not in out.getvalue()
+    greedy = {"spec-draft-sampling": "greedy"}  # sample-and-match, as measured: a run without it says FIXED?
+    for run in runs:
+        run.spec = {"spec-type": "draft-simple", "spec-draft-n-max": 4, **greedy}
+    assert print_verdicts(Console(file=io.StringIO()), runs, [], done, [entry], greedy) == [entry]
