@@ -496,6 +496,7 @@ _KF_ORDER = (
     "specs",
     "models",
     "cpu_flags",
+    "without_cpu_flags",
     "check",
     "evidence",
     "limits",

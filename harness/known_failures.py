@@ -82,6 +82,7 @@ _ENTRY = {
         "found": {"type": "string"},
         "reason": {"type": "string"},
         "cpu_flags": {"type": "array", "items": {"type": "string"}, "minItems": 1},
+        "without_cpu_flags": {"type": "array", "items": {"type": "string"}, "minItems": 1},
         "upstream": {"type": "string", "minLength": 1},
         "tries": {"type": "integer", "minimum": 2, "maximum": 5},
     },
@@ -135,6 +136,9 @@ class KnownFailure:
     found: str = ""
     cpu_flags: tuple[str, ...] = ()
     """The defect shows only on a CPU with these flags (`/proc/cpuinfo`); elsewhere the entry does not apply."""
+    without_cpu_flags: tuple[str, ...] = ()
+    """The defect was measured not to show on a CPU with these flags (its numerics differ): there the entry does not
+    apply, and its strict expected failure is skipped instead of passing as a false "fixed"."""
     limits: tuple[Limit, ...] = ()
     anywhere: bool = True
     """Recognised in any suite (False: only in `suites`, for evidence not specific to the defect)."""
@@ -155,9 +159,10 @@ class KnownFailure:
 
     @property
     def missing_cpu_flags(self) -> list[str]:
-        """The CPU flags the entry needs that this machine lacks (empty: it applies here)."""
+        """The CPU flags the entry needs that this machine lacks, and `no F` for each flag it must not have that this
+        machine has (empty: it applies here)."""
         have = cpu_flags()
-        return [f for f in self.cpu_flags if f not in have]
+        return [f for f in self.cpu_flags if f not in have] + [f"no {f}" for f in self.without_cpu_flags if f in have]
 
     def shows_in(self, cell: Cell, overrides: dict | None = None) -> bool:
         """True for the cells whose configuration the defect needs (an empty list of modes, specs or models
@@ -348,7 +353,7 @@ def _check_strict_cell(entry: KnownFailure, path: Path, i: int) -> None:
     from harness.suites import load_suite
 
     suite = load_suite(entry.suite, path.parent)
-    gated = replace(entry, cpu_flags=())
+    gated = replace(entry, cpu_flags=(), without_cpu_flags=())
     if not any(gated.covers(suite.name, cell) for cell in cells(suite.matrix, {})):
         raise HarnessError(
             f"{path}: entry {i} ({entry.id}): no cell of its home suite {entry.suite}'s default matrix has its "

@@ -368,8 +368,9 @@ class KnownFailuresFile(pytest.File):
                 item.add_marker(
                     pytest.mark.skip(
                         reason=(
-                            f"{entry.id} shows only on a CPU with {', '.join(entry.cpu_flags)}; this one lacks "
-                            f"{', '.join(entry.missing_cpu_flags)}"
+                            f"{entry.id} shows only on a CPU with "
+                            f"{', '.join([*entry.cpu_flags, *(f'no {f}' for f in entry.without_cpu_flags)])}; this "
+                            f"one does not have: {', '.join(entry.missing_cpu_flags)}"
                         )
                     )
                 )

@@ -437,3 +437,16 @@ def test_a_cell_the_override_makes_an_entrys_spec_cannot_show_the_defect_gone():
     for run in runs:
         run.spec = {"spec-type": "draft-simple", "spec-draft-n-max": 4, **greedy}
     assert print_verdicts(Console(file=io.StringIO()), runs, [], done, [entry], greedy) == [entry]
+
+
+def test_an_entry_measured_not_to_show_on_a_cpu_with_a_flag_does_not_apply_there(suites):
+    from harness.backends.base import cpu_flags
+
+    have = sorted(cpu_flags())[0] if cpu_flags() else None
+    if have is None:
+        pytest.skip("no CPU flags readable here")
+    (suites / "known-failures.yaml").write_text(ENTRY + f"  without_cpu_flags: [{have}]\n")
+    [entry] = load(suites / "known-failures.yaml")
+    assert entry.missing_cpu_flags == [f"no {have}"]
+    par = Cell("server", "par", "draft-simple", "tiny-dense")
+    assert not entry.covers("kv-fill", par)
