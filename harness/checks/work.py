@@ -366,9 +366,14 @@ def against_baseline(ctx: CheckContext, counted: list) -> CheckResult:
     # follow the rounds too
     round_counters = ROUND_COUNTERS + (("target_decoded",) if ctx.cell.backend in SPLITS_UNREPORTED else ())
     failures, compared, worst, grown, skipped, rounds_skipped, other = [], 0, None, set(), 0, 0, 0
+    earlier = store.earlier_replies(ctx)  # a chat turn after a reply other than the baseline's has another prompt
     for o in counted:
         row = by_round.get(o.round)
         if row is None:
+            continue
+        n_prompt = (row.get("prompt_read") or 0) + (row.get("prompt_reused") or 0)
+        if ctx.prompt_differs(o, earlier) or (n_prompt and n_prompt != len(o.result.prompt_tokens)):
+            skipped += 1  # another prompt than the row's (an earlier reply differed, here or where it was recorded)
             continue
         if ctx.cell.mode in CACHE_MOVES and (
             o.result.work.prompt_reused != row.get("prompt_reused")
