@@ -167,13 +167,26 @@ def java_baseline(tmp_path, backend="inproc"):
 @pytest.mark.parametrize("key", ["no-kv-unified/none"])
 def test_more_work_than_the_baseline_fails_naming_counter_and_request(tmp_path, clean, key):
     root, path, data = java_baseline(tmp_path)
-    data["work"][key][1]["prompt_read"] -= 1  # the baseline's round 1 read one prompt token less
+    # the baseline's round 1 decoded one token less for the same prompt and output: the run does more work
+    # (a baseline row whose prompt_read differs is another prompt, and is not compared)
+    data["work"][key][1]["target_decoded"] -= 1
     path.write_text(json.dumps(data))
     mode = key.split("/")[0]
     verdicts, _ = run(clean, root=root, narrowing={**CELL, "modes": [mode], "specs": ["none"]})
     failed = [(k, r) for _, k, _, r in verdicts if r.name == "work" and not r.passed]
     assert [k for k, _ in failed] == ["Java"]
-    assert "prompt_read" in failed[0][1].message and "Java round 1" in failed[0][1].message
+    assert "target_decoded" in failed[0][1].message and "Java round 1" in failed[0][1].message
+
+
+def test_a_baseline_row_of_another_prompt_length_is_not_compared(tmp_path, clean):
+    """A row whose prompt (read + reused) is not the request's prompt is another prompt (an earlier reply differed
+    where the row was recorded): its counts are not like with like, so the request is left out, never failed."""
+    root, path, data = java_baseline(tmp_path)
+    data["work"]["no-kv-unified/none"][1]["prompt_read"] -= 1
+    path.write_text(json.dumps(data))
+    verdicts, _ = run(clean, root=root, narrowing={**CELL, "modes": ["no-kv-unified"], "specs": ["none"]})
+    java = [r for _, k, _, r in verdicts if r.name == "work" and k == "Java"]
+    assert java and java[0].passed and java[0].evidence["not_compared"] == 1
 
 
 def test_outside_seq_a_request_that_met_another_prompt_cache_is_not_compared(tmp_path, clean):
