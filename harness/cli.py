@@ -10,10 +10,12 @@ from harness.errors import HarnessError
 
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser with one subcommand per concern (each module adds its own)."""
-    from harness import calibrate, kvscan_cli, runner, scaffold, selftest
     from harness.backends import build_cli
     from harness.bench import cli as bench_cli
     from harness.bisect import cli as bisect_cli
+    from harness.commands import calibrate, scaffold, selftest
+    from harness.commands import kvscan as kvscan_cli
+    from harness.commands import run as runner
     from harness.models import cli as models_cli
     from harness.report import cli as report_cli
     from harness.shrink import cli as shrink_cli

@@ -2,7 +2,7 @@
 
 `python -m harness.docgen` writes `docs/reference/*.md` from what the harness itself reads: the CLI from the
 argparse parsers (`harness.cli.build_parser`), the suite format from the JSON schema the suite loader validates
-with (`harness.suites.SUITE_SCHEMA`, `harness.request.Sampling`), the shipped suites from `suites/*.yaml`, the
+with (`harness.suites.SUITE_SCHEMA`, `harness.suites.request.Sampling`), the shipped suites from `suites/*.yaml`, the
 speculative configs from `harness.matrix.SPEC_PRESETS`, the checks from the check registry's docstrings
 (`harness.checks.CHECKS`), the fault switches from `harness.engine.faults.FAULTS`, the known llama.cpp defects
 from `suites/known-failures.yaml` and the calibration tables from `fixtures/calibration/*.json`.
@@ -22,7 +22,7 @@ from collections.abc import Callable
 from dataclasses import MISSING, fields
 from pathlib import Path
 
-from harness import yamltext
+from harness.suites import yamltext
 
 ROOT = Path(__file__).resolve().parent.parent
 """The checkout: suites/, fixtures/ and docs/ sit beside the package."""
@@ -341,8 +341,8 @@ def _field_docs(cls: type) -> dict[str, str]:
 
 
 def suite_format_page() -> str:
-    from harness.request import SAMPLING_SCHEMA, Sampling
     from harness.suites import CHECK_NAMES, DEFAULT_CHECKS, DEFAULT_MATRIX, SUITE_SCHEMA
+    from harness.suites.request import SAMPLING_SCHEMA, Sampling
 
     out = [_header("Suite format", "the JSON schema suite files are validated with (`harness.suites.SUITE_SCHEMA`)")]
     out.append(
@@ -704,7 +704,7 @@ def calibration_page() -> str:
         "speculation: the largest single |Δ| of a logged log-probability, the largest change of a top-1 − top-2 "
         "margin, the variants whose max |Δ| is exactly 0 and the top-1 tokens that flipped. Whether a model counts "
         "as bit-identical under speculation in `seq`, and so whether a proven near-tie in its `seq` cells is "
-        "excused, is read from these measurements (`harness.noise`; "
+        "excused, is read from these measurements (`harness.verdict.noise`; "
         "[the policy](../internals/triage.md#one-policy-for-every-token-comparison)).\n"
     )
     rows = []
@@ -775,14 +775,15 @@ def _acceptance_section(data: list[dict]) -> list[str]:
 
 def _near_tie_section(data: list[dict]) -> list[str]:
     """The numbers docs/near-tie-policy.md's rule reads: the speculative `seq` variants that decide whether a
-    proven near-tie is excused in `seq`, and each mode's near-tie floor (harness.noise)."""
-    from harness import noise
+    proven near-tie is excused in `seq`, and each mode's near-tie floor (harness.verdict.noise)."""
+    from harness.verdict import noise
 
     out = ["## The near-tie floor per mode\n"]
     out.append(
         "The speculative `seq` variants served as the cells serve them (not `seq/none`, not the `n_ubatch=7` "
         "split), whose largest max |Δ| decides whether a proven near-tie is excused in `seq` "
-        "(`harness.noise.seq_bit_exact`), in-process `seq/scripted-accept` alone (it accepts every draft: only the "
+        "(`harness.verdict.noise.seq_bit_exact`), in-process `seq/scripted-accept` alone (it accepts every draft: "
+        "only the "
         "batch shape changes), and the near-tie floor of the file and of each mode (`NoiseFloor.for_mode`: "
         f"{noise.SAFETY:g} × the largest margin change or flipped margin in that mode, at least "
         f"{noise.MINIMUM_NEAR_TIE:g}, at most the file's). The rule: [Near-tie policy](../near-tie-policy.md).\n"
@@ -814,14 +815,15 @@ def _near_tie_section(data: list[dict]) -> list[str]:
 
 
 def _refused_section(data: list[dict]) -> list[str]:
-    """The acceptance tolerances calibration refused (≥ harness.noise.RANGE: no drop could fail them)."""
-    from harness import noise
+    """The acceptance tolerances calibration refused (≥ harness.verdict.noise.RANGE: no drop could fail them)."""
+    from harness.verdict import noise
 
     out = ["## Refused acceptance tolerances\n"]
     out.append(
         f"An acceptance fraction lies in [0, 1], so a tolerance ≥ {noise.RANGE:g} lets every drop pass: calibration "
         "writes it as null with the reason, and a committed value that large loads as refused "
-        "(`harness.noise.acceptance_of`); that comparison is then *not run: not judged: noise exceeds the range*. "
+        "(`harness.verdict.noise.acceptance_of`); that comparison is then *not run: not judged: noise exceeds the "
+        "range*. "
         "The refused ones, and each file's largest tolerance kept:\n"
     )
     rows = []
@@ -854,8 +856,8 @@ def _names(values: list[str], plain: tuple[str, ...] = ()) -> str:
 
 def default_job_block() -> str:
     """What the default job (`specharness run` without `--suite`) serves, block by block of its suite's matrix."""
+    from harness.execute.run_options import DEFAULT_SUITE
     from harness.matrix import cells
-    from harness.run_options import DEFAULT_SUITE
     from harness.suites import load_suite
 
     suite = load_suite(DEFAULT_SUITE, ROOT / "suites")

@@ -14,19 +14,16 @@ from pathlib import Path
 
 import pytest
 
-from harness import MODES, detok, interrupt
+from harness import MODES, interrupt
 from harness.argtypes import count, csv
 from harness.backends.base import KV_SCAN
 from harness.backends.choose import backend_factories
 from harness.backends.facts import run_backends
 from harness.backends.versions import UNKNOWN, planned_versions
-from harness.baselines import BaselineStore, not_recorded_lines, uncalibrated_lines
 from harness.checks import evaluate_cell, harness_errors
+from harness.engine import detok
 from harness.errors import HarnessBug, HarnessError
 from harness.execute import ExecOptions, Executor, case_keys
-from harness.known_failures import FILE_NAME as KNOWN_FAILURES
-from harness.known_failures import KnownFailure, scope_line, tag
-from harness.known_failures import load as load_known
 from harness.matrix import BACKEND_NAMES, Shard, cells, narrowing, shard
 from harness.models import ModelUnavailable, resolve
 from harness.models.facts import run_models
@@ -36,6 +33,10 @@ from harness.report.merge import merge
 from harness.running import known_failures
 from harness.signatures.text import known_lines, summary_lines
 from harness.suites import load_suite, user_suites_dir
+from harness.verdict.baselines import BaselineStore, not_recorded_lines, uncalibrated_lines
+from harness.verdict.known_failures import FILE_NAME as KNOWN_FAILURES
+from harness.verdict.known_failures import KnownFailure, scope_line, tag
+from harness.verdict.known_failures import load as load_known
 
 STATE = pytest.StashKey[dict]()
 

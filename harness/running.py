@@ -8,14 +8,14 @@ from pathlib import Path
 from rich.console import Console
 from rich.progress import Progress
 
-from harness.baselines import BaselineStore, shown
 from harness.checks import evaluate_cell
 from harness.execute import Executor, case_keys
-from harness.known_failures import FILE_NAME as KNOWN_FAILURES
-from harness.known_failures import load as load_known
-from harness.known_failures import scoped
 from harness.matrix import Cell, Shard, cells, shard
 from harness.suites import Suite, suites_dir
+from harness.verdict.baselines import BaselineStore, shown
+from harness.verdict.known_failures import FILE_NAME as KNOWN_FAILURES
+from harness.verdict.known_failures import load as load_known
+from harness.verdict.known_failures import scoped
 
 
 def plan_jobs(plan: list[tuple[Suite, dict]], part: Shard | None = None) -> list[tuple[Suite, Cell]]:

@@ -6,7 +6,7 @@ import time
 
 import requests
 
-from harness.request import Request, Sampling
+from harness.suites.request import Request, Sampling
 
 QUICKSORT_PROMPT = "Write a quicksort demo in {lang}. Please, write just code. Do not write any extra comments."
 LANGS = ("C", "Java", "Python", "Rust")

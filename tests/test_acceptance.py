@@ -8,13 +8,13 @@ from pathlib import Path
 import pytest
 from test_checks import SEQ, Runs, ok, spec_ok, suite
 
-from harness import noise
-from harness.baselines import BaselineStore
 from harness.checks import CHECKS
 from harness.checks.acceptance import Acceptance, fall, options_key
 from harness.checks.base import CheckContext
 from harness.execute import ExecOptions
 from harness.matrix import Cell
+from harness.verdict import noise
+from harness.verdict.baselines import BaselineStore
 
 REPO = Path(__file__).resolve().parents[1]
 SPEC = SEQ.reference(spec="draft-simple")

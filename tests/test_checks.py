@@ -3,17 +3,17 @@
 import numpy as np
 import pytest
 
-from harness import noise
-from harness.baselines import BaselineStore
 from harness.checks import CHECKS, evaluate
 from harness.checks.base import CheckContext
 from harness.execute import CellRun, Outcome
-from harness.logits import PositionLogits
 from harness.matrix import Cell
-from harness.request import Sampling
 from harness.result import Result
+from harness.result.logits import PositionLogits
 from harness.signatures import signature_of
 from harness.suites import Case, Suite
+from harness.suites.request import Sampling
+from harness.verdict import noise
+from harness.verdict.baselines import BaselineStore
 
 SCHEMA = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
 
@@ -129,7 +129,7 @@ def logged(tokens, rows):
     """A result whose positions carry top-2 logits: rows of (id, logit, id, logit)."""
     import numpy as np
 
-    from harness.logits import PositionLogits
+    from harness.result.logits import PositionLogits
 
     result = ok(tokens)
     result.logits = [
@@ -417,7 +417,7 @@ def test_kv_healthy_fails_on_a_draft_context_that_keeps_cells_the_target_dropped
 def test_logits_close():
     import numpy as np
 
-    from harness.logits import capture
+    from harness.result.logits import capture
 
     rows = np.random.default_rng(0).standard_normal((3, 50)).astype(np.float32)
     ref = ok([1, 2, 3])

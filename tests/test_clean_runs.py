@@ -14,13 +14,13 @@ import dataclasses
 import pytest
 
 from harness.backends.choose import backend_factories
-from harness.baselines import BaselineStore, default_root
 from harness.checks import evaluate_cell
 from harness.execute import ExecOptions, Executor
-from harness.known_failures import tag
 from harness.matrix import Cell
 from harness.running import known_failures
 from harness.suites import load_suite
+from harness.verdict.baselines import BaselineStore, default_root
+from harness.verdict.known_failures import tag
 
 pytestmark = pytest.mark.stress
 

@@ -15,7 +15,7 @@ from harness.backends.client import LlamaClient, completion_payload
 from harness.backends.server import LlamaServer
 from harness.execute import ExecOptions, serve_config
 from harness.matrix import Cell
-from harness.request import Sampling
+from harness.suites.request import Sampling
 from tests.helpers import QUICKSORT_PROMPT
 
 ABORT_AFTER = 12

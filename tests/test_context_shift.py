@@ -19,10 +19,10 @@ from harness.engine.ctxshift import needs_shift, shift_span
 from harness.engine.drafters.base import DraftRequest
 from harness.engine.drafters.ngram_map import NgramMapK
 from harness.engine.drafters.scripted import Scripted
-from harness.known_failures import load, tag
 from harness.matrix import SPEC_PRESETS, Cell
 from harness.models import draft_for, resolve
-from harness.request import Request, Sampling
+from harness.suites.request import Request, Sampling
+from harness.verdict.known_failures import load, tag
 
 REPO = Path(__file__).resolve().parents[1]
 N_CTX = 256

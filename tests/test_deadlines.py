@@ -33,9 +33,9 @@ from harness.backends.server import LlamaServer
 from harness.cli import main
 from harness.engine.worker import STEPS
 from harness.errors import HarnessError
-from harness.request import Request, Sampling
 from harness.result import Result, Timings
 from harness.suites import load_suite
+from harness.suites.request import Request, Sampling
 
 STALL_SUITE = """\
 suite: stall

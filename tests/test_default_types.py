@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
+from harness.commands.selftest import FAULT_PLAN
 from harness.matrix import cells, spec_preset
-from harness.selftest import FAULT_PLAN
 from harness.suites import load_suite, suites_dir
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -14,7 +14,7 @@ from harness.engine.context import ContextParams
 from harness.engine.engine import Engine
 from harness.engine.score import rank_mass, score, unscorable
 from harness.models import resolve
-from harness.request import Request, Sampling
+from harness.suites.request import Request, Sampling
 
 JSON_GRAMMAR = r"""
 root ::= "{" ws "\"lang\":" ws ("\"C\"" | "\"Java\"" | "\"Python\"") "," ws "\"n\":" ws [0-9] [0-9]? ws "}"

@@ -17,13 +17,13 @@ from harness.engine import ContextParams, Engine
 from harness.engine.drafters.scripted import Scripted
 from harness.engine.speculative import SpecConfig
 from harness.execute import CellRun, Outcome
-from harness.known_failures import load as load_known
-from harness.known_failures import tag
 from harness.matrix import Cell
 from harness.models import resolve
-from harness.request import Request, Sampling
 from harness.result import Result
 from harness.suites import load_suite
+from harness.suites.request import Request, Sampling
+from harness.verdict.known_failures import load as load_known
+from harness.verdict.known_failures import tag
 
 N_CTX = 256
 N_MAX = 4

@@ -14,7 +14,7 @@ from harness.errors import HarnessError
 from harness.execute import ExecOptions, serve_config
 from harness.matrix import Cell
 from harness.models import resolve
-from harness.request import Request, Sampling
+from harness.suites.request import Request, Sampling
 
 MODEL = "tiny-hybrid-mtp"
 TEXTS = ("Write a quicksort demo in C.", "Write a merge sort in Java.", "Explain recursion.")

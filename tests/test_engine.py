@@ -11,13 +11,13 @@ from skips import require_model
 
 from harness.backends.base import ServeConfig
 from harness.backends.inproc import InprocBackend
-from harness.detok import detokenizer
 from harness.engine.context import Context, ContextParams
+from harness.engine.detok import detokenizer
 from harness.engine.model import Model
 from harness.engine.slot import Slot
-from harness.kvscan import layout_from_model, scan_bytes
+from harness.kv.scan import layout_from_model, scan_bytes
 from harness.models import resolve
-from harness.request import Request, Sampling
+from harness.suites.request import Request, Sampling
 
 ARCHS = ("tiny-dense", "tiny-hybrid", "tiny-recurrent")
 KINDS = {"tiny-dense": "dense", "tiny-hybrid": "hybrid", "tiny-recurrent": "recurrent"}

@@ -17,8 +17,8 @@ from harness.engine.drafters.draft_model import greedy_token, top10_best
 from harness.engine.drafters.ngram_simple import RFIND_WINDOW, iter_ngram, rfind_ngram
 from harness.engine.model import Model
 from harness.engine.speculative import SpecConfig
-from harness.logits import SAMPLE_STRIDE, capture
 from harness.models import draft_for, resolve
+from harness.result.logits import SAMPLE_STRIDE, capture
 
 # --- logits.capture ------------------------------------------------------------------------------------
 

@@ -25,7 +25,7 @@ from harness.execute import ExecOptions, serve_config
 from harness.matrix import Cell, spec_preset
 from harness.models import resolve
 from harness.models.registry import draft_for
-from harness.request import Request, Sampling
+from harness.suites.request import Request, Sampling
 
 REJECTION_FAULTS = ("lenient-accept", "residual-unnormalised", "q-wrong-temperature", "extra-draw-after-reject")
 

@@ -14,12 +14,12 @@ from harness.checks import CHECKS, kv_healthy
 from harness.checks.base import CheckContext, CheckResult
 from harness.checks.reuse import prompt_reuse
 from harness.execute import CellRun, ExecOptions, Executor, Outcome
-from harness.known_failures import load as load_known
-from harness.known_failures import tag
 from harness.matrix import Cell
-from harness.request import Sampling
 from harness.result import Result, Timings
 from harness.suites import Case, Suite, load_suite
+from harness.suites.request import Sampling
+from harness.verdict.known_failures import load as load_known
+from harness.verdict.known_failures import tag
 
 REPO = Path(__file__).resolve().parents[1]
 SUITE = load_suite(str(REPO / "suites" / "eog.yaml"))

@@ -18,8 +18,6 @@ from pathlib import Path
 import pytest
 
 from harness.backends.choose import backend_factories
-from harness.baselines import BaselineStore, default_root
-from harness.cellrun import CellRun, Outcome
 from harness.checks import CHECKS, evaluate_cell
 from harness.engine import ContextParams, Engine
 from harness.engine.drafters.scripted import Scripted
@@ -28,8 +26,10 @@ from harness.engine.speculative import SpecConfig, Speculation
 from harness.execute import ExecOptions, Executor
 from harness.matrix import Cell
 from harness.models import resolve
-from harness.request import Request
+from harness.result.cellrun import CellRun, Outcome
 from harness.suites import load_suite
+from harness.suites.request import Request
+from harness.verdict.baselines import BaselineStore, default_root
 
 pytestmark = pytest.mark.xdist_group("every-check-fails")  # one worker makes each scenario's run once
 

@@ -1,9 +1,9 @@
-"""harness.jsonschemas.validate is `jsonschema.validate` with each schema checked once: the same errors."""
+"""harness.suites.jsonschemas.validate is `jsonschema.validate` with each schema checked once: the same errors."""
 
 import jsonschema
 import pytest
 
-from harness import jsonschemas
+from harness.suites import jsonschemas
 
 SCHEMA = {
     "type": "object",

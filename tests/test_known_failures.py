@@ -7,8 +7,8 @@ import pytest
 
 from harness.checks.base import CheckResult
 from harness.errors import HarnessError
-from harness.known_failures import NEW_SUITE, load, tag
 from harness.matrix import Cell
+from harness.verdict.known_failures import NEW_SUITE, load, tag
 
 REPO = Path(__file__).resolve().parents[1]
 ENTRY = """\
@@ -327,7 +327,7 @@ def test_a_run_without_an_intermittent_known_failure_says_so_and_does_not_fail_o
 
     from rich.console import Console
 
-    from harness.runner import print_verdicts
+    from harness.commands.run import print_verdicts
 
     (suites / "known-failures.yaml").write_text(ENTRY + ENTRY.replace("demo-defect", "rare-defect") + "  tries: 3\n")
     deterministic, intermittent = load(suites / "known-failures.yaml")
@@ -347,8 +347,8 @@ def test_a_known_failure_whose_cells_ran_with_other_spec_options_is_not_judged_f
 
     from rich.console import Console
 
-    from harness.cellrun import CellRun
-    from harness.runner import print_verdicts
+    from harness.commands.run import print_verdicts
+    from harness.result.cellrun import CellRun
     from harness.suites import load_suite
 
     (suites / "known-failures.yaml").write_text(ENTRY)
@@ -416,8 +416,8 @@ def test_a_cell_the_override_makes_an_entrys_spec_cannot_show_the_defect_gone():
 
     from rich.console import Console
 
-    from harness.cellrun import CellRun
-    from harness.runner import print_verdicts
+    from harness.commands.run import print_verdicts
+    from harness.result.cellrun import CellRun
     from harness.suites import load_suite
 
     entry = next(e for e in SHIPPED if e.id == "server-spec-keeps-eog-sampled")

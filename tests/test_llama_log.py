@@ -6,14 +6,14 @@ import subprocess
 from pathlib import Path
 from types import SimpleNamespace
 
-from harness import llama_log
 from harness.backends.base import invalid_batch
 from harness.backends.process import abort_line, crash_report, invalid_batch_in_log
 from harness.backends.server import LlamaServer
 from harness.backends.server_work import _read, count, task_lines
+from harness.llama import log as llama_log
 from harness.repro.script import HELPERS
 from harness.signatures import of_error
-from harness.signatures.signature import abort_reason
+from harness.verdict.signature import abort_reason
 
 SRC = "/root/.cache/specharness/work/src/tools/server/server-context.cpp"
 ASSERT = 'GGML_ASSERT(add_ok && "batch must be large enough to hold the sampled and draft tokens") failed'

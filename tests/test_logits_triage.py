@@ -11,7 +11,7 @@ from harness.engine import ContextParams, Engine
 from harness.engine.drafters.scripted import Scripted
 from harness.engine.model import Model
 from harness.engine.speculative import SpecConfig
-from harness.logits import (
+from harness.result.logits import (
     PositionLogits,
     Tolerances,
     capture,
@@ -24,9 +24,9 @@ from harness.logits import (
     save_parquet,
     to_frame,
 )
-from harness.noise import NEAR_TIE, NoiseFloor
-from harness.request import Request, Sampling
-from harness.triage import triage
+from harness.suites.request import Request, Sampling
+from harness.verdict.noise import NEAR_TIE, NoiseFloor
+from harness.verdict.triage import triage
 
 QUICKSORT_C = "Write a quicksort demo in C. Please, write just code. Do not write any extra comments."
 
@@ -158,7 +158,7 @@ def test_identical_positions_get_the_numbers_of_the_general_comparison(monkeypat
         p.top_logits = (p.top_logits - np.float32(0.01)).astype(np.float32)
     for k in (1, 3, 10):
         fast = compare(a, b, k)
-        monkeypatch.setattr("harness.logits._identical", lambda *_: False)
+        monkeypatch.setattr("harness.result.logits._identical", lambda *_: False)
         general = compare(a, b, k)
         monkeypatch.undo()
         assert fast.per_position.equals(general.per_position)

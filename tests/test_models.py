@@ -11,7 +11,7 @@ import pytest
 
 from harness.cli import main
 from harness.errors import HarnessError
-from harness.gguf import read_fields, read_metadata
+from harness.llama.gguf import read_fields, read_metadata
 from harness.models import DEFAULT_MODELS, draft_for, make, registry, resolve
 from harness.models.agreement import PROMPTS, teacher_forced_agreement
 from harness.models.generator import RECIPES
@@ -120,7 +120,7 @@ def test_arch_found_after_other_header_keys(tmp_path):
 
 
 def test_read_fields_gives_what_gguf_reader_gives(tmp_path):
-    """What the model generator copies from the vocab file (harness.gguf.read_fields): each key's value and GGUF
+    """What the model generator copies from the vocab file (harness.llama.gguf.read_fields): each key's value and GGUF
     types exactly as gguf.GGUFReader reads them, arrays of strings and numbers included; other keys
     skipped; a file cut inside its header is a ValueError."""
     path = tmp_path / "fields.gguf"

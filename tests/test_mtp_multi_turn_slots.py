@@ -9,7 +9,7 @@ from harness.backends.build import ensure_server
 from harness.backends.server_backend import ServerBackend
 from harness.execute import ExecOptions, serve_config
 from harness.matrix import Cell
-from harness.request import Request, Sampling
+from harness.suites.request import Request, Sampling
 
 MODEL = "tiny-hybrid-mtp"
 N_PREDICT = 48

@@ -16,7 +16,7 @@ from harness.backends.inproc import InprocBackend
 from harness.backends.server_backend import ServerBackend
 from harness.engine import ContextParams, Engine
 from harness.models import resolve
-from harness.request import Request, Sampling
+from harness.suites.request import Request, Sampling
 
 MODEL = "tiny-dense-loop"
 TEXTS = ("Write a quicksort demo in C.", "Write a merge sort in Java, with comments.")

@@ -12,17 +12,17 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from harness import noise
 from harness.backends.choose import backend_factories
 from harness.checks import lossless
 from harness.checks.base import CheckContext, CheckResult
 from harness.checks.probs import probs_complete
 from harness.execute import CellRun, ExecOptions, Executor
-from harness.known_failures import load as load_known
-from harness.known_failures import tag
-from harness.logits import PositionLogits, check, compare
 from harness.matrix import Cell
+from harness.result.logits import PositionLogits, check, compare
 from harness.suites import load_suite
+from harness.verdict import noise
+from harness.verdict.known_failures import load as load_known
+from harness.verdict.known_failures import tag
 
 REPO = Path(__file__).resolve().parents[1]
 SUITE = load_suite(str(REPO / "suites" / "probs.yaml"))

@@ -1,5 +1,6 @@
 """Rejection sampling that does not keep the target's distribution is caught by `distribution` on llama-server
-itself, not only on the in-process engine's fault switches (harness/selftest.py DISTRIBUTION_PART): each of three
+itself, not only on the in-process engine's fault switches (harness/commands/selftest.py
+DISTRIBUTION_PART): each of three
 one-edit patches of llama.cpp b11434 (the first tag with `--spec-draft-sampling probabilistic`) makes the
 statistical suite's tiny-dense seq draft-simple-probabilistic server cell exit 1 by `distribution`, and the
 unpatched b11434 build passes the same run.
@@ -31,7 +32,8 @@ ROOT = Path(__file__).resolve().parents[1]
 TAG = "b11434"
 SUITE = ROOT / "suites" / "statistical" / "sampling-distribution.yaml"
 SAMPLING = {"temperature": 0.5, "n_predict": 1536, "ignore_eos": True}
-"""Every case's sampling (harness/selftest.py DISTRIBUTION_PART): a sample on which each patch fails the check."""
+"""Every case's sampling (harness/commands/selftest.py DISTRIBUTION_PART): a sample on which each patch fails the
+check."""
 CELL = ["--backend", "server", "--mode", "seq", "--spec", "draft-simple-probabilistic", "--model", "tiny-dense"]
 NOT_TARGET = "not draws from the target's distribution"
 

@@ -378,9 +378,9 @@ def test_diff_triages_a_changed_output_with_the_floor_and_sampling_of_its_cell(t
     """`diff` classes a changed output as the run's checks do: the calibrated floor of its model, backend and mode
     (not the uncalibrated default) and greedy only where its case picked the argmax (a sampled flip is no
     near-tie on margins)."""
-    from harness import noise
     from harness.report.diff import triage_context
     from harness.report.files import RunDir
+    from harness.verdict import noise
 
     run = RunDir(tmp_path, [], [], {"backends": {"server": {"device": "cpu"}}, "suites": {}})
     greedy = {"suite": "quicksort", "case": "C", "model": "tiny-dense", "backend": "server", "mode": "seq"}

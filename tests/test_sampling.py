@@ -18,14 +18,14 @@ from harness.backends.choose import backend_factories
 from harness.backends.client import LlamaClient
 from harness.backends.inproc import InprocBackend
 from harness.backends.server_backend import ServerBackend
-from harness.baselines import BaselineStore, default_root
 from harness.engine.model import Model
 from harness.engine.sampler import Sampler, logit_biases
 from harness.errors import HarnessError
 from harness.execute import ExecOptions, Executor
-from harness.request import Request, Sampling
 from harness.running import run_suites
 from harness.suites import load_suite, parse_suite
+from harness.suites.request import Request, Sampling
+from harness.verdict.baselines import BaselineStore, default_root
 
 TINY = ("tiny-dense", "tiny-hybrid", "tiny-recurrent")
 PROJECT_DEFAULTS = {"temperature", "n_predict", "seed", "n_probs"}

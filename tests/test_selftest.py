@@ -1,7 +1,7 @@
 """The catch matrix under control: every fault switch is caught by its expected check with its expected
 evidence, the same plan without a fault reports no failure at all, and no run is a harness error. One
 item per row of the matrix; the rows run on one xdist worker, the clean row first, and share the cells without
-speculation it served (harness.selftest.Unspeculated), as `specharness selftest` does."""
+speculation it served (harness.commands.selftest.Unspeculated), as `specharness selftest` does."""
 
 from pathlib import Path
 
@@ -9,9 +9,7 @@ import pytest
 
 from harness.backends.base import ServeConfig
 from harness.backends.inproc import spec_config
-from harness.engine.faults import FAULTS
-from harness.matrix import cells
-from harness.selftest import (
+from harness.commands.selftest import (
     DISTRIBUTION_PART,
     EXPECTED,
     FAULT_PLAN,
@@ -21,6 +19,8 @@ from harness.selftest import (
     load_parts,
     run_plan,
 )
+from harness.engine.faults import FAULTS
+from harness.matrix import cells
 from harness.suites import load_suite
 
 pytestmark = pytest.mark.xdist_group("selftest")

@@ -40,7 +40,7 @@ from harness.backends.server import LlamaServer
 from harness.backends.server_backend import ServerBackend
 from harness.errors import HarnessError
 from harness.models import resolve
-from harness.request import Request, Sampling
+from harness.suites.request import Request, Sampling
 
 LANGS = ("C", "Java", "Python")
 MODES = ("seq", "par", "no-kv-unified")

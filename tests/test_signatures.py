@@ -296,7 +296,7 @@ def test_reports_read_stored_runs_without_importing_the_engine():
     code = (
         "import sys, harness.report, harness.report.diff, harness.report.cli, harness.report.history, "
         "harness.report.merge; print(sorted(m for m in sys.modules if m.startswith(('harness.engine', "
-        "'harness.detok', 'harness.execute'))))"
+        "'harness.engine.detok', 'harness.execute'))))"
     )
     assert (
         subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip() == "[]"

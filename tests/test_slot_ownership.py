@@ -21,8 +21,8 @@ from harness.backends.build import ensure_server
 from harness.backends.client import LlamaClient
 from harness.backends.server_backend import ServerBackend, SlotPool, slot_ownership
 from harness.checks import kv_healthy, kv_problems
-from harness.request import Request, Sampling
 from harness.result import Result
+from harness.suites.request import Request, Sampling
 
 P = [1, 10, 11, 12, 13]
 G = [20, 21, 22]

@@ -7,7 +7,6 @@ import pytest
 
 from harness.backends.base import ServeConfig
 from harness.backends.inproc import InprocBackend
-from harness.cellrun import CellRun, Outcome
 from harness.checks import CHECKS
 from harness.checks.base import CheckContext
 from harness.engine.context import Context, ContextParams
@@ -16,9 +15,10 @@ from harness.engine.slot_state import SavedSlot
 from harness.errors import HarnessError
 from harness.execute import ExecOptions, serve_config
 from harness.matrix import Cell
-from harness.request import Request, Sampling
 from harness.result import Result
+from harness.result.cellrun import CellRun, Outcome
 from harness.suites import load_suite, parse_suite
+from harness.suites.request import Request, Sampling
 
 TURNS = [
     "Write a quicksort implementation in C with detailed comments.",
@@ -198,7 +198,7 @@ def test_restore_over_serves_another_longer_conversation_then_restores_without_a
     """`restore-over`: after the saved turn the slot serves DETOUR (greedy, ignore_eos, as many tokens generated as
     the saved turn's prompt and output: the slot then holds more positions than the restore brings back), then the
     saved state comes back with no erase (llama-server's draft context keeps the other conversation: #28619)."""
-    from harness.slot_restore import DETOUR, SlotRestore, detour
+    from harness.execute.slot_restore import DETOUR, SlotRestore, detour
 
     session = _Recorder()
     restore = SlotRestore(session, "restore-over", 1, lambda: pytest.fail("restore-over opens no fresh session"))

@@ -9,7 +9,7 @@ from harness.backends.server_backend import ServerBackend
 from harness.execute import ExecOptions, serve_config
 from harness.matrix import Cell, spec_preset
 from harness.models import resolve
-from harness.request import Request, Sampling
+from harness.suites.request import Request, Sampling
 
 MODEL = "tiny-hybrid-mtp"
 TYPES = ("draft-mtp", "draft-eagle3", "draft-dflash", "draft-dspark")

@@ -11,7 +11,7 @@ from harness.engine.drafters.scripted import Scripted
 from harness.engine.speculative import SpecConfig
 from harness.errors import HarnessError
 from harness.models import resolve
-from harness.request import Request, Sampling
+from harness.suites.request import Request, Sampling
 
 ARCHS = ("tiny-dense", "tiny-hybrid", "tiny-recurrent")
 MODES = {"seq": (1, False), "par": (4, True), "no-kv-unified": (4, False)}

@@ -23,7 +23,7 @@ from harness.backends.build import BuildInfo, ensure_server
 from harness.backends.server_backend import ServerBackend
 from harness.matrix import spec_preset
 from harness.models import draft_for, resolve
-from harness.request import Request, Sampling
+from harness.suites.request import Request, Sampling
 
 SPIN = {
     "                        slot.spec_draft = std::move(accepted);\n": (

@@ -27,7 +27,7 @@ from skips import require_model
 from harness.backends.base import ServeConfig, StallMeter
 from harness.backends.server_backend import ServerBackend
 from harness.backends.slots_watch import SlotsWatch, n_decoded
-from harness.request import Request, Sampling
+from harness.suites.request import Request, Sampling
 
 
 def slot(

@@ -5,10 +5,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from harness import yamltext
 from harness.errors import HarnessError
 from harness.matrix import Cell, cells, spec_preset
-from harness.suites import load_suite, parse_suite, suite_files
+from harness.suites import load_suite, parse_suite, suite_files, yamltext
 
 GOOD = """\
 suite: demo
@@ -137,7 +136,7 @@ def test_non_utf8_suite_file_is_one_line_error(tmp_path):
 
 
 def test_the_fast_yaml_reader_gives_pyyaml_s_safe_data_and_its_error_wording():
-    """harness.yamltext reads with libyaml where PyYAML has it: every shipped suite and the known-failures file
+    """harness.suites.yamltext reads with libyaml where PyYAML has it: every shipped suite and the known-failures file
     read the same as `yaml.safe_load`; a broken text fails with the pure-Python loader's words and line."""
     shipped = sorted((Path(__file__).resolve().parent.parent / "suites").glob("*.yaml"))
     assert shipped

@@ -12,7 +12,6 @@ import re
 import numpy as np
 import pytest
 
-from harness import llama_log
 from harness.checks import CHECKS
 from harness.checks.base import CheckContext
 from harness.checks.synth import (
@@ -31,10 +30,11 @@ from harness.checks.synth import (
 )
 from harness.cli import main
 from harness.execute import CellRun, Outcome
+from harness.llama import log as llama_log
 from harness.matrix import SPEC_PRESETS, Cell
-from harness.request import Sampling
 from harness.result import Result
 from harness.suites import Case, Suite, load_suite
+from harness.suites.request import Sampling
 
 RATES = [0.9, 0.7, 0.5, 0.3]
 CELL = Cell("server", "seq", "synth-rates", "tiny-dense")

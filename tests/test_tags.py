@@ -22,7 +22,7 @@ from harness.backends.versions import (
 )
 from harness.cli import main
 from harness.errors import HarnessError
-from harness.known_failures import KnownFailure, load, scope_line, scoped
+from harness.verdict.known_failures import KnownFailure, load, scope_line, scoped
 
 VENDORED = "0c1e57098bba43ac29e6e3b677cdceebdd22334f"
 

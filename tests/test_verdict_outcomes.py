@@ -11,18 +11,18 @@ from report_helpers import parse_html
 from rich.console import Console
 from test_checks import SEQ, Runs, context, ok, rows, suite, verdict
 
-from harness.baselines import BaselineStore
 from harness.bisect.judge import BAD, GOOD, SKIP, judged_checks, verdict_of
 from harness.bisect.plan import Plan
 from harness.checks import CHECKS, evaluate, evaluate_cell
 from harness.checks.base import CheckContext, CheckResult, harness_fault, not_run
 from harness.cli import main
-from harness.known_failures import tag
+from harness.commands.run import print_verdicts, summary_table
 from harness.matrix import Cell
 from harness.report.diff import compare
 from harness.report.files import RunDir, check_records
 from harness.result import Result
-from harness.runner import print_verdicts, summary_table
+from harness.verdict.baselines import BaselineStore
+from harness.verdict.known_failures import tag
 
 SPEC = SEQ.reference(spec="draft-simple")
 

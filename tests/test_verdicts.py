@@ -10,11 +10,11 @@ import pytest
 from seeded import seeded_server
 from skips import require_model
 
-from harness import noise
-from harness.calibrate import calibrate, within_spread
 from harness.cli import main
+from harness.commands.calibrate import calibrate, within_spread
 from harness.matrix import Cell
-from harness.noise import calibration_path
+from harness.verdict import noise
+from harness.verdict.noise import calibration_path
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -112,7 +112,7 @@ def test_a_re_measurement_stays_within_the_committed_tolerances(backend, tiny_mo
 def test_calibration_measures_each_speculative_type_the_model_can_serve_and_no_draft_head(tiny_models):
     """draft-mtp is measured on a model with an MTP block (and only there); draft-simple only with a draft model;
     the draft heads never (EAGLE3's collapse with slots verifying together would be measured as noise)."""
-    from harness.calibrate import variants
+    from harness.commands.calibrate import variants
 
     def specs(backend, model):
         return {name.split("/")[1] for name, _, _ in variants(backend, model)}
@@ -130,7 +130,7 @@ def test_calibration_measures_each_speculative_type_the_model_can_serve_and_no_d
 
 
 def test_acceptance_spread_compares_modes_only_for_drafters_without_state_between_requests():
-    from harness.calibrate import acceptance_spread
+    from harness.commands.calibrate import acceptance_spread
 
     def m(seq, par, ubatch):  # {variant: {"acceptance": {case: [drafted, accepted, generated]}}}
         return {
@@ -249,7 +249,7 @@ def test_calibration_refuses_an_acceptance_tolerance_no_drop_could_fail():
     """llama-server ngram-mod sent at once on tiny-dense: a request's accepted / generated moved by 1.0 between
     repeats (the serving order decides the shared n-gram table), so 2 × that could never fail: written as null
     with the reason, and a merge with another machine keeps it refused."""
-    from harness.calibrate import acceptance_spread, merged
+    from harness.commands.calibrate import acceptance_spread, merged
 
     def m(accepted):  # the in-order repeats agree; the at-once repeats do not
         return {
@@ -272,7 +272,7 @@ def test_calibration_refuses_an_acceptance_tolerance_no_drop_could_fail():
 def test_calibration_leaves_out_the_cells_where_a_known_defect_moves_tokens_or_logits():
     """server-par-partial-rollback-diverges flips tokens of llama-server's draft-mtp cells on tiny-hybrid-mtp
     outside seq, intermittently: measured as noise, one 0.2-nat flip would raise the near-tie floor and excuse it."""
-    from harness.calibrate import defect_of, variants
+    from harness.commands.calibrate import defect_of, variants
 
     names = [name for name, *_ in variants("server", "tiny-hybrid-mtp")]
     assert "seq/draft-mtp" in names and "par/none" in names

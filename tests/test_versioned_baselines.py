@@ -8,10 +8,10 @@ import shutil
 
 import pytest
 
-from harness.baselines import BaselineStore
 from harness.cli import main
 from harness.report.diff import properties
 from harness.report.files import RunDir
+from harness.verdict.baselines import BaselineStore
 
 SUITE = """\
 suite: versioned

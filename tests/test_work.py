@@ -10,11 +10,11 @@ import pytest
 import yaml
 
 from harness.backends.choose import backend_factories
-from harness.baselines import BaselineStore, default_root
 from harness.execute import ExecOptions, Executor
 from harness.result import WORK_COUNTERS, Result, Work
 from harness.running import run_suites
 from harness.suites import load_suite
+from harness.verdict.baselines import BaselineStore, default_root
 from tests.skips import require_model
 
 CELL = {"models": ["tiny-hybrid"], "modes": ["seq"], "specs": ["draft-simple"], "backends": ["inproc"]}

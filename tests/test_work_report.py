@@ -12,13 +12,13 @@ from rich.console import Console
 from harness.bench import page, speed
 from harness.bench.speed import Sample
 from harness.cli import main
+from harness.commands.run import summary_table
 from harness.matrix import Cell
 from harness.report.diff import compare
 from harness.report.files import RunDir, write_files
 from harness.report.html import render_index
 from harness.report.work import text, totals
 from harness.result import WORK_COUNTERS, Result, Timings, Work
-from harness.runner import summary_table
 
 ENGINE = {"backend": "inproc", "model": "tiny-hybrid", "mode": "seq", "spec": "draft-simple", "suite": "quicksort"}
 SERVER = {**ENGINE, "backend": "server"}

@@ -6,14 +6,14 @@ from typing import Protocol
 
 from harness import MODES
 from harness.errors import HarnessError
-from harness.llama_defaults import AMX_DEFECT as AMX_DEFECT
-from harness.llama_defaults import INVALID_BATCH as INVALID_BATCH
-from harness.llama_defaults import cpu_flags as cpu_flags
-from harness.llama_defaults import default_repack as default_repack
-from harness.llama_defaults import default_threads as default_threads
-from harness.llama_defaults import invalid_batch as invalid_batch
-from harness.request import Request
+from harness.llama.defaults import AMX_DEFECT as AMX_DEFECT
+from harness.llama.defaults import INVALID_BATCH as INVALID_BATCH
+from harness.llama.defaults import cpu_flags as cpu_flags
+from harness.llama.defaults import default_repack as default_repack
+from harness.llama.defaults import default_threads as default_threads
+from harness.llama.defaults import invalid_batch as invalid_batch
 from harness.result import Result
+from harness.suites.request import Request
 
 KV_SCAN = ("off", "request", "step")
 

@@ -14,9 +14,9 @@ from typing import Any
 
 import requests
 
-from harness.logits import from_server_probs
-from harness.request import Request, Sampling
 from harness.result import Result, Timings
+from harness.result.logits import from_server_probs
+from harness.suites.request import Request, Sampling
 
 CONNECT_TIMEOUT_S = 10.0
 COMPLETION_FIELDS = frozenset({"cache_prompt", "id_slot", "samplers"})

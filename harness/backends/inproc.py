@@ -28,8 +28,8 @@ from harness.engine.logging import is_verbose
 from harness.engine.speculative import SpecConfig
 from harness.engine.worker import PROMPT, STEPS, EngineArgs, serve
 from harness.errors import HarnessBug, HarnessError, LlamaAbort
-from harness.request import Request
 from harness.result import Result
+from harness.suites.request import Request
 
 OPEN_TIMEOUT_S = 300.0
 """Model load and context creation in the worker (a multi-GB model on a slow disk included)."""

@@ -10,8 +10,8 @@ import signal
 import tempfile
 from pathlib import Path
 
-from harness import llama_log
 from harness.backends.base import invalid_batch
+from harness.llama import log as llama_log
 
 LOG_TAIL_LINES = 20
 ABORT_LINES = tuple(

@@ -18,13 +18,13 @@ from pathlib import Path
 
 import requests
 
-from harness import llama_log
 from harness.backends.base import ServeConfig, default_threads
 from harness.backends.build import require_executable
 from harness.backends.flags import fit_to_build, server_flags, server_version
 from harness.backends.process import ABORT_LINES, LogDir, abort_line, crash_report, describe_exit
 from harness.errors import HarnessError, LlamaAbort
-from harness.llama_defaults import NO_BACKTRACE
+from harness.llama import log as llama_log
+from harness.llama.defaults import NO_BACKTRACE
 
 HOST = "127.0.0.1"
 STOP_GRACE_S = 5.0

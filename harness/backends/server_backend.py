@@ -12,7 +12,7 @@ as `stop_reason="timeout"` naming their cases. A request that has not finished b
 session measured) ends as `timeout` too; the server is killed and restarted (requests in flight on it end
 as errors saying so) and the next request goes on.
 
-With the KV scan on, every request's slot is saved after the request and scanned (harness.kvscan). The scan judges
+With the KV scan on, every request's slot is saved after the request and scanned (harness.kv.scan). The scan judges
 only the request's own state: with several slots each request is pinned to a slot (`id_slot`) that no other
 request gets before its save (SlotPool: a slot is lent to one request at a time and comes back after the save),
 and the saved token list must hold the request's prompt and returned tokens (`slot_ownership`). A saved state
@@ -47,9 +47,9 @@ from harness.backends.process import LogDir, free_log_name, invalid_batch_in_log
 from harness.backends.server import LlamaServer
 from harness.backends.slots_watch import SlotsWatch
 from harness.errors import HarnessError
-from harness.kvscan import OtherFormatVersion, layout_from_model, scan_file
-from harness.request import Request
+from harness.kv.scan import OtherFormatVersion, layout_from_model, scan_file
 from harness.result import Result
+from harness.suites.request import Request
 
 CRASH_GRACE_S = 5.0
 """How long a dropped connection may take to show up as a process exit."""

@@ -35,8 +35,8 @@ import re
 import time
 from pathlib import Path
 
-from harness import llama_log
 from harness.backends.flags import server_flags
+from harness.llama import log as llama_log
 from harness.result import Result, Work
 
 VERBOSITY = 5
@@ -68,7 +68,7 @@ def mark(log_path: Path | None) -> int:
 
 
 def _read(log_path: Path, start: int) -> list[str]:
-    """The messages of the log's lines from byte `start` on (harness.llama_log: undecodable token bytes replaced)."""
+    """The messages of the log's lines from byte `start` on (harness.llama.log: undecodable token bytes replaced)."""
     return llama_log.messages(llama_log.read(log_path, start))
 
 

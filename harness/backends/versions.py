@@ -1,6 +1,7 @@
 """Which llama.cpp a backend runs, on upstream's build-number line (tag bN = build N).
 
-A known failure is a statement about the versions it was measured in (harness/known_failures.py `versions`), so a
+A known failure is a statement about the versions it was measured in (harness/verdict/known_failures.py
+`versions`), so a
 run needs the version of each backend's llama.cpp: a tag's build says its tag; a llama-server that reports an
 upstream build number (`--version`: "version: N (hash)", what a build from a llama.cpp clone says) is build N; the
 llama.cpp vendored in a llama-cpp-python release (the engine, and the default llama-server) is the commit the

@@ -271,7 +271,7 @@ def _sampling(text: str | None) -> dict | None:
     """`--sampling`'s JSON object of Sampling fields (one line on a bad one)."""
     if not text:
         return None
-    from harness.request import Sampling
+    from harness.suites.request import Sampling
 
     try:
         fields = json.loads(text)

@@ -21,9 +21,9 @@ from harness.backends.inproc import context_params, spec_config
 from harness.engine import ContextParams, Engine
 from harness.engine.context import Context
 from harness.engine.model import Model
-from harness.kvscan import layout_from_model, scan_bytes
+from harness.kv.scan import layout_from_model, scan_bytes
 from harness.models import draft_for, resolve
-from harness.request import Request, Sampling
+from harness.suites.request import Request, Sampling
 
 PROMPT = "Write a quicksort demo in C. Please, write just code. Do not write any extra comments."
 

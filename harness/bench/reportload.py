@@ -29,7 +29,7 @@ def token_pieces() -> dict[str, str]:
     """Token id → text for the ids the synthetic run draws (100..4099): tiny-dense's vocabulary when the model is
     available, else placeholders."""
     try:
-        from harness.detok import detokenizer
+        from harness.engine.detok import detokenizer
 
         detok = detokenizer(resolve("tiny-dense").path)
         return {str(t): detok([t]) for t in range(100, 4100)}

@@ -25,9 +25,9 @@ from harness.errors import HarnessError
 from harness.execute import ExecOptions, serve_config
 from harness.matrix import Cell
 from harness.models import ModelUnavailable, draft_for, resolve
-from harness.request import Request, Sampling
 from harness.result import WORK_COUNTERS, Result
 from harness.suites import case_keys, load_suite
+from harness.suites.request import Request, Sampling
 
 GROUPS = ("categories", "quicksort", "w1")
 """The suites whose cases are the workloads (each chat turn of `w1` is one workload)."""

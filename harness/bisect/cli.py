@@ -17,8 +17,8 @@ from harness.backends.build import BACKENDS
 from harness.bisect import plan as plans
 from harness.bisect.result import Outcome, Stop, describe, write
 from harness.errors import HarnessError
+from harness.execute.run_options import new_run_dir, prepare_out
 from harness.paths import reports_dir
-from harness.run_options import new_run_dir, prepare_out
 
 EXIT_FOUND, EXIT_NOT_FOUND = 0, 1
 

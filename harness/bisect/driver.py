@@ -24,11 +24,11 @@ from pathlib import Path
 
 import harness
 from harness.bisect.git import Git
-from harness.bisect.judge import BAD, GOOD, SKIP
 from harness.bisect.plan import Plan
 from harness.bisect.result import Outcome, Stop
 from harness.bisect.step import read_log
 from harness.errors import HarnessError
+from harness.verdict.outcome import BAD, GOOD, SKIP
 
 GIT_LOG = "git-bisect.log"
 STOP_GRACE_S = 60.0

@@ -11,12 +11,12 @@ import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from harness.baselines import default_root
 from harness.errors import HarnessError
 from harness.execute import case_keys
 from harness.matrix import Cell, narrowing, spec_preset
 from harness.signatures import signature_of
 from harness.suites import CHECK_NAMES, Suite, load_suite
+from harness.verdict.baselines import default_root
 
 BACKEND = "server"
 """A bisect rebuilds llama-server at every step, so the judged cell is always a llama-server cell."""

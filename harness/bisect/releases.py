@@ -20,11 +20,11 @@ from harness.backends.build import source_identity, vendored_source
 from harness.backends.tags import available_tags, tag_cmake_args, tag_number, tag_source
 from harness.bisect.driver import check_end
 from harness.bisect.git import Commit
-from harness.bisect.judge import BAD, GOOD, SKIP
 from harness.bisect.plan import Plan
 from harness.bisect.result import Outcome, Stop
 from harness.bisect.step import evaluate, read_log
 from harness.errors import HarnessError
+from harness.verdict.outcome import BAD, GOOD, SKIP
 
 PACKAGE = "llama-cpp-python"
 

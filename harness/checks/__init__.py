@@ -15,10 +15,7 @@ from collections.abc import Callable
 
 import jsonschema
 
-from harness import detok as detokenizers
-from harness import interrupt, jsonschemas
-from harness.baselines import BaselineError, compared_length, request_shape, shape_mismatch, shown
-from harness.cellrun import CellRun
+from harness import interrupt
 from harness.checks import seeded
 from harness.checks.acceptance import check as acceptance_check
 from harness.checks.base import (
@@ -39,12 +36,16 @@ from harness.checks.restore import restore_identical
 from harness.checks.reuse import prompt_reuse
 from harness.checks.synth import NOT_VALID, accepts_synthetically, synth_acceptance
 from harness.checks.work import work
+from harness.engine import detok as detokenizers
 from harness.errors import HarnessBug, HarnessError
-from harness.logits import check as logits_within
-from harness.logits import compare as compare_logits
 from harness.matrix import spec_preset
 from harness.result import Result
-from harness.suites import case_keys
+from harness.result.cellrun import CellRun
+from harness.result.logits import check as logits_within
+from harness.result.logits import compare as compare_logits
+from harness.suites import case_keys, jsonschemas
+from harness.verdict.baselines import BaselineError, compared_length, request_shape, shape_mismatch, shown
+from harness.verdict.check_result import DID_NOT_COMPLETE
 
 Check = Callable[[CheckContext], CheckResult | None]
 
@@ -163,7 +164,7 @@ def mode_invariant(ctx: CheckContext) -> CheckResult | None:
 
 
 def baseline(ctx: CheckContext) -> CheckResult | None:
-    """Tokens equal the stored baseline of (suite, case, model, backend, device) (harness.baselines stores them;
+    """Tokens equal the stored baseline of (suite, case, model, backend, device) (harness.verdict.baselines stores them;
     with `--update-baselines` this run's canonical output is stored first)."""
     if not (ctx.completed() or ctx.baselines.update):
         return not_run("baseline", NO_OUTPUT)
@@ -446,9 +447,8 @@ def logits_close(ctx: CheckContext) -> CheckResult | None:
     return CheckResult("logits-close", True, evidence=evidence)
 
 
-DID_NOT_COMPLETE = " did not complete: "
 """Marks `exercised`'s per-request failure lines (a request short of the completions it expects), as against
-its counter lines: a known defect that killed requests explains the shortfall (harness.known_failures)."""
+its counter lines: a known defect that killed requests explains the shortfall (harness.verdict.known_failures)."""
 
 
 def exercised(ctx: CheckContext) -> CheckResult | None:

@@ -19,10 +19,10 @@ differs (a near-tie flip or a divergence the token checks report), a tolerance c
 
 from dataclasses import dataclass, field
 
-from harness.baselines import output_digest
 from harness.checks.base import CheckContext, CheckResult, harness_fault, not_run
 from harness.errors import HarnessError
 from harness.matrix import spec_preset
+from harness.verdict.baselines import output_digest
 
 NAME = "acceptance"
 

@@ -6,17 +6,22 @@ compares with; it never starts anything itself.
 
 from collections.abc import Callable
 from contextlib import AbstractContextManager
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass
 from typing import Any, Protocol
 
-from harness import noise
-from harness.cellrun import CellRun, Outcome
 from harness.errors import HarnessError
-from harness.logits import PositionLogits, Tolerances
 from harness.matrix import Cell
-from harness.noise import NoiseFloor
 from harness.result import Result
+from harness.result.cellrun import CellRun, Outcome
+from harness.result.logits import PositionLogits
 from harness.suites import Case, Suite, case_keys
+from harness.verdict import noise
+from harness.verdict.check_result import NO_OUTPUT as NO_OUTPUT
+from harness.verdict.check_result import NOT_SPECULATIVE as NOT_SPECULATIVE
+from harness.verdict.check_result import CheckResult as CheckResult
+from harness.verdict.check_result import harness_fault as harness_fault
+from harness.verdict.check_result import not_run as not_run
+from harness.verdict.noise import NoiseFloor
 
 
 class Rescorer(Protocol):
@@ -44,57 +49,6 @@ class CellSource(Protocol):
     def token_scorer(self) -> AbstractContextManager[TokenScorer]: ...
 
     def planned(self, suite: Suite, cell: Cell) -> bool: ...
-
-
-@dataclass
-class CheckResult:
-    """A check's verdict on one case of one cell, with its evidence (counts, rates, divergences).
-
-    `failures` holds one line per failing request (or other failing item) when the check judges several:
-    a known llama.cpp defect excuses the verdict only if its evidence explains every one of them."""
-
-    name: str
-    passed: bool
-    message: str = ""
-    evidence: dict[str, Any] = field(default_factory=dict)
-    failures: list[str] = field(default_factory=list)
-    not_run: str | None = None
-    """Why the check gave no verdict (it does not apply to the case, or what it needs is missing); `passed` is
-    then True (nothing failed) but the result is no pass: `status` says "not run"."""
-    harness_error: str | None = None
-    """A harness fault kept the check from judging (its message or traceback): never a verdict, never excused by
-    a known failure; `specharness run` exits 3 and the pytest item is an ERROR. `not_run` says so too."""
-
-    @property
-    def status(self) -> str:
-        """`passed`, `failed`, `not run` or `harness error`."""
-        if self.harness_error is not None:
-            return "harness error"
-        if self.not_run is not None:
-            return "not run"
-        return "passed" if self.passed else "failed"
-
-    @property
-    def is_verdict(self) -> bool:
-        """Whether the software under test earned this result (passed or failed)."""
-        return self.not_run is None and self.harness_error is None
-
-
-NO_OUTPUT = "no request of the case completed (no-crash says why)"
-NOT_SPECULATIVE = "the cell does not speculate"
-
-
-def not_run(name: str, reason: str) -> CheckResult:
-    """A check that gave no verdict, and why (recorded and reported, never a pass)."""
-    return CheckResult(name, True, f"not run: {reason}", not_run=reason)
-
-
-def harness_fault(name: str, error: str) -> CheckResult:
-    """A check a harness fault kept from judging (`error`: one line or a traceback)."""
-    first = (error.strip().splitlines() or ["harness error"])[-1 if "Traceback" in error else 0]
-    return CheckResult(
-        name, True, f"harness error: {first}", not_run=f"harness error: {first}", harness_error=error.strip()
-    )
 
 
 @dataclass
@@ -126,17 +80,15 @@ class CheckContext:
 
     @property
     def excuses_near_ties(self) -> bool:
-        """The one policy: a proven near-tie is reported, not failed, where numerics can move a token: outside
-        `seq` (the batch a slot shares with others changes kernels), and in `seq` where calibration measured
-        this model's speculative runs not bit-identical to no speculation (NoiseFloor.seq_bit_exact: the
-        verification batch takes other kernels than a one-token decode). Elsewhere every divergence fails."""
-        return self.cell.mode != "seq" or not self.noise_floor.seq_bit_exact
+        """Whether a proven near-tie in this cell is reported, not failed (NoiseFloor.excuses_near_ties: the one
+        policy)."""
+        return self.noise_floor.excuses_near_ties(self.cell.mode)
 
     @property
     def noise_floor(self) -> NoiseFloor:
         """The calibrated noise floor of this cell's (model, backend, device), its near-tie floor the one measured
         in this cell's mode (NoiseFloor.for_mode), with the suite's own `tolerances:` applied on top when it
-        declares any (the verdicts then say so)."""
+        declares any (NoiseFloor.declared)."""
         device = self.executor.environment(self.cell)["device"]
         floor = noise.load(
             self.cell.model,
@@ -144,18 +96,7 @@ class CheckContext:
             device,
             self.baselines.calibration_of(self.run.suite) if self.baselines else None,
         ).for_mode(self.cell.mode)
-        declared = dict(self.run.suite.tolerances)
-        if not declared:
-            return floor
-        near_tie = declared.pop("near_tie", floor.near_tie)
-        names = {f.name for f in fields(Tolerances)}
-        tol = replace(floor.tolerances, **{k: v for k, v in declared.items() if k in names})
-        return replace(
-            floor,
-            tolerances=tol,
-            near_tie=near_tie,
-            source=f"suite {self.run.suite.name} tolerances over {floor.source}",
-        )
+        return floor.declared(self.run.suite.tolerances, self.run.suite.name)
 
     def allowed(self, outcome: Outcome) -> bool:
         """True when an error outcome is one the suite allows (e.g. context_full in kv-fill)."""

@@ -5,13 +5,13 @@ reference that sent it the same prompt (the same earlier replies)."""
 from dataclasses import dataclass
 
 from harness import interrupt
-from harness.cellrun import Outcome
 from harness.checks.base import CheckContext, kv_findings
-from harness.logits import PositionLogits
 from harness.matrix import Cell
-from harness.noise import NoiseFloor
 from harness.result import Result
-from harness.triage import Divergence, triage
+from harness.result.cellrun import Outcome
+from harness.result.logits import PositionLogits
+from harness.verdict.noise import NoiseFloor
+from harness.verdict.triage import Divergence, triage
 
 NOT_RUN = "not_run"
 """The evidence key of a comparison that compared no request, with why: its check is not run

@@ -27,7 +27,7 @@ from scipy import stats
 
 from harness.checks.base import NO_OUTPUT, NOT_SPECULATIVE, CheckContext, CheckResult, not_run
 from harness.matrix import spec_preset
-from harness.request import Request
+from harness.suites.request import Request
 
 ALPHA = 1e-6
 """The p-value below which the test fails."""

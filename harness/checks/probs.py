@@ -5,12 +5,12 @@ It reads `Result.logits` as the backend returned them: llama-server's empty list
 re-scoring of such positions, harness.execute.Rescorer, never writes into a Result).
 """
 
-from harness.cellrun import Outcome
 from harness.checks.base import NO_OUTPUT, CheckContext, CheckResult, not_run
-from harness.logits import check as logits_within
-from harness.logits import compare as compare_logits
 from harness.matrix import spec_preset
-from harness.request import Sampling
+from harness.result.cellrun import Outcome
+from harness.result.logits import check as logits_within
+from harness.result.logits import compare as compare_logits
+from harness.suites.request import Sampling
 
 
 def list_size(sampling: Sampling) -> tuple[int, int]:

@@ -1,6 +1,6 @@
 """`restore-identical`: a chat continued from a saved and restored slot drafts and accepts what it did uninterrupted.
 
-Restore rounds (harness.slot_restore) save the slot after turn `restore.after_turn` of each chat and restore it,
+Restore rounds (harness.execute.slot_restore) save the slot after turn `restore.after_turn` of each chat and restore it,
 into the same session after erasing the slot or into a fresh session, before the next turn. The restored state
 must be the whole of what the slot held: the target's sequence and, under speculation, the draft context's copy
 of it. Their outputs are `repeat-identical`'s and `lossless`'s to judge (the target's state decides them); a draft

@@ -8,9 +8,9 @@ drops the extra cells and reuses the same prefix, but a hybrid or recurrent mode
 re-processes the prompt from a context checkpoint or from the start: the same output, at the cost of time.
 """
 
-from harness.cellrun import Outcome
 from harness.checks.base import NO_OUTPUT, NOT_SPECULATIVE, CheckContext, CheckResult, not_run, past_returned
 from harness.matrix import spec_preset
+from harness.result.cellrun import Outcome
 from harness.suites import RESTORE_ROUNDS
 
 NO_ENGINE_REUSE = (

@@ -7,12 +7,12 @@ counts (`Result.work`, harness.result.WORK_COUNTERS) are deterministic and machi
 
 import dataclasses
 
-from harness.baselines import BaselineError, output_digest, shown
 from harness.checks.acceptance import options_key
 from harness.checks.base import NO_OUTPUT, CheckContext, CheckResult, harness_fault, not_run
 from harness.models import resolve
 from harness.models.registry import sliding_window
 from harness.result import WORK_COUNTERS
+from harness.verdict.baselines import BaselineError, output_digest, shown
 
 MORE_IS_WORSE = tuple(c for c in WORK_COUNTERS if c != "prompt_reused")
 """The counters where more is more work (`prompt_reused` is work saved: a prompt read again shows in

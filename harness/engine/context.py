@@ -9,7 +9,7 @@ import numpy as np
 from harness.engine.batch import Batch
 from harness.engine.model import Model
 from harness.errors import HarnessError
-from harness.llama_defaults import default_repack, default_threads
+from harness.llama.defaults import default_repack, default_threads
 
 CACHE_TYPES = {"f32": 0, "f16": 1, "q4_0": 2, "q4_1": 3, "q5_0": 6, "q5_1": 7, "q8_0": 8, "bf16": 30}
 """llama-server's `-ctk/-ctv` names → ggml_type ids."""
@@ -48,7 +48,7 @@ class ContextParams:
     repack: bool = field(default_factory=default_repack)
     """llama-server's `--repack` (a model-loading option, llama_model_params.use_extra_bufts): weights
     repacked into the CPU's extra buffer types; on by default except on a CPU whose AMX path crashes
-    llama.cpp (harness.llama_defaults.default_repack)."""
+    llama.cpp (harness.llama.defaults.default_repack)."""
     context_shift: bool = False
     """llama-server's `--context-shift` (common_params.ctx_shift): not a llama_context option; the scheduler
     shifts a generating slot's sequence at the context end (harness.engine.ctxshift) where the memory can."""

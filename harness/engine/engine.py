@@ -10,8 +10,8 @@ from harness.engine.model import Model
 from harness.engine.scheduler import Scheduler
 from harness.engine.score import score
 from harness.engine.speculative import SpecConfig
-from harness.request import Request
 from harness.result import Result
+from harness.suites.request import Request
 
 
 class Engine:

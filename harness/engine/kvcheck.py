@@ -1,7 +1,7 @@
 """The KV scanner on the engine's own memory: a slot's sequence state, parsed and checked in place."""
 
 from harness.engine.context import Context
-from harness.kvscan import layout_from_model, scan_bytes
+from harness.kv.scan import layout_from_model, scan_bytes
 
 
 class KvChecker:

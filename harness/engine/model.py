@@ -8,7 +8,7 @@ import llama_cpp
 
 from harness.engine.logging import ensure_quiet
 from harness.errors import HarnessError
-from harness.llama_defaults import default_repack
+from harness.llama.defaults import default_repack
 
 FALLBACK_CHAT_TEMPLATE = b"chatml"
 """Used for models without a template of their own (the tiny models), as llama-server does."""
@@ -24,7 +24,7 @@ def model_kind(is_recurrent: bool, is_hybrid: bool) -> str:
 class Vocab:
     """A model's vocabulary: token pieces and end-of-generation ids, both cached per token id.
 
-    The one detokenizer of the project: the engine's Result.text and `harness.detok.detokenizer` (failure
+    The one detokenizer of the project: the engine's Result.text and `harness.engine.detok.detokenizer` (failure
     messages, reports) both go through `piece`, so they show the same text."""
 
     SPECIAL = False

@@ -13,7 +13,7 @@ import llama_cpp
 
 from harness.engine.context import Context
 from harness.errors import HarnessError
-from harness.rollback_options import CHECKPOINT_KINDS, STRATEGIES
+from harness.suites.rollback_options import CHECKPOINT_KINDS, STRATEGIES
 
 
 class LlamaRefused(Exception):

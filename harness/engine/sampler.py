@@ -33,7 +33,7 @@ from llama_cpp.llama_grammar import json_schema_to_gbnf
 
 from harness.engine.context import Context
 from harness.engine.model import Model
-from harness.request import UINT32, Sampling
+from harness.suites.request import UINT32, Sampling
 
 _CANDIDATE = np.dtype([("id", np.int32), ("logit", np.float32), ("p", np.float32)])
 """llama_token_data, field for field."""

@@ -17,9 +17,9 @@ from harness.engine.ctxshift import needs_shift, shift_span
 from harness.engine.kvcheck import KvChecker
 from harness.engine.slot import Phase, Slot
 from harness.engine.speculative import SpecConfig, Speculation, StepPlan
-from harness.llama_defaults import INVALID_BATCH, invalid_batch
-from harness.request import Request
+from harness.llama.defaults import INVALID_BATCH, invalid_batch
 from harness.result import Result
+from harness.suites.request import Request
 
 DECODE_ERRORS = {
     1: "context_full: no free KV cells for this step (raise n_ctx or lower parallel)",

@@ -28,7 +28,7 @@ import numpy as np
 from harness.engine.context import Context
 from harness.engine.model import Model
 from harness.engine.sampler import _CANDIDATE, _chain, free_chain_and_grammar, grammar_text
-from harness.request import Sampling
+from harness.suites.request import Sampling
 
 SCORES_DTYPE = np.float64
 

@@ -10,9 +10,9 @@ from harness.engine.context import Context
 from harness.engine.ctxshift import needs_shift
 from harness.engine.model import Model
 from harness.engine.sampler import Sampler
-from harness.logits import PositionLogits, capture
-from harness.request import Request
 from harness.result import Result
+from harness.result.logits import PositionLogits, capture
+from harness.suites.request import Request
 
 
 class Phase(Enum):

@@ -26,7 +26,7 @@ from harness.engine.engine import Engine
 from harness.engine.logging import set_llama_verbose
 from harness.engine.speculative import SpecConfig
 from harness.errors import HarnessError
-from harness.llama_defaults import NO_BACKTRACE
+from harness.llama.defaults import NO_BACKTRACE
 
 WORKER_IGNORES = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 """The signals a terminal or `kill -- -PGID` sends the whole process group, the worker included: the parent

@@ -21,7 +21,7 @@ from typing import Any
 import gguf
 import numpy as np
 
-from harness.gguf import read_fields
+from harness.llama.gguf import read_fields
 
 GENERATOR_VERSION = 1
 """Bump whenever the bytes written for an unchanged recipe change (layout, keys, value scales)."""

@@ -20,7 +20,7 @@ from types import ModuleType
 from filelock import FileLock
 
 from harness.errors import HarnessError
-from harness.gguf import kind_of_arch, read_metadata
+from harness.llama.gguf import kind_of_arch, read_metadata
 from harness.models import generator
 from harness.paths import cache_dir, write_atomic
 

@@ -26,9 +26,7 @@ beyond its threshold — makes the exit status 1.
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from harness import noise
 from harness.errors import HarnessError
-from harness.noise import NoiseFloor
 from harness.paths import write_atomic
 from harness.report import work
 from harness.report.files import (
@@ -44,7 +42,9 @@ from harness.report.files import (
 )
 from harness.signatures.group import by_verdict
 from harness.suites import case_keys, load_suite
-from harness.triage import triage
+from harness.verdict import noise
+from harness.verdict.noise import NoiseFloor
+from harness.verdict.triage import triage
 
 SPEED_THRESHOLD = 0.10
 """A speculative cell whose speed-up over no speculation fell by more than this fraction of A's (and below
@@ -107,16 +107,18 @@ def _pieces(a: RunDir, b: RunDir, model: str) -> dict[str, str]:
 
 def triage_context(run: RunDir, record: dict) -> tuple[NoiseFloor, bool]:
     """What a stored request is triaged with, as the run's own checks triaged it: the calibrated floor of its model,
-    backend and device in its mode (NoiseFloor.for_mode), and whether its case picked the argmax (its suite as the
-    run names it in run.json; a suite no longer there: not greedy, so no flip is called a near-tie without the
-    evidence that the pick was the logits' argmax)."""
+    backend and device in its mode (NoiseFloor.for_mode) with its suite's own `tolerances:` (NoiseFloor.declared),
+    and whether its case picked the argmax (its suite as the run names it in run.json; a suite no longer there: not
+    greedy, so no flip is called a near-tie without the evidence that the pick was the logits' argmax)."""
     device = (run.meta.get("backends") or {}).get(record["backend"], {}).get("device", "cpu")
     floor = noise.load(record["model"], record["backend"], device).for_mode(record["mode"])
     for where in dict.fromkeys([(run.meta.get("suites") or {}).get(record["suite"]), record["suite"]]):
         try:
             suite = load_suite(where)
             case = next(c for c in suite.cases if record["case"] in case_keys(c))
-            return floor, suite.cell_case(case, record["model"]).sampling.picks_argmax
+            return floor.declared(suite.tolerances, suite.name), suite.cell_case(
+                case, record["model"]
+            ).sampling.picks_argmax
         except (HarnessError, StopIteration, OSError, TypeError):
             continue
     return floor, False

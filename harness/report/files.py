@@ -23,8 +23,8 @@ import pandas as pd
 
 from harness import __version__
 from harness.errors import HarnessError
-from harness.logits import PositionLogits, from_frame, load_parquet, save_parquet, to_frame
 from harness.paths import write_atomic
+from harness.result.logits import PositionLogits, from_frame, load_parquet, save_parquet, to_frame
 from harness.signatures import Failure, Pattern, failure_patterns, group
 
 FORMAT = 1
@@ -326,7 +326,7 @@ def _cpu() -> str:
 def host() -> dict:
     """The machine: CPU model, cores, OS and Python (no host name, no paths), and whether the suites load
     weights with repacking (off on a CPU whose AMX path crashes llama.cpp: llama_defaults.default_repack)."""
-    from harness.llama_defaults import AMX_DEFECT, default_repack
+    from harness.llama.defaults import AMX_DEFECT, default_repack
 
     return {
         "cpu": _cpu(),

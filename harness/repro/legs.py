@@ -6,7 +6,7 @@ holds the ServeConfig's fields, the llama-server command line (paths as `$LLAMA_
 `$DRAFT_MODEL`), the request batches in the order they were sent (`seq`: one at a time, `par`: at once), each
 request's /completion body with its prompt as token ids, and the tokens each request produced.
 
-A restore round (harness.slot_restore) is replayed step by step: its requests one at a time, with a `save` step
+A restore round (harness.execute.slot_restore) is replayed step by step: its requests one at a time, with a `save` step
 after the turn the round saves and a `restore` step before the next one (`restore`: erase, then restore;
 `restore-over`: the other conversation's request, then restore; `restore-fresh`: a fresh server or engine of the
 same configuration, where the chat's later requests of the round go, `"server": "fresh"`, and a `close-fresh`
@@ -21,7 +21,7 @@ from pathlib import Path
 from harness.backends.base import ServeConfig
 from harness.backends.client import completion_payload
 from harness.execute import CellRun, Executor
-from harness.slot_restore import DETOUR, detour
+from harness.execute.slot_restore import DETOUR, detour
 from harness.suites import RESTORE_ROUNDS, Suite, case_keys
 
 SUBJECT, REFERENCE = "subject", "reference"
@@ -170,7 +170,7 @@ def _slot_file(r: int, case: str) -> str:
 
 def _restore_step(how: str, r: int, case: str, slot: int, saved_len: int, config: ServeConfig) -> dict:
     """The restore before the chat's turn after `restore.after_turn` (with the other conversation of
-    `restore-over`, as harness.slot_restore.detour sends it)."""
+    `restore-over`, as harness.execute.slot_restore.detour sends it)."""
     step = {"how": "restore", "kind": how, "round": r, "slot": slot, "file": _slot_file(r, case), "requests": []}
     if how == "restore-over":
         other = detour(saved_len)

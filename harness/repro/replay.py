@@ -17,9 +17,9 @@ from pathlib import Path
 from harness.backends.base import ServeConfig
 from harness.backends.inproc import InprocBackend
 from harness.errors import HarnessError
-from harness.kvscan import damaged
+from harness.kv.scan import damaged
 from harness.repro.legs import JUDGES, REFERENCE, SUBJECT
-from harness.request import Request, Sampling
+from harness.suites.request import Request, Sampling
 
 REPRODUCED, NOT_REPRODUCED, UNDECIDED, DIFFERENT = 1, 0, 2, 3
 

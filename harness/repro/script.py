@@ -26,8 +26,8 @@ import signal
 from pathlib import Path
 
 from harness.repro.legs import JUDGES, REFERENCE, SUBJECT
-from harness.signatures.signature import EXIT, KV_DAMAGE, abort_reason
 from harness.suites import RESTORE_ROUNDS
+from harness.verdict.signature import EXIT, KV_DAMAGE, abort_reason
 
 NOT_REPRODUCED, REPRODUCED, UNDECIDED, DIFFERENT = 0, 1, 2, 3
 EXIT_CODES = {

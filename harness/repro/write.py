@@ -6,8 +6,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from harness import detok as detokenizers
 from harness.checks import kv_problems
+from harness.engine import detok as detokenizers
 from harness.matrix import Cell
 from harness.models import draft_for, resolve
 from harness.repro import issue, script

@@ -18,10 +18,10 @@ from harness import interrupt
 from harness.argtypes import count, csv
 from harness.bisect.plan import failing_records
 from harness.errors import HarnessError
+from harness.execute.run_options import new_run_dir, prepare_out, run_defaults
 from harness.matrix import Cell
 from harness.paths import reports_dir
 from harness.report.files import status
-from harness.run_options import new_run_dir, prepare_out, run_defaults
 from harness.shrink.candidate import Candidate, initial
 from harness.shrink.failure_id import parse as parse_failure_id
 from harness.shrink.trial import BASELINE_CHECKS, Policy, Runner, reference_of

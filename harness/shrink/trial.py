@@ -21,14 +21,14 @@ from pathlib import Path
 
 from harness.backends.build import BuildInfo, ensure_server
 from harness.backends.choose import backend_factories
-from harness.baselines import BaselineStore, default_root
 from harness.checks import evaluate_cell
 from harness.checks.base import CheckResult
 from harness.errors import HarnessBug
 from harness.execute import CellRun, Executor
-from harness.run_options import exec_options
+from harness.execute.run_options import exec_options
 from harness.shrink.candidate import Candidate
 from harness.signatures import signature_of
+from harness.verdict.baselines import BaselineStore, default_root
 
 
 @dataclass(frozen=True)

@@ -8,7 +8,7 @@ run's axes failed, passed or did not run, and the one-line reading), `text` (the
 
 from harness.signatures.group import Failure, group, headline
 from harness.signatures.pattern import Pattern, failure_patterns
-from harness.signatures.signature import Signature, classify, normalise, of_error, signature_of
+from harness.verdict.signature import Signature, classify, normalise, of_error, signature_of
 
 __all__ = [
     "Failure",

@@ -19,7 +19,7 @@ from collections import defaultdict
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
-from harness.signatures.signature import CHECK, CRASH, DIVERGENCE, ERROR, TIMEOUT, Signature, classify
+from harness.verdict.signature import CHECK, CRASH, DIVERGENCE, ERROR, TIMEOUT, Signature, classify
 
 KINDS = (CRASH, TIMEOUT, ERROR, DIVERGENCE, CHECK)
 """Signature kinds, in the order a report lists them."""

@@ -33,7 +33,8 @@ def summary_lines(found: list[tuple[Failure, Pattern]]) -> list[str]:
 
 
 NEW_SUITE = "known_failure_new_suite"
-"""Evidence key of a verdict a known defect explains in a suite its entry does not list (harness.known_failures)."""
+"""Evidence key of a verdict a known defect explains in a suite its entry does not list
+(harness.verdict.known_failures)."""
 
 
 def new_suites(failures: list[Failure]) -> list[str]:

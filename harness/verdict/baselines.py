@@ -17,13 +17,13 @@ import re
 from dataclasses import asdict
 from pathlib import Path
 
-from harness import noise
 from harness.backends.versions import environment_version, narrowest_covering
 from harness.errors import HarnessError
-from harness.logits import PositionLogits, load_case, save_parquet, to_frame
 from harness.models import model_key
 from harness.paths import write_atomic
+from harness.result.logits import PositionLogits, load_case, save_parquet, to_frame
 from harness.suites import suites_dir
+from harness.verdict import noise
 
 FIELDS = (
     "suite",
@@ -140,7 +140,7 @@ class BaselineStore:
     """Reads and (with `update`) writes the baselines under `root` (None: each suite's own,
     `suite_root`); `option` is what a command that records them must add to reach this root (`--baselines-dir
     DIR`; empty for the default one). Checks read calibration files from `calibration_dir` (None: `calibration`
-    beside each suite's baselines root) before the default root (harness.noise.load)."""
+    beside each suite's baselines root) before the default root (harness.verdict.noise.load)."""
 
     def __init__(
         self,

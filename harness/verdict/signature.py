@@ -36,7 +36,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, replace
 from typing import Any
 
-from harness import llama_log
+from harness.llama import log as llama_log
 
 CRASH, TIMEOUT, ERROR, DIVERGENCE, CHECK = "crash", "timeout", "error", "divergence", "check"
 """What kind of failure a signature names."""

@@ -14,11 +14,12 @@ import jsonschema
 import yaml
 
 import harness
-from harness import DEFAULT_MODELS, MODES, yamltext
+from harness import DEFAULT_MODELS, MODES
 from harness.errors import HarnessError
 from harness.matrix import SPEC_PRESETS, block_of
-from harness.request import SAMPLING_SCHEMA, Request, Sampling
-from harness.rollback_options import CHECKPOINT_KINDS, STRATEGIES
+from harness.suites import yamltext
+from harness.suites.request import SAMPLING_SCHEMA, Request, Sampling
+from harness.suites.rollback_options import CHECKPOINT_KINDS, STRATEGIES
 
 SERVE_FIELDS = {
     "n_ctx": "integer",
@@ -220,7 +221,7 @@ class Suite:
     slow: bool = False
     """Its pytest items carry the `slow` marker (`-m "not slow"` leaves them out)."""
     tolerances: dict[str, float] = field(default_factory=dict)
-    """`logits-close` tolerances (harness.logits.Tolerances fields) and the triage's `near_tie` margin."""
+    """`logits-close` tolerances (harness.result.logits.Tolerances fields) and the triage's `near_tie` margin."""
     deadline_s: float | None = None
     """Seconds each request may take before it ends as `timeout`; None: derived from n_predict and the
     measured speed (harness.backends.base.request_deadline)."""

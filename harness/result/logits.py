@@ -409,7 +409,7 @@ def compare(a: list[PositionLogits], b: list[PositionLogits], k: int = 10) -> Lo
     KL(a‖b) over the shared ids plus one "rest" bucket with each side's remaining probability mass, a
     lower bound of the full-vocabulary KL (data-processing inequality). So where the top-k sets differ,
     max |Δ| and KL understate rather than overstate: a breach of their tolerance is real.
-    Compare only positions whose contexts agree (before the token streams diverge, see `harness.triage`),
+    Compare only positions whose contexts agree (before the token streams diverge, see `harness.verdict.triage`),
     and llama-server's post-sampling probabilities only with their own kind (they are not the model's).
     """
     rows = []

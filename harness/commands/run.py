@@ -15,27 +15,17 @@ from rich.console import Console
 from rich.progress import Progress
 from rich.table import Table
 
-from harness import detok as detokenizers
 from harness import interrupt
 from harness.argtypes import csv
 from harness.backends.build import require_executable
 from harness.backends.choose import backend_factories
 from harness.backends.facts import run_backends
 from harness.backends.versions import planned_versions
-from harness.baselines import BaselineStore, not_recorded_lines, uncalibrated_lines
 from harness.checks import harness_errors
+from harness.engine import detok as detokenizers
 from harness.errors import HarnessError
 from harness.execute import CellRun, Executor
-from harness.known_failures import FILE_NAME as KNOWN_FAILURES
-from harness.known_failures import tag
-from harness.matrix import Cell, Shard, canonical, cells, narrowing, spec_preset
-from harness.models import ModelUnavailable, resolve
-from harness.models.facts import run_models
-from harness.paths import reports_dir
-from harness.report import describe_run, frame, publish, records, write_run
-from harness.report import work as work_report
-from harness.report.files import RunDir, check_records, command_line, now, reported_lines, speedups
-from harness.run_options import (
+from harness.execute.run_options import (
     DEFAULT_SUITE,
     add_run_options,
     exec_options,
@@ -43,9 +33,19 @@ from harness.run_options import (
     prepare_out,
     run_defaults,
 )
+from harness.matrix import Cell, Shard, canonical, cells, narrowing, spec_preset
+from harness.models import ModelUnavailable, resolve
+from harness.models.facts import run_models
+from harness.paths import reports_dir
+from harness.report import describe_run, frame, publish, records, write_run
+from harness.report import work as work_report
+from harness.report.files import RunDir, check_records, command_line, now, reported_lines, speedups
 from harness.running import known_failures, plan_jobs, run_suites, wide_console
 from harness.signatures.text import print_failures
 from harness.suites import Suite, find_suite, suite_files, user_suites_dir
+from harness.verdict.baselines import BaselineStore, not_recorded_lines, uncalibrated_lines
+from harness.verdict.known_failures import FILE_NAME as KNOWN_FAILURES
+from harness.verdict.known_failures import tag
 
 EXIT_FAILED, EXIT_INFRA = 1, 3
 

@@ -25,12 +25,12 @@ from pathlib import Path
 import jsonschema
 import yaml
 
-from harness import jsonschemas, yamltext
 from harness.backends.base import cpu_flags
 from harness.backends.versions import UNKNOWN, LlamaVersion, covers, parse_item
-from harness.checks.base import CheckResult
 from harness.errors import HarnessError
 from harness.matrix import Cell, cells, narrowing, served_as
+from harness.suites import jsonschemas, yamltext
+from harness.verdict.check_result import DID_NOT_COMPLETE, CheckResult
 
 FILE_NAME = "known-failures.yaml"
 _ENTRY = {
@@ -233,8 +233,6 @@ class KnownFailure:
         (a counter short of its minimum). A request that ended otherwise (context_full, another crash) counts
         against the share as the check counts it, so a kv-fill regression that leaves too few completions
         among the requests the defect spared still fails."""
-        from harness.checks import DID_NOT_COMPLETE
-
         if result.passed or result.name != "exercised" or "exercised" not in self.check:
             return None
         evidence, items = result.evidence, result.failures

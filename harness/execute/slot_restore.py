@@ -28,9 +28,9 @@ harness's: the chat's later turns end as errors saying so (`no-crash` fails on t
 from collections.abc import Callable
 
 from harness.errors import HarnessError
-from harness.request import Request, Sampling
 from harness.result import Result
 from harness.suites import RESTORE_ROUNDS
+from harness.suites.request import Request, Sampling
 
 DETOUR = "Explain recursion to a child in three sentences, then give an example in Python."
 """The other conversation a `restore-over` round serves on the slot between the save and the restore."""

@@ -28,8 +28,8 @@ speculation; nothing for a speculative run, whose verification batch no plain de
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 
-from harness.logits import PositionLogits, check, compare
-from harness.noise import DEFAULT, NoiseFloor
+from harness.result.logits import PositionLogits, check, compare
+from harness.verdict.noise import DEFAULT, NoiseFloor
 
 BEFORE_CHARS = 40
 """How much text before the divergence a Divergence shows."""

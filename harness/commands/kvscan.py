@@ -1,5 +1,5 @@
 """`specharness scan`: list the cells of a llama.cpp state blob or file and check them (the scanner itself is
-harness/kvscan.py)."""
+harness/kv/scan.py)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import json
 from pathlib import Path
 
 from harness.errors import HarnessError
-from harness.kvscan import KINDS, ScanReport, scan_file
+from harness.kv.scan import KINDS, ScanReport, scan_file
 
 
 def add_parser(subparsers) -> None:

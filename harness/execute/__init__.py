@@ -17,16 +17,16 @@ from dataclasses import dataclass, field, replace
 
 from harness import interrupt
 from harness.backends.base import Backend, ServeConfig
-from harness.cellrun import CellRun, Outcome  # noqa: F401 - the executor's products, imported from here too
 from harness.errors import HarnessBug, HarnessError, LlamaAbort, Unservable
-from harness.logits import PositionLogits
+from harness.execute.slot_restore import SlotRestore
 from harness.matrix import Cell, served_options, spec_preset
 from harness.models import draft_for, resolve
 from harness.models.registry import HEAD_TYPES, has_mtp_block, head_draft_for
-from harness.request import Request, Sampling
 from harness.result import Result
-from harness.slot_restore import SlotRestore
+from harness.result.cellrun import CellRun, Outcome  # noqa: F401 - the executor's products, imported from here too
+from harness.result.logits import PositionLogits
 from harness.suites import RESTORE_ROUNDS, Case, Suite, case_keys  # noqa: F401 - case_keys is used from here too
+from harness.suites.request import Request, Sampling
 
 
 @dataclass

@@ -28,7 +28,7 @@ from pathlib import Path
 import numpy as np
 
 from harness.errors import HarnessError
-from harness.gguf import read_metadata
+from harness.llama.gguf import read_metadata
 
 SEQ_MAGIC = 0xAF143CD8
 GGSQ_MAGIC, GGSN_MAGIC = 0x67677371, 0x6767736E
@@ -55,7 +55,7 @@ MEMORIES = {
 }
 
 # Architecture facts from the vendored llama.cpp (llama-model.cpp llama_model_rope_type/create_memory,
-# models/*.cpp reading `attention.sliding_window`); recurrent/hybrid come from harness.gguf.kind_of_arch.
+# models/*.cpp reading `attention.sliding_window`); recurrent/hybrid come from harness.llama.gguf.kind_of_arch.
 _UNSUPPORTED_ARCHS = {"deepseek4", "glm5-next", "qwen4exp", "glm-dsa", "deepseek32", "dots3note", "minimax-m3"}
 _MROPE_ARCHS = {"qwen2vl", "paddleocr", "qwen3vl", "qwen3vlmoe", "qwen35", "qwen35moe", "qwen3tts"}
 _MROPE_IF_SECTIONS_ARCHS = {"bailingmoe3", "glm4", "glm4moe", "hunyuan_vl", "dflash"}
@@ -707,7 +707,7 @@ def damaged(brief: dict | None) -> bool:
 
 def layout_from_model(model: Path) -> Layout:
     """The layout facts of a GGUF model (memory class, cell ext, MLA, recurrent layer count) from its metadata."""
-    from harness.gguf import kind_of_arch
+    from harness.llama.gguf import kind_of_arch
 
     try:
         meta = read_metadata(model)

@@ -20,17 +20,17 @@ from rich.table import Table
 
 from harness import interrupt
 from harness.backends.choose import backend_factories
-from harness.baselines import BaselineStore, default_root
 from harness.checks import CHECKS
 from harness.engine.faults import FAULTS
 from harness.execute import ExecOptions, Executor
-from harness.known_failures import FILE_NAME as KNOWN_FAILURES
-from harness.known_failures import load as load_known
-from harness.known_failures import tag
 from harness.report.files import check_records
 from harness.running import run_suites, wide_console
 from harness.signatures import group
 from harness.suites import load_suite, suite_files, suites_dir
+from harness.verdict.baselines import BaselineStore, default_root
+from harness.verdict.known_failures import FILE_NAME as KNOWN_FAILURES
+from harness.verdict.known_failures import load as load_known
+from harness.verdict.known_failures import tag
 
 PLAN = [
     (

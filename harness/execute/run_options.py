@@ -16,7 +16,7 @@ from harness.engine.speculative import SpecConfig
 from harness.errors import HarnessError
 from harness.execute import ExecOptions
 from harness.matrix import SPEC_PRESETS
-from harness.rollback_options import CHECKPOINT_KINDS, STRATEGIES
+from harness.suites.rollback_options import CHECKPOINT_KINDS, STRATEGIES
 
 DEFAULT_SUITE = "quicksort"
 SPEC_PARAMS = [

@@ -1,6 +1,6 @@
 """The noise floor: how far logically equivalent runs move the logits, per (model, backend, device).
 
-`specharness calibrate` measures it (harness/calibrate.py) and writes
+`specharness calibrate` measures it (harness/commands/calibrate.py) and writes
 `fixtures/calibration/<model>--<backend>--<device>.json`; `logits-close` and the first-divergence triage
 read it here (from `--calibration-dir` first when given). A model is known by harness.models.model_key (a
 registry name, or a model file's content). A model without a calibration file falls back to `DEFAULT`, and
@@ -14,7 +14,7 @@ from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 
 from harness.errors import HarnessError
-from harness.logits import Tolerances
+from harness.result.logits import Tolerances
 
 NEAR_TIE = 0.05
 """Uncalibrated near-tie floor, nats: flash attention on vs off flipped a margin of 0.0008 on tiny-dense."""
@@ -23,7 +23,7 @@ ACCEPTANCE = 0.05
 generated) that `acceptance` lets pass; the largest calibrated spread on this project's models is far below."""
 SAFETY = 2.0
 """A mode's near-tie floor is SAFETY × the largest margin change (or flipped margin) measured in that mode
-(harness.calibrate uses the same factor for every tolerance)."""
+(harness.commands.calibrate uses the same factor for every tolerance)."""
 MINIMUM_NEAR_TIE = 1e-4
 """The smallest floor calibration writes (float32 rounding of a log-probability is ~1e-7 nats)."""
 RANGE = 1.0
@@ -42,7 +42,7 @@ class NoiseFloor:
     acceptance: dict = field(default_factory=dict)
     """Spec config → {"fixed": …, "concurrent": …, "modes": …}: the calibrated drop of a request's acceptance
     that passes against a run of the same cell in a fixed request order, with the requests sent all at once,
-    and against seq (see harness.calibrate.acceptance_spread)."""
+    and against seq (see harness.commands.calibrate.acceptance_spread)."""
     seq_bit_exact: bool = True
     """Whether calibration measured every `seq` speculative run, served as the cells serve it, bit-identical to no
     speculation (max |Δ| 0 at every position). The `n_ubatch=7` variants do not count (no cell splits its batches
@@ -78,6 +78,25 @@ class NoiseFloor:
 
     def describe(self) -> str:
         return f"near-tie floor {self.near_tie:.3g} nats, {self.source}"
+
+    def excuses_near_ties(self, mode: str) -> bool:
+        """The one near-tie policy: a proven near-tie (both runs' own logits, both signs: harness.verdict.triage) is
+        reported, not failed, where numerics can move a token: outside `seq` (the batch a slot shares with others
+        changes kernels), and in `seq` where calibration measured this model's speculative runs not bit-identical
+        to no speculation (`seq_bit_exact`: the verification batch takes other kernels than a one-token decode).
+        Elsewhere every divergence fails. `run`, pytest, bisect and shrink apply it through the checks; the diff
+        report through its triage."""
+        return mode != "seq" or not self.seq_bit_exact
+
+    def declared(self, tolerances: dict, suite: str) -> "NoiseFloor":
+        """This floor with a suite's own `tolerances:` on top (the verdicts then say so); unchanged without any."""
+        declared = dict(tolerances)
+        if not declared:
+            return self
+        near_tie = declared.pop("near_tie", self.near_tie)
+        names = {f.name for f in fields(Tolerances)}
+        tol = replace(self.tolerances, **{k: v for k, v in declared.items() if k in names})
+        return replace(self, tolerances=tol, near_tie=near_tie, source=f"suite {suite} tolerances over {self.source}")
 
 
 DEFAULT = NoiseFloor()

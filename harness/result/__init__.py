@@ -3,7 +3,7 @@
 from dataclasses import dataclass, field
 from typing import Any
 
-from harness.logits import PositionLogits
+from harness.result.logits import PositionLogits
 
 
 @dataclass

@@ -35,14 +35,14 @@ from harness.backends.choose import backend_factories
 from harness.checks.acceptance import Acceptance
 from harness.errors import HarnessError, Unservable
 from harness.execute import ExecOptions, Executor, serve_config
-from harness.logits import Tolerances, compare, max_abs_quantile
+from harness.execute.run_options import DEFAULT_SUITE
 from harness.matrix import BACKEND_NAMES, Cell, spec_preset
 from harness.models import model_key, resolve
-from harness.noise import RANGE, calibration_path, calibration_root
 from harness.paths import write_atomic
-from harness.run_options import DEFAULT_SUITE
+from harness.result.logits import Tolerances, compare, max_abs_quantile
 from harness.suites import Case, Suite, load_suite, suite_files
-from harness.triage import at, gap
+from harness.verdict.noise import RANGE, calibration_path, calibration_root
+from harness.verdict.triage import at, gap
 
 SAFETY = 2.0
 """Tolerance = SAFETY × the largest value measured between equivalent runs."""
@@ -107,9 +107,9 @@ def defect_of(cell: Cell) -> str | None:
     """The known llama.cpp defect (suites/known-failures.yaml) that moves the tokens or logits of `cell`, whichever
     suite and llama.cpp version: such a cell is left out of calibration (an intermittent flip of the defect measured
     as noise would raise the near-tie floor and excuse it)."""
-    from harness.known_failures import FILE_NAME
-    from harness.known_failures import load as load_known
     from harness.suites import suites_dir
+    from harness.verdict.known_failures import FILE_NAME
+    from harness.verdict.known_failures import load as load_known
 
     entries = load_known(suites_dir() / FILE_NAME)
     return next((e.id for e in entries if NUMERIC_CHECKS & set(e.check) and e.shows_in(cell)), None)
