@@ -16,6 +16,7 @@ Skipped unless llama-server b11434 is in the build cache (`specharness build --t
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -47,6 +48,12 @@ def _tag_build() -> BuildInfo | None:
         return None
 
 
+if not os.environ.get("SPECHARNESS_STATISTICAL"):
+    pytest.skip(
+        "the statistical job's (.ci/statistical sets SPECHARNESS_STATISTICAL=1): each run serves and scores two "
+        "1536-token outputs, about 40 s a patch",
+        allow_module_level=True,
+    )
 TAG_BUILD = _tag_build()
 if TAG_BUILD is None:
     pytest.skip(

@@ -81,6 +81,36 @@ class LlamaClient:
         """The prompt text the model's chat template renders for `messages` (with the generation prompt)."""
         return self._post("/apply-template", {"messages": messages}, until)["prompt"]
 
+    def all_idle(self, within: float = 10.0) -> bool:
+        """Whether every slot is idle (GET /slots, asked again until they are, for at most `within` seconds): a
+        slot is released, and its request's counters added to /metrics, just after its answer is sent."""
+        until = time.monotonic() + within
+        while True:
+            try:
+                slots = requests.get(self.base_url + "/slots", timeout=max(0.01, until - time.monotonic())).json()
+                if not any(s.get("is_processing") for s in slots):
+                    return True
+            except (requests.RequestException, ValueError, AttributeError):
+                return False
+            if time.monotonic() >= until:
+                return False
+            time.sleep(0.005)
+
+    def metrics(self) -> dict[str, float]:
+        """llama-server's counters (GET /metrics, Prometheus text; `--metrics`), by name without the `llamacpp:`
+        prefix; the labelled `spec_decode_num_accepted_tokens_per_pos_total` summed over its positions."""
+        try:
+            resp = requests.get(
+                self.base_url + "/metrics", timeout=(min(CONNECT_TIMEOUT_S, self.timeout), self.timeout)
+            )
+        except requests.Timeout:
+            raise RequestTimedOut(f"/metrics got no answer within {self.timeout:.1f} s") from None
+        except (requests.ConnectionError, requests.exceptions.ChunkedEncodingError) as err:
+            raise ConnectionLost(f"/metrics: {err}") from None
+        if resp.status_code >= 400:
+            raise ServerError(resp.status_code, resp.text.strip()[:200])
+        return parse_metrics(resp.text)
+
     def slot_idle(self, slot_id: int, within: float = 10.0) -> bool:
         """Whether slot `slot_id` is idle (GET /slots, asked again until it is, for at most `within` seconds): a
         request's answer is sent just before its slot is released, and a save posted before the release waits
@@ -168,6 +198,22 @@ def completion_payload(
         "return_tokens": True,
         **(fields or {}),
     }
+
+
+def parse_metrics(text: str) -> dict[str, float]:
+    """Prometheus text of llama-server's /metrics → {name: value} (`llamacpp:` dropped; a labelled series summed
+    under its name)."""
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if not line.startswith("llamacpp:"):
+            continue
+        name, _, value = line[len("llamacpp:") :].rpartition(" ")
+        name = name.split("{", 1)[0]
+        try:
+            out[name] = out.get(name, 0.0) + float(value)
+        except ValueError:
+            continue
+    return out
 
 
 def _result(prompt_tokens: list[int], data: dict) -> Result:

@@ -32,6 +32,7 @@ import shutil
 import sys
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -61,6 +62,10 @@ under the session's lock: 5 s each was most of a kv-fill cell's time."""
 LAUNCH_WAIT_S = 5.0
 """How long a request waits before its launch for other finished requests' slots to be saved (`_launch`)."""
 LAUNCH_POLL_S = 0.002
+METRICS_TIMEOUT_S = 10.0
+"""How long the /slots and /metrics reads around a batch may take (they answer between decodes)."""
+_batches = itertools.count(1)
+"""Batch ids, unique in the process (a cell's requests may be served by several sessions)."""
 SLOT_PROMPT_SIMILARITY = 0.1
 """llama-server's default `--slot-prompt-similarity`: a free slot whose cached tokens share more than this
 fraction of a new prompt is chosen for it, else the least recently used one (SlotPool does the same)."""
@@ -268,6 +273,7 @@ class ServerSession:
         options = dict(self.server_options)
         options["slot_save_path"] = self.slots_dir
         options.setdefault("verbosity", server_work.VERBOSITY)  # the checkpoint lines `work` counts
+        options.setdefault("metrics", True)  # the counters `metrics-agree` compares with the answers
         try:
             self.server = LlamaServer.from_config(self.config, self.build.server_bin, log_path=log, **options).start()
         except BaseException:
@@ -275,17 +281,48 @@ class ServerSession:
             raise
 
     def run(self, requests: list[Request]) -> list[Result]:
-        """One Result per request, in order: one at a time in `seq`, n_slots at a time otherwise."""
+        """One Result per request, in order: one at a time in `seq`, n_slots at a time otherwise. Each batch (one
+        request in `seq`, all of them otherwise) is measured by /metrics around it (`Result.metrics`)."""
         if self.config.n_slots == 1:
-            return [self._serve(r) for r in requests]
+            return [self._measured(lambda r=r: [self._serve(r)])[0] for r in requests]
         pool = ThreadPoolExecutor(max_workers=self.config.n_slots, thread_name_prefix="llama-client")
         try:
-            return list(pool.map(self._serve, requests))
+            return self._measured(lambda: list(pool.map(self._serve, requests)))
         except BaseException:
             self.close()  # in-flight requests fail fast instead of running to completion
             raise
         finally:
             pool.shutdown(wait=True, cancel_futures=True)
+
+    def _measured(self, serve: Callable[[], list[Result]]) -> list[Result]:
+        """`serve()`'s results, each with what llama-server's /metrics counters moved by over the batch (read with
+        every slot idle before and after; unmeasured, with the reason, where the server changed or did not
+        answer)."""
+        before, why = self._counters()
+        results = serve()
+        after, why_after = self._counters()
+        measured: dict[str, Any] = {"batch": next(_batches), "requests": len(results)}
+        if before is None or after is None or before[0] is not after[0]:
+            measured["unmeasured"] = why or why_after or "llama-server was restarted during the batch"
+        else:
+            measured["delta"] = {k: v - before[1].get(k, 0.0) for k, v in after[1].items()}
+        for result in results:
+            result.metrics = measured
+        return results
+
+    def _counters(self) -> tuple[tuple[LlamaServer, dict] | None, str | None]:
+        """(the server, its /metrics counters) read once every slot is idle, or (None, why not)."""
+        with self._lock:
+            server = self.server
+        if server is None or not server.alive:
+            return None, "llama-server was not running"
+        client = LlamaClient(server.url, METRICS_TIMEOUT_S)
+        try:
+            if not client.all_idle(METRICS_TIMEOUT_S):
+                return None, f"a slot was still processing {METRICS_TIMEOUT_S:.0f} s after the batch"
+            return (server, client.metrics()), None
+        except (ConnectionLost, ServerError, RequestTimedOut) as err:
+            return None, f"/metrics: {err}"
 
     def _serve(self, request: Request) -> Result:
         with self._lock:

@@ -31,6 +31,7 @@ from harness.checks.base import (
 from harness.checks.budget import within_n_predict
 from harness.checks.compare import NOT_RUN, compare_outcome, compare_tokens
 from harness.checks.distribution import output_distribution
+from harness.checks.metrics import metrics_agree
 from harness.checks.probs import probs_complete
 from harness.checks.restore import restore_identical
 from harness.checks.reuse import prompt_reuse
@@ -510,6 +511,7 @@ CHECKS: dict[str, Check] = {
     "prompt-reuse": prompt_reuse,
     "within-n-predict": within_n_predict,
     "work": work,
+    "metrics-agree": metrics_agree,
     "restore-identical": restore_identical,
     "distribution": output_distribution,
     "synth-acceptance": synth_acceptance,

@@ -21,20 +21,24 @@ def restore_identical(ctx: CheckContext) -> CheckResult | None:
     as many tokens (`draft_n`, `draft_n_accepted`) as the same turn of the suite's first uninterrupted round in
     the same cell, where both sent the same prompt (a prompt that differs follows a reply that differed:
     `repeat-identical`'s to report). Exact: restore rounds send one request at a time to one slot, and a draft
-    context restored with the target drafts from the same tokens. The evidence has each compared round's counters
-    and prompt tokens reused from the slot (`cache_n`), which may differ from the uninterrupted turn's: the
-    in-process engine keeps no prompt cache between requests (an uninterrupted turn reads its whole prompt, a
-    restored one the part after the restored tokens), and a hybrid slot whose restored tokens are not a prefix of
-    the next prompt is read from the start (a slot file carries no context checkpoints). A prompt read in other
-    batches changes the draft model's logits in the last bits at most; measured on tiny-dense and tiny-hybrid,
-    both backends (cache_n 0 against 73, 85 and 152), the counts stayed identical.
+    context restored with the target drafts from the same tokens. On llama-server the turn also reuses as many
+    prompt tokens from the slot (`cache_n`) as the uninterrupted turn, with or without speculation: the restored
+    slot holds the same tokens, so it must serve the next prompt from the same prefix; a slot brought back
+    without its context checkpoints makes a hybrid or recurrent model that has to go back inside its tokens (a
+    regenerated reply, a prompt that is not an extension of the restored tokens) read the prompt from the start
+    (ggml-org/llama.cpp#28194). The in-process engine keeps no prompt cache between requests (an uninterrupted turn
+    reads its whole prompt, a restored one the part after the restored tokens), so there `cache_n` is evidence
+    only; a prompt read in other batches changes the draft model's logits in the last bits at most (measured on
+    tiny-dense and tiny-hybrid: cache_n 0 against 73, 85 and 152, the counts identical).
     """
     suite = ctx.run.suite
     kinds = suite.rounds
     if not any(k in RESTORE_ROUNDS for k in kinds):
         return not_run("restore-identical", "the suite restores no slot (run_order has no restore round)")
-    if not spec_preset(ctx.cell.spec).speculative:
-        return not_run("restore-identical", NOT_SPECULATIVE)
+    speculative = spec_preset(ctx.cell.spec).speculative
+    reuse = ctx.cell.backend == "server"  # the engine keeps no prompt cache: its cache_n is evidence only
+    if not speculative and not reuse:
+        return not_run("restore-identical", f"{NOT_SPECULATIVE}, and the in-process engine keeps no prompt cache")
     turn = ctx.case.rpartition(".turn")[2]
     if not turn.isdigit() or int(turn) <= (suite.restore_after or 0):
         return not_run("restore-identical", f"{ctx.case} is served before the slot is saved and restored")
@@ -62,7 +66,14 @@ def restore_identical(ctx: CheckContext) -> CheckResult | None:
                 "reference": {**{k: theirs.spec_stats.get(k, 0) for k in COUNTERS}, "cache_n": theirs.timings.cache_n},
             }
         )
-        if any(mine.spec_stats.get(k, 0) != theirs.spec_stats.get(k, 0) for k in COUNTERS):
+        if reuse and mine.timings.cache_n != theirs.timings.cache_n:
+            line = (
+                f"{ctx.case} reused {mine.timings.cache_n} prompt tokens of the restored slot, "
+                f"{theirs.timings.cache_n} in the uninterrupted round {reference.round}"
+            )
+            failures.append(f"round {r} ({kinds[r]}): {line}")
+            said.append(f"round {r} ({kinds[r]}): {line}")
+        if speculative and any(mine.spec_stats.get(k, 0) != theirs.spec_stats.get(k, 0) for k in COUNTERS):
             counts = (
                 f"accepted {mine.spec_stats.get('draft_n_accepted', 0)} of {mine.spec_stats.get('draft_n', 0)} "
                 f"drafted tokens, {theirs.spec_stats.get('draft_n_accepted', 0)} of "

@@ -25,7 +25,7 @@ from harness.models.registry import HEAD_TYPES, has_mtp_block, head_draft_for
 from harness.result import Result
 from harness.result.cellrun import CellRun, Outcome  # noqa: F401 - the executor's products, imported from here too
 from harness.result.logits import PositionLogits
-from harness.suites import RESTORE_ROUNDS, Case, Suite, case_keys  # noqa: F401 - case_keys is used from here too
+from harness.suites import REGENERATE, RESTORE_ROUNDS, Case, Suite, case_keys  # noqa: F401 - case_keys is used from here too
 from harness.suites.request import Request, Sampling
 
 
@@ -281,7 +281,10 @@ class Executor:
         if not case.is_chat:
             return case.request(deadline_s)
         history = histories[case.name]
-        history.append({"role": "user", "content": case.turns[step]})
+        if case.turns[step] is REGENERATE:
+            del history[-1]  # the last reply, asked again: its new reply takes its place
+        else:
+            history.append({"role": "user", "content": case.turns[step]})
         return Request(messages=list(history), sampling=case.sampling, tag=case_keys(case)[step], deadline_s=deadline_s)
 
 

@@ -67,6 +67,7 @@ def records(runs: list) -> list[dict]:
                     "spec_stats": r.spec_stats,
                     "kv_scan": r.kv_scan,
                     "work": r.work.to_dict(),
+                    "metrics": r.metrics,
                 }
             )
     return out

@@ -152,6 +152,11 @@ class Result:
     spec_stats: dict[str, Any] = field(default_factory=dict)
     kv_scan: dict | None = None
     """The KV scanner's brief verdict on this request's sequence (None when not scanned)."""
+    metrics: dict | None = None
+    """llama-server's /metrics around the batch this request was served in (one request in `seq`; a round's
+    requests, sent together, elsewhere): `{"batch": id, "requests": n, "delta": {counter: moved by}}`, or
+    `{"batch", "requests", "unmeasured": why}`; None where not measured (the in-process engine). `metrics-agree`
+    compares the deltas with the batch's answers."""
     work: Work = field(default_factory=Work)
     """The work the request's steps did (WORK_COUNTERS; None where not counted)."""
     logits: list[PositionLogits] = field(default_factory=list)

@@ -37,7 +37,30 @@ RESTORE_ROUNDS = ("restore", "restore-fresh", "restore-over")
 fresh session of the same cell (`restore-fresh`), or restored, without an erase, into the same slot after it
 served another, longer conversation (`restore-over`), and the chat goes on there; requests go one at a time."""
 
+
+class Regenerate(str):
+    """A chat turn that asks the last reply again (`{regenerate: true}` in a suite's `chat:`): the conversation up
+    to the last user message sent once more, its new reply in place of the old one, as a user's "regenerate"
+    button does. Its prompt is a prefix of what the slot holds (the last prompt and its reply), so the slot must
+    go back inside its own tokens: a recurrent or hybrid model needs a context checkpoint there."""
+
+
+REGENERATE = Regenerate("(regenerate the last reply)")
+"""The one regenerate turn (a string elsewhere: it reads as its own words in a report or a bench workload)."""
+
 _NAMES = {"type": "array", "items": {"type": "string"}, "minItems": 1}
+_TURN = {
+    "anyOf": [
+        {"type": "string"},
+        {
+            "type": "object",
+            "additionalProperties": False,
+            "required": ["regenerate"],
+            "properties": {"regenerate": {"const": True}},
+        },
+    ],
+    "description": "a user message or {regenerate: true}",
+}
 _CASE = {
     "type": "object",
     "additionalProperties": False,
@@ -47,7 +70,7 @@ _CASE = {
         "prompt": {"type": "string"},
         "vars": {"type": "object", "additionalProperties": {"type": ["string", "number"]}},
         "prompt_repeat": {"type": "integer", "minimum": 1},
-        "chat": {"type": "array", "items": {"type": "string"}, "minItems": 1},
+        "chat": {"type": "array", "items": _TURN, "minItems": 1},
         "json_schema": {"type": "object"},
         "grammar": {"type": "string"},
         "sampling": SAMPLING_SCHEMA,
@@ -156,6 +179,7 @@ CHECK_NAMES = (
     "prompt-reuse",
     "within-n-predict",
     "work",
+    "metrics-agree",
     "restore-identical",
     "distribution",
     "synth-acceptance",
@@ -172,6 +196,7 @@ DEFAULT_CHECKS = [
     "logits-close",
     "acceptance",
     "work",
+    "metrics-agree",
     "distribution",
 ]
 
@@ -366,6 +391,12 @@ def parse_suite(text: str, path: Path | None = None) -> Suite:
     dupes = sorted({n for n in names if names.count(n) > 1})
     if dupes:
         raise HarnessError(f"{where}:{_line_of(root, ['cases'])}: cases: duplicate case name '{dupes[0]}'")
+    for i, raw in enumerate(data["cases"]):
+        if isinstance((raw.get("chat") or [""])[0], dict):
+            raise HarnessError(
+                f"{where}:{_line_of(root, ['cases', i, 'chat', 0])}: cases.{i}.chat.0: a chat's first turn has no "
+                "reply to regenerate"
+            )
     base = data.get("sampling", {})
     cases = []
     for i, raw in enumerate(data["cases"]):
@@ -438,10 +469,11 @@ def _case(raw: dict[str, Any], base: dict, path: Path | None, expect_accepts: bo
         prompt = prompt.format(**raw["vars"])
     if prompt is not None:
         prompt *= raw.get("prompt_repeat", 1)  # a long context from a short line
+    turns = [REGENERATE if isinstance(turn, dict) else turn for turn in raw.get("chat", [])]
     return Case(
         name=raw["name"],
         sampling=sampling,
         prompt=prompt,
-        turns=raw.get("chat", []),
+        turns=turns,
         expect_accepts=raw.get("expect_accepts", expect_accepts),
     )
