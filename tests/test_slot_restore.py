@@ -60,15 +60,17 @@ def _result(tokens, drafted, accepted, cache_n=0):
     return result
 
 
-def _context(case: str, restored: tuple[int, int], spec: str = "draft-simple") -> CheckContext:
+def _context(
+    case: str, restored: tuple[int, int], spec: str = "draft-simple", backend: str = "server", reused: int = 73
+) -> CheckContext:
     """A cell of a suite with rounds seq, restore, restore-fresh: turn 1 the same everywhere, `case` drafted
-    (69, 29) uninterrupted and `restored` in both restore rounds."""
+    (69, 29) uninterrupted with 73 prompt tokens reused, and `restored` with `reused` in both restore rounds."""
     suite = parse_suite(SUITE)
-    run = CellRun(suite, Cell("server", "seq", spec, "tiny-dense"))
+    run = CellRun(suite, Cell(backend, "seq", spec, "tiny-dense"))
     for r in range(3):
         run.outcomes.append(Outcome("chat.turn1", r, _result([5, 6], 49, 34)))
         counts = (69, 29) if r == 0 else restored
-        run.outcomes.append(Outcome(case, r, _result([7, 8, 9], *counts, cache_n=73 if r else 73)))
+        run.outcomes.append(Outcome(case, r, _result([7, 8, 9], *counts, cache_n=reused if r else 73)))
     return CheckContext(run, case, None, None, str, "repro")
 
 
@@ -89,12 +91,47 @@ def test_restore_identical_fails_on_a_restore_that_lost_the_draft_context():
     ]
 
 
-def test_restore_identical_does_not_judge_turns_before_the_restore_nor_cells_without_drafts():
+def test_restore_identical_does_not_judge_turns_before_the_restore_nor_in_process_cells_without_drafts():
     assert CHECKS["restore-identical"](_context("chat.turn1", (88, 24))).not_run
-    assert CHECKS["restore-identical"](_context("chat.turn2", (88, 24), spec="none")).not_run
+    # the engine keeps no prompt cache: without drafts there is nothing to compare
+    assert CHECKS["restore-identical"](_context("chat.turn2", (88, 24), spec="none", backend="inproc")).not_run
+    # llama-server without drafts: the prompt reuse alone, the same as uninterrupted here
+    plain = CHECKS["restore-identical"](_context("chat.turn2", (88, 24), spec="none"))
+    assert plain.passed and plain.not_run is None
     ctx = _context("chat.turn2", (88, 24))
     ctx.run.suite.rounds = ["seq", "seq", "seq"]
     assert "restores no slot" in CHECKS["restore-identical"](ctx).not_run
+
+
+def test_restore_identical_fails_a_restored_turn_that_reads_its_prompt_again_on_llama_server():
+    """ggml-org/llama.cpp#28194: a restored slot without its context checkpoints reads the whole prompt (0 reused)
+    where the uninterrupted slot went back to a checkpoint; with or without drafts, on llama-server only."""
+    for spec in ("none", "draft-simple"):
+        result = CHECKS["restore-identical"](_context("chat.turn2", (69, 29), spec=spec, reused=0))
+        assert not result.passed
+        assert result.failures == [
+            f"round {r} ({kind}): chat.turn2 reused 0 prompt tokens of the restored slot, 73 in the uninterrupted "
+            "round 0"
+            for r, kind in ((1, "restore"), (2, "restore-fresh"))
+        ]
+    engine = CHECKS["restore-identical"](_context("chat.turn2", (69, 29), backend="inproc", reused=0))
+    assert engine.passed  # the engine's cache_n is evidence only
+
+
+def test_a_regenerate_turn_sends_the_last_prompt_again_and_replaces_its_reply():
+    from harness.execute import Executor
+    from harness.suites import REGENERATE
+
+    suite = parse_suite(SUITE.replace("chat: [a, b, c]", "chat: [a, {regenerate: true}, c]"))
+    case = suite.cases[0]
+    assert case.turns[1] is REGENERATE
+    histories = {"chat": []}
+    first = Executor._request(case, 0, histories, None)
+    histories["chat"].append({"role": "assistant", "content": "reply 1"})
+    again = Executor._request(case, 1, histories, None)
+    assert again.messages == first.messages == [{"role": "user", "content": "a"}]
+    with pytest.raises(HarnessError, match="first turn has no reply to regenerate"):
+        parse_suite(SUITE.replace("chat: [a, b, c]", "chat: [{regenerate: true}, b, c]"))
 
 
 def test_the_slot_restore_suite_runs_by_default_on_both_backends():
