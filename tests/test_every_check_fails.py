@@ -68,6 +68,8 @@ SCENARIOS = {
     "ggml-org/llama.cpp#10641",
     "lenient-accept": "seeded fault lenient-accept (harness/engine/faults.py): rejection sampling accepts every "
     "drafted token the target gives any probability",
+    "llama-server metrics lost": "seeded fault in llama-server (tests/test_metrics_agree.py LOST_ACCEPTED): slots "
+    "above 0 never add their accepted drafts to /metrics",
     "llama-server synth rates": "real: llama-server served with --spec-synth-rates 0.5,0.3,0.2,0.1 and judged "
     "against the synth-rates preset's 0.9,0.7,0.5,0.3 (the executor that judges was not given the override)",
 }
@@ -198,6 +200,15 @@ FAILS = {
         r"p = [\d.e+-]+ < alpha",
         "test_synth_acceptance.py::test_llama_server_counts_fail_against_rates_it_was_not_given",
     ),
+    "metrics-agree": Failing(
+        "llama-server metrics lost",
+        Cell("server", "par", "draft-simple", "tiny-hybrid"),
+        "code_python",
+        r"llama-server's /metrics disagree with its answers: .*spec_decode_num_accepted_tokens_total moved by \d+, "
+        r"the answers' draft_n_accepted add up to \d+",
+        "test_metrics_agree.py::"
+        "test_a_server_whose_metrics_lose_the_accepted_drafts_of_slots_above_0_fails_metrics_agree_outside_seq",
+    ),
     "work": Failing(
         "stale-draft-context",
         Cell("inproc", "seq", "draft-simple", "tiny-dense"),
@@ -316,6 +327,19 @@ class Scenarios:
         if name == "draft-past-n-predict":
             suite = self.suite(BUDGET)
             return None, {cell: draft_past_n_predict(suite, cell) for cell in cells}
+        if name == "llama-server metrics lost":  # a one-edit server-context.cpp variant, built through the cache
+            from seeded import seeded_tree
+            from test_metrics_agree import LOST_ACCEPTED
+
+            from harness.backends.build import ensure_server
+
+            tree = seeded_tree(LOST_ACCEPTED, "seeded-metrics-lost-accepted", "tests/test_metrics_agree.py")
+            build = ensure_server(source=tree)
+            served = Executor(ExecOptions(backends=backend_factories(build=build), kv_scan="request"))
+            return served, {
+                cell: served.run(narrowed("categories", ["code_python", "code_cpp", "explain_concept"]), cell)
+                for cell in cells
+            }
         if name == "llama-server synth rates":  # served with other rates than the judging executor's (the preset's)
             served = executor(spec_overrides={"spec-synth-rates": "0.5,0.3,0.2,0.1"})
             return executor(), {cell: served.run(narrowed("quicksort", ["C"]), cell) for cell in cells}
