@@ -21,6 +21,7 @@ another slot's (or an old) recurrent state. The request continues from it and di
 
 from __future__ import annotations
 
+import difflib
 import hashlib
 import json
 import os
@@ -223,6 +224,28 @@ def staged_tree(edits: dict[str, dict[str, tuple[str, int]]], name: str) -> Path
             )
             staging.rename(tree)
     return tree
+
+
+def fix_diff(edits: dict[str, dict[str, tuple[str, int]]] = FIX) -> str:
+    """`edits` as a unified diff against the vendored tree (two lines of context), as the upstream report shows it."""
+    source, out = vendored_source(), []
+    for file, changes in edits.items():
+        text = (source / file).read_text()
+        new = text
+        for old, (replacement, _) in changes.items():
+            new = new.replace(old, replacement)
+        out += difflib.unified_diff(text.splitlines(True), new.splitlines(True), f"a/{file}", f"b/{file}", n=2)
+    return "".join(out)
+
+
+REPORT = ROOT / "docs" / "upstream-reports" / "28286-partial-rollback-cell-move.md"
+
+
+def test_the_upstream_report_carries_the_fix_that_was_measured():
+    """docs/upstream-reports/28286-*.md shows FIX, byte for byte, as a diff against the vendored tree."""
+    text = REPORT.read_text()
+    shown = text.split("```diff\n", 1)[1].split("```", 1)[0]
+    assert shown == fix_diff(), "the report's diff is not FIX: regenerate it with fix_diff()"
 
 
 def fixed_server() -> BuildInfo:

@@ -84,17 +84,7 @@ class LlamaClient:
     def all_idle(self, within: float = 10.0) -> bool:
         """Whether every slot is idle (GET /slots, asked again until they are, for at most `within` seconds): a
         slot is released, and its request's counters added to /metrics, just after its answer is sent."""
-        until = time.monotonic() + within
-        while True:
-            try:
-                slots = requests.get(self.base_url + "/slots", timeout=max(0.01, until - time.monotonic())).json()
-                if not any(s.get("is_processing") for s in slots):
-                    return True
-            except (requests.RequestException, ValueError, AttributeError):
-                return False
-            if time.monotonic() >= until:
-                return False
-            time.sleep(0.005)
+        return self._slots_become(lambda slot: not slot.get("is_processing"), within)
 
     def metrics(self) -> dict[str, float]:
         """llama-server's counters (GET /metrics, Prometheus text; `--metrics`), by name without the `llamacpp:`
@@ -115,11 +105,16 @@ class LlamaClient:
         """Whether slot `slot_id` is idle (GET /slots, asked again until it is, for at most `within` seconds): a
         request's answer is sent just before its slot is released, and a save posted before the release waits
         among llama-server's deferred tasks, where only another slot's release may pick it up."""
+        return self._slots_become(lambda slot: slot.get("id") != slot_id or not slot.get("is_processing"), within)
+
+    def _slots_become(self, idle, within: float) -> bool:
+        """Whether `idle(slot)` holds for every slot of GET /slots, asked again until it does, for at most `within`
+        seconds (False at once when /slots cannot be read)."""
         until = time.monotonic() + within
         while True:
             try:
                 slots = requests.get(self.base_url + "/slots", timeout=max(0.01, until - time.monotonic())).json()
-                if not any(s.get("id") == slot_id and s.get("is_processing") for s in slots):
+                if all(idle(s) for s in slots):
                     return True
             except (requests.RequestException, ValueError, AttributeError):
                 return False

@@ -39,7 +39,7 @@ from typing import Any
 
 import requests
 
-from harness.backends import server_work
+from harness.backends import server_batches, server_work
 from harness.backends.base import ServeConfig, SpeedMeter, StallMeter, request_deadline
 from harness.backends.build import BuildInfo, ensure_server
 from harness.backends.client import COMPLETION_FIELDS, ConnectionLost, LlamaClient, RequestTimedOut, ServerError
@@ -355,6 +355,8 @@ class ServerSession:
                 )
             if result.ok:
                 result.work = server_work.work_of(result, server.log_path, log_start, server_work.verbosity_of(server))
+                if (server_work.verbosity_of(server) or 0) >= server_work.VERBOSITY:
+                    result.split_rollbacks = server_batches.of_request(server.log_path, log_start, result.slot_id)
                 self.speed.record(len(result.tokens), time.monotonic() - started)
                 self.stall.record(result)
                 held = result.prompt_tokens + result.tokens

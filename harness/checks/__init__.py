@@ -433,7 +433,8 @@ def logits_close(ctx: CheckContext) -> CheckResult | None:
         evidence["nmse"] = max(evidence.get("nmse", 0.0), float(comparison.nmse))
         passed, message = logits_within(comparison, floor.tolerances)
         if not passed:
-            problems.append(f"round {o.round}: {message}")
+            worst_at = int(comparison.per_position.loc[comparison.per_position["max_abs"].idxmax()].position)
+            problems.append(f"round {o.round}: {message}{o.result.split_rollback_before(worst_at)}")
             worst = worst or problems[-1]
     if evidence["compared_runs"] == 0:
         return not_run("logits-close", "no request with logits sent the reference's prompt")

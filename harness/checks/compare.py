@@ -174,13 +174,25 @@ def _judged(
             evidence,
         )
     evidence["failures"] = [
-        f"round {o.round}: {d.kind} at token {d.index}{_ended(o.result, d, len(ref.tokens))}" for o, d in failing
+        f"round {o.round}: {d.kind} at token {d.index}{_ended(o.result, d, len(ref.tokens))}"
+        + _rolled_back_before(o.result, ref, d.index)
+        for o, d in failing
     ]
     return (
         False,
         f"{len(failing)} of {len(mine)} outputs differ from the {ref.label}; round {outcome.round}: {first.describe()}",
         evidence,
     )
+
+
+def _rolled_back_before(result: Result, ref: _Reference, index: int) -> str:
+    """What a failure line adds when a llama-server slot, this output's or the reference's, rolled drafts back
+    after verifying them in a micro-batch ahead of another of the same decode, at or before the divergence
+    (Result.split_rollback_before; the step of known failure server-par-partial-rollback-diverges)."""
+    if mine := result.split_rollback_before(index):
+        return mine
+    theirs = ref.result.split_rollback_before(index) if ref.result is not None else ""
+    return theirs.replace("; after", "; the reference's output came after", 1)
 
 
 def _ended(result: Result, divergence: Divergence, n_reference: int) -> str:

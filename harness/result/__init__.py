@@ -161,6 +161,24 @@ class Result:
     """The work the request's steps did (WORK_COUNTERS; None where not counted)."""
     logits: list[PositionLogits] = field(default_factory=list)
     """One entry per generated token when logit logging is on (`logit_top_k` > 0), else empty."""
+    split_rollbacks: list[dict] | None = None
+    """llama-server: the steps that rolled drafts back by `seq_rm` after verifying them in a micro-batch ahead of
+    another of the same decode (harness.backends.server_batches); None where not read (the in-process engine, a
+    log without the lines)."""
+
+    def split_rollback_before(self, index: int) -> str:
+        """`; after a partial rollback in micro-batch ...`: the last such step whose rolled-back state made token
+        `index` or one before it, as a failure line ends with it; "" where there is none."""
+        before = [r for r in self.split_rollbacks or () if r["token"] <= index]
+        if not before:
+            return ""
+        r = before[-1]
+        batch = ", ".join(f"slot {s}: {n}" for s, n in r["batch"])
+        return (
+            f"; after a partial rollback in micro-batch {r['ubatch']} of {r['ubatches']} of a decode (step "
+            f"{r['step']}: {r['accepted']} of {r['n_draft']} drafts kept; tokens per slot: {batch}) from token "
+            f"{r['token']}"
+        )
 
     @property
     def ok(self) -> bool:

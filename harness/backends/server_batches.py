@@ -1,0 +1,206 @@
+"""The batches llama-server decoded, read back from its log, and where a request's rollbacks sat in them.
+
+llama-server (tools/server/server-context.cpp at 0c1e570, `update_slots`) puts every generating slot's sampled token
+and drafts into one batch, slot by slot, then the prompt tokens of the slots reading a prompt, and decodes it; at
+`-lv 5` (server_work.VERBOSITY) each entry logs one line of its slot (`generate_draft: ... #draft=N`: 1 + N
+tokens; `slot decode token`: 1; `main/do_checkpoint = .., pos_min = .., pos_max = P`: the prompt tokens from
+position P + 1, as many as the slot's next prompt batch starts later or its task's `task.n_tokens` ends), and the
+decode logs `n_batch (effective) = .., off = O` once per chunk of n_batch tokens. After the decode each verifying
+slot logs `add accepted tokens: sampled=.., ids.size=K, n_draft=N` (K - 1 drafts kept; fewer than N: the rest are
+rolled back by `seq_rm`, which for a recurrent memory with snapshots only records the plane to continue from) or,
+where the state needs a checkpoint, `restoring speculative checkpoint`.
+
+`split_rollbacks` names, for one request, each step that rolled drafts back after verifying them in a micro-batch
+ahead of another micro-batch of the same decode (harness.llama.ubatch): the step where known failure
+`server-par-partial-rollback-diverges`'s cell move can happen (its reason in suites/known-failures.yaml). The
+model's memory geometry (n_ubatch, unified or per-slot KV, n_rs_seq) comes from the log's start-up lines.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from harness.backends.server_work import task_lines
+from harness.llama import log as llama_log
+from harness.llama.ubatch import split_equal
+
+_SLOT = re.compile(r"id\s+(\d+) \| task (-?\d+) \| (.*)")
+_DRAFT = re.compile(r"generate_draft: id=-?\d+, #tokens=\d+, #draft=(\d+)")
+_PROMPT_BATCH = re.compile(r"main/do_checkpoint = \w+, pos_min = -?\d+, pos_max = (-?\d+)")
+_NEW_PROMPT = re.compile(r"new prompt, n_ctx_slot = \d+, n_keep = -?\d+, task\.n_tokens = (\d+)")
+_ACCEPTED = re.compile(r"add accepted tokens: sampled=-?\d+, ids\.size=(\d+), n_draft=(\d+)")
+_CHUNK = re.compile(r"n_batch \(effective\) = \d+, off = (\d+)")
+_N_UBATCH = re.compile(r"llama_context: n_ubatch\s+= (\d+)")
+_KV_UNIFIED = re.compile(r"llama_context: kv_unified\s+= (true|false)")
+_KV_CACHE = re.compile(r"llama_kv_cache: size = ")
+_RECURRENT = re.compile(r"llama_memory_recurrent: size = .*?\s(\d+) seqs\s+(\d+) rs_seq")
+HEAD_BYTES = 256 * 1024
+"""How much of the log's start holds the target context's start-up lines (up to the second `n_ubatch` line: the
+draft context is made after the target's)."""
+
+
+@dataclass
+class Geometry:
+    """What decides the split: the target context's n_ubatch, unified KV or not, its recurrent memory's n_rs_seq,
+    and whether the memory is hybrid (attention layers too) or recurrent only."""
+
+    n_ubatch: int
+    unified: bool
+    n_rs_seq: int
+    hybrid: bool
+
+    def ubatches(self, seqs: list[tuple[int, int]]) -> list[list[tuple[int, int]]]:
+        """The micro-batches of one decode's `(slot, n_tokens)` (src/llama-memory-hybrid.cpp / -recurrent.cpp
+        `init_batch`: sequential unless the hybrid memory's KV is unified; tails of 1 + n_rs_seq kept whole)."""
+        tail = self.n_rs_seq + 1 if self.n_rs_seq > 0 else 0
+        return split_equal(seqs, self.n_ubatch, n_keep_tail=tail, sequential=not (self.hybrid and self.unified))
+
+
+def geometry(log_path: Path) -> Geometry | None:
+    """The target's split geometry from the log's start-up lines; None where the model keeps no recurrent state
+    with snapshots (nothing to roll back into) or the lines are not there."""
+    try:
+        with open(log_path, "rb") as f:
+            head = f.read(HEAD_BYTES).decode("utf-8", errors="replace")
+    except OSError:
+        return None
+    contexts = list(_N_UBATCH.finditer(head))
+    if len(contexts) > 1:  # the target's lines end where the next context (the draft's) starts
+        head = head[: contexts[1].start()]
+    n_ubatch, unified, recurrent = _N_UBATCH.search(head), _KV_UNIFIED.search(head), _RECURRENT.search(head)
+    if not (n_ubatch and unified and recurrent) or int(recurrent.group(2)) == 0:
+        return None
+    return Geometry(
+        n_ubatch=int(n_ubatch.group(1)),
+        unified=unified.group(1) == "true",
+        n_rs_seq=int(recurrent.group(2)),
+        hybrid=_KV_CACHE.search(head) is not None,  # attention layers beside the recurrent ones
+    )
+
+
+@dataclass
+class _Entry:
+    slot: int
+    task: int
+    kind: str  # verify | decode | prompt
+    n_tokens: int | None
+    pos_max: int | None = None
+
+
+@dataclass
+class _Decode:
+    entries: list[_Entry] = field(default_factory=list)
+    chunks: int = 0
+
+    def composition(self) -> list[tuple[int, int]] | None:
+        """`(slot, n_tokens)` in batch order; None where a count is unknown or the batch went in several chunks."""
+        if self.chunks != 1 or any(e.n_tokens is None for e in self.entries):
+            return None
+        return [(e.slot, e.n_tokens) for e in self.entries]
+
+
+def _decodes(messages: list[str]) -> list[_Decode]:
+    """The decodes of the log's messages in order, each with its entries; prompt entries counted from the slot's
+    next prompt batch or its task's prompt length."""
+    decodes, pending = [], _Decode()
+    prompt_len: dict[int, int] = {}  # slot -> its task's prompt tokens (`new prompt`)
+    open_prompt: dict[int, _Entry] = {}  # slot -> its last prompt entry, whose count the next one or the end gives
+    for message in messages:
+        chunk = _CHUNK.search(message)
+        if chunk:
+            if int(chunk.group(1)) == 0 or not decodes:
+                pending.chunks = 1
+                decodes.append(pending)
+                pending = _Decode()
+            else:
+                decodes[-1].chunks += 1
+            continue
+        m = _SLOT.search(message)
+        if not m:
+            continue
+        slot, task, text = int(m.group(1)), int(m.group(2)), m.group(3)
+        if found := _NEW_PROMPT.match(text):
+            prompt_len[slot] = int(found.group(1))
+            open_prompt.pop(slot, None)
+        elif found := _PROMPT_BATCH.match(text):
+            entry = _Entry(slot, task, "prompt", None, int(found.group(1)))
+            if (before := open_prompt.get(slot)) is not None:
+                before.n_tokens = entry.pos_max - before.pos_max
+            if slot in prompt_len:  # the prompt's end bounds this batch until a next one says otherwise
+                entry.n_tokens = prompt_len[slot] - (entry.pos_max + 1)
+            open_prompt[slot] = entry
+            pending.entries.append(entry)
+        elif found := _DRAFT.match(text):
+            open_prompt.pop(slot, None)
+            pending.entries.append(_Entry(slot, task, "verify", 1 + int(found.group(1))))
+        elif text.startswith("slot decode token"):
+            open_prompt.pop(slot, None)
+            pending.entries.append(_Entry(slot, task, "decode", 1))
+    return decodes
+
+
+def split_rollbacks(messages: list[str], slot: int, task: int, geo: Geometry) -> list[dict]:
+    """The steps of task `task` (slot `slot`) that rolled drafts back by `seq_rm` after verifying them in a
+    micro-batch ahead of another of the same decode: `{"token": the first token generated from the rolled-back
+    state, "step": the verification's number (0-based), "n_draft", "accepted", "ubatch": its micro-batch (1-based),
+    "ubatches": how many, "batch": [[slot, n_tokens], ...]}`. A step whose decode cannot be replayed (a count
+    missing, several chunks) is left out: it names nothing."""
+    where = {}  # id(entry of ours) -> (ubatch, ubatches, composition)
+    ours = []
+    for decode in _decodes(messages):
+        mine = [e for e in decode.entries if e.slot == slot and e.task == task and e.kind == "verify"]
+        if not mine:
+            continue
+        ours.append(mine[0])
+        seqs = decode.composition()
+        if seqs is None:
+            continue
+        ubatches = geo.ubatches(seqs)
+        index = next(i for i, ub in enumerate(ubatches) if any(s == slot for s, _ in ub))
+        where[id(mine[0])] = (index + 1, len(ubatches), [list(s) for s in seqs])
+    return _rolled_back(messages, slot, task, ours, where)
+
+
+def _rolled_back(messages: list[str], slot: int, task: int, ours: list[_Entry], where: dict) -> list[dict]:
+    """Each of our verifications' outcome (`add accepted tokens` / a restore) in order, kept where it rolled drafts
+    back by seq_rm from a micro-batch ahead of another."""
+    found, step, n_gen = [], -1, 1  # token 0 comes from the prompt
+    for message in messages:
+        m = _SLOT.search(message)
+        if not m or int(m.group(1)) != slot or int(m.group(2)) != task:
+            continue
+        text = m.group(3)
+        if text.startswith("generate_draft:"):
+            step += 1
+        elif text.startswith("slot decode token"):
+            n_gen += 1
+        elif text.startswith("restoring speculative checkpoint") and 0 <= step < len(ours):
+            where.pop(id(ours[step]), None)  # a checkpoint restore, not a seq_rm rollback
+        elif (accepted := _ACCEPTED.match(text)) and 0 <= step < len(ours):
+            k, n_draft = int(accepted.group(1)), int(accepted.group(2))
+            n_gen += k
+            placed = where.get(id(ours[step]))
+            if k - 1 < n_draft and placed and placed[0] < placed[1]:
+                found.append(
+                    {"token": n_gen, "step": step, "n_draft": n_draft, "accepted": k - 1, "ubatch": placed[0],
+                     "ubatches": placed[1], "batch": placed[2]}
+                )  # fmt: skip
+    return found
+
+
+def of_request(log_path: Path | None, start: int, slot: int) -> list[dict] | None:
+    """`split_rollbacks` of the request whose slot is `slot` and whose lines start at byte `start` of the log (read
+    after server_work.work_of waited for them); None where the log or the model's geometry is not there, or the
+    task's lines are not (a log below -lv 5)."""
+    if log_path is None or slot < 0 or (geo := geometry(Path(log_path))) is None:
+        return None
+    try:
+        messages = llama_log.messages(llama_log.read(log_path, start))
+    except OSError:
+        return None
+    task, _, ended = task_lines(messages, slot)
+    if task is None or not ended:
+        return None
+    return split_rollbacks(messages, slot, task, geo)
