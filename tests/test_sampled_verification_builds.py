@@ -1,6 +1,8 @@
 """Builds whose sampled verification is wrong while greedy output is untouched are caught by a default run: the
 `sampling` suite on llama-server exits 1 on such a build, through `lossless`'s count of seeded sampled divergences
-(harness/checks/seeded.py), and exits 0 on the unmodified build.
+(harness/checks/seeded.py). The control, the same suite on the unmodified build passing, is the default pytest's
+own suites/sampling.yaml items on llama-server (the same build, suite and verdict rules; a separate
+`specharness run` of it here repeated them, 53 s of the warm pytest).
 
 The faulty build is tests/seeded.py's `seeded-sampled-verify`: common/sampling.cpp accepts a drafted token when it
 is the target's most probable token, whatever the sampler drew. llama-server gives no logits of verified tokens, so
@@ -18,7 +20,7 @@ from pathlib import Path
 import pytest
 from seeded import extra_draw_server, sampled_verify_server
 
-from harness.backends.build import BuildInfo, ensure_server
+from harness.backends.build import BuildInfo
 from harness.checks import seeded
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -35,12 +37,6 @@ pytestmark = pytest.mark.long  # a sampling run of 24 cells on llama-server: abo
 @pytest.fixture(scope="module")
 def faulty_build() -> BuildInfo:
     return sampled_verify_server()
-
-
-@pytest.fixture(scope="module")
-def clean_build() -> BuildInfo:
-    """The unmodified vendored llama-server (0c1e570), the build a run without --server-bin uses."""
-    return ensure_server()
 
 
 def sampling_run(build: BuildInfo, out: Path) -> tuple[int, list[dict], str]:
@@ -82,14 +78,6 @@ def test_a_build_whose_sampled_verification_is_wrong_fails_the_default_sampling_
         assert evidence["group_p_value"] < seeded.ALPHA and "reported_only" not in evidence
         assert len(evidence["group_divergences"]) == diverged
     assert "lossless" in console and "seeded sampled requests" in console  # the console's verdict lines say it too
-
-
-def test_the_unmodified_build_passes_the_same_sampling_run(clean_build, tmp_path, tiny_models):
-    code, checks, console = sampling_run(clean_build, tmp_path / "run")
-    assert code == 0, console[-3000:]
-    assert not failing(checks)
-    counted = [c for c in checks if c["check"] == "lossless" and "group_p_value" in c["evidence"]]
-    assert all(c["evidence"]["group_p_value"] >= seeded.ALPHA for c in counted)
 
 
 def test_a_build_that_draws_once_more_after_a_rejection_fails_the_sampling_run_by_its_count_only(tmp_path, tiny_models):
