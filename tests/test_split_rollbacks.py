@@ -88,7 +88,7 @@ def test_a_rollback_from_the_first_of_two_ubatches_is_named_and_one_from_the_las
     # slot 0: its 1 draft rejected in ubatch 1 of 2; the first token made from the rolled-back state is token 2
     # (token 0 from the prompt, token 1 the step's own sample)
     assert of_request(log, 0, 0) == [
-        {"token": 2, "step": 0, "n_draft": 1, "accepted": 0, "ubatch": 1, "ubatches": 2,
+        {"token": 2, "slot": 0, "step": 0, "n_draft": 1, "accepted": 0, "plane": 1, "ubatch": 1, "ubatches": 2,
          "batch": [[0, 2], [1, 4], [2, 4]]}
     ]  # fmt: skip
     assert of_request(log, 0, 1) == []  # rolled back 2 drafts, but in the last ubatch: nothing moves it after
@@ -113,14 +113,14 @@ def test_prompt_batches_count_from_the_next_batch_or_the_prompt_s_end():
 def test_a_failure_line_names_the_step_only_at_or_after_its_first_token():
     r = Result(
         split_rollbacks=[
-            {"token": 9, "step": 4, "n_draft": 3, "accepted": 1, "ubatch": 1, "ubatches": 2,
+            {"token": 9, "slot": 1, "step": 4, "n_draft": 3, "accepted": 1, "plane": 2, "ubatch": 1, "ubatches": 2,
              "batch": [[0, 4], [1, 2], [2, 4]]}
         ]
     )  # fmt: skip
     assert r.split_rollback_before(8) == ""
     assert r.split_rollback_before(9) == (
-        "; after a partial rollback in micro-batch 1 of 2 of a decode (step 4: 1 of 3 drafts kept; tokens per slot: "
-        "slot 0: 4, slot 1: 2, slot 2: 4) from token 9"
+        "; after slot 1's partial rollback to snapshot plane 2 in micro-batch 1 of 2 of a decode (step 4: 1 of 3 "
+        "drafts kept; tokens per slot: slot 0: 4, slot 1: 2, slot 2: 4) from token 9"
     )
     assert Result().split_rollback_before(9) == ""
 
@@ -131,8 +131,8 @@ def test_the_known_failure_needs_the_step_in_its_evidence():
     (entry,) = [k for k in known_failures()[0] if k.id == "server-par-partial-rollback-diverges"]
     step = Result(
         split_rollbacks=[
-            {"token": 3, "step": 1, "n_draft": 3, "accepted": 0, "ubatch": 1, "ubatches": 2,
-             "batch": [[0, 4], [1, 2]]}
+            {"token": 3, "slot": 1, "step": 1, "n_draft": 1, "accepted": 0, "plane": 1, "ubatch": 1, "ubatches": 2,
+             "batch": [[1, 2], [0, 4]]}
         ]
     ).split_rollback_before(5)  # fmt: skip
     assert entry.matches("round 1: hard at token 5" + step)

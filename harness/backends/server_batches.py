@@ -144,9 +144,10 @@ def _decodes(messages: list[str]) -> list[_Decode]:
 def split_rollbacks(messages: list[str], slot: int, task: int, geo: Geometry) -> list[dict]:
     """The steps of task `task` (slot `slot`) that rolled drafts back by `seq_rm` after verifying them in a
     micro-batch ahead of another of the same decode: `{"token": the first token generated from the rolled-back
-    state, "step": the verification's number (0-based), "n_draft", "accepted", "ubatch": its micro-batch (1-based),
-    "ubatches": how many, "batch": [[slot, n_tokens], ...]}`. A step whose decode cannot be replayed (a count
-    missing, several chunks) is left out: it names nothing."""
+    state, "slot", "step": the verification's number (0-based), "n_draft", "accepted", "plane": the snapshot plane
+    the next decode reads (src/llama-memory-recurrent.cpp `seq_rm`: rs_idx = the positions rolled back), "ubatch":
+    its micro-batch (1-based), "ubatches": how many, "batch": [[slot, n_tokens], ...]}`. A step whose decode
+    cannot be replayed (a count missing, several chunks) is left out: it names nothing."""
     where = {}  # id(entry of ours) -> (ubatch, ubatches, composition)
     ours = []
     for decode in _decodes(messages):
@@ -184,8 +185,8 @@ def _rolled_back(messages: list[str], slot: int, task: int, ours: list[_Entry], 
             placed = where.get(id(ours[step]))
             if k - 1 < n_draft and placed and placed[0] < placed[1]:
                 found.append(
-                    {"token": n_gen, "step": step, "n_draft": n_draft, "accepted": k - 1, "ubatch": placed[0],
-                     "ubatches": placed[1], "batch": placed[2]}
+                    {"token": n_gen, "slot": slot, "step": step, "n_draft": n_draft, "accepted": k - 1,
+                     "plane": n_draft - (k - 1), "ubatch": placed[0], "ubatches": placed[1], "batch": placed[2]}
                 )  # fmt: skip
     return found
 

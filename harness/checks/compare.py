@@ -192,7 +192,7 @@ def _rolled_back_before(result: Result, ref: _Reference, index: int) -> str:
     if mine := result.split_rollback_before(index):
         return mine
     theirs = ref.result.split_rollback_before(index) if ref.result is not None else ""
-    return theirs.replace("; after", "; the reference's output came after", 1)
+    return theirs.replace("; after", "; the reference's output came after", 1)  # the reference's own slot
 
 
 def _ended(result: Result, divergence: Divergence, n_reference: int) -> str:

@@ -175,9 +175,9 @@ class Result:
         r = before[-1]
         batch = ", ".join(f"slot {s}: {n}" for s, n in r["batch"])
         return (
-            f"; after a partial rollback in micro-batch {r['ubatch']} of {r['ubatches']} of a decode (step "
-            f"{r['step']}: {r['accepted']} of {r['n_draft']} drafts kept; tokens per slot: {batch}) from token "
-            f"{r['token']}"
+            f"; after slot {r['slot']}'s partial rollback to snapshot plane {r['plane']} in micro-batch {r['ubatch']} "
+            f"of {r['ubatches']} of a decode (step {r['step']}: {r['accepted']} of {r['n_draft']} drafts kept; tokens "
+            f"per slot: {batch}) from token {r['token']}"
         )
 
     @property
