@@ -22,15 +22,12 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from harness.backends.server_work import task_lines
+from harness.backends.server_work import _ACCEPTED, _PROMPT_BATCH, _SLOT, task_lines
+from harness.backends.server_work import _DRAFT_BATCH as _DRAFT
 from harness.llama import log as llama_log
 from harness.llama.ubatch import split_equal
 
-_SLOT = re.compile(r"id\s+(\d+) \| task (-?\d+) \| (.*)")
-_DRAFT = re.compile(r"generate_draft: id=-?\d+, #tokens=\d+, #draft=(\d+)")
-_PROMPT_BATCH = re.compile(r"main/do_checkpoint = \w+, pos_min = -?\d+, pos_max = (-?\d+)")
 _NEW_PROMPT = re.compile(r"new prompt, n_ctx_slot = \d+, n_keep = -?\d+, task\.n_tokens = (\d+)")
-_ACCEPTED = re.compile(r"add accepted tokens: sampled=-?\d+, ids\.size=(\d+), n_draft=(\d+)")
 _CHUNK = re.compile(r"n_batch \(effective\) = \d+, off = (\d+)")
 _N_UBATCH = re.compile(r"llama_context: n_ubatch\s+= (\d+)")
 _KV_UNIFIED = re.compile(r"llama_context: kv_unified\s+= (true|false)")
