@@ -707,9 +707,11 @@ def calibration_page() -> str:
         "excused, is read from these measurements (`harness.verdict.noise`; "
         "[the policy](../internals/triage.md#one-policy-for-every-token-comparison)).\n"
     )
+    from harness.verdict.noise import logits_count
+
     rows = []
     for d in data:
-        seq = {k: v for k, v in d["measured"].items() if k.startswith("seq/")}
+        seq = {k: v for k, v in d["measured"].items() if k.startswith("seq/") and logits_count(v)}
         exact = sorted(k for k, v in seq.items() if v.get("max_abs_max", 1) == 0)
         rows.append(
             [
@@ -754,7 +756,11 @@ def _acceptance_section(data: list[dict]) -> list[str]:
         "and between repeats of the variant that sends the requests one at a time (drafters that learn across "
         "requests); then the three tolerances the `acceptance` check uses: against the baseline's same request "
         "(`tolerance`), the same for rounds whose requests are sent all at once (`sent at once`), and a par / "
-        "no-kv-unified request against the same request in seq (`against seq`). Null: refused (below).\n"
+        "no-kv-unified request against the same request in seq (`against seq`). Null: refused (below). Only requests "
+        "that made the same output in both runs count (as the check compares). Which configs: every one a suite "
+        "judges the acceptance of on that model and backend (`harness.commands.calibrate.specs_of`). A variant where a "
+        "known defect moves tokens or logits (suites/known-failures.yaml) counts its acceptance (same outputs only) "
+        "and none of its logits; one where a known defect moves acceptance itself is not measured.\n"
     )
 
     def cell(v: dict, key: str) -> str:

@@ -223,3 +223,38 @@ def test_the_replayed_split_is_libllama_s_own_decode_by_decode(served_log):
     assert all(r.ok for r in results)
     named = [r for r in results if r.split_rollbacks]
     assert all(r.split_rollbacks is not None for r in results) and named, "no request rolled back ahead of another"
+
+
+# ------------------------------------------------------------------------------------ the engine
+
+
+def test_the_engine_records_its_own_split_rollbacks_and_names_the_step_before_its_divergence(tiny_models):
+    """The in-process engine meets the same libllama defect (engine-par-partial-rollback-diverges): its par draft-mtp
+    requests on tiny-hybrid-mtp carry `split_rollbacks` computed from its own batches (harness.llama.ubatch), and
+    par-rollback-engine's code_cpp diverges at token 31 right after its slot's rollback from micro-batch 1 of 3,
+    every round (the engine schedules deterministically); without the records the line named no step (measured
+    2026-12-02: 8 of 8 rounds)."""
+    from harness.backends.choose import backend_factories
+    from harness.execute import ExecOptions, Executor
+    from harness.matrix import Cell
+    from harness.suites import load_suite, suites_dir
+
+    suite = load_suite(str(suites_dir() / "par-rollback-engine.yaml"))
+    suite.rounds = ["par"]
+    executor = Executor(ExecOptions(backends=backend_factories(None, None, None), kv_scan="off"))
+    reference = {
+        o.case: o.result.tokens for o in executor.run(suite, Cell("inproc", "par", "none", "tiny-hybrid-mtp")).outcomes
+    }
+    run = executor.run(suite, Cell("inproc", "par", "draft-mtp", "tiny-hybrid-mtp"))
+    assert all(o.result.split_rollbacks is not None for o in run.outcomes)
+    assert sum(bool(o.result.split_rollbacks) for o in run.outcomes) >= 5  # measured: most requests take the step
+    diverged = {}
+    for o in run.outcomes:
+        at = next((i for i, (x, y) in enumerate(zip(reference[o.case], o.result.tokens, strict=False)) if x != y), None)
+        if at is not None:
+            diverged[o.case] = (at, o.result.split_rollback_before(at))
+    assert set(diverged) == {"code_cpp"}, diverged
+    at, step = diverged["code_cpp"]
+    assert at == 31 and step.startswith("; after slot ") and step.endswith(" from token 31"), step
+    seq = executor.run(suite, Cell("inproc", "seq", "draft-mtp", "tiny-hybrid-mtp"))
+    assert all(o.result.split_rollbacks == [] for o in seq.outcomes)  # one slot: one micro-batch, never a step

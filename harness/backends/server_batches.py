@@ -25,7 +25,7 @@ from pathlib import Path
 from harness.backends.server_work import _ACCEPTED, _PROMPT_BATCH, _SLOT, task_lines
 from harness.backends.server_work import _DRAFT_BATCH as _DRAFT
 from harness.llama import log as llama_log
-from harness.llama.ubatch import split_equal
+from harness.llama.ubatch import Geometry, split_rollback
 
 _NEW_PROMPT = re.compile(r"new prompt, n_ctx_slot = \d+, n_keep = -?\d+, task\.n_tokens = (\d+)")
 _CHUNK = re.compile(r"n_batch \(effective\) = \d+, off = (\d+)")
@@ -36,23 +36,6 @@ _RECURRENT = re.compile(r"llama_memory_recurrent: size = .*?\s(\d+) seqs\s+(\d+)
 HEAD_BYTES = 256 * 1024
 """How much of the log's start holds the target context's start-up lines (up to the second `n_ubatch` line: the
 draft context is made after the target's)."""
-
-
-@dataclass
-class Geometry:
-    """What decides the split: the target context's n_ubatch, unified KV or not, its recurrent memory's n_rs_seq,
-    and whether the memory is hybrid (attention layers too) or recurrent only."""
-
-    n_ubatch: int
-    unified: bool
-    n_rs_seq: int
-    hybrid: bool
-
-    def ubatches(self, seqs: list[tuple[int, int]]) -> list[list[tuple[int, int]]]:
-        """The micro-batches of one decode's `(slot, n_tokens)` (src/llama-memory-hybrid.cpp / -recurrent.cpp
-        `init_batch`: sequential unless the hybrid memory's KV is unified; tails of 1 + n_rs_seq kept whole)."""
-        tail = self.n_rs_seq + 1 if self.n_rs_seq > 0 else 0
-        return split_equal(seqs, self.n_ubatch, n_keep_tail=tail, sequential=not (self.hybrid and self.unified))
 
 
 def geometry(log_path: Path) -> Geometry | None:
@@ -145,7 +128,7 @@ def split_rollbacks(messages: list[str], slot: int, task: int, geo: Geometry) ->
     the next decode reads (src/llama-memory-recurrent.cpp `seq_rm`: rs_idx = the positions rolled back), "ubatch":
     its micro-batch (1-based), "ubatches": how many, "batch": [[slot, n_tokens], ...]}`. A step whose decode
     cannot be replayed (a count missing, several chunks) is left out: it names nothing."""
-    where = {}  # id(entry of ours) -> (ubatch, ubatches, composition)
+    where = {}  # id(entry of ours) -> ((ubatch, ubatches), composition)
     ours = []
     for decode in _decodes(messages):
         mine = [e for e in decode.entries if e.slot == slot and e.task == task and e.kind == "verify"]
@@ -155,9 +138,7 @@ def split_rollbacks(messages: list[str], slot: int, task: int, geo: Geometry) ->
         seqs = decode.composition()
         if seqs is None:
             continue
-        ubatches = geo.ubatches(seqs)
-        index = next(i for i, ub in enumerate(ubatches) if any(s == slot for s, _ in ub))
-        where[id(mine[0])] = (index + 1, len(ubatches), [list(s) for s in seqs])
+        where[id(mine[0])] = (geo.placement(seqs)[slot], seqs)
     return _rolled_back(messages, slot, task, ours, where)
 
 
@@ -180,11 +161,8 @@ def _rolled_back(messages: list[str], slot: int, task: int, ours: list[_Entry], 
             k, n_draft = int(accepted.group(1)), int(accepted.group(2))
             n_gen += k
             placed = where.get(id(ours[step]))
-            if k - 1 < n_draft and placed and placed[0] < placed[1]:
-                found.append(
-                    {"token": n_gen, "slot": slot, "step": step, "n_draft": n_draft, "accepted": k - 1,
-                     "plane": n_draft - (k - 1), "ubatch": placed[0], "ubatches": placed[1], "batch": placed[2]}
-                )  # fmt: skip
+            if placed and (record := split_rollback(n_gen, slot, step, n_draft, k - 1, *placed)):
+                found.append(record)
     return found
 
 

@@ -24,7 +24,7 @@ modes (par and no-kv-unified against seq); its tolerance is SAFETY × that.
 import argparse
 import datetime
 import json
-from dataclasses import asdict, replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -32,16 +32,18 @@ import pandas as pd
 
 from harness import MODES, __version__
 from harness.backends.choose import backend_factories
+from harness.checks.acceptance import NAME as ACCEPTANCE_CHECK
 from harness.checks.acceptance import Acceptance
 from harness.errors import HarnessError, Unservable
 from harness.execute import ExecOptions, Executor, serve_config
 from harness.execute.run_options import DEFAULT_SUITE
-from harness.matrix import BACKEND_NAMES, Cell, spec_preset
+from harness.matrix import BACKEND_NAMES, Cell, cells, spec_preset
 from harness.models import model_key, resolve
 from harness.paths import write_atomic
 from harness.result.logits import Tolerances, compare, max_abs_quantile
 from harness.suites import Case, Suite, load_suite, suite_files
-from harness.verdict.noise import RANGE, calibration_path, calibration_root
+from harness.verdict.baselines import output_digest
+from harness.verdict.noise import RANGE, calibration_path, calibration_root, logits_count
 from harness.verdict.triage import at, gap
 
 SAFETY = 2.0
@@ -52,13 +54,23 @@ SPREAD_FLOOR = 0.1
 """A re-measurement may differ by the observed spread × 2, and at least by this fraction."""
 SPECS = {
     "inproc": ["none", "scripted-accept", "draft-simple", "ngram-mod", "ngram-map-k", "draft-mtp"],
-    "server": ["none", "draft-simple", "ngram-mod", "ngram-map-k", "draft-mtp"],
+    "server": [
+        "none",
+        "draft-simple",
+        "ngram-mod",
+        "ngram-map-k",
+        "draft-mtp",
+        "draft-eagle3",
+        "draft-dflash",
+        "draft-dspark",
+    ],
 }
 """The speculative configs of each backend's equivalent runs (`scripted-accept` drafts the reference's own
 output, so every draft is accepted: only the batch shape changes), each where the model can serve it
-(draft-simple with a draft model, draft-mtp with an MTP block). The draft heads (draft-eagle3 / -dflash /
--dspark) are left out: EAGLE3's acceptance collapses when slots verify together (docs/upstream-defects.md row 14),
-and measuring that defect as noise would set a tolerance that excuses it."""
+(draft-simple with a draft model, draft-mtp with an MTP block, the draft heads -eagle3 / -dflash / -dspark with
+the model's generated head). A cell where a known defect moves tokens or logits, or acceptance, is measured only
+for what that defect leaves alone (`variants`): EAGLE3's acceptance collapses when slots verify together
+(docs/upstream-defects.md row 14), and measuring that defect as noise would set a tolerance that excuses it."""
 UBATCH = 7
 
 
@@ -103,38 +115,80 @@ NUMERIC_CHECKS = {"lossless", "mode-invariant", "baseline", "repeat-identical", 
 measure of numerical noise."""
 
 
-def defect_of(cell: Cell) -> str | None:
-    """The known llama.cpp defect (suites/known-failures.yaml) that moves the tokens or logits of `cell`, whichever
-    suite and llama.cpp version: such a cell is left out of calibration (an intermittent flip of the defect measured
-    as noise would raise the near-tie floor and excuse it)."""
+def defect_of(cell: Cell, checks: set[str] | frozenset[str] = frozenset(NUMERIC_CHECKS)) -> str | None:
+    """The known llama.cpp defect (suites/known-failures.yaml) that moves what `checks` judge in `cell` (by default
+    its tokens or logits), whichever suite and llama.cpp version: such a cell is no measure of that noise (an
+    intermittent flip of the defect measured as noise would raise the near-tie floor and excuse it)."""
     from harness.suites import suites_dir
     from harness.verdict.known_failures import FILE_NAME
     from harness.verdict.known_failures import load as load_known
 
     entries = load_known(suites_dir() / FILE_NAME)
-    return next((e.id for e in entries if NUMERIC_CHECKS & set(e.check) and e.shows_in(cell)), None)
+    return next((e.id for e in entries if set(checks) & set(e.check) and e.shows_in(cell)), None)
 
 
-def variants(backend: str, model: str) -> list[tuple[str, Cell, dict]]:
-    """(name, cell, serve overrides) of every run equivalent to the seq / none reference: every mode × spec,
-    each spec with a 7-token micro-batch split, and each drafter that learns across requests once more
-    with the requests sent one at a time (served in a fixed order, which its acceptance depends on). A cell where
-    a known defect moves tokens or logits (`defect_of`) is left out."""
-    specs = [s for s in SPECS[backend] if _servable(Cell(backend, "seq", s, model))]
+@dataclass(frozen=True)
+class Variant:
+    """One run equivalent to the seq / none reference, and what it measures."""
+
+    name: str
+    cell: Cell
+    serve: dict
+    logits: bool = True
+    """Whether its logits and flips count toward the floor: False where a known defect moves tokens or logits."""
+    acceptance: bool = True
+    """Whether its requests' acceptance counts toward the spread: False where a known defect moves acceptance itself.
+    Under a known defect of tokens or logits it counts (on the requests whose output equals the other run's, as the
+    `acceptance` check compares): measured 2026-12-02, llama-server draft-dspark's acceptance moves under concurrency
+    with the output unchanged on requests that took no step of that defect (quicksort's Python request in
+    no-kv-unified: 14/50 -> 12/56 in 2 of 10 rounds sent at once, no partial rollback from a micro-batch ahead of
+    another in 20 more), so requests without the step are no sample of the noise the check meets."""
+
+
+def specs_of(backend: str, model: str) -> list[str]:
+    """The speculative configs calibration measures for `model` on `backend`: SPECS, then every other one a suite
+    judges the `acceptance` of on this model and backend (so no such cell is judged by the uncalibrated default),
+    each where the model can serve it."""
+    suites = [load_suite(str(path)) for path in suite_files()]
+    judged = [
+        cell.spec
+        for suite in suites
+        if ACCEPTANCE_CHECK in suite.checks
+        for cell in cells(suite.matrix, {"models": [model]})
+        if cell.backend == backend and spec_preset(cell.spec).speculative
+    ]
+    return [s for s in dict.fromkeys([*SPECS[backend], *judged]) if _servable(Cell(backend, "seq", s, model))]
+
+
+def variants(backend: str, model: str, only: list[str] | None = None) -> list[Variant]:
+    """Every run equivalent to the seq / none reference (of the `only` specs where given): every mode × spec
+    (`specs_of`), each spec with a 7-token micro-batch
+    split, and each drafter that learns across requests once more with the requests sent one at a time (served in
+    a fixed order, which its acceptance depends on). Where a known defect moves tokens or logits (`defect_of`) the
+    run's logits are left out (its acceptance counts, on the requests of the same output); where
+    one moves acceptance, its acceptance is left out; a run left with nothing to measure is not served."""
+    specs = [s for s in specs_of(backend, model) if only is None or s in only]
     out = [
         (f"{mode}/{spec}", Cell(backend, mode, spec, model), {})
         for mode in MODES
         for spec in specs
-        if (mode, spec) != ("seq", "none") and defect_of(Cell(backend, mode, spec, model)) is None
+        if (mode, spec) != ("seq", "none")
     ]
     out += [
         (f"seq/{spec}/n_ubatch={UBATCH}", Cell(backend, "seq", spec, model), {"n_ubatch": UBATCH}) for spec in specs
     ]
-    return out + [
+    out += [
         (f"seq/{spec}/{IN_ORDER}", Cell(backend, "seq", spec, model), {})
         for spec in specs
         if spec_preset(spec).learns_across_requests
     ]
+    kept = []
+    for name, cell, serve in out:
+        numeric = defect_of(cell) is not None
+        acceptance = defect_of(cell, {ACCEPTANCE_CHECK}) is None
+        if not numeric or (spec_preset(cell.spec).speculative and acceptance):
+            kept.append(Variant(name, cell, serve, logits=not numeric, acceptance=acceptance))
+    return kept
 
 
 def _servable(cell: Cell) -> bool:
@@ -151,25 +205,29 @@ def _suite(name: str, model: str, serve: dict) -> Suite:
     return Suite(name=name, path=None, cases=prompts(model), matrix=[], checks=[], serve=serve, rounds=rounds)
 
 
-def measure(model: str, backend: str, executor: Executor) -> dict:
-    """One measurement: per variant, the statistics of its logits against the reference's."""
+def measure(model: str, backend: str, executor: Executor, only: list[str] | None = None) -> dict:
+    """One measurement: per variant (of the `only` specs where given), the statistics of its logits against the
+    reference's."""
     reference_suite = _suite("calibrate", model, {})
     reference = executor.run(reference_suite, Cell(backend, "seq", "none", model))
     if reference.fault or reference.crash:  # the same reading of a cell's end as harness.checks.evaluate
         raise HarnessError(f"calibration reference run failed: {reference.fault or reference.crash}")
     results = {}
-    for name, cell, serve in variants(backend, model):
-        own = serve or name.endswith(IN_ORDER)
-        suite = _suite(f"calibrate-{name.replace('/', '-')}", model, serve) if own else reference_suite
-        run = executor.run(suite, cell)
+    for variant in variants(backend, model, only):
+        name = variant.name
+        own = variant.serve or name.endswith(IN_ORDER)
+        suite = _suite(f"calibrate-{name.replace('/', '-')}", model, variant.serve) if own else reference_suite
+        run = executor.run(suite, variant.cell)
         if run.fault or run.crash:
             raise HarnessError(f"calibration run {name} failed: {run.fault or run.crash}")
-        results[name] = _pair_stats(reference, run)
+        results[name] = _pair_stats(reference, run, variant)
     return results
 
 
-def _pair_stats(reference, run) -> dict:
-    """NMSE / KL / max |Δ| / margin change over the shared prefix of each case, and the flips."""
+def _pair_stats(reference, run, variant: Variant | None = None) -> dict:
+    """NMSE / KL / max |Δ| / margin change over the shared prefix of each case, and the flips (`logits: false` where
+    a known defect moves them: then `_largest` leaves them out), and each request's acceptance counters with its
+    output (the requests `variant.acceptance` counts)."""
     rows, runs, flips = [], [], []
     for ref in reference.outcomes:
         other = next(o for o in run.outcomes if o.case == ref.case)
@@ -196,17 +254,25 @@ def _pair_stats(reference, run) -> dict:
                 rows.append(abs(x.margin - y.margin))
         if same < min(len(a.tokens), len(b.tokens)) and (x := at(a.logits, same)) is not None:
             flip = gap(x, a.tokens[same], b.tokens[same])
-            flips.append({"case": ref.case, "index": same, "reference_gap": None if flip is None else round(flip, 6)})
+            flips.append(
+                {
+                    "case": ref.case,
+                    "index": same,
+                    "reference_gap": None if flip is None else round(flip, 6),
+                    **({"split_rollback_before": step} if (step := b.split_rollback_before(same)) else {}),
+                }
+            )
     frame = pd.DataFrame(runs)
+    counted = _acceptance_counted(run, variant or Variant("", run.cell, {}))
     acceptance = {
         o.case: [
             o.result.spec_stats.get("draft_n", 0),
             o.result.spec_stats.get("draft_n_accepted", 0),
             len(o.result.tokens),
         ]
-        for o in run.outcomes
-        if spec_preset(run.cell.spec).speculative
+        for o in counted
     }
+    outputs = {o.case: output_digest(o.result.tokens) for o in counted}
     deltas = np.array(rows) if rows else np.zeros(1)
     return {
         "runs": len(runs),
@@ -218,18 +284,35 @@ def _pair_stats(reference, run) -> dict:
         "margin_delta_max": float(deltas.max()),
         "margin_delta_p99": float(np.quantile(deltas, 0.99)),
         "flips": flips,
-        **({"acceptance": acceptance} if acceptance else {}),
+        **({} if variant is None or variant.logits else {"logits": False}),
+        **({"acceptance": acceptance, "outputs": outputs} if acceptance else {}),
     }
 
 
+def _acceptance_counted(run, variant: Variant) -> list:
+    """The requests of `run` whose acceptance counts toward the spread (`Variant.acceptance`): every one of a
+    speculative run, none under a known defect of acceptance."""
+    if not spec_preset(run.cell.spec).speculative or not variant.acceptance:
+        return []
+    return list(run.outcomes)
+
+
 def _acceptance_gap(a: dict, b: dict) -> float:
-    """The largest difference of a request's accepted / drafted or accepted / generated between two runs
-    ({case: [drafted, accepted, generated]})."""
+    """The largest difference of a request's accepted / drafted or accepted / generated between two runs (each
+    variant's measurement: `acceptance` {case: [drafted, accepted, generated]} and `outputs` {case: digest}), over
+    the requests both counted that made the same output: as the `acceptance` check compares (a request whose
+    output moved drafts from another history)."""
     gaps = [0.0]
-    for case in a.keys() & b.keys():
-        x, y = (Acceptance(*a[case]), Acceptance(*b[case]))
+    same = {c for c in a["acceptance"].keys() & b["acceptance"].keys() if _output(a, c) == _output(b, c)}
+    for case in same:
+        x, y = (Acceptance(*a["acceptance"][case]), Acceptance(*b["acceptance"][case]))
         gaps += [abs(x.rate - y.rate), abs(x.per_generated - y.per_generated)]
     return max(gaps)
+
+
+def _output(measured: dict, case: str) -> str | None:
+    """The output digest a variant's measurement stored for `case` (None in a file written before they were)."""
+    return measured.get("outputs", {}).get(case)
 
 
 def acceptance_spread(measurements: list[dict]) -> dict:
@@ -248,31 +331,27 @@ def acceptance_spread(measurements: list[dict]) -> dict:
     specs = {name.split("/")[1] for m in measurements for name, v in m.items() if "acceptance" in v}
     for spec in sorted(specs):
         learns = spec_preset(spec).learns_across_requests
-        ours = [
-            name for name in measurements[0] if name.split("/")[1] == spec and "acceptance" in measurements[0][name]
-        ]
-        gap = lambda pairs: round(max([_acceptance_gap(a, b) for a, b in pairs], default=0.0), 4)  # noqa: E731
+        ours = sorted({name for m in measurements for name, v in m.items() if name.split("/")[1] == spec})
         seq, ubatch, in_order = f"seq/{spec}", f"seq/{spec}/n_ubatch={UBATCH}", f"seq/{spec}/{IN_ORDER}"
+
+        def gap(pairs: list[tuple[dict, str, dict, str]]) -> float:
+            """The largest gap over (measurement, variant, measurement, variant) pairs where both counted requests."""
+            counted = [
+                (a[x], b[y]) for a, x, b, y in pairs if "acceptance" in a.get(x, {}) and "acceptance" in b.get(y, {})
+            ]
+            return round(max([_acceptance_gap(u, v) for u, v in counted], default=0.0), 4)
+
         repeats = {
-            n: gap(
-                [
-                    (m[n]["acceptance"], m2[n]["acceptance"])
-                    for i, m in enumerate(measurements)
-                    for m2 in measurements[i + 1 :]
-                ]
-            )
-            for n in ours
+            n: gap([(m, n, m2, n) for i, m in enumerate(measurements) for m2 in measurements[i + 1 :]]) for n in ours
         }
-        split = gap([(m[ubatch]["acceptance"], m[seq]["acceptance"]) for m in measurements if ubatch in m])
+        split = gap([(m, ubatch, m, seq) for m in measurements])
         spread = {"repeat_spread": max(repeats.values(), default=0.0), "ubatch_spread": split}
         if learns:
             spread["in_order_spread"] = repeats.get(in_order, 0.0)
             fixed, concurrent = spread["in_order_spread"], max(spread["repeat_spread"], split)
         else:
             modes = [n for n in ours if n.split("/")[0] != "seq"]
-            spread["mode_spread"] = gap(
-                [(m[n]["acceptance"], m[seq]["acceptance"]) for m in measurements for n in modes]
-            )
+            spread["mode_spread"] = gap([(m, n, m, seq) for m in measurements for n in modes])
             fixed = concurrent = max(spread["repeat_spread"], split)
             spread["tolerance_modes"] = round(SAFETY * max(fixed, spread["mode_spread"]), 4)
         out[spec] = refuse_unfailable(
@@ -302,14 +381,16 @@ def refuse_unfailable(tolerances: dict) -> dict:
 
 
 def _largest(measured: dict) -> dict:
-    """The largest value of each statistic over every variant (flips count toward the near-tie floor)."""
-    flips = [f["reference_gap"] for v in measured.values() for f in v["flips"]]
+    """The largest value of each statistic over every variant whose logits count (flips count toward the
+    near-tie floor; a variant under a known defect of tokens or logits, `logits: false`, does not count)."""
+    counted = [v for v in measured.values() if logits_count(v)]
+    flips = [f["reference_gap"] for v in counted for f in v["flips"]]
     unbounded = any(g is None for g in flips)
     return {
-        "nmse": max(v["nmse_max"] for v in measured.values()),
-        "kl": max(v["kl_mean_max"] for v in measured.values()),
-        "max_abs": max(v["max_abs_p95_max"] for v in measured.values()),
-        "near_tie": max([v["margin_delta_max"] for v in measured.values()] + [g for g in flips if g is not None]),
+        "nmse": max((v["nmse_max"] for v in counted), default=0.0),
+        "kl": max((v["kl_mean_max"] for v in counted), default=0.0),
+        "max_abs": max((v["max_abs_p95_max"] for v in counted), default=0.0),
+        "near_tie": max([0.0] + [v["margin_delta_max"] for v in counted] + [g for g in flips if g is not None]),
         "unbounded_flip": unbounded,
     }
 
@@ -327,13 +408,23 @@ def calibrate(
     server_bin: Path | None = None,
     source: Path | None = None,
     logs: Path | None = None,
+    only: list[str] | None = None,
 ) -> dict:
-    """Measure `repeats` times on fresh sessions; the content of the calibration file."""
+    """Measure `repeats` times on fresh sessions; the content of the calibration file (of the `only` specs'
+    variants where given: `partial`, to be merged into a committed file)."""
     info = resolve(model)
+    if only:
+        known = specs_of(backend, model)
+        unknown = [s for s in only if s not in known]
+        if unknown:
+            raise HarnessError(
+                f"calibrate --spec {unknown[0]}: not a speculative config {model} is measured with on {backend} "
+                f"(use one of: {', '.join(known)})"
+            )
     measurements, env = [], {}
     for _ in range(repeats):
         executor = Executor(ExecOptions(backends=backend_factories(server_bin, source, logs), kv_scan="off"))
-        measurements.append(measure(model, backend, executor))
+        measurements.append(measure(model, backend, executor, only))
         env = executor.environment(Cell(backend, "seq", "none", model))
     largest = [_largest(m) for m in measurements]
     overall = {k: max(lg[k] for lg in largest) for k in ("nmse", "kl", "max_abs", "near_tie")}
@@ -356,7 +447,10 @@ def calibrate(
         "environment": {k: v for k, v in env.items() if k != "model_sha256"},
         "harness_version": __version__,
         "measured_on": datetime.date.today().isoformat(),
-        "command": f"specharness calibrate --model {model} --backend {backend} --repeats {repeats} --write",
+        "command": f"specharness calibrate --model {model} --backend {backend} --repeats {repeats}"
+        + (f" --spec {','.join(only)} --merge" if only else "")
+        + " --write",
+        **({"partial": list(only)} if only else {}),
         "method": (
             f"reference: seq, no speculation; equivalent runs: {len(measurements[0])} variants "
             f"(modes x speculative configs, n_ubatch {UBATCH}); prompts: the {len(prompts(model))} "
@@ -403,21 +497,17 @@ def within_spread(new: dict, committed: dict) -> list[str]:
 def merged(new: dict, committed: dict) -> dict:
     """`new` with every tolerance (logits and acceptance) raised to the committed one where that is larger:
     a floor that holds on each machine it was measured on (another CPU runs other SIMD kernels, with other
-    rounding noise). `machines` lists each measurement's date and largest values."""
+    rounding noise). `machines` lists each measurement's date and largest values. A `partial` measurement (of some
+    specs: `--spec`) adds its variants and specs to the committed file and keeps everything else of it."""
+    if new.get("partial"):
+        return _added(new, committed)
     out = json.loads(json.dumps(new))
     for key, value in committed["tolerances"].items():
         if isinstance(value, float) and key in out["tolerances"]:
             out["tolerances"][key] = max(out["tolerances"][key], value)
     for spec, old in committed.get("acceptance", {}).items():
         if spec in out.get("acceptance", {}):
-            mine = out["acceptance"][spec]
-            for key in ("tolerance", "tolerance_concurrent", "tolerance_modes"):
-                if key in old and key in mine:  # a refused one (None) stays refused: no larger value exists
-                    both = (mine[key], old[key])
-                    mine[key] = None if None in both else max(both)
-                    if mine[key] is None and key not in mine.get("refused", {}):
-                        mine.setdefault("refused", {})[key] = old.get("refused", {}).get(key, "refused")
-            out["acceptance"][spec] = refuse_unfailable(mine)
+            out["acceptance"][spec] = _larger_acceptance(out["acceptance"][spec], old)
     earlier = committed.get("machines") or [
         {"measured_on": committed.get("measured_on"), "largest": committed.get("largest")}
     ]
@@ -429,6 +519,44 @@ def merged(new: dict, committed: dict) -> dict:
     return out
 
 
+def _larger_acceptance(mine: dict, old: dict) -> dict:
+    """One spec's acceptance tolerances, each the larger of two measurements' (a refused one, None, stays refused:
+    no larger value exists)."""
+    mine = dict(mine)
+    for key in ("tolerance", "tolerance_concurrent", "tolerance_modes"):
+        if key in old and key in mine:
+            both = (mine[key], old[key])
+            mine[key] = None if None in both else max(both)
+            if mine[key] is None and key not in mine.get("refused", {}):
+                mine.setdefault("refused", {})[key] = old.get("refused", {}).get(key, "refused")
+    return refuse_unfailable(mine)
+
+
+def _added(part: dict, committed: dict) -> dict:
+    """The committed file with a partial measurement (`calibrate --spec`) added: its variants in `measured`, its
+    specs' acceptance tolerances, each logits tolerance and largest value the larger of both, the addition named in
+    `method` and listed under `added`; the rest (date, environment, spread, machines) as committed."""
+    out = json.loads(json.dumps(committed))
+    for key, value in part["tolerances"].items():
+        if isinstance(value, float) and isinstance(out["tolerances"].get(key), float):
+            out["tolerances"][key] = max(out["tolerances"][key], value)
+    for key, value in part["largest"].items():
+        out["largest"][key] = max(out["largest"].get(key, 0.0), value)
+    acceptance = out.setdefault("acceptance", {})
+    for spec, mine in part.get("acceptance", {}).items():
+        acceptance[spec] = _larger_acceptance(mine, acceptance[spec]) if spec in acceptance else mine
+    out["acceptance"] = dict(sorted(acceptance.items()))
+    out["measured"] = {**out.get("measured", {}), **part["measured"]}
+    out["added"] = out.get("added", []) + [
+        {"specs": part["partial"], "measured_on": part["measured_on"], "command": part["command"]}
+    ]
+    out["method"] += (
+        f"; {', '.join(part['partial'])} added on {part['measured_on']} ({part['command']}): its variants in "
+        "`measured`, its acceptance tolerances, each logits tolerance the larger of both"
+    )
+    return out
+
+
 def cmd_calibrate(args: argparse.Namespace) -> int:
     """Measure each (model, backend); print the tolerances; `--write` stores them in fixtures/calibration."""
     models = args.model or ["tiny-dense", "tiny-hybrid", "tiny-recurrent", "gemma3-270m"]
@@ -436,17 +564,32 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     bad = [b for b in backends if b not in BACKEND_NAMES]
     if bad:
         raise HarnessError(f"unknown backend '{bad[0]}' (use: {', '.join(BACKEND_NAMES)})")
+    if args.spec and args.write and not args.merge:
+        raise HarnessError(
+            "calibrate --spec measures some specs only: add --merge to add them to the committed file "
+            "(--write alone would replace it with the part)"
+        )
     status = 0
     for model in models:
         resolve(model)
         for backend in backends:
-            data = calibrate(model, backend, args.repeats, args.server_bin, args.source)
+            only = args.spec.split(",") if args.spec else None
+            data = calibrate(model, backend, args.repeats, args.server_bin, args.source, only=only)
             committed_path = calibration_path(model_key(model), backend, data["device"], args.calibration_dir)
             tol = data["tolerances"]
             print(
                 f"{model} {backend} {data['device']}: near_tie {tol['near_tie']:.3g} nats, nmse {tol['nmse']:.3g}, "
                 f"kl {tol['kl']:.3g}, max_abs (p95) {tol['max_abs']:.3g}"
             )
+            for spec, acc in data["acceptance"].items():
+                print(
+                    f"  acceptance {spec}: "
+                    + ", ".join(
+                        f"{key} {acc.get(key)}"
+                        for key in ("tolerance", "tolerance_concurrent", "tolerance_modes")
+                        if key in acc
+                    )
+                )
             if committed_path.is_file():
                 committed = json.loads(committed_path.read_text())
                 drift = within_spread(data, committed)
@@ -461,6 +604,12 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
                 status |= bool(drift) and not args.write
                 if args.merge:
                     data = merged(data, committed)
+            if only and args.write and not (args.merge and committed_path.is_file()):
+                state = "exists" if committed_path.is_file() else "does not exist: calibrate every spec first"
+                raise HarnessError(
+                    f"calibrate --spec measures some specs only: it adds them to a committed file with --merge "
+                    f"({committed_path.name} {state})"
+                )
             if args.write:
                 print(f"  written: {write(data, args.calibration_dir)}")
     return status
@@ -476,6 +625,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help="registry name or .gguf, repeatable (default: the tiny models and gemma3-270m)",
     )
     p.add_argument("--backend", help="comma-separated: inproc,server (default both)")
+    p.add_argument(
+        "--spec",
+        metavar="SPEC[,SPEC]",
+        help="measure these speculative configs only and add them to the committed file (with --merge --write)",
+    )
     p.add_argument("--repeats", type=int, default=2, help="whole measurements, for the spread (default 2)")
     p.add_argument("--server-bin", type=Path, metavar="PATH", help="llama-server binary to use instead of building one")
     p.add_argument("--source", type=Path, metavar="DIR", help="llama.cpp tree to build llama-server from")

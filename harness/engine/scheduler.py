@@ -184,6 +184,8 @@ class Scheduler:
                 if output:
                     part_rows.append(row)
             rows.append(part_rows)
+        if self.spec:
+            self.spec.decoding([(part.slot.id, len(part.tokens)) for part in parts])
         return self.ctx.decode(self.batch), rows
 
     def step(self) -> list[tuple[Slot, Result]]:

@@ -29,6 +29,7 @@ from harness.engine.drafters.base import Drafter, DraftRequest
 from harness.engine.faults import check_fault
 from harness.engine.sampler import DraftCheck
 from harness.errors import HarnessError
+from harness.llama.ubatch import Geometry, split_rollback
 
 SPEC_TYPES = (
     "none",
@@ -236,6 +237,21 @@ class Speculation:
         if self.strategy == "partial":
             rollback.check_partial(target)
         self.flags = rollback.CHECKPOINT_FLAGS["full" if config.fault == "full-checkpoint" else config.checkpoint_flags]
+        self.geometry = (
+            Geometry(
+                min(target.params.n_ubatch, target.params.n_batch),
+                target.params.kv_unified,
+                target.n_rs_seq,
+                target.model.kind == "hybrid",
+            )
+            if self.strategy == "partial"
+            else None
+        )
+        """How libllama splits this target's decodes (harness.llama.ubatch), where rejected drafts roll back by seq_rm
+        inside the recurrent snapshots: each request's `Result.split_rollbacks` names the steps that did so from a
+        micro-batch ahead of another (known failure `server-par-partial-rollback-diverges`'s step, a libllama
+        defect the engine meets too)."""
+        self.placed: dict[int, tuple[tuple[int, int], list]] = {}
         self.fault = config.fault
         self.drafters = build_drafters(config, target)
         self.metered = work.meter_drafts(self.drafters, target)
@@ -256,6 +272,8 @@ class Speculation:
         """A slot finished its prompt: drafters index it; counters start at zero."""
         slot.result.spec_stats = {name: 0 for name in COUNTERS}
         slot.result.spec_stats.update(draft_ms=0.0, drafted_per_pos=[], accepted_per_pos=[])
+        if self.geometry is not None:
+            slot.result.split_rollbacks = []
         self.replays.pop(slot.id, None)
         self.attempts[slot.id] = 0
         for index, d in enumerate(self.drafters):
@@ -358,6 +376,18 @@ class Speculation:
         else:
             slot.result.spec_stats["draft_dropped"] += len(plan.draft)
 
+    def decoding(self, seqs: list[tuple[int, int]]) -> None:
+        """The target decodes a batch of `(slot, n_tokens)` in this order: where each slot's tokens sit in its
+        micro-batches (only where rollbacks go inside the recurrent snapshots)."""
+        self.placed = {}
+        if self.geometry is None:
+            return
+        try:
+            placement = self.geometry.placement(seqs)
+        except ValueError:  # n_ubatch <= n_keep_tail: libllama aborts this decode itself (split-equal-keep-tail-...)
+            return
+        self.placed = {seq: (placement[seq], seqs) for seq, n in seqs if n > 0}
+
     def processed(self, batch: Batch) -> None:
         """The target decoded `batch`: draft models mirror it (its entries are read only for them)."""
         if self.mirrors:
@@ -441,7 +471,9 @@ class Speculation:
                 raise rollback.LlamaRefused(f"llama.cpp refused to remove positions {keep}.. of sequence {slot.id}")
             work.partial_rollback(slot)
             self._truncate_drafters(slot.id, keep)
-            return self._commit(slot, plan, sampled, logits, n_match)
+            done = self._commit(slot, plan, sampled, logits, n_match)
+            self._record_split_rollback(slot, plan, n_match)
+            return done
         slot.result.spec_stats["ckpt_restored"] += 1
         work.checkpoint_restored(slot, plan.checkpoint)
         if self.fault == "partial-checkpoint-only":
@@ -472,6 +504,17 @@ class Speculation:
         self.replays[slot.id] = sampled[:-1] if slot.model.is_eog(sampled[-1]) else sampled
         self.attempts[slot.id] += 1
         return False
+
+    def _record_split_rollback(self, slot, plan: StepPlan, n_match: int) -> None:
+        """A partial rollback just committed: recorded in `Result.split_rollbacks` where its drafts were verified in a
+        micro-batch ahead of another of the same decode (harness.llama.ubatch.split_rollback)."""
+        placed = self.placed.get(slot.id)
+        if placed is None or slot.result.split_rollbacks is None:
+            return
+        step = slot.result.spec_stats["spec_cycles"] - 1
+        record = split_rollback(len(slot.result.tokens), slot.id, step, len(plan.draft), n_match, *placed)
+        if record is not None:
+            slot.result.split_rollbacks.append(record)
 
     def _truncate_drafters(self, seq_id: int, n_keep: int) -> None:
         for d in self.drafters:

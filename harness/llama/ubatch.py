@@ -15,6 +15,50 @@ depends on the cell layout, which the whole history of the server shaped and whi
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
+
+
+@dataclass
+class Geometry:
+    """What decides the split: the target context's n_ubatch, unified KV or not, its recurrent memory's n_rs_seq,
+    and whether the memory is hybrid (attention layers too) or recurrent only."""
+
+    n_ubatch: int
+    unified: bool
+    n_rs_seq: int
+    hybrid: bool
+
+    def ubatches(self, seqs: list[tuple[int, int]]) -> list[list[tuple[int, int]]]:
+        """The micro-batches of one decode's `(slot, n_tokens)` (src/llama-memory-hybrid.cpp / -recurrent.cpp
+        `init_batch`: sequential unless the hybrid memory's KV is unified; tails of 1 + n_rs_seq kept whole)."""
+        tail = self.n_rs_seq + 1 if self.n_rs_seq > 0 else 0
+        return split_equal(seqs, self.n_ubatch, n_keep_tail=tail, sequential=not (self.hybrid and self.unified))
+
+    def placement(self, seqs: list[tuple[int, int]]) -> dict[int, tuple[int, int]]:
+        """Each sequence of one decode → (its first micro-batch, 1-based; how many the decode has)."""
+        ubatches = self.ubatches(seqs)
+        out: dict[int, tuple[int, int]] = {}
+        for i, ub in enumerate(ubatches):
+            for seq, _ in ub:
+                out.setdefault(seq, (i + 1, len(ubatches)))
+        return out
+
+
+def split_rollback(
+    token: int, seq: int, step: int, n_draft: int, accepted: int, placed: tuple[int, int], batch: list
+) -> dict | None:
+    """The record of one verification that rolled drafts back (`accepted` < `n_draft`) by seq_rm after verifying
+    them in a micro-batch ahead of another of the same decode (`placed`: its micro-batch, 1-based, and how many):
+    `{"token": the first token generated from the rolled-back state, "slot", "step", "n_draft", "accepted", "plane":
+    the snapshot plane the next decode reads (src/llama-memory-recurrent.cpp `seq_rm`: rs_idx = the positions rolled
+    back), "ubatch", "ubatches", "batch": [[slot, n_tokens], ...]}`; None for any other step. One record for both
+    backends (harness.backends.server_batches from llama-server's log, harness.engine from its own batches)."""
+    if accepted >= n_draft or placed[0] >= placed[1]:
+        return None
+    return {
+        "token": token, "slot": seq, "step": step, "n_draft": n_draft, "accepted": accepted,
+        "plane": n_draft - accepted, "ubatch": placed[0], "ubatches": placed[1], "batch": [list(s) for s in batch],
+    }  # fmt: skip
 
 
 def split_equal(

@@ -162,9 +162,10 @@ class Result:
     logits: list[PositionLogits] = field(default_factory=list)
     """One entry per generated token when logit logging is on (`logit_top_k` > 0), else empty."""
     split_rollbacks: list[dict] | None = None
-    """llama-server: the steps that rolled drafts back by `seq_rm` after verifying them in a micro-batch ahead of
-    another of the same decode (harness.backends.server_batches); None where not read (the in-process engine, a
-    log without the lines)."""
+    """The steps that rolled drafts back by `seq_rm` after verifying them in a micro-batch ahead of another of the
+    same decode (harness.llama.ubatch.split_rollback): llama-server's read from its log
+    (harness.backends.server_batches), the in-process engine's from its own batches (harness.engine.speculative);
+    None where not known (no recurrent snapshots to roll back into, a log without the lines)."""
 
     def split_rollback_before(self, index: int) -> str:
         """`; after a partial rollback in micro-batch ...`: the last such step whose rolled-back state made token

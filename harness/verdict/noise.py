@@ -143,13 +143,19 @@ def is_default_batch(variant: str) -> bool:
     return "n_ubatch=" not in variant
 
 
+def logits_count(variant: dict) -> bool:
+    """Whether a calibration variant's logits and flips count toward the floors: not where a known defect moves
+    tokens or logits (`logits: false`, harness.commands.calibrate.variants)."""
+    return bool(variant.get("logits", True))
+
+
 def seq_bit_exact(measured: dict) -> bool:
     """Whether every measured `seq` speculative variant, served as the cells serve it, is bit-identical to the
     seq / no-speculation reference (max |Δ| 0). True when none was measured."""
     return all(
         float(v.get("max_abs_max", 0.0)) == 0.0
         for k, v in measured.items()
-        if k.startswith("seq/") and k.split("/")[1] != "none" and is_default_batch(k)
+        if k.startswith("seq/") and k.split("/")[1] != "none" and is_default_batch(k) and logits_count(v)
     )
 
 
@@ -159,6 +165,8 @@ def mode_floors(measured: dict, near_tie: float) -> dict[str, float]:
     file's floor, merged over every machine it was measured on)."""
     largest: dict[str, float] = {}
     for k, v in measured.items():
+        if not logits_count(v):
+            continue
         flips = [f["reference_gap"] for f in v.get("flips", []) if f.get("reference_gap") is not None]
         value = max([float(v.get("margin_delta_max", 0.0)), *map(float, flips)])
         mode = k.split("/")[0]
