@@ -114,15 +114,19 @@ NUMERIC_CHECKS = {"lossless", "mode-invariant", "baseline", "repeat-identical", 
 measure of numerical noise."""
 
 
-def defect_of(cell: Cell, checks: set[str] | frozenset[str] = frozenset(NUMERIC_CHECKS)) -> str | None:
-    """The known llama.cpp defect (suites/known-failures.yaml) that moves what `checks` judge in `cell` (by default
-    its tokens or logits), whichever suite and llama.cpp version: such a cell is no measure of that noise (an
-    intermittent flip of the defect measured as noise would raise the near-tie floor and excuse it)."""
-    from harness.suites import suites_dir
-    from harness.verdict.known_failures import FILE_NAME
-    from harness.verdict.known_failures import load as load_known
+def defect_of(
+    cell: Cell, checks: set[str] | frozenset[str] = frozenset(NUMERIC_CHECKS), entries: list | None = None
+) -> str | None:
+    """The known llama.cpp defect (suites/known-failures.yaml, or `entries` already read from it) that moves what
+    `checks` judge in `cell` (by default its tokens or logits), whichever suite and llama.cpp version: such a cell
+    is no measure of that noise (an intermittent flip of the defect measured as noise would raise the near-tie
+    floor and excuse it)."""
+    if entries is None:
+        from harness.suites import suites_dir
+        from harness.verdict.known_failures import FILE_NAME
+        from harness.verdict.known_failures import load as load_known
 
-    entries = load_known(suites_dir() / FILE_NAME)
+        entries = load_known(suites_dir() / FILE_NAME)
     return next((e.id for e in entries if set(checks) & set(e.check) and e.shows_in(cell)), None)
 
 
@@ -181,10 +185,15 @@ def variants(backend: str, model: str, only: list[str] | None = None) -> list[Va
         for spec in specs
         if spec_preset(spec).learns_across_requests
     ]
+    from harness.suites import suites_dir
+    from harness.verdict.known_failures import FILE_NAME
+    from harness.verdict.known_failures import load as load_known
+
+    entries = load_known(suites_dir() / FILE_NAME)  # once for every variant
     kept = []
     for name, cell, serve in out:
-        numeric = defect_of(cell) is not None
-        acceptance = defect_of(cell, {"acceptance"}) is None
+        numeric = defect_of(cell, entries=entries) is not None
+        acceptance = defect_of(cell, {"acceptance"}, entries) is None
         if not numeric or (spec_preset(cell.spec).speculative and acceptance):
             kept.append(Variant(name, cell, serve, logits=not numeric, acceptance=acceptance))
     return kept
