@@ -61,6 +61,17 @@ MTP_PART = (
 )
 """draft-mtp on the hybrid with an MTP head: rolled back inside its recurrent snapshots (`partial`), one slot,
 where `work` compares a request's counts exactly with its baseline's."""
+HEADS_PART = (
+    "quicksort",
+    {
+        "models": ["tiny-hybrid-mtp"],
+        "modes": ["seq"],
+        "specs": ["draft-eagle3", "draft-dflash"],
+        "backends": ["inproc"],
+    },
+)
+"""The draft heads fed with the target's layer inputs on the hybrid with an MTP head (its generated EAGLE3 and DFlash
+heads), one slot, where `acceptance` and `work` compare a request with its baseline's."""
 DISTRIBUTION_PART = (
     "statistical/sampling-distribution",
     {
@@ -112,6 +123,9 @@ FAULT_PLAN = {
     # seq sees the request that decodes more, acceptance's tolerance does not
     "mtp-wrong-row": [MTP_PART],
     "stale-partial-rollback": [MTP_PART],
+    "eagle3-stale-boundary": [HEADS_PART],
+    "head-wrong-layer": [HEADS_PART],
+    "head-draft-left-in-cache": [HEADS_PART],
     # rejection sampling on tiny-dense: the statistical suite's two cases (a suite below suites/ by its relative
     # name) at temperature 0.5 (at its own temperature 1 q-wrong-temperature's wrong q is the right one), 1536 tokens
     # each, end-of-generation ignored (an output that ends early has too few tokens to fail): measured 2026-11-28
@@ -178,6 +192,15 @@ EXPECTED: dict[str, list[tuple[str, str]]] = {
         ("acceptance", r"against baseline \(tolerance [\d.e-]+\): (acceptance|accepted tokens)"),
     ],
     "stale-partial-rollback": [("lossless", r"Class (hard|drift)")],
+    "eagle3-stale-boundary": [
+        ("acceptance", r"against baseline \(tolerance [\d.e-]+\): (acceptance|accepted tokens)"),
+        ("work", r"more work than the baseline in target_decoded"),
+    ],
+    "head-wrong-layer": [
+        ("acceptance", r"against baseline \(tolerance [\d.e-]+\): (acceptance|accepted tokens)"),
+        ("work", r"more work than the baseline in target_decoded"),
+    ],
+    "head-draft-left-in-cache": [("no-crash", r"rejected the batch as invalid")],
     "lenient-accept": [("distribution", r"not draws from the target's distribution")],
     "residual-unnormalised": [("distribution", r"not draws from the target's distribution")],
     "q-wrong-temperature": [("distribution", r"not draws from the target's distribution")],

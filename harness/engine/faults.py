@@ -32,6 +32,15 @@ FAULTS = {
     "mtp-wrong-row": "draft-mtp pairs the next token with the target's hidden row of the last verified position "
     "instead of the last accepted one after a rejection (the MTP head drafts from a neighbouring position's "
     "state; outputs stay lossless, its drafts degrade)",
+    "eagle3-stale-boundary": "draft-eagle3 leaves its deferred boundary at the last verified position after a "
+    "rejection, not the last accepted one (the head pairs the next token with a rejected draft's g row; outputs stay "
+    "lossless, its drafts degrade)",
+    "head-draft-left-in-cache": "the draft heads (draft-eagle3, -dflash, -dspark) leave the positions they drafted in "
+    "their context's KV cache (the block's anchor and mask cells, EAGLE3's drafted pairs), beside what the next "
+    "target batch writes there (rejected drafts left in the cache; outputs stay lossless, the drafts degrade)",
+    "head-wrong-layer": "the draft heads (draft-eagle3, -dflash, -dspark) concatenate their target layers' inputs in "
+    "reverse order (each slot of the head's input gets another layer's hidden state; outputs stay lossless, the "
+    "drafts degrade)",
     "stale-partial-rollback": "a partial rollback (recurrent snapshots, n_rs_seq) restores the recurrent state "
     "one token stale: the state before the last kept token, as llama.cpp serves a snapshot plane a single-token "
     "step left behind (ggml-org/llama.cpp PR #29117); positions and attention cells stay right, the output drifts",

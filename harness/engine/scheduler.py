@@ -154,6 +154,8 @@ class Scheduler:
         parts: list[Part] = []
         room = self.batch.capacity
         generating = [slot for slot in self._active() if slot.phase is Phase.GENERATE]
+        if speculate and self.spec:
+            self.spec.prepare(generating, room)
         for i, slot in enumerate(generating):
             if room == 0:
                 break
@@ -280,11 +282,13 @@ class Scheduler:
 
     def _finish_step(self, parts: list[Part], rows: list[list[int]]) -> list[tuple[Slot, Result]]:
         work.decoded(parts)
-        if self.spec:
-            self.spec.processed(self.batch)
+        refused = self.spec.processed(self.batch) if self.spec else None
         finished = []
         for part, part_rows in zip(parts, rows, strict=False):
             slot = part.slot
+            if refused is not None:  # a draft context refused the batch: llama-server fails its speculative batch
+                finished.append((slot, slot.fail(refused)))
+                continue
             if part.spec is not None and len(part.tokens) > 1:
                 done = self.spec.verify(slot, part.spec, part_rows)
                 if self.scan_steps and not done:

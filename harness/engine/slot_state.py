@@ -38,6 +38,8 @@ def _n_bytes(state: object) -> int:
         return len(state)
     if isinstance(state, tuple):
         return sum(_n_bytes(part) for part in state)
+    if isinstance(state, int):
+        return 4  # a llama_pos (EAGLE3's boundary position, as llama-server's `get_state` writes it)
     return int(state.nbytes)  # a numpy array
 
 

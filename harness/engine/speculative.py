@@ -39,10 +39,15 @@ SPEC_TYPES = (
     "ngram-mod",
     "ngram-cache",
     "draft-simple",
+    "draft-eagle3",
     "draft-mtp",
+    "draft-dflash",
+    "draft-dspark",
 )
 """`--spec-type` values, in llama.cpp's priority order after `none` (common/speculative.cpp: the n-gram
-types before the draft model; the first drafter with a draft wins the step)."""
+types before the draft model and the heads; the first drafter with a draft wins the step)."""
+HEADS = ("draft-eagle3", "draft-dflash", "draft-dspark")
+"""The types that draft with a head fed the target's layer inputs (`--spec-draft-model` names the head)."""
 DRAFT_SAMPLING = ("greedy", "probabilistic")
 """`--spec-draft-sampling` values (common/arg.cpp at b11434; default greedy)."""
 
@@ -71,6 +76,9 @@ class SpecConfig:
     spec_ngram_mod_n_match: int = 24
     spec_ngram_mod_n_min: int = 48
     spec_ngram_mod_n_max: int = 64
+    spec_draft_backend_sampling: bool = True
+    """`--spec-draft-backend-sampling` (on by default; `--no-spec-draft-backend-sampling`): the draft heads sample
+    their drafts with a top-k chain attached to the head's context (llama_set_sampler), else on the CPU."""
     spec_draft_sampling: str = "greedy"
     """`--spec-draft-sampling`: `greedy` (argmax drafts, verified by match) or `probabilistic` (sampled drafts
     verified by rejection sampling at temperature > 0; b11434 and newer)."""
@@ -88,8 +96,9 @@ class SpecConfig:
             raise HarnessError(f"unknown spec type '{unknown[0]}' (use: {', '.join(SPEC_TYPES)})")
         if "none" in self.spec_type:
             types = ()
-        if "draft-simple" in types and self.spec_draft_model is None:
-            raise HarnessError("spec type draft-simple needs a draft model (--spec-draft-model NAME|PATH)")
+        for needs in ("draft-simple", *HEADS):
+            if needs in types and self.spec_draft_model is None:
+                raise HarnessError(f"spec type {needs} needs a draft model (--spec-draft-model NAME|PATH)")
         for flag, value in (
             ("spec-draft-type-k", self.spec_draft_type_k),
             ("spec-draft-type-v", self.spec_draft_type_v),
@@ -112,6 +121,8 @@ class SpecConfig:
         kwargs = {}
         for key, value in options.items():
             name = key.lstrip("-").replace("-", "_")
+            if name.startswith("no_spec_") and value is True:  # llama-server's negative bool flags
+                name, value = name[len("no_") :], False
             if name not in known or name == "drafters":
                 raise HarnessError(f"unknown speculative option '{key}'")
             kwargs[name] = value
@@ -125,9 +136,9 @@ class SpecConfig:
 
     @property
     def rs_rollback(self) -> bool:
-        """llama-server's `need_n_rs_seq()` (of the types the engine has, draft-mtp): the target gets
-        `spec_draft_n_max` recurrent snapshots and a hybrid rolls back inside them (`auto` means `partial`)."""
-        return "draft-mtp" in self.spec_type
+        """llama-server's `need_n_rs_seq()` (draft-mtp and the heads): the target gets `spec_draft_n_max` recurrent
+        snapshots and a hybrid rolls back inside them (`auto` means `partial`)."""
+        return any(t in self.spec_type for t in ("draft-mtp", *HEADS))
 
     def max_draft(self) -> int:
         """The longest draft any configured drafter may propose (sizes `n_rs_seq` for `partial`)."""
@@ -139,12 +150,15 @@ class SpecConfig:
             "ngram-mod": self.spec_ngram_mod_n_max,
             "ngram-cache": 8,
             "draft-mtp": self.spec_draft_n_max,
+            **{head: self.spec_draft_n_max for head in HEADS},
         }
         return max([sizes[t] for t in self.spec_type] + [d.n_max for d in self.drafters])
 
 
 def build_drafters(config: SpecConfig, target: Context) -> list[Drafter]:
     """The drafter chain in llama.cpp's priority order."""
+    from harness.engine.drafters.draft_dflash import DraftDFlash
+    from harness.engine.drafters.draft_eagle3 import DraftEagle3
     from harness.engine.drafters.draft_model import DraftSimple
     from harness.engine.drafters.draft_mtp import DraftMTP
     from harness.engine.drafters.ngram_cache import NgramCache
@@ -153,6 +167,21 @@ def build_drafters(config: SpecConfig, target: Context) -> list[Drafter]:
     from harness.engine.drafters.ngram_simple import NgramSimple
 
     c = config
+
+    def head(cls, **own):
+        """A draft head fed with the target's layer inputs (`--spec-draft-model` is the head)."""
+        return lambda: cls(
+            c.spec_draft_model,
+            target,
+            c.spec_draft_n_max,
+            c.spec_draft_n_min,
+            c.spec_draft_p_min,
+            wrong_layer=c.fault == "head-wrong-layer",
+            backend_sampling=c.spec_draft_backend_sampling,
+            leave_draft=c.fault == "head-draft-left-in-cache",
+            **own,
+        )
+
     make = {
         "ngram-simple": lambda: NgramSimple(c.spec_ngram_simple_size_n, c.spec_ngram_simple_size_m),
         "ngram-map-k": lambda: NgramMapK(
@@ -170,6 +199,9 @@ def build_drafters(config: SpecConfig, target: Context) -> list[Drafter]:
             wrong_row=c.fault == "mtp-wrong-row",
             wrong_q=c.fault == "q-wrong-temperature",
         ),
+        "draft-eagle3": head(DraftEagle3, stale_boundary=c.fault == "eagle3-stale-boundary"),
+        "draft-dflash": head(DraftDFlash),
+        "draft-dspark": head(DraftDFlash, dspark=True),
         "ngram-cache": lambda: NgramCache(keep_across_requests=c.fault == "ngram-cache-kept-across-requests"),
         "draft-simple": lambda: DraftSimple(
             c.spec_draft_model,
@@ -261,6 +293,8 @@ class Speculation:
         for d in self.mirrors:
             d.scans = scans  # the KV scan is on: keep what a draft context held when it stopped following
         self.replays: dict[int, list[int]] = {}
+        self.prepared: dict[int, tuple[list[int], float]] = {}
+        """slot → its draft of this step drafted with the other slots' (`prepare`) and its share of the time."""
         self.attempts: dict[int, int] = {}
         self.producer: dict[int, int] = {}
         self.owner: dict[int, int] = {}
@@ -309,20 +343,56 @@ class Speculation:
         for d in self.drafters:
             d.shift_context(self._seq(slot.id, d), n_keep, n_discard, list(slot.history))
 
+    def prepare(self, slots: list, room: int) -> None:
+        """Draft for every generating slot of the step in one batch where the chain is one drafter that drafts for
+        several sequences at once (the heads' `draft_many`), as llama-server's `common_speculative_draft` drafts
+        all its slots together; `plan` then takes each slot's draft from here. Other chains draft slot by slot."""
+        self.prepared = {}
+        if len(self.drafters) != 1 or not hasattr(self.drafters[0], "draft_many"):
+            return
+        reqs = []
+        for slot in slots:
+            if slot.id in self.replays or self.attempts[slot.id] > self.config.checkpoint_attempts:
+                continue
+            n_max = self._n_max(slot, room - (len(slots) - 1))
+            if n_max > 0:
+                reqs.append(DraftRequest(slot.id, slot.history, slot.pending, n_max))
+        if not reqs:
+            return
+        t0 = time.perf_counter()
+        drafts = self.drafters[0].draft_many(reqs)
+        share = 1000.0 * (time.perf_counter() - t0) / len(reqs)
+        for req in reqs:
+            self.prepared[req.seq_id] = (drafts.get(req.seq_id, []), share)
+
+    def _n_max(self, slot, room: int) -> int:
+        """The longest draft the slot may verify this step (llama-server's `get_n_draft_max`, within the batch's
+        room and, rolling back inside the recurrent snapshots, their number)."""
+        n_max = min(room - 1, slot.n_ctx_seq - slot.n_past - 2)
+        if slot.n_remaining > 0:
+            n_max = min(n_max, slot.n_remaining - 1)
+        if self.strategy == "partial":
+            n_max = min(n_max, self.ctx.n_rs_seq)
+        return n_max
+
     def plan(self, slot, room: int) -> StepPlan:
         """The slot's tokens for this step: pending + replay, or pending + a fresh draft (maybe empty)."""
         base = slot.n_past
         replay = self.replays.pop(slot.id, None)
         if replay is not None and self.attempts[slot.id] <= self.config.checkpoint_attempts:
             return self._guard(slot, StepPlan(base, [slot.pending] + replay[: room - 1], replay=True))
-        n_max = min(room - 1, slot.n_ctx_seq - base - 2)
-        if slot.n_remaining > 0:
-            n_max = min(n_max, slot.n_remaining - 1)
-        if self.strategy == "partial":
-            n_max = min(n_max, self.ctx.n_rs_seq)
+        n_max = self._n_max(slot, room)
         draft: list[int] = []
         q = None
-        if n_max > 0 and self.attempts[slot.id] <= self.config.checkpoint_attempts:
+        prepared = self.prepared.pop(slot.id, None)
+        if prepared is not None and n_max > 0:
+            draft = prepared[0][:n_max]
+            slot.result.spec_stats["draft_ms"] += prepared[1]
+            if draft:
+                self.producer[slot.id] = 0
+            else:
+                slot.result.spec_stats["spec_empty"] += 1
+        elif n_max > 0 and self.attempts[slot.id] <= self.config.checkpoint_attempts:
             t0 = time.perf_counter()
             req = DraftRequest(slot.id, slot.history, slot.pending, n_max)
             for index, drafter in enumerate(self.drafters):
@@ -388,12 +458,18 @@ class Speculation:
             return
         self.placed = {seq: (placement[seq], seqs) for seq, n in seqs if n > 0}
 
-    def processed(self, batch: Batch) -> None:
-        """The target decoded `batch`: draft models mirror it (its entries are read only for them)."""
+    def processed(self, batch: Batch) -> str | None:
+        """The target decoded `batch`: draft models mirror it (its entries are read only for them). Returns why a
+        drafter's context refused it (every request of the batch fails with it, as llama-server throws "failed to
+        process speculative batch"), else None."""
         if self.mirrors:
             entries = batch.entries()
             for d in self.mirrors:
-                d.process(entries)
+                try:
+                    d.process(entries)
+                except rollback.LlamaRefused as err:
+                    return str(err)
+        return None
 
     def verify(self, slot, plan: StepPlan, rows: list[int]) -> bool:
         """Sample every row, accept while the sample equals the draft, roll back the rest. A draft with

@@ -102,16 +102,14 @@ SPEC_PRESETS: dict[str, SpecPreset] = {
     # target rolls back inside 3 recurrent snapshots on both backends (llama-server's need_n_rs_seq)
     "draft-mtp": SpecPreset({"spec-type": "draft-mtp", "spec-draft-n-max": 3}),
     # draft heads fed with the target's hidden states, generated for tiny-hybrid-mtp (`-md` its `<model>-eagle3` /
-    # `-dflash` / `-dspark`); llama-server only. The tiny DFlash head's block is 2 (the anchor and one mask slot),
+    # `-dflash` / `-dspark`), on both backends. The tiny DFlash head's block is 2 (the anchor and one mask slot),
     # so llama-server clamps its drafts to 1 token (block_size - 1). EAGLE3 stops drafting below a top probability
     # of 0.2 (`--spec-draft-p-min`, which its drafter reads at every step): its 2nd and 3rd tokens mix the previous
     # token into the residual and are mostly wrong (quicksort seq, C + Java + Python: 33 of 168 accepted at p-min 0,
     # 26 of 80 at 0.2)
-    "draft-eagle3": SpecPreset(
-        {"spec-type": "draft-eagle3", "spec-draft-n-max": 3, "spec-draft-p-min": 0.2}, server_only=True
-    ),
-    "draft-dflash": SpecPreset({"spec-type": "draft-dflash", "spec-draft-n-max": 3}, server_only=True),
-    "draft-dspark": SpecPreset({"spec-type": "draft-dspark", "spec-draft-n-max": 3}, server_only=True),
+    "draft-eagle3": SpecPreset({"spec-type": "draft-eagle3", "spec-draft-n-max": 3, "spec-draft-p-min": 0.2}),
+    "draft-dflash": SpecPreset({"spec-type": "draft-dflash", "spec-draft-n-max": 3}),
+    "draft-dspark": SpecPreset({"spec-type": "draft-dspark", "spec-draft-n-max": 3}),
     "scripted-accept": SpecPreset({}, scripted="accept-all"),
     # every draft rejected: a draft-simple draft is synthetically accepted with probability 0 (`--spec-synth-len 1`
     # resolves to rates 0,…,0 for any n_max); the target's token is still sampled and emitted, so the output is

@@ -1,5 +1,7 @@
 """`draft-simple`: a separate draft model with its own context mirroring the target's positions."""
 
+import ctypes
+import ctypes.util
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -16,16 +18,33 @@ from harness.errors import HarnessError
 PARTIAL_ONLY = rollback.CHECKPOINT_FLAGS["partial"]
 
 
+_libm = ctypes.CDLL(ctypes.util.find_library("m") or "libm.so.6")
+_expf = _libm.expf
+_expf.argtypes, _expf.restype = [ctypes.c_float], ctypes.c_float
+
+
 def top10_best(logits: np.ndarray) -> tuple[int, float]:
     """The argmax token and its probability renormalised over the 10 best candidates (llama.cpp's p_min rule).
 
+    The probability is computed as llama.cpp's `dist` sampler does after top-k 10 (src/llama-sampler.cpp): each
+    candidate's `expf(logit - max)` in float, in descending order, summed in double, the best's 1 / sum stored as a
+    float; compared with `f32(p_min)`, a draft stops exactly where llama-server's does, also at p = 0.200 against
+    `--spec-draft-p-min 0.2` (quicksort Python, draft-eagle3: a sum in float64 of numpy's exp put it below).
     Of several ids tied at the maximum the lowest is taken, as `greedy_token` (and llama.cpp's greedy
     sampler) does, so the drafted token does not depend on p_min."""
     best = greedy_token(logits)
-    top = np.argpartition(logits, -10)[-10:]
-    values = logits[top].astype(np.float64)
-    p = 1.0 / float(np.exp(values - logits[best]).sum())
-    return best, p
+    top = np.argpartition(logits, -10)[-10:] if len(logits) > 10 else np.arange(len(logits))
+    values = np.sort(logits[top].astype(np.float32))[::-1]
+    high = np.float32(logits[best])
+    total = 0.0
+    for value in values:
+        total += _expf(float(np.float32(value - high)))
+    return best, float(np.float32(1.0 / total))
+
+
+def f32(value: float) -> float:
+    """`value` as llama.cpp holds it in a float (`--spec-draft-p-min`), for comparisons with `top10_best`'s p."""
+    return float(np.float32(value))
 
 
 def greedy_token(logits: np.ndarray) -> int:
@@ -67,7 +86,7 @@ class DraftSimple(Drafter):
         cache_types: tuple[str, str] = ("f16", "f16"),
         wrong_q: bool = False,
     ):
-        self.n_max, self.n_min, self.p_min = n_max, n_min, p_min
+        self.n_max, self.n_min, self.p_min = n_max, n_min, f32(p_min)
         self.stale = stale
         self.shift: dict[int, int] = {}
         """stale only: seq → rejected tokens left in the draft context (draft position = target position + shift)."""

@@ -16,7 +16,7 @@ from llama_cpp import llama_cpp_ext
 
 from harness.engine.context import Context, seq_state, set_seq_state
 from harness.engine.drafters.base import Drafter, DraftRequest
-from harness.engine.drafters.draft_model import top10_best
+from harness.engine.drafters.draft_model import f32, top10_best
 from harness.engine.sampler import Dist, DraftSamplers
 from harness.errors import HarnessError
 
@@ -38,7 +38,7 @@ class DraftMTP(Drafter):
         wrong_row: bool = False,
         wrong_q: bool = False,
     ):
-        self.n_max, self.n_min, self.p_min = n_max, n_min, p_min
+        self.n_max, self.n_min, self.p_min = n_max, n_min, f32(p_min)
         self.samplers = DraftSamplers(target.model, target.model.n_vocab, wrong_q)
         self.wrong_row = wrong_row
         """Fault `mtp-wrong-row`: `accept` keeps the row of the last verified position, not the last accepted."""
