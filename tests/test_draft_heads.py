@@ -1,6 +1,7 @@
 """The draft heads fed with the target's layer inputs in the engine (draft-eagle3, draft-dflash, draft-dspark, ported
-from common/speculative.cpp at 0c1e570) against llama-server's, on the generated tiny-hybrid-mtp and its heads: the
-same drafted and accepted counts request for request, the output of no speculation, and the root cause of
+from common/speculative.cpp at 0c1e570) against llama-server's, on the generated tiny-hybrid-mtp and its heads. That
+both backends draft and accept the same per request in quicksort's cells is held by their baselines
+(tests/test_default_types.py) and each backend's `acceptance` against its own; here: the root cause of
 llama-server's EAGLE3 par defect (known failure `server-eagle3-acceptance-falls-with-slots-verifying-together`):
 its draft sampling on the backend with several slots drafting in one batch."""
 
@@ -51,19 +52,6 @@ def backends(tmp_path_factory):
         "inproc": InprocBackend(),
         "server": ServerBackend(ensure_server(None, "cpu", [], jobs=None), run_dir=tmp_path_factory.mktemp("server")),
     }
-
-
-@pytest.mark.parametrize(("spec", "mode"), [("draft-dflash", "par"), ("draft-dspark", "par"), ("draft-eagle3", "seq")])
-def test_the_engine_drafts_and_accepts_what_llama_server_does(backends, spec, mode):
-    """DFlash and DSpark with the three slots verifying together, EAGLE3 one request at a time: per request, the
-    drafted and accepted counts of the engine are llama-server's, and the output is the one without speculation."""
-    got = {name: serve(b, name, mode, spec) for name, b in backends.items()}
-    plain = serve(backends["inproc"], "inproc", mode, "none")
-    assert counts(got["inproc"]) == counts(got["server"])
-    drafted, accepted = (sum(c[i] for c in counts(got["inproc"])) for i in (0, 1))
-    assert drafted > 0 and 0.1 < accepted / drafted < 0.95, counts(got["inproc"])
-    for name in got:
-        assert [r.tokens for r in got[name]] == [r.tokens for r in plain], name
 
 
 def test_eagle3_slots_drafting_in_one_batch_accept_what_one_slot_does_only_with_the_draft_sampled_on_the_cpu(backends):
