@@ -3,6 +3,7 @@
 import argparse
 import os
 import sys
+import traceback
 
 from harness import __version__, interrupt
 from harness.errors import HarnessError
@@ -70,6 +71,16 @@ def main(argv: list[str] | None = None) -> int:
     except BrokenPipeError:  # `specharness ... | head`: the reader left; say nothing more
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
+    except Exception as err:  # a bug of ours: exit 3 (a harness error), never 1, which a caller reads as a verdict
+        traceback.print_exc()
+        why = f"{type(err).__name__}: {err}"
+        print(f"specharness: harness error: {why} (a bug of specharness: please report it)", file=sys.stderr)
+        return interrupt.status() if interrupt.received() else EXIT_HARNESS_BUG
+
+
+EXIT_HARNESS_BUG = 3
+"""The exit status of a command stopped by an exception of the harness itself (as `run`'s harness errors):
+exit 1 means failing verdicts (`run`) or an unhealthy cache (`scan`), so a traceback must not exit 1."""
 
 
 if __name__ == "__main__":

@@ -229,6 +229,16 @@ def test_repro_sh_of_a_kv_failure_scans_the_failing_requests_own_slot(tmp_path, 
     assert same.returncode == 1, same.stdout + same.stderr
     assert "REPRODUCED: kv-healthy: positions past the returned tokens" in same.stdout
     assert "positions up to 17 after 8 prompt + 9 returned tokens" in same.stdout
+    # a scanner that fails exits 1 like an unhealthy scan, without its report: no verdict, exit 2
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    said = "ModuleNotFoundError: No module named 'harness'"
+    (broken / "specharness").write_text(f'#!/bin/sh\necho "{said}" >&2\nexit 1\n')
+    (broken / "specharness").chmod(0o755)
+    failed = repro(tmp_path / "bundle", work, SPECHARNESS=str(broken / "specharness"))
+    assert failed.returncode == 2, failed.stdout + failed.stderr
+    assert "specharness scan could not read the slot file (exit 1): ModuleNotFoundError" in failed.stdout
+    assert "not reproduced" not in failed.stdout and "REPRODUCED" not in failed.stdout
 
 
 def test_repro_sh_of_a_divergence_reproduces_only_where_the_run_diverged(tmp_path, tiny_models):
