@@ -47,6 +47,8 @@ pytestmark = [
 ROOT = Path(__file__).resolve().parents[1]
 SUITE = ROOT / "tests" / "data" / "bisect-quicksort.yaml"
 CRASH_SUITE = ROOT / "tests" / "data" / "bisect-crash.yaml"
+CELLS_SUITE = ROOT / "tests" / "data" / "bisect-cells.yaml"
+SAMPLED_SUITE = ROOT / "tests" / "data" / "bisect-sampled.yaml"
 
 
 def specharness(*args: str, **kw) -> subprocess.Popen:
@@ -172,7 +174,7 @@ def test_sigterm_between_bisect_steps_keeps_the_log_and_the_checkout(history, tm
     assert f"--resume {run_dir}" in err
     assert_restored(history)
     assert left_behind(run_dir) == []
-    assert [e["role"] for e in read_log(run_dir)] == ["verify-good", "verify-bad"]
+    assert [e["role"] for e in read_log(run_dir)] == ["verify-bad", "verify-good"]  # the failing end pins first
     assert not (run_dir / CURRENT).exists()
 
 
@@ -203,6 +205,41 @@ def test_bisect_with_a_pinned_comparison_check_names_the_commit_that_crashes(
     assert [c["check"] for c in entry["checks"]] == ["no-crash", "lossless"]
     lossless = entry["checks"][1]
     assert lossless["status"] == "not run" and not lossless["passed"]
+
+
+@pytest.mark.parametrize(
+    "suite, mode, not_applying",
+    [
+        (CELLS_SUITE, "seq", {"repeat-identical", "mode-invariant"}),
+        (CELLS_SUITE, "par", {"repeat-identical"}),
+        (SAMPLED_SUITE, "seq", {"repeat-identical", "mode-invariant"}),
+    ],
+    ids=["seq", "par", "sampled"],
+)
+def test_bisect_of_any_cell_names_the_regression_and_requires_no_check_that_does_not_apply_to_it(
+    history, tmp_path, suite, mode, not_applying
+):
+    """The history as the issue had it (a tree that builds, the commit dropping the seq_rm, two more that change
+    comments and docs): checks that do not apply to the cell are not run at every commit and make none of them
+    unjudgeable; the failure the bad end pins (the KV scan's duplicate cells) decides good and bad."""
+    shas = commits(history)
+    out = tmp_path / "run"
+    argv = ["bisect", "--source", str(history), "--good", shas[BROKEN], "--bad", shas[REGRESSION_TIP - 1]]
+    argv += ["--suite", str(suite), "--mode", mode, "--out", str(out)]
+    status, stdout, err = finish(specharness(*argv))
+    assert status == 0, err[-3000:]
+    assert f"first bad commit: {shas[REGRESSION - 1]}" in stdout
+    assert_restored(history)
+    log = read_log(out)
+    assert [e["role"] for e in log[:2]] == ["verify-bad", "verify-good"]
+    assert "kv-healthy: duplicate cells" in json.loads((out / "plan.json").read_text())["signatures"]
+    by_commit = {e["commit"]: e for e in log}
+    for n, verdict in ((BROKEN + 1, "good"), (REGRESSION, "bad"), (REGRESSION_TIP, "bad")):
+        entry = by_commit[shas[n - 1]]
+        assert entry["verdict"] == verdict, (n, entry["reason"])
+        assert {c["check"] for c in entry["checks"] if c["status"] == "not run"} == not_applying, n
+    assert by_commit[shas[REGRESSION - 1]]["reason"].startswith("kv-healthy failed: ")
+    assert all(e["verdict"] in ("good", "bad") for e in log), [(e["commit"][:10], e["reason"]) for e in log]
 
 
 def test_the_fixture_repository_recovers_from_the_locks_a_killed_git_leaves():

@@ -61,12 +61,13 @@ def test_the_nightly_script_passes_a_clean_night_and_fails_the_night_of_a_regres
     fake = stub(
         tmp_path / "stub" / "specharness",
         '[ "$*" = "build --tag b11434" ] || { echo "stub: unexpected $*" >&2; exit 9; }\n'
-        f'echo "llama-server  {clean.server_bin}"\necho "commit        b11434 (fixture)"\n',
+        f'echo "{clean.server_bin}"\necho "llama-server of b11434 (fixture)" >&2\n',
     )
     proc = nightly("build", "b11434", tmp_path / "server", cwd=tmp_path, path_first=fake.parent)
     assert proc.returncode == 0, said(proc)
     server = tmp_path / "server" / "bin" / "llama-server"
-    assert proc.stdout == f"{server}\n" and f"llama-server b11434 (fixture) -> {server}" in proc.stderr
+    assert proc.stdout == f"{server}\n" and f"nightly: llama-server of b11434 -> {server}" in proc.stderr
+    assert "llama-server of b11434 (fixture)" in proc.stderr  # what specharness build says it built
     entry = clean.server_bin.parent.parent
     for part in ("bin/llama-server", "lib", "build-info.json"):
         assert (tmp_path / "server" / part).exists() == (entry / part).exists(), part

@@ -13,6 +13,7 @@ import signal
 import socket
 import struct
 import subprocess
+import sys
 import tarfile
 import threading
 import time
@@ -182,6 +183,17 @@ def test_second_ensure_server_is_a_cache_hit(build):
     assert os.access(again.server_bin, os.X_OK) and again.quantize_bin.is_file()
 
 
+@pytest.mark.parametrize("cached_only", [False, True], ids=["build", "cached-only"])
+def test_specharness_build_prints_only_the_binary_path_on_stdout(build, cached_only):
+    """`--server-bin "$(specharness build ...)"` is the binary: stdout is its path and nothing else, what it was
+    built from goes to stderr."""
+    argv = [sys.executable, "-m", "harness.cli", "build", *(["--cached-only"] if cached_only else [])]
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout == f"{build.server_bin}\n" and os.access(proc.stdout.strip(), os.X_OK)
+    assert f"llama-server of {build.source_identity} (cpu, cached" in proc.stderr
+
+
 def test_vendored_tree_hashes_fast_and_stably():
     tree = vendored_source()
     started = time.monotonic()
@@ -275,15 +287,16 @@ def test_build_cached_only_says_in_one_line_that_a_build_is_missing_and_compiles
     from harness.cli import main
 
     assert main(["build", "--source", str(fake_tree), "--cached-only"]) == 1
-    out = capsys.readouterr().out
-    assert out.count("\n") == 1 and out.startswith(f"no cached llama-server of {fake_tree} (cpu): build it with")
+    said = capsys.readouterr()
+    assert said.out == "" and said.err.count("\n") == 1
+    assert said.err.startswith(f"no cached llama-server of {fake_tree} (cpu): build it with")
     assert not (tmp_path / "cache" / "builds").exists() or _entries(tmp_path) == []
     assert main(["build", "--release", "0.0.1", "--cached-only"]) == 1  # never extracted: nothing fetched
-    assert "no cached llama-server of llama-cpp-python 0.0.1's llama.cpp" in capsys.readouterr().out
+    assert "no cached llama-server of llama-cpp-python 0.0.1's llama.cpp" in capsys.readouterr().err
     assert not (tmp_path / "cache" / "downloads").exists()
     built = ensure_server(fake_tree, "cpu", [], jobs=2)
     assert main(["build", "--source", str(fake_tree), "--cached-only"]) == 0
-    assert f"llama-server  {built.server_bin}" in capsys.readouterr().out
+    assert capsys.readouterr().out == f"{built.server_bin}\n"
 
 
 def _entries(tmp_path: Path) -> list[str]:

@@ -271,6 +271,7 @@ def test_a_tag_bisection_names_two_neighbouring_tags_in_log2_steps():
     assert headline(outcome, None) == "first failing tag: b11368; last passing: b11349"
     assert "--good b11349 --bad b11368" in outcome.extra["hint"]
     assert len(set(judged.judged)) <= 2 + 4  # the two ends, then log2(10) rounded up
+    assert judged.judged[:2] == [tags[-1], tags[0]]  # the failing end first: the failure it shows is pinned
 
     fixed = _Judged({t: "bad" if i < bad_from else "good" for i, t in enumerate(tags)}, fixed=True)
     outcome = fixed.bisection.run()

@@ -234,14 +234,38 @@ def test_a_sampled_divergence_reported_only_shows_on_index_html_first_screen_and
 # --- bisect -----------------------------------------------------------------------------------------------------
 
 
-def test_bisect_always_judges_no_crash_and_a_judged_check_without_verdict_is_skip_or_bad():
+def test_bisect_always_judges_no_crash_and_requires_of_a_cell_only_the_checks_that_can_show_the_pinned_failure():
+    """A check that does not apply to the cell (mode-invariant in seq) is not required; the pinned signature's own
+    check giving no verdict, an unservable cell or a harness error make a skip; a crash is bad."""
     plan = Plan(suite="s.yaml", case="C", checks=["lossless"], mode="seq", spec="draft-simple", model="m")
     assert judged_checks(plan) == ["no-crash", "lossless"]
     crash = CheckResult("no-crash", False, "1 of 1 requests failed; C round 0: llama-server was killed by SIGABRT")
     unjudged = not_run("lossless", "no request of the case completed (no-crash says why)")
     bad = verdict_of([crash, unjudged], strict=False)
     assert bad["verdict"] == BAD and "no-crash failed: 1 of 1 requests failed" in bad["reason"]
-    assert verdict_of([CheckResult("no-crash", True), unjudged], strict=False)["verdict"] == SKIP
+    served, healthy = CheckResult("no-crash", True), CheckResult("kv-healthy", True)
+    seq_reference = not_run("mode-invariant", "the cell is the seq reference itself")
+    kv_damage = ["kv-healthy: duplicate cells"]
+    for pinned in (None, kv_damage, ["crash: GGML_ASSERT(x) failed"]):
+        assert verdict_of([served, seq_reference, healthy], False, pinned)["verdict"] == GOOD, pinned
+    no_scan = not_run("kv-healthy", "no KV scan of the 1 completed requests")
+    skip = verdict_of([served, seq_reference, no_scan], False, kv_damage)
+    assert skip["verdict"] == SKIP and skip["reason"] == (
+        "kv-healthy gave no verdict, so this build cannot show the pinned failure (kv-healthy: duplicate cells): "
+        "not run: no KV scan of the 1 completed requests"
+    )
+    assert verdict_of([served, seq_reference, no_scan], False)["verdict"] == GOOD  # nothing pinned: not required
+    # the signature's check is not judged (a kv-corrupt divergence of lossless pinned): a check but no-crash must
+    # give a verdict
+    assert verdict_of([served, CheckResult("lossless", True), seq_reference], False, kv_damage)["verdict"] == GOOD
+    only_unjudged = verdict_of(
+        [served, not_run("lossless", "the case samples with a random seed"), seq_reference], False, kv_damage
+    )
+    assert only_unjudged["verdict"] == SKIP and only_unjudged["reason"].startswith("lossless gave no verdict")
+    unservable = verdict_of([not_run(n, "tiny-hybrid has no draft model") for n in ("no-crash", "lossless")], False)
+    assert unservable["verdict"] == SKIP and unservable["reason"] == (
+        "the cell was not served: not run: tiny-hybrid has no draft model"
+    )
     fault = harness_fault("no-crash", "the cell could not be served: llama-server was not ready within 60 s")
     skip = verdict_of([fault, harness_fault("lossless", "the cell could not be served")], strict=False)
     assert skip["verdict"] == SKIP and "not ready within 60 s" in skip["reason"]

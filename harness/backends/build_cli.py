@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 from pathlib import Path
 
@@ -22,7 +23,7 @@ from harness.errors import HarnessError
 
 
 def cmd_build(args: argparse.Namespace) -> int:
-    """Build or reuse llama-server and print where it is (`--json`: the whole BuildInfo)."""
+    """Build or reuse llama-server and print its path, alone on stdout (`--json`: the whole BuildInfo)."""
     started = time.monotonic()
     if sum(bool(x) for x in (args.release, args.source, args.tag)) > 1:
         raise HarnessError("give one of --source DIR, --release VERSION and --tag bN")
@@ -39,9 +40,15 @@ def cmd_build(args: argparse.Namespace) -> int:
         print(json.dumps(dict(info.to_json(), cached=info.cached), indent=1))
         return 0
     how = "cached" if info.cached else f"built in {info.build_seconds:.0f} s"
-    print(f"llama-server  {info.server_bin}")
-    print(f"commit        {info.source_identity} ({info.backend}, {how}, {time.monotonic() - started:.1f} s)")
+    _print_path(info, f"{how}, {time.monotonic() - started:.1f} s")
     return 0
+
+
+def _print_path(info, how: str) -> None:
+    """The binary's path alone on stdout (`--server-bin "$(specharness build ...)"`), what it was built from on
+    stderr."""
+    print(f"llama-server of {info.source_identity} ({info.backend}, {how})", file=sys.stderr)
+    print(info.server_bin)
 
 
 def _manage_cache(args: argparse.Namespace) -> int:
@@ -59,8 +66,8 @@ def _manage_cache(args: argparse.Namespace) -> int:
 
 
 def _report_cached(args: argparse.Namespace) -> int:
-    """`--cached-only`: print the cached build, or say in one line that there is none (exit 1); nothing is
-    downloaded or compiled."""
+    """`--cached-only`: print the cached build's path, or say in one line on stderr that there is none (exit 1,
+    nothing on stdout); nothing is downloaded or compiled."""
     if args.tag:
         tag = resolve_tag(args.tag)
         tree = extracted_tag_source(tag)
@@ -75,10 +82,12 @@ def _report_cached(args: argparse.Namespace) -> int:
 
 def _print_cached(info, what: str, backend: str) -> int:
     if info is None:
-        print(f"no cached llama-server of {what} ({backend}): build it with this command without --cached-only")
+        print(
+            f"no cached llama-server of {what} ({backend}): build it with this command without --cached-only",
+            file=sys.stderr,
+        )
         return 1
-    print(f"llama-server  {info.server_bin}")
-    print(f"commit        {info.source_identity} ({info.backend}, cached)")
+    _print_path(info, "cached")
     return 0
 
 

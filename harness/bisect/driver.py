@@ -1,7 +1,8 @@
 """Driving `git bisect run` in a llama.cpp checkout, safely, resumably.
 
 Order of work: refuse a checkout that is not clean or already bisecting; `git bisect start`; judge the
-good and the bad commit first (each must give its verdict, else the bisect stops and says why); mark
+bad and the good commit first (the bad one first: its failure is the one pinned; each must give its verdict,
+else the bisect stops and says why); mark
 them, replay the verdicts of an interrupted run's log (`--resume`), then `git bisect run` with our step;
 judge the first bad commit's parent when no step did. Whatever happens (an error, Ctrl-C, SIGTERM, SIGHUP:
 harness.interrupt makes each a KeyboardInterrupt), `git bisect reset` ends it and the checkout is back on
@@ -158,8 +159,10 @@ class Bisection:
         return entry
 
     def verify_ends(self) -> None:
-        """The good commit must pass and the bad one fail, or there is nothing to bisect."""
-        for role, rev, expected in (("verify-good", self.plan.good, GOOD), ("verify-bad", self.plan.bad, BAD)):
+        """The bad commit must fail and the good one pass, or there is nothing to bisect. The bad end is judged
+        first: the failure it shows is pinned there (when nothing pinned it before), and the good end is judged
+        against it like every later step."""
+        for role, rev, expected in (("verify-bad", self.plan.bad, BAD), ("verify-good", self.plan.good, GOOD)):
             check_end(self.judge_commit(rev, role), expected, f"commit {rev[:10]}")
 
     def mark(self, verdict: str, commit: str) -> str:

@@ -101,8 +101,13 @@ class ReleaseBisection:
     def _search(self) -> Outcome:
         versions = self.versions
         before, after = (BAD, GOOD) if self.plan.fixed else (GOOD, BAD)
-        first = self.judge(versions[0], f"verify-{before.lower()}")
-        last = self.judge(versions[-1], f"verify-{after.lower()}")
+        # the failing end first: the failure it shows is the one pinned, and the passing end is judged against it
+        if self.plan.fixed:
+            first = self.judge(versions[0], "verify-bad")
+            last = self.judge(versions[-1], "verify-good")
+        else:
+            last = self.judge(versions[-1], "verify-bad")
+            first = self.judge(versions[0], "verify-good")
         if self.plan.fixed:  # looking for a fix: the older end must fail and the newer pass
             for entry, what in ((first, "older"), (last, "newer")):
                 if entry["verdict"] == SKIP:

@@ -1,11 +1,11 @@
 """One bisect step: build llama-server from the tree as it is now, judge the pinned case, log it.
 
 `git bisect run` calls `python -m harness.bisect.step RUN_DIR` in the checkout at every commit; the exit
-status tells git the verdict: 0 good, 1 bad, 125 skip (the commit does not build, tried twice, or the
-server cannot serve the case), 128 abort (a harness error such as a missing model: no later step could
-do better). Every step appends one JSON line to `RUN_DIR/bisect-log.jsonl`: commit, subject, author
-date, role, build seconds (and whether the build came from the cache), verdict, reason and every check
-verdict with its evidence (the triaged first divergence included).
+status tells git the verdict: 0 good, 1 bad, 125 skip (the commit does not build, tried twice, or the step
+cannot say whether the pinned failure is there: harness.verdict.outcome), 128 abort (a harness error such as a
+missing model: no later step could do better). Every step appends one JSON line to `RUN_DIR/bisect-log.jsonl`:
+commit, subject, author date, role, build seconds (and whether the build came from the cache), verdict, reason and
+every check verdict with its evidence (the triaged first divergence included).
 """
 
 from __future__ import annotations

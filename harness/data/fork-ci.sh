@@ -37,7 +37,7 @@ shift
 case "$cmd" in
   build)
     [ $# -eq 2 ] || usage
-    bin=$(specharness build --source "$1" | awk '$1 == "llama-server" {print $2}')
+    bin=$(specharness build --source "$1")  # the binary's path alone
     mkdir -p "$(dirname "$2")"
     cp "$bin" "$2"
     echo "fork-ci: llama-server of $1 -> $2"

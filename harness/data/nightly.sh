@@ -67,11 +67,9 @@ case "$cmd" in
   build)
     [ $# -eq 2 ] || usage
     tag=$1 out=$2
-    built=$(specharness build --tag "$tag")
-    bin=$(printf '%s\n' "$built" | awk '$1 == "llama-server" {print $2}')
+    bin=$(specharness build --tag "$tag")  # the binary's path alone (what it was built from goes to stderr)
     if [ -z "$bin" ] || [ ! -x "$bin" ]; then
-      echo "nightly: no llama-server in the output of \`specharness build --tag $tag\`:" >&2
-      printf '%s\n' "$built" >&2
+      echo "nightly: \`specharness build --tag $tag\` printed no llama-server path: ${bin:-nothing}" >&2
       exit 1
     fi
     # The build entry: bin/llama-server (and llama-quantize), maybe lib/ with the shared libraries the binaries
@@ -81,8 +79,7 @@ case "$cmd" in
     for part in bin lib build-info.json; do
       if [ -e "$entry/$part" ]; then cp -a "$entry/$part" "$out/"; fi
     done
-    commit=$(printf '%s\n' "$built" | awk '$1 == "commit" {$1 = ""; sub(/^ +/, ""); print}')
-    echo "nightly: llama-server ${commit:-of $tag} -> $out/bin/llama-server" >&2
+    echo "nightly: llama-server of $tag -> $out/bin/llama-server" >&2
     echo "$out/bin/llama-server"
     ;;
   selection)
