@@ -98,8 +98,9 @@ def test_a_token_the_grammar_forbids_ends_the_scoring(engine):
 
 
 def test_seeded_count_noise_bound_and_threshold():
-    """The measured noise (0 of 160 per backend and mode) bounds the rate at 1.85 %; a group of 24 seeded sampled
-    requests (the `sampling` suite on one backend) fails from 5 divergences on (p < ALPHA), 4 stay within the noise."""
+    """The measured noise (0 of 160 distinct draws per backend and mode) bounds the rate at 1.85 %; a group of 24
+    seeded sampled draws (the `sampling` suite on one backend: 12 cells × 2 cases, each seed once however many rounds
+    replay it) fails from 5 diverged draws on (p < ALPHA), 4 stay within the noise (tests/test_seeded_count.py)."""
     from scipy import stats
 
     rate = seeded.noise_bound("server", "par")

@@ -25,8 +25,9 @@ from harness.checks import seeded
 
 ROOT = Path(__file__).resolve().parents[1]
 COUNT = re.compile(
-    r"(\d+) of (\d+) seeded sampled requests of sampling's \d+ speculative server cells diverged from the "
-    r"non-speculative output: the measured noise rate \(<= [\d.]+\) makes that p = (\S+) < "
+    r"(\d+) of (\d+) seeded sampled draws \(distinct cell, case and seed; rounds replaying a seed count once\) of "
+    r"sampling's \d+ speculative server cells diverged from the non-speculative output: the measured noise rate "
+    r"\(<= [\d.]+\) makes that p = (\S+) < "
 )
 GREEDY_CASE = "w1_greedy_dry"
 """The suite's case at temperature 0 (a chat: its keys are w1_greedy_dry.turn<N>)."""
@@ -77,7 +78,7 @@ def test_a_build_whose_sampled_verification_is_wrong_fails_the_default_sampling_
         assert (diverged, compared) == (evidence["group_diverged"], evidence["group_compared"])
         assert evidence["group_p_value"] < seeded.ALPHA and "reported_only" not in evidence
         assert len(evidence["group_divergences"]) == diverged
-    assert "lossless" in console and "seeded sampled requests" in console  # the console's verdict lines say it too
+    assert "lossless" in console and "seeded sampled draws" in console  # the console's verdict lines say it too
 
 
 def test_a_build_that_draws_once_more_after_a_rejection_fails_the_sampling_run_by_its_count_only(tmp_path, tiny_models):

@@ -6,6 +6,10 @@ the same sample size, other draws. Every cell of the suite's matrix (narrowed by
 serves them in one session, then the `distribution` check judges each case. On a clean build the p-values are
 uniform and a test fails with probability alpha; with an engine fault switched on (`--fault`, in-process cells
 only) the share of failing tests is the check's power against that fault at the suite's sample size.
+
+`specharness bench seeded` (`measure_seeded`) repeats a suite's seeded sampled cases the same way, in the suite's own
+rounds, and counts the seeded noise rate of `lossless`'s count (harness.checks.seeded.NOISE) in distinct draws: a
+(cell, case, seed) once, however many rounds replay it.
 """
 
 import math
@@ -15,7 +19,7 @@ from pathlib import Path
 import numpy as np
 from scipy import stats
 
-from harness.checks import evaluate_cell
+from harness.checks import evaluate_cell, seeded
 from harness.execute import Executor
 from harness.matrix import cells, spec_preset
 from harness.suites import Suite, load_suite
@@ -26,16 +30,17 @@ BINS = 10
 """Histogram bins of the p-values (equal width on [0, 1])."""
 
 
-def repeated(suite: Suite, runs: int, sampling: dict | None = None) -> Suite:
+def repeated(suite: Suite, runs: int, sampling: dict | None = None, rounds: list[str] | None = None) -> Suite:
     """`suite` with every case repeated `runs` times, repetition i seeded case seed + SEED_STRIDE·i (named
-    `<case>-r<i>`), one round; `sampling` (Sampling fields) replaces those fields of every case."""
+    `<case>-r<i>`), served in `rounds` (default: the suite's first round alone); `sampling` (Sampling fields)
+    replaces those fields of every case."""
     cases = []
     for i in range(runs):
         for case in suite.cases:
             seed = (case.sampling.seed if case.sampling.seed is not None else 42) + SEED_STRIDE * i
             fields = {**(sampling or {}), "seed": seed}
             cases.append(replace(case, name=f"{case.name}-r{i}", sampling=replace(case.sampling, **fields)))
-    return replace(suite, cases=cases, rounds=[suite.rounds[0]])
+    return replace(suite, cases=cases, rounds=list(rounds) if rounds else [suite.rounds[0]])
 
 
 def summary(p_values: list[float], tokens: list[int], alpha: float = 1e-6) -> dict:
@@ -94,29 +99,30 @@ def measure(
 def measure_seeded(
     suite_name: str, runs: int, executor: Executor, only: dict, on_cell=None, suites_dir: Path | None = None
 ) -> dict:
-    """The noise rate of seeded identity (harness.checks.seeded.NOISE): per speculative sample-and-match cell, how
-    many of its seeded sampled requests (the suite's cases repeated `runs` times with fresh seeds) returned other
-    tokens than the same request without speculation; with the totals per (backend, mode)."""
+    """The noise rate of seeded identity (harness.checks.seeded.NOISE), counted as the check counts it: per
+    speculative sample-and-match cell, how many of its seeded sampled draws (the suite's cases repeated `runs` times
+    with fresh seeds, served in the suite's own rounds) returned other tokens than the same request without
+    speculation. A draw is one distinct (cell, case, seed) however many rounds replay it, and diverged when any
+    round did (harness.checks.seeded.draws); with the totals per (backend, mode), and the requests behind them."""
     base = load_suite(suite_name, suites_dir)
     keep = [c for c in base.cases if not c.is_chat and not c.sampling.greedy and not c.sampling.random_seed]
-    suite = repeated(replace(base, cases=keep), runs)
-    seeded = [c.name for c in suite.cases if not c.is_chat and not c.sampling.greedy and not c.sampling.random_seed]
+    suite = repeated(replace(base, cases=keep), runs, rounds=base.rounds)
     plan = [c for c in cells(suite.matrix, only) if c.spec != "none" and spec_preset(c.spec).keeps_seeded_tokens]
     executor.expect([(suite, c) for c in plan])
     out: dict = {"cells": {}, "by_backend_mode": {}}
     for cell in plan:
         mine, reference = executor.run(suite, cell), executor.run(suite, cell.reference(spec="none"))
-        diverged = compared = 0
-        for name in seeded:
-            a = next((o.result for o in mine.of_case(name) if o.result.ok), None)
-            b = next((o.result for o in reference.of_case(name) if o.result.ok), None)
-            if a is not None and b is not None:
-                compared += 1
-                diverged += a.tokens != b.tokens
-        out["cells"][cell.id] = {"diverged": diverged, "compared": compared}
-        total = out["by_backend_mode"].setdefault(f"{cell.backend} {cell.mode}", {"diverged": 0, "compared": 0})
-        total["diverged"] += diverged
-        total["compared"] += compared
+        found = seeded.draws(mine, reference, seeded.seeded_keys(suite, cell.model))
+        row = {
+            "diverged": sum(d.diverged for d in found),
+            "compared": len(found),
+            "requests": sum(len(d.rounds) for d in found),
+            "rounds_diverged": sum(t is not None for d in found for t in d.rounds.values()),
+        }
+        out["cells"][cell.id] = row
+        total = out["by_backend_mode"].setdefault(f"{cell.backend} {cell.mode}", dict.fromkeys(row, 0))
+        for k, v in row.items():
+            total[k] += v
         if on_cell:
-            on_cell(cell.id, out["cells"][cell.id])
+            on_cell(cell.id, row)
     return out
