@@ -13,6 +13,7 @@ from harness.models import DEFAULT_MODELS, resolve
 from harness.paths import cache_dir
 
 pytest_plugins = ["harness.pytest_plugin", "pytester"]
+os.environ.setdefault("SPECHARNESS_AUTO_CALIBRATE", "0")  # no test measures a calibration unless it asks for it
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -10,7 +10,19 @@ import pytest
 from harness.cli import main
 from harness.models import model_key, resolve
 
-ARGV = ["run", "--suite", "quicksort", "--backend", "inproc", "--mode", "seq", "--spec", "none,ngram-mod"]
+ARGV = [
+    "run",
+    "--suite",
+    "quicksort",
+    "--backend",
+    "inproc",
+    "--mode",
+    "seq",
+    "--spec",
+    "none,ngram-mod",
+    "--no-auto-calibrate",
+]
+"""Judged by the default floor (not measured once and cached: tests/test_calibration_cache.py)."""
 
 
 def verdicts(out, check):

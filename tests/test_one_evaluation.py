@@ -75,7 +75,8 @@ def test_run_the_plugin_bisect_and_shrink_evaluate_through_evaluate_cell():
 
 
 def test_calibration_calls_no_check_and_reads_a_cells_end_as_evaluate_cell_does():
-    source = (PACKAGE / "commands/calibrate.py").read_text()
+    source = "\n".join(p.read_text() for p in sorted((PACKAGE / "calibration").glob("*.py")))
+    source += (PACKAGE / "commands/calibrate.py").read_text()
     assert _taken_from_checks(ast.parse(source)) == {"harness.checks.acceptance.Acceptance"}
     assert "run.fault or run.crash" in source and "reference.fault or reference.crash" in source
     assert "run.fault" in (PACKAGE / "checks/__init__.py").read_text()

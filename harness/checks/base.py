@@ -89,11 +89,10 @@ class CheckContext:
         """The calibrated noise floor of this cell's (model, backend, device), its near-tie floor the one measured
         in this cell's mode (NoiseFloor.for_mode), with the suite's own `tolerances:` applied on top when it
         declares any (NoiseFloor.declared)."""
-        device = self.executor.environment(self.cell)["device"]
         floor = noise.load(
             self.cell.model,
             self.cell.backend,
-            device,
+            self.executor.environment(self.cell),
             self.baselines.calibration_of(self.run.suite) if self.baselines else None,
         ).for_mode(self.cell.mode)
         return floor.declared(self.run.suite.tolerances, self.run.suite.name)

@@ -7,8 +7,9 @@ by Ctrl-C, 143 by SIGTERM (in any phase: what finished is still written, with a 
 """
 
 import argparse
+import os
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from rich.console import Console
@@ -21,6 +22,7 @@ from harness.backends.build import require_executable
 from harness.backends.choose import backend_factories
 from harness.backends.facts import run_backends
 from harness.backends.versions import planned_versions
+from harness.calibration import ensure as ensure_calibrated
 from harness.checks import harness_errors
 from harness.engine import detok as detokenizers
 from harness.errors import HarnessError
@@ -140,6 +142,8 @@ class RunPlan:
     part: Shard | None
     extra: Path | None
     out: Path
+    calibration: list[str] = field(default_factory=list)
+    """The header's calibration lines (harness.calibration.ensure); run.json records them."""
 
 
 def plan_run(args: argparse.Namespace) -> RunPlan:
@@ -179,6 +183,27 @@ def baseline_store(args: argparse.Namespace) -> BaselineStore:
         option=option,
         calibration_dir=args.calibration_dir,
         version_range=args.baselines_range or "",
+    )
+
+
+AUTO_CALIBRATE = "SPECHARNESS_AUTO_CALIBRATE"
+"""Set to 0: `run` never measures a missing calibration (as `--no-auto-calibrate`); the test session sets it."""
+
+
+def calibrate_first(
+    args: argparse.Namespace, run_plan: RunPlan, executor: Executor, baselines: BaselineStore, console: Console
+) -> None:
+    """The run's header: each (model, backend) it serves calibrated on its device and build before anything is
+    judged — committed, cached, or measured once now and cached (not with `--no-auto-calibrate`, nor where
+    $SPECHARNESS_AUTO_CALIBRATE is 0)."""
+    run_plan.calibration = ensure_calibrated(
+        plan_jobs(run_plan.plan, run_plan.part),
+        executor,
+        baselines.calibration_of,
+        args.server_bin,
+        args.source,
+        measure=not getattr(args, "no_auto_calibrate", False) and os.environ.get(AUTO_CALIBRATE, "1") != "0",
+        say=lambda line: console.print(line, markup=False, highlight=False),
     )
 
 
@@ -311,6 +336,7 @@ def write_and_publish(
         interrupted=interrupted,
     )
     meta["uncalibrated"] = uncalibrated
+    meta["calibration"] = run_plan.calibration
     meta["known_failures_scope"] = list(known_scope)
     meta["versioned_baselines"] = sorted(baselines.versioned_used) if baselines else []
     results = write_run(out, runs, verdicts, meta, detokenizers.for_model)
@@ -349,6 +375,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     executor = Executor(exec_options(args, backend_factories(args.server_bin, args.source, run_plan.out)))
     baselines = baseline_store(args)
     console = Console(stderr=True, soft_wrap=True)
+    calibrate_first(args, run_plan, executor, baselines, console)
     done, verdicts = serve(run_plan, executor, baselines, console)
     with interrupt.deferred():  # a signal from here on lets what finished be written in full
         interrupt.phase("writing")
@@ -409,4 +436,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     """Register `specharness run`."""
     p = sub.add_parser("run", help="run suites on a backend in seq / par / no-kv-unified modes and check them")
     add_run_options(p)
+    p.add_argument(
+        "--no-auto-calibrate",
+        action="store_true",
+        help="judge a (model, backend) with no calibration on this device and build by the default floor, "
+        "instead of measuring it once and caching it",
+    )
     p.set_defaults(func=cmd_run)

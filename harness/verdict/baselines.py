@@ -438,8 +438,9 @@ def uncalibrated_lines(executor, store: BaselineStore) -> list[str]:
     for run in executor.runs():
         cell = run.cell
         if run.error is None and (cell.model, cell.backend) not in lines:
-            device = executor.environment(cell)["device"]
-            floor = noise.load(cell.model, cell.backend, device, store.calibration_of(run.suite))
+            env = executor.environment(cell)
+            device = env["device"]
+            floor = noise.load(cell.model, cell.backend, env, store.calibration_of(run.suite))
             lines[(cell.model, cell.backend)] = (
                 None if floor.calibrated else f"{cell.model} on {cell.backend} ({device}): {floor.source}"
             )

@@ -1,19 +1,27 @@
 """The noise floor: how far logically equivalent runs move the logits, per (model, backend, device).
 
-`specharness calibrate` measures it (harness/commands/calibrate.py) and writes
-`fixtures/calibration/<model>--<backend>--<device>.json`; `logits-close` and the first-divergence triage
-read it here (from `--calibration-dir` first when given). A model is known by harness.models.model_key (a
-registry name, or a model file's content). A model without a calibration file falls back to `DEFAULT`, and
-every verdict that used it says `uncalibrated`, with the default tolerances and the command that measures them.
+`specharness calibrate` measures it (harness/calibration/) and writes
+`fixtures/calibration/<model>--<backend>--<device>.json` (`device`: the backend's build, cpu / cuda / metal / gpu);
+`specharness run` measures a (model, backend, device, build) that has none once and keeps it in the user cache,
+`cache_dir()/calibration/<model>--<backend>--<device key>--<build>.json` (`device_key`: the device and the
+hardware that runs its kernels). `logits-close` and the first-divergence triage read it here (`load`): from
+`--calibration-dir` first when given, then the committed file, then the user cache. A model is known by
+harness.models.model_key (a registry name, or a model file's content). A model without a calibration falls back to
+`DEFAULT`, and every verdict that used it says `uncalibrated`, with the default tolerances and the command that
+measures them.
 """
 
 import functools
+import hashlib
 import json
+import platform
 import re
+import subprocess
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 
 from harness.errors import HarnessError
+from harness.paths import cache_dir
 from harness.result.logits import Tolerances
 
 NEAR_TIE = 0.05
@@ -23,7 +31,7 @@ ACCEPTANCE = 0.05
 generated) that `acceptance` lets pass; the largest calibrated spread on this project's models is far below."""
 SAFETY = 2.0
 """A mode's near-tie floor is SAFETY × the largest margin change (or flipped margin) measured in that mode
-(harness.commands.calibrate uses the same factor for every tolerance)."""
+(harness.calibration uses the same factor for every tolerance)."""
 MINIMUM_NEAR_TIE = 1e-4
 """The smallest floor calibration writes (float32 rounding of a log-probability is ~1e-7 nats)."""
 RANGE = 1.0
@@ -42,7 +50,7 @@ class NoiseFloor:
     acceptance: dict = field(default_factory=dict)
     """Spec config → {"fixed": …, "concurrent": …, "modes": …}: the calibrated drop of a request's acceptance
     that passes against a run of the same cell in a fixed request order, with the requests sent all at once,
-    and against seq (see harness.commands.calibrate.acceptance_spread)."""
+    and against seq (see harness.calibration.tolerances.acceptance_spread)."""
     seq_bit_exact: bool = True
     """Whether calibration measured every `seq` speculative run, served as the cells serve it, bit-identical to no
     speculation (max |Δ| 0 at every position). The `n_ubatch=7` variants do not count (no cell splits its batches
@@ -114,7 +122,58 @@ def _safe(name: str) -> str:
 
 
 def calibration_path(model: str, backend: str, device: str, root: Path | None = None) -> Path:
+    """A committed calibration file (or one of a `--calibration-dir`): keyed by the device class of the build."""
     return (root or calibration_root()) / f"{_safe(model)}--{backend}--{device}.json"
+
+
+def cache_root() -> Path:
+    """The user cache of calibrations a run measured (`cache_dir()/calibration`)."""
+    return cache_dir() / "calibration"
+
+
+@functools.cache
+def hardware(device: str) -> str:
+    """What runs a build's kernels on this machine: the GPU's name for a CUDA build (nvidia-smi), else the CPU's
+    (a Metal build runs on the chip that is the CPU), with the machine type; `unknown` where it cannot be read."""
+    name = ""
+    if device == "cuda":
+        try:
+            out = subprocess.run(
+                ["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True, text=True, timeout=30
+            )
+            name = out.stdout.strip().splitlines()[0] if out.returncode == 0 and out.stdout.strip() else ""
+        except (OSError, subprocess.TimeoutExpired):
+            name = ""
+    if not name and device != "cuda":
+        try:
+            info = Path("/proc/cpuinfo").read_text()
+            name = next(
+                (line.split(":", 1)[1].strip() for line in info.splitlines() if line.startswith("model name")), ""
+            )
+        except OSError:
+            name = ""
+        name = name or platform.processor()
+    return f"{name or 'unknown'} ({platform.machine()})"
+
+
+def device_key(env: dict) -> str:
+    """The device a calibration in the user cache was measured on: the build's device class (cpu, cuda, metal,
+    gpu: a CUDA build never reads a CPU calibration) and a digest of the hardware that runs its kernels
+    (`hardware`), e.g. `cpu-1a2b3c4d`."""
+    device = str(env.get("device", "cpu"))
+    return f"{device}-{hashlib.sha256(hardware(device).encode()).hexdigest()[:8]}"
+
+
+def build_digest(env: dict) -> str:
+    """A digest of the build facts of a backend's `environment()` (llama.cpp commit and source, compiler, offload,
+    or llama-cpp-python's version), without the model's."""
+    facts = {k: v for k, v in env.items() if k != "model_sha256"}
+    return hashlib.sha256(json.dumps(facts, sort_keys=True, default=str).encode()).hexdigest()[:8]
+
+
+def cache_path(model: str, backend: str, env: dict) -> Path:
+    """The user-cache calibration of (model key, backend) on the device and build of `env`."""
+    return cache_root() / f"{_safe(model)}--{backend}--{device_key(env)}--{build_digest(env)}.json"
 
 
 ACCEPTANCE_KEYS = {"fixed": "tolerance", "concurrent": "tolerance_concurrent", "modes": "tolerance_modes"}
@@ -145,15 +204,18 @@ def is_default_batch(variant: str) -> bool:
 
 def logits_count(variant: dict) -> bool:
     """Whether a calibration variant's logits and flips count toward the floors: not where a known defect moves
-    tokens or logits (`logits: false`, harness.commands.calibrate.variants)."""
+    tokens or logits (`logits: false`, harness.calibration.variants)."""
     return bool(variant.get("logits", True))
 
 
 def seq_bit_exact(measured: dict) -> bool:
     """Whether every measured `seq` speculative variant, served as the cells serve it, is bit-identical to the
-    seq / no-speculation reference (max |Δ| 0). True when none was measured."""
+    seq / no-speculation reference: max |Δ| 0 and no token flipped. A flip counts on its own: llama-server logs no
+    logits of the tokens a verification step emits, so its max |Δ| covers the steps without drafts only, and a
+    variant can measure 0 there yet pick other tokens (the `numerics` suite's Q4_K models). True when none was
+    measured."""
     return all(
-        float(v.get("max_abs_max", 0.0)) == 0.0
+        float(v.get("max_abs_max", 0.0)) == 0.0 and not v.get("flips")
         for k, v in measured.items()
         if k.startswith("seq/") and k.split("/")[1] != "none" and is_default_batch(k) and logits_count(v)
     )
@@ -206,20 +268,30 @@ def uncalibrated(model: str, backend: str, root: Path | None = None) -> NoiseFlo
     )
 
 
-def load(model: str, backend: str, device: str, root: Path | None = None) -> NoiseFloor:
-    """The calibrated floor of (model, backend, device) — `model` a registry name or a model file — from `root`
-    when given and calibrated there, else from the default root; `uncalibrated` when neither has it."""
+def find(model: str, backend: str, device: str | dict, root: Path | None = None) -> Path | None:
+    """The calibration file of (model, backend, device): from `root` when given, else the committed one, else
+    (`device` the backend's `environment()`, which names the build) the user cache's; None when none has it."""
     from harness.models import model_key  # here: reports reach this module and need no model registry
 
     key = model_key(model)
-    path = next(
-        (
-            p
-            for p in (calibration_path(key, backend, device, r) for r in ([root, None] if root else [None]))
-            if p.is_file()
-        ),
-        None,
-    )
+    env = device if isinstance(device, dict) else None
+    device_class = str(env.get("device", "cpu")) if env is not None else str(device)
+    paths = [calibration_path(key, backend, device_class, r) for r in ([root, None] if root else [None])]
+    if env is not None:
+        paths.append(cache_path(key, backend, env))
+    return next((p for p in paths if p.is_file()), None)
+
+
+def where(path: Path) -> str:
+    """How a calibration file is named to the user: `cached` (the user cache) or `committed`."""
+    return "cached" if path.parent == cache_root() else "committed"
+
+
+def load(model: str, backend: str, device: str | dict, root: Path | None = None) -> NoiseFloor:
+    """The calibrated floor of (model, backend, device) — `model` a registry name or a model file, `device` the
+    device class or the backend's `environment()` — from `root` when given and calibrated there, else from the
+    committed files, else from the user cache (`find`); `uncalibrated` when none has it."""
+    path = find(model, backend, device, root)
     if path is None:
         return uncalibrated(model, backend, root)
     stat = path.stat()
@@ -234,4 +306,5 @@ def _load_file(path: Path, mtime_ns: int, size: int) -> NoiseFloor:
         data = json.loads(path.read_text())
     except (OSError, ValueError) as err:
         raise HarnessError(f"corrupt calibration file {path}: {err}; re-run `specharness calibrate`") from None
-    return from_data(data, f"calibrated ({path.parent.name}/{path.name})")
+    shown = f"{path.parent.name}/{path.name}" if where(path) == "committed" else f"user cache: {path.name}"
+    return from_data(data, f"calibrated ({shown})")
