@@ -615,6 +615,20 @@ def models_page() -> str:
                 _text("; ".join(notes)),
             ]
         )
+    for name, q in registry.QUANTIZED.items():
+        source = RECIPES[q.source]
+        h = source.hparams
+        rows.append(
+            [
+                _code(name),
+                _code(source.arch),
+                registry.kind_of_arch(source.arch),
+                str(h.n_layer),
+                str(h.n_embd),
+                str(h.n_ctx),
+                _text(q.note),
+            ]
+        )
     rows.append(
         [
             _code(registry.GEMMA),
@@ -662,6 +676,27 @@ def calibration_page() -> str:
         "7-token micro-batch split. Each tolerance is 2 × the largest value measured (never below a float32 "
         "floor); how they are used: [Triage](../internals/triage.md). Each file records the command and date that "
         "measured it, both below.\n"
+    )
+    out.append(
+        "## Devices and the user cache\n\n"
+        "A file is keyed by the model, the backend and the device class of the build (`cpu`, `cuda`, `metal`, `gpu`: "
+        "`environment()['device']`), so a CUDA build never reads a CPU calibration. The committed files below are "
+        "for CI's reproducibility. `specharness run` looks each (model, backend) it serves up in a "
+        "`--calibration-dir`, then the committed files, then the user cache (`harness.verdict.noise.find`); where "
+        "none has it, it measures it once before judging (`harness.calibration.ensure`, the same measurement as "
+        "`specharness calibrate`), writes it atomically to the user cache, "
+        "`<cache>/calibration/<model>--<backend>--<device key>--<build>.json` (`device key`: the device class and a "
+        "digest of the CPU or GPU that runs the kernels, `harness.verdict.noise.device_key`; `build`: a digest of "
+        "the build facts, so another llama.cpp is measured again), and its header says `calibrated MODEL on "
+        "BACKEND/DEVICE now (N s), cached in PATH`; a later run says `calibration: cached`. A run never writes a "
+        "committed file; `--no-auto-calibrate` (or `SPECHARNESS_AUTO_CALIBRATE=0`, which the project's test session "
+        "sets) judges such a model by the default floor instead, and the pytest "
+        "plugin never measures (a model without a calibration is judged by the default floor, and the session's "
+        "`run.json` lists it under `uncalibrated`).\n\n"
+        "A repeat (`--repeats`, default 2) serves again only the variants whose serving depends on timing, several "
+        "slots sharing batches (`harness.calibration.measure.timing_dependent`: `par` and `no-kv-unified`), against "
+        "the first measurement's reference; a one-slot (`seq`) variant is a function of its command line and "
+        "prompts and carries over (measured bit-identical when served again; `--repeat-all` serves every one).\n"
     )
     out.append("## Tolerances\n")
     rows = []
@@ -758,8 +793,9 @@ def _acceptance_section(data: list[dict]) -> list[str]:
         "(`tolerance`), the same for rounds whose requests are sent all at once (`sent at once`), and a par / "
         "no-kv-unified request against the same request in seq (`against seq`). Null: refused (below). Only requests "
         "that made the same output in both runs count (as the check compares). Which configs: every one a suite "
-        "judges the acceptance of on that model and backend (`harness.commands.calibrate.specs_of`). A variant where a "
-        "known defect moves tokens or logits (suites/known-failures.yaml) counts its acceptance (same outputs only) "
+        "judges the acceptance of on that model and backend (`harness.calibration.variants.specs_of`). "
+        "A variant where a known defect moves tokens or logits (suites/known-failures.yaml) counts its acceptance "
+        "(same outputs only) "
         "and none of its logits; one where a known defect moves acceptance itself is not measured.\n"
     )
 

@@ -215,7 +215,7 @@ def test_near_tie_needs_the_other_runs_logits_at_the_divergence():
     other = same(3)
     other[2] = lp([], [])  # llama-server withholds the logits of a speculatively accepted token
     d = triage([9, 9, 5], [9, 9, 6], ref, other)
-    assert d.kind == "unexplained" and "withholds" in d.reason and "own configuration cannot supply" in d.reason
+    assert d.kind == "unexplained" and "withholds" in d.reason and "could not supply them" in d.reason
     rescored = triage(
         [9, 9, 5],
         [9, 9, 6],
@@ -258,21 +258,28 @@ def test_no_near_tie_when_the_references_own_logits_prefer_the_other_token():
     assert triage([9, 9, 5], [9, 9, 6], tie, other).kind == "near-tie"
 
 
-def test_a_speculative_run_is_never_re_scored_by_a_decode_without_speculation():
+def test_a_speculative_run_is_re_scored_only_in_its_own_configuration():
     """llama-server returns no probabilities for tokens a verification step emits; a plain decode would give the
-    reference's view of the position, not the run's, so the Rescorer gives nothing for a speculative cell (and
-    triage says `unexplained`). A cell without speculation is re-scored in its own configuration."""
+    reference's view of the position, not the run's. So a speculative llama-server cell is re-scored by a server
+    of its own cell (its command line), in the batch its log says computed the position (prefix cached, the batch's
+    rows up to the position as one batch), and not at all where the log does not say; the in-process engine's
+    speculative cells are never re-scored (it logs every verification row itself). A cell without speculation is
+    re-scored in its own configuration."""
     from types import SimpleNamespace
 
     from harness.execute import ExecOptions, Rescorer
     from harness.matrix import Cell
-    from harness.result import Result
+    from harness.result import Result, Work
 
-    opened = []
+    opened, asked = [], []
 
     class Session:
         def run(self, requests):
             return [Result(tokens=[6], stop_reason="limit", logits=[lp([6, 5], [-0.7, -0.71])])]
+
+        def rescore(self, prefix, tail, n_probs):
+            asked.append((prefix, tail, n_probs))
+            return lp([6, 5], [-0.7, -0.71])
 
         def close(self):
             pass
@@ -285,12 +292,17 @@ def test_a_speculative_run_is_never_re_scored_by_a_decode_without_speculation():
     suite = SimpleNamespace(name="demo")
     result = Result(prompt_tokens=[1, 2], tokens=[9, 9, 6], stop_reason="limit")
     with Rescorer(executor) as rescorer:
-        for spec in ("draft-simple", "ngram-mod"):
-            assert rescorer.score(suite, Cell("server", "par", spec, "m"), result, 2) is None
+        for cell in (Cell("server", "par", "draft-simple", "m"), Cell("inproc", "par", "draft-simple", "m")):
+            assert rescorer.score(suite, cell, result, 2) is None  # no steps known / the engine logs its rows
         assert opened == []  # no session of another configuration was opened
-        plain = Cell("server", "par", "none", "m")
+        result.work = Work(steps={"batches": [[3, 2]]})  # o_1 and o_2 from rows 0 and 1 of a 3-row verification
+        spec = Cell("server", "par", "draft-simple", "m")
+        row = rescorer.score(suite, spec, result, 2)
+        assert opened == [spec] and asked == [([1, 2], [9, 9], 10)]  # prefix cached, the batch's rows 0..1
+        assert row.top_ids.tolist() == [6, 5] and "row 1 of a 3-row verification batch" in row.how
+        plain = Cell("inproc", "par", "none", "m")
         assert rescorer.score(suite, plain, result, 2).top_ids.tolist() == [6, 5]
-        assert opened == [plain]  # the run's own cell, not a stand-in
+        assert opened == [spec, plain]  # the run's own cell, not a stand-in
 
 
 def test_the_calibrated_floor_decides_what_is_a_near_tie():

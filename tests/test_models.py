@@ -22,6 +22,8 @@ KIND = {
     "tiny-recurrent": "recurrent",
     "tiny-long": "dense",
     "tiny-hybrid-mtp": "hybrid",
+    "tiny-dense-wide": "dense",
+    "tiny-hybrid-mtp-wide": "hybrid",
     # draft heads (arch eagle3 / dflash): one attention layer, no memory of their own kind
     "tiny-hybrid-mtp-eagle3": "dense",
     "tiny-hybrid-mtp-dflash": "dense",
@@ -71,7 +73,7 @@ def test_make_is_idempotent_and_content_addressed(tmp_path, monkeypatch):
 def test_models_list_json_has_every_entry(built, capsys):
     assert main(["models", "list", "--json"]) == 0
     rows = {row["name"]: row for row in json.loads(capsys.readouterr().out)}
-    assert set(rows) == {*RECIPES, registry.GEMMA, registry.GEMMA_DRAFT}
+    assert set(rows) == {*RECIPES, *registry.QUANTIZED, registry.GEMMA, registry.GEMMA_DRAFT}
     assert all({"name", "arch", "kind", "path", "sha256"} <= set(row) for row in rows.values())
     for name, info in built.items():
         assert rows[name] == info.to_dict()

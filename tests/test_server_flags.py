@@ -150,3 +150,24 @@ def test_every_command_line_the_harness_writes_fits_the_vendored_build(tmp_path)
             )
             cmd = server.command()
             assert cmd[cmd.index("-fa") + 1] == "off", name
+
+
+def test_a_gpu_build_offloads_every_layer_explicitly_and_a_cpu_build_passes_no_ngl(tmp_path):
+    """`-ngl all` (and the draft's `--spec-draft-ngl all`) on a GPU build, said in the backend's facts; nothing on a
+    CPU build, where llama-server would only warn that it ignores the flag. The command fits the vendored build."""
+    from dataclasses import replace
+
+    from harness.backends.build import ensure_server
+    from harness.backends.server import LlamaServer
+    from harness.backends.server_backend import ServerBackend, gpu_layers
+
+    build = ensure_server()
+    assert gpu_layers(build) is None and "gpu_layers" not in ServerBackend(build).environment()
+    cuda = replace(build, backend="cuda")
+    assert gpu_layers(cuda) == "all" and ServerBackend(cuda).environment()["gpu_layers"] == "all"
+    model, draft = tmp_path / "m.gguf", tmp_path / "d.gguf"
+    server = LlamaServer(server_bin=build.server_bin, model=model, draft_model=draft, port=1, gpu_layers="all")
+    cmd = server.command()
+    assert cmd[cmd.index("-ngl") + 1] == "all" and cmd[cmd.index("--spec-draft-ngl") + 1] == "all"
+    plain = LlamaServer(server_bin=build.server_bin, model=tmp_path / "m.gguf", port=1).command()
+    assert "-ngl" not in plain

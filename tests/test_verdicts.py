@@ -10,8 +10,8 @@ import pytest
 from seeded import seeded_server
 from skips import require_model
 
+from harness.calibration import calibrate, within_spread
 from harness.cli import main
-from harness.commands.calibrate import calibrate, within_spread
 from harness.matrix import Cell
 from harness.verdict import noise
 from harness.verdict.noise import calibration_path
@@ -112,7 +112,7 @@ def test_a_re_measurement_stays_within_the_committed_tolerances(backend, tiny_mo
 def test_calibration_measures_each_speculative_type_the_model_can_serve(tiny_models):
     """draft-mtp is measured on a model with an MTP block (and only there); draft-simple only with a draft model;
     the draft heads on both backends where the model has them (the engine has them since 2026-12-02)."""
-    from harness.commands.calibrate import variants
+    from harness.calibration import variants
 
     def specs(backend, model):
         return {v.name.split("/")[1] for v in variants(backend, model)}
@@ -137,7 +137,7 @@ def test_every_speculative_cell_of_a_suite_has_a_calibrated_acceptance_tolerance
     tiny-hybrid-mtp failed at the default 0.05 (14/50 -> 12/56 with its output unchanged, in 6 of 20 rounds sent at
     once) because calibration did not measure the draft heads. A cell where a known defect moves acceptance itself
     (its failures are that defect's; calibration cannot measure its noise there) is the exception."""
-    from harness.commands.calibrate import defect_of
+    from harness.calibration.variants import defect_of
     from harness.matrix import cells, spec_preset
     from harness.suites import load_suite, suite_files
 
@@ -156,7 +156,7 @@ def test_every_speculative_cell_of_a_suite_has_a_calibrated_acceptance_tolerance
 
 
 def test_acceptance_spread_compares_modes_only_for_drafters_without_state_between_requests():
-    from harness.commands.calibrate import acceptance_spread
+    from harness.calibration.tolerances import acceptance_spread
 
     def m(seq, par, ubatch):  # {variant: {"acceptance": {case: [drafted, accepted, generated]}}}
         return {
@@ -183,7 +183,7 @@ def test_acceptance_spread_compares_modes_only_for_drafters_without_state_betwee
 def test_acceptance_spread_compares_only_requests_with_the_same_output():
     """As the `acceptance` check does: a request whose output moved (a near-tie flip) drafted from another
     history, so its counters are no measure of acceptance noise."""
-    from harness.commands.calibrate import acceptance_spread
+    from harness.calibration.tolerances import acceptance_spread
 
     def m(accepted, output):
         return {
@@ -204,7 +204,8 @@ def test_under_a_known_defect_of_tokens_acceptance_counts_and_under_one_of_accep
     defect's)."""
     from types import SimpleNamespace
 
-    from harness.commands.calibrate import _pair_stats, variants
+    from harness.calibration.measure import _pair_stats
+    from harness.calibration.variants import variants
     from harness.result import Result
 
     by_name = {v.name: v for v in variants("server", "tiny-hybrid-mtp")}
@@ -228,7 +229,7 @@ def test_a_partial_calibration_is_merged_into_the_committed_file_and_keeps_the_r
     """`calibrate --spec S --merge --write` measures S's variants only: it adds S's acceptance and variants and keeps
     every other spec, variant and logits tolerance of the committed file (each the larger of both); without --merge
     it is refused before anything runs, as is a spec the model is not measured with."""
-    from harness.commands.calibrate import merged
+    from harness.calibration import merged
 
     assert main(["calibrate", "--model", "tiny-dense", "--backend", "inproc", "--spec", "draft-simple", "--write"]) == 2
     assert "add --merge" in capsys.readouterr().err
@@ -278,6 +279,12 @@ SEQ_SPECULATION_MAX_ABS = {  # the largest max |Δ| of a seq speculative variant
     "tiny-hybrid-mtp--server": 2.50e-5,
     "tiny-dense-loop--inproc": 8.42e-4,  # specharness calibrate --model tiny-dense-loop --write, 2026-12-01
     "tiny-dense-loop--server": 4.21e-4,  # seq/ngram-cache, added 2026-12-02 (calibrate --spec)
+    # the numerics suite's Q4_K stand-ins, 2026-12-04; on llama-server the seq variants' verification tokens carry no
+    # logits: 0 at the 4-6 positions that do, though their tokens flip (`flips`)
+    "tiny-dense-wide-q4_k--inproc": 0.0896,
+    "tiny-dense-wide-q4_k--server": 0.0,
+    "tiny-hybrid-mtp-wide-q4_k--inproc": 0.0239,
+    "tiny-hybrid-mtp-wide-q4_k--server": 0.0,
 }
 SEQ_FLOOR = {  # the near-tie floor a seq divergence is judged with (docs/near-tie-policy.md)
     "gemma3-270m--inproc": 1.53,
@@ -292,6 +299,10 @@ SEQ_FLOOR = {  # the near-tie floor a seq divergence is judged with (docs/near-t
     "tiny-hybrid-mtp--server": 1e-4,
     "tiny-dense-loop--inproc": 2.39e-3,
     "tiny-dense-loop--server": 8.45e-4,  # 2 x seq/ngram-cache's margin change, added 2026-12-02 (calibrate --spec)
+    "tiny-dense-wide-q4_k--inproc": 0.198,
+    "tiny-dense-wide-q4_k--server": 0.198,
+    "tiny-hybrid-mtp-wide-q4_k--inproc": 0.0960,
+    "tiny-hybrid-mtp-wide-q4_k--server": 0.0960,
 }
 
 
@@ -347,7 +358,7 @@ def test_calibration_refuses_an_acceptance_tolerance_no_drop_could_fail():
     """llama-server ngram-mod sent at once on tiny-dense: a request's accepted / generated moved by 1.0 between
     repeats (the serving order decides the shared n-gram table), so 2 × that could never fail: written as null
     with the reason, and a merge with another machine keeps it refused."""
-    from harness.commands.calibrate import acceptance_spread, merged
+    from harness.calibration.tolerances import acceptance_spread, merged
 
     def m(accepted):  # the in-order repeats agree; the at-once repeats do not
         return {
@@ -372,7 +383,8 @@ def test_calibration_leaves_out_the_logits_of_the_cells_where_a_known_defect_mov
     outside seq, intermittently: measured as noise, one 0.2-nat flip would raise the near-tie floor and excuse it.
     Their logits never count (`logits: false`, left out of every floor); their acceptance only on requests
     without the defect's step."""
-    from harness.commands.calibrate import _largest, defect_of, variants
+    from harness.calibration.tolerances import largest_of as _largest
+    from harness.calibration.variants import defect_of, variants
 
     by_name = {v.name: v for v in variants("server", "tiny-hybrid-mtp")}
     assert by_name["seq/draft-mtp"].logits and by_name["par/none"].logits

@@ -29,6 +29,7 @@ from harness.engine.speculative import SpecConfig
 from harness.engine.worker import PROMPT, STEPS, EngineArgs, serve
 from harness.errors import HarnessBug, HarnessError, LlamaAbort
 from harness.result import Result
+from harness.result.logits import PositionLogits
 from harness.suites.request import Request
 
 OPEN_TIMEOUT_S = 300.0
@@ -236,6 +237,14 @@ class InprocSession:
         if "error" in answer:
             raise HarnessError(f"scoring the outputs failed: {answer['error']}")
         return answer["scores"]
+
+    def replay_row(self, decodes: list, row: int, top_k: int) -> PositionLogits:
+        """Row `row` of the last of a llama-server request's replayed decodes, by this session's target
+        (harness.engine.score.replay_row); HarnessError when the worker cannot answer."""
+        answer = self._ask(("replay_row", decodes, row, top_k))
+        if "error" in answer:
+            raise HarnessError(f"re-scoring a batch row failed: {answer['error']}")
+        return answer["row"]
 
     def _ask(self, message: tuple) -> dict:
         if self.process is None or not self.process.is_alive():

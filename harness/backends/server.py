@@ -47,6 +47,7 @@ class LlamaServer:
     cache_type_k: str = "f16"  # -ctk
     cache_type_v: str = "f16"  # -ctv
     threads: int = field(default_factory=default_threads)  # -t
+    gpu_layers: str | None = None  # -ngl, and --spec-draft-ngl with a draft model (None: llama-server's default)
     seed: int = 42  # -s
     repack: bool = True  # --no-repack when False
     context_shift: bool = False  # --context-shift / --no-context-shift
@@ -123,6 +124,12 @@ class LlamaServer:
         ]
         if self.draft_model:
             cmd += ["-md", str(self.draft_model)]
+        if self.gpu_layers is not None:
+            flags = server_flags(self.server_bin)
+            cmd += ["-ngl", self.gpu_layers]
+            draft_ngl = next((f for f in ("--spec-draft-ngl", "-ngld") if f in flags), None)
+            if self.draft_model and draft_ngl:
+                cmd += [draft_ngl, self.gpu_layers]
         for key, value in self.spec.items():
             cmd += _spec_flag(key, value)
         if not self.repack and "--no-repack" in server_flags(self.server_bin):  # older builds always repack

@@ -34,6 +34,7 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -42,7 +43,14 @@ import requests
 from harness.backends import server_batches, server_work
 from harness.backends.base import ServeConfig, SpeedMeter, StallMeter, request_deadline
 from harness.backends.build import BuildInfo, ensure_server
-from harness.backends.client import COMPLETION_FIELDS, ConnectionLost, LlamaClient, RequestTimedOut, ServerError
+from harness.backends.client import (
+    COMPLETION_FIELDS,
+    ConnectionLost,
+    LlamaClient,
+    RequestTimedOut,
+    ServerError,
+    completion_payload,
+)
 from harness.backends.flags import server_version
 from harness.backends.process import LogDir, free_log_name, invalid_batch_in_log
 from harness.backends.server import LlamaServer
@@ -50,7 +58,8 @@ from harness.backends.slots_watch import SlotsWatch
 from harness.errors import HarnessError
 from harness.kv.scan import OtherFormatVersion, layout_from_model, scan_file
 from harness.result import Result
-from harness.suites.request import Request
+from harness.result.logits import PositionLogits, from_server_probs
+from harness.suites.request import Request, Sampling
 
 CRASH_GRACE_S = 5.0
 """How long a dropped connection may take to show up as a process exit."""
@@ -171,6 +180,13 @@ def lost_cells(held: list[int], result: Result) -> dict | None:
     }
 
 
+def gpu_layers(build: BuildInfo) -> str | None:
+    """`-ngl` for a build: `all` on a GPU build (cuda, metal, ...: every layer of the target and the draft on the
+    device, said explicitly rather than left to llama-server's `auto`, which `-fit off` makes the same today but a
+    later default may not), None on a CPU build (no flag: llama-server warns that it ignores it)."""
+    return None if build.backend == "cpu" else "all"
+
+
 class ServerBackend:
     """Serves models with llama-server; `build` None means the default CPU build of the vendored tree.
 
@@ -201,14 +217,17 @@ class ServerBackend:
 
     def environment(self) -> dict:
         """What produces the outputs: the build's device (cpu, cuda, metal), llama.cpp commit, source identity
-        (commit plus a digest when the tree is modified) and compiler. Not the binary's path: it is
-        machine-specific, and these values go into committed baselines."""
+        (commit plus a digest when the tree is modified) and compiler, and on a GPU build how many layers it
+        offloads (`gpu_layers`: all, `-ngl all`). Not the binary's path: it is machine-specific, and these values go
+        into committed baselines."""
         self.build = self.build or ensure_server()
+        offload = gpu_layers(self.build)
         return {
             "device": self.build.backend,
             "llama_cpp_commit": self.build.commit,
             "source_identity": self.build.source_identity,
             "compiler": self.build.compiler,
+            **({"gpu_layers": offload} if offload else {}),
         }
 
     def open(self, config: ServeConfig) -> ServerSession:
@@ -274,6 +293,7 @@ class ServerSession:
         options["slot_save_path"] = self.slots_dir
         options.setdefault("verbosity", server_work.VERBOSITY)  # the checkpoint lines `work` counts
         options.setdefault("metrics", True)  # the counters `metrics-agree` compares with the answers
+        options.setdefault("gpu_layers", gpu_layers(self.build))  # every layer on the GPU of a GPU build
         try:
             self.server = LlamaServer.from_config(self.config, self.build.server_bin, log_path=log, **options).start()
         except BaseException:
@@ -357,6 +377,9 @@ class ServerSession:
                 result.work = server_work.work_of(result, server.log_path, log_start, server_work.verbosity_of(server))
                 if (server_work.verbosity_of(server) or 0) >= server_work.VERBOSITY:
                     result.split_rollbacks = server_batches.of_request(server.log_path, log_start, result.slot_id)
+                    if result.work.steps is not None:
+                        placed = server_batches.places(server.log_path, log_start, result.slot_id)
+                        result.work.steps["places"] = placed
                 self.speed.record(len(result.tokens), time.monotonic() - started)
                 self.stall.record(result)
                 held = result.prompt_tokens + result.tokens
@@ -390,6 +413,28 @@ class ServerSession:
             return {**client.save_slot(slot_id, path.name), "state": path}
         except (ServerError, ConnectionLost, RequestTimedOut) as err:
             return {"error": f"POST /slots/{slot_id}?action=save: {err}"}
+
+    def rescore(self, prefix: list[int], tail: list[int], n_probs: int) -> PositionLogits | None:
+        """The top-`n_probs` log-probabilities after `tail`'s last token, computed with `prefix` cached in slot 0
+        and `tail` as one batch (harness.backends.server_rescore): `prefix` sent first with `cache_prompt` off (a
+        fresh, repeatable prefix), then prefix + tail with it on, one token generated greedily, whose
+        probabilities a request's first token always carries. None where llama-server did not answer both."""
+        client = LlamaClient(self.server.url, self.request_timeout)
+        greedy = Sampling(n_predict=0, temperature=0.0)
+        try:
+            if prefix:
+                client.completion(completion_payload(prefix, greedy, 0, {"id_slot": 0, "cache_prompt": False}))
+            payload = completion_payload(
+                [*prefix, *tail], replace(greedy, n_predict=1), n_probs, {"id_slot": 0, "cache_prompt": bool(prefix)}
+            )
+            data = client.completion(payload)
+        except (ServerError, ConnectionLost, RequestTimedOut):
+            return None
+        rows = from_server_probs(data.get("completion_probabilities", [])[:1])
+        reused = data.get("timings", {}).get("cache_n")
+        if not rows or not len(rows[0].top_ids) or (prefix and reused != len(prefix)):
+            return None  # no probabilities, or the tail was not the one batch asked for
+        return rows[0]
 
     def restore_slot(self, slot_id: int, state: Path, erase: bool = False) -> dict:
         """Restore a `save_slot` state into the slot (`POST /slots/{id}?action=restore`; the file is copied into this

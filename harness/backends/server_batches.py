@@ -180,3 +180,30 @@ def of_request(log_path: Path | None, start: int, slot: int) -> list[dict] | Non
     if task is None or not ended:
         return None
     return split_rollbacks(messages, slot, task, geo)
+
+
+def places(log_path: Path | None, start: int, slot: int) -> list[dict] | None:
+    """Where each batch of the request whose slot is `slot` (lines from byte `start` of the log) sat in its decode, in
+    order: `{"kind": prompt | verify | decode, "n_tokens", "index": its entry's place in the decode, "batch":
+    [[slot, n_tokens, 1 where it asks logits of every row (a step), 0 of its last only (a prompt batch)], ...] in
+    batch order}`, `batch` None where the decode cannot be told (a count missing,
+    several chunks). What re-scoring a position replays (harness.backends.server_rescore): in `par` a slot's rows
+    share one batch with the other slots', and the kernels a row takes depend on the rows around it. None where the
+    log or the task's lines are not there."""
+    if log_path is None or slot < 0:
+        return None
+    try:
+        messages = llama_log.messages(llama_log.read(log_path, start))
+    except OSError:
+        return None
+    task, _, ended = task_lines(messages, slot)
+    if task is None or not ended:
+        return None
+    out = []
+    for decode in _decodes(messages):
+        known = decode.composition() is not None
+        for i, entry in enumerate(decode.entries):
+            if entry.slot == slot and entry.task == task:
+                batch = [[e.slot, e.n_tokens, int(e.kind != "prompt")] for e in decode.entries] if known else None
+                out.append({"kind": entry.kind, "n_tokens": entry.n_tokens, "index": i, "batch": batch})
+    return out

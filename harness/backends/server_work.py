@@ -17,12 +17,15 @@
 - `target_decoded`: `prompt_read`, then one token per `slot decode token` line (a step without a draft) and
   1 + #draft per `generate_draft: ... #draft=N` line (a verification batch: the sampled token and N drafts, a replay
   after a restore included); every generation step's batch logs one of the two (`handle_last_sampled_token`);
-- `Work.steps` (not counters: what the `work` check compares like with like, harness.checks.work): each
+- `Work.steps` (not counters: what the `work` check compares like with like, harness.checks.work; `batches` is
+  what re-scoring a position through llama-server needs, harness.backends.server_rescore): each
   verification batch in order, `[n_draft, n_accepted, speculative checkpoints created before it, their bytes,
   checkpoints restored after it, their bytes]` (n_accepted -1 where it was restored; a restored verification's
   replay follows it), the one-token decodes, the position each batch of the prompt started at
-  (`main/do_checkpoint = ..., pos_max = P`: one line per batch that holds the slot's prompt tokens), and the prompt
-  checkpoints restored and their bytes;
+  (`main/do_checkpoint = ..., pos_max = P`: one line per batch that holds the slot's prompt tokens), the prompt
+  checkpoints restored and their bytes, and every generation batch in order (`batches`: `[rows, tokens it emitted]`,
+  a one-token decode `[1, 1]`, a verification `[1 + #draft, ids.size]`, a restored one `[1 + #draft, 0]`: the
+  replay batch after it emits its tokens);
 - Not to be had from llama-server (None): `draft_decoded` (the draft context's decodes are not logged per
   request: common/speculative.cpp logs candidates, not decodes, and without the task).
 
@@ -96,6 +99,7 @@ def count(messages: list[str]) -> Work:
     c = Work(target_decoded=0, ckpt_restored=0, ckpt_restored_bytes=0, partial_rollbacks=0)
     c.ckpt_created, c.ckpt_created_bytes, c.ckpt_sizes = 0, 0, []
     verifications, decodes, prompt_batches, prompt_restored = [], 0, [], [0, 0]
+    batches: list[list] = []  # every generation batch in order: [rows, tokens emitted] (emitted None until known)
     pending = [0, 0]  # speculative checkpoints created since the last batch, and their bytes
     for message in messages:
         if message.startswith(("created context checkpoint", "created speculative checkpoint")):
@@ -119,12 +123,16 @@ def count(messages: list[str]) -> Work:
             if verifications:
                 v = verifications[-1]
                 v[1], v[4], v[5] = -1, v[4] + 1, v[5] + nbytes
+            if batches and batches[-1][1] is None:
+                batches[-1][1] = 0  # restored: the replay batch after it emits the step's tokens
         elif message.startswith("slot decode token"):
             decodes += 1
+            batches.append([1, 1])
             c.add("target_decoded", 1)
         elif message.startswith("generate_draft:"):
             n_draft = int(m.group(1)) if (m := _DRAFT_BATCH.match(message)) else 0
             verifications.append([n_draft, None, *pending, 0, 0])
+            batches.append([1 + n_draft, None])
             pending = [0, 0]
             c.add("target_decoded", 1 + n_draft)
         elif message.startswith("main/do_checkpoint"):
@@ -138,11 +146,14 @@ def count(messages: list[str]) -> Work:
                     c.add("partial_rollbacks", 1)
                 if verifications and verifications[-1][1] is None:
                     verifications[-1][1] = k - 1
+                if batches and batches[-1][1] is None:
+                    batches[-1][1] = k
     c.steps = {
         "verifications": verifications,
         "decodes": decodes,
         "prompt_batches": prompt_batches,
         "prompt_restored": prompt_restored,
+        "batches": batches,
     }
     if pending[0]:  # checkpoints no batch followed (the request ended or was cut): kept, as a step of their own
         c.steps["verifications"].append([0, None, *pending, 0, 0])

@@ -8,9 +8,10 @@ from harness.engine import slot_state
 from harness.engine.context import Context, ContextParams
 from harness.engine.model import Model
 from harness.engine.scheduler import Scheduler
-from harness.engine.score import score
+from harness.engine.score import replay_row, score
 from harness.engine.speculative import SpecConfig
 from harness.result import Result
+from harness.result.logits import PositionLogits
 from harness.suites.request import Request
 
 
@@ -56,6 +57,11 @@ class Engine:
         """Each result's tokens scored under its request's sampler chain (harness.engine.score.score), on this
         engine's context (its slots must be idle: the scorer opens an engine of its own)."""
         return [score(self.model, self.ctx, req.sampling, res.prompt_tokens, res.tokens) for req, res in results]
+
+    def replay_row(self, decodes: list, row: int, top_k: int) -> PositionLogits:
+        """Row `row` of the last of a llama-server request's replayed decodes (harness.engine.score.replay_row) on
+        this engine's target context (its slots must be idle: the re-scorer opens an engine of its own)."""
+        return replay_row(self.ctx, decodes, row, top_k)
 
     def save_slot(self, slot_id: int) -> dict:
         """The state the slot's last request left (target and draft contexts; `keep_slot_states` on), as llama-server

@@ -28,6 +28,7 @@ import numpy as np
 from harness.engine.context import Context
 from harness.engine.model import Model
 from harness.engine.sampler import _CANDIDATE, _chain, free_chain_and_grammar, grammar_text
+from harness.result.logits import PositionLogits, capture
 from harness.suites.request import Sampling
 
 SCORES_DTYPE = np.float64
@@ -168,6 +169,50 @@ def _logit_rows(ctx: Context, prompt: list[int], tokens: list[int], seq_id: int 
     finally:
         batch.free()
         ctx.seq_rm(seq_id)
+
+
+def replay_row(ctx: Context, decodes: list[dict], row: int, top_k: int) -> PositionLogits:
+    """Row `row` of the last of `decodes` (harness.backends.server_rescore.Replay): each decoded as one batch, the
+    request's rows (`tokens` from `start` in sequence `seq`, logits on every row or on the last only) between the
+    stand-in rows of the other slots that shared its decode (`before`, `after`: `[slot, n_tokens, every row]`, each at
+    positions 0.. of its own sequence, cleared again after the decode), then the request's sequence cut back to
+    `keep` positions (the recurrent state to its snapshot of that row). The batches a request was computed in set the
+    kernels of every row (a repacked matrix multiplies 4 rows at a time from 4 rows on) and, on a recurrent model,
+    the state each row starts from. Every sequence used is cleared before and after."""
+    used = {d["seq"] for d in decodes} | {e[0] for d in decodes for e in (*d["before"], *d["after"])}
+    for seq in used:
+        ctx.seq_rm(seq)
+    batch = ctx.new_batch()
+    try:
+        indices: list[int] = []
+        for n, d in enumerate(decodes, start=1):
+            batch.clear()
+            for other in d["before"]:
+                _stand_in(batch, other, d["tokens"][0])
+            tokens, start = d["tokens"], d["start"]
+            last = len(tokens) - 1
+            indices = [batch.add(t, start + i, d["seq"], d["every_row"] or i == last) for i, t in enumerate(tokens)]
+            for other in d["after"]:
+                _stand_in(batch, other, d["tokens"][0])
+            if ctx.decode(batch) != 0:
+                raise RuntimeError(f"llama_decode failed replaying the batch at position {start}")
+            for other in (*d["before"], *d["after"]):
+                ctx.seq_rm(other[0])
+            if n < len(decodes) and d["keep"] < start + len(tokens) and not ctx.seq_rm(d["seq"], d["keep"], -1):
+                raise RuntimeError(f"the replay could not cut the sequence back to {d['keep']} positions")
+        return capture(ctx.logits(indices[row]), top_k)
+    finally:
+        batch.free()
+        for seq in used:
+            ctx.seq_rm(seq)
+
+
+def _stand_in(batch, entry: list, token: int) -> None:
+    """Another slot's entry of a shared decode: as many rows of `token` in its own sequence, logits as it asked (a
+    step on every row, a prompt batch on its last)."""
+    seq, n, every_row = entry
+    for i in range(n):
+        batch.add(token, i, seq, bool(every_row) or i == n - 1)
 
 
 def score(model: Model, ctx: Context, sampling: Sampling, prompt: list[int], tokens: list[int]) -> dict:

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field, replace
 
 from harness import interrupt
 from harness.backends.base import Backend, ServeConfig
+from harness.backends.server_rescore import replay_of, shape_of
 from harness.errors import HarnessBug, HarnessError, LlamaAbort, Unservable
 from harness.execute.slot_restore import SlotRestore
 from harness.matrix import Cell, served_options, spec_preset
@@ -289,18 +290,27 @@ class Executor:
 
 
 class Rescorer:
-    """The logits of a run at one position, recomputed in the configuration that produced its tokens: for a run
-    without speculation, a decode of the same prefix in the same cell (one request with the prompt and the
-    output before the position, one token generated, its top-k logged). Sessions open on first use and close
-    on exit.
+    """The logits of a run at one position, recomputed in the configuration that produced its tokens, where a backend
+    withheld them. Sessions open on first use (a cell's own serve config: on llama-server the run's command line,
+    speculation flags included) and close on exit.
 
-    A speculative run gets nothing here (None). Its tokens come from verification batches, and llama-server
-    (0c1e570) returns no probabilities for any token a verification step emits (tools/server/server-context.cpp:
-    `result.prob = 1.0f; // set later`, `// TODO: set result.probs`; `post_sampling_probs` is "not supported
-    with speculative decoding", upstream #27972); only tokens of steps without a draft carry the run's own
-    probabilities, and those are logged already. A decode without speculation would give the reference's view
-    of the position, not the run's, so triage then says `unexplained` (the in-process engine logs every
-    verification row itself)."""
+    - llama-server (any cell): through the server itself, in the batch shape the run computed the position in
+      (harness.backends.server_rescore: the prompt cache holds the batch's prefix, the batch's rows up to the
+      position go as one prompt batch, the first generated token carries its probabilities). llama-server at
+      0c1e570 returns no probabilities for any token a verification step emits (upstream #27972); this gives them
+      back from the server, not from another configuration. Each row says how it was computed (`how`).
+    - a llama-server build that runs the engine's own libllama (the vendored CPU build links llama-cpp-python's
+      libraries: the same code on the same CPU): the request's batches replayed through that libllama, with the
+      cell's context options, as its log lists them (harness.backends.server_rescore.Replay): its prompt batches,
+      each step's rows with logits on every row and the rejected ones cut back, then the batch that computed the
+      position. llama-server's prompt cache gives a verification row with fewer rows and one output row, from a
+      prefix computed in one batch; a repacked quantized matrix multiplies 4 rows at a time from 4 rows on and a
+      recurrent state depends on the batches it was computed in, so that moves a row by up to 0.05 nats where the
+      run's batches did not (the `numerics` suite's flips).
+    - the in-process engine without speculation: a decode of the same prefix in the same cell (one request with
+      the prompt and the output before the position, one token generated, its top-k logged).
+    - the in-process engine with speculation: nothing (None). It logs every verification row itself, so a missing
+      row is one it did not compute, and a plain decode would give the reference's view, not the run's."""
 
     def __init__(self, executor: Executor):
         self.executor = executor
@@ -308,20 +318,61 @@ class Rescorer:
         self.cache: dict[tuple, PositionLogits | None] = {}
 
     def score(self, suite: Suite, cell: Cell, result: Result, pos: int) -> PositionLogits | None:
-        if self.executor.options.logit_top_k <= 0 or pos > len(result.tokens) or cell.spec != "none":
+        if self.executor.options.logit_top_k <= 0 or pos > len(result.tokens):
             return None
-        plain = cell
+        if cell.backend == "server":
+            return self._through_server(suite, cell, result, pos)
+        if cell.spec != "none":
+            return None
         prompt = [*result.prompt_tokens, *result.tokens[:pos]]
-        key = (suite.name, plain, tuple(prompt))
+        key = (suite.name, cell, tuple(prompt))
         if key not in self.cache:
-            session = self.sessions.get((suite.name, plain))
-            if session is None:
-                session = self.sessions[(suite.name, plain)] = self.executor._backend(plain.backend).open(
-                    self.executor._config(suite, plain)
-                )
+            session = self._session(suite, cell)
             scored = session.run([Request(prompt=prompt, sampling=Sampling(n_predict=1, temperature=0.0))])[0]
             self.cache[key] = scored.logits[0] if scored.ok and scored.logits else None
         return self.cache[key]
+
+    def _through_server(self, suite: Suite, cell: Cell, result: Result, pos: int) -> PositionLogits | None:
+        """Position `pos` of a llama-server request re-scored through a server of the cell's command line, in the
+        batch shape its log says the run computed it in (None where the log does not say)."""
+        shape = shape_of(result, pos)
+        if shape is None or pos >= len(result.tokens) + 1:
+            return None
+        sequence = [*result.prompt_tokens, *result.tokens]
+        prefix, tail = sequence[: shape.start], sequence[shape.start : shape.start + shape.row + 1]
+        replay = replay_of(result, pos) if self._engine_libllama() else None
+        key = (suite.name, cell, tuple(sequence[: shape.start + shape.row + 1]), replay is not None)
+        if key not in self.cache:
+            top_k = self.executor.options.logit_top_k
+            if replay is not None:
+                scored, how = self._engine(suite, cell).replay_row(replay.decodes, replay.row, top_k), replay.describe()
+            else:
+                scored, how = self._session(suite, cell).rescore(prefix, tail, top_k), shape.describe(len(prefix))
+            self.cache[key] = None if scored is None else replace(scored, how=how)
+        return self.cache[key]
+
+    def _engine_libllama(self) -> bool:
+        """Whether the llama-server build runs the engine's libllama (the vendored CPU build links it)."""
+        build = getattr(self.executor._backend("server"), "build", None)
+        return bool(build is not None and build.backend == "cpu" and build.linked_libraries)
+
+    def _engine(self, suite: Suite, cell: Cell):
+        """An engine serving the server cell's context options (its speculative options too: they size the
+        recurrent snapshots, `n_rs_seq`, as llama-server's), nothing else."""
+        key = (suite.name, cell, "engine")
+        if key not in self.sessions:
+            config = self.executor._config(suite, cell)
+            engine = {k: v for k, v in config.engine.items() if k not in ("fault", "script", "slot_save")}
+            config = replace(config, kv_scan="off", logit_top_k=0, engine=engine)
+            self.sessions[key] = self.executor._backend("inproc").open(config)
+        return self.sessions[key]
+
+    def _session(self, suite: Suite, cell: Cell):
+        session = self.sessions.get((suite.name, cell))
+        if session is None:
+            backend = self.executor._backend(cell.backend)
+            session = self.sessions[(suite.name, cell)] = backend.open(self.executor._config(suite, cell))
+        return session
 
     def __enter__(self) -> "Rescorer":
         return self

@@ -128,6 +128,12 @@ _LONG = Recipe(
 that a 16k-token prompt takes seconds: llama-server caps a slot's context at the model's n_ctx_train, and the
 other tiny models say 4096."""
 
+_WIDE = {"n_embd": 256, "n_ff": 512}
+"""The `-wide` models' width: 256 columns, so that every matrix takes Q4_K (its 256-value super-blocks; at 128
+llama-quantize falls back to Q5_0) and the CPU repacks it (Q4_K 8x8), whose 4-row matrix product rounds otherwise
+than the one-row product of a single-token decode: the numerics suite's stand-in for GPU kernels
+(docs/near-tie-policy.md#cpu-stand-in)."""
+
 DSPARK_DECODER_GAIN = 0.1
 """The generated DSpark head's `decoder_gain` (quicksort, llama-server, seq: see docs/upstream-defects.md)."""
 
@@ -156,6 +162,16 @@ RECIPES: dict[str, Recipe] = {
         # mostly a function of the current one (greedy still walks 63 distinct tokens in 64), which is what the
         # head predicts (the target's next token equals that prediction at 55 % of 192 greedy positions).
         dataclasses.replace(_HYBRID, name="tiny-hybrid-mtp", trunk_gain=0.15, mtp=0.1),
+        # The numerics suite's targets, quantized to Q4_K by the registry (harness.models.registry.QUANTIZED): the
+        # dense and the MTP hybrid at twice the width, with the same seeds and gains as their narrow models
+        dataclasses.replace(_DENSE, name="tiny-dense-wide", hparams=dataclasses.replace(_DENSE.hparams, **_WIDE)),
+        dataclasses.replace(
+            _HYBRID,
+            name="tiny-hybrid-mtp-wide",
+            hparams=dataclasses.replace(_HYBRID.hparams, **_WIDE),
+            trunk_gain=0.15,
+            mtp=0.1,
+        ),
         # Draft heads for llama-server's draft-eagle3 / -dflash / -dspark on tiny-hybrid-mtp (its layer inputs)
         *(
             dataclasses.replace(

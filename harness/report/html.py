@@ -72,6 +72,9 @@ FIRST_DIVERGENCE = (
     "reference_margins",
 )
 """The fields of `evidence["first_divergence"]` (CONTRACTS.md); a missing one renders as "not recorded"."""
+FIRST_DIVERGENCE_SINCE = ("other_margin", "rescored_how")
+"""Fields runs record since re-scoring through llama-server (the other run's margin, how each re-scored row was
+computed): shown where recorded, left out of older runs' views without a "not recorded"."""
 
 
 @functools.cache
@@ -298,7 +301,7 @@ def divergence_view(pieces: dict[str, str], first) -> dict | None:
     if not isinstance(first, dict):
         return None
     missing = {key for key in FIRST_DIVERGENCE if key not in first}
-    first = {key: first.get(key) for key in FIRST_DIVERGENCE}
+    first = {key: first.get(key) for key in (*FIRST_DIVERGENCE, *FIRST_DIVERGENCE_SINCE)}
     return {
         "first": first,
         "missing": missing,

@@ -39,6 +39,9 @@ class PositionLogits:
     log_z: float = 0.0
     """log Σ exp(row) over the whole vocabulary: `top_logits − log_z` are log-probabilities
     (0 when `top_logits` already are, as llama-server's are)."""
+    how: str = field(default="", compare=False)
+    """How a re-scored row was computed, against how the run computed it (harness.execute.Rescorer); "" for a row
+    the run logged itself."""
     pending: Future | None = field(default=None, repr=False, compare=False)
     """`capture(..., deferred=True)`: the capture still being computed on the background thread (see `settle`)."""
 

@@ -41,10 +41,9 @@ def _is_spec(name: str) -> bool:
 
 def known_models(records: list[dict] = ()) -> list[str]:
     """The model names an ID can hold: the registry's, and those a run's records name (a model file's stem)."""
-    from harness.models import generator
-    from harness.models.registry import GEMMA, GEMMA_DRAFT
+    from harness.models.registry import registry_names
 
-    return list(dict.fromkeys([*generator.RECIPES, GEMMA, GEMMA_DRAFT, *(str(r.get("model")) for r in records)]))
+    return list(dict.fromkeys([*registry_names(), *(str(r.get("model")) for r in records)]))
 
 
 def parse(text: str, records: list[dict] = ()) -> FailureId:

@@ -21,8 +21,11 @@ is a claim, so each needs its evidence (the README's class table says the same):
                   higher, yet it picked its own); fails like `hard`.
 
 Where a run has no logits at a position, `rescore(side, position)` may supply them, but only logits of the
-configuration that produced that run's tokens (harness.execute.Rescorer: a plain decode for a run without
-speculation; nothing for a speculative run, whose verification batch no plain decode reproduces).
+configuration that produced that run's tokens (harness.execute.Rescorer: on llama-server the server itself, with
+the run's command line, in the batch shape the run computed the position in; in-process a plain decode for a run
+without speculation, nothing for a speculative one, which logs every verification row itself). Each re-scored row
+says how it was computed (`Divergence.how`), and both runs' margins at the divergence are kept
+(`Divergence.margin`, `Divergence.other_margin`).
 """
 
 from collections.abc import Callable, Sequence
@@ -64,6 +67,12 @@ class Divergence:
     floor_source: str = DEFAULT.source
     rescored: list[str] = field(default_factory=list)
     """Which sides' logits were re-scored ("reference at 12", ...)."""
+    how: list[str] = field(default_factory=list)
+    """How each re-scored row was computed, against how its run computed it ("other at 12: re-scored through
+    llama-server ..."), where the re-scorer says."""
+    other_margin: float | None = None
+    """The other run's preference for its own token over the reference's at the divergence (nats; its own logits,
+    logged or re-scored), None where it was not needed or not to be had."""
     same_logits: bool = False
     """The full logit rows behind the diverging picks are bit-identical (and so are the earlier ones where
     the sampler state also depends on logits): the picks differ because the sampler state did."""
@@ -118,6 +127,8 @@ class Divergence:
             "noise_floor": self.noise_floor,
             "floor_source": self.floor_source,
             "rescored": self.rescored,
+            "rescored_how": self.how,
+            "other_margin": self.other_margin,
             "same_logits": self.same_logits,
             "reference": reference,
             "reference_tokens": list(ref_tokens),
@@ -211,6 +222,8 @@ def triage(
         noise_floor=floor.near_tie,
         floor_source=floor.source,
         rescored=judge.rescored,
+        how=judge.how,
+        other_margin=judge.other_margin,
         same_logits=judge.same_logits,
     )
 
@@ -238,7 +251,9 @@ class _Judge:
     context: int
     same_logits: bool = False
     rescored: list[str] = field(default_factory=list)
+    how: list[str] = field(default_factory=list)
     ref_here: PositionLogits | None = None
+    other_margin: float | None = None
 
     def logits(self, side: str, pos: int) -> PositionLogits | None:
         """A side's logits at `pos`: logged, else re-scored when possible."""
@@ -247,6 +262,8 @@ class _Judge:
             found = self.rescore(side, pos)
             if found is not None and len(found.top_ids):
                 self.rescored.append(f"{side} at {pos}")
+                if found.how:
+                    self.how.append(f"{side} at {pos}: {found.how}")
             else:
                 found = None
         return found
@@ -329,14 +346,16 @@ class _Judge:
             return "unexplained", (
                 f"the reference's margin {margin:.3g} nats is inside the {self.floor.describe()}, "
                 "but the other run's logits at the divergence are missing (llama-server withholds those of "
-                "tokens a speculative verification step emitted) and its own configuration cannot supply "
-                "them: a decode without speculation would measure the reference's view, not the run's"
+                "tokens a speculative verification step emitted) and re-scoring in its own configuration "
+                "could not supply them (the batch that computed them is not known, or the server did not "
+                "answer): a decode without speculation would measure the reference's view, not the run's"
             )
-        other_gap = gap(other_here, self.other_token, self.ref_token)
+        other_gap = self.other_margin = gap(other_here, self.other_token, self.ref_token)
         if other_gap is not None and other_gap < 0:
+            rescored = f" ({'; '.join(self.how)})" if self.how else ""
             return "unexplained", (
-                f"the other run's own logits prefer the reference's token by {-other_gap:.3g} nats, yet it "
-                "picked its own: nothing shows it preferred its token, so no near-tie"
+                f"the other run's own logits{rescored} prefer the reference's token by {-other_gap:.3g} nats, yet "
+                "it picked its own: nothing shows it preferred its token, so no near-tie"
             )
         if other_gap is None or other_gap >= floor:
             shown = "beyond its top-k" if other_gap is None else f"{other_gap:.3g} nats"
@@ -349,7 +368,11 @@ class _Judge:
                 "the margins at the divergence are inside the floor, but no position before it "
                 "has logits in both runs to show they agreed"
             )
-        via = f" (re-scored in the run's own configuration: {', '.join(self.rescored)})" if self.rescored else ""
+        via = (
+            f" (re-scored in the run's own configuration: {'; '.join(self.how or self.rescored)})"
+            if self.rescored
+            else ""
+        )
         return "near-tie", (
             f"the reference prefers its token by {margin:.3g} nats and the other run its own by "
             f"{other_gap:.3g} nats, both inside the {self.floor.describe()}; {agreed}{via}"
