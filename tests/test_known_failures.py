@@ -296,30 +296,6 @@ def test_the_console_says_which_known_defect_showed_in_a_new_suite_and_that_it_d
     assert "seen in a new suite: eog (known defect, not failing the run" in line
 
 
-def test_the_gemma_flip_without_logits_is_known_only_where_the_triage_lacked_the_speculative_runs_logits():
-    """w1 iterative.turn2 on llama-server (Gemma, ngram-mod / ngram-map-k): the comparison's failure line names
-    only the class ("unexplained at token 22"); the message says why. The entry explains the one failing output
-    whose reason is the missing logits inside the floor, and nothing else."""
-    entry = {e.id: e for e in SHIPPED}["server-spec-flip-without-logits"]
-    [measured, *_] = entry.measured
-    line = "round 0: unexplained at token 22"
-
-    def verdict(message: str, failures: list[str]) -> CheckResult:
-        return CheckResult("lossless", False, message, failures=failures)
-
-    assert entry.cpu_flags == ("avx512f",) and set(entry.check) == {"lossless", "baseline"}
-    assert entry.explains(verdict(measured, [line]))
-    for wider in entry.wider:  # margin beyond the floor, the other run's logits disagreeing, a hard divergence
-        assert not entry.explains(verdict(wider, [line]))
-    # two failing outputs: the message describes only the first, so the lines alone must match (they do not)
-    assert not entry.explains(verdict(measured, [line, "round 1: unexplained at token 30"]))
-    for cell in (
-        Cell("server", "seq", "ngram-simple", "gemma3-270m"),
-        Cell("server", "seq", "ngram-mod", "tiny-dense"),
-    ):
-        assert not entry.shows_in(cell)
-
-
 def test_a_run_without_an_intermittent_known_failure_says_so_and_does_not_fail_on_it(suites):
     """`specharness run`: a deterministic entry whose cells ran without it is `FIXED?` (the run fails); one with
     `tries` (intermittent) only says it did not show this time: one run without it proves nothing."""

@@ -25,6 +25,7 @@ MAY_IMPORT = {
     "kv_problems",
     "harness.checks.base.CheckResult",
     "harness.checks.acceptance.Acceptance",
+    "seeded",  # bench seeded counts draws with the check's own counting (harness.checks.seeded.draws): one place
 }
 """What a module outside harness/checks/ may take from it: the one evaluation, its harness errors, the check names
 (CHECKS: the selftest's columns, docgen's table), the verdict's type, and readings that are no verdict (a request

@@ -72,14 +72,20 @@ def test_llama_server_returns_no_probabilities_for_speculative_tokens_and_the_en
         assert verdict(executor, ENGINE_SPEC, case).evidence["compared_positions"] == 32
 
 
-def test_a_withheld_position_is_not_re_scored_by_another_configuration_and_the_result_stays_as_returned(executor):
+def test_a_withheld_position_is_re_scored_only_in_its_own_configuration_and_the_result_stays_as_returned(executor):
     result = next(o.result for o in executor.run(SUITE, SERVER_SPEC).outcomes if o.case == "logprobs")
     pos = next(p for p, rec in enumerate(result.logits) if len(rec.top_ids) == 0)
     before = verdict(executor, SERVER_SPEC, "logprobs").message
     plain = next(o.result for o in executor.run(SUITE, SERVER_PLAIN).outcomes if o.case == "logprobs")
     with executor.rescorer() as rescorer:
-        # a decode without speculation is the reference's view of the position, not the speculative run's
-        assert rescorer.score(SUITE, SERVER_SPEC, result, pos) is None
+        # the speculative run's own batches replayed (harness.backends.server_rescore), never a plain decode: the
+        # re-scored row picks the token the run emitted there, and says how it was computed
+        mine = rescorer.score(SUITE, SERVER_SPEC, result, pos)
+        assert (
+            mine is not None
+            and int(mine.top_ids[0]) == result.tokens[pos]
+            and "replayed as its log lists them" in mine.how
+        )
         scored = rescorer.score(SUITE, SERVER_PLAIN, plain, pos)  # a run without speculation: its own cell
     assert scored is not None and len(scored.top_ids) == 10
     assert len(result.logits[pos].top_ids) == 0

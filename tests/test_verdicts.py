@@ -300,7 +300,7 @@ SEQ_FLOOR = {  # the near-tie floor a seq divergence is judged with (docs/near-t
     "tiny-dense-loop--inproc": 2.39e-3,
     "tiny-dense-loop--server": 8.45e-4,  # 2 x seq/ngram-cache's margin change, added 2026-12-02 (calibrate --spec)
     "tiny-dense-wide-q4_k--inproc": 0.198,
-    "tiny-dense-wide-q4_k--server": 0.198,
+    "tiny-dense-wide-q4_k--server": 0.0651,  # 2 x its seq flip's margin, re-measured with --repeats 6
     "tiny-hybrid-mtp-wide-q4_k--inproc": 0.0960,
     "tiny-hybrid-mtp-wide-q4_k--server": 0.0960,
 }
@@ -343,14 +343,14 @@ def test_an_acceptance_tolerance_that_cannot_fail_is_refused(path):
         for against, key in noise.ACCEPTANCE_KEYS.items():
             value, why = floor.acceptance_tolerance(spec, against)
             committed = raw.get(key, raw["tolerance"])
-            if committed >= 1:
+            if committed is None or committed >= 1:  # null: refused at calibration, with its reason
                 assert value is None and "not judged: noise exceeds the range" in why and f"{key} " in why
             else:
                 assert value == committed
     refused = {
         (path.stem, spec) for spec in data["acceptance"] if floor.acceptance_tolerance(spec, "concurrent")[0] is None
     }
-    expected = {"tiny-dense--server--cpu", "tiny-hybrid--server--cpu"}
+    expected = {"tiny-dense--server--cpu", "tiny-hybrid--server--cpu", "tiny-hybrid-mtp-wide-q4_k--server--cpu"}
     assert refused == ({(path.stem, "ngram-mod")} if path.stem in expected else set())
 
 

@@ -303,6 +303,9 @@ def test_a_server_request_s_work_comes_from_its_timings_and_its_own_task_s_lines
         "decodes": 1,
         "prompt_batches": [18],
         "prompt_restored": [1, round(0.112 * 1024 * 1024)],
+        # every generation batch in order, [rows, tokens it emitted]: a decode, two verifications, a restored one
+        # (nothing emitted) and its replay (harness.backends.server_rescore reads them)
+        "batches": [[1, 1], [5, 5], [5, 2], [5, 0], [3, 3]],
     }
     quiet = server_work.work_of(result, log, start, verbosity=None)  # a server not started at -lv 5
     assert quiet.ckpt_created is None and quiet.prompt_read == 4 and quiet.steps is None

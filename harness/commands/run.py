@@ -375,8 +375,12 @@ def cmd_run(args: argparse.Namespace) -> int:
     executor = Executor(exec_options(args, backend_factories(args.server_bin, args.source, run_plan.out)))
     baselines = baseline_store(args)
     console = Console(stderr=True, soft_wrap=True)
-    calibrate_first(args, run_plan, executor, baselines, console)
-    done, verdicts = serve(run_plan, executor, baselines, console)
+    try:
+        calibrate_first(args, run_plan, executor, baselines, console)
+    except KeyboardInterrupt:  # Ctrl-C or SIGTERM while building or calibrating: every cell is written as not run
+        done, verdicts = [], []
+    else:
+        done, verdicts = serve(run_plan, executor, baselines, console)
     with interrupt.deferred():  # a signal from here on lets what finished be written in full
         interrupt.phase("writing")
         interrupted = interrupt.received() is not None
