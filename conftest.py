@@ -79,10 +79,30 @@ def pytest_configure(config: pytest.Config) -> None:
         "markers",
         "long: a test of a minute or more on 2 cores, outside any xdist group: started before the other such tests",
     )
+    config.addinivalue_line(
+        "markers",
+        f"tag_builds: a test of llama-server built at upstream tags (b11311, b11434): the tag-builds CI job's "
+        f"(.ci/tag-builds builds them, cached, and sets {TAG_BUILDS}=1); the default pytest deselects it",
+    )
     if config.getoption("--stress") > 0 and not hasattr(config, "workerinput"):  # the controller only, once
         config.stash[BUSY] = [
             subprocess.Popen([sys.executable, "-c", BUSY_LOOP]) for _ in range(config.getoption("--stress"))
         ]
+
+
+TAG_BUILDS = "SPECHARNESS_TAG_BUILDS"
+"""Set to 1 by .ci/tag-builds: the `tag_builds` tests are collected (elsewhere deselected, not skipped: they are that
+job's tests, run where their builds are made)."""
+
+
+def deselect_other_jobs(config: pytest.Config, items: list) -> None:
+    """The `tag_builds` tests belong to the tag-builds job (.ci/tag-builds): deselected elsewhere."""
+    if os.environ.get(TAG_BUILDS) == "1":
+        return
+    other = [i for i in items if i.get_closest_marker("tag_builds")]
+    if other:
+        config.hook.pytest_deselected(items=other)
+        items[:] = [i for i in items if not i.get_closest_marker("tag_builds")]
 
 
 @pytest.hookimpl(trylast=True)
@@ -91,7 +111,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list) -> None:
     order, two or three at a time: a long single test collected late (the calibration's re-measurement, 620 s of
     the stress pass on 2 cores) started when the others were done and ran alone at the end. Only tests outside an
     xdist group move (a group keeps its order, e.g. the selftest's clean row first); after every deselection
-    (trylast), so `-m`, `-k` and `--shard` choose as before."""
+    (trylast), so `-m`, `-k` and `--shard` choose as before. Another CI job's tests go first (`deselect_other_jobs`)."""
+    deselect_other_jobs(config, items)
     first = [i for i in items if i.get_closest_marker("long") and not i.get_closest_marker("xdist_group")]
     if first:
         moved = set(first)

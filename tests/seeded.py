@@ -118,3 +118,29 @@ def sampled_verify_server() -> BuildInfo:
     return ensure_server(
         source=seeded_tree(SAMPLED_VERIFY, SAMPLED_VERIFY_NAME, "tests/seeded.py", file="common/sampling.cpp")
     )
+
+
+GRAMMAR_NOT_ADVANCED = {
+    (
+        "        common_sampler_accept(gsmpl, id, true);\n\n        result.push_back(id);\n\n"
+        "        // do not accept draft tokens after an EOG"
+    ): (
+        "        common_sampler_accept(gsmpl, id, false);  // seeded bug: the grammar is not advanced for drafts\n\n"
+        "        result.push_back(id);\n\n"
+        "        // do not accept draft tokens after an EOG"
+    ),
+}
+"""The grammar-state class in common/sampling.cpp (`common_sampler_sample_and_accept_n`): a verified draft token is
+accepted by the sampler chain (penalties, the RNG) but not by the grammar, so the grammar stays behind the tokens
+and later constrains the wrong positions. Greedy output without a grammar is untouched."""
+TWO_DEFECTS_NAME = "seeded-two-defects"
+
+
+def two_defect_server() -> BuildInfo:
+    """The vendored llama-server with two seeded defects (issue 63): SEEDED (rejected drafts left in the KV cache)
+    and GRAMMAR_NOT_ADVANCED, built once through the build cache on top of SEEDED's tree."""
+    return ensure_server(
+        source=seeded_tree(
+            GRAMMAR_NOT_ADVANCED, TWO_DEFECTS_NAME, "tests/seeded.py", file="common/sampling.cpp", source=seeded_tree()
+        )
+    )

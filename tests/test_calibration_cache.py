@@ -50,7 +50,12 @@ def test_run_calibrates_an_uncalibrated_model_once_then_uses_the_cache(tmp_path,
     assert f"calibrated {model} on inproc/cpu-" in err and "now (" in err and f"cached in {cached[0]}" in err
     assert "uncalibrated: " not in err
     meta = json.loads((tmp_path / "r1" / "run.json").read_text())
-    assert len(meta["calibration"]) == 1 and meta["calibration"][0].startswith("calibrated ")
+    device, calibrated = meta["calibration"]  # the header: the backend's device, then the calibration measured
+    assert device.startswith("device: in-process engine (llama-cpp-python ") and "on cpu (no GPU offload)" in device
+    assert calibrated.startswith("calibrated ")
+    seeded = json.loads(cached[0].read_text())["seeded"]  # the seeded noise, measured in the same pass
+    assert set(seeded["by_mode"]) == {"seq", "par", "no-kv-unified"}, seeded
+    assert all(n == 2 * 10 and 0 <= k <= n for k, n in seeded["by_mode"].values()), seeded
     floors = [c["evidence"].get("noise_floor", "") for c in json.loads((tmp_path / "r1" / "checks.json").read_text())]
     assert any("user cache" in f for f in floors), floors
 

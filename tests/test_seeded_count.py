@@ -227,6 +227,22 @@ def test_the_noise_bound_takes_a_rate_measured_on_the_device_in_place_of_the_com
     assert seeded.noise_bound("server", "unmeasured-mode") > committed  # unmeasured: a wider bound
 
 
+def test_a_device_count_pools_with_the_committed_one_unless_it_refutes_it():
+    """Issue 59: the calibration pass counts a device's own seeded draws (harness.calibration.seeded: 20 per mode).
+    None measured: the committed count. Consistent with it (0 of 20, or 1 of 20 at p 0.31 under the committed
+    bound 1.855 %): pooled, a tighter bound than either alone. Refuting it (5 of 20, the rate of the H200's 8 of 32
+    seeded requests in issue 59): the device's own count, a wide bound, so a noisy GPU does not cry wolf."""
+    committed = seeded.NOISE[("server", "par")]
+    assert seeded.device_counts("server", "par", None) == (committed, "committed (NOISE)")
+    (pooled, where) = seeded.device_counts("server", "par", (0, 20))
+    assert pooled == (committed[0], committed[1] + 20) and "pooled" in where
+    assert seeded.noise_bound("server", "par", pooled) < seeded.noise_bound("server", "par", committed)
+    assert seeded.device_counts("server", "par", (1, 20))[0] == (committed[0] + 1, committed[1] + 20)
+    (own, where) = seeded.device_counts("server", "par", (5, 20))
+    assert own == (5, 20) and where.startswith("measured on this device (the committed 0 of 160 does not hold")
+    assert seeded.noise_bound("server", "par", own) > 0.4
+
+
 def test_the_seeded_noise_bench_counts_distinct_draws_in_the_suites_own_rounds(monkeypatch):
     """`specharness bench seeded` serves the repeated cases in the suite's rounds and counts as the check counts: a
     repetition diverged in both rounds is one draw diverged (2 requests)."""

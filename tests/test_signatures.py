@@ -404,14 +404,15 @@ def test_a_timeout_and_what_it_cut_off_are_one_signature_whatever_the_case():
     assert "code_c" not in of_error("HTTP 500: case code_c failed").text
 
 
-def test_a_refused_batch_folds_under_the_runs_kv_damage_and_stands_as_kv_damage_without_one():
-    """Issue 48: two seeded defects in one llama-server build (rejected draft cells left in the KV cache, grammar
-    state not advanced). The scan of case a finds the leaked cells; case b's request fails later with
-    `Invalid input batch.`, llama.cpp's log saying the cache's last position of sequence 0 is X = 25 where the
-    slot's batch starts it at Y = 21: positions in the cache the slot's tokens do not account for, KV damage of
-    another request. It folds under the run's KV-damage signature as a consequence (with what restates it), so
-    the two defects are exactly two failures, in a cell of their own too; a run without a KV-damage root keeps
-    it as its own signature, named as KV damage; Y = X + 1 is no evidence of damage."""
+def test_a_refused_batch_folds_under_kv_damage_only_on_evidence_of_its_slot_and_the_earlier_request():
+    """Issue 63: two seeded defects in one llama-server build (rejected draft cells left in the KV cache, grammar
+    state not advanced). The scan of case a finds 4 leaked positions (21..24 past its 21 prompt + returned
+    tokens); case b's request, the next on the same slot, fails with `Invalid input batch.`, llama.cpp's log saying
+    the cache's last position of sequence 0 is X = 25 where the batch starts it at Y = 21. With that evidence (the
+    slot, X and Y, the earlier request and its damage) it folds under a's KV-damage signature as a consequence
+    (with what restates it), so the two defects are exactly two failures, and the failure says why. Without it
+    (another slot, an earlier request whose scan was healthy, the slot unknown, or the damage in another cell) it
+    stands as its own KV damage; Y = X + 1 is no evidence of damage."""
     from harness.signatures import group, headline
 
     cell = ("seq", "draft-simple", "tiny-dense")
@@ -434,19 +435,38 @@ def test_a_refused_batch_folds_under_the_runs_kv_damage_and_stands_as_kv_damage_
         failures=[f"round 0: {refused}"],
     )
     unsent = _verdict("spec-ran", *cell, case="b", message="no drafts at all for the case (1 requests)")
+    where = {k: batch[k] for k in ("suite", "mode", "spec", "model", "backend")}
+
+    def records(slot_a: int = 0, slot_b: int = 0, pos_max: int = 24) -> list[dict]:
+        scan_a = {"healthy": True, "pos_max": {"0": pos_max}}
+        a = {**where, "case": "a", "repeat": 0, "slot_id": slot_a, "prompt_n": 13, "tokens": list(range(8)),
+             "error": None, "stop_reason": "limit", "kv_scan": scan_a}  # fmt: skip
+        b = {**where, "case": "b", "repeat": 0, "slot_id": slot_b, "prompt_n": 0, "tokens": [], "error": refused,
+             "stop_reason": "error", "kv_scan": None}  # fmt: skip
+        return [a, b]
+
     two = ["grammar-valid: invalid output", "kv-healthy: positions past the returned tokens"]
-    found = group([scan, grammar, batch, unsent], [], bool)
+    found = group([scan, grammar, batch, unsent], records(), bool)
     assert [f.signature for f in found] == two, headline(found)
     kv = found[1]
     assert kv.verdicts == [scan] and kv.consequences == [batch, unsent]
-    far = {**batch, "mode": "par", "spec": "ngram-mod", "model": "tiny-hybrid"}  # shares no axis with the scan
-    found = group([scan, grammar, far], [], bool)
-    assert [f.signature for f in found] == two, headline(found)
-    assert found[1].consequences == [far]
-    there = {**scan, "mode": "par", "spec": "ngram-mod", "model": "tiny-hybrid"}  # the same damage over there
-    near, away = group([scan, there, far], [], bool)  # two parts: the batch folds under its own cell's
-    assert (near.verdicts, near.consequences, away.verdicts) == ([there], [far], [scan]), headline([near, away])
-    assert near.signature.endswith("[par · ngram-mod · tiny-hybrid]")
+    assert kv.folds == [
+        "b round 0 on slot 0: llama.cpp refused its batch (X = 25, Y = 21) after a round 0 on the same slot left "
+        "positions 21..24 past its 21 prompt + returned tokens"
+    ], kv.folds
+    own = [
+        "grammar-valid: invalid output",
+        "kv-healthy: duplicate cells",
+        "kv-healthy: positions past the returned tokens",
+    ]
+    for evidence_missing in (records(slot_b=1), records(pos_max=20), records(slot_b=-1), []):
+        found = group([scan, grammar, batch, unsent], evidence_missing, bool)
+        assert sorted(f.signature for f in found) == own, headline(found)
+        alone = next(f for f in found if f.signature == "kv-healthy: duplicate cells")
+        assert (alone.verdicts, alone.consequences, alone.folds) == ([batch], [unsent], [])
+    far = {**batch, "mode": "par", "spec": "ngram-mod", "model": "tiny-hybrid"}  # another cell: not a's slot
+    found = group([scan, grammar, far], records(), bool)
+    assert sorted(f.signature for f in found) == own, headline(found)
     [alone] = group([batch, unsent], [], bool)  # no KV-damage root in the run
     assert (alone.signature, alone.verdicts, alone.consequences) == ("kv-healthy: duplicate cells", [batch], [unsent])
     skip = f"HTTP 500: Invalid input batch. {invalid_batch(0, 25, 29)}"

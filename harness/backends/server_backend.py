@@ -548,8 +548,9 @@ class ServerSession:
                     stop_reason="error", error=f"cut off: llama-server was restarted because {self._killed[server]}"
                 )
             grace = ANSWERED_GRACE_S if isinstance(err, ServerError) else CRASH_GRACE_S
-            if server.wait_exit(grace) is None:
-                return Result(stop_reason="error", error=_explained(err, server))
+            if server.wait_exit(grace) is None:  # answered with an error: on the slot it was pinned to (or the one)
+                served_on = slot if slot is not None else (0 if self.config.n_slots == 1 else -1)
+                return Result(stop_reason="error", error=_explained(err, server), slot_id=served_on)
             report = server.crash_report()
             self.logs.cite(server.log_path)
             self._restart(server)

@@ -23,6 +23,22 @@ def shown(path: Path) -> str:
         return str(path)
 
 
+def device_line(backend: str, env: dict) -> str:
+    """The header line of a backend's device: where its kernels run and, on a GPU build, that every layer is
+    offloaded (`-ngl all`, and `--spec-draft-ngl all` for a draft model: harness.backends.server_backend.gpu_layers)."""
+    device = env.get("device", "cpu")
+    what = "llama-server" if backend == "server" else "in-process engine"
+    if env.get("llama_cpp_commit"):
+        build = f" {str(env['llama_cpp_commit'])[:10]}"
+    else:
+        build = f" (llama-cpp-python {env['llama_cpp_python']})" if env.get("llama_cpp_python") else ""
+    if env.get("gpu_layers"):
+        offload = f"-ngl {env['gpu_layers']}: every layer on the GPU, a draft model's too (--spec-draft-ngl)"
+    else:
+        offload = "no GPU offload" if device == "cpu" else "layers as llama.cpp places them"
+    return f"device: {what}{build} on {device} ({offload})"
+
+
 def ensure(
     jobs: list,
     executor: Executor,
@@ -35,9 +51,10 @@ def ensure(
     """Make sure each (model, backend) of `jobs` ((suite, cell) pairs) is calibrated on the run's device and build:
     `root_of(suite)` is where that suite's checks look first. A missing calibration is measured now when `measure`
     (else its verdicts use the default floor and the run's notes say `uncalibrated`). Each line is said as it
-    happens and returned: `calibration: cached ...` for one the user cache holds, `calibrated ... now (N s), cached
-    in ...` for one measured now; a committed one says nothing."""
-    lines, seen = [], set()
+    happens and returned: first `device: ...` for each backend (`device_line`), then `calibration: cached ...` for
+    one the user cache holds, `calibrated ... now (N s), cached in ...` for one measured now; a committed one says
+    nothing."""
+    lines, seen, devices = [], set(), set()
     for suite, cell in jobs:
         root = root_of(suite)
         if (cell.model, cell.backend, root) in seen:
@@ -47,6 +64,10 @@ def ensure(
             env = executor.environment(Cell(cell.backend, "seq", "none", cell.model))
         except HarnessError:  # the backend cannot be had (a build that fails): its cells say so, as without this
             continue
+        if cell.backend not in devices:
+            devices.add(cell.backend)
+            lines.append(device_line(cell.backend, env))
+            say(lines[-1])
         on = f"{cell.backend}/{device_key(env)}"
         path = find(cell.model, cell.backend, env, root)
         if path is not None:

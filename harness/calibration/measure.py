@@ -16,6 +16,7 @@ import pandas as pd
 
 from harness import __version__
 from harness.backends.choose import backend_factories
+from harness.calibration.seeded import measure_seeded
 from harness.calibration.tolerances import (
     SAFETY,
     SPREAD_FLOOR,
@@ -171,11 +172,13 @@ def calibrate(
     logs: Path | None = None,
     only: list[str] | None = None,
     repeat_all: bool = False,
+    seeded: bool = True,
 ) -> dict:
     """Measure `repeats` times on fresh sessions; the content of the calibration file (of the `only` specs'
     variants where given: `partial`, to be merged into a committed file). A repeat serves again only the variants
     whose serving depends on timing (`timing_dependent`; every variant with `repeat_all`), reusing the first
-    measurement's reference run."""
+    measurement's reference run. With `seeded` (not for a partial file), the seeded noise rate is measured in the
+    same pass, on the last repeat's executor (harness.calibration.seeded)."""
     info = resolve(model)
     if only:
         known = specs_of(backend, model)
@@ -193,6 +196,7 @@ def calibrate(
         reference = measured.pop(REFERENCE)
         measurements.append(measured)
         env = executor.environment(Cell(backend, "seq", "none", model))
+    noise = measure_seeded(model, backend, executor, specs_of(backend, model)) if seeded and not only else None
     served = [v.name for v in variants(backend, model, only) if repeat_all or timing_dependent(v)]
     largest = [largest_of(m) for m in measurements]
     overall = {k: max(lg[k] for lg in largest) for k in ("nmse", "kl", "max_abs", "near_tie")}
@@ -243,4 +247,5 @@ def calibrate(
         "measured": measurements[0],
         "repeats": [{k: lg[k] for k in overall} for lg in largest],
         **({"repeated": served} if repeats > 1 else {}),
+        **({"seeded": noise} if noise is not None else {}),
     }

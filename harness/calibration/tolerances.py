@@ -14,6 +14,7 @@ from dataclasses import asdict
 
 from harness.calibration.variants import IN_ORDER, UBATCH
 from harness.checks.acceptance import Acceptance
+from harness.checks.seeded import noise_bound
 from harness.matrix import spec_preset
 from harness.result.logits import Tolerances
 from harness.verdict.noise import MINIMUM_NEAR_TIE, RANGE, SAFETY, logits_count
@@ -154,6 +155,8 @@ def merged(new: dict, committed: dict) -> dict:
     for spec, old in committed.get("acceptance", {}).items():
         if spec in out.get("acceptance", {}):
             out["acceptance"][spec] = _larger_acceptance(out["acceptance"][spec], old)
+    if "seeded" in committed:
+        out["seeded"] = _noisier_seeded(out.get("seeded"), committed["seeded"], new["backend"])
     earlier = committed.get("machines") or [
         {"measured_on": committed.get("measured_on"), "largest": committed.get("largest")}
     ]
@@ -162,6 +165,20 @@ def merged(new: dict, committed: dict) -> dict:
         "; merged (--merge): each tolerance is the largest of these measurements' "
         f"({len(out['machines'])} machines, see `machines`)"
     )
+    return out
+
+
+def _noisier_seeded(mine: dict | None, old: dict, backend: str) -> dict:
+    """The seeded noise of two measurements, per mode the one with the larger rate bound (as every tolerance is
+    the larger of two machines')."""
+    if mine is None:
+        return old
+    out = json.loads(json.dumps(mine))
+    for mode, kn in old.get("by_mode", {}).items():
+        now = out["by_mode"].get(mode)
+        if now is None or noise_bound(backend, mode, tuple(kn)) > noise_bound(backend, mode, tuple(now)):
+            out["by_mode"][mode] = kn
+            out.setdefault("bound", {})[mode] = old.get("bound", {}).get(mode)
     return out
 
 

@@ -89,13 +89,18 @@ class CheckContext:
         """The calibrated noise floor of this cell's (model, backend, device), its near-tie floor the one measured
         in this cell's mode (NoiseFloor.for_mode), with the suite's own `tolerances:` applied on top when it
         declares any (NoiseFloor.declared)."""
-        floor = noise.load(
-            self.cell.model,
-            self.cell.backend,
-            self.executor.environment(self.cell),
-            self.baselines.calibration_of(self.run.suite) if self.baselines else None,
-        ).for_mode(self.cell.mode)
+        floor = self.calibration(self.cell).for_mode(self.cell.mode)
         return floor.declared(self.run.suite.tolerances, self.run.suite.name)
+
+    def calibration(self, cell: Cell) -> NoiseFloor:
+        """The calibration of `cell`'s (model, backend) on the device and build that serves it, as calibrated
+        (no mode or suite applied): this cell's or another of its group's."""
+        return noise.load(
+            cell.model,
+            cell.backend,
+            self.executor.environment(cell),
+            self.baselines.calibration_of(self.run.suite) if self.baselines else None,
+        )
 
     def allowed(self, outcome: Outcome) -> bool:
         """True when an error outcome is one the suite allows (e.g. context_full in kv-fill)."""

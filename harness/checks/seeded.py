@@ -56,8 +56,8 @@ NOISE = {
     # (backend, mode): (distinct seeded sampled draws that diverged, of how many distinct draws), measured on clean
     # builds by `specharness bench seeded` (docs/benchmarks.md, "Seeded identity: the noise rate"): 2 cases × 20
     # fresh seeds × 4 sample-and-match cells, each (cell, case, seed) once. Measured on one 2-core CPU (AMD EPYC,
-    # vendored 0c1e570): another device's numerics may diverge more; a rate measured there goes in through
-    # `noise_bound`'s `measured` (see `measured_noise`).
+    # vendored 0c1e570): another device's numerics may diverge more; the calibration pass measures the rate on
+    # each device it calibrates (harness.calibration.seeded), and that rate replaces these (`measured_noise`).
     ("server", "seq"): (0, 160),
     ("server", "par"): (0, 160),
     ("server", "no-kv-unified"): (0, 160),
@@ -79,10 +79,11 @@ def noise_bound(backend: str, mode: str, measured: tuple[int, int] | None = None
 
 
 def measured_noise(ctx: CheckContext, cell: Cell) -> tuple[int, int] | None:
-    """The seeded noise measured for `cell` on the device and build the run judges, as (diverged, distinct draws)
-    in `cell.mode`; None where none was measured (then NOISE's committed rate applies). The seam for per-device
-    calibration (harness/calibration/): today nothing measures it per device."""
-    return None
+    """The seeded noise measured for `cell`'s model on the device and build the run judges, as (diverged, distinct
+    draws) in `cell.mode`: the calibration pass measures it (harness.calibration.seeded) into the calibration file
+    the cell is judged with; None where that file holds none (a committed file measured before, or none: NOISE's
+    committed rate applies)."""
+    return ctx.calibration(cell).seeded.get(cell.mode)
 
 
 def threshold(n: int, rate: float, alpha: float = ALPHA) -> int | None:
@@ -210,10 +211,39 @@ def group_count(ctx: CheckContext) -> tuple[int, int, list, list[str]]:
     return len(diverged), len(found), judged, [d.line() for d in diverged]
 
 
-def group_rate(ctx: CheckContext, group: list[Cell]) -> float:
-    """The noise rate bound the group is judged at: the largest of its cells' (`noise_bound` of its backend and
-    mode, from a rate measured on this device where `measured_noise` has one)."""
-    return max(noise_bound(c.backend, c.mode, measured_noise(ctx, c)) for c in group or [ctx.cell])
+REFUTED = 0.05
+"""A device's measured seeded count refutes the committed rate when it is that unlikely under the committed rate's
+upper bound (binomial tail)."""
+
+
+def device_counts(backend: str, mode: str, measured: tuple[int, int] | None) -> tuple[tuple[int, int], str]:
+    """The (diverged, draws) a (backend, mode) is judged with on this device, and where they came from. The
+    calibration pass measures a device's own count (`measured_noise`; few draws, to keep calibration short:
+    harness.calibration.seeded). Where it is consistent with the committed count (P(X >= k) >= REFUTED at the
+    committed rate's upper bound) both are pooled: the same noise, measured more; where it refutes it (a GPU whose
+    kernels flip seeded draws far more often), the device's count alone applies."""
+    committed = NOISE.get((backend, mode), UNMEASURED)
+    if measured is None:
+        return committed, "committed (NOISE)"
+    k, n = measured
+    p = float(stats.binom.sf(k - 1, n, noise_bound(backend, mode, committed))) if k else 1.0
+    if p >= REFUTED:
+        pooled = (committed[0] + k, committed[1] + n)
+        return pooled, f"committed and measured on this device ({k} of {n}), pooled"
+    return (
+        k,
+        n,
+    ), f"measured on this device (the committed {committed[0]} of {committed[1]} does not hold: p = {p:.2g})"
+
+
+def group_rate(ctx: CheckContext, group: list[Cell]) -> tuple[float, str]:
+    """The noise rate bound the group is judged at: the largest of its cells' (`noise_bound` of the counts
+    `device_counts` takes for its backend and mode on this device), and where that rate came from."""
+    rates = []
+    for c in group or [ctx.cell]:
+        counts, where = device_counts(c.backend, c.mode, measured_noise(ctx, c))
+        rates.append((noise_bound(c.backend, c.mode, counts), f"{counts[0]} of {counts[1]} draws, {where}"))
+    return max(rates)
 
 
 def judge(ctx: CheckContext) -> tuple[bool, str, dict]:
@@ -221,7 +251,7 @@ def judge(ctx: CheckContext) -> tuple[bool, str, dict]:
     found, group = group_draws(ctx)
     lines = [d.line() for d in found if d.diverged]
     diverged, compared = len(lines), len(found)
-    rate = group_rate(ctx, group)
+    rate, rate_from = group_rate(ctx, group)
     p_value = float(stats.binom.sf(diverged - 1, compared, rate)) if compared else 1.0
     evidence = {
         "group_diverged": diverged,
@@ -229,6 +259,7 @@ def judge(ctx: CheckContext) -> tuple[bool, str, dict]:
         "group_requests": sum(len(d.rounds) for d in found),
         "group_cells": len(group),
         "noise_rate_bound": round(rate, 6),
+        "noise_rate_from": rate_from,
         "group_p_value": p_value,
         "alpha": ALPHA,
     }

@@ -169,6 +169,8 @@ def render(
         "when it does not reproduce, 2 when it cannot tell; `python repro.py` runs the same requests on "
         "specharness's in-process engine.",
         "",
+        _rate_line(case.get("reproduction") or {}),
+        "",
         "The specharness that wrote this bundle (for `repro.py`, `specharness scan` and the generated models): "
         + install_line(case.get("harness"))
         + ".",
@@ -176,6 +178,22 @@ def render(
     if shrunk:
         out += ["", shrunk]
     return "\n".join(out) + "\n"
+
+
+def _rate_line(reproduction: dict) -> str:
+    """How often the failure reproduced, and how many runs repro.sh makes for it (harness.repro.rate)."""
+    n = reproduction.get("retries", 1)
+    if not reproduction.get("measured"):
+        return f"Reproduction rate: not measured; `repro.sh` runs the case {n} time(s) (`REPRO_RUNS=N` for more)."
+    shown, runs = reproduction["shown"], reproduction["runs"]
+    if shown == runs:
+        return f"Reproduction rate: {shown} of {runs} runs (deterministic as measured); `repro.sh` runs the case once."
+    return (
+        f"Reproduction rate: {shown} of {runs} runs ({shown / runs:.0%}): the failure is intermittent. `repro.sh` "
+        f"runs the case up to {n} times and stops at the first reproduction, printing `reproduced k of n`; it says "
+        f"`not reproduced` only after {n} clean runs (a build failing at this rate shows it in {n} runs with "
+        f"probability >= {reproduction.get('confidence', 0.99):.0%}). `REPRO_ALL=1` runs all {n} and counts."
+    )
 
 
 def _slot_steps(leg: dict) -> list[str]:

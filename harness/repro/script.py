@@ -13,6 +13,11 @@ waiting for that batch's requests only), prints expected against actual and exit
 - 0 not reproduced: every request completed and the judge found nothing;
 - 2 could not tell: llama-server did not start, the reference leg failed, no scanner for the KV verdict.
 
+An intermittent failure is run up to N times (`attempt`, each a fresh llama-server; N from the rate measured when
+the bundle was written: harness.repro.rate.retries), stopping at the first run that reproduces it ("reproduced k of
+n"); it says "not reproduced" only after N clean runs. `$REPRO_RUNS` sets N, `$REPRO_ALL=1` runs all N (counting
+the rate).
+
 `$LLAMA_SERVER`, `$MODEL` and `$DRAFT_MODEL` replace the run's binary and models; `$REQUEST_TIMEOUT` (seconds,
 default 120) bounds each request.
 """
@@ -235,7 +240,8 @@ def write(bundle: Path, case: dict, defaults: dict[str, str]) -> Path:
     ]
     for name, value in defaults.items():
         lines.append(f'{name}="${{{name}:-{value}}}"')
-    lines += ['REQUEST_TIMEOUT="${REQUEST_TIMEOUT:-120}"', 'SPECHARNESS="${SPECHARNESS:-specharness}"', HELPERS]
+    lines += ['REQUEST_TIMEOUT="${REQUEST_TIMEOUT:-120}"', 'SPECHARNESS="${SPECHARNESS:-specharness}"']
+    lines += ["", "attempt() {  # one run of the case; its exit status is the verdict (EXIT_CODES)", HELPERS]
     targets: dict[str, list[str]] = {}
     body: list[str] = []
     for leg in case["legs"]:
@@ -281,11 +287,49 @@ def write(bundle: Path, case: dict, defaults: dict[str, str]) -> Path:
         *_subject_failed(case),
         *body,
         *_verdict(judge, targets, case),
+        "}",
+        *_retries(case.get("reproduction") or {}),
     ]
     path = bundle / "repro.sh"
     path.write_text("\n".join(lines) + "\n")
     path.chmod(0o755)
     return path
+
+
+def _retries(reproduction: dict) -> list[str]:
+    """The runs of `attempt` (harness.repro.rate.retries): up to RETRIES, stopping at the first that reproduces
+    (every one with REPRO_ALL=1, which counts the rate); "not reproduced" only after RETRIES clean runs; a run that
+    could not tell (exit 2: llama-server did not start) ends it at once."""
+    n = reproduction.get("retries", 1)
+    if reproduction.get("measured"):
+        rate = f"{reproduction['shown']} of {reproduction['runs']} runs"
+        why = f"it showed in {rate} when measured: a build failing at that rate shows it in {n} runs"
+    else:
+        rate, why = "not measured", f"its rate was not measured: {n} run"
+    confidence = reproduction.get("confidence", 0.99)
+    return [
+        "",
+        f"# Runs of the case: up to {n} ({why}"
+        + (f" with probability >= {confidence:.0%}" if reproduction.get("measured") else "")
+        + "); REPRO_RUNS=N sets them, REPRO_ALL=1 runs every one (the rate).",
+        f'RETRIES="${{REPRO_RUNS:-{n}}}"',
+        "SHOWN=0; DIFFERED=0; RAN=0",
+        'for TRY in $(seq 1 "$RETRIES"); do',
+        '  if [ "$RETRIES" -gt 1 ]; then echo "== run $TRY of up to $RETRIES"; fi',
+        "  ( attempt ); STATUS_OF_RUN=$?",
+        "  RAN=$((RAN + 1))",
+        '  case "$STATUS_OF_RUN" in',
+        '    1) SHOWN=$((SHOWN + 1)); if [ "${REPRO_ALL:-0}" != 1 ]; then break; fi ;;',
+        "    3) DIFFERED=$((DIFFERED + 1)) ;;",
+        "    0) ;;",
+        '    *) exit "$STATUS_OF_RUN" ;;',
+        "  esac",
+        "done",
+        f'if [ $SHOWN -gt 0 ]; then echo "REPRODUCED: reproduced $SHOWN of $RAN runs (measured: {rate})"; exit 1; fi',
+        'if [ $DIFFERED -gt 0 ]; then echo "DIFFERENT FAILURE in $DIFFERED of $RAN runs, the signature in none"; exit 3; fi',
+        f'echo "not reproduced: 0 of $RAN runs showed the signature (measured: {rate})"',
+        "exit 0",
+    ]
 
 
 SAME = {

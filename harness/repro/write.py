@@ -12,6 +12,7 @@ from harness.matrix import Cell
 from harness.models import draft_for, resolve
 from harness.repro import issue, script
 from harness.repro.legs import JUDGES, REFERENCE, SUBJECT, judge_of, leg, reference_cell, tokenize
+from harness.repro.rate import CONFIDENCE, retries
 from harness.signatures import classify
 
 REPRO_PY = '''#!/usr/bin/env python3
@@ -85,6 +86,18 @@ def environment(executor, backend: str) -> dict:
     return out
 
 
+def reproduction(rate: tuple[int, int] | None) -> dict:
+    """case.json's `reproduction`: the measured rate and the runs repro.sh makes for it (harness.repro.rate)."""
+    shown, runs = rate or (1, 1)
+    return {
+        "shown": shown,
+        "runs": runs,
+        "measured": rate is not None,
+        "retries": retries(shown, runs),
+        "confidence": CONFIDENCE,
+    }
+
+
 def write_bundle(
     out: Path,
     candidate,
@@ -93,9 +106,11 @@ def write_bundle(
     draft_model: str | None = None,
     pattern: str | None = None,
     shrunk: str | None = None,
+    rate: tuple[int, int] | None = None,
 ) -> dict:
     """Write the bundle of `attempt` (a trial run of `candidate` that showed its signature) into `out`; returns
-    {file role: path}. `build`: the llama-server build the trial served (llama-server cells)."""
+    {file role: path}. `build`: the llama-server build the trial served (llama-server cells); `rate`: (runs that
+    showed the signature, runs) measured of the case (harness.repro.rate: repro.sh's retries, ISSUE.md's rate)."""
     out.mkdir(parents=True, exist_ok=True)
     executor, cell, key = attempt.executor, candidate.cell, candidate.key
     suite = attempt.run.suite
@@ -127,6 +142,7 @@ def write_bundle(
         "request": json.dumps(target),
         "prompt_text": detok(target["prompt"]),
         "harness": issue.harness_source(),
+        "reproduction": reproduction(rate),
     }
     (out / "case.json").write_text(json.dumps(case, indent=1) + "\n")
     files = {"case": out / "case.json"}

@@ -22,6 +22,7 @@ from harness.execute.run_options import new_run_dir, prepare_out, run_defaults
 from harness.matrix import Cell
 from harness.paths import reports_dir
 from harness.report.files import status
+from harness.repro.rate import HOLD, RATE_RUNS, comparable, retries
 from harness.shrink.candidate import Candidate, initial
 from harness.shrink.failure_id import parse as parse_failure_id
 from harness.shrink.trial import BASELINE_CHECKS, Policy, Runner, reference_of
@@ -126,7 +127,9 @@ class Origin:
 
 
 def _reproduce(runner: Runner, start: Candidate, tries: int, say) -> tuple[Policy, list]:
-    """Run the original case `tries` times: how often it shows the signature decides each step's policy."""
+    """Run the original case `tries` times, and up to RATE_RUNS when they disagree: its rate decides each step's
+    policy (harness.repro.rate.comparable: a smaller case must reproduce at a comparable rate) and how many runs
+    its repro.sh makes."""
     attempts = [runner.attempt(start) for _ in range(tries)]
     shown = sum(a.shows(runner.signature) for a in attempts)
     if shown == 0:
@@ -138,13 +141,20 @@ def _reproduce(runner: Runner, start: Candidate, tries: int, say) -> tuple[Polic
                 EXIT_DIFFERENT,
             )
         raise NotReproduced(f"not reproduced: every one of {tries} runs passed (signature {runner.signature})")
-    policy = Policy(1, 1) if shown == tries else Policy(1, tries)
+    if shown < tries:  # intermittent: measure its rate on more runs
+        attempts += [runner.attempt(start) for _ in range(max(0, RATE_RUNS - tries))]
+        shown = sum(a.shows(runner.signature) for a in attempts)
+    runs = len(attempts)
+    policy = Policy(1, 1) if shown == runs else Policy(*comparable(shown, runs))
+    runner.rate = (shown, runs)
     say(
-        f"shrink: the original case shows the signature {shown} of {tries} runs: "
+        f"shrink: the original case shows the signature {shown} of {runs} runs: "
         + (
             "deterministic, each step runs once"
-            if shown == tries
-            else f"nondeterministic, a step holds when it shows the signature {policy} runs"
+            if shown == runs
+            else f"intermittent, a step holds when it shows the signature {policy} runs (a comparable rate: a case "
+            f"reproducing at {shown}/{runs} holds with probability >= {HOLD:.0%}); its repro.sh runs up to "
+            f"{retries(shown, runs)} times"
         )
     )
     return policy, attempts
@@ -196,12 +206,15 @@ def cmd_shrink(args: argparse.Namespace, shrink: bool = True) -> int:
             shrinker = Shrinker(runner, trial, out / "shrink-log.jsonl", _say, args.time_limit)
             best = shrinker.run()
             trial, stopped = shrinker.best_trial, shrinker.stopped
+        rate = _final_rate(runner, start, best, trial) if not interrupt.received() else runner.rate
         with interrupt.deferred():  # the bundle of the smallest case so far is written in full
             interrupt.phase("writing")
             attempt = trial.showing(origin.signature)
             note = _summary(start, best, runner, shrinker, args.from_run)
             build = runner.build() if best.cell.backend == "server" else None
-            files = write_bundle(out, best, attempt, build, origin.options.draft_model, origin.pattern(), note)
+            files = write_bundle(
+                out, best, attempt, build, origin.options.draft_model, origin.pattern(), note, rate=rate
+            )
             stopped = stopped or ("interrupted" if interrupt.received() else None)
             (out / "shrink.json").write_text(
                 json.dumps(
@@ -209,6 +222,7 @@ def cmd_shrink(args: argparse.Namespace, shrink: bool = True) -> int:
                         "from_run": str(args.from_run),
                         "signature": origin.signature,
                         "policy": str(runner.policy),
+                        "rate": {"original": list(runner.rate or ()), "bundle": list(rate or ())},
                         "original": start.to_json(),
                         "final": best.to_json(),
                         "trials": runner.count,
@@ -226,6 +240,24 @@ def cmd_shrink(args: argparse.Namespace, shrink: bool = True) -> int:
     if stopped:
         _say(f"shrink: stopped ({stopped}): the bundle holds the smallest failing case found")
     return interrupt.status() if stopped == "interrupted" else EXIT_WRITTEN
+
+
+def _final_rate(runner: Runner, start: Candidate, best: Candidate, trial) -> tuple[int, int] | None:
+    """The reproduction rate the bundle is written with: the original case's, or, for an intermittent failure
+    shrunk to a smaller case, that case's own, measured on RATE_RUNS more runs (a step's early-stopped runs are no
+    measure of it)."""
+    if runner.rate is None or runner.rate[0] == runner.rate[1] or best == start:
+        return runner.rate
+    attempts = [runner.attempt(best) for _ in range(RATE_RUNS)]
+    shown = sum(a.shows(runner.signature) for a in attempts)
+    _say(
+        f"shrink: the shrunk case shows the signature {shown} of {RATE_RUNS} runs (the original {runner.rate[0]} of "
+        f"{runner.rate[1]}); its repro.sh runs up to {retries(shown, RATE_RUNS) if shown else '?'} times"
+    )
+    if shown == 0:  # not seen again: the original's rate, said so in ISSUE.md through the bundle's numbers
+        return runner.rate
+    trial.attempts += attempts
+    return shown, RATE_RUNS
 
 
 def _summary(start: Candidate, best: Candidate, runner: Runner, shrinker, run_dir) -> str:

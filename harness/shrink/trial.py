@@ -102,6 +102,8 @@ class Runner:
         self.logs = Path(logs or tempfile.mkdtemp(prefix="specharness-shrink-"))
         self.origin = origin
         self.count = 0
+        self.rate: tuple[int, int] | None = None
+        """(runs that showed the signature, runs) of the original case, measured before shrinking."""
         self._build: BuildInfo | None = None
         self._references: dict[Candidate, BaselineStore] = {}
 

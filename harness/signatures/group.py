@@ -8,18 +8,29 @@ a crash's abort line, an error's message (`SPECIFIC`). A divergence's triage cla
 check's shape is what many defects have in common, so it joins only through the axes.
 
 A batch llama.cpp refused because the KV cache's positions disagree with the slot's tokens (X and Y in its
-message: `Signature.refused_batch`) is the damage another request left, which no root of its own request
-explains: where the run has a KV-damage root (a failing `kv-healthy` verdict that is no consequence), it and
-the verdicts that restate it are consequences of that root, under its signature and in its pattern's part (the
-root of the same cell, else of the same backend, else the run's first; a folded verdict links no cells); where
-the run has none, it stands as its own KV damage (`kv-healthy: duplicate cells` / `holes`)."""
+message: `Signature.refused_batch`) is KV damage. It folds under a KV-damage root (a failing `kv-healthy` verdict
+that is no consequence) as its consequence, with what restates it, only on evidence that the root's damage is what
+the batch met (`Fold`): the refused request's slot, X and Y, and an earlier request of the same cell on the same
+slot (the one before it in the cell's records: served before it, one request at a time per slot) whose KV scan
+found cells past its returned tokens (or duplicate cells), that root's request. A folded verdict links no cells,
+and its `Failure.folds` say why. Without that evidence it stands as its own KV damage (`kv-healthy: duplicate
+cells` / `holes`), with the run's other verdicts of that text in its pattern's parts."""
 
 import re
 from collections import defaultdict
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
-from harness.verdict.signature import CHECK, CRASH, DIVERGENCE, ERROR, TIMEOUT, Signature, classify
+from harness.verdict.signature import (
+    CHECK,
+    CRASH,
+    DIVERGENCE,
+    ERROR,
+    REFUSED_BATCH,
+    TIMEOUT,
+    Signature,
+    classify,
+)
 
 KINDS = (CRASH, TIMEOUT, ERROR, DIVERGENCE, CHECK)
 """Signature kinds, in the order a report lists them."""
@@ -42,6 +53,8 @@ class Failure:
     """Failing verdicts that show it with evidence of their own."""
     consequences: list[dict] = field(default_factory=list)
     """Failing verdicts that only restate it (a check of a request that crashed)."""
+    folds: list[str] = field(default_factory=list)
+    """Why each refused batch among the consequences folds under it (`Fold.line`): its evidence."""
 
     @property
     def cases(self) -> list[tuple]:
@@ -98,7 +111,7 @@ def group(
     for r in records:
         requests[case_key(r)].append(r)
     classified = [(v, classify(v, requests.get(case_key(v), ()), verdicts[case_key(v)])) for v in failing]
-    classified, anchors = _fold_refused_batches(classified)
+    classified, anchors, folds = _fold_refused_batches(classified, records_by_cell(requests))
     by_text: dict[str, list] = defaultdict(list)
     for v, sig in classified:
         by_text[sig.text].append((v, sig))
@@ -118,28 +131,114 @@ def group(
             for i in mine:
                 v, sig = shown[i]
                 (entry.consequences if sig.consequence else entry.verdicts).append(v)
+                if id(v) in folds:
+                    entry.folds.append(folds[id(v)].line())
             found.append(entry)
     return sorted(found, key=lambda f: (KINDS.index(f.kind), -len(f.cases), f.signature))
 
 
-def _fold_refused_batches(
-    classified: list[tuple[dict, Signature]],
-) -> tuple[list[tuple[dict, Signature]], dict[int, dict]]:
-    """`classified` with every refused batch (and what restates it) a consequence of the run's KV-damage root,
-    under its signature, where the run has one; and id(folded verdict) → the root verdict it folds under (the
-    root of the same cell, else of the same backend, else the run's first)."""
-    roots = [(v, sig) for v, sig in classified if v["check"] == "kv-healthy" and not sig.consequence]
-    if not roots:
-        return classified, {}
-    out, anchors = [], {}
-    for v, sig in classified:
-        if sig.refused_batch:
-            root, root_sig = min(
-                roots, key=lambda r: (case_key(r[0])[:-1] != case_key(v)[:-1], r[0]["backend"] != v["backend"])
+@dataclass(frozen=True)
+class Fold:
+    """The evidence that a refused batch met another request's KV damage: the refused request, its slot, llama.cpp's
+    X (the cache's last position of the sequence) and Y (where the batch starts it), and the earlier request of the
+    same cell and slot whose KV scan found the damage (its first and last position past its returned tokens, or
+    its duplicate cells)."""
+
+    request: str
+    slot: int
+    x: int
+    y: int
+    earlier: str
+    damage: str
+
+    def line(self) -> str:
+        return (
+            f"{self.request} on slot {self.slot}: llama.cpp refused its batch (X = {self.x}, Y = {self.y}) after "
+            f"{self.earlier} on the same slot left {self.damage}"
+        )
+
+
+def cell_of(row: dict) -> tuple:
+    """(suite, mode, spec, model, backend) of a record or a verdict."""
+    return tuple(row[a] for a in CELL)
+
+
+def records_by_cell(requests: dict[tuple, list[dict]]) -> dict[tuple, list[dict]]:
+    """Each cell's records in the order results.json lists them (the order its requests were served per slot)."""
+    out: dict[tuple, list[dict]] = defaultdict(list)
+    for key, rows in requests.items():
+        out[key[:-1]].extend(rows)
+    return out
+
+
+def _damage(record: dict) -> str | None:
+    """What a record's KV scan found that a later batch of its slot can meet: positions past its returned tokens,
+    or duplicate cells; None when its scan found neither (or it has none)."""
+    scan = record.get("kv_scan") or {}
+    if not scan or not scan.get("judged", True):
+        return None
+    last = max((int(p) for p in (scan.get("pos_max") or {}).values()), default=-1)
+    bound = int(record.get("prompt_n") or 0) + len(record.get("tokens") or [])
+    if record.get("stop_reason") != "truncated" and record.get("prompt_n") is not None and last >= bound > 0:
+        return f"positions {bound}..{last} past its {bound} prompt + returned tokens"
+    if int(scan.get("duplicates") or 0):
+        return f"{scan['duplicates']} duplicate cells"
+    return None
+
+
+def fold_of(verdict: dict, cell_records: list[dict]) -> Fold | None:
+    """The evidence (`Fold`) that a refused batch of `verdict` met the KV damage an earlier request of its cell left
+    on its slot; None without it (the slot unknown, no earlier request of that slot, or none with damage)."""
+    for i, row in enumerate(cell_records):
+        if row["case"] != verdict["case"] or not (m := REFUSED_BATCH.search(row.get("error") or "")):
+            continue
+        slot = int(row.get("slot_id", -1))
+        if slot < 0:
+            return None
+        for earlier in reversed(cell_records[:i]):
+            if int(earlier.get("slot_id", -1)) != slot:
+                continue
+            damage = _damage(earlier)
+            if damage is None:
+                return None  # the slot's request just before it left no damage its scan saw
+            x, y = map(int, m.groups())
+            return Fold(
+                f"{row['case']} round {row.get('repeat', 0)}",
+                slot,
+                x,
+                y,
+                f"{earlier['case']} round {earlier.get('repeat', 0)}",
+                damage,
             )
+        return None
+    return None
+
+
+def _fold_refused_batches(
+    classified: list[tuple[dict, Signature]], cells: dict[tuple, list[dict]]
+) -> tuple[list[tuple[dict, Signature]], dict[int, dict], dict[int, Fold]]:
+    """`classified` with every refused batch that met an earlier request's KV damage on its slot (`fold_of`), and
+    what restates it, a consequence of that request's KV-damage root, under its signature; id(folded verdict) →
+    the root verdict, and → its `Fold`. A refused batch without that evidence keeps its own signature."""
+    roots = {
+        (cell_of(v), v["case"]): (v, sig) for v, sig in classified if v["check"] == "kv-healthy" and not sig.consequence
+    }
+    evidence: dict[tuple, Fold] = {}
+    for v, sig in classified:
+        if sig.refused_batch and (fold := fold_of(v, cells.get(cell_of(v), []))) is not None:
+            earlier_case = fold.earlier.rsplit(" round ", 1)[0]
+            if (cell_of(v), earlier_case) in roots:
+                evidence[case_key(v)] = fold
+    out, anchors, folds = [], {}, {}
+    for v, sig in classified:
+        fold = evidence.get(case_key(v))
+        if sig.refused_batch and fold is not None:  # the refused batch's verdict, or one restating it
+            root, root_sig = roots[(cell_of(v), fold.earlier.rsplit(" round ", 1)[0])]
             sig, anchors[id(v)] = Signature(root_sig.text, root_sig.kind, consequence=True), root
+            if v["check"] == "no-crash":
+                folds[id(v)] = fold
         out.append((v, sig))
-    return out, anchors
+    return out, anchors, folds
 
 
 def by_verdict(failures: list[Failure]) -> dict[int, tuple[str, bool]]:

@@ -28,8 +28,17 @@ def summary_lines(found: list[tuple[Failure, Pattern]]) -> list[str]:
         return []
     out = [headline([f for f, _ in found])]
     for n, (failure, p) in enumerate(found, 1):
-        out += [f"{n}. {failure.signature}", f"   {p.reading}"]
+        out += [f"{n}. {failure.signature}", f"   {p.reading}" + _folds(failure)]
     return out
+
+
+def _folds(failure: Failure, shown: int = 2) -> str:
+    """The evidence of the refused batches folded under a failure (its first `shown`), on the reading's lines."""
+    if not failure.folds:
+        return ""
+    more = len(failure.folds) - shown
+    lines = [f"\n   consequence: {line}" for line in failure.folds[:shown]]
+    return "".join(lines) + (f"\n   (and {more} more refused batches on the same evidence)" if more > 0 else "")
 
 
 NEW_SUITE = "known_failure_new_suite"

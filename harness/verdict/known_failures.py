@@ -275,9 +275,13 @@ def scope_line(entry: KnownFailure, version: LlamaVersion, backend: str) -> str 
 
 def scoped(entries: list[KnownFailure], versions: dict[str, LlamaVersion]) -> tuple[list[KnownFailure], list[str]]:
     """The entries that apply to the backends' llama.cpp versions, and a line for each that does not (said in the
-    console and run.json): its cells are judged as any others."""
+    console and run.json): its cells are judged as any others. An entry gated on CPU flags this machine lacks
+    (`missing_cpu_flags`) applies to none of its cells at any version and gets no line."""
     kept, lines = [], []
     for entry in entries:
+        if entry.missing_cpu_flags:  # applies to no cell on this machine, whatever the version: nothing to say
+            kept.append(entry)
+            continue
         line = scope_line(entry, versions.get(entry.backend, UNKNOWN), entry.backend)
         if line is None:
             kept.append(entry)

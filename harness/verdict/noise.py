@@ -61,6 +61,10 @@ class NoiseFloor:
     mode_near_tie: dict = field(default_factory=dict)
     """Mode → the near-tie floor measured in that mode: SAFETY × the largest margin change or flipped margin of
     its variants (at least MINIMUM_NEAR_TIE, at most `near_tie`); `for_mode` applies it."""
+    seeded: dict = field(default_factory=dict)
+    """Mode → (seeded sampled draws that diverged, distinct draws) measured on this device and build in the
+    calibration pass (harness.calibration.seeded; empty where the file holds none: the committed rate applies,
+    harness.checks.seeded.NOISE)."""
 
     @property
     def calibrated(self) -> bool:
@@ -249,7 +253,8 @@ def from_data(data: dict, source: str) -> NoiseFloor:
         floors = mode_floors(measured, near_tie)
         if exact:
             floors.pop("seq", None)  # nothing is excused in seq (CheckContext.excuses_near_ties)
-        return NoiseFloor(tol, near_tie, source, acceptance, exact, floors)
+        seeded = {m: (int(k), int(n)) for m, (k, n) in data.get("seeded", {}).get("by_mode", {}).items()}
+        return NoiseFloor(tol, near_tie, source, acceptance, exact, floors, seeded)
     except (KeyError, TypeError, ValueError) as err:
         raise HarnessError(f"corrupt calibration file {source}: {err!r}; re-run `specharness calibrate`") from None
 
