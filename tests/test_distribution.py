@@ -291,3 +291,40 @@ def _rows(engine, prompt):
     from harness.engine.score import _logit_rows
 
     return _logit_rows(engine.ctx, prompt, [0])
+
+
+def _pooled_run(fault: str | None) -> list:
+    """The statistical suite's two cases repeated 6 times with fresh seeds (64 tokens each at temperature 0.5, no
+    end-of-generation) in the in-process draft-simple-probabilistic cell of tiny-dense: one law, 12 seeds."""
+    from harness.backends.choose import backend_factories
+    from harness.bench.distribution import repeated
+    from harness.checks import evaluate_cell
+    from harness.execute import ExecOptions, Executor
+    from harness.matrix import Cell
+    from harness.suites import load_suite
+
+    require_model("tiny-dense")
+    sampling = {"temperature": 0.5, "n_predict": 64, "ignore_eos": True}
+    suite = repeated(load_suite("statistical/sampling-distribution"), 6, sampling)
+    engine = {"fault": fault} if fault else {}
+    executor = Executor(ExecOptions(backends=backend_factories(), kv_scan="off", engine=engine))
+    run = executor.run(suite, Cell("inproc", "seq", "draft-simple-probabilistic", "tiny-dense"))
+    return [r for _, r in evaluate_cell(run, executor, None, ["distribution"], "")]
+
+
+def test_the_pool_of_a_laws_independent_outputs_finds_what_no_case_alone_does():
+    """lenient-accept at 64 tokens a case: no case fails alone (measured: adjusted p 0.015 to 1), the pool of the
+    12 seeds' outputs (768 tokens) does, in the drafted stratum (p 2.3e-11), and fails every case it holds; the
+    clean engine's pool passes (p 0.13)."""
+    faulty = _pooled_run("lenient-accept")
+    assert len(faulty) == 12 and all(r.evidence["p_value"] >= distribution.ALPHA for r in faulty)
+    assert all(not r.passed for r in faulty)
+    pool = faulty[0].evidence["pool"]
+    assert pool["outputs"] == 12 and pool["tokens"] == 768 and pool["p_value"] < distribution.ALPHA_POOL
+    assert pool["caught_by"]["stratum"] == "drafted"
+    assert faulty[0].message.startswith("tiny-dense's outputs pooled over 1 cells: the returned tokens are not draws")
+    clean = _pooled_run(None)
+    assert all(r.passed for r in clean), [r.message for r in clean if not r.passed]
+    assert (
+        clean[0].evidence["pool"]["outputs"] == 12 and clean[0].evidence["pool"]["p_value"] >= distribution.ALPHA_POOL
+    )

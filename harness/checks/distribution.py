@@ -61,8 +61,9 @@ the transforms (its u would be 1); any other fails the case. A token the grammar
 
 Pooled tests. The independent outputs of every speculative cell of a run that share one law (suite, model and
 sampler chain: every backend, mode and spec config) are pooled into one test per law (`pool`), the same 12 tests
-at ALPHA_POOL / TESTS_PER_CASE each; a pooled failure fails every case of the law, naming the pool and its stratum.
-It runs only where the pool holds an independent output beyond the case's own. The default suites send one seed
+at ALPHA_POOL / TESTS_PER_CASE each (the first output of each seed in the matrix's order: a later cell's output of
+a seed already pooled stays out); a pooled failure fails the cases whose outputs it holds, naming the pool and its
+stratum. It runs only where the pool holds an independent output beyond the case's own. The default suites send one seed
 per case to every cell, so their pools hold no output beyond a case's (the default `sampling` job: one 32-token
 output per law); the pool is what a run whose cells send distinct seeds (or random seeds) gains.
 
@@ -118,7 +119,7 @@ RUN_FALSE_ALARM = ALPHA * MAX_TESTS_PER_RUN + ALPHA_POOL * MAX_POOLS_PER_RUN
 STRATA = {
     "all": "every returned token",
     "undrafted": "tokens of steps without a draft",
-    "drafted": "positions with a drafted token (accepted or redrawn)",
+    "drafted": "positions with a drafted token, accepted or redrawn",
     "bonus": "tokens after a wholly accepted draft",
 }
 """The strata a case's transforms are tested in (module docstring)."""
@@ -384,7 +385,7 @@ def failure_message(first: Test, p_value: float, alpha: float, got: Sample, outp
     return (
         f"{head}the returned tokens are not draws from the target's distribution: {what}, p = {p_value:.2e} < "
         f"{alpha:g} (mean PIT {x.mean():.3f}, 0.5 expected; {len(got.excused)} tokens outside the chain's support "
-        f"within the near-tie floor; caught in stratum {first.stratum} ({STRATA[first.stratum]}) by "
+        f"within the near-tie floor; caught in stratum {first.stratum}: {STRATA[first.stratum]}, by "
         f"{_statistic_name(first.statistic)}, p Bonferroni-adjusted over {TESTS_PER_CASE} tests)"
     )
 
@@ -416,12 +417,14 @@ def pool(ctx: CheckContext) -> dict:
     one output per randomness source, `independent`), computed once per executor and law."""
     suite = ctx.run.suite
     law = (ctx.cell.model, chainless(ctx.case_def.sampling))
+    pooled = _pool_cells(ctx)
+    key = (suite.name, law, tuple(c.id for c in pooled))  # a run serves its planned cells; a bench one by one
     cache = ctx.executor.__dict__.setdefault("_distribution_pools", {})
-    if (suite.name, law) in cache:
-        return cache[(suite.name, law)]
+    if key in cache:
+        return cache[key]
     seen: set = set()
-    members, scored_all, sources, cells_used = [], [], set(), set()
-    for cell in _pool_cells(ctx):
+    members, scored_all, sources, cells_used, where = [], [], set(), set(), set()
+    for cell in pooled:
         try:
             run = ctx.other_run(cell)
         except HarnessError:  # a cell the harness failed to serve: the pool does without it
@@ -432,16 +435,17 @@ def pool(ctx: CheckContext) -> dict:
             sampling = suite.cell_case(case, cell.model).sampling
             if sampling.greedy or sampling.stop or chainless(sampling) != law[1]:
                 continue
-            for key in case_keys(case):
-                kept = independent(run.of_case(key), sampling, cell, key, seen)
+            for record in case_keys(case):
+                kept = independent(run.of_case(record), sampling, cell, record, seen)
                 if not kept:
                     continue
                 for o, s in zip(kept, _score(ctx, cell, kept, sampling), strict=True):
                     if "unscorable" not in s and "impossible_at" not in s:
                         members.append(o)
                         scored_all.append(s)
-                        sources.add(source(o, sampling, cell, key))
+                        sources.add(source(o, sampling, cell, record))
                         cells_used.add(cell.id)
+                        where.add((cell.id, record, o.round))
     seed = zlib.crc32(f"{suite.name}/pool/{law[0]}/{law[1]}".encode())
     got = sample(members, scored_all, seed, near_tie_floor(ctx)[0])
     first, p_value = adjusted(tests(got.u, got.strata) if len(got.u) else [])
@@ -452,22 +456,26 @@ def pool(ctx: CheckContext) -> dict:
         "p_value": p_value,
         "alpha": ALPHA_POOL,
         "sources": sources,
+        "members": where,
     }
     if first is not None and p_value < ALPHA_POOL:
         head = f"{law[0]}'s outputs pooled over {len(cells_used)} cells: "
         out["message"] = failure_message(first, p_value, ALPHA_POOL, got, f"of {len(members)} outputs", head)
         out["caught_by"] = {"stratum": first.stratum, "statistic": first.statistic}
-    cache[(suite.name, law)] = out
+    cache[key] = out
     return out
 
 
 def _pooled(ctx: CheckContext, result: CheckResult, outcomes: list) -> None:
-    """Add the law's pooled test to a passing case's verdict (failing it where the pool fails), where the pool
-    holds an independent output beyond the case's own."""
+    """Add the law's pooled test to a passing case's verdict (failing it where the pool fails), where the case's
+    outputs are in the pool and the pool holds an independent output beyond them."""
     got = pool(ctx)
     mine = {source(o, ctx.case_def.sampling, ctx.cell, ctx.case) for o in outcomes}
     if not got["sources"] - mine:
         result.evidence["pool"] = "no independent output beyond the case's own"
+        return
+    if not {(ctx.cell.id, ctx.case, o.round) for o in outcomes} & got["members"]:
+        result.evidence["pool"] = "the case's seeds are pooled from another cell's outputs"
         return
     result.evidence["pool"] = {k: got[k] for k in ("outputs", "cells", "tokens", "p_value", "alpha")}
     if "message" in got:
