@@ -179,11 +179,14 @@ class Test:
     value: float
     p_value: float
 
-    def describe(self) -> str:
+    def describe(self, outputs: str = "") -> str:
+        """`Kolmogorov-Smirnov D = 0.1633 over 512 tokens of 1 outputs`, or `41 of 512 tokens of 1 outputs with a
+        transform in [0.95, 1) (25.6 expected)`."""
+        tokens = f"{self.n} tokens{' ' + outputs if outputs else ''}"
         if self.statistic == "ks":
-            return f"Kolmogorov-Smirnov D = {self.value:.4f} over {self.n} tokens"
+            return f"Kolmogorov-Smirnov D = {self.value:.4f} over {tokens}"
         band = f"[0, {TAIL:g})" if self.statistic == "low-tail" else f"[{1 - TAIL:g}, 1)"
-        return f"{int(self.value)} of {self.n} transforms in {band} ({TAIL * self.n:.1f} expected)"
+        return f"{int(self.value)} of {tokens} with a transform in {band} ({TAIL * self.n:.1f} expected)"
 
     def to_dict(self) -> dict:
         return {"stratum": self.stratum, "statistic": self.statistic, "n": self.n, "value": self.value,
@@ -379,9 +382,7 @@ def failure_message(first: Test, p_value: float, alpha: float, got: Sample, outp
     """`the returned tokens are not draws ...`: the test that caught it, in its stratum."""
     labels = np.array([s or "" for s in got.strata], dtype=object)
     x = got.u if first.stratum == "all" else got.u[labels == first.stratum]
-    what = first.describe().replace(" tokens", f" tokens {outputs}", 1)
-    if first.statistic != "ks":
-        what = f"{what} over {first.n} tokens {outputs}"
+    what = first.describe(outputs)
     return (
         f"{head}the returned tokens are not draws from the target's distribution: {what}, p = {p_value:.2e} < "
         f"{alpha:g} (mean PIT {x.mean():.3f}, 0.5 expected; {len(got.excused)} tokens outside the chain's support "
