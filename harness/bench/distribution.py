@@ -12,6 +12,7 @@ rounds, and counts the seeded noise rate of `lossless`'s count (harness.checks.s
 (cell, case, seed) once, however many rounds replay it.
 """
 
+import json
 import math
 from dataclasses import replace
 from pathlib import Path
@@ -95,6 +96,12 @@ def measure(
                 ks_p=[r.evidence.get("p_ks_all", r.evidence.get("p_value", 0.0)) for r in judged],
             )
             out[cell.id]["first_failure"] = next((r.message for r in judged if not r.passed), None)
+            pools = {
+                json.dumps(r.evidence["pool"], sort_keys=True)
+                for r in judged
+                if isinstance(r.evidence.get("pool"), dict)
+            }
+            out[cell.id]["pools"] = [json.loads(p) for p in sorted(pools)]  # the law's pooled test over the repetitions
         if on_cell:
             on_cell(cell.id, out[cell.id])
     return out

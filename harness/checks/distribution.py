@@ -16,8 +16,9 @@ whatever their prompts, cells or models (the rounds of a case replay its seed; e
 seed; a sample-and-match cell returns the output without speculation). Their transforms are not independent
 samples, and scoring a prefix they share twice, with two V, counts one draw twice. So a test takes ONE output per
 randomness source: per seed, the first completed output in a fixed order (cells in the matrix's order, cases in the
-suite's, rounds in order: never chosen by its tokens); a request with a random seed is a source of its own (every
-such output counts, identical ones too: independent draws that agree are still two draws).
+suite's, rounds in order: never chosen by its tokens); a request with a random seed (-1) is a source of its own
+(every such output counts, identical ones too: independent draws that agree are still two draws); requests without
+a seed share the backend's `seed` option, one source.
 
 End-of-generation. A request that does not ignore it stops where it draws an end-of-generation token, which it
 does not return: each returned token is scored under the chain's law conditioned on "not end-of-generation"
@@ -231,11 +232,11 @@ def case_seed(ctx: CheckContext) -> int:
 
 
 def source(outcome, sampling, cell, key: str) -> tuple:
-    """The randomness an output was drawn with: its seed (shared by every request that sends it), or, for a random
-    seed, the request itself."""
-    if sampling.random_seed or sampling.seed is None:
+    """The randomness an output was drawn with: its seed (shared by every request that sends it; a request without
+    one shares the backend's `seed` option), or, for a random seed (-1), the request itself."""
+    if sampling.random_seed:
         return ("request", cell.id, key, outcome.round)
-    return ("seed", sampling.seed & 0xFFFFFFFF)
+    return ("seed", None if sampling.seed is None else sampling.seed & 0xFFFFFFFF)
 
 
 def independent(outcomes: list, sampling, cell, key: str, seen: set | None = None) -> list:
