@@ -85,3 +85,31 @@ def test_the_power_table_of_the_docstring(n, half, tail):
 def test_a_clean_sample_fails_about_never_and_the_power_grows_with_the_shift():
     assert distribution.power(512, "half", 0.0, samples=2000) == 0.0
     assert distribution.power(512, "half", 0.05) < distribution.power(512, "half", 0.15)
+
+
+def _ks_alone(n: int, shift: str, target: float) -> float:
+    """The check before issue 61: KS of every token at 1e-6, no tail counts, no Bonferroni (same samples)."""
+    import numpy as np
+
+    rng = np.random.default_rng(distribution.POWER_SEED)
+    base = (rng.random((distribution.POWER_SAMPLES, n)), rng.random((distribution.POWER_SAMPLES, n)))
+    critical = stats.kstwo.isf(1e-6, n)
+
+    def found(delta: float) -> float:
+        return float((distribution.ks_distances(distribution.shifted(shift, delta, base)) >= critical).mean())
+
+    low, high = 0.0, 0.5 if shift == "half" else 1 - distribution.TAIL
+    while high - low > 0.002:
+        mid = (low + high) / 2
+        low, high = (low, mid) if found(mid) >= target else (mid, high)
+    return round(high, 3)
+
+
+@pytest.mark.parametrize(
+    ("n", "half", "tail"), [(512, (0.131, 0.148), (0.128, 0.143)), (1536, (0.078, 0.086), (0.072, 0.080))]
+)
+def test_what_the_ks_test_alone_found(n, half, tail):
+    """The docstring's comparison: the tail counts halve the tail shift found, the factor 12 costs 8-10 % on the
+    half shift."""
+    assert tuple(_ks_alone(n, "half", t) for t in (0.8, 0.95)) == pytest.approx(half, abs=1e-9)
+    assert tuple(_ks_alone(n, "tail", t) for t in (0.8, 0.95)) == pytest.approx(tail, abs=1e-9)

@@ -41,32 +41,34 @@ only when its own draft was rejected, which conditions on the token (conditioned
 residual law, not the target's). The in-process engine records each token's stratum (`token_strata`); llama-server
 does not, so its outputs are tested in `all` only.
 
-The tests. In each stratum: the one-sample Kolmogorov-Smirnov test (`scipy.stats.kstest`, exact: kstwo) and two
-tail counts, the number of u in [0, TAIL) and in [1 - TAIL, 1), each an exact two-sided binomial test
+The tests. In each stratum: the one-sample Kolmogorov-Smirnov test (`scipy.stats.kstest`, exact: kstwo) and two tail
+counts, the number of u in [0, TAIL) and in [1 - TAIL, 1), each an exact two-sided binomial test
 (`scipy.stats.binomtest`, Binomial(n, TAIL) under the null): KS is weak where the transform's distribution moves
-only near 0 or 1, the tail counts are not (`power`: at 1,536 tokens a shift of 2 % of the mass into the top 5 %
-band is found with the tails, not with KS). A case makes TESTS_PER_CASE = 4 strata × 3 statistics tests and fails
-where the smallest p-value times TESTS_PER_CASE (Bonferroni) is below ALPHA: a clean case fails with probability
-at most ALPHA. The KS test can fail at any sample size (D approaches 1 as the u do 0 or 1): every scored case is
-tested (MIN_TOKENS = 1; its exact critical distance, kstwo at ALPHA / TESTS_PER_CASE, is 0.99999996 at 1 token,
-0.818 at 10, 0.678 at 16, 0.496 at 32, 0.128 at 512, 0.0742 at 1,536: the KS test of a few tokens finds only gross
-faults); a tail count only from TAIL_MIN_TOKENS (6) tokens on, below which even all n in one band leave p above
-its level (0.05^n).
+only near 0 or 1, the tail counts are not (`power`: at 1,536 tokens a shift of 3.9 % of the mass into the top 5 %
+band is found with 80 % probability, by KS alone only one of 7.2 %). A case makes TESTS_PER_CASE = 4 strata × 3
+statistics tests and fails where the smallest p-value times TESTS_PER_CASE (Bonferroni) is below ALPHA: a clean case
+fails with probability at most ALPHA. The KS test can fail at any sample size (D approaches 1 as the u do 0 or 1):
+every scored case is tested (MIN_TOKENS = 1; its exact critical distance, kstwo at ALPHA / TESTS_PER_CASE, is
+0.99999996 at 1 token, 0.818 at 10, 0.678 at 16, 0.496 at 32, 0.128 at 512, 0.0742 at 1,536: the KS test of a few
+tokens finds only gross faults); a tail count only from TAIL_MIN_TOKENS (6) tokens on, below which even all n in one
+band leave p above its level (0.05^n).
 
 Out-of-support tokens (p = 0 under the chain: a truncation sampler cut them) fail outright, beyond a tolerance from
 the logit margin: the scorer's decode computes the logits in other batches than the run did, which moves them by
 numerics; a token may fall outside the support only where its logit raised by the calibrated near-tie floor of the
 cell (NoiseFloor.near_tie: the largest margin between two logits that numerics is measured to move, in the cell's
-mode) would bring it inside (`lift` <= floor, harness.engine.score.lift). Such a token is reported and left out of
+mode) would bring it inside (`lift` <= floor, harness.engine.score.lift: its logit raised, the others unchanged;
+that is the worst case for top-k and min-p, whose cut compares two logits, not quite for top-p, whose cut is a sum
+that numerics lowering several tokens before it could also move). Such a token is reported and left out of
 the transforms (its u would be 1); any other fails the case. A token the grammar forbids fails outright too.
 
 Pooled tests. The independent outputs of every speculative cell of a run that share one law (suite, model and
 sampler chain: every backend, mode and spec config) are pooled into one test per law (`pool`), the same 12 tests
 at ALPHA_POOL / TESTS_PER_CASE each (the first output of each seed in the matrix's order: a later cell's output of
 a seed already pooled stays out); a pooled failure fails the cases whose outputs it holds, naming the pool and its
-stratum. It runs only where the pool holds an independent output beyond the case's own. The default suites send one seed
-per case to every cell, so their pools hold no output beyond a case's (the default `sampling` job: one 32-token
-output per law); the pool is what a run whose cells send distinct seeds (or random seeds) gains.
+stratum. It runs only where the pool holds an independent output beyond the case's own. The default suites send
+one seed per case to every cell, so their pools hold no output beyond a case's (the default `sampling` job: one
+32-token output per law); the pool is what a run whose cells send distinct seeds (or random seeds) gains.
 
 False alarms per run (the union bound over the tests a run makes): at most MAX_TESTS_PER_RUN cases at ALPHA and
 MAX_POOLS_PER_RUN pools at ALPHA_POOL: RUN_FALSE_ALARM = 500 × 1e-6 + 50 × 1e-5 = 1e-3. The default suites
