@@ -51,7 +51,11 @@ fails with probability at most ALPHA. The KS test can fail at any sample size (D
 every scored case is tested (MIN_TOKENS = 1; its exact critical distance, kstwo at ALPHA / TESTS_PER_CASE, is
 0.99999996 at 1 token, 0.818 at 10, 0.678 at 16, 0.496 at 32, 0.128 at 512, 0.0742 at 1,536: the KS test of a few
 tokens finds only gross faults); a tail count only from TAIL_MIN_TOKENS (6) tokens on, below which even all n in one
-band leave p above its level (0.05^n).
+band leave p above its level (0.05^n). Why tail counts and not Anderson-Darling: a test here must resolve p-values
+near 1e-7, and scipy has no Anderson-Darling test against a fully specified uniform that does (`anderson` fits
+normal, exponential, logistic, Gumbel or Weibull laws; `anderson_ksamp` compares samples and caps p to [0.001,
+0.25]; `goodness_of_fit` is Monte Carlo, its p no finer than one over its draws); the binomial counts are exact at
+any level.
 
 Out-of-support tokens (p = 0 under the chain: a truncation sampler cut them) fail outright, beyond a tolerance from
 the logit margin: the scorer's decode computes the logits in other batches than the run did, which moves them by
