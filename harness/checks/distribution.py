@@ -53,9 +53,9 @@ every scored case is tested (MIN_TOKENS = 1; its exact critical distance, kstwo 
 tokens finds only gross faults); a tail count only from TAIL_MIN_TOKENS (6) tokens on, below which even all n in one
 band leave p above its level (0.05^n). Why tail counts and not Anderson-Darling: a test here must resolve p-values
 near 1e-7, and scipy has no Anderson-Darling test against a fully specified uniform that does (`anderson` fits
-normal, exponential, logistic, Gumbel or Weibull laws; `anderson_ksamp` compares samples and caps p to [0.001,
-0.25]; `goodness_of_fit` is Monte Carlo, its p no finer than one over its draws); the binomial counts are exact at
-any level.
+normal, exponential, logistic, Gumbel or Weibull laws; `anderson_ksamp` compares samples and floors p at 0.001
+without a resampling method; `goodness_of_fit` and the resampling methods are Monte Carlo, their p no finer than
+one over their draws); the binomial counts are exact at any level.
 
 Out-of-support tokens (p = 0 under the chain: a truncation sampler cut them) fail outright, beyond a tolerance from
 the logit margin: the scorer's decode computes the logits in other batches than the run did, which moves them by
