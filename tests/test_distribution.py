@@ -138,3 +138,193 @@ def test_bench_sampling_option_is_checked_in_one_line(capsys):
     assert out.stderr.strip().splitlines() == [
         "specharness: error: --sampling: unknown fields temprature (llama-server's /completion names)"
     ]
+
+
+def _outcome(round_, tokens, seed=42, strata=None, stop="limit", ok=True):
+    from types import SimpleNamespace
+
+    from harness.result import Result
+
+    result = Result(prompt_tokens=[1, 2], tokens=list(tokens), stop_reason=stop if ok else "error",
+                    error=None if ok else "boom")  # fmt: skip
+    if strata is not None:
+        result.spec_stats = {"token_strata": strata}
+    return SimpleNamespace(round=round_, result=result)
+
+
+def test_one_output_per_seed_and_every_output_of_a_random_seed():
+    """Rounds replaying a seed share its uniforms (and a prefix): one of them, the first in round order, whatever its
+    tokens; outputs of random seeds are independent draws, identical ones included."""
+    from types import SimpleNamespace
+
+    cell = SimpleNamespace(id="inproc-seq-draft-simple-probabilistic-tiny-dense")
+    rounds = [_outcome(1, [5, 6, 7]), _outcome(0, [5, 6, 8]), _outcome(2, [5, 6, 7])]
+    kept = distribution.independent(rounds, Sampling(temperature=0.8, seed=42), cell, "a")
+    assert [o.round for o in kept] == [0]
+    failed_first = [_outcome(0, [], ok=False), _outcome(1, [5, 6])]
+    assert [o.round for o in distribution.independent(failed_first, Sampling(temperature=0.8, seed=3), cell, "a")] == [
+        1
+    ]
+    random = [_outcome(0, [5, 6]), _outcome(1, [5, 6]), _outcome(2, [9])]
+    assert len(distribution.independent(random, Sampling(temperature=0.8, seed=-1), cell, "a")) == 3
+    seen: set = set()  # a pool: the same seed in another cell or case adds nothing
+    assert len(distribution.independent(rounds, Sampling(temperature=0.8, seed=42), cell, "a", seen)) == 1
+    assert distribution.independent(rounds, Sampling(temperature=0.8, seed=42), cell, "b", seen) == []
+
+
+def test_a_token_outside_the_support_fails_beyond_the_near_tie_floor_and_is_left_out_within_it():
+    outcomes = [_outcome(0, [5, 6, 7])]
+    scored = [{"scores": [[0.5, 0.0], [0.0, 1.0], [0.2, 0.3]], "lift": [[1, 0.01]]}]
+    within = distribution.sample(outcomes, scored, 1, floor=0.05)
+    assert len(within.u) == 2 and len(within.excused) == 1 and not within.beyond
+    beyond = distribution.sample(outcomes, [{**scored[0], "lift": [[1, 3.2]]}], 1, floor=0.05)
+    assert len(beyond.beyond) == 1 and "needs +3.2 nats" in beyond.beyond[0]
+    assert len(beyond.u) == 3  # reported, not left out: the case fails on it
+
+
+def _ctx(floor=0.05):
+    from types import SimpleNamespace
+
+    return SimpleNamespace(
+        noise_floor=SimpleNamespace(near_tie=floor, source="test"),
+        run=SimpleNamespace(suite=SimpleNamespace(name="s")),
+        cell=SimpleNamespace(id="c"),
+        case="a",
+    )
+
+
+def test_an_impossible_token_fails_the_case_whatever_its_ks():
+    outcomes = [_outcome(0, [5, 6, 7])]
+    scored = [{"scores": [[0.5, 0.0], [0.0, 1.0], [0.2, 0.3]], "lift": [[1, float("inf")]]}]
+    result = distribution._judge(_ctx(), outcomes, scored)
+    assert not result.passed
+    assert result.message.startswith("1 of 3 returned tokens are outside the chain's support beyond what numerics")
+    assert "token 6 at position 1" in result.message
+
+
+def _draws(n, rng, bias_in=None, strata="udb"):
+    """n scored tokens of random 50-token laws, their strata cycling through `strata`; in stratum `bias_in` the token
+    comes from a law that over-weights the most probable token (a lenient acceptance's bias)."""
+    rows, letters = [], ""
+    for i in range(n):
+        p = rng.dirichlet(np.full(50, 0.3))
+        letter = strata[i % len(strata)]
+        q = p.copy()
+        if letter == bias_in:
+            q[p.argmax()] += 0.5
+            q /= q.sum()
+        rows.append(list(rank_mass(p, int(rng.choice(50, p=q)))))
+        letters += letter
+    return rows, letters
+
+
+def test_a_bias_in_one_stratum_is_caught_and_named():
+    """3,000 tokens, a third of them bonus tokens drawn from a biased law: the case fails, in the bonus stratum,
+    with the message's head unchanged; the same draws unbiased pass."""
+    rng = np.random.default_rng(5)
+    rows, letters = _draws(3000, rng, bias_in="b")
+    outcomes = [_outcome(0, range(3000), strata=letters)]
+    result = distribution._judge(_ctx(), outcomes, [{"scores": rows}])
+    assert not result.passed
+    assert result.evidence["caught_by"]["stratum"] == "bonus", result.evidence["tests_made"]
+    assert (
+        result.message.startswith(
+            "the returned tokens are not draws from the target's distribution: Kolmogorov-Smirnov D = "
+        )
+        or "tail count" in result.message
+    )
+    assert "caught in stratum bonus" in result.message
+    assert result.evidence["strata"] == {"all": 3000, "undrafted": 1000, "drafted": 1000, "bonus": 1000}
+    clean_rows, _ = _draws(3000, np.random.default_rng(6))
+    clean = distribution._judge(_ctx(), outcomes, [{"scores": clean_rows}])
+    assert clean.passed and clean.evidence["p_value"] >= distribution.ALPHA
+
+
+def test_a_backend_without_strata_is_tested_in_all_only():
+    rows, _ = _draws(200, np.random.default_rng(7))
+    result = distribution._judge(_ctx(), [_outcome(0, range(200))], [{"scores": rows}])
+    assert result.passed and result.evidence["strata"] == {"all": 200}
+    assert {t["stratum"] for t in result.evidence["tests_made"]} == {"all"}
+
+
+def test_a_few_tokens_are_tested_not_skipped():
+    rows, _ = _draws(3, np.random.default_rng(8))
+    result = distribution._judge(_ctx(), [_outcome(0, range(3))], [{"scores": rows}])
+    assert result.not_run is None and result.passed and result.evidence["tokens"] == 3
+
+
+def test_the_engine_records_each_tokens_place_in_its_step():
+    """`token_strata`: one letter per returned token, the first undrafted; a `d` for every accepted draft token and
+    at most one redraw per step, at most one bonus per step; under checkpoint rollback (replays) too."""
+    from test_engine_rejection import serve
+
+    for model, rollback in (("tiny-dense", "auto"), ("tiny-hybrid", "checkpoint")):
+        require_model(model)
+        for r in serve(model, 0.8, rollback=rollback):
+            s, letters = r.spec_stats, r.spec_stats["token_strata"]
+            assert len(letters) == len(r.tokens) and set(letters) <= set("udb") and letters[0] == "u"
+            assert s["draft_n_accepted"] <= letters.count("d") <= s["draft_n_accepted"] + s["spec_cycles"]
+            assert letters.count("b") <= s["spec_cycles"] - s["spec_skip"]
+
+
+def test_the_lift_of_a_token_outside_top_k_is_its_logit_gap_to_the_kth(engine):
+    """The scorer's `lift`: the raise of a cut token's logit that brings it inside the chain's support; under top-k
+    alone, the gap between its logit and the k-th largest (bisection to 4e-6 nats)."""
+    from harness.engine.score import ChainLaw, lift
+
+    prompt = engine.model.tokenize("Write a quicksort demo in C.")
+    (row,) = [np.asarray(r, dtype=np.float32) for r in _rows(engine, prompt)]
+    sampling = Sampling(temperature=1.0, top_k=5, top_p=1.0, min_p=0.0, repeat_penalty=1.0)
+    law = ChainLaw(sampling, engine.model)
+    try:
+        law.accept_prompt(prompt)
+        order = np.argsort(-row.astype(np.float64), kind="stable")
+        assert law.law(row)[order[9]] == 0.0 and law.law(row)[order[4]] > 0.0
+        gap = float(row[order[4]]) - float(row[order[9]])
+        assert lift(law, row, int(order[9])) == pytest.approx(gap, abs=1e-4)
+        assert lift(law, row, int(order[4])) == pytest.approx(0.0, abs=1e-4)
+    finally:
+        law.free()
+
+
+def _rows(engine, prompt):
+    from harness.engine.score import _logit_rows
+
+    return _logit_rows(engine.ctx, prompt, [0])
+
+
+def _pooled_run(fault: str | None) -> list:
+    """The statistical suite's two cases repeated 6 times with fresh seeds (64 tokens each at temperature 0.5, no
+    end-of-generation) in the in-process draft-simple-probabilistic cell of tiny-dense: one law, 12 seeds."""
+    from harness.backends.choose import backend_factories
+    from harness.bench.distribution import repeated
+    from harness.checks import evaluate_cell
+    from harness.execute import ExecOptions, Executor
+    from harness.matrix import Cell
+    from harness.suites import load_suite
+
+    require_model("tiny-dense")
+    sampling = {"temperature": 0.5, "n_predict": 64, "ignore_eos": True}
+    suite = repeated(load_suite("statistical/sampling-distribution"), 6, sampling)
+    engine = {"fault": fault} if fault else {}
+    executor = Executor(ExecOptions(backends=backend_factories(), kv_scan="off", engine=engine))
+    run = executor.run(suite, Cell("inproc", "seq", "draft-simple-probabilistic", "tiny-dense"))
+    return [r for _, r in evaluate_cell(run, executor, None, ["distribution"], "")]
+
+
+def test_the_pool_of_a_laws_independent_outputs_finds_what_no_case_alone_does():
+    """lenient-accept at 64 tokens a case: no case fails alone (measured: adjusted p 0.015 to 1), the pool of the
+    12 seeds' outputs (768 tokens) does, in the drafted stratum (p 2.3e-11), and fails every case it holds; the
+    clean engine's pool passes (p 0.13)."""
+    faulty = _pooled_run("lenient-accept")
+    assert len(faulty) == 12 and all(r.evidence["p_value"] >= distribution.ALPHA for r in faulty)
+    assert all(not r.passed for r in faulty)
+    pool = faulty[0].evidence["pool"]
+    assert pool["outputs"] == 12 and pool["tokens"] == 768 and pool["p_value"] < distribution.ALPHA_POOL
+    assert pool["caught_by"]["stratum"] == "drafted"
+    assert faulty[0].message.startswith("tiny-dense's outputs pooled over 1 cells: the returned tokens are not draws")
+    clean = _pooled_run(None)
+    assert all(r.passed for r in clean), [r.message for r in clean if not r.passed]
+    assert (
+        clean[0].evidence["pool"]["outputs"] == 12 and clean[0].evidence["pool"]["p_value"] >= distribution.ALPHA_POOL
+    )

@@ -12,6 +12,7 @@ rounds, and counts the seeded noise rate of `lossless`'s count (harness.checks.s
 (cell, case, seed) once, however many rounds replay it.
 """
 
+import json
 import math
 from dataclasses import replace
 from pathlib import Path
@@ -43,17 +44,19 @@ def repeated(suite: Suite, runs: int, sampling: dict | None = None, rounds: list
     return replace(suite, cases=cases, rounds=list(rounds) if rounds else [suite.rounds[0]])
 
 
-def summary(p_values: list[float], tokens: list[int], alpha: float = 1e-6) -> dict:
-    """The p-values of one cell: how many tests failed at `alpha` (the check's, as its verdicts record it), their
-    histogram, their own uniformity."""
-    p = np.asarray(p_values, dtype=float)
+def summary(p_values: list[float], tokens: list[int], alpha: float = 1e-6, ks_p: list[float] | None = None) -> dict:
+    """The p-values of one cell: how many tests failed at `alpha` (the check's p-values, as its verdicts record
+    them: Bonferroni-adjusted over its tests), and the histogram and uniformity of `ks_p` (each case's KS p-value of
+    every token, exactly uniform on a clean build; `p_values` where not given)."""
+    checked = np.asarray(p_values, dtype=float)
+    failed = int((checked < alpha).sum())
+    p = checked if ks_p is None else np.asarray(ks_p, dtype=float)
     counts, _ = np.histogram(p, bins=BINS, range=(0.0, 1.0))
-    failed = int((p < alpha).sum())
     return {
         "tests": len(p),
         "failed": failed,
         "failed_upper_95": _upper(failed, len(p)),
-        "min_p": float(p.min()) if len(p) else math.nan,
+        "min_p": float(checked.min()) if len(p) else math.nan,
         "histogram": counts.tolist(),
         "p_uniform_ks": float(stats.kstest(p, "uniform").pvalue) if len(p) else math.nan,
         "tokens_per_test": float(np.mean(tokens)) if tokens else 0.0,
@@ -88,9 +91,17 @@ def measure(
             out[cell.id] = {"not_run": "; ".join(reasons)[:300]}
         else:
             out[cell.id] = summary(
-                [r.evidence.get("p_value", 0.0) for r in judged], [r.evidence["tokens"] for r in judged]
+                [r.evidence.get("p_value", 0.0) for r in judged],
+                [r.evidence["tokens"] for r in judged],
+                ks_p=[r.evidence.get("p_ks_all", r.evidence.get("p_value", 0.0)) for r in judged],
             )
             out[cell.id]["first_failure"] = next((r.message for r in judged if not r.passed), None)
+            pools = {
+                json.dumps(r.evidence["pool"], sort_keys=True)
+                for r in judged
+                if isinstance(r.evidence.get("pool"), dict)
+            }
+            out[cell.id]["pools"] = [json.loads(p) for p in sorted(pools)]  # the law's pooled test over the repetitions
         if on_cell:
             on_cell(cell.id, out[cell.id])
     return out

@@ -14,6 +14,12 @@ The output holds no end-of-generation token (a request stops on one without retu
 law is taken conditioned on "not an end-of-generation token": under that law each returned token is a draw, and
 the one draw that stopped the request is the one not returned.
 
+A returned token outside the chain's support (p = 0: a truncation sampler cut it) is either a fault or numerics:
+the scorer's one decode of prompt + output computes its logits in other batches than the run did, which moves
+them in the last bits. For each such token the scorer also returns its `lift`: the smallest raise of its logit
+(nats, the other logits unchanged) that puts it back inside the chain's support, found by bisection to LIFT_STEPS
+halvings of [0, LIFT_CAP] (inf beyond the cap); the check compares it with the calibrated near-tie floor.
+
 Per position the scorer returns (p, below): the conditioned probability of the returned token and the
 probability of the tokens ranked before it (descending probability, ties by lower id): a randomised probability
 integral transform below + V·p (V uniform) is then uniform on [0, 1) under the null.
@@ -32,6 +38,10 @@ from harness.result.logits import PositionLogits, capture
 from harness.suites.request import Sampling
 
 SCORES_DTYPE = np.float64
+LIFT_CAP = 64.0
+"""The largest logit raise (nats) `lift` searches: a token that needs more is reported at inf."""
+LIFT_STEPS = 24
+"""Bisection halvings of [0, LIFT_CAP] (a resolution of 4e-6 nats)."""
 
 
 def unscorable(sampling: Sampling) -> str | None:
@@ -217,8 +227,8 @@ def _stand_in(batch, entry: list, token: int) -> None:
 
 def score(model: Model, ctx: Context, sampling: Sampling, prompt: list[int], tokens: list[int]) -> dict:
     """Each returned token's (p, below) under the chain (see the module docstring), as
-    {"scores": [[p, below], ...]}; scoring stops at a token the grammar forbids ({"impossible_at": i}); or
-    {"unscorable": why}."""
+    {"scores": [[p, below], ...]} (with {"lift": [[i, nats], ...]} for the tokens outside the chain's support);
+    scoring stops at a token the grammar forbids ({"impossible_at": i}); or {"unscorable": why}."""
     why = unscorable(sampling)
     if why is not None:
         return {"unscorable": why}
@@ -228,18 +238,42 @@ def score(model: Model, ctx: Context, sampling: Sampling, prompt: list[int], tok
         return {"unscorable": f"prompt + output ({len(prompt) + len(tokens)}) exceed the context ({ctx.n_ctx_seq})"}
     law = ChainLaw(sampling, model)
     out: list[list[float]] = []
+    lifts: list[list[float]] = []
     try:
         law.accept_prompt(prompt)
         for i, logits in enumerate(_logit_rows(ctx, prompt, tokens)):
-            p = law.law(np.asarray(logits, dtype=np.float32))
+            row = np.asarray(logits, dtype=np.float32)
+            p = law.law(row)
             pt, below = rank_mass(p, tokens[i])
             if pt == 0.0 and law.grammar is not None and not math.isfinite(_grammar_logit(law, tokens[i])):
-                return {"scores": out, "impossible_at": i}
+                return {"scores": out, "impossible_at": i, **({"lift": lifts} if lifts else {})}
+            if pt == 0.0:
+                lifts.append([i, lift(law, row, tokens[i])])
             out.append([pt, below])
             law.accept(tokens[i])
     finally:
         law.free()
-    return {"scores": out}
+    return {"scores": out, **({"lift": lifts} if lifts else {})}
+
+
+def lift(law: ChainLaw, logits: np.ndarray, token: int) -> float:
+    """The smallest raise of `token`'s logit (nats, every other logit unchanged) that gives it probability > 0 under
+    `law` at this position: bisection over [0, LIFT_CAP] (inf where even the cap leaves it out). The chain's
+    truncations keep a token more readily as its own logit rises (top-k by rank, min-p against the top, top-p by the
+    mass before it), so inside-or-not is monotone in the raise."""
+
+    def inside(raise_by: float) -> bool:
+        raised = logits.copy()
+        raised[token] += np.float32(raise_by)
+        return bool(law.law(raised)[token] > 0)
+
+    if not inside(LIFT_CAP):
+        return math.inf
+    low, high = 0.0, LIFT_CAP
+    for _ in range(LIFT_STEPS):
+        mid = (low + high) / 2
+        low, high = (low, mid) if inside(mid) else (mid, high)
+    return high
 
 
 def _grammar_logit(law: ChainLaw, token: int) -> float:

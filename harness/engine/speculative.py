@@ -253,7 +253,11 @@ COUNTERS = (
 because their step's decode failed (the KV cache was full) before the step was retried without them.
 Beside them two lists per draft position k (0-based), over the verification steps that had a draft
 (replays not counted): `drafted_per_pos[k]`, the steps whose draft had a token at k, and
-`accepted_per_pos[k]`, the steps whose token at k was accepted (llama-server's `n_accepted_per_pos`)."""
+`accepted_per_pos[k]`, the steps whose token at k was accepted (llama-server's `n_accepted_per_pos`). And
+`token_strata`, one letter per returned token: its place in the step that emitted it, a function of what came
+before the token, never of whether it was accepted (the `distribution` check's strata, harness.checks.distribution):
+`u` a step without a draft (the first token after the prompt among them), `d` a position that had a drafted token
+(the draft accepted there, or the draw after its rejection), `b` the token after a wholly accepted draft."""
 
 
 class Speculation:
@@ -293,6 +297,8 @@ class Speculation:
         for d in self.mirrors:
             d.scans = scans  # the KV scan is on: keep what a draft context held when it stopped following
         self.replays: dict[int, list[int]] = {}
+        self.strata: dict[int, str] = {}
+        """slot → the strata of its last verification's sampled tokens (`token_strata`; a replay emits them)."""
         self.prepared: dict[int, tuple[list[int], float]] = {}
         """slot → its draft of this step drafted with the other slots' (`prepare`) and its share of the time."""
         self.attempts: dict[int, int] = {}
@@ -309,6 +315,7 @@ class Speculation:
         if self.geometry is not None:
             slot.result.split_rollbacks = []
         self.replays.pop(slot.id, None)
+        self.strata.pop(slot.id, None)
         self.attempts[slot.id] = 0
         for index, d in enumerate(self.drafters):
             d.begin(self._seq(slot.id, d), list(slot.prompt))
@@ -329,6 +336,8 @@ class Speculation:
         stats = slot.result.spec_stats
         if "draft_ms" in stats:
             stats["draft_ms"] = round(stats["draft_ms"], 3)
+            # the tokens of one-token steps (no draft: the scheduler samples them without `verify`)
+            stats["token_strata"] = stats.get("token_strata", "").ljust(len(slot.result.tokens), "u")
 
     def scan(self, slot) -> dict | None:
         """The KV scanner's verdict on the draft context's copy of the slot's sequence (the first draft model's
@@ -505,6 +514,7 @@ class Speculation:
         if plan.replay:
             stats["n_redecoded"] += k
         else:
+            self.strata[slot.id] = "d" * min(k, len(sampled)) + "b" * (len(sampled) > k)
             stats["spec_cycles"] += 1
             stats["draft_n"] += k
             stats["draft_n_accepted"] += n_match
@@ -531,7 +541,14 @@ class Speculation:
         if plan.sampler_backup is not None:
             plan.sampler_backup.free()
         slot.n_past = plan.base + 1 + n_match
-        return slot.emit_all(sampled, logits)
+        before = len(slot.result.tokens)
+        done = slot.emit_all(sampled, logits)
+        stats = slot.result.spec_stats
+        strata = stats.get("token_strata", "").ljust(before, "u")  # tokens of one-token steps, the first among them
+        stats["token_strata"] = (strata + self.strata.get(slot.id, "")).ljust(len(slot.result.tokens), "u")[
+            : len(slot.result.tokens)
+        ]
+        return done
 
     def _roll_back(self, slot, plan: StepPlan, sampled: list[int], logits: list, n_match: int) -> bool:
         base, keep = plan.base, plan.base + 1 + n_match
