@@ -43,10 +43,17 @@ def test_a_four_row_batch_moves_the_quantized_model_more_than_its_float_source()
     assert all(s.flips == 0 for s in source.values())
 
 
+ROUNDING = 1e-5
+"""A logit difference of a few float32 ulps (logits of magnitude ~10: an ulp is ~1e-6)."""
+
+
 def test_the_mtp_stand_in_moves_from_four_rows_on():
+    """Below four rows the batch takes the single decode's kernels (at most a rounding difference: 0 on the machine of
+    2026-12-04, 1.9e-06 in 3 of 72 rows on the AMD EPYC of 2026-12-05); from four rows on another kernel moves every
+    row (1.3e-04 there), the verification batch of a draft of 3."""
     shifts = batch_vs_single(resolve("tiny-hybrid-mtp-wide-q4_k").path, (3, 4), prompts=PROMPTS[:2], n_gen=12)
-    assert shifts[3].max_abs == 0.0
-    assert shifts[4].moved == shifts[4].rows > 0 and shifts[4].max_abs > 0
+    assert shifts[3].max_abs <= ROUNDING and shifts[3].flips == 0
+    assert shifts[4].moved == shifts[4].rows > 0 and shifts[4].max_abs > 10 * ROUNDING
 
 
 def test_a_quantized_model_is_drafted_by_its_float_source():

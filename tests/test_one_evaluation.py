@@ -17,6 +17,13 @@ USERS = {
     "bisect/judge.py": "bisect",
     "shrink/trial.py": "shrink",
 }
+SEEDED_COUNTING = {
+    "harness.checks.seeded.draws",
+    "harness.checks.seeded.seeded_keys",
+    "harness.checks.seeded.noise_bound",
+}
+"""The seeded check's counting, which calibration measures a device's noise rate with (harness/calibration/seeded.py:
+the distinct draws of a seeded group and the upper bound of a count): readings, no verdict, kept in one place."""
 MAY_IMPORT = {
     "evaluate_cell",
     "harness_errors",
@@ -26,11 +33,12 @@ MAY_IMPORT = {
     "harness.checks.base.CheckResult",
     "harness.checks.acceptance.Acceptance",
     "seeded",  # bench seeded counts draws with the check's own counting (harness.checks.seeded.draws): one place
+    *SEEDED_COUNTING,
 }
 """What a module outside harness/checks/ may take from it: the one evaluation, its harness errors, the check names
 (CHECKS: the selftest's columns, docgen's table), the verdict's type, and readings that are no verdict (a request
 that did not complete; the KV findings a repro bundle names; a request's acceptance arithmetic, which calibration
-measures its spread with)."""
+measures its spread with; the seeded check's counting, SEEDED_COUNTING)."""
 
 
 def _modules():
@@ -78,6 +86,6 @@ def test_run_the_plugin_bisect_and_shrink_evaluate_through_evaluate_cell():
 def test_calibration_calls_no_check_and_reads_a_cells_end_as_evaluate_cell_does():
     source = "\n".join(p.read_text() for p in sorted((PACKAGE / "calibration").glob("*.py")))
     source += (PACKAGE / "commands/calibrate.py").read_text()
-    assert _taken_from_checks(ast.parse(source)) == {"harness.checks.acceptance.Acceptance"}
+    assert _taken_from_checks(ast.parse(source)) == {"harness.checks.acceptance.Acceptance", *SEEDED_COUNTING}
     assert "run.fault or run.crash" in source and "reference.fault or reference.crash" in source
     assert "run.fault" in (PACKAGE / "checks/__init__.py").read_text()

@@ -18,6 +18,7 @@ import tarfile
 import threading
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 from filelock import FileLock
@@ -677,6 +678,7 @@ def test_an_http_error_answer_looks_briefly_for_an_exit_and_a_dropped_connection
 
     session = object.__new__(server_backend.ServerSession)
     session._lock, session._stalls, session._killed = threading.Lock(), {}, {}
+    session.config = SimpleNamespace(n_slots=1)  # one slot: an error answered there was served on slot 0
     server = Alive()
     answered = session._failed(server, ServerError(500, KV_FULL_MESSAGE), quicksort("C"))
     dropped = session._failed(server, ConnectionLost("/completion: connection reset"), quicksort("C"))
@@ -684,3 +686,4 @@ def test_an_http_error_answer_looks_briefly_for_an_exit_and_a_dropped_connection
     assert server_backend.ANSWERED_GRACE_S < 1 < server_backend.CRASH_GRACE_S
     assert answered.stop_reason == dropped.stop_reason == "error"
     assert answered.error.startswith("context_full: HTTP 500")
+    assert answered.slot_id == dropped.slot_id == 0  # a live server with one slot served the request on slot 0

@@ -228,6 +228,34 @@ def test_outside_seq_round_counters_are_compared_only_on_the_baseline_s_rounds(t
     assert not _same_rounds({**server, "spec_cycles": 20}, {"draft_n": 68, "draft_n_accepted": 53})
 
 
+def test_in_seq_round_counters_are_compared_only_where_the_drafter_proposed_as_in_the_baseline(tmp_path, clean):
+    """A drafter's near-ties flip with the CPU's kernels (Gemma's q2_k drafter drafted 91 against 87 on an AVX2-only
+    machine, same output, 22 partial rollbacks against 19): a request whose drafted count is not its row's has other
+    rounds, so its checkpoints and rollbacks are not compared (`other_drafts` says so); with the row's drafts they
+    are, and one checkpoint more than the row fails."""
+    root, path, data = java_baseline(tmp_path)
+    row = data["work"]["seq/draft-simple"][1]
+    row["ckpt_created"] -= 1  # the baseline's round 1 created one checkpoint less
+    path.write_text(json.dumps(data))
+    narrowing = {**CELL, "modes": ["seq"]}
+    verdicts, _ = run(clean, root=root, narrowing=narrowing)
+    (java,) = [r for _, k, _, r in verdicts if r.name == "work" and k == "Java"]
+    assert not java.passed and "ckpt_created" in java.message and "Java round 1" in java.message
+    row["draft_n"] += 4  # the same request drafted four tokens more where it was recorded
+    path.write_text(json.dumps(data))
+    verdicts, _ = run(clean, root=root, narrowing=narrowing)
+    (java,) = [r for _, k, _, r in verdicts if r.name == "work" and k == "Java"]
+    assert java.passed and java.evidence["rounds_not_compared"] == 1
+    assert java.evidence["other_drafts"] == [
+        f"Java round 1: drafted draft_n {row['draft_n'] - 4} against {row['draft_n']} in the baseline"
+    ]
+    row["prompt_read"], row["prompt_reused"] = row["prompt_read"] - 1, 1  # not a round counter: still compared
+    path.write_text(json.dumps(data))
+    verdicts, _ = run(clean, root=root, narrowing=narrowing)
+    (java,) = [r for _, k, _, r in verdicts if r.name == "work" and k == "Java"]
+    assert not java.passed and "prompt_read" in java.message
+
+
 def test_outside_seq_llama_server_s_checkpoint_counts_are_not_compared(tmp_path, clean):
     """llama-server fills its batch with the slots' tokens in turn, so outside seq where a prompt breaks (and so how
     many prompt checkpoints it makes) depends on the other slots (small-batch par: 2 against 1, same output): its

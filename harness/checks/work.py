@@ -45,6 +45,15 @@ prompt cache) into rounds with 2, 3 and 4 partial rollbacks in 3 requests and ru
 rounds and the baseline's rows hold none of its log's (harness.result.Work.steps), so against the baseline they are
 not compared there (`rounds_not_compared` in the evidence) and the other counters are: outside `seq` llama-server's
 rounds are compared with seq's same requests instead (`against_seq`), whose counts the baseline judges."""
+OTHER_DRAFTS = "the drafter proposed other tokens than in the baseline"
+"""Why a request's ROUND_COUNTERS are not compared with its baseline row in any mode, `seq` included, where its
+drafted or accepted count is not the row's (`other_drafts` in the evidence): its rounds follow other drafts, so its
+checkpoints and rollbacks are not like with like. A drafter's near-ties flip with the CPU's kernels like a target's:
+Gemma 3 270M's q2_k-pure drafter on an AVX2-only machine (AMD family 23) drafted 91 tokens, 23 accepted, for w1
+iterative.turn2 (llama-server, seq, draft-simple) against 87 and 25 recorded on an AVX-512 one (family 25), same
+output, 3 runs alike: 22 partial rollbacks against 19 (2026-12-05). The drafts themselves are `acceptance`'s to judge
+(calibrated per machine); the other counters, and the rounds of every request whose drafts are the row's, are still
+compared."""
 SPLITS_UNREPORTED = ("server",)
 """Backends whose split of a request into batches is shared with the other slots and not reported: llama-server
 fills its logical batch (n_batch) with the slots' tokens in turn, so outside `seq` where a slot's prompt breaks depends
@@ -343,8 +352,8 @@ def against_baseline(ctx: CheckContext, counted: list) -> CheckResult:
     token with a slack; outside `seq` a request that met another prompt cache or drafted another number of tokens
     than in the baseline (llama-server lends it any slot, and slots share ngram-mod's table) is not compared, and
     its checkpoint and rollback counters only where its rounds are known to be the baseline's (llama-server reports
-    neither its rounds nor its prompt's batches: SPLITS_UNREPORTED). A counter the backend cannot count (None) is not
-    compared.
+    neither its rounds nor its prompt's batches: SPLITS_UNREPORTED) and, in every mode, its drafts are
+    (OTHER_DRAFTS). A counter the backend cannot count (None) is not compared.
     Fails naming the counters and the request; not run where the baseline holds none for the cell
     (`--update-baselines` records it) or none of the requests could be compared (`work` has already set aside
     the cases it cannot judge and requests without counted work)."""
@@ -366,6 +375,7 @@ def against_baseline(ctx: CheckContext, counted: list) -> CheckResult:
     # follow the rounds too
     round_counters = ROUND_COUNTERS + (("target_decoded",) if ctx.cell.backend in SPLITS_UNREPORTED else ())
     failures, compared, worst, grown, skipped, rounds_skipped, other = [], 0, None, set(), 0, 0, 0
+    other_drafts = []  # requests whose drafter proposed otherwise than in the baseline: their rounds not compared
     earlier = store.earlier_replies(ctx)  # a chat turn after a reply other than the baseline's has another prompt
     for o in counted:
         row = by_round.get(o.round)
@@ -382,10 +392,14 @@ def against_baseline(ctx: CheckContext, counted: list) -> CheckResult:
             skipped += 1
             continue
         compared += 1
-        rounds_known = ctx.cell.mode not in CACHE_MOVES or (
-            ctx.cell.backend not in SPLITS_UNREPORTED and _same_rounds(o.result.spec_stats, row)
+        drafts = _other_drafts(o.result.spec_stats, row)
+        rounds_known = drafts is None and (
+            ctx.cell.mode not in CACHE_MOVES
+            or (ctx.cell.backend not in SPLITS_UNREPORTED and _same_rounds(o.result.spec_stats, row))
         )
         rounds_skipped += not rounds_known
+        if drafts is not None:
+            other_drafts.append(f"{ctx.case} round {o.round}: {drafts}")
         # another output than the row's (numerics of another machine, a flip): other drafts, other steps, so only
         # the prompt's work is like with like; `lossless` / `baseline` judge the tokens
         same = row.get("output") == output_digest(o.result.tokens)
@@ -413,6 +427,8 @@ def against_baseline(ctx: CheckContext, counted: list) -> CheckResult:
         evidence["not_compared"] = skipped  # requests whose cache or drafts moved (CACHE_MOVES)
     if rounds_skipped:
         evidence["rounds_not_compared"] = rounds_skipped  # requests whose rounds are not known to be the baseline's
+    if other_drafts:
+        evidence["other_drafts"] = other_drafts[:10]  # why: the drafter's proposals differ (OTHER_DRAFTS)
     if other:
         evidence["other_output"] = other  # requests whose output is not the row's: their prompt's work only
     if not compared:
@@ -430,6 +446,15 @@ def against_baseline(ctx: CheckContext, counted: list) -> CheckResult:
         message = f"more work than the baseline in {', '.join(counters)}; {worst[2]}{more}"
         return CheckResult("work", False, message, evidence, failures=failures)
     return CheckResult("work", True, evidence=evidence)
+
+
+def _other_drafts(stats: dict, row: dict) -> str | None:
+    """How a request's drafts differ from its baseline row's (OTHER_DRAFTS): its drafted and accepted counts
+    against the row's where the row stores them, None where they are the same (or the row stores neither)."""
+    fields = [(f, stats.get(f, 0), row[f]) for f in ("draft_n", "draft_n_accepted") if row.get(f) is not None]
+    if all(now == before for _, now, before in fields):
+        return None
+    return "drafted " + ", ".join(f"{f} {now} against {before}" for f, now, before in fields) + " in the baseline"
 
 
 def _same_rounds(stats: dict, row: dict) -> bool:
