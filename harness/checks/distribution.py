@@ -26,7 +26,6 @@ import numpy as np
 from scipy import stats
 
 from harness.checks.base import NO_OUTPUT, NOT_SPECULATIVE, CheckContext, CheckResult, not_run
-from harness.matrix import spec_preset
 from harness.suites.request import Request
 
 ALPHA = 1e-6
@@ -58,7 +57,7 @@ def case_seed(ctx: CheckContext) -> int:
 def output_distribution(ctx: CheckContext) -> CheckResult | None:
     """A speculative cell's sampled tokens are draws from the target's distribution under the request's chain."""
     sampling = ctx.case_def.sampling
-    if not spec_preset(ctx.cell.spec).speculative:
+    if not ctx.cell.preset.speculative:
         return not_run("distribution", NOT_SPECULATIVE)
     if sampling.greedy:
         return not_run("distribution", "the case decodes greedily: its tokens are the argmax, not draws")

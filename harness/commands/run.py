@@ -35,7 +35,7 @@ from harness.execute.run_options import (
     prepare_out,
     run_defaults,
 )
-from harness.matrix import Cell, Shard, canonical, cells, narrowing, spec_preset
+from harness.matrix import Cell, Shard, canonical, cells, narrowing
 from harness.models import ModelUnavailable, resolve
 from harness.models.facts import run_models
 from harness.paths import reports_dir
@@ -249,7 +249,7 @@ def print_verdicts(
     served_otherwise = {
         (r.suite.name, r.cell)
         for r in runs
-        if r.spec is not None and canonical(r.spec) != canonical(spec_preset(r.cell.spec).options)
+        if r.spec is not None and canonical(r.spec) != canonical(r.cell.preset.options)
     }
     shown = {r.evidence.get("known_failure") for *_, r in verdicts}
     covering = [e for e in known if any(e.covers(s, c, overrides) for s, c in done) and e.id not in shown]

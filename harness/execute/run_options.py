@@ -14,7 +14,7 @@ from harness.backends.base import KV_SCAN, STALL_FLOOR_S
 from harness.engine.faults import FAULTS
 from harness.engine.speculative import SpecConfig
 from harness.errors import HarnessError
-from harness.execute import ExecOptions
+from harness.execute.executor import ExecOptions
 from harness.matrix import SPEC_PRESETS
 from harness.suites.rollback_options import CHECKPOINT_KINDS, STRATEGIES
 
