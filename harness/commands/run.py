@@ -19,9 +19,9 @@ from rich.table import Table
 from harness import interrupt
 from harness.argtypes import csv
 from harness.backends.build import require_executable
+from harness.backends.build.versions import planned_versions
 from harness.backends.choose import backend_factories
 from harness.backends.facts import run_backends
-from harness.backends.versions import planned_versions
 from harness.calibration import ensure as ensure_calibrated
 from harness.checks import harness_errors
 from harness.engine import detok as detokenizers

@@ -180,7 +180,7 @@ def baselines_range(text: str) -> str:
     """`--baselines-range`: a llama.cpp version item (bA..bB, bN, a commit), checked."""
     import argparse
 
-    from harness.backends.versions import parse_item
+    from harness.backends.build.versions import parse_item
 
     try:
         parse_item(text)
