@@ -12,7 +12,7 @@ from pathlib import Path
 from harness.argtypes import count, seconds
 from harness.backends.base import KV_SCAN, STALL_FLOOR_S
 from harness.engine.faults import FAULTS
-from harness.engine.speculative import SpecConfig
+from harness.engine.spec_config import SpecConfig
 from harness.errors import HarnessError
 from harness.execute.executor import ExecOptions
 from harness.matrix import SPEC_PRESETS
