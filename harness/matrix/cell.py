@@ -8,8 +8,6 @@ from pathlib import Path
 from harness import DEFAULT_MODELS, MODES
 from harness.errors import HarnessError, Unservable
 from harness.matrix.presets import SpecPreset, served_options, spec_preset
-from harness.models import draft_for, resolve
-from harness.models.registry import HEAD_TYPES, has_mtp_block, head_draft_for
 
 BACKEND_NAMES = ("inproc", "server")
 
@@ -44,6 +42,10 @@ class Cell:
         """The draft model served beside the cell's model under its served `options` (None when its drafters need
         none): `chosen` (`--draft-model`), else the model's registered draft (`draft-simple`) or generated head
         (`draft-eagle3` / `-dflash` / `-dspark`). Unservable where the model lacks what the spec needs."""
+        # the model registry is loaded where a cell is served, not with the matrix (as in estimated_cost)
+        from harness.models import draft_for, resolve
+        from harness.models.registry import HEAD_TYPES, has_mtp_block, head_draft_for
+
         draft = None
         types = str(options.get("spec-type", "")).split(",")
         if "draft-simple" in types:
