@@ -497,3 +497,4 @@ def _explained(err: Exception, server: LlamaServer) -> str:
 
 def _case(request: Request) -> str:
     """How errors name a request: its case, when it has a tag."""
+    return f"case {request.tag}" if request.tag else "the request"
