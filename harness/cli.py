@@ -11,7 +11,7 @@ from harness.errors import HarnessError
 
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser with one subcommand per concern (each module adds its own)."""
-    from harness.backends import build_cli
+    from harness.backends.build import cli as build_cli
     from harness.bench import cli as bench_cli
     from harness.bisect import cli as bisect_cli
     from harness.commands import calibrate, scaffold, selftest

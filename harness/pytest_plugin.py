@@ -17,9 +17,9 @@ import pytest
 from harness import MODES, interrupt
 from harness.argtypes import count, csv
 from harness.backends.base import KV_SCAN
+from harness.backends.build.versions import UNKNOWN, planned_versions
 from harness.backends.choose import backend_factories
 from harness.backends.facts import run_backends
-from harness.backends.versions import UNKNOWN, planned_versions
 from harness.checks import evaluate_cell, harness_errors
 from harness.engine import detok
 from harness.errors import HarnessBug, HarnessError

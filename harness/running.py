@@ -69,7 +69,7 @@ def wide_console() -> Console:
 
 def known_failures(extra: Path | None = None, versions: dict | None = None) -> tuple[list, list[str]]:
     """The known-failures entries of the suites in use and of a `--suites-dir` that apply to the backends'
-    llama.cpp `versions` (harness/backends/versions.py `planned_versions`; None: every entry), and a line for each
+    llama.cpp `versions` (harness/backends/build/versions.py `planned_versions`; None: every entry), and a line for each
     entry that does not apply (fixed in a tag, or not known for this version)."""
     entries = [*load_known(suites_dir() / KNOWN_FAILURES), *(load_known(extra / KNOWN_FAILURES) if extra else [])]
     return scoped(entries, versions) if versions is not None else (entries, [])

@@ -30,7 +30,8 @@ from bisect_history import (
 )
 from interrupts import interrupt, left_behind, spawn, wait_for_phase
 
-from harness.backends.build import TREE_MARKER, build_tree_dir, cmake_options
+from harness.backends.build import build_tree_dir, cmake_options
+from harness.backends.build.cmake import TREE_MARKER
 from harness.bisect.judge import BAD, GOOD, SKIP, verdict_of
 from harness.bisect.plan import from_run, from_suite
 from harness.bisect.releases import release_range

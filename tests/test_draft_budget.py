@@ -15,7 +15,7 @@ from harness.checks import CHECKS
 from harness.checks.base import CheckContext
 from harness.engine import ContextParams, Engine
 from harness.engine.drafters.scripted import Scripted
-from harness.engine.speculative import SpecConfig
+from harness.engine.spec_config import SpecConfig
 from harness.execute import CellRun, Outcome
 from harness.matrix import Cell
 from harness.models import resolve

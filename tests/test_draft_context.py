@@ -12,7 +12,7 @@ from harness.backends.server_backend import ServerBackend
 from harness.engine.context import Context, ContextParams
 from harness.engine.drafters.draft_model import DraftSimple
 from harness.engine.model import Model
-from harness.engine.speculative import SpecConfig
+from harness.engine.spec_config import SpecConfig
 from harness.errors import HarnessError
 from harness.matrix import SPEC_PRESETS
 from harness.models import draft_for, resolve

@@ -11,7 +11,7 @@ from harness.backends.build import ensure_server
 from harness.backends.inproc import InprocBackend
 from harness.backends.server_backend import ServerBackend
 from harness.engine import ContextParams, Engine
-from harness.engine.speculative import SpecConfig
+from harness.engine.spec_config import SpecConfig
 from harness.errors import HarnessError
 from harness.execute import ExecOptions, serve_config
 from harness.llama.defaults import INVALID_BATCH

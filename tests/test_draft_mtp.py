@@ -9,7 +9,7 @@ from harness.backends.inproc import InprocBackend
 from harness.backends.server_backend import ServerBackend
 from harness.engine import ContextParams, Engine
 from harness.engine.slot_state import SavedSlot
-from harness.engine.speculative import SpecConfig
+from harness.engine.spec_config import SpecConfig
 from harness.errors import HarnessError
 from harness.execute import ExecOptions, serve_config
 from harness.matrix import Cell

@@ -16,7 +16,7 @@ from harness.engine.drafters import draft_model
 from harness.engine.drafters.draft_model import greedy_token, top10_best
 from harness.engine.drafters.ngram_simple import RFIND_WINDOW, iter_ngram, rfind_ngram
 from harness.engine.model import Model
-from harness.engine.speculative import SpecConfig
+from harness.engine.spec_config import SpecConfig
 from harness.models import draft_for, resolve
 from harness.result.logits import SAMPLE_STRIDE, capture
 

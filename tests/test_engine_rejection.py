@@ -19,7 +19,7 @@ from harness.engine.sampler import (
     accept_or_redraw,
     mask_by_grammar,
 )
-from harness.engine.speculative import SpecConfig
+from harness.engine.spec_config import SpecConfig
 from harness.errors import HarnessError
 from harness.execute import ExecOptions, serve_config
 from harness.matrix import Cell, spec_preset

@@ -22,7 +22,8 @@ from harness.checks import CHECKS, evaluate_cell
 from harness.engine import ContextParams, Engine
 from harness.engine.drafters.scripted import Scripted
 from harness.engine.slot import Slot
-from harness.engine.speculative import SpecConfig, Speculation
+from harness.engine.spec_config import SpecConfig
+from harness.engine.speculative import Speculation
 from harness.execute import ExecOptions, Executor
 from harness.matrix import Cell
 from harness.models import resolve

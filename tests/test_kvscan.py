@@ -321,7 +321,7 @@ def test_bad_magic_and_truncation_are_one_line_errors(blobs):
 def _as_version_4(v3: bytes, n_tokens: int) -> bytes:
     """A version-3 ggsq file of one dense sequence rewritten as llama.cpp b11434 writes it (LLAMA_STATE_SEQ_VERSION
     4): the KV data header gains the K and V rotation sizes (`n_rot_k`, `n_rot_v`) after v_trans and the layer count."""
-    from harness.kv.scan import _Parser
+    from harness.kv.parse import _Parser
 
     body = 12 + 4 * n_tokens
     n_stream = struct.unpack_from("<I", v3, body)[0]

@@ -22,6 +22,7 @@ CONTRACTS = {
     "checks-no-executor",
     "reports-read-stored-runs",
     "commands-on-top",
+    "docs-and-cli-on-top",
     "stages",
     "verdict-policy",
     "no-circles",
@@ -68,6 +69,7 @@ def copy(tmp_path) -> Path:
         ("harness/checks/budget.py", "import harness.execute", "checks never import the executor"),
         ("harness/report/charts.py", "import harness.backends.flags", "reports read stored runs"),
         ("harness/shrink/driver.py", "import harness.commands.run", "commands sit on top"),
+        ("harness/running.py", "import harness.docgen", "docs generation and the CLI sit on top"),
         ("harness/suites/request.py", "import harness.execute", "the stages in order"),  # a stage reaching up
         ("harness/verdict/noise.py", "import harness.report.files", "one judge"),  # the policy reading a report
         ("harness/errors.py", "import harness.matrix", "no import circles"),  # matrix imports errors

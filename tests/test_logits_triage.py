@@ -10,7 +10,7 @@ import pytest
 from harness.engine import ContextParams, Engine
 from harness.engine.drafters.scripted import Scripted
 from harness.engine.model import Model
-from harness.engine.speculative import SpecConfig
+from harness.engine.spec_config import SpecConfig
 from harness.result.logits import (
     PositionLogits,
     Tolerances,

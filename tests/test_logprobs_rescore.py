@@ -23,7 +23,7 @@ from harness.engine.context import Context
 from harness.engine.drafters.scripted import Scripted
 from harness.engine.model import Model
 from harness.engine.score import _logit_rows
-from harness.engine.speculative import SpecConfig
+from harness.engine.spec_config import SpecConfig
 from harness.suites.request import Request, Sampling
 from harness.verdict import noise
 

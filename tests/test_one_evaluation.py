@@ -88,4 +88,4 @@ def test_calibration_calls_no_check_and_reads_a_cells_end_as_evaluate_cell_does(
     source += (PACKAGE / "commands/calibrate.py").read_text()
     assert _taken_from_checks(ast.parse(source)) == {"harness.checks.acceptance.Acceptance", *SEEDED_COUNTING}
     assert "run.fault or run.crash" in source and "reference.fault or reference.crash" in source
-    assert "run.fault" in (PACKAGE / "checks/__init__.py").read_text()
+    assert "run.fault" in (PACKAGE / "checks/registry.py").read_text()

@@ -26,7 +26,7 @@ import yaml
 from seeded import seeded_tree
 
 from harness.backends.build import BuildInfo, cached_server, ensure_server
-from harness.backends.tags import extracted_tag_source, tag_cmake_args
+from harness.backends.build.tags import extracted_tag_source, tag_cmake_args
 from harness.errors import HarnessError
 
 ROOT = Path(__file__).resolve().parents[1]

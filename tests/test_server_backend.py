@@ -24,19 +24,19 @@ import pytest
 from filelock import FileLock
 from helpers import kill_when_busy, quicksort
 
-from harness.backends import build as build_module
 from harness.backends.base import ServeConfig
 from harness.backends.build import (
     SOURCE_MARKER,
-    build_key,
-    check_platform,
     cmake_options,
     ensure_server,
     prebuilt_server,
     source_identity,
-    tree_digest,
     vendored_source,
 )
+from harness.backends.build import sources as build_module
+from harness.backends.build.cmake import check_platform
+from harness.backends.build.ensure import build_key
+from harness.backends.build.sources import tree_digest
 from harness.backends.client import LlamaClient
 from harness.backends.server import LlamaServer
 from harness.backends.server_backend import ServerBackend

@@ -19,7 +19,8 @@ import pytest
 from harness.backends.base import ServeConfig
 from harness.backends.build import ensure_server
 from harness.backends.client import LlamaClient
-from harness.backends.server_backend import ServerBackend, SlotPool, slot_ownership
+from harness.backends.server_backend import ServerBackend
+from harness.backends.server_slots import SlotPool, slot_ownership
 from harness.checks import kv_healthy, kv_problems
 from harness.result import Result
 from harness.suites.request import Request, Sampling

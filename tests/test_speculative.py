@@ -8,7 +8,7 @@ from helpers import LANGS, first_divergence, quicksort
 
 from harness.engine import ContextParams, Engine
 from harness.engine.drafters.scripted import Scripted
-from harness.engine.speculative import SpecConfig
+from harness.engine.spec_config import SpecConfig
 from harness.errors import HarnessError
 from harness.models import resolve
 from harness.suites.request import Request, Sampling
@@ -289,7 +289,7 @@ def test_chained_drafters_follow_llama_cpps_priority_ngram_before_draft_model(ti
     """common/speculative.cpp tries the n-gram types before draft-simple, whatever order the user wrote."""
     from harness.engine.context import Context
     from harness.engine.model import Model
-    from harness.engine.speculative import build_drafters
+    from harness.engine.spec_config import build_drafters
 
     model = Model(tiny_models["tiny-dense"].path)
     ctx = Context(model, ContextParams())

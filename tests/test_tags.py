@@ -7,11 +7,10 @@ import time
 
 import pytest
 
-from harness.backends import build_cache
 from harness.backends.build import BuildInfo, cached_server
-from harness.backends.flags import server_version
-from harness.backends.tags import extracted_tag_source, parse_versions, tag_cmake_args, tag_number
-from harness.backends.versions import (
+from harness.backends.build import cache as build_cache
+from harness.backends.build.tags import extracted_tag_source, parse_versions, tag_cmake_args, tag_number
+from harness.backends.build.versions import (
     UNKNOWN,
     LlamaVersion,
     commit_version,
@@ -20,6 +19,7 @@ from harness.backends.versions import (
     tag_version,
     version_line,
 )
+from harness.backends.flags import server_version
 from harness.cli import main
 from harness.errors import HarnessError
 from harness.verdict.known_failures import KnownFailure, load, scope_line, scoped

@@ -74,6 +74,6 @@ def test_a_kept_range_that_is_not_a_version_is_never_read(tmp_path):
     plain = tmp_path / "c--m--server--cpu.json"
     plain.write_text("{}")
     plain.with_name("c--m--server--cpu@whatever.json").write_text("{}")
-    from harness.backends.versions import tag_version
+    from harness.backends.build.versions import tag_version
 
     assert BaselineStore(tmp_path).versioned(plain, tag_version("b11434")) == plain

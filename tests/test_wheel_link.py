@@ -1,5 +1,6 @@
-"""llama-server built against llama-cpp-python's own libllama, libggml and libmtmd (harness/backends/wheel_link.py):
-only for a CPU tree whose library sources are the wheel's, never for another tree, backend or CMake option."""
+"""llama-server built against llama-cpp-python's own libllama, libggml and libmtmd
+(harness/backends/build/wheel_link.py): only for a CPU tree whose library sources are the wheel's, never for another
+tree, backend or CMake option."""
 
 from __future__ import annotations
 
@@ -11,17 +12,11 @@ from pathlib import Path
 
 import pytest
 
-from harness.backends.build import (
-    SOURCE_MARKER,
-    TARGETS,
-    build_tree_dir,
-    cmake_options,
-    ensure_server,
-    linkable_libraries,
-    vendored_source,
-)
+from harness.backends.build import SOURCE_MARKER, build_tree_dir, cmake_options, ensure_server, vendored_source
+from harness.backends.build.cmake import TARGETS
+from harness.backends.build.ensure import linkable_libraries
+from harness.backends.build.wheel_link import ARCHIVES, RUN_PATH, installed_libraries, link_inputs, link_plan, relinked
 from harness.backends.flags import server_version
-from harness.backends.wheel_link import ARCHIVES, RUN_PATH, installed_libraries, link_inputs, link_plan, relinked
 
 LINK = (
     ": && /usr/bin/c++ -O3 -DNDEBUG  tools/server/CMakeFiles/llama-server.dir/main.cpp.o -o bin/llama-server  "

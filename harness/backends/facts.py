@@ -2,8 +2,8 @@
 benchmark pages. The commands ask the live backends here and hand the facts to the report writer, which reads
 and writes stored runs only (it runs no llama.cpp tool)."""
 
+from harness.backends.build.versions import build_version, engine_version
 from harness.backends.flags import server_version
-from harness.backends.versions import build_version, engine_version
 from harness.errors import HarnessError
 
 

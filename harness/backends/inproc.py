@@ -25,7 +25,7 @@ from harness.backends.process import LogDir, crash_report, free_log_name
 from harness.engine import ContextParams
 from harness.engine.drafters.scripted import from_script
 from harness.engine.logging import is_verbose
-from harness.engine.speculative import SpecConfig
+from harness.engine.spec_config import SpecConfig
 from harness.engine.worker import PROMPT, STEPS, EngineArgs, serve
 from harness.errors import HarnessBug, HarnessError, LlamaAbort
 from harness.result import Result

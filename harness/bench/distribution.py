@@ -22,7 +22,7 @@ from scipy import stats
 
 from harness.checks import evaluate_cell, seeded
 from harness.execute import Executor
-from harness.matrix import cells, spec_preset
+from harness.matrix import cells
 from harness.suites import Suite, load_suite
 
 SEED_STRIDE = 7919
@@ -118,7 +118,7 @@ def measure_seeded(
     base = load_suite(suite_name, suites_dir)
     keep = [c for c in base.cases if not c.is_chat and not c.sampling.greedy and not c.sampling.random_seed]
     suite = repeated(replace(base, cases=keep), runs, rounds=base.rounds)
-    plan = [c for c in cells(suite.matrix, only) if c.spec != "none" and spec_preset(c.spec).keeps_seeded_tokens]
+    plan = [c for c in cells(suite.matrix, only) if c.spec != "none" and c.preset.keeps_seeded_tokens]
     executor.expect([(suite, c) for c in plan])
     out: dict = {"cells": {}, "by_backend_mode": {}}
     for cell in plan:

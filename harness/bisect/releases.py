@@ -17,7 +17,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from harness.backends.build import source_identity, vendored_source
-from harness.backends.tags import available_tags, tag_cmake_args, tag_number, tag_source
+from harness.backends.build.tags import available_tags, tag_cmake_args, tag_number, tag_source
 from harness.bisect.driver import check_end
 from harness.bisect.git import Commit
 from harness.bisect.plan import Plan

@@ -27,7 +27,7 @@ from harness.calibration.tolerances import (
 from harness.calibration.variants import IN_ORDER, UBATCH, Variant, prompts, specs_of, variants
 from harness.errors import HarnessError
 from harness.execute import ExecOptions, Executor
-from harness.matrix import Cell, spec_preset
+from harness.matrix import Cell
 from harness.models import resolve
 from harness.result.logits import compare, max_abs_quantile
 from harness.suites import Suite
@@ -158,7 +158,7 @@ def _pair_stats(reference, run, variant: Variant | None = None) -> dict:
 def _acceptance_counted(run, variant: Variant) -> list:
     """The requests of `run` whose acceptance counts toward the spread (`Variant.acceptance`): every one of a
     speculative run, none under a known defect of acceptance."""
-    if not spec_preset(run.cell.spec).speculative or not variant.acceptance:
+    if not run.cell.preset.speculative or not variant.acceptance:
         return []
     return list(run.outcomes)
 

@@ -123,7 +123,7 @@ def specs_of(backend: str, model: str) -> list[str]:
         for suite in suites
         if "acceptance" in suite.checks  # the check's name, as suites and known-failures.yaml write it
         for cell in cells(suite.matrix, {"models": [model]})
-        if cell.backend == backend and spec_preset(cell.spec).speculative
+        if cell.backend == backend and cell.preset.speculative
     ]
     return [s for s in dict.fromkeys([*SPECS[backend], *judged]) if _servable(Cell(backend, "seq", s, model))]
 
@@ -159,7 +159,7 @@ def variants(backend: str, model: str, only: list[str] | None = None) -> list[Va
     for name, cell, serve in out:
         numeric = defect_of(cell, entries=entries) is not None
         acceptance = defect_of(cell, {"acceptance"}, entries) is None
-        if not numeric or (spec_preset(cell.spec).speculative and acceptance):
+        if not numeric or (cell.preset.speculative and acceptance):
             kept.append(Variant(name, cell, serve, logits=not numeric, acceptance=acceptance))
     return kept
 

@@ -21,7 +21,6 @@ from dataclasses import dataclass, field
 
 from harness.checks.base import CheckContext, CheckResult, harness_fault, not_run
 from harness.errors import HarnessError
-from harness.matrix import spec_preset
 from harness.verdict.baselines import output_digest
 
 NAME = "acceptance"
@@ -217,7 +216,7 @@ class Plan:
 
 def check(ctx: CheckContext) -> CheckResult:
     """The `acceptance` check of one case: the steps below, in order (the module docstring says what they judge)."""
-    preset = spec_preset(ctx.cell.spec)
+    preset = ctx.cell.preset
     if not preset.speculative:
         return not_run(NAME, "the cell does not speculate")
     if not ctx.completed():
@@ -254,7 +253,7 @@ def tolerances(ctx: CheckContext) -> Plan:
 def _limit(plan: Plan, ctx: CheckContext, round_: int, label: str) -> tuple[float | None, str]:
     if label == "seq":
         return plan.modes, plan.modes_source
-    if ctx.run.suite.rounds[round_] == "par" and spec_preset(ctx.cell.spec).learns_across_requests:
+    if ctx.run.suite.rounds[round_] == "par" and ctx.cell.preset.learns_across_requests:
         return plan.concurrent, plan.concurrent_source
     return plan.tolerance, plan.source
 
@@ -285,7 +284,7 @@ def against_baseline(ctx: CheckContext, plan: Plan, mine: dict) -> None:
     rows = {row["round"]: row for row in stored}
     n = len(rows)
     rounds = ctx.run.suite.rounds
-    learns = spec_preset(ctx.cell.spec).learns_across_requests
+    learns = ctx.cell.preset.learns_across_requests
     done = {o.round: o for o in ctx.completed()}
     for r, (_, tokens) in sorted(mine.items()):
         pair = Pair("baseline", r)
@@ -318,7 +317,7 @@ def against_seq(ctx: CheckContext, plan: Plan, mine: dict) -> None:
     """Step 4: in `par` / `no-kv-unified`, with a drafter that keeps no state between requests, each request
     against the same request in `seq` of this run (a drafter state leaking between slots shows as a skew on
     some slots), where both produced the same output from the same prompt."""
-    if ctx.cell.mode == "seq" or spec_preset(ctx.cell.spec).learns_across_requests:
+    if ctx.cell.mode == "seq" or ctx.cell.preset.learns_across_requests:
         return
     seq_cell = ctx.cell.reference(mode="seq")
     theirs = {o.round: o for o in ctx.other(seq_cell) if o.result.ok}

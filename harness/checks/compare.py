@@ -15,7 +15,7 @@ from harness.verdict.triage import Divergence, triage
 
 NOT_RUN = "not_run"
 """The evidence key of a comparison that compared no request, with why: its check is not run
-(harness.checks.verdict), never passed."""
+(harness.checks.lossless.verdict), never passed."""
 
 
 def compare_outcome(

@@ -108,7 +108,7 @@ from scipy import stats
 
 from harness.checks.base import NO_OUTPUT, NOT_SPECULATIVE, CheckContext, CheckResult, not_run
 from harness.errors import HarnessError
-from harness.matrix import cells, spec_preset
+from harness.matrix import cells
 from harness.suites import case_keys
 from harness.suites.request import Request
 from harness.verdict.noise import NEAR_TIE
@@ -263,7 +263,7 @@ def independent(outcomes: list, sampling, cell, key: str, seen: set | None = Non
 def output_distribution(ctx: CheckContext) -> CheckResult | None:
     """A speculative cell's sampled tokens are draws from the target's distribution under the request's chain."""
     sampling = ctx.case_def.sampling
-    if not spec_preset(ctx.cell.spec).speculative:
+    if not ctx.cell.preset.speculative:
         return not_run("distribution", NOT_SPECULATIVE)
     if sampling.greedy:
         return not_run("distribution", "the case decodes greedily: its tokens are the argmax, not draws")
@@ -413,9 +413,7 @@ def _pool_cells(ctx: CheckContext) -> list:
     found = [
         c
         for c in (cells(suite.matrix) if suite.matrix else [])
-        if c.model == ctx.cell.model
-        and spec_preset(c.spec).speculative
-        and (c == ctx.cell or ctx.executor.planned(suite, c))
+        if c.model == ctx.cell.model and c.preset.speculative and (c == ctx.cell or ctx.executor.planned(suite, c))
     ]
     return found if ctx.cell in found else [ctx.cell, *found]
 

@@ -6,7 +6,6 @@ re-scoring of such positions, harness.execute.Rescorer, never writes into a Resu
 """
 
 from harness.checks.base import NO_OUTPUT, CheckContext, CheckResult, not_run
-from harness.matrix import spec_preset
 from harness.result.cellrun import Outcome
 from harness.result.logits import check as logits_within
 from harness.result.logits import compare as compare_logits
@@ -86,7 +85,7 @@ def probs_complete(ctx: CheckContext) -> CheckResult | None:
         "tokens": n_tokens,
         "without_probs": n_missing,
     }
-    if spec_preset(ctx.cell.spec).speculative and judged(sampling):
+    if ctx.cell.preset.speculative and judged(sampling):
         others += _disagreements(ctx, done, evidence)
     if not absent and not others:
         return CheckResult("probs-complete", True, evidence=evidence)

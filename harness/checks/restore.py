@@ -10,7 +10,6 @@ context only).
 """
 
 from harness.checks.base import NO_OUTPUT, NOT_SPECULATIVE, CheckContext, CheckResult, not_run
-from harness.matrix import spec_preset
 from harness.suites import RESTORE_ROUNDS
 
 COUNTERS = ("draft_n", "draft_n_accepted")
@@ -35,7 +34,7 @@ def restore_identical(ctx: CheckContext) -> CheckResult | None:
     kinds = suite.rounds
     if not any(k in RESTORE_ROUNDS for k in kinds):
         return not_run("restore-identical", "the suite restores no slot (run_order has no restore round)")
-    speculative = spec_preset(ctx.cell.spec).speculative
+    speculative = ctx.cell.preset.speculative
     reuse = ctx.cell.backend == "server"  # the engine keeps no prompt cache: its cache_n is evidence only
     if not speculative and not reuse:
         return not_run("restore-identical", f"{NOT_SPECULATIVE}, and the in-process engine keeps no prompt cache")

@@ -9,7 +9,6 @@ re-processes the prompt from a context checkpoint or from the start: the same ou
 """
 
 from harness.checks.base import NO_OUTPUT, NOT_SPECULATIVE, CheckContext, CheckResult, not_run, past_returned
-from harness.matrix import spec_preset
 from harness.result.cellrun import Outcome
 from harness.suites import RESTORE_ROUNDS
 
@@ -62,7 +61,7 @@ def prompt_reuse(ctx: CheckContext) -> CheckResult | None:
     Meaningful where the slot a request lands on and what it served before follow from the suite: one case at a
     time (`run_order: [seq]`, or one case). A failing chat turn names what its previous turn left in the slot
     (`left_behind`)."""
-    if not spec_preset(ctx.cell.spec).speculative:
+    if not ctx.cell.preset.speculative:
         return not_run("prompt-reuse", NOT_SPECULATIVE)
     if not ctx.completed():
         return not_run("prompt-reuse", NO_OUTPUT)

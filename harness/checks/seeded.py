@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 from scipy import optimize, stats
 
 from harness.checks.base import CheckContext
-from harness.matrix import Cell, cells, spec_preset
+from harness.matrix import Cell, cells
 from harness.result.cellrun import CellRun
 from harness.suites import Suite, case_keys
 
@@ -181,9 +181,7 @@ def group_cells(ctx: CheckContext) -> list:
     group = [
         c
         for c in (cells(suite.matrix) if suite.matrix else [])
-        if c.backend == ctx.cell.backend
-        and spec_preset(c.spec).speculative
-        and (c == ctx.cell or ctx.executor.planned(suite, c))
+        if c.backend == ctx.cell.backend and c.preset.speculative and (c == ctx.cell or ctx.executor.planned(suite, c))
     ]
     return group if ctx.cell in group else [ctx.cell, *group]
 

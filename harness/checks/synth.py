@@ -60,7 +60,6 @@ from collections import defaultdict
 from scipy import stats
 
 from harness.checks.base import NO_OUTPUT, CheckContext, CheckResult, not_run
-from harness.matrix import spec_preset
 
 NAME = "synth-acceptance"
 RUN_FALSE_ALARM = 1e-3
@@ -209,7 +208,7 @@ def synth_acceptance(ctx: CheckContext, rates: list[float] | None = None) -> Che
     unconditional rate (per-position binomial tests where the counts are known, else the exact test of the
     accepted total given the drafted total; p < ALPHA fails, ALPHA from a 1e-3 per-run budget), and the rounds
     of a case (the same seed) drew the same counts. `rates` replaces the configured ones (tests)."""
-    preset = spec_preset(ctx.cell.spec)
+    preset = ctx.cell.preset
     options = {**preset.options, **getattr(getattr(ctx.executor, "options", None), "spec_overrides", {})}
     configured = rates_of(options)
     if configured is None:

@@ -8,7 +8,9 @@ import json
 from pathlib import Path
 
 from harness.errors import HarnessError
-from harness.kv.scan import KINDS, ScanReport, scan_file
+from harness.kv.parse import KINDS
+from harness.kv.report import ScanReport
+from harness.kv.scan import scan_file
 
 
 def add_parser(subparsers) -> None:

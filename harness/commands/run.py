@@ -19,9 +19,9 @@ from rich.table import Table
 from harness import interrupt
 from harness.argtypes import csv
 from harness.backends.build import require_executable
+from harness.backends.build.versions import planned_versions
 from harness.backends.choose import backend_factories
 from harness.backends.facts import run_backends
-from harness.backends.versions import planned_versions
 from harness.calibration import ensure as ensure_calibrated
 from harness.checks import harness_errors
 from harness.engine import detok as detokenizers
@@ -35,7 +35,7 @@ from harness.execute.run_options import (
     prepare_out,
     run_defaults,
 )
-from harness.matrix import Cell, Shard, canonical, cells, narrowing, spec_preset
+from harness.matrix import Cell, Shard, canonical, cells, narrowing
 from harness.models import ModelUnavailable, resolve
 from harness.models.facts import run_models
 from harness.paths import reports_dir
@@ -249,7 +249,7 @@ def print_verdicts(
     served_otherwise = {
         (r.suite.name, r.cell)
         for r in runs
-        if r.spec is not None and canonical(r.spec) != canonical(spec_preset(r.cell.spec).options)
+        if r.spec is not None and canonical(r.spec) != canonical(r.cell.preset.options)
     }
     shown = {r.evidence.get("known_failure") for *_, r in verdicts}
     covering = [e for e in known if any(e.covers(s, c, overrides) for s, c in done) and e.id not in shown]

@@ -9,7 +9,7 @@ from harness.engine.context import Context, ContextParams
 from harness.engine.model import Model
 from harness.engine.scheduler import Scheduler
 from harness.engine.score import replay_row, score
-from harness.engine.speculative import SpecConfig
+from harness.engine.spec_config import SpecConfig
 from harness.result import Result
 from harness.result.logits import PositionLogits
 from harness.suites.request import Request

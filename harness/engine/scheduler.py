@@ -16,7 +16,8 @@ from harness.engine.context import Context
 from harness.engine.ctxshift import needs_shift, shift_span
 from harness.engine.kvcheck import KvChecker
 from harness.engine.slot import Phase, Slot
-from harness.engine.speculative import SpecConfig, Speculation, StepPlan
+from harness.engine.spec_config import SpecConfig
+from harness.engine.speculative import Speculation, StepPlan
 from harness.llama.defaults import INVALID_BATCH, invalid_batch
 from harness.result import Result
 from harness.suites.request import Request

@@ -25,7 +25,7 @@ from pathlib import Path
 from harness.engine.context import ContextParams
 from harness.engine.engine import Engine
 from harness.engine.logging import set_llama_verbose
-from harness.engine.speculative import SpecConfig
+from harness.engine.spec_config import SpecConfig
 from harness.errors import HarnessError
 from harness.llama.defaults import NO_BACKTRACE
 

@@ -12,9 +12,9 @@ from pathlib import Path
 from harness.argtypes import count, seconds
 from harness.backends.base import KV_SCAN, STALL_FLOOR_S
 from harness.engine.faults import FAULTS
-from harness.engine.speculative import SpecConfig
+from harness.engine.spec_config import SpecConfig
 from harness.errors import HarnessError
-from harness.execute import ExecOptions
+from harness.execute.executor import ExecOptions
 from harness.matrix import SPEC_PRESETS
 from harness.suites.rollback_options import CHECKPOINT_KINDS, STRATEGIES
 
@@ -180,7 +180,7 @@ def baselines_range(text: str) -> str:
     """`--baselines-range`: a llama.cpp version item (bA..bB, bN, a commit), checked."""
     import argparse
 
-    from harness.backends.versions import parse_item
+    from harness.backends.build.versions import parse_item
 
     try:
         parse_item(text)

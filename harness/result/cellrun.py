@@ -6,8 +6,8 @@ importing the executor.
 
 from dataclasses import dataclass, field
 
-from harness.matrix import Cell, keeps_seeded_tokens, spec_preset
-from harness.result import Result
+from harness.matrix import Cell, keeps_seeded_tokens
+from harness.result.record import Result
 from harness.suites import Suite
 
 
@@ -49,7 +49,7 @@ class CellRun:
     @property
     def keeps_seeded_tokens(self) -> bool:
         """Whether the cell's verification keeps seeded sampled tokens (matrix.keeps_seeded_tokens)."""
-        return keeps_seeded_tokens(self.spec if self.spec is not None else spec_preset(self.cell.spec).options)
+        return keeps_seeded_tokens(self.spec if self.spec is not None else self.cell.preset.options)
 
     @property
     def fault(self) -> str | None:

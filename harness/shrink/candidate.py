@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from harness.errors import HarnessError
-from harness.matrix import Cell, spec_preset
+from harness.matrix import Cell
 from harness.suites import Case, Suite, case_keys, load_suite
 
 SERVE_KEYS = ("parallel", "n_ctx", "n_batch", "n_ubatch")
@@ -155,7 +155,7 @@ def initial(suite_path: str, key: str, check: str, cell: Cell) -> Candidate:
     if case is None or key not in case_keys(case):
         known = ", ".join(k for c in suite.cases for k in case_keys(c))
         raise HarnessError(f"suite {suite.name} has no case '{key}' (cases: {known})")
-    if not spec_preset(cell.spec).runs_on(cell.backend):
+    if not cell.preset.runs_on(cell.backend):
         raise HarnessError(f"spec config '{cell.spec}' does not run on the {cell.backend} backend")
     return Candidate(
         suite=str(Path(suite_path).resolve()) if Path(suite_path).is_file() else str(suite.path.resolve()),

@@ -15,7 +15,6 @@ from collections.abc import Callable
 from pathlib import Path
 
 from harness.errors import HarnessError
-from harness.matrix import spec_preset
 from harness.models import resolve
 from harness.repro.legs import tokenize
 from harness.shrink.candidate import SERVE_KEYS, Candidate
@@ -198,7 +197,7 @@ class Shrinker:
         )
 
     def drafter(self) -> None:
-        preset = spec_preset(self.best.cell.spec)
+        preset = self.best.cell.preset
         options = {**preset.options, **self.runner.spec_overrides(), **dict(self.best.spec)}
         for name, value in options.items():
             if name == "spec-draft-p-min" and value:

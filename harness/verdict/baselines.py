@@ -17,7 +17,7 @@ import re
 from dataclasses import asdict
 from pathlib import Path
 
-from harness.backends.versions import environment_version, narrowest_covering
+from harness.backends.build.versions import environment_version, narrowest_covering
 from harness.errors import HarnessError
 from harness.models import model_key
 from harness.paths import write_atomic

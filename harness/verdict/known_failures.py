@@ -26,7 +26,7 @@ import jsonschema
 import yaml
 
 from harness.backends.base import cpu_flags
-from harness.backends.versions import UNKNOWN, LlamaVersion, covers, parse_item
+from harness.backends.build.versions import UNKNOWN, LlamaVersion, covers, parse_item
 from harness.errors import HarnessError
 from harness.matrix import Cell, cells, narrowing, served_as
 from harness.suites import jsonschemas, yamltext
@@ -144,7 +144,7 @@ class KnownFailure:
     """Recognised in any suite (False: only in `suites`, for evidence not specific to the defect)."""
     versions: tuple[str, ...] = ()
     """The llama.cpp versions it was measured in: tags (bN), tag ranges (bA..bB), commits, or COMMIT..bN (from a
-    vendored commit to a tag). It applies only there (harness/backends/versions.py)."""
+    vendored commit to a tag). It applies only there (harness/backends/build/versions.py)."""
     fixed_in: str = ""
     """The first tag where it no longer reproduces (found by `specharness bisect --tags`), or ''."""
     tries: int = 1

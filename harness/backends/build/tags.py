@@ -18,15 +18,8 @@ import tarfile
 import tempfile
 from pathlib import Path
 
-from harness.backends.build import (
-    SOURCE_MARKER,
-    NotInIndex,
-    _locked,
-    _replace_dir,
-    _valid_marker,
-    extract_fetched,
-    pip_sdist,
-)
+from harness.backends.build.entry import _locked, _replace_dir
+from harness.backends.build.sources import SOURCE_MARKER, NotInIndex, _valid_marker, extract_fetched, pip_sdist
 from harness.errors import HarnessError
 from harness.paths import cache_dir
 

@@ -87,7 +87,7 @@ def version_line(text: str) -> LlamaVersion:
 
 
 def build_version(info) -> LlamaVersion:
-    """The version of a llama-server build (harness/backends/build.py BuildInfo)."""
+    """The version of a llama-server build (harness/backends/build/entry.py BuildInfo)."""
     from harness.backends.flags import server_version
 
     if getattr(info, "tag", ""):
@@ -144,7 +144,8 @@ def covers(items: tuple[str, ...], version: LlamaVersion) -> bool:
 def planned_versions(server_bin: Path | None = None, source: Path | None = None) -> dict[str, LlamaVersion]:
     """backend name -> the version it will run, from the options alone (before anything is built or started):
     `--server-bin`'s own build or `--version`, `--source`'s tag or commit, else the vendored llama.cpp."""
-    from harness.backends.build import prebuilt_server, source_identity, tag_of
+    from harness.backends.build.ensure import prebuilt_server
+    from harness.backends.build.sources import source_identity, tag_of
     from harness.errors import HarnessError
 
     engine = engine_version()

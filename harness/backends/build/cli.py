@@ -9,16 +9,11 @@ import time
 from pathlib import Path
 
 from harness.argtypes import accept_cmake_definitions
-from harness.backends.build import (
-    BACKENDS,
-    cached_server,
-    ensure_server,
-    extracted_source,
-    installed_version,
-    vendored_source,
-)
-from harness.backends.build_cache import build_tag, cached_builds, human_size, list_lines, prune
-from harness.backends.tags import extracted_tag_source, resolve_tag, tag_cmake_args
+from harness.backends.build.cache import build_tag, cached_builds, human_size, list_lines, prune
+from harness.backends.build.cmake import BACKENDS
+from harness.backends.build.ensure import cached_server, ensure_server
+from harness.backends.build.sources import extracted_source, installed_version, vendored_source
+from harness.backends.build.tags import extracted_tag_source, resolve_tag, tag_cmake_args
 from harness.errors import HarnessError
 
 

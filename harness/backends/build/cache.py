@@ -1,6 +1,6 @@
 """The build cache as tags accumulate: tag builds, and `specharness build --list` / `--prune N`.
 
-Every cached llama-server is an entry `builds/<key>/` (harness/backends/build.py). A tag's build also leaves its
+Every cached llama-server is an entry `builds/<key>/` (harness/backends/build/entry.py). A tag's build also leaves its
 extracted tree `src/llama.cpp-bN/` and its sdist in `downloads/`; its persistent CMake tree is deleted right after
 the build, since the compiler cache (ccache, bounded by its own size limit) is what makes the next tag's build
 incremental: the files a neighbouring tag did not change compile from it. `--prune N` keeps the N builds used most
@@ -18,16 +18,10 @@ from pathlib import Path
 
 from filelock import FileLock, Timeout
 
-from harness.backends.build import (
-    LAST_USED,
-    BuildInfo,
-    _locked,
-    build_tree_dir,
-    cmake_options,
-    ensure_server,
-    load_build,
-)
-from harness.backends.tags import resolve_tag, sdist_path, tag_cmake_args, tag_number, tag_source
+from harness.backends.build.cmake import build_tree_dir, cmake_options
+from harness.backends.build.ensure import ensure_server
+from harness.backends.build.entry import LAST_USED, BuildInfo, _locked, load_build
+from harness.backends.build.tags import resolve_tag, sdist_path, tag_cmake_args, tag_number, tag_source
 from harness.errors import HarnessError
 from harness.paths import cache_dir
 

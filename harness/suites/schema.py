@@ -1,0 +1,185 @@
+"""The suite format: `SUITE_SCHEMA` (docs/guide/own-model-and-suites.md is the guide), the round kinds, the
+default matrix and the default checks."""
+
+from harness import DEFAULT_MODELS, MODES
+from harness.suites.request import SAMPLING_SCHEMA
+from harness.suites.rollback_options import CHECKPOINT_KINDS, STRATEGIES
+
+SERVE_FIELDS = {
+    "n_ctx": "integer",
+    "n_batch": "integer",
+    "n_ubatch": "integer",
+    "parallel": "integer",
+    "repack": "boolean",
+    "context_shift": "boolean",
+    "stall_s": "number",
+}
+
+RESTORE_ROUNDS = ("restore", "restore-fresh", "restore-over")
+"""Round kinds that interrupt each chat after turn `restore.after_turn`: its slot is saved (llama-server's
+`POST /slots/{id}?action=save`), then erased and restored into the same session (`restore`), restored into a
+fresh session of the same cell (`restore-fresh`), or restored, without an erase, into the same slot after it
+served another, longer conversation (`restore-over`), and the chat goes on there; requests go one at a time."""
+
+
+class Regenerate(str):
+    """A chat turn that asks the last reply again (`{regenerate: true}` in a suite's `chat:`): the conversation up
+    to the last user message sent once more, its new reply in place of the old one, as a user's "regenerate"
+    button does. Its prompt is a prefix of what the slot holds (the last prompt and its reply), so the slot must
+    go back inside its own tokens: a recurrent or hybrid model needs a context checkpoint there."""
+
+
+REGENERATE = Regenerate("(regenerate the last reply)")
+"""The one regenerate turn (a string elsewhere: it reads as its own words in a report or a bench workload)."""
+
+_NAMES = {"type": "array", "items": {"type": "string"}, "minItems": 1}
+_TURN = {
+    "anyOf": [
+        {"type": "string"},
+        {
+            "type": "object",
+            "additionalProperties": False,
+            "required": ["regenerate"],
+            "properties": {"regenerate": {"const": True}},
+        },
+    ],
+    "description": "a user message or {regenerate: true}",
+}
+_CASE = {
+    "type": "object",
+    "additionalProperties": False,
+    "required": ["name"],
+    "properties": {
+        "name": {"type": "string", "pattern": r"^[A-Za-z0-9_.+]+$"},
+        "prompt": {"type": "string"},
+        "vars": {"type": "object", "additionalProperties": {"type": ["string", "number"]}},
+        "prompt_repeat": {"type": "integer", "minimum": 1},
+        "chat": {"type": "array", "items": _TURN, "minItems": 1},
+        "json_schema": {"type": "object"},
+        "grammar": {"type": "string"},
+        "sampling": SAMPLING_SCHEMA,
+        "expect_accepts": {"type": "boolean"},
+    },
+    "oneOf": [{"required": ["prompt"]}, {"required": ["chat"]}],
+    "dependentRequired": {"prompt_repeat": ["prompt"]},
+}
+_BLOCK = {
+    "type": "object",
+    "additionalProperties": False,
+    "properties": {
+        "backends": _NAMES,
+        "modes": {"type": "array", "items": {"enum": list(MODES)}, "minItems": 1},
+        "specs": _NAMES,
+        "models": _NAMES,
+        "sampling": SAMPLING_SCHEMA,
+    },
+}
+"""One block of the matrix: its axes (missing ones take DEFAULT_MATRIX's) and sampling fields that override
+the suite's for the block's models (e.g. a shorter n_predict for a slower real model)."""
+SUITE_SCHEMA = {
+    "type": "object",
+    "additionalProperties": False,
+    "required": ["suite", "cases"],
+    "properties": {
+        "suite": {"type": "string", "pattern": r"^[a-z0-9-]+$"},
+        "description": {"type": "string"},
+        "slow": {"type": "boolean"},
+        "matrix": {"oneOf": [_BLOCK, {"type": "array", "items": _BLOCK, "minItems": 1}]},
+        "sampling": SAMPLING_SCHEMA,
+        "serve": {
+            "type": "object",
+            "additionalProperties": False,
+            "properties": {
+                k: {
+                    "type": t,
+                    **({"minimum": 1} if t == "integer" else {"exclusiveMinimum": 0} if t == "number" else {}),
+                }
+                for k, t in SERVE_FIELDS.items()
+            },
+        },
+        "engine": {
+            "type": "object",
+            "additionalProperties": False,
+            "properties": {
+                "rollback": {"enum": list(STRATEGIES)},
+                "checkpoint_flags": {"enum": list(CHECKPOINT_KINDS)},
+                "checkpoint_attempts": {"type": "integer", "minimum": 0},
+            },
+        },
+        "repeats": {"type": "integer", "minimum": 1},
+        "run_order": {"type": "array", "items": {"enum": ["seq", "par", *RESTORE_ROUNDS]}, "minItems": 1},
+        "restore": {
+            "type": "object",
+            "additionalProperties": False,
+            "required": ["after_turn"],
+            "properties": {"after_turn": {"type": "integer", "minimum": 1}},
+        },
+        "checks": _NAMES,
+        "allow_errors": {"type": "array", "items": {"enum": ["context_full"]}},
+        "expect": {
+            "type": "object",
+            "additionalProperties": False,
+            "properties": {
+                "completed_min": {"type": "number", "minimum": 0, "maximum": 1},
+                "spec_stats_min": {"type": "object", "additionalProperties": {"type": "integer", "minimum": 1}},
+            },
+        },
+        "expect_accepts": {"type": "boolean"},
+        "deadline_s": {"type": "number", "exclusiveMinimum": 0},
+        "tolerances": {
+            "type": "object",
+            "additionalProperties": False,
+            "properties": {
+                "top1_agreement": {"type": "number", "minimum": 0, "maximum": 1},
+                "max_abs": {"type": "number", "minimum": 0},
+                "nmse": {"type": "number", "minimum": 0},
+                "kl": {"type": "number", "minimum": 0},
+                "near_tie": {"type": "number", "minimum": 0},
+            },
+        },
+        "cases": {"type": "array", "items": _CASE, "minItems": 1},
+    },
+}
+
+DEFAULT_MATRIX = {
+    "backends": ["inproc"],
+    "modes": list(MODES),
+    "specs": ["none"],
+    "models": list(DEFAULT_MODELS),
+}
+CHECK_NAMES = (
+    "no-crash",
+    "repeat-identical",
+    "lossless",
+    "mode-invariant",
+    "baseline",
+    "spec-ran",
+    "acceptance",
+    "grammar-valid",
+    "kv-healthy",
+    "logits-close",
+    "exercised",
+    "probs-complete",
+    "prompt-reuse",
+    "within-n-predict",
+    "work",
+    "metrics-agree",
+    "restore-identical",
+    "distribution",
+    "synth-acceptance",
+)
+"""The checks a suite may name (their functions live in harness.checks, which must define exactly these)."""
+DEFAULT_CHECKS = [
+    "no-crash",
+    "repeat-identical",
+    "lossless",
+    "mode-invariant",
+    "baseline",
+    "spec-ran",
+    "kv-healthy",
+    "logits-close",
+    "acceptance",
+    "work",
+    "metrics-agree",
+    "distribution",
+]

@@ -1,0 +1,76 @@
+"""A loaded suite and its cases."""
+
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+from harness.matrix import block_of
+from harness.suites.request import Request, Sampling
+
+
+@dataclass
+class Case:
+    """One named case: a completion prompt, or a chat whose turns are sent one after another."""
+
+    name: str
+    sampling: Sampling
+    prompt: str | None = None
+    turns: list[str] = field(default_factory=list)
+    expect_accepts: bool = True
+    """Whether `spec-ran` expects some drafts of this case accepted (a grammar the drafter does not see
+    may reject them all: then speculation must run, but need not pay off)."""
+
+    @property
+    def is_chat(self) -> bool:
+        return bool(self.turns)
+
+    def request(self, deadline_s: float | None = None) -> Request:
+        """The completion request (chats are built turn by turn by the runner)."""
+        return Request(prompt=self.prompt, sampling=self.sampling, tag=self.name, deadline_s=deadline_s)
+
+
+@dataclass
+class Suite:
+    """A validated suite file."""
+
+    name: str
+    path: Path | None
+    cases: list[Case]
+    matrix: list[dict]
+    """The blocks of the run matrix (see harness.matrix.cells)."""
+    checks: list[str]
+    serve: dict[str, Any] = field(default_factory=dict)
+    engine: dict[str, Any] = field(default_factory=dict)
+    """In-process engine options (`rollback`, `checkpoint_flags`, `checkpoint_attempts`) for its inproc cells;
+    llama-server has no such options, so server cells ignore them."""
+    rounds: list[str] = field(default_factory=lambda: ["par"])
+    """How each round sends the cases to the one session of a cell: `seq` one request at a time,
+    `par` all at once (in `seq` mode the one slot still serves them one after another)."""
+    allow_errors: list[str] = field(default_factory=list)
+    expect: dict[str, Any] = field(default_factory=dict)
+    """What a cell must exercise (the `exercised` check): `completed_min` (share of requests with output)
+    and `spec_stats_min` (speculative counter → minimum total over the cell)."""
+    slow: bool = False
+    """Its pytest items carry the `slow` marker (`-m "not slow"` leaves them out)."""
+    tolerances: dict[str, float] = field(default_factory=dict)
+    """`logits-close` tolerances (harness.result.logits.Tolerances fields) and the triage's `near_tie` margin."""
+    deadline_s: float | None = None
+    """Seconds each request may take before it ends as `timeout`; None: derived from n_predict and the
+    measured speed (harness.backends.base.request_deadline)."""
+    restore_after: int | None = None
+    """`restore.after_turn`: the chat turn after which RESTORE_ROUNDS save the slot and restore it."""
+
+    def cell_case(self, case: Case, model: str) -> Case:
+        """`case` as the cells of `model` run it: with its matrix block's sampling overrides applied."""
+        overrides = block_of(self.matrix, model).get("sampling")
+        return replace(case, sampling=replace(case.sampling, **overrides)) if overrides else case
+
+    @property
+    def first_key(self) -> str:
+        """The record name of the first case (where cell-level checks report)."""
+        return case_keys(self.cases[0])[0]
+
+
+def case_keys(case: Case) -> list[str]:
+    """The record names of a case: its name, or `<name>.turnN` for each turn of a chat."""
+    return [f"{case.name}.turn{i + 1}" for i in range(len(case.turns))] if case.is_chat else [case.name]
