@@ -214,7 +214,9 @@ FAILS = {
         "stale-draft-context",
         Cell("inproc", "seq", "draft-simple", "tiny-dense"),
         "C",
-        r"more work than the baseline in .*partial_rollbacks",
+        # the stale context drafts otherwise (acceptance's to judge; work compares no rounds of other drafts), and
+        # both contexts decode more per generated token
+        r"more work than the baseline in target_decoded, draft_decoded",
         "test_work.py::test_full_checkpoint_fails_work_naming_the_bytes_and_nothing_else",
     ),
 }

@@ -123,7 +123,7 @@ def test_a_re_measurement_stays_within_the_committed_tolerances(backend, tiny_mo
     if request.config.getoption("--stress") == 0:
         pytest.skip("a whole calibration re-measured (131 s): `pytest -m stress --stress N` (.ci/run's second pass)")
     committed = json.loads(calibration_path("tiny-dense", backend, "cpu").read_text())
-    again = calibrate("tiny-dense", backend, repeats=1)
+    again = calibrate("tiny-dense", backend, repeats=1, seeded=False)  # the seeded rate: test_calibration_cache
     assert within_spread(again, committed) == []
     assert committed["tolerances"]["near_tie"] >= 2 * committed["largest"]["near_tie"]
     for spec, measured in again["acceptance"].items():  # a re-measurement stays inside the committed tolerances
