@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from harness.backends.server_batches import Geometry, _decodes, geometry, of_request
+from harness.backends.server_work import TaskLog, task_lines
 from harness.llama import log as llama_log
 from harness.llama.ubatch import split_equal
 from harness.result import Result
@@ -87,12 +88,18 @@ def test_a_rollback_from_the_first_of_two_ubatches_is_named_and_one_from_the_las
     assert geometry(log) == Geometry(n_ubatch=512, unified=True, n_rs_seq=3, hybrid=True)
     # slot 0: its 1 draft rejected in ubatch 1 of 2; the first token made from the rolled-back state is token 2
     # (token 0 from the prompt, token 1 the step's own sample)
-    assert of_request(log, 0, 0) == [
+    messages = llama_log.messages(llama_log.read(log))
+
+    def logged(slot: int) -> TaskLog:  # what server_work.task_log reads of the request on `slot`
+        return TaskLog(messages, *task_lines(messages, slot))
+
+    assert of_request(logged(0), geometry(log), 0) == [
         {"token": 2, "slot": 0, "step": 0, "n_draft": 1, "accepted": 0, "plane": 1, "ubatch": 1, "ubatches": 2,
          "batch": [[0, 2], [1, 4], [2, 4]]}
     ]  # fmt: skip
-    assert of_request(log, 0, 1) == []  # rolled back 2 drafts, but in the last ubatch: nothing moves it after
-    assert of_request(log, 0, 2) is None  # its task did not end in the log: not read
+    # rolled back 2 drafts, but in the last ubatch: nothing moves it after
+    assert of_request(logged(1), geometry(log), 1) == []
+    assert of_request(logged(2), geometry(log), 2) is None  # its task did not end in the log: not read
 
 
 def test_prompt_batches_count_from_the_next_batch_or_the_prompt_s_end():
@@ -205,6 +212,10 @@ def served_log(tmp_path_factory, tiny_models):
 def test_the_replayed_split_is_libllama_s_own_decode_by_decode(served_log):
     log, results = served_log
     messages = llama_log.messages(llama_log.read(log))
+
+    def logged(slot: int) -> TaskLog:  # what server_work.task_log reads of the request on `slot`
+        return TaskLog(messages, *task_lines(messages, slot))
+
     geo = geometry(log)
     assert geo == Geometry(n_ubatch=512, unified=True, n_rs_seq=3, hybrid=True)
     printed = _printed_ubatches(messages)

@@ -312,7 +312,7 @@ def test_a_server_request_s_work_comes_from_its_timings_and_its_own_task_s_lines
     log.write_text("0.00.000.001 I main: startup\n" + LOG)
     start = len("0.00.000.001 I main: startup\n")
     result = Result(slot_id=0, timings=Timings(prompt_n=4, cache_n=18))
-    w = server_work.work_of(result, log, start)
+    w = server_work.work_of(result, server_work.task_log(result, log, start))
     mib = round(0.056 * 1024 * 1024) + round(0.112 * 1024 * 1024)
     assert (w.prompt_read, w.prompt_reused) == (4, 18)
     assert (w.ckpt_created, w.ckpt_created_bytes) == (2, mib)
@@ -335,7 +335,8 @@ def test_a_server_request_s_work_comes_from_its_timings_and_its_own_task_s_lines
         # (nothing emitted) and its replay (harness.backends.server_rescore reads them)
         "batches": [[1, 1], [5, 5], [5, 2], [5, 0], [3, 3]],
     }
-    quiet = server_work.work_of(result, log, start, verbosity=None)  # a server not started at -lv 5
+    # a server not started at -lv 5
+    quiet = server_work.work_of(result, server_work.task_log(result, log, start, verbosity=None))
     assert quiet.ckpt_created is None and quiet.prompt_read == 4 and quiet.steps is None
 
 

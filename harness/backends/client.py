@@ -23,6 +23,15 @@ COMPLETION_FIELDS = frozenset({"cache_prompt", "id_slot", "samplers"})
 """Extra /completion fields a caller may add to every request (see `LlamaClient.complete`)."""
 
 
+def local(method: str, url: str, **kwargs: Any) -> requests.Response:
+    """One HTTP request to a llama-server of this machine (`requests.request`, but without the environment's
+    proxies and credentials: an HTTP_PROXY without 127.0.0.1 in NO_PROXY would send it through a proxy, and reading
+    them took a tenth of the harness's own time per request). A fresh connection each time, as `requests.get`."""
+    with requests.Session() as session:
+        session.trust_env = False
+        return session.request(method, url, **kwargs)
+
+
 class ConnectionLost(Exception):
     """The server closed or refused the connection (usually: the process is gone)."""
 
@@ -59,7 +68,7 @@ class LlamaClient:
         """POST and return the JSON answer within `timeout` seconds, or by `until` (time.monotonic) if given."""
         timeout = self.timeout if until is None else max(0.01, until - time.monotonic())
         try:
-            resp = requests.post(self.base_url + path, json=payload, timeout=(min(CONNECT_TIMEOUT_S, timeout), timeout))
+            resp = local("POST", self.base_url + path, json=payload, timeout=(min(CONNECT_TIMEOUT_S, timeout), timeout))
         except requests.Timeout:
             raise RequestTimedOut(f"{path} got no answer within {timeout:.1f} s") from None
         except (requests.ConnectionError, requests.exceptions.ChunkedEncodingError) as err:
@@ -90,8 +99,8 @@ class LlamaClient:
         """llama-server's counters (GET /metrics, Prometheus text; `--metrics`), by name without the `llamacpp:`
         prefix; the labelled `spec_decode_num_accepted_tokens_per_pos_total` summed over its positions."""
         try:
-            resp = requests.get(
-                self.base_url + "/metrics", timeout=(min(CONNECT_TIMEOUT_S, self.timeout), self.timeout)
+            resp = local(
+                "GET", self.base_url + "/metrics", timeout=(min(CONNECT_TIMEOUT_S, self.timeout), self.timeout)
             )
         except requests.Timeout:
             raise RequestTimedOut(f"/metrics got no answer within {self.timeout:.1f} s") from None
@@ -113,7 +122,7 @@ class LlamaClient:
         until = time.monotonic() + within
         while True:
             try:
-                slots = requests.get(self.base_url + "/slots", timeout=max(0.01, until - time.monotonic())).json()
+                slots = local("GET", self.base_url + "/slots", timeout=max(0.01, until - time.monotonic())).json()
                 if all(idle(s) for s in slots):
                     return True
             except (requests.RequestException, ValueError, AttributeError):

@@ -20,6 +20,7 @@ import requests
 
 from harness.backends.base import ServeConfig, default_threads
 from harness.backends.build import require_executable
+from harness.backends.client import local
 from harness.backends.flags import fit_to_build, server_flags, server_version
 from harness.backends.process import ABORT_LINES, LogDir, abort_line, crash_report, describe_exit
 from harness.errors import HarnessError, LlamaAbort
@@ -197,7 +198,7 @@ class LlamaServer:
                 reason = self._startup_failure()
                 raise LlamaAbort(reason) if self._aborted() else HarnessError(reason)
             try:
-                if requests.get(f"{self.url}/health", timeout=2).status_code == 200:
+                if local("GET", f"{self.url}/health", timeout=2).status_code == 200:
                     return
             except requests.RequestException:
                 pass  # not listening yet

@@ -49,6 +49,7 @@ from harness.backends.client import (
     RequestTimedOut,
     ServerError,
     completion_payload,
+    local,
 )
 from harness.backends.flags import server_version
 from harness.backends.process import LogDir, free_log_name, invalid_batch_in_log
@@ -272,12 +273,13 @@ class ServerSession:
                     pin=pin,
                 )
             if result.ok:
-                result.work = server_work.work_of(result, server.log_path, log_start, server_work.verbosity_of(server))
-                if (server_work.verbosity_of(server) or 0) >= server_work.VERBOSITY:
-                    result.split_rollbacks = server_batches.of_request(server.log_path, log_start, result.slot_id)
+                logged = server_work.task_log(result, server.log_path, log_start, server_work.verbosity_of(server))
+                result.work = server_work.work_of(result, logged)
+                if logged is not None:
+                    geo = server_batches.geometry(Path(server.log_path))
+                    result.split_rollbacks = server_batches.of_request(logged, geo, result.slot_id)
                     if result.work.steps is not None:
-                        placed = server_batches.places(server.log_path, log_start, result.slot_id)
-                        result.work.steps["places"] = placed
+                        result.work.steps["places"] = server_batches.places(logged, result.slot_id)
                 self.speed.record(len(result.tokens), time.monotonic() - started)
                 self.stall.record(result)
                 held = result.prompt_tokens + result.tokens
@@ -365,7 +367,7 @@ class ServerSession:
                 if not others:
                     break
                 try:
-                    answer = requests.get(f"{server.url}/slots", timeout=max(0.05, until - time.monotonic()))
+                    answer = local("GET", f"{server.url}/slots", timeout=max(0.05, until - time.monotonic()))
                     idle = {s.get("id") for s in answer.json() if not s.get("is_processing")}
                 except (requests.RequestException, ValueError, AttributeError, TypeError):
                     break  # the requests in flight will say what happened

@@ -22,9 +22,8 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from harness.backends.server_work import _ACCEPTED, _PROMPT_BATCH, _SLOT, task_lines
+from harness.backends.server_work import _ACCEPTED, _PROMPT_BATCH, _SLOT, TaskLog
 from harness.backends.server_work import _DRAFT_BATCH as _DRAFT
-from harness.llama import log as llama_log
 from harness.llama.ubatch import Geometry, split_rollback
 
 _NEW_PROMPT = re.compile(r"new prompt, n_ctx_slot = \d+, n_keep = -?\d+, task\.n_tokens = (\d+)")
@@ -166,41 +165,26 @@ def _rolled_back(messages: list[str], slot: int, task: int, ours: list[_Entry], 
     return found
 
 
-def of_request(log_path: Path | None, start: int, slot: int) -> list[dict] | None:
-    """`split_rollbacks` of the request whose slot is `slot` and whose lines start at byte `start` of the log (read
-    after server_work.work_of waited for them); None where the log or the model's geometry is not there, or the
-    task's lines are not (a log below -lv 5)."""
-    if log_path is None or slot < 0 or (geo := geometry(Path(log_path))) is None:
+def of_request(logged: TaskLog | None, geo: Geometry | None, slot: int) -> list[dict] | None:
+    """`split_rollbacks` of the request whose slot is `slot`, from its log (server_work.task_log); None where the
+    log or the model's geometry (`geometry`) is not there, or the task's lines are not."""
+    if logged is None or slot < 0 or geo is None or logged.task is None or not logged.ended:
         return None
-    try:
-        messages = llama_log.messages(llama_log.read(log_path, start))
-    except OSError:
-        return None
-    task, _, ended = task_lines(messages, slot)
-    if task is None or not ended:
-        return None
-    return split_rollbacks(messages, slot, task, geo)
+    return split_rollbacks(logged.messages, slot, logged.task, geo)
 
 
-def places(log_path: Path | None, start: int, slot: int) -> list[dict] | None:
-    """Where each batch of the request whose slot is `slot` (lines from byte `start` of the log) sat in its decode, in
-    order: `{"kind": prompt | verify | decode, "n_tokens", "index": its entry's place in the decode, "batch":
-    [[slot, n_tokens, 1 where it asks logits of every row (a step), 0 of its last only (a prompt batch)], ...] in
-    batch order}`, `batch` None where the decode cannot be told (a count missing,
-    several chunks). What re-scoring a position replays (harness.backends.server_rescore): in `par` a slot's rows
-    share one batch with the other slots', and the kernels a row takes depend on the rows around it. None where the
-    log or the task's lines are not there."""
-    if log_path is None or slot < 0:
+def places(logged: TaskLog | None, slot: int) -> list[dict] | None:
+    """Where each batch of the request whose slot is `slot` (from its log: server_work.task_log) sat in its
+    decode, in order: `{"kind": prompt | verify | decode, "n_tokens", "index": its entry's place in the decode,
+    "batch": [[slot, n_tokens, 1 where it asks logits of every row (a step), 0 of its last only (a prompt batch)],
+    ...] in batch order}`, `batch` None where the decode cannot be told (a count missing, several chunks). What
+    re-scoring a position replays (harness.backends.server_rescore): in `par` a slot's rows share one batch with the
+    other slots', and the kernels a row takes depend on the rows around it. None where the log or the task's lines
+    are not there."""
+    if logged is None or slot < 0 or logged.task is None or not logged.ended:
         return None
-    try:
-        messages = llama_log.messages(llama_log.read(log_path, start))
-    except OSError:
-        return None
-    task, _, ended = task_lines(messages, slot)
-    if task is None or not ended:
-        return None
-    out = []
-    for decode in _decodes(messages):
+    task, out = logged.task, []
+    for decode in _decodes(logged.messages):
         known = decode.composition() is not None
         for i, entry in enumerate(decode.entries):
             if entry.slot == slot and entry.task == task:

@@ -36,6 +36,7 @@ thread of its own: it is awaited a moment after the response).
 
 import re
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from harness.backends.flags import server_flags
@@ -165,27 +166,45 @@ def _mib(size: re.Match | None) -> int:
     return round(float(size.group(1)) * MIB) if size else 0
 
 
-def work_of(result: Result, log_path: Path | None, start: int, verbosity: int | None = VERBOSITY) -> Work:
-    """The request's Work: its timings, and its task's log lines from `start` on where the log prints them."""
-    work = Work(prompt_read=result.timings.prompt_n, prompt_reused=result.timings.cache_n)
+@dataclass(frozen=True)
+class TaskLog:
+    """A request's log as read once after its answer (`task_log`): the messages from the request's start on, the
+    task its slot started there, that task's messages, and whether it ended there."""
+
+    messages: list[str]
+    task: int | None
+    lines: list[str]
+    ended: bool
+
+
+def task_log(result: Result, log_path: Path | None, start: int, verbosity: int | None = VERBOSITY) -> TaskLog | None:
+    """The log's messages from byte `start` on, read once the request's task has ended in them (or after
+    LOG_WAIT_S): what `work_of`, server_batches.of_request and server_batches.places read, read once. None where
+    the log does not print the task's lines (no log, below `VERBOSITY`, no slot) or cannot be read."""
     if log_path is None or verbosity is None or verbosity < VERBOSITY or result.slot_id < 0:
-        return work
+        return None
     until = time.monotonic() + LOG_WAIT_S
     while True:
         try:
-            task, messages, ended = task_lines(_read(Path(log_path), start), result.slot_id)
+            messages = _read(Path(log_path), start)
         except OSError:
-            return work
+            return None
+        task, lines, ended = task_lines(messages, result.slot_id)
         if ended or time.monotonic() >= until:
-            break
+            return TaskLog(messages, task, lines, ended)
         time.sleep(0.02)
-    if task is None:  # the task's lines are not in the log: not counted
+
+
+def work_of(result: Result, logged: TaskLog | None) -> Work:
+    """The request's Work: its timings, and its task's lines (`task_log`) where the log printed them."""
+    work = Work(prompt_read=result.timings.prompt_n, prompt_reused=result.timings.cache_n)
+    if logged is None or logged.task is None:  # the task's lines are not in the log: not counted
         return work
-    counted = count(messages)
+    counted = count(logged.lines)
     for name in ("ckpt_created", "ckpt_created_bytes", "ckpt_restored", "ckpt_restored_bytes", "partial_rollbacks"):
         setattr(work, name, getattr(counted, name))
-    if ended and work.prompt_read is not None:  # every step's line is there: the target's decoded tokens are known
+    if logged.ended and work.prompt_read is not None:  # every step's line is there: the target's decoded tokens
         work.target_decoded = work.prompt_read + counted.target_decoded
     work.ckpt_sizes = counted.ckpt_sizes
-    work.steps = counted.steps if ended else None  # a task whose lines did not all come: its steps are not known
+    work.steps = counted.steps if logged.ended else None  # a task whose lines did not all come: steps not known
     return work

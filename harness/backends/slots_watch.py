@@ -43,6 +43,7 @@ from contextlib import contextmanager
 import requests
 
 from harness.backends.base import StallMeter
+from harness.backends.client import local
 
 POLL_S = 0.25
 """Seconds between two looks at /slots."""
@@ -208,7 +209,7 @@ class SlotsWatch:
             reading = prompt_tokens if reading_prompts(slots, in_flight) else 0
             left = stall.server_since + self.meter.window(reading) - now
             try:
-                answer = requests.get(f"{server.url}/slots", timeout=max(0.05, min(left, ANSWER_WAIT_S)))
+                answer = local("GET", f"{server.url}/slots", timeout=max(0.05, min(left, ANSWER_WAIT_S)))
                 if answer.status_code == 200:
                     slots = answer.json()
                     stall.update(slots, time.monotonic())

@@ -1,6 +1,6 @@
-"""One measurement of a (model, backend): the reference and every equivalent run served on one executor, and per
-run the statistics of its logits against the reference's; `calibrate` repeats it on fresh sessions and makes
-the content of a calibration file.
+"""The measurements of a (model, backend): the reference and every equivalent run, each served on fresh sessions
+(side by side: harness.calibration.serving), and per run the statistics of its logits against the reference's;
+`calibrate` makes the content of a calibration file from them.
 
 Over the positions before the first token divergence of each pair it records, per position, test-backend-ops'
 NMSE, KL, max |Δ| and the change of the top1−top2 margin, and the reference's margin wherever an equivalent
@@ -9,6 +9,7 @@ depends on request timing).
 """
 
 import datetime
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -16,7 +17,8 @@ import pandas as pd
 
 from harness import __version__
 from harness.backends.choose import backend_factories
-from harness.calibration.seeded import measure_seeded
+from harness.calibration.seeded import seeded_counts, seeded_servings
+from harness.calibration.serving import Servings
 from harness.calibration.tolerances import (
     SAFETY,
     SPREAD_FLOOR,
@@ -26,7 +28,6 @@ from harness.calibration.tolerances import (
 )
 from harness.calibration.variants import IN_ORDER, UBATCH, Variant, prompts, specs_of, variants
 from harness.errors import HarnessError
-from harness.execute import ExecOptions, Executor
 from harness.matrix import Cell
 from harness.models import resolve
 from harness.result.logits import compare, max_abs_quantile
@@ -51,43 +52,71 @@ def timing_dependent(variant: Variant) -> bool:
     return variant.cell.mode != "seq"
 
 
-def measure(
-    model: str,
-    backend: str,
-    executor: Executor,
-    only: list[str] | None = None,
-    first: dict | None = None,
-    reference=None,
-) -> dict:
-    """One measurement: per variant (of the `only` specs where given), the statistics of its logits against the
-    reference's. A repeat (`first`: the first measurement, `reference`: its reference run) serves again only the
-    variants whose serving depends on timing (`timing_dependent`) and carries the others' statistics over."""
-    cases = prompts(model)
+def same_serving(variant: Variant) -> str | None:
+    """The variant whose serving `variant` is, where it is another's: `seq/<spec>/in-order` is `seq/<spec>` (a
+    one-slot session serves one request at a time, in order, whatever the round: ServerSession.run, the engine's
+    one slot). Every committed calibration file (8 models × 2 backends, 36 such pairs) measured the two identical,
+    statistics, acceptance and outputs alike, so it is not served twice."""
+    if variant.name.endswith(f"/{IN_ORDER}") and variant.cell.mode == "seq":
+        return variant.name[: -len(f"/{IN_ORDER}")]
+    return None
+
+
+@dataclass(frozen=True)
+class Serving:
+    """One serving of a measurement: `variant` in whole measurement `repeat`, as `suite` and `cell`."""
+
+    repeat: int
+    variant: Variant
+    suite: Suite
+    cell: Cell
+
+
+def servings(
+    backend: str, model: str, cases: list, only: list[str] | None, repeats: int, repeat_all: bool
+) -> list[Serving]:
+    """What `repeats` measurements serve (of the `only` specs' variants where given): every variant in the first,
+    in a repeat only those whose serving depends on timing (`timing_dependent`; every one with `repeat_all`): the
+    others' statistics carry over; none that is another's serving (`same_serving`). Longest first, so the last
+    of the servings side by side end together: a variant that drafts with a model or head, then one slot."""
     reference_suite = _suite("calibrate", cases, {})
-    if reference is None:
-        reference = executor.run(reference_suite, Cell(backend, "seq", "none", model))
-    if reference.fault or reference.crash:  # the same reading of a cell's end as harness.checks.evaluate
+    out = []
+    for repeat in range(repeats):
+        for variant in variants(backend, model, only):
+            if same_serving(variant) or (repeat and not (repeat_all or timing_dependent(variant))):
+                continue
+            own = variant.serve and _suite(f"calibrate-{variant.name.replace('/', '-')}", cases, variant.serve)
+            out.append(Serving(repeat, variant, own or reference_suite, variant.cell))
+    return sorted(out, key=lambda s: (not s.cell.spec.startswith("draft-"), s.cell.mode != "seq"))
+
+
+def _check_reference(reference) -> None:
+    """The reference run's end, read as harness.checks.evaluate reads a cell's: nothing to measure against."""
+    if reference.fault or reference.crash:
         raise HarnessError(f"calibration reference run failed: {reference.fault or reference.crash}")
-    if reference.error:  # the model or the backend could not be had: nothing to measure against
+    if reference.error:  # the model or the backend could not be had
         raise HarnessError(f"calibration reference run failed: {reference.error.splitlines()[0]}")
-    results = {}
-    for variant in variants(backend, model, only):
-        name = variant.name
-        if first is not None and name in first and not timing_dependent(variant):
-            results[name] = first[name]
-            continue
-        own = variant.serve or name.endswith(IN_ORDER)
-        suite = _suite(f"calibrate-{name.replace('/', '-')}", cases, variant.serve) if own else reference_suite
-        run = executor.run(suite, variant.cell)
+
+
+def measurements_of(
+    backend: str, model: str, only: list[str] | None, repeats: int, plan: list[Serving], runs: list, reference
+) -> list[dict]:
+    """Per measurement, per variant (in `variants` order), the statistics of its run against the reference's:
+    served in that measurement, else carried over from the first, or the statistics of the serving it is
+    (`same_serving`)."""
+    served: list[dict] = [{} for _ in range(repeats)]
+    for serving, run in zip(plan, runs, strict=True):
         if run.fault or run.crash:
-            raise HarnessError(f"calibration run {name} failed: {run.fault or run.crash}")
-        results[name] = _pair_stats(reference, run, variant)
-    results[REFERENCE] = reference
-    return results
-
-
-REFERENCE = "\0reference"
-"""measure()'s key for its reference run (taken out by `calibrate`, never written)."""
+            raise HarnessError(f"calibration run {serving.variant.name} failed: {run.fault or run.crash}")
+        served[serving.repeat][serving.variant.name] = _pair_stats(reference, run, serving.variant)
+    out = []
+    for measured in served:
+        whole = {}
+        for variant in variants(backend, model, only):
+            name = same_serving(variant) or variant.name
+            whole[variant.name] = measured.get(name, served[0].get(name))
+        out.append(whole)
+    return out
 
 
 def _pair_stats(reference, run, variant: Variant | None = None) -> dict:
@@ -173,12 +202,14 @@ def calibrate(
     only: list[str] | None = None,
     repeat_all: bool = False,
     seeded: bool = True,
+    jobs: int | None = None,
 ) -> dict:
     """Measure `repeats` times on fresh sessions; the content of the calibration file (of the `only` specs'
     variants where given: `partial`, to be merged into a committed file). A repeat serves again only the variants
     whose serving depends on timing (`timing_dependent`; every variant with `repeat_all`), reusing the first
     measurement's reference run. With `seeded` (not for a partial file), the seeded noise rate is measured in the
-    same pass, on the last repeat's executor (harness.calibration.seeded)."""
+    same pass (harness.calibration.seeded). Every serving after the reference's is served `jobs` at a time
+    (harness.calibration.serving; default: as many as the cores hold servers)."""
     info = resolve(model)
     if only:
         known = specs_of(backend, model)
@@ -188,16 +219,19 @@ def calibrate(
                 f"calibrate --spec {unknown[0]}: not a speculative config {model} is measured with on {backend} "
                 f"(use one of: {', '.join(known)})"
             )
-    measurements, env, reference = [], {}, None
-    for _ in range(repeats):
-        executor = Executor(ExecOptions(backends=backend_factories(server_bin, source, logs), kv_scan="off"))
-        first = None if repeat_all or not measurements else measurements[0]
-        measured = measure(model, backend, executor, only, first, None if first is None else reference)
-        reference = measured.pop(REFERENCE)
-        measurements.append(measured)
-        env = executor.environment(Cell(backend, "seq", "none", model))
-    noise = measure_seeded(model, backend, executor, specs_of(backend, model)) if seeded and not only else None
-    served = [v.name for v in variants(backend, model, only) if repeat_all or timing_dependent(v)]
+    cases = prompts(model)
+    plan = servings(backend, model, cases, only, repeats, repeat_all)
+    seeded_plan = seeded_servings(model, backend, specs_of(backend, model)) if seeded and not only else []
+    backend_obj = backend_factories(server_bin, source, logs)[backend]()
+    pool = Servings(backend, backend_obj, jobs)
+    first = (_suite("calibrate", cases, {}), Cell(backend, "seq", "none", model))
+    reference, runs = pool.serve(first, [(s.suite, s.cell) for s in plan] + seeded_plan, _check_reference)
+    env = pool.environment(first[1])
+    measurements = measurements_of(backend, model, only, repeats, plan, runs[: len(plan)], reference)
+    noise = seeded_counts(model, backend, seeded_plan, runs[len(plan) :])
+    served = [
+        v.name for v in variants(backend, model, only) if (repeat_all or timing_dependent(v)) and not same_serving(v)
+    ]
     largest = [largest_of(m) for m in measurements]
     overall = {k: max(lg[k] for lg in largest) for k in ("nmse", "kl", "max_abs", "near_tie")}
     if any(lg["unbounded_flip"] for lg in largest):

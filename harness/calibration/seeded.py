@@ -16,7 +16,6 @@ from dataclasses import replace
 from harness import MODES
 from harness.checks.seeded import draws, noise_bound, seeded_keys
 from harness.errors import HarnessError
-from harness.execute import Executor
 from harness.matrix import Cell, spec_preset
 from harness.suites import Suite, load_suite
 
@@ -56,24 +55,31 @@ def drafter(specs: list[str]) -> str | None:
     return next((s for s in DRAFTERS if s in kept), kept[0] if kept else None)
 
 
-def measure_seeded(model: str, backend: str, executor: Executor, specs: list[str], seeds: int = SEEDS) -> dict | None:
-    """The calibration file's `seeded`: per mode (diverged, draws) of `model`'s seeded sampled draws on this
-    device, with the drafter and the method; None where the model has no sample-and-match drafter."""
+def seeded_servings(model: str, backend: str, specs: list[str], seeds: int = SEEDS) -> list[tuple[Suite, Cell]]:
+    """What the seeded measurement serves (`seeded_counts` reads their runs in this order): per mode, the seeded
+    suite with the sample-and-match drafter, then without speculation; none where the model has no such drafter."""
     spec = drafter(specs)
     if spec is None:
-        return None
+        return []
     suite = suite_of(seeds)
+    return [(suite, Cell(backend, mode, s, model)) for mode in MODES for s in (spec, "none")]
+
+
+def seeded_counts(model: str, backend: str, servings: list[tuple[Suite, Cell]], runs: list, seeds: int = SEEDS):
+    """The calibration file's `seeded` from `seeded_servings`'s runs: per mode (diverged, draws) of `model`'s
+    seeded sampled draws on this device, with the drafter and the method; None where nothing was served."""
+    if not servings:
+        return None
+    for run in runs:
+        failed = run.fault or run.crash or run.error
+        if failed:
+            raise HarnessError(f"seeded calibration run {run.cell.id} failed: {failed.splitlines()[0]}")
+    suite, spec = servings[0][0], servings[0][1].spec
     keys = seeded_keys(suite, model)
     by_mode = {}
-    for mode in MODES:
-        mine = executor.run(suite, Cell(backend, mode, spec, model))
-        reference = executor.run(suite, Cell(backend, mode, "none", model))
-        for run in (mine, reference):
-            failed = run.fault or run.crash or run.error
-            if failed:
-                raise HarnessError(f"seeded calibration run {run.cell.id} failed: {failed.splitlines()[0]}")
+    for mine, reference in zip(runs[::2], runs[1::2], strict=True):
         found = draws(mine, reference, keys)
-        by_mode[mode] = [sum(d.diverged for d in found), len(found)]
+        by_mode[mine.cell.mode] = [sum(d.diverged for d in found), len(found)]
     return {
         "spec": spec,
         "by_mode": by_mode,

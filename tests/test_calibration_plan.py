@@ -1,0 +1,31 @@
+"""What `calibrate` serves (harness.calibration.measure.servings): every variant once, a repeat only those whose
+serving depends on timing, and never `seq/<spec>/in-order` (one slot serves in order whatever the round: it is
+`seq/<spec>`'s serving, measured identical in every committed calibration file)."""
+
+from collections import Counter
+
+from harness.calibration.measure import same_serving, servings, timing_dependent
+from harness.calibration.variants import IN_ORDER, prompts, variants
+
+
+def test_a_repeat_serves_only_timing_dependent_variants_and_seq_in_order_is_never_served_twice():
+    plan = servings("server", "tiny-dense", prompts("tiny-dense"), None, 2, False)
+    every = variants("server", "tiny-dense", None)
+    served = Counter(s.variant.name for s in plan)
+    in_order = [v for v in every if v.name.endswith(f"/{IN_ORDER}") and v.cell.mode == "seq"]
+    assert in_order, "the plan has seq in-order variants to fold"
+    for v in every:
+        if same_serving(v):
+            assert served[v.name] == 0 and same_serving(v) in served
+        else:
+            assert served[v.name] == (2 if timing_dependent(v) else 1), v.name
+    # longest first: every drafting-model variant before the others, so the last servings side by side are short
+    kinds = [s.cell.spec.startswith("draft-") for s in plan]
+    assert kinds == sorted(kinds, reverse=True)
+
+
+def test_repeat_all_serves_every_variant_but_in_order_again():
+    plan = servings("server", "tiny-dense", prompts("tiny-dense"), None, 2, True)
+    served = Counter(s.variant.name for s in plan)
+    for v in variants("server", "tiny-dense", None):
+        assert served[v.name] == (0 if same_serving(v) else 2), v.name
