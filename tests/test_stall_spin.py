@@ -40,7 +40,7 @@ def spinning_server() -> BuildInfo:
 
 
 @pytest.mark.parametrize("model", ["tiny-hybrid", "tiny-recurrent"])
-def test_a_request_on_a_spinning_server_ends_within_the_stall_window(spinning_server, tmp_path, model):
+def test_a_request_on_a_spinning_server_ends_within_the_stall_window_named_a_livelock(spinning_server, tmp_path, model):
     config = ServeConfig(
         model=resolve(model).path,
         mode="seq",
@@ -59,4 +59,5 @@ def test_a_request_on_a_spinning_server_ends_within_the_stall_window(spinning_se
         took = time.monotonic() - started
     assert result.stop_reason == "timeout", (result.stop_reason, len(result.tokens), result.error)
     assert "got no token for" in result.error and "stall window" in result.error and "case spinning" in result.error
+    assert "spinning: llama-server logged `" in result.error and "a livelock" in result.error, result.error
     assert took <= 10.0, f"the spinning request took {took:.1f} s"

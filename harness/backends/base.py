@@ -131,6 +131,14 @@ class StallMeter:
         return step_s + prompt_tokens * (self.prompt_token_s or 1.0 / ASSUMED_PROMPT_TOKENS_PER_S)
 
 
+SERVER_ONLY = {
+    "ctx_checkpoints": "--ctx-checkpoints",
+    "checkpoint_min_step": "--checkpoint-min-step",
+    "cache_ram": "--cache-ram",
+}
+"""ServeConfig fields that are llama-server flags with no in-process counterpart → the flag."""
+
+
 @dataclass
 class ServeConfig:
     """How to serve a model; fields use llama.cpp's parameter names (n_ctx is llama-server's `-c`, ...)."""
@@ -153,6 +161,13 @@ class ServeConfig:
     `n_discard` tokens after the first `n_keep` (request fields) and generates on, instead of stopping there.
     Off by default, as in llama-server; a model whose memory cannot shift (llama_memory_can_shift false:
     M-RoPE models such as the qwen35 hybrids) has it switched off at start-up by both backends."""
+    ctx_checkpoints: int | None = None
+    """llama-server's `--ctx-checkpoints` (context checkpoints per slot of a recurrent, hybrid or SWA target; 0 = none)
+    and, below, `--checkpoint-min-step` (the fewest tokens between two of them) and `--cache-ram` (MiB of host-RAM
+    prompt cache; 0 = off, -1 = unlimited). None: llama-server's default. llama-server only: the in-process engine
+    has no prompt cache across requests, so a cell that sets one is not served there (Unservable)."""
+    checkpoint_min_step: int | None = None
+    cache_ram: int | None = None
     draft_model: Path | None = None
     spec: dict = field(default_factory=dict)
     """Speculative options under llama-server's names without the leading dashes (`spec-type`, ...)."""
@@ -178,6 +193,11 @@ class ServeConfig:
             raise HarnessError(f"flash_attn must be on, off or auto, not '{self.flash_attn}'")
         if self.stall_s is not None and self.stall_s <= 0:
             raise HarnessError(f"stall_s must be a positive number of seconds, not {self.stall_s}")
+
+    @property
+    def server_only(self) -> dict:
+        """The settings set here that only llama-server has (SERVER_ONLY), by their flag."""
+        return {flag: getattr(self, name) for name, flag in SERVER_ONLY.items() if getattr(self, name) is not None}
 
     @property
     def n_slots(self) -> int:

@@ -27,7 +27,7 @@ from harness.engine.drafters.scripted import from_script
 from harness.engine.logging import is_verbose
 from harness.engine.spec_config import SpecConfig
 from harness.engine.worker import PROMPT, STEPS, EngineArgs, serve
-from harness.errors import HarnessBug, HarnessError, LlamaAbort
+from harness.errors import HarnessBug, HarnessError, LlamaAbort, Unservable
 from harness.result import Result
 from harness.result.logits import PositionLogits
 from harness.suites.request import Request
@@ -341,4 +341,11 @@ class InprocBackend:
         return dict(_environment())
 
     def open(self, config: ServeConfig) -> InprocSession:
+        """A session serving `config`; Unservable when it sets a llama-server-only flag (SERVER_ONLY)."""
+        if config.server_only:
+            flags = ", ".join(f"{flag} {value}" for flag, value in config.server_only.items())
+            raise Unservable(
+                f"{flags}: llama-server's context checkpoints and host-RAM prompt cache have no in-process "
+                "counterpart (serve the cell with --backend server)"
+            )
         return InprocSession(config, LogDir(self.run_dir, "specharness-engine-"))

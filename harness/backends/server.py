@@ -52,6 +52,7 @@ class LlamaServer:
     seed: int = 42  # -s
     repack: bool = True  # --no-repack when False
     context_shift: bool = False  # --context-shift / --no-context-shift
+    server_only: dict = field(default_factory=dict)  # --ctx-checkpoints, --checkpoint-min-step, --cache-ram N
     spec: dict = field(default_factory=dict)  # --<key> <value> for every speculative option
     cache_prompt: bool = True  # --no-cache-prompt when False
     slot_save_path: Path | None = None  # --slot-save-path
@@ -85,6 +86,7 @@ class LlamaServer:
             seed=config.seed,
             repack=config.repack,
             context_shift=config.context_shift,
+            server_only=config.server_only,
             spec=dict(config.spec),
             **options,
         )
@@ -139,6 +141,8 @@ class LlamaServer:
             cmd.append("--context-shift")
         elif "--no-context-shift" in server_flags(self.server_bin):  # older builds shift by default
             cmd.append("--no-context-shift")
+        for flag, value in self.server_only.items():
+            cmd += [flag, str(value)]
         if not self.cache_prompt:
             cmd.append("--no-cache-prompt")
         if self.slot_save_path:

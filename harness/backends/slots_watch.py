@@ -31,14 +31,23 @@ returned its first tokens has the prompt term of the other requests in flight (t
 own: `n_prompt_tokens_processed` + `n_prompt_tokens_cache`, the tokens its task read or found cached) in its
 window; still measured from its last token, so a slot that spins while another reads is stalled once that
 window has passed.
+
+A stall says whether the server spun or hung (`log_since`): the watch notes the size of llama-server's log (at
+`-lv 5`, lines for every step) whenever a slot returns a token or the server gets on, and a stall quotes what was
+logged after that. A line logged LIVELOCK_REPEATS times or more names a livelock (the checkpoint-erase loop of
+ggml-org/llama.cpp#28280 logs "erasing old context checkpoint" at one position; the replay loop of #28060 the same
+verification); nothing logged is a hang.
 """
 
 from __future__ import annotations
 
+import re
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from pathlib import Path
 
 import requests
 
@@ -49,6 +58,46 @@ POLL_S = 0.25
 """Seconds between two looks at /slots."""
 ANSWER_WAIT_S = 60.0
 """The longest one look waits for /slots (the window may be longer, or infinite: another look follows)."""
+LIVELOCK_REPEATS = 10
+"""A line logged this often since the stalled slot's last token names a livelock: an ordinary step's lines carry
+its positions and token counts, so they do not repeat word for word; a loop at one position logs the same."""
+TIMESTAMP = re.compile(r"^\d+(?:\.\d+)+ ")
+"""The elapsed-time prefix of a llama-server log line (`0.00.201.622 D que ...`)."""
+SLOT_LINE = re.compile(r"\bid +\d+ \| task -?\d+ \|")
+"""A line a slot logged about its task (`slot create_check: id  0 | task 5 | erasing old context checkpoint ...`)."""
+LOG_READ_MAX = 4 << 20
+"""The most of the log a stall reads (its last bytes, when more was logged since the last progress)."""
+
+
+def log_size(path: Path | None) -> int:
+    """The size of a log file now (0 when there is none yet)."""
+    try:
+        return path.stat().st_size if path else 0
+    except OSError:
+        return 0
+
+
+def log_since(path: Path | None, offset: int) -> str:
+    """What llama-server logged from `offset` on, in a stall's words: the two slot lines (SLOT_LINE, timestamps
+    left out) logged most, when LIVELOCK_REPEATS times or more ("spinning: ..., a livelock"); nothing ("hung:
+    ..."); or how many lines, no slot's repeated. The server-wide lines of every step (the task queue's,
+    "yielding to queue") repeat in any run and name nothing."""
+    if path is None:
+        return ""
+    try:
+        with open(path, "rb") as log:
+            log.seek(max(offset, log_size(path) - LOG_READ_MAX))
+            lines = [TIMESTAMP.sub("", line).strip() for line in log.read().decode("utf-8", "replace").splitlines()]
+    except OSError:
+        return ""
+    lines = [line for line in lines if line]
+    if not lines:
+        return "hung: llama-server logged nothing since"
+    slot_lines = Counter(line for line in lines if SLOT_LINE.search(line))
+    looped = [f"`{line}` {n} times" for line, n in slot_lines.most_common(2) if n >= LIVELOCK_REPEATS]
+    if looped:
+        return f"spinning: llama-server logged {' and '.join(looped)} in {len(lines)} lines since, a livelock"
+    return f"llama-server logged {len(lines)} lines since, no slot's line {LIVELOCK_REPEATS} times"
 
 
 def n_decoded(slot: dict) -> int:
@@ -97,22 +146,31 @@ def slot_prompt_term(slot: dict, slots: list[dict], in_flight: int, prompts: int
 class Stall:
     """Per busy slot, since when its task has returned no token; and since when the server as a whole got on."""
 
-    def __init__(self, now: float) -> None:
+    def __init__(self, now: float, log_at: int = 0) -> None:
         self.server_since = now
+        self.server_log_at = log_at
         self.seen: tuple | None = None
         self.slots: dict[object, tuple[tuple, float]] = {}
+        self.log_at: dict[object, int] = {}
+        """Per busy slot, the log's size when it last returned a token."""
 
-    def update(self, slots: list[dict], now: float) -> None:
-        """Learn from an answer of /slots at time `now`."""
+    def update(self, slots: list[dict], now: float, log_at: int = 0) -> None:
+        """Learn from an answer of /slots at time `now`, the server's log being `log_at` bytes long."""
         if progress(slots) != self.seen:
-            self.seen, self.server_since = progress(slots), now
-        busy = {}
+            self.seen, self.server_since, self.server_log_at = progress(slots), now, log_at
+        busy, at = {}, {}
         for slot in slots:
             if slot.get("is_processing"):
-                key = token_progress(slot)
-                before = self.slots.get(slot.get("id"))
-                busy[slot.get("id")] = before if before is not None and before[0] == key else (key, now)
-        self.slots = busy
+                key, id_ = token_progress(slot), slot.get("id")
+                before = self.slots.get(id_)
+                same = before is not None and before[0] == key
+                busy[id_] = before if same else (key, now)
+                at[id_] = self.log_at.get(id_, log_at) if same else log_at
+        self.slots, self.log_at = busy, at
+
+    def log_from(self, slot) -> int:
+        """The log's size when `slot` (None: the server as a whole) last got on."""
+        return self.server_log_at if slot is None else self.log_at.get(slot, self.server_log_at)
 
     def overdue(
         self, slots: list[dict], in_flight: int, prompts: int, window: Callable[[int], float], now: float
@@ -192,7 +250,8 @@ class SlotsWatch:
     def _watch(self, server) -> bool:
         """Poll `server` while requests are in flight on it; returns when none are or it was replaced (False),
         or when it stalled (reported), is unreachable or has no /slots (True: watch it no more)."""
-        stall, slots = Stall(time.monotonic()), []
+        log = getattr(server, "log_path", None)
+        stall, slots = Stall(time.monotonic(), log_size(log)), []
         while True:
             with self._cond:
                 if not self._prompts or self._closed or server is not self.current():
@@ -203,7 +262,9 @@ class SlotsWatch:
             if late is not None:
                 slot, waited, tokens = late
                 where = f"slot {slot} returned none" if slot is not None else "llama-server made no progress"
-                self.on_stall(server, f"got no token for {waited:.1f} s ({where}; {self.meter.explain(tokens)})", slot)
+                spun = log_since(log, stall.log_from(slot))
+                why = f"got no token for {waited:.1f} s ({where}; {self.meter.explain(tokens)})"
+                self.on_stall(server, why + (f"; {spun}" if spun else ""), slot)
                 return True
             # a look at /slots waits no longer than the server's window can end (a server that does not answer)
             reading = prompt_tokens if reading_prompts(slots, in_flight) else 0
@@ -212,7 +273,7 @@ class SlotsWatch:
                 answer = local("GET", f"{server.url}/slots", timeout=max(0.05, min(left, ANSWER_WAIT_S)))
                 if answer.status_code == 200:
                     slots = answer.json()
-                    stall.update(slots, time.monotonic())
+                    stall.update(slots, time.monotonic(), log_size(log))
             except requests.Timeout:
                 continue
             except (requests.RequestException, ValueError):  # the process is gone: the requests in flight say so

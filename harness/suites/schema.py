@@ -13,7 +13,15 @@ SERVE_FIELDS = {
     "repack": "boolean",
     "context_shift": "boolean",
     "stall_s": "number",
+    "ctx_checkpoints": "integer",
+    "checkpoint_min_step": "integer",
+    "cache_ram": "integer",
 }
+"""A suite's `serve` settings (ServeConfig's fields of the same names) and their JSON types."""
+SERVE_MINIMUM = {"ctx_checkpoints": 0, "checkpoint_min_step": 0, "cache_ram": -1}
+"""Where a `serve` integer may go below 1: llama-server's `--ctx-checkpoints 0` and `--cache-ram 0` switch the
+context checkpoints and the host-RAM prompt cache off, `--cache-ram -1` has no limit, and `--checkpoint-min-step 0`
+checkpoints at every step."""
 
 RESTORE_ROUNDS = ("restore", "restore-fresh", "restore-over")
 """Round kinds that interrupt each chat after turn `restore.after_turn`: its slot is saved (llama-server's
@@ -92,7 +100,13 @@ SUITE_SCHEMA = {
             "properties": {
                 k: {
                     "type": t,
-                    **({"minimum": 1} if t == "integer" else {"exclusiveMinimum": 0} if t == "number" else {}),
+                    **(
+                        {"minimum": SERVE_MINIMUM.get(k, 1)}
+                        if t == "integer"
+                        else {"exclusiveMinimum": 0}
+                        if t == "number"
+                        else {}
+                    ),
                 }
                 for k, t in SERVE_FIELDS.items()
             },
