@@ -182,6 +182,8 @@ class LlamaClient:
                 on_prompt(len(prompt_tokens))
             slot = pin(prompt_tokens) if pin is not None else None
             pinned = dict(fields or {}) | ({"id_slot": slot} if slot is not None else {})
+            if not request.cache_prompt:
+                pinned["cache_prompt"] = False
             data = self.completion(completion_payload(prompt_tokens, sampling, n_probs, pinned), until)
         except ServerError as err:
             if err.status >= 500:

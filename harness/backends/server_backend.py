@@ -54,6 +54,7 @@ from harness.backends.client import (
 from harness.backends.flags import server_version
 from harness.backends.process import LogDir, free_log_name, invalid_batch_in_log
 from harness.backends.server import LlamaServer
+from harness.backends.server_checkpoints import Ledger
 from harness.backends.server_slots import SlotPool, lost_cells, slot_ownership
 from harness.backends.slots_watch import SlotsWatch
 from harness.errors import HarnessError
@@ -193,6 +194,7 @@ class ServerSession:
         options.setdefault("verbosity", server_work.VERBOSITY)  # the checkpoint lines `work` counts
         options.setdefault("metrics", True)  # the counters `metrics-agree` compares with the answers
         options.setdefault("gpu_layers", gpu_layers(self.build))  # every layer on the GPU of a GPU build
+        self.checkpoints = Ledger()  # a new process: no checkpoint of it seen made yet
         try:
             self.server = LlamaServer.from_config(self.config, self.build.server_bin, log_path=log, **options).start()
         except BaseException:
@@ -280,6 +282,10 @@ class ServerSession:
                     result.split_rollbacks = server_batches.of_request(logged, geo, result.slot_id)
                     if result.work.steps is not None:
                         result.work.steps["places"] = server_batches.places(logged, result.slot_id)
+                    with self._lock:
+                        result.stale_checkpoint = self.checkpoints.follow(
+                            result.slot_id, result.prompt_tokens, logged.messages, logged.lines
+                        )
                 self.speed.record(len(result.tokens), time.monotonic() - started)
                 self.stall.record(result)
                 held = result.prompt_tokens + result.tokens
@@ -345,6 +351,7 @@ class ServerSession:
             shutil.copyfile(state, self.slots_dir / state.name)
         client = LlamaClient(self.server.url, self.request_timeout)
         action = "erase" if erase else "restore"
+        self.checkpoints.forget(slot_id)  # the slot's checkpoints now come from the state file
         try:
             if erase:
                 client.erase_slot(slot_id)

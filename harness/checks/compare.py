@@ -176,6 +176,7 @@ def _judged(
     evidence["failures"] = [
         f"round {o.round}: {d.kind} at token {d.index}{_ended(o.result, d, len(ref.tokens))}"
         + _rolled_back_before(o.result, ref, d.index)
+        + _stale_checkpoint(o.result, ref)
         for o, d in failing
     ]
     return (
@@ -193,6 +194,16 @@ def _rolled_back_before(result: Result, ref: _Reference, index: int) -> str:
         return mine
     theirs = ref.result.split_rollback_before(index) if ref.result is not None else ""
     return theirs.replace("; after", "; the reference's output came after", 1)  # the reference's own slot
+
+
+def _stale_checkpoint(result: Result, ref: _Reference) -> str:
+    """What a failure line adds when this output's prompt, or the reference's, went on from a llama-server context
+    checkpoint made from other tokens (Result.stale_checkpoint; known failure server-stale-context-checkpoint)."""
+    if result.stale_checkpoint:
+        return f"; the {result.stale_checkpoint}"
+    if ref.result is not None and ref.result.stale_checkpoint:
+        return f"; the reference's {ref.result.stale_checkpoint}"
+    return ""
 
 
 def _ended(result: Result, divergence: Divergence, n_reference: int) -> str:

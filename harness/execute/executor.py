@@ -22,7 +22,7 @@ from harness.matrix import Cell
 from harness.models import resolve
 from harness.result import Result
 from harness.result.cellrun import CellRun, Outcome
-from harness.suites import REGENERATE, RESTORE_ROUNDS, Case, Suite, case_keys
+from harness.suites import FRESH, REGENERATE, RESTORE_ROUNDS, Case, Suite, case_keys
 from harness.suites.request import Request
 
 
@@ -214,7 +214,7 @@ class Executor:
         try:
             for step in range(max(len(case.turns) or 1 for case in cases)):
                 todo = [
-                    (case, self._request(case, step, histories, suite.deadline_s))
+                    (case, self._request(case, step, histories, suite.deadline_s, how))
                     for case in cases
                     if case.name in alive and step < (len(case.turns) or 1)
                 ]
@@ -257,15 +257,25 @@ class Executor:
                 on_request()
 
     @staticmethod
-    def _request(case: Case, step: int, histories: dict[str, list[dict]], deadline_s: float | None) -> Request:
+    def _request(
+        case: Case, step: int, histories: dict[str, list[dict]], deadline_s: float | None, how: str = "seq"
+    ) -> Request:
+        """The case's request at chat step `step` (a `fresh` round's without the prompt cache)."""
+        cache_prompt = how != FRESH
         if not case.is_chat:
-            return case.request(deadline_s)
+            return replace(case.request(deadline_s), cache_prompt=cache_prompt)
         history = histories[case.name]
         if case.turns[step] is REGENERATE:
             del history[-1]  # the last reply, asked again: its new reply takes its place
         else:
             history.append({"role": "user", "content": case.turns[step]})
-        return Request(messages=list(history), sampling=case.sampling, tag=case_keys(case)[step], deadline_s=deadline_s)
+        return Request(
+            messages=list(history),
+            sampling=case.sampling,
+            tag=case_keys(case)[step],
+            deadline_s=deadline_s,
+            cache_prompt=cache_prompt,
+        )
 
 
 def _harness_error(run: CellRun, err: Exception) -> None:

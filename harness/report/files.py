@@ -68,6 +68,7 @@ def records(runs: list) -> list[dict]:
                     "kv_scan": r.kv_scan,
                     "work": r.work.to_dict(),
                     "metrics": r.metrics,
+                    **({"stale_checkpoint": r.stale_checkpoint} if r.stale_checkpoint else {}),
                 }
             )
     return out

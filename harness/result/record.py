@@ -72,6 +72,10 @@ class Result:
     (harness.backends.server_batches), the in-process engine's from its own batches (harness.engine.speculative);
     None where not known (no recurrent snapshots to roll back into, a log without the lines)."""
 
+    stale_checkpoint: str | None = None
+    """llama-server only: the request's prompt went on from a context checkpoint made from other tokens than its own
+    (harness.backends.server_checkpoints), in words; None where none was seen."""
+
     def split_rollback_before(self, index: int) -> str:
         """`; after a partial rollback in micro-batch ...`: the last such step whose rolled-back state made token
         `index` or one before it, as a failure line ends with it; "" where there is none."""

@@ -9,13 +9,22 @@ repeats), its default matrix (backends × modes × speculative configs × models
 """
 
 from harness.suites.load import find_suite, load_suite, parse_suite, suite_files, suites_dir, user_suites_dir
-from harness.suites.schema import CHECK_NAMES, DEFAULT_CHECKS, DEFAULT_MATRIX, REGENERATE, RESTORE_ROUNDS, SUITE_SCHEMA
+from harness.suites.schema import (
+    CHECK_NAMES,
+    DEFAULT_CHECKS,
+    DEFAULT_MATRIX,
+    FRESH,
+    REGENERATE,
+    RESTORE_ROUNDS,
+    SUITE_SCHEMA,
+)
 from harness.suites.suite import Case, Suite, case_keys
 
 __all__ = [
     "CHECK_NAMES",
     "DEFAULT_CHECKS",
     "DEFAULT_MATRIX",
+    "FRESH",
     "REGENERATE",
     "RESTORE_ROUNDS",
     "SUITE_SCHEMA",

@@ -205,6 +205,9 @@ class Request:
     deadline_s: float | None = None
     """Seconds the request may take; None: derived from n_predict and the measured speed
     (harness.backends.base.request_deadline)."""
+    cache_prompt: bool = True
+    """llama-server's `cache_prompt`: False reads the whole prompt in a cleared slot (a `fresh` round); the
+    in-process engine reads every prompt whole anyway."""
 
     def __post_init__(self) -> None:
         if (self.prompt is None) == (self.messages is None):

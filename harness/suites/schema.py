@@ -23,6 +23,12 @@ SERVE_MINIMUM = {"ctx_checkpoints": 0, "checkpoint_min_step": 0, "cache_ram": -1
 context checkpoints and the host-RAM prompt cache off, `--cache-ram -1` has no limit, and `--checkpoint-min-step 0`
 checkpoints at every step."""
 
+FRESH = "fresh"
+"""A round kind: the cases one request at a time, as `seq` does, each with llama-server's prompt cache off
+(`cache_prompt: false`): every prompt read whole in a cleared slot, so nothing an earlier request left in the
+slot (its cells, its context checkpoints) can shape the output. `repeat-identical` then compares the cached
+rounds' outputs with these. The in-process engine reads every prompt whole anyway."""
+
 RESTORE_ROUNDS = ("restore", "restore-fresh", "restore-over")
 """Round kinds that interrupt each chat after turn `restore.after_turn`: its slot is saved (llama-server's
 `POST /slots/{id}?action=save`), then erased and restored into the same session (`restore`), restored into a
@@ -121,7 +127,7 @@ SUITE_SCHEMA = {
             },
         },
         "repeats": {"type": "integer", "minimum": 1},
-        "run_order": {"type": "array", "items": {"enum": ["seq", "par", *RESTORE_ROUNDS]}, "minItems": 1},
+        "run_order": {"type": "array", "items": {"enum": ["seq", "par", FRESH, *RESTORE_ROUNDS]}, "minItems": 1},
         "restore": {
             "type": "object",
             "additionalProperties": False,
