@@ -22,7 +22,7 @@ from harness.backends.base import ServeConfig
 from harness.backends.client import completion_payload
 from harness.execute import CellRun, Executor
 from harness.execute.slot_restore import DETOUR, detour
-from harness.suites import RESTORE_ROUNDS, Suite, case_keys
+from harness.suites import FRESH, RESTORE_ROUNDS, Suite, case_keys
 
 SUBJECT, REFERENCE = "subject", "reference"
 JUDGES = {
@@ -141,7 +141,9 @@ def batches(suite: Suite, run: CellRun, config: ServeConfig, prompts: dict[str, 
                     "key": key,
                     "round": r,
                     "kind": how,
-                    "payload": completion_payload(tokens, case.sampling, config.logit_top_k),
+                    "payload": completion_payload(
+                        tokens, case.sampling, config.logit_top_k, {"cache_prompt": False} if how == FRESH else None
+                    ),
                 }
                 if not (restoring and case.is_chat):
                     requests.append(request)

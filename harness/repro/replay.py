@@ -45,7 +45,7 @@ def _config(case: dict, leg: dict) -> ServeConfig:
 def _request(payload: dict) -> Request:
     names = {f.name for f in fields(Sampling)}
     sampling = Sampling(**{k: v for k, v in payload.items() if k in names})
-    return Request(prompt=list(payload["prompt"]), sampling=sampling)
+    return Request(prompt=list(payload["prompt"]), sampling=sampling, cache_prompt=payload.get("cache_prompt", True))
 
 
 def run_leg(case: dict, leg: dict) -> dict[str, list]:

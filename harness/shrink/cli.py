@@ -277,6 +277,12 @@ def _summary(start: Candidate, best: Candidate, runner: Runner, shrinker, run_di
 
 
 def cmd_repro(args: argparse.Namespace) -> int:
+    if args.upstream:
+        from harness.repro.upstream import write_upstream
+
+        return write_upstream(args, cmd_shrink)
+    if args.from_run is None:
+        raise HarnessError("name the run with the failure (--from-run RUN_DIR), or a known failure (--upstream ID)")
     return cmd_shrink(args, shrink=False)
 
 
@@ -290,7 +296,7 @@ def _policy(text: str) -> Policy:
     return Policy(k, n)
 
 
-def _common(p: argparse.ArgumentParser) -> None:
+def _common(p: argparse.ArgumentParser, required: bool = True) -> None:
     p.add_argument(
         "failure",
         nargs="?",
@@ -298,7 +304,7 @@ def _common(p: argparse.ArgumentParser) -> None:
         help="the failure as the console and the report print it, e.g. "
         "categories[code_python-par-draft-simple-tiny-hybrid-server] (instead of --case and the cell flags)",
     )
-    p.add_argument("--from-run", type=Path, required=True, metavar="RUN_DIR", help="run directory with the failure")
+    p.add_argument("--from-run", type=Path, required=required, metavar="RUN_DIR", help="run directory with the failure")
     p.add_argument("--case", metavar="ID", help="the failing case (a chat turn: name.turnN)")
     p.add_argument(
         "--check",
@@ -341,5 +347,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     )
     p.set_defaults(func=cmd_shrink)
     r = sub.add_parser("repro", help="write the reproducer bundle (repro.sh, repro.py, ISSUE.md) of a failing case")
-    _common(r)
+    _common(r, required=False)
+    r.add_argument(
+        "--upstream",
+        metavar="KNOWN_FAILURE",
+        help="instead: serve the known failure's cells (suites/known-failures.yaml) on this build, bundle its first "
+        "failure and write UPSTREAM.md, a report ready to post upstream (llama-server entries)",
+    )
     r.set_defaults(func=cmd_repro, reproduce=None, time_limit=None)
