@@ -17,6 +17,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from seeded import seeded_tree
 
 from harness.backends.build import ensure_server
@@ -71,6 +72,7 @@ def test_a_checkpoint_erased_or_loaded_from_elsewhere_is_no_longer_claimed():
     assert ledger.follow(0, [1] * 20, [cache], [_restored(17)]) is None  # the prompt cache brought its own
 
 
+@pytest.mark.long  # a patched build (one file recompiled) and a suite run
 def test_the_checkpoints_suite_passes_once_llama_server_erases_from_where_a_restore_goes_on(tmp_path, tiny_models):
     patched = ensure_server(
         source=seeded_tree(ERASE_FROM_RESTART, "patched-erase-from-restart", "tests/test_stale_checkpoint.py")
