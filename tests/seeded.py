@@ -144,3 +144,22 @@ def two_defect_server() -> BuildInfo:
             GRAMMAR_NOT_ADVANCED, TWO_DEFECTS_NAME, "tests/seeded.py", file="common/sampling.cpp", source=seeded_tree()
         )
     )
+
+
+INTERMITTENT = {
+    "                            ckpt.load_dft(slot.ctx_dft, slot.id, LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY);\n": (
+        "                            if (ggml_time_us() % 16 != 0) {  // seeded bug: a race, 1 restore in 16 skips it\n"
+        "                                ckpt.load_dft(slot.ctx_dft, slot.id, LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY);\n"
+        "                            }\n"
+    ),
+}
+"""An intermittent defect (issue 63, item 5): a speculative checkpoint restore leaves the draft context unrestored
+when the clock's microseconds are a multiple of 16, as a race would, about 1 restore in 16. The next `seq_rm` of a
+recurrent or hybrid draft context cannot drop the suffix it still holds, and llama-server aborts ("failed to remove
+sequence N", common/common.cpp:1539); whether a request meets it depends on the time, not on the request."""
+INTERMITTENT_NAME = "seeded-intermittent-draft-restore"
+
+
+def intermittent_server() -> BuildInfo:
+    """The vendored llama-server with INTERMITTENT (built once through the build cache)."""
+    return ensure_server(source=seeded_tree(INTERMITTENT, INTERMITTENT_NAME))

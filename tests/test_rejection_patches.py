@@ -3,7 +3,9 @@ itself, not only on the in-process engine's fault switches (harness/commands/sel
 DISTRIBUTION_PART): each of three
 one-edit patches of llama.cpp b11434 (the first tag with `--spec-draft-sampling probabilistic`) makes the
 statistical suite's tiny-dense seq draft-simple-probabilistic server cell exit 1 by `distribution`, and the
-unpatched b11434 build passes the same run.
+unpatched b11434 build passes the same run. And the one known defect of b11434's rejection sampling (its stream
+rewound by a speculative checkpoint restore: known failure server-rejection-rng-rewound-on-checkpoint-restore) fails
+the tiny-hybrid cell, while b11434 with the upstream report's one-line patch passes it.
 
 The sample is DISTRIBUTION_PART's: `sampling-distribution`'s two cases at temperature 0.5 (at temperature 1 the
 wrong-temperature q is the right one), 1536 tokens each, end-of-generation ignored. The patches mirror the engine's
@@ -132,10 +134,13 @@ def suite(tmp_path_factory) -> Path:
     return path
 
 
-def distribution_run(suite: Path, build: BuildInfo, out: Path) -> tuple[int, list[dict], str]:
-    """`specharness run` of the tiny-dense seq draft-simple-probabilistic server cell on `build`: (exit code,
-    checks.json, console)."""
-    argv = ["run", "--suite", str(suite), *CELL, "--server-bin", str(build.server_bin), "--out", str(out)]
+def distribution_run(
+    suite: Path, build: BuildInfo, out: Path, model: str = "tiny-dense"
+) -> tuple[int, list[dict], str]:
+    """`specharness run` of the seq draft-simple-probabilistic server cell of `model` (tiny-dense) on `build`:
+    (exit code, checks.json, console)."""
+    cell = [*CELL[:-1], model]
+    argv = ["run", "--suite", str(suite), *cell, "--server-bin", str(build.server_bin), "--out", str(out)]
     proc = subprocess.run(
         [sys.executable, "-m", "harness.cli", *argv], cwd=ROOT, capture_output=True, text=True, timeout=1800
     )
@@ -143,9 +148,9 @@ def distribution_run(suite: Path, build: BuildInfo, out: Path) -> tuple[int, lis
     return proc.returncode, checks, proc.stdout + proc.stderr
 
 
-def distribution_verdicts(checks: list[dict]) -> list[dict]:
-    """The `distribution` verdicts of the cell (one per case)."""
-    cell = {"backend": "server", "mode": "seq", "spec": "draft-simple-probabilistic", "model": "tiny-dense"}
+def distribution_verdicts(checks: list[dict], model: str = "tiny-dense") -> list[dict]:
+    """The `distribution` verdicts of the cell of `model` (one per case)."""
+    cell = {"backend": "server", "mode": "seq", "spec": "draft-simple-probabilistic", "model": model}
     return [c for c in checks if c["check"] == "distribution" and all(c[k] == v for k, v in cell.items())]
 
 
@@ -172,3 +177,41 @@ def test_rejection_sampling_of_b11434_keeps_the_target_distribution(suite, tmp_p
     verdicts = distribution_verdicts(checks)
     assert verdicts and all(c["passed"] for c in verdicts), [c["message"] for c in verdicts]
     print(p_values(TAG, verdicts))
+
+
+RNG_FIX = "rng-not-restored"
+RNG_FIX_EDITS = {
+    "    dst->rng        = src->rng;\n": (
+        "    // dst->rng is not restored: the rejection-sampling stream keeps running across a checkpoint restore\n"
+    )
+}
+"""The proposed patch of known failure server-rejection-rng-rewound-on-checkpoint-restore (common/sampling.cpp's
+common_sampler_copy; docs/upstream-reports/patches/server-rejection-rng-rewound-on-checkpoint-restore.diff)."""
+
+
+def test_the_kept_rng_patch_is_the_one_built_here():
+    diff = (ROOT / "docs/upstream-reports/patches/server-rejection-rng-rewound-on-checkpoint-restore.diff").read_text()
+    lines = diff.splitlines()
+    assert lines[0] == f"--- a/{SAMPLING_CPP}" and lines[1] == f"+++ b/{SAMPLING_CPP}"
+    removed = [line[1:] + "\n" for line in lines[2:] if line.startswith("-")]
+    added = [line[1:] + "\n" for line in lines[2:] if line.startswith("+")]
+    assert (removed, added) == (list(RNG_FIX_EDITS), list(RNG_FIX_EDITS.values()))
+
+
+def test_b11434_rewinds_the_rejection_rng_on_a_checkpoint_restore_and_the_proposed_patch_fixes_it(
+    suite, tmp_path, tiny_models
+):
+    """tiny-hybrid rolls a partial acceptance back through the speculative checkpoint, which restores the sampler
+    with its rejection-sampling stream (common_sampler_copy copies `rng`): b11434 fails `distribution` on that cell;
+    b11434 with the one-line patch of the upstream report passes it."""
+    tree = seeded_tree(
+        RNG_FIX_EDITS, RNG_FIX, "tests/test_rejection_patches.py", file=SAMPLING_CPP, source=extracted_tag_source(TAG)
+    )
+    code, checks, console = distribution_run(suite, TAG_BUILD, tmp_path / "b11434", model="tiny-hybrid")
+    verdicts = distribution_verdicts(checks, "tiny-hybrid")
+    assert code == 1 and any(not c["passed"] and NOT_TARGET in c["message"] for c in verdicts), console[-3000:]
+    print(p_values(TAG, verdicts))
+    code, checks, console = distribution_run(suite, ensure_server(source=tree), tmp_path / "fixed", model="tiny-hybrid")
+    verdicts = distribution_verdicts(checks, "tiny-hybrid")
+    assert code == 0 and verdicts and all(c["passed"] for c in verdicts), console[-3000:]
+    print(p_values(f"{TAG}-{RNG_FIX}", verdicts))

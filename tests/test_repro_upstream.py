@@ -47,6 +47,11 @@ def test_an_entry_without_a_standalone_reproducer_or_an_unknown_id_is_one_line()
     inproc = _repro("--upstream", "split-equal-keep-tail-exceeds-ubatch")
     assert inproc.returncode == 2 and "no standalone upstream report" in inproc.stderr, inproc.stderr
     assert len(inproc.stderr.strip().splitlines()) == 1
+    statistical = _repro("--upstream", "server-rejection-rng-rewound-on-checkpoint-restore")  # suites/statistical's
+    assert statistical.returncode == 2 and len(statistical.stderr.strip().splitlines()) == 1, statistical.stderr
+    assert "fails `distribution`, which only specharness can judge" in statistical.stderr
+    assert "docs/upstream-reports/server-rejection-rng-rewound-on-checkpoint-restore.md" in statistical.stderr
+    assert (ROOT / "docs/upstream-reports/server-rejection-rng-rewound-on-checkpoint-restore.md").is_file()
     unknown = _repro("--upstream", "no-such-defect")
     assert unknown.returncode == 2 and "no known failure no-such-defect" in unknown.stderr, unknown.stderr
     assert len(unknown.stderr.strip().splitlines()) == 1

@@ -9,6 +9,7 @@ from pathlib import Path
 
 from harness.models import generator
 from harness.repro.legs import REFERENCE, SUBJECT
+from harness.repro.rate import RATE_BOUND, lowest_rate
 
 EXPECTED = {
     "crash": "every request completes",
@@ -186,13 +187,14 @@ def _rate_line(reproduction: dict) -> str:
     if not reproduction.get("measured"):
         return f"Reproduction rate: not measured; `repro.sh` runs the case {n} time(s) (`REPRO_RUNS=N` for more)."
     shown, runs = reproduction["shown"], reproduction["runs"]
-    if shown == runs:
-        return f"Reproduction rate: {shown} of {runs} runs (deterministic as measured); `repro.sh` runs the case once."
+    low = lowest_rate(shown, runs)
+    kind = "in every run measured" if shown == runs else "the failure is intermittent"
     return (
-        f"Reproduction rate: {shown} of {runs} runs ({shown / runs:.0%}): the failure is intermittent. `repro.sh` "
-        f"runs the case up to {n} times and stops at the first reproduction, printing `reproduced k of n`; it says "
-        f"`not reproduced` only after {n} clean runs (a build failing at this rate shows it in {n} runs with "
-        f"probability >= {reproduction.get('confidence', 0.99):.0%}). `REPRO_ALL=1` runs all {n} and counts."
+        f"Reproduction rate: {shown} of {runs} runs ({shown / runs:.0%}): {kind}. `repro.sh` runs the case up to "
+        f"{n} times and stops at the first reproduction, printing `reproduced k of n`; it says `not reproduced` only "
+        f"after {n} clean runs: {shown} of {runs} leaves a rate as low as {low:.0%} open (one-sided "
+        f"{RATE_BOUND:.0%} bound), and a build failing at that rate shows it in {n} runs with probability >= "
+        f"{reproduction.get('confidence', 0.99):.0%}. `REPRO_ALL=1` runs all {n} and counts."
     )
 
 

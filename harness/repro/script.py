@@ -31,6 +31,7 @@ import signal
 from pathlib import Path
 
 from harness.repro.legs import JUDGES, REFERENCE, SUBJECT
+from harness.repro.rate import lowest_rate
 from harness.suites import RESTORE_ROUNDS
 from harness.verdict.signature import EXIT, KV_DAMAGE, abort_reason
 
@@ -303,7 +304,11 @@ def _retries(reproduction: dict) -> list[str]:
     n = reproduction.get("retries", 1)
     if reproduction.get("measured"):
         rate = f"{reproduction['shown']} of {reproduction['runs']} runs"
-        why = f"it showed in {rate} when measured: a build failing at that rate shows it in {n} runs"
+        low = lowest_rate(reproduction["shown"], reproduction["runs"])
+        why = (
+            f"it showed in {rate} when measured, which leaves a rate of {low:.0%} open: a build failing at that "
+            f"rate shows it in {n} runs"
+        )
     else:
         rate, why = "not measured", f"its rate was not measured: {n} run"
     confidence = reproduction.get("confidence", 0.99)

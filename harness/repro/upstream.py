@@ -6,8 +6,11 @@ entry explains, writes that case's bundle (repro.sh: the llama-server command li
 sent with curl, nothing of specharness), runs repro.sh once against the same build, and writes UPSTREAM.md beside
 them: what happens and why (the entry's `reason`, with its file:line), where it was measured (`versions`,
 `found`), what this build printed, the standalone reproducer and the proposed patch, where one is kept as
-docs/upstream-reports/patches/<ID>.diff. The in-process engine's entries have no standalone reproducer (their
-bundle's repro.py runs specharness): they are refused with one line.
+docs/upstream-reports/patches/<ID>.diff. The statistical job's entries (suites/statistical/known-failures.yaml) are
+served from there. Two kinds are refused with one line: the in-process engine's entries, which have no standalone
+reproducer (their bundle's repro.py runs specharness), and entries that only specharness can judge (STANDALONE_CHECKS:
+a distribution, an acceptance rate, counted work), which name their hand-written report in docs/upstream-reports/
+where there is one.
 """
 
 from __future__ import annotations
@@ -33,24 +36,49 @@ def patches_dir() -> Path:
     return ROOT / "docs" / "upstream-reports" / "patches"
 
 
-def entry_of(known_id: str, suites: Path) -> KnownFailure:
-    """The known failure `known_id` of suites/known-failures.yaml; HarnessError naming the ids when there is none, or
-    when it is not a llama-server defect."""
-    entries = {e.id: e for e in load(suites / FILE_NAME)}
-    if known_id not in entries:
-        raise HarnessError(f"no known failure {known_id} in {suites / FILE_NAME} (known: {', '.join(sorted(entries))})")
-    entry = entries[known_id]
+STANDALONE_CHECKS = ("no-crash", "lossless", "mode-invariant", "repeat-identical", "kv-healthy", "restore-identical")
+"""The checks whose failures a bundle's repro.sh decides by itself (harness.repro.legs.judge_of: a crash, an error,
+outputs that differ, an unhealthy KV cache, a restore that changes the counts). The others (`distribution`,
+`acceptance`, `work`, `probs-complete`, ...) only specharness judges."""
+HAND_WRITTEN = ROOT / "docs" / "upstream-reports"
+"""Where a hand-written report (`<ID>.md`) is kept for a defect no repro.sh can decide."""
+
+
+def entry_of(known_id: str, suites: Path) -> tuple[KnownFailure, Path]:
+    """The known failure `known_id` and the suites directory whose known-failures file holds it (suites/, or the
+    statistical job's suites/statistical/); HarnessError naming the ids when there is none, when it is not a
+    llama-server defect, or when no repro.sh can decide it (naming its hand-written report where there is one)."""
+    homes = [d for d in (suites, suites / "statistical") if (d / FILE_NAME).is_file()]
+    found = {e.id: (e, d) for d in reversed(homes) for e in load(d / FILE_NAME)}
+    if known_id not in found:
+        files = " or ".join(str(d / FILE_NAME) for d in homes)
+        raise HarnessError(f"no known failure {known_id} in {files} (known: {', '.join(sorted(found))})")
+    entry, home = found[known_id]
     if entry.backend != "server":
         raise HarnessError(
             f"{known_id} is a defect of the in-process engine's cells: its reproducer needs specharness "
             "(repro.py), so there is no standalone upstream report; use `specharness repro` on a run of it"
         )
-    return entry
+    if not any(check in STANDALONE_CHECKS for check in entry.check):
+        hand = HAND_WRITTEN / f"{known_id}.md"
+        where = (
+            f"its hand-written report with a standalone reproducer is {hand.relative_to(ROOT)}"
+            if hand.is_file()
+            else f"write one by hand in {HAND_WRITTEN.relative_to(ROOT)}/"
+        )
+        raise HarnessError(
+            f"{known_id} fails `{', '.join(entry.check)}`, which only specharness can judge, so no repro.sh decides "
+            f"it and there is no generated upstream report; {where}"
+        )
+    return entry, home
 
 
-def run_argv(entry: KnownFailure, out: Path, build: list[str]) -> list[str]:
-    """`specharness run` of the entry's cells in its home suite (`build`: --server-bin / --source options)."""
+def run_argv(entry: KnownFailure, out: Path, build: list[str], home: Path | None = None) -> list[str]:
+    """`specharness run` of the entry's cells in its home suite (`build`: --server-bin / --source options; `home`:
+    the suites directory that holds it when it is not the installed one, e.g. suites/statistical)."""
     argv = [sys.executable, "-m", "harness.cli", "run", "--suite", entry.suite, "--backend", "server"]
+    if home is not None:
+        argv += ["--suites-dir", str(home)]
     for flag, values in (("--model", entry.models), ("--mode", entry.modes), ("--spec", entry.specs)):
         if values:
             argv += [flag, ",".join(values)]
@@ -167,14 +195,15 @@ def write_upstream(args: argparse.Namespace, shrink) -> int:
     from harness.paths import reports_dir
     from harness.suites import suites_dir
 
-    entry = entry_of(args.upstream, suites_dir())
+    suites = suites_dir()
+    entry, home = entry_of(args.upstream, suites)
     out = prepare_out(Path(args.out) if args.out else new_run_dir(reports_dir()))
     build = (["--server-bin", str(args.server_bin)] if args.server_bin else []) + (
         ["--source", str(args.source)] if args.source else []
     )
     run_dir = out / "run"
     print(f"repro --upstream: serving {entry.id}'s cells of suite {entry.suite} into {run_dir}", file=sys.stderr)
-    subprocess.run(run_argv(entry, run_dir, build), cwd=ROOT, timeout=3600)
+    subprocess.run(run_argv(entry, run_dir, build, None if home == suites else home), cwd=ROOT, timeout=3600)
     row = explained(run_dir, entry)
     if row is None:
         print(f"repro --upstream: {entry.id} did not show on this build (run: {run_dir})", file=sys.stderr)

@@ -93,7 +93,7 @@ def reproduction(rate: tuple[int, int] | None) -> dict:
         "shown": shown,
         "runs": runs,
         "measured": rate is not None,
-        "retries": retries(shown, runs),
+        "retries": retries(shown, runs) if rate is not None else 1,
         "confidence": CONFIDENCE,
     }
 

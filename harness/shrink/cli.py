@@ -22,10 +22,10 @@ from harness.execute.run_options import new_run_dir, prepare_out, run_defaults
 from harness.matrix import Cell
 from harness.paths import reports_dir
 from harness.report.files import status
-from harness.repro.rate import HOLD, RATE_RUNS, comparable, retries
+from harness.repro.rate import HOLD, RATE_RUNS, comparable, is_comparable
 from harness.shrink.candidate import Candidate, initial
 from harness.shrink.failure_id import parse as parse_failure_id
-from harness.shrink.trial import BASELINE_CHECKS, Policy, Runner, reference_of
+from harness.shrink.trial import BASELINE_CHECKS, Policy, Runner, Trial, reference_of
 from harness.signatures import classify
 
 EXIT_WRITTEN, EXIT_NOT_REPRODUCED, EXIT_DIFFERENT = 0, 1, 4
@@ -126,12 +126,21 @@ class Origin:
         return None
 
 
+def _measure(runner: Runner, candidate: Candidate, tries: int) -> tuple[int, int, list]:
+    """(shown, runs, attempts): `tries` runs of `candidate`, and up to RATE_RUNS when they disagree."""
+    attempts = [runner.attempt(candidate) for _ in range(tries)]
+    shown = sum(a.shows(runner.signature) for a in attempts)
+    if 0 < shown < tries:  # intermittent: measure its rate on more runs
+        attempts += [runner.attempt(candidate) for _ in range(max(0, RATE_RUNS - tries))]
+        shown = sum(a.shows(runner.signature) for a in attempts)
+    return shown, len(attempts), attempts
+
+
 def _reproduce(runner: Runner, start: Candidate, tries: int, say) -> tuple[Policy, list]:
     """Run the original case `tries` times, and up to RATE_RUNS when they disagree: its rate decides each step's
     policy (harness.repro.rate.comparable: a smaller case must reproduce at a comparable rate) and how many runs
     its repro.sh makes."""
-    attempts = [runner.attempt(start) for _ in range(tries)]
-    shown = sum(a.shows(runner.signature) for a in attempts)
+    shown, runs, attempts = _measure(runner, start, tries)
     if shown == 0:
         seen = sorted({s for a in attempts for s in a.signatures})
         if seen:
@@ -141,23 +150,60 @@ def _reproduce(runner: Runner, start: Candidate, tries: int, say) -> tuple[Polic
                 EXIT_DIFFERENT,
             )
         raise NotReproduced(f"not reproduced: every one of {tries} runs passed (signature {runner.signature})")
-    if shown < tries:  # intermittent: measure its rate on more runs
-        attempts += [runner.attempt(start) for _ in range(max(0, RATE_RUNS - tries))]
-        shown = sum(a.shows(runner.signature) for a in attempts)
-    runs = len(attempts)
     policy = Policy(1, 1) if shown == runs else Policy(*comparable(shown, runs))
     runner.rate = (shown, runs)
     say(
         f"shrink: the original case shows the signature {shown} of {runs} runs: "
         + (
-            "deterministic, each step runs once"
+            "in every run, so each step runs once and the shrunk case's rate is measured at the end"
             if shown == runs
             else f"intermittent, a step holds when it shows the signature {policy} runs (a comparable rate: a case "
-            f"reproducing at {shown}/{runs} holds with probability >= {HOLD:.0%}); its repro.sh runs up to "
-            f"{retries(shown, runs)} times"
+            f"reproducing at {shown}/{runs} holds with probability >= {HOLD:.0%})"
         )
     )
     return policy, attempts
+
+
+def _settle(runner: Runner, shrinker, tries: int, say) -> tuple[Trial, tuple[int, int] | None]:
+    """The smallest kept case whose measured rate is comparable to the original's (harness.repro.rate.
+    is_comparable), with that rate: the shrunk case when it is; otherwise a bisection of the kept steps (the
+    original is comparable by definition), each measured with `_measure`. A step that held once may have held by
+    luck: this is what keeps a shrink from drifting to a rarer failure than the original's."""
+    kept, original = shrinker.kept, runner.rate
+    if len(kept) == 1 or original is None:
+        return kept[0], original
+    runs_before = runner.count
+
+    def measure(i: int) -> tuple[bool, tuple[int, int]]:
+        shown, runs, attempts = _measure(runner, kept[i].candidate, tries)
+        ok = is_comparable((shown, runs), original)
+        k, n = comparable(*original)
+        say(
+            f"shrink: kept step {i} of {len(kept) - 1} ({kept[i].candidate.describe()}) shows the signature {shown} "
+            f"of {runs} runs: " + ("comparable" if ok else f"not comparable (the original: {k} of {n} at least)")
+        )
+        if ok:
+            kept[i].attempts += attempts
+        return ok, (shown, runs)
+
+    last = len(kept) - 1
+    ok, rate = measure(last)
+    if ok:
+        say(f"shrink: the shrunk case's rate measured in {runner.count - runs_before} runs")
+        return kept[last], rate
+    good, good_rate, bad = 0, original, last
+    while bad - good > 1:
+        mid = (good + bad) // 2
+        ok, rate = measure(mid)
+        if ok:
+            good, good_rate = mid, rate
+        else:
+            bad = mid
+    say(
+        f"shrink: back to kept step {good} of {last}, the smallest case at a comparable rate "
+        f"({runner.count - runs_before} runs to find it)"
+    )
+    return kept[good], good_rate
 
 
 class NotReproduced(Exception):
@@ -175,7 +221,6 @@ def _say(line: str) -> None:
 def cmd_shrink(args: argparse.Namespace, shrink: bool = True) -> int:
     from harness.repro.write import write_bundle
     from harness.shrink.driver import Shrinker, require_shrinkable
-    from harness.shrink.trial import Trial
 
     origin = Origin(args, "shrink" if shrink else "reproduce")
     if shrink:
@@ -206,7 +251,13 @@ def cmd_shrink(args: argparse.Namespace, shrink: bool = True) -> int:
             shrinker = Shrinker(runner, trial, out / "shrink-log.jsonl", _say, args.time_limit)
             best = shrinker.run()
             trial, stopped = shrinker.best_trial, shrinker.stopped
-        rate = _final_rate(runner, start, best, trial) if not interrupt.received() else runner.rate
+        rate = runner.rate
+        if shrinker is not None and not interrupt.received():
+            try:
+                trial, rate = _settle(runner, shrinker, args.tries, _say)
+                best = trial.candidate
+            except KeyboardInterrupt:  # the smallest case, its rate not measured: the original's is written
+                stopped = "interrupted"
         with interrupt.deferred():  # the bundle of the smallest case so far is written in full
             interrupt.phase("writing")
             attempt = trial.showing(origin.signature)
@@ -240,24 +291,6 @@ def cmd_shrink(args: argparse.Namespace, shrink: bool = True) -> int:
     if stopped:
         _say(f"shrink: stopped ({stopped}): the bundle holds the smallest failing case found")
     return interrupt.status() if stopped == "interrupted" else EXIT_WRITTEN
-
-
-def _final_rate(runner: Runner, start: Candidate, best: Candidate, trial) -> tuple[int, int] | None:
-    """The reproduction rate the bundle is written with: the original case's, or, for an intermittent failure
-    shrunk to a smaller case, that case's own, measured on RATE_RUNS more runs (a step's early-stopped runs are no
-    measure of it)."""
-    if runner.rate is None or runner.rate[0] == runner.rate[1] or best == start:
-        return runner.rate
-    attempts = [runner.attempt(best) for _ in range(RATE_RUNS)]
-    shown = sum(a.shows(runner.signature) for a in attempts)
-    _say(
-        f"shrink: the shrunk case shows the signature {shown} of {RATE_RUNS} runs (the original {runner.rate[0]} of "
-        f"{runner.rate[1]}); its repro.sh runs up to {retries(shown, RATE_RUNS) if shown else '?'} times"
-    )
-    if shown == 0:  # not seen again: the original's rate, said so in ISSUE.md through the bundle's numbers
-        return runner.rate
-    trial.attempts += attempts
-    return shown, RATE_RUNS
 
 
 def _summary(start: Candidate, best: Candidate, runner: Runner, shrinker, run_dir) -> str:
@@ -322,7 +355,8 @@ def _common(p: argparse.ArgumentParser, required: bool = True) -> None:
         "--tries",
         type=count(1),
         default=3,
-        help="runs of the original case that decide whether the failure is deterministic (default 3)",
+        help="runs of the original case that measure how often it fails, up to 10 when they disagree (default 3; "
+        "1 takes the failure as deterministic: its repro.sh runs once)",
     )
     p.add_argument("--out", metavar="DIR", help="where the bundle goes (default reports/<run-id>)")
 

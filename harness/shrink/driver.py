@@ -55,6 +55,8 @@ class Shrinker:
     ):
         self.runner = runner
         self.best, self.best_trial = start.candidate, start
+        self.kept: list[Trial] = [start]
+        """The trials of the steps that held, in order: the original first, `best_trial` last."""
         self.first = start.candidate
         self.log, self.say = log, say
         self.started = time.monotonic()
@@ -97,6 +99,7 @@ class Shrinker:
             )
         if trial.holds:
             self.best, self.best_trial = candidate, trial
+            self.kept.append(trial)
         return trial.holds
 
     # ------------------------------------------------------------------------------------------ passes
