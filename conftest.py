@@ -84,6 +84,11 @@ def pytest_configure(config: pytest.Config) -> None:
         f"tag_builds: a test of llama-server built at upstream tags (b11311, b11434): the tag-builds CI job's "
         f"(.ci/tag-builds builds them, cached, and sets {TAG_BUILDS}=1); the default pytest deselects it",
     )
+    config.addinivalue_line(
+        "markers",
+        f"statistical: a test of a large sample, a libllama variant or a seeded race: the statistical CI job's "
+        f"(.ci/statistical sets {STATISTICAL}=1); the default pytest deselects it",
+    )
     if config.getoption("--stress") > 0 and not hasattr(config, "workerinput"):  # the controller only, once
         config.stash[BUSY] = [
             subprocess.Popen([sys.executable, "-c", BUSY_LOOP]) for _ in range(config.getoption("--stress"))
@@ -93,16 +98,21 @@ def pytest_configure(config: pytest.Config) -> None:
 TAG_BUILDS = "SPECHARNESS_TAG_BUILDS"
 """Set to 1 by .ci/tag-builds: the `tag_builds` tests are collected (elsewhere deselected, not skipped: they are that
 job's tests, run where their builds are made)."""
+STATISTICAL = "SPECHARNESS_STATISTICAL"
+"""Set to 1 by .ci/statistical: the `statistical` tests are collected (elsewhere deselected, not skipped)."""
+OTHER_JOBS = {"tag_builds": TAG_BUILDS, "statistical": STATISTICAL}
+"""marker -> the variable its CI job sets to 1: a test with the marker is that job's, deselected elsewhere."""
 
 
 def deselect_other_jobs(config: pytest.Config, items: list) -> None:
-    """The `tag_builds` tests belong to the tag-builds job (.ci/tag-builds): deselected elsewhere."""
-    if os.environ.get(TAG_BUILDS) == "1":
-        return
-    other = [i for i in items if i.get_closest_marker("tag_builds")]
+    """The tests of another CI job (OTHER_JOBS: the tag-builds job's, the statistical job's) are deselected, not
+    skipped: the default pytest reports no skip for want of a build or a sample that job makes."""
+    absent = [marker for marker, variable in OTHER_JOBS.items() if os.environ.get(variable) != "1"]
+    other = [i for i in items if any(i.get_closest_marker(m) for m in absent)]
     if other:
         config.hook.pytest_deselected(items=other)
-        items[:] = [i for i in items if not i.get_closest_marker("tag_builds")]
+        moved = set(other)
+        items[:] = [i for i in items if i not in moved]
 
 
 @pytest.hookimpl(trylast=True)

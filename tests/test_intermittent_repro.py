@@ -4,8 +4,8 @@ the next `seq_rm` aborts, "failed to remove sequence N"): `shrink` measures the 
 of a comparable rate, and writes a repro.sh sized for the lowest rate the measurement leaves open, which reproduces
 the failure on the faulty build and says "not reproduced" on the vendored one only after all its runs.
 
-The statistical job's (.ci/statistical sets SPECHARNESS_STATISTICAL=1): a run, a shrink and the reproducer's runs,
-80 s on 2 cores (2026-12-06; docs/guide/shrink.md has the 20-run measurement)."""
+The statistical job's (marker `statistical`; .ci/statistical sets SPECHARNESS_STATISTICAL=1): a run, a shrink and
+the reproducer's runs, 80 s on 2 cores (2026-12-06; docs/guide/shrink.md has the 20-run measurement)."""
 
 from __future__ import annotations
 
@@ -21,14 +21,7 @@ from harness.backends.build import ensure_server
 from harness.cli import main
 from harness.repro.rate import retries
 
-if not os.environ.get("SPECHARNESS_STATISTICAL"):
-    pytest.skip(
-        "the statistical job's (.ci/statistical sets SPECHARNESS_STATISTICAL=1): a run, a shrink and a reproducer's "
-        "runs on a seeded intermittent llama-server, about 80 s",
-        allow_module_level=True,
-    )
-
-pytestmark = pytest.mark.long
+pytestmark = [pytest.mark.statistical, pytest.mark.long]  # a run, a shrink and a reproducer's runs: about 80 s
 SIGNATURE = "failed to remove sequence"
 REPRO_RUNS_FAULTY = 5
 """Runs of the bundle's repro.sh against the faulty build: each must print REPRODUCED."""

@@ -343,21 +343,13 @@ def test_the_fix_makes_the_moved_sequence_roll_back_exactly(tiny_models):
 
 
 @pytest.mark.long
+@pytest.mark.statistical  # a libllama variant: a full libllama compile when cold
 def test_moving_the_snapshot_planes_makes_par_rollback_lossless(tmp_path, tiny_models):
     """Through llama-server: the vendored tree with FIX serves par-rollback's draft-mtp par cell with no divergence.
     The patch is in libllama, so a cold build compiles all of it (about 13 min on 2 cores): run where the variant
-    is built, with SPECHARNESS_LIBLLAMA_VARIANTS=1 (.ci/statistical sets it; the default pytest leaves its 40 s warm
-    to that job, as it does the build); measured 0 of 8,000
-    requests diverging in 100 servings against 33 of 8,000 unpatched (docs/upstream-defects.md)."""
-    from harness.backends.build import cached_server
-
-    tree = staged_tree(FIX, "rs-planes-follow-moved-cells")
-    if not os.environ.get("SPECHARNESS_LIBLLAMA_VARIANTS"):
-        built = "built" if cached_server(tree) is not None else "not built (a full libllama compile)"
-        pytest.skip(
-            f"the statistical job's (.ci/statistical): the libllama variant with FIX is {built}; run it with "
-            "SPECHARNESS_LIBLLAMA_VARIANTS=1"
-        )
+    is built, the statistical job (marker `statistical`: the default pytest deselects it, its 40 s warm and the
+    build); measured 0 of 8,000 requests diverging in 100 servings against 33 of 8,000 unpatched
+    (docs/upstream-defects.md)."""
     build = fixed_server()
     out = tmp_path / "run"
     argv = [

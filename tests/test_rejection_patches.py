@@ -12,13 +12,12 @@ wrong-temperature q is the right one), 1536 tokens each, end-of-generation ignor
 faults of the same names (harness/engine/faults.py), built from the tag's tree as `b11434-<name>` through the build
 cache (tests/seeded.py `seeded_tree` with `source`; the compiler cache serves every object but the edited file's).
 
-Skipped unless llama-server b11434 is in the build cache (`specharness build --tag b11434` builds it, as
-`.ci/statistical` does with STATISTICAL_TAG=b11434)."""
+The statistical job's (marker `statistical`: the default pytest deselects it); skipped there unless llama-server
+b11434 is in the build cache (`.ci/statistical` builds it with STATISTICAL_TAG=b11434)."""
 
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -50,20 +49,16 @@ def _tag_build() -> BuildInfo | None:
         return None
 
 
-if not os.environ.get("SPECHARNESS_STATISTICAL"):
-    pytest.skip(
-        "the statistical job's (.ci/statistical sets SPECHARNESS_STATISTICAL=1): each run serves and scores two "
-        "1536-token outputs, about 40 s a patch",
-        allow_module_level=True,
-    )
 TAG_BUILD = _tag_build()
-if TAG_BUILD is None:
-    pytest.skip(
-        f"llama-server {TAG} is not in the build cache (build it with `specharness build --tag {TAG}`)",
-        allow_module_level=True,
-    )
-
-pytestmark = pytest.mark.long  # each run: two 1536-token outputs served and scored under the target
+pytestmark = [
+    pytest.mark.statistical,  # each run serves and scores two 1536-token outputs, about 40 s a patch
+    pytest.mark.long,
+    pytest.mark.skipif(
+        TAG_BUILD is None,
+        reason=f"llama-server {TAG} is not in the build cache (.ci/statistical builds it with STATISTICAL_TAG={TAG}; "
+        f"or `specharness build --tag {TAG}`)",
+    ),
+]
 
 SAMPLING_CPP = "common/sampling.cpp"
 SPECULATIVE_CPP = "common/speculative.cpp"
@@ -187,15 +182,6 @@ RNG_FIX_EDITS = {
 }
 """The proposed patch of known failure server-rejection-rng-rewound-on-checkpoint-restore (common/sampling.cpp's
 common_sampler_copy; docs/upstream-reports/patches/server-rejection-rng-rewound-on-checkpoint-restore.diff)."""
-
-
-def test_the_kept_rng_patch_is_the_one_built_here():
-    diff = (ROOT / "docs/upstream-reports/patches/server-rejection-rng-rewound-on-checkpoint-restore.diff").read_text()
-    lines = diff.splitlines()
-    assert lines[0] == f"--- a/{SAMPLING_CPP}" and lines[1] == f"+++ b/{SAMPLING_CPP}"
-    removed = [line[1:] + "\n" for line in lines[2:] if line.startswith("-")]
-    added = [line[1:] + "\n" for line in lines[2:] if line.startswith("+")]
-    assert (removed, added) == (list(RNG_FIX_EDITS), list(RNG_FIX_EDITS.values()))
 
 
 def test_b11434_rewinds_the_rejection_rng_on_a_checkpoint_restore_and_the_proposed_patch_fixes_it(

@@ -9,6 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from test_rejection_patches import RNG_FIX_EDITS, SAMPLING_CPP
 from test_stale_checkpoint import ERASE_FROM_RESTART
 
 from harness.repro.upstream import patches_dir
@@ -57,3 +58,12 @@ def test_an_entry_without_a_standalone_reproducer_or_an_unknown_id_is_one_line()
     assert len(unknown.stderr.strip().splitlines()) == 1
     neither = _repro("some[case]")
     assert neither.returncode == 2 and "--from-run" in neither.stderr and "--upstream" in neither.stderr
+
+
+def test_the_kept_rng_patch_is_the_one_built_here():
+    diff = (patches_dir() / "server-rejection-rng-rewound-on-checkpoint-restore.diff").read_text()
+    lines = diff.splitlines()
+    assert lines[0] == f"--- a/{SAMPLING_CPP}" and lines[1] == f"+++ b/{SAMPLING_CPP}"
+    removed = [line[1:] + "\n" for line in lines[2:] if line.startswith("-")]
+    added = [line[1:] + "\n" for line in lines[2:] if line.startswith("+")]
+    assert (removed, added) == (list(RNG_FIX_EDITS), list(RNG_FIX_EDITS.values()))

@@ -166,9 +166,7 @@ STATISTICAL = os.environ.get("SPECHARNESS_STATISTICAL")
 that job as it leaves suites/statistical."""
 STATISTICAL_SUITE = DISTRIBUTION_PART[0]
 STATISTICAL_FAULTS = [f for f, parts in FAULT_PLAN.items() if any(name == STATISTICAL_SUITE for name, _ in parts)]
-statistical_only = pytest.mark.skipif(
-    not STATISTICAL, reason="the statistical job's (.ci/statistical): a 1536-token rejection-sampling sample"
-)
+statistical_only = pytest.mark.statistical  # a 1536-token rejection-sampling sample: deselected by default
 
 
 def clean_parts(statistical: bool) -> list:

@@ -3,7 +3,6 @@ fails and is never excused as a near-tie; an abort inside llama.cpp in the in-pr
 result while the run goes on; the committed tolerances are reproduced by measuring them again."""
 
 import json
-import os
 import shutil
 from pathlib import Path
 
@@ -18,9 +17,6 @@ from harness.verdict import noise
 from harness.verdict.noise import calibration_path
 
 REPO = Path(__file__).resolve().parents[1]
-
-STATISTICAL = os.environ.get("SPECHARNESS_STATISTICAL")
-"""Set by the statistical job (.ci/statistical), which runs the calibration re-measurement."""
 
 
 def checks_of(out: Path) -> list[dict]:
@@ -119,6 +115,7 @@ def test_without_its_known_failure_entry_the_abort_fails_the_run(tmp_path, monke
 
 @pytest.mark.long
 @pytest.mark.stress
+@pytest.mark.statistical
 @pytest.mark.parametrize("backend", ["inproc"])  # the server's calibration runs the same code (measured by hand)
 def test_a_re_measurement_stays_within_the_committed_tolerances(backend, tiny_models, request):
     """A whole calibration of tiny-dense again (21 variants over every suite's tiny-model prompts: 131 s on an idle
@@ -126,10 +123,9 @@ def test_a_re_measurement_stays_within_the_committed_tolerances(backend, tiny_mo
     split the work by index). A large sample, so the statistical job's (`.ci/statistical`): in `.ci/run`'s stress
     pass it took 773 s of 934 s on a 2-core AVX2-only machine (2026-12-05), and CI's default job went over its
     45 minutes."""
-    if not STATISTICAL or request.config.getoption("--stress") == 0:
+    if request.config.getoption("--stress") == 0:
         pytest.skip(
-            "a whole calibration re-measured under load (773 s in the stress pass on 2 cores): the statistical job's "
-            "(.ci/statistical: SPECHARNESS_STATISTICAL=1 pytest -m stress --stress N)"
+            "a whole calibration re-measured under load: the statistical job runs it with `-m stress --stress N`"
         )
     committed = json.loads(calibration_path("tiny-dense", backend, "cpu").read_text())
     again = calibrate("tiny-dense", backend, repeats=1, seeded=False)  # the seeded rate: test_calibration_cache
