@@ -9,7 +9,6 @@ from scipy import stats
 
 from harness.repro import rate
 from harness.repro.issue import _rate_line
-from harness.repro.script import _retries
 from harness.repro.write import reproduction
 
 
@@ -57,7 +56,7 @@ def _driver(tmp_path, statuses: list[int], reproduction_: dict, env: dict | None
         "}",
     ]
     script = tmp_path / "repro.sh"
-    script.write_text("\n".join([*stub, *_retries(reproduction_)]) + "\n")
+    script.write_text("\n".join([*stub, *rate.retry_loop(reproduction_)]) + "\n")
     return subprocess.run(["bash", str(script)], capture_output=True, text=True, env=env, timeout=60)
 
 

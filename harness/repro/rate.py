@@ -18,6 +18,7 @@ case and not in others. Its rate is measured by running the original case (`spec
   to a rarer failure that a reproducer then misses. A failure seen in every run of the original is shrunk with
   steps of one run each (cheap), and the shrunk case's rate is measured at the end: where it is not comparable,
   the shrink goes back along its kept steps to the smallest case that is (harness.shrink.cli).
+- `retry_loop`: repro.sh's lines that run its `attempt` up to N times and print the verdict.
 """
 
 import math
@@ -76,3 +77,44 @@ def is_comparable(rate: tuple[int, int], original: tuple[int, int]) -> bool:
     the share k / n of `comparable(*original)`."""
     k, n = comparable(*original)
     return rate[1] > 0 and rate[0] * n >= k * rate[1]
+
+
+def retry_loop(reproduction: dict) -> list[str]:
+    """repro.sh's runs of `attempt` (`retries`): up to RETRIES, stopping at the first that reproduces
+    (every one with REPRO_ALL=1, which counts the rate); "not reproduced" only after RETRIES clean runs; a run that
+    could not tell (exit 2: llama-server did not start) ends it at once."""
+    n = reproduction.get("retries", 1)
+    if reproduction.get("measured"):
+        rate = f"{reproduction['shown']} of {reproduction['runs']} runs"
+        low = lowest_rate(reproduction["shown"], reproduction["runs"])
+        why = (
+            f"it showed in {rate} when measured, which leaves a rate of {low:.0%} open: a build failing at that "
+            f"rate shows it in {n} runs"
+        )
+    else:
+        rate, why = "not measured", f"its rate was not measured: {n} run"
+    confidence = reproduction.get("confidence", 0.99)
+    return [
+        "",
+        f"# Runs of the case: up to {n} ({why}"
+        + (f" with probability >= {confidence:.0%}" if reproduction.get("measured") else "")
+        + "); REPRO_RUNS=N sets them, REPRO_ALL=1 runs every one (the rate).",
+        f'RETRIES="${{REPRO_RUNS:-{n}}}"',
+        "SHOWN=0; DIFFERED=0; RAN=0",
+        'for TRY in $(seq 1 "$RETRIES"); do',
+        '  if [ "$RETRIES" -gt 1 ]; then echo "== run $TRY of up to $RETRIES"; fi',
+        "  ( attempt ); STATUS_OF_RUN=$?",
+        "  RAN=$((RAN + 1))",
+        '  case "$STATUS_OF_RUN" in',
+        '    1) SHOWN=$((SHOWN + 1)); if [ "${REPRO_ALL:-0}" != 1 ]; then break; fi ;;',
+        "    3) DIFFERED=$((DIFFERED + 1)) ;;",
+        "    0) ;;",
+        '    *) exit "$STATUS_OF_RUN" ;;',
+        "  esac",
+        "done",
+        f'if [ $SHOWN -gt 0 ]; then echo "REPRODUCED: reproduced $SHOWN of $RAN runs (measured: {rate})"; exit 1; fi',
+        "if [ $DIFFERED -gt 0 ]; then"
+        ' echo "DIFFERENT FAILURE in $DIFFERED of $RAN runs, the signature in none"; exit 3; fi',
+        f'echo "not reproduced: 0 of $RAN runs showed the signature (measured: {rate})"',
+        "exit 0",
+    ]

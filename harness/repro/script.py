@@ -14,7 +14,7 @@ waiting for that batch's requests only), prints expected against actual and exit
 - 2 could not tell: llama-server did not start, the reference leg failed, no scanner for the KV verdict.
 
 An intermittent failure is run up to N times (`attempt`, each a fresh llama-server; N from the rate measured when
-the bundle was written: harness.repro.rate.retries), stopping at the first run that reproduces it ("reproduced k of
+the bundle was written: harness.repro.rate.retries and retry_loop), stopping at the first run that reproduces it ("reproduced k of
 n"); it says "not reproduced" only after N clean runs. `$REPRO_RUNS` sets N, `$REPRO_ALL=1` runs all N (counting
 the rate).
 
@@ -31,7 +31,7 @@ import signal
 from pathlib import Path
 
 from harness.repro.legs import JUDGES, REFERENCE, SUBJECT
-from harness.repro.rate import lowest_rate
+from harness.repro.rate import retry_loop
 from harness.suites import RESTORE_ROUNDS
 from harness.verdict.signature import EXIT, KV_DAMAGE, abort_reason
 
@@ -289,52 +289,12 @@ def write(bundle: Path, case: dict, defaults: dict[str, str]) -> Path:
         *body,
         *_verdict(judge, targets, case),
         "}",
-        *_retries(case.get("reproduction") or {}),
+        *retry_loop(case.get("reproduction") or {}),
     ]
     path = bundle / "repro.sh"
     path.write_text("\n".join(lines) + "\n")
     path.chmod(0o755)
     return path
-
-
-def _retries(reproduction: dict) -> list[str]:
-    """The runs of `attempt` (harness.repro.rate.retries): up to RETRIES, stopping at the first that reproduces
-    (every one with REPRO_ALL=1, which counts the rate); "not reproduced" only after RETRIES clean runs; a run that
-    could not tell (exit 2: llama-server did not start) ends it at once."""
-    n = reproduction.get("retries", 1)
-    if reproduction.get("measured"):
-        rate = f"{reproduction['shown']} of {reproduction['runs']} runs"
-        low = lowest_rate(reproduction["shown"], reproduction["runs"])
-        why = (
-            f"it showed in {rate} when measured, which leaves a rate of {low:.0%} open: a build failing at that "
-            f"rate shows it in {n} runs"
-        )
-    else:
-        rate, why = "not measured", f"its rate was not measured: {n} run"
-    confidence = reproduction.get("confidence", 0.99)
-    return [
-        "",
-        f"# Runs of the case: up to {n} ({why}"
-        + (f" with probability >= {confidence:.0%}" if reproduction.get("measured") else "")
-        + "); REPRO_RUNS=N sets them, REPRO_ALL=1 runs every one (the rate).",
-        f'RETRIES="${{REPRO_RUNS:-{n}}}"',
-        "SHOWN=0; DIFFERED=0; RAN=0",
-        'for TRY in $(seq 1 "$RETRIES"); do',
-        '  if [ "$RETRIES" -gt 1 ]; then echo "== run $TRY of up to $RETRIES"; fi',
-        "  ( attempt ); STATUS_OF_RUN=$?",
-        "  RAN=$((RAN + 1))",
-        '  case "$STATUS_OF_RUN" in',
-        '    1) SHOWN=$((SHOWN + 1)); if [ "${REPRO_ALL:-0}" != 1 ]; then break; fi ;;',
-        "    3) DIFFERED=$((DIFFERED + 1)) ;;",
-        "    0) ;;",
-        '    *) exit "$STATUS_OF_RUN" ;;',
-        "  esac",
-        "done",
-        f'if [ $SHOWN -gt 0 ]; then echo "REPRODUCED: reproduced $SHOWN of $RAN runs (measured: {rate})"; exit 1; fi',
-        'if [ $DIFFERED -gt 0 ]; then echo "DIFFERENT FAILURE in $DIFFERED of $RAN runs, the signature in none"; exit 3; fi',
-        f'echo "not reproduced: 0 of $RAN runs showed the signature (measured: {rate})"',
-        "exit 0",
-    ]
 
 
 SAME = {
