@@ -81,7 +81,8 @@ def pytest_configure(config: pytest.Config) -> None:
     )
     config.addinivalue_line(
         "markers",
-        f"tag_builds: a test of llama-server built at upstream tags (b11311, b11434): the tag-builds CI job's "
+        f"tag_builds: a test of llama-server built at upstream tags (b11311, b11434) or an older release (0.3.30): "
+        f"the tag-builds CI job's "
         f"(.ci/tag-builds builds them, cached, and sets {TAG_BUILDS}=1); the default pytest deselects it",
     )
     config.addinivalue_line(

@@ -18,11 +18,16 @@ OLD_COMMIT = "e3a74b299085cd00013804f7fca2e03441b2da20"
 """llama-cpp-python 0.3.30's vendored llama.cpp: it has no `--spec-synth-len` (the `synth-reject` config)."""
 
 
+pytestmark = pytest.mark.tag_builds
+"""The tag-builds job's (.ci/tag-builds builds OLD_RELEASE's llama-server, cached, and runs these; the default
+pytest deselects them): building it is a full compile (463 s measured on two shared cores, a third of the whole test
+suite's budget)."""
+
+
 @pytest.fixture(scope="module")
 def old_build():
-    """The cached llama-server of OLD_RELEASE. Building it is a full compile (463 s measured on two shared cores,
-    a third of the whole test suite's budget), so a plain `pytest` skips the test, saying how to build it, when
-    absent; `.ci/run` builds it after the rest when it has the time (cached after), then runs this module."""
+    """The cached llama-server of OLD_RELEASE (skipped, saying how to build it, when absent: `.ci/tag-builds` builds
+    it before it runs this module)."""
     found = [
         b
         for p in (cache_dir() / "builds").glob(f"cpu-{OLD_COMMIT[:8]}-*/build-info.json")
