@@ -12,6 +12,8 @@ another slot's (or an old) recurrent state. The request continues from it and di
 - `test_a_sequence_moved_by_a_later_ubatch_rolls_back_into_another_rows_snapshot`: the mechanism, deterministic, on
   the installed libllama (llama-cpp-python 0.3.36 = 0c1e570): seq 0 verifies one draft beside seqs 1 and 2 verifying
   three; its rejected draft rolled back, its next logits are off by more than a logit (alone: 1e-6).
+- `test_the_fix_makes_the_moved_sequence_roll_back_exactly`: the same scenario on libllama built with FIX as shared
+  libraries (`fix_library`, the statistical job's: a full compile when cold).
 - `test_moving_the_snapshot_planes_makes_par_rollback_lossless`: llama-server of the vendored tree with FIX (the
   planes of the moved cells copied with them: /tmp/par-rollback/fix.diff of the investigation) serves par-rollback's
   draft-mtp par cell without a divergence (the unpatched build: 1 to 2 diverging requests per 400, intermittent, so
@@ -309,10 +311,27 @@ def test_a_sequence_moved_by_a_later_ubatch_rolls_back_into_another_rows_snapsho
     assert moved > 0.1, f"seq 0's logits after the rollback are off by only {moved}: is the defect fixed?"
 
 
-@pytest.mark.skipif(
-    not os.environ.get("SPECHARNESS_RS_FIX_LIB"),
-    reason="set SPECHARNESS_RS_FIX_LIB to a directory with a libllama.so built from the vendored tree with FIX",
-)
+FIX_SHARED = ["-DBUILD_SHARED_LIBS=ON"]
+"""The CMake option of the FIX tree's shared-library build, whose libllama the in-process test loads."""
+
+
+def fix_library() -> Path:
+    """The directory of a libllama (and its ggml) built from the vendored tree with FIX as shared libraries: the
+    build cache's tree of that build (`ensure_server` with FIX_SHARED: a full compile when cold, 8 min on 2 cores;
+    cached after), or $SPECHARNESS_RS_FIX_LIB when set."""
+    from harness.backends.build.cmake import build_tree_dir, cmake_options
+
+    if os.environ.get("SPECHARNESS_RS_FIX_LIB"):
+        return Path(os.environ["SPECHARNESS_RS_FIX_LIB"])
+    tree = staged_tree(FIX, "rs-planes-follow-moved-cells")
+    ensure_server(source=tree, cmake_args=FIX_SHARED)
+    lib = build_tree_dir(tree.resolve(), "cpu", cmake_options("cpu", FIX_SHARED)) / "build" / "bin"
+    assert (lib / "libllama.so").is_file(), f"no libllama.so in {lib}: remove its build cache entry and run again"
+    return lib
+
+
+@pytest.mark.long
+@pytest.mark.statistical  # a libllama variant: a full compile when cold (the statistical job's)
 def test_the_fix_makes_the_moved_sequence_roll_back_exactly(tiny_models):
     """The same scenario on a libllama built with FIX (loaded through llama-cpp-python's LLAMA_CPP_LIB_PATH in a
     subprocess): measured 1.2e-06, as verified alone."""
@@ -326,7 +345,8 @@ def test_the_fix_makes_the_moved_sequence_roll_back_exactly(tiny_models):
         "m = Model(sys.argv[1]); ref = t._next_logits(m, None)\n"
         "print(float(np.abs(t._next_logits(m, True) - ref).max()))\n"
     )
-    env = {**os.environ, "LLAMA_CPP_LIB_PATH": os.environ["SPECHARNESS_RS_FIX_LIB"]}
+    lib = str(fix_library())
+    env = {**os.environ, "LLAMA_CPP_LIB_PATH": lib, "LD_LIBRARY_PATH": lib}  # libllama.so's ggml beside it
     proc = subprocess.run(
         [sys.executable, "-c", code, str(resolve("tiny-hybrid-mtp").path)],
         cwd=ROOT,
