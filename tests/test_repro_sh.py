@@ -338,3 +338,12 @@ def test_the_reproducers_of_slot_restore_failures_replay_the_saves_and_restores(
     aborted = repro(bundles["tiny-hybrid"], work)
     assert aborted.returncode == 1, aborted.stdout + aborted.stderr
     assert "common.cpp:1539: failed to remove sequence 0 with p0=" in aborted.stdout
+
+
+@pytest.mark.xdist_group("repro-sh-bundle")  # one bundle fixture for these tests
+def test_the_issue_quotes_the_dead_servers_log_tail_not_the_runs_log_path(bundle):
+    """The run's log path is not in the bundle (a shrink's is a deleted temporary directory): ISSUE.md quotes the
+    lines the error carries from it instead."""
+    actual = (bundle / "ISSUE.md").read_text().split("## Actual", 1)[1].split("\n## ", 1)[0]
+    assert "the log ended with:" in actual and "ends with:" not in actual, actual
+    assert "\n  ```\n" in actual and ABORT in actual, actual

@@ -87,9 +87,20 @@ def _model_lines(info: dict) -> list[str]:
     return lines
 
 
+LOG_TAIL_LINES = 20
+"""The last lines of a dead process's log that ISSUE.md quotes under its error."""
+
+
 def _tokens(output: dict) -> str:
+    """An output as ISSUE.md lists it; an error's log tail (harness.backends.process: "; log PATH ends with:" and
+    its lines) quoted below it, without the run's log path, which the bundle does not carry."""
     if output.get("error"):
-        return f"error: {output['error'].splitlines()[0]}"
+        first, *tail = output["error"].splitlines()
+        first, quoted = re.subn(r"; log \S+ ends with:$", "; the log ended with:", first)
+        if not (quoted and tail):
+            return f"error: {first}"
+        lines = ["  " + line for line in tail[-LOG_TAIL_LINES:]]
+        return "\n".join([f"error: {first}", "", "  ```", *lines, "  ```"])
     return f"{output['tokens']} {output['text']!r} (stop: {output['stop_reason']})"
 
 
