@@ -90,6 +90,12 @@ def pytest_configure(config: pytest.Config) -> None:
         f"statistical: a test of a large sample, a libllama variant or a seeded race: the statistical CI job's "
         f"(.ci/statistical sets {STATISTICAL}=1); the default pytest deselects it",
     )
+    config.addinivalue_line(
+        "markers",
+        f"workflows: a maintainer's workflow end to end (bisect, shrink, the repro bundles, the nightly and fork-CI "
+        f"recipes, the installed wheel): .ci/run's workflows phase (it sets {WORKFLOWS}=1); the default pytest "
+        f"deselects it",
+    )
     if config.getoption("--stress") > 0 and not hasattr(config, "workerinput"):  # the controller only, once
         config.stash[BUSY] = [
             subprocess.Popen([sys.executable, "-c", BUSY_LOOP]) for _ in range(config.getoption("--stress"))
@@ -101,14 +107,27 @@ TAG_BUILDS = "SPECHARNESS_TAG_BUILDS"
 job's tests, run where their builds are made)."""
 STATISTICAL = "SPECHARNESS_STATISTICAL"
 """Set to 1 by .ci/statistical: the `statistical` tests are collected (elsewhere deselected, not skipped)."""
-OTHER_JOBS = {"tag_builds": TAG_BUILDS, "statistical": STATISTICAL}
+WORKFLOWS = "SPECHARNESS_WORKFLOWS"
+"""Set to 1 by .ci/run's workflows phase (and its stress pass): the `workflows` tests are collected. They are the
+tests of the maintainers' recipes end to end, which build llama.cpp histories and run whole commands (about 820 s
+of the 4,410 s of test time of a warm `pytest` on 2 cores, 2026-12-07): CI runs them right after the README's
+`pytest`, which stays within its 20 minutes without them (docs/guide/ci.md)."""
+STRESS = "SPECHARNESS_STRESS"
+"""Set to 1 by .ci/run's stress pass (as is `--stress N` with N > 0): the `stress` tests (signals, servers, bisect and
+reports) are collected. That pass runs them under a busy loop per core; the default `pytest` leaves them to it
+rather than run them twice (about 460 s of its 4,410 s of test time on 2 cores, 2026-12-07)."""
+OTHER_JOBS = {"tag_builds": TAG_BUILDS, "statistical": STATISTICAL, "workflows": WORKFLOWS, "stress": STRESS}
 """marker -> the variable its CI job sets to 1: a test with the marker is that job's, deselected elsewhere."""
 
 
 def deselect_other_jobs(config: pytest.Config, items: list) -> None:
-    """The tests of another CI job (OTHER_JOBS: the tag-builds job's, the statistical job's) are deselected, not
+    """The tests of another CI job or phase (OTHER_JOBS: the tag-builds job's, the statistical job's, .ci/run's
+    workflows phase's and stress pass's) are deselected, not
     skipped: the default pytest reports no skip for want of a build or a sample that job makes."""
-    absent = [marker for marker, variable in OTHER_JOBS.items() if os.environ.get(variable) != "1"]
+    present = {marker for marker, variable in OTHER_JOBS.items() if os.environ.get(variable) == "1"}
+    if config.getoption("--stress") > 0:  # a run under load: the stress pass (its bisects are workflows too)
+        present |= {"stress", "workflows"}
+    absent = [marker for marker in OTHER_JOBS if marker not in present]
     other = [i for i in items if any(i.get_closest_marker(m) for m in absent)]
     if other:
         config.hook.pytest_deselected(items=other)

@@ -129,12 +129,14 @@ def check_outcome(repo: Path, out: Path, stdout: str, good: int = 1) -> None:
     assert regression in html and "drop the seq_rm" in html and failed[0]["check"] in html
 
 
+@pytest.mark.workflows
 def test_bisect_finds_the_regression_and_skips_the_commit_that_does_not_build(history, tmp_path):
     status, out, err = finish(specharness(*bisect_args(history, tmp_path / "run")))
     assert status == 0, err[-3000:]
     check_outcome(history, tmp_path / "run", out)
 
 
+@pytest.mark.workflows
 def test_interrupted_bisect_leaves_the_checkout_clean_and_resume_finishes_it(history, tmp_path):
     run_dir, phases = tmp_path / "run", tmp_path / "phases"
     # held in the build of the first `git bisect run` step (cached after the first run of this test): the
@@ -165,6 +167,7 @@ def test_interrupted_bisect_leaves_the_checkout_clean_and_resume_finishes_it(his
     assert len(read_log(run_dir)) > logged
 
 
+@pytest.mark.workflows
 def test_sigterm_between_bisect_steps_keeps_the_log_and_the_checkout(history, tmp_path):
     run_dir, phases = tmp_path / "run", tmp_path / "phases"
     # held as the first `git bisect run` step starts: both ends judged and logged, nothing of the step done
@@ -179,6 +182,7 @@ def test_sigterm_between_bisect_steps_keeps_the_log_and_the_checkout(history, tm
     assert not (run_dir / CURRENT).exists()
 
 
+@pytest.mark.workflows
 @pytest.mark.parametrize(
     "good, bad, culprit, reason",
     [
@@ -208,6 +212,7 @@ def test_bisect_with_a_pinned_comparison_check_names_the_commit_that_crashes(
     assert lossless["status"] == "not run" and not lossless["passed"]
 
 
+@pytest.mark.workflows
 @pytest.mark.parametrize(
     "suite, mode, not_applying",
     [
@@ -264,6 +269,7 @@ STEP_CMD = (
 build, copied to an ignored directory)."""
 
 
+@pytest.mark.workflows
 def test_step_cmd_replaces_the_built_in_build(history, tmp_path):
     shas = commits(history)
     regression = shas[REGRESSION - 1]
@@ -320,6 +326,7 @@ def _one_line_error(args: list[str]) -> str:
     return err
 
 
+@pytest.mark.workflows
 def test_dirty_checkout_is_refused_in_one_line(small_repo, tmp_path):
     (small_repo / "CMakeLists.txt").write_text("project(y)\n")
     err = _one_line_error(
@@ -340,6 +347,7 @@ def test_dirty_checkout_is_refused_in_one_line(small_repo, tmp_path):
     assert "uncommitted changes" in err and "CMakeLists.txt" in err
 
 
+@pytest.mark.workflows
 def test_unknown_revision_and_non_checkout_are_one_line_errors(small_repo, tmp_path):
     err = _one_line_error(
         [

@@ -26,6 +26,7 @@ def fork_ci(*args, cwd: Path) -> subprocess.CompletedProcess:
     return subprocess.run([str(SCRIPT), *map(str, args)], cwd=cwd, env=env, capture_output=True, text=True, timeout=900)
 
 
+@pytest.mark.workflows
 def test_the_fork_ci_script_fails_on_a_regression_and_passes_without_one(tmp_path):
     clean, regression = builds_at(REGRESSION - 1, REGRESSION)
     out = tmp_path / "ci"

@@ -24,6 +24,7 @@ def run(cmd: list, cwd: Path, env: dict) -> subprocess.CompletedProcess:
     return proc
 
 
+@pytest.mark.workflows
 @pytest.mark.long
 def test_the_wheel_runs_the_default_job_and_the_pytest_plugin_outside_the_checkout(tmp_path):
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTEST_ADDOPTS", "VIRTUAL_ENV")}
@@ -104,6 +105,7 @@ def test_the_test_venv_sees_the_packages_of_a_venv_running_the_tests(tmp_path):
     assert subprocess.run(probe, capture_output=True, text=True, timeout=60).returncode != 0
 
 
+@pytest.mark.workflows
 @pytest.mark.long
 def test_init_writes_a_suite_that_runs_and_records_its_own_baselines(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)

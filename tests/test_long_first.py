@@ -26,7 +26,12 @@ def test_the_stress_pass_collects_its_long_single_tests_first_and_keeps_the_grou
     """The statistical job's stress pass (its calibration re-measurement is `statistical`: the default job's stress
     pass deselects it)."""
     files = ["tests/test_bisect.py", "tests/test_clean_runs.py", "tests/test_verdicts.py"]
-    plain = collected("-m", "stress", *files, env={"SPECHARNESS_STATISTICAL": "1"})
+    plain = collected(
+        "-m",
+        "stress",
+        *files,
+        env={"SPECHARNESS_STATISTICAL": "1", "SPECHARNESS_WORKFLOWS": "1", "SPECHARNESS_STRESS": "1"},
+    )
     ordered = [n for n in plain if "test_consecutive_clean_runs" in n or "test_a_re_measurement" in n]
     assert len(ordered) == 2 and plain[:2] == ordered, plain[:4]
     rest = [n for n in plain if n not in ordered]
@@ -75,6 +80,6 @@ def test_only_long_tests_outside_an_xdist_group_move_first(pytester):
 
 def test_the_default_stress_pass_leaves_the_statistical_jobs_re_measurement_out():
     files = ["tests/test_verdicts.py", "tests/test_clean_runs.py"]
-    default = collected("-m", "stress", *files, env={"SPECHARNESS_STATISTICAL": ""})
+    default = collected("-m", "stress", *files, env={"SPECHARNESS_STATISTICAL": "", "SPECHARNESS_STRESS": "1"})
     assert not [n for n in default if "test_a_re_measurement" in n]
     assert default[0].startswith("tests/test_clean_runs.py")  # the long test first

@@ -54,6 +54,7 @@ def said(proc: subprocess.CompletedProcess) -> str:
     return proc.stdout[-3000:] + proc.stderr[-3000:]
 
 
+@pytest.mark.workflows
 def test_the_nightly_script_passes_a_clean_night_and_fails_the_night_of_a_regression(tmp_path):
     clean, regression = builds_at(REGRESSION - 1, REGRESSION)
 
@@ -131,6 +132,7 @@ def test_the_selection_is_every_suite_on_llama_server_unless_nightly_args_says(t
     assert (proc.returncode, proc.stdout) == (0, SELECTION + "\n"), said(proc)
 
 
+@pytest.mark.workflows
 def test_bad_usage_and_a_run_that_could_not_be_done(tmp_path):
     for args in ((), ("bogus",), ("newest", "x"), ("build", "b1"), ("run", "bin"), ("compare", "a"), ("all", "a", "b")):
         proc = nightly(*args, cwd=tmp_path)

@@ -70,6 +70,7 @@ def _server(bundle: Path) -> str:
     raise AssertionError("no LLAMA_SERVER default in repro.sh")
 
 
+@pytest.mark.workflows
 @pytest.mark.xdist_group("repro-sh-bundle")  # one bundle fixture for these tests
 def test_the_bundle_sends_the_batch_at_once_and_waits_for_its_requests_only(bundle):
     script = (bundle / "repro.sh").read_text()
@@ -79,6 +80,7 @@ def test_the_bundle_sends_the_batch_at_once_and_waits_for_its_requests_only(bund
     assert "1 the failure reproduces" in head and "3 a different failure" in head and "0 it does not" in head
 
 
+@pytest.mark.workflows
 @pytest.mark.xdist_group("repro-sh-bundle")  # one bundle fixture for these tests
 def test_repro_sh_reproduces_the_abort_on_the_build_with_the_defect(bundle, tmp_path):
     done = repro(bundle, tmp_path)
@@ -86,6 +88,7 @@ def test_repro_sh_reproduces_the_abort_on_the_build_with_the_defect(bundle, tmp_
     assert "REPRODUCED: llama-server stopped answering" in done.stdout and ABORT in done.stdout
 
 
+@pytest.mark.workflows
 @pytest.mark.xdist_group("repro-sh-bundle")  # one bundle fixture for these tests
 def test_repro_sh_ends_not_reproduced_where_the_defect_is_absent(bundle, tmp_path):
     """The maintainer's check of a fix: every request completes, the script must end (it hung before)."""
@@ -98,6 +101,7 @@ def test_repro_sh_ends_not_reproduced_where_the_defect_is_absent(bundle, tmp_pat
     assert "not reproduced: every request completed" in done.stdout
 
 
+@pytest.mark.workflows
 @pytest.mark.xdist_group("repro-sh-bundle")  # one bundle fixture for these tests
 def test_a_timeout_where_the_run_crashed_is_a_different_failure(bundle, tmp_path):
     """llama-server keeps running and a request gets no answer in time: not the abort (it used to count as
@@ -110,6 +114,7 @@ def test_a_timeout_where_the_run_crashed_is_a_different_failure(bundle, tmp_path
     assert "DIFFERENT FAILURE" in done.stdout and "got no answer within 0.01 s" in done.stdout
 
 
+@pytest.mark.workflows
 @pytest.mark.xdist_group("repro-sh-bundle")  # one bundle fixture for these tests
 def test_an_http_error_from_a_live_server_where_the_run_crashed_is_a_different_failure(bundle, tmp_path):
     """llama-server answers the subject requests with an HTTP error and keeps running: not the abort (an HTTP error
@@ -152,6 +157,7 @@ wait $pid
 """
 
 
+@pytest.mark.workflows
 @pytest.mark.xdist_group("repro-sh-bundle")  # one bundle fixture for these tests
 def test_specharness_repro_tells_not_reproduced_and_a_different_failure_apart(bundle, tmp_path):
     run = bundle.parent / "run"
@@ -198,6 +204,7 @@ def test_repro_py_tells_the_same_failure_a_different_one_and_none_apart():
     assert judge(kv, {"subject": {"C": [Result(tokens=[1], stop_reason="limit", kv_scan=scan)]}})[0] == REPRODUCED
 
 
+@pytest.mark.workflows
 def test_repro_sh_of_a_kv_failure_scans_the_failing_requests_own_slot(tmp_path, tiny_models):
     """eog's `replay` (the known defect server-spec-keeps-eog: the slot keeps the EOG token at P+T): its slot is
     saved right after it, before the suite's next requests take the slot (before, the scan read the last
@@ -242,6 +249,7 @@ def test_repro_sh_of_a_kv_failure_scans_the_failing_requests_own_slot(tmp_path, 
     assert "not reproduced" not in failed.stdout and "REPRODUCED" not in failed.stdout
 
 
+@pytest.mark.workflows
 def test_repro_sh_of_a_divergence_reproduces_only_where_the_run_diverged(tmp_path, tiny_models):
     """draft-budget's ctx_end_c (known defect server-spec-context-end-early-stop: the output ends 3 tokens early at
     the context end, the first divergence at token 53): judged against the run without drafts, repro.sh
@@ -279,6 +287,7 @@ def test_repro_sh_of_a_divergence_reproduces_only_where_the_run_diverged(tmp_pat
     assert equal.returncode == 0 and "not reproduced: the outputs are equal" in equal.stdout, equal.stdout
 
 
+@pytest.mark.workflows
 @pytest.mark.long
 def test_the_reproducers_of_slot_restore_failures_replay_the_saves_and_restores(tmp_path, tiny_models):
     """slot-restore on llama-server (ggml-org/llama.cpp#28619): the bundle replays each restore round's slot steps

@@ -77,6 +77,7 @@ def fault_bundle(tmp_path_factory) -> Path:
     return tmp / "bundle"
 
 
+@pytest.mark.workflows
 @pytest.mark.xdist_group("shrink-fault")  # one fault_bundle for both tests
 def test_shrink_of_an_in_process_fault_keeps_its_signature(fault_bundle):
     summary, case = shrunk(fault_bundle)
@@ -93,6 +94,7 @@ def test_shrink_of_an_in_process_fault_keeps_its_signature(fault_bundle):
     )
 
 
+@pytest.mark.workflows
 @pytest.mark.xdist_group("shrink-fault")
 def test_repro_py_fails_with_the_fault_and_passes_without(fault_bundle):
     env = dict(os.environ, PYTHONPATH=str(ROOT))
@@ -111,6 +113,7 @@ def test_repro_py_fails_with_the_fault_and_passes_without(fault_bundle):
     assert clean.returncode == 0, clean.stdout + clean.stderr
 
 
+@pytest.mark.workflows
 @pytest.mark.long
 def test_shrink_of_a_failing_chat_turn_drops_the_other_turns_then_shrinks_it_as_a_prompt(tmp_path):
     """A real chat failure: four concurrent chats on a small KV cache (tests/data/shrink-chat.yaml, kv-fill as it
@@ -185,6 +188,7 @@ def seeded(tmp_path_factory):
     return clean, bad, tmp / "bundle"
 
 
+@pytest.mark.workflows
 @pytest.mark.xdist_group("bisect-history")  # the fixture repository's builds
 def test_shrink_of_a_seeded_llama_server_defect(seeded):
     _, _, bundle = seeded
@@ -195,6 +199,7 @@ def test_shrink_of_a_seeded_llama_server_defect(seeded):
     assert (bundle / "repro.sh").is_file() and (bundle / "requests").is_dir()
 
 
+@pytest.mark.workflows
 @pytest.mark.xdist_group("bisect-history")  # the fixture repository's builds
 def test_repro_sh_alone_fails_on_the_seeded_build_and_passes_on_the_clean_one(seeded, tmp_path):
     clean, bad, bundle = seeded
@@ -222,6 +227,7 @@ def test_repro_sh_alone_fails_on_the_seeded_build_and_passes_on_the_clean_one(se
     assert passing.returncode == 0, passing.stdout + passing.stderr
 
 
+@pytest.mark.workflows
 def test_a_smaller_case_of_an_acceptance_failure_is_judged_against_a_baseline_recorded_for_it(tmp_path):
     """`acceptance` compares with the baseline stored for the original case. Judged that way, a one-token case
     that drafts nothing 'falls' too: the signature for the wrong reason. Judged against a baseline the reference
