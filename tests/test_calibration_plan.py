@@ -12,7 +12,7 @@ from harness.errors import HarnessError
 
 
 def test_a_repeat_serves_only_timing_dependent_variants_and_seq_in_order_is_never_served_twice():
-    plan = servings("server", "tiny-dense", prompts("tiny-dense"), None, 2, False)
+    plan = servings(variants("server", "tiny-dense"), prompts("tiny-dense"), 2, False)
     every = variants("server", "tiny-dense", None)
     served = Counter(s.variant.name for s in plan)
     in_order = [v for v in every if v.name.endswith(f"/{IN_ORDER}") and v.cell.mode == "seq"]
@@ -28,7 +28,7 @@ def test_a_repeat_serves_only_timing_dependent_variants_and_seq_in_order_is_neve
 
 
 def test_repeat_all_serves_every_variant_but_in_order_again():
-    plan = servings("server", "tiny-dense", prompts("tiny-dense"), None, 2, True)
+    plan = servings(variants("server", "tiny-dense"), prompts("tiny-dense"), 2, True)
     served = Counter(s.variant.name for s in plan)
     for v in variants("server", "tiny-dense", None):
         assert served[v.name] == (0 if same_serving(v) else 2), v.name

@@ -72,17 +72,15 @@ class Serving:
     cell: Cell
 
 
-def servings(
-    backend: str, model: str, cases: list, only: list[str] | None, repeats: int, repeat_all: bool
-) -> list[Serving]:
-    """What `repeats` measurements serve (of the `only` specs' variants where given): every variant in the first,
+def servings(every: list[Variant], cases: list, repeats: int, repeat_all: bool) -> list[Serving]:
+    """What `repeats` measurements serve of `every` variant (`variants`): every variant in the first,
     in a repeat only those whose serving depends on timing (`timing_dependent`; every one with `repeat_all`): the
     others' statistics carry over; none that is another's serving (`same_serving`). Longest first, so the last
     of the servings side by side end together: a variant that drafts with a model or head, then one slot."""
     reference_suite = _suite("calibrate", cases, {})
     out = []
     for repeat in range(repeats):
-        for variant in variants(backend, model, only):
+        for variant in every:
             if same_serving(variant) or (repeat and not (repeat_all or timing_dependent(variant))):
                 continue
             own = variant.serve and _suite(f"calibrate-{variant.name.replace('/', '-')}", cases, variant.serve)
@@ -98,11 +96,9 @@ def _check_reference(reference) -> None:
         raise HarnessError(f"calibration reference run failed: {reference.error.splitlines()[0]}")
 
 
-def measurements_of(
-    backend: str, model: str, only: list[str] | None, repeats: int, plan: list[Serving], runs: list, reference
-) -> list[dict]:
-    """Per measurement, per variant (in `variants` order), the statistics of its run against the reference's:
-    served in that measurement, else carried over from the first, or the statistics of the serving it is
+def measurements_of(every: list[Variant], repeats: int, plan: list[Serving], runs: list, reference) -> list[dict]:
+    """Per measurement, per variant (in the order of `every`: `variants`), the statistics of its run against the
+    reference's: served in that measurement, else carried over from the first, or the statistics of the serving it is
     (`same_serving`)."""
     served: list[dict] = [{} for _ in range(repeats)]
     for serving, run in zip(plan, runs, strict=True):
@@ -112,7 +108,7 @@ def measurements_of(
     out = []
     for measured in served:
         whole = {}
-        for variant in variants(backend, model, only):
+        for variant in every:
             name = same_serving(variant) or variant.name
             whole[variant.name] = measured.get(name, served[0].get(name))
         out.append(whole)
@@ -211,8 +207,8 @@ def calibrate(
     same pass (harness.calibration.seeded). Every serving after the reference's is served `jobs` at a time
     (harness.calibration.serving; default: as many as the cores hold servers)."""
     info = resolve(model)
+    known = specs_of(backend, model)  # once: it reads every suite
     if only:
-        known = specs_of(backend, model)
         unknown = [s for s in only if s not in known]
         if unknown:
             raise HarnessError(
@@ -220,18 +216,17 @@ def calibrate(
                 f"(use one of: {', '.join(known)})"
             )
     cases = prompts(model)
-    plan = servings(backend, model, cases, only, repeats, repeat_all)
-    seeded_plan = seeded_servings(model, backend, specs_of(backend, model)) if seeded and not only else []
+    every = variants(backend, model, only, known)  # once: each Cell is made here, with its preset (harness.matrix)
+    plan = servings(every, cases, repeats, repeat_all)
+    seeded_plan = seeded_servings(model, backend, known) if seeded and not only else []
     backend_obj = backend_factories(server_bin, source, logs)[backend]()
     pool = Servings(backend, backend_obj, jobs)
     first = (_suite("calibrate", cases, {}), Cell(backend, "seq", "none", model))
     reference, runs = pool.serve(first, [(s.suite, s.cell) for s in plan] + seeded_plan, _check_reference)
     env = pool.environment(first[1])
-    measurements = measurements_of(backend, model, only, repeats, plan, runs[: len(plan)], reference)
+    measurements = measurements_of(every, repeats, plan, runs[: len(plan)], reference)
     noise = seeded_counts(model, backend, seeded_plan, runs[len(plan) :])
-    served = [
-        v.name for v in variants(backend, model, only) if (repeat_all or timing_dependent(v)) and not same_serving(v)
-    ]
+    served = [v.name for v in every if (repeat_all or timing_dependent(v)) and not same_serving(v)]
     largest = [largest_of(m) for m in measurements]
     overall = {k: max(lg[k] for lg in largest) for k in ("nmse", "kl", "max_abs", "near_tie")}
     if any(lg["unbounded_flip"] for lg in largest):

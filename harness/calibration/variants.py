@@ -128,14 +128,20 @@ def specs_of(backend: str, model: str) -> list[str]:
     return [s for s in dict.fromkeys([*SPECS[backend], *judged]) if _servable(Cell(backend, "seq", s, model))]
 
 
-def variants(backend: str, model: str, only: list[str] | None = None) -> list[Variant]:
+def variants(backend: str, model: str, only: list[str] | None = None, specs: list[str] | None = None) -> list[Variant]:
     """Every run equivalent to the seq / none reference (of the `only` specs where given): every mode × spec
     (`specs_of`), each spec with a 7-token micro-batch
     split, and each drafter that learns across requests once more with the requests sent one at a time (served in
     a fixed order, which its acceptance depends on). Where a known defect moves tokens or logits (`defect_of`) the
     run's logits are left out (its acceptance counts, on the requests of the same output); where
-    one moves acceptance, its acceptance is left out; a run left with nothing to measure is not served."""
-    specs = [s for s in specs_of(backend, model) if only is None or s in only]
+    one moves acceptance, its acceptance is left out; a run left with nothing to measure is not served. `specs`:
+    `specs_of(backend, model)` where the caller has it already (it reads every suite)."""
+    from harness.suites import suites_dir
+    from harness.verdict.known_failures import FILE_NAME
+    from harness.verdict.known_failures import load as load_known
+
+    entries = load_known(suites_dir() / FILE_NAME)  # once for every variant, before any cell is made
+    specs = [s for s in (specs or specs_of(backend, model)) if only is None or s in only]
     out = [
         (f"{mode}/{spec}", Cell(backend, mode, spec, model), {})
         for mode in MODES
@@ -150,11 +156,6 @@ def variants(backend: str, model: str, only: list[str] | None = None) -> list[Va
         for spec in specs
         if spec_preset(spec).learns_across_requests
     ]
-    from harness.suites import suites_dir
-    from harness.verdict.known_failures import FILE_NAME
-    from harness.verdict.known_failures import load as load_known
-
-    entries = load_known(suites_dir() / FILE_NAME)  # once for every variant
     kept = []
     for name, cell, serve in out:
         numeric = defect_of(cell, entries=entries) is not None
