@@ -92,9 +92,9 @@ def pytest_configure(config: pytest.Config) -> None:
     )
     config.addinivalue_line(
         "markers",
-        f"workflows: a maintainer's workflow end to end (bisect, shrink, the repro bundles, the nightly and fork-CI "
-        f"recipes, the installed wheel): .ci/run's workflows phase (it sets {WORKFLOWS}=1); the default pytest "
-        f"deselects it",
+        f"workflows: a maintainer's workflow end to end (bisect, shrink, the repro bundles and upstream reports, the "
+        f"nightly and fork-CI recipes, sharded runs merged, a new model's first baselines, the installed wheel): "
+        f".ci/run's workflows phase (it sets {WORKFLOWS}=1); the default pytest deselects it",
     )
     if config.getoption("--stress") > 0 and not hasattr(config, "workerinput"):  # the controller only, once
         config.stash[BUSY] = [
@@ -109,7 +109,7 @@ STATISTICAL = "SPECHARNESS_STATISTICAL"
 """Set to 1 by .ci/statistical: the `statistical` tests are collected (elsewhere deselected, not skipped)."""
 WORKFLOWS = "SPECHARNESS_WORKFLOWS"
 """Set to 1 by .ci/run's workflows phase (and its stress pass): the `workflows` tests are collected. They are the
-tests of the maintainers' recipes end to end, which build llama.cpp histories and run whole commands (about 820 s
+tests of the maintainers' recipes end to end, which build llama.cpp histories and run whole commands (about 950 s
 of the 4,410 s of test time of a warm `pytest` on 2 cores, 2026-12-07): CI runs them right after the README's
 `pytest`, which stays within its 20 minutes without them (docs/guide/ci.md)."""
 STRESS = "SPECHARNESS_STRESS"

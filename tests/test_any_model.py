@@ -29,6 +29,7 @@ def verdicts(out, check):
     return [c for c in json.loads((out / "checks.json").read_text()) if c["check"] == check]
 
 
+@pytest.mark.workflows
 @pytest.mark.long
 def test_a_new_model_runs_with_no_baseline_yet_then_records_and_compares(tmp_path, capsys):
     model = tmp_path / "models" / "my-model.gguf"  # a generated model under a path the project does not know

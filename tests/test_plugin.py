@@ -90,6 +90,7 @@ def test_shard_option_keeps_a_part_of_the_cells(project):
     assert bad.ret == pytest.ExitCode.USAGE_ERROR
 
 
+@pytest.mark.workflows
 def test_report_under_xdist_merges_the_workers_parts_into_one_run(project):
     import json
 

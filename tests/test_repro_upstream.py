@@ -9,6 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from test_rejection_patches import RNG_FIX_EDITS, SAMPLING_CPP
 from test_stale_checkpoint import ERASE_FROM_RESTART
 
@@ -23,6 +24,7 @@ def _repro(*argv: str) -> subprocess.CompletedProcess:
     )
 
 
+@pytest.mark.workflows
 def test_an_upstream_report_of_a_known_llama_server_defect_reproduces_it_standalone(tmp_path, tiny_models):
     proc = _repro("--upstream", "server-stale-context-checkpoint", "--out", str(tmp_path / "up"))
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
@@ -44,6 +46,7 @@ def test_the_kept_patch_is_the_fix_the_patched_build_was_tested_with():
     assert removed == old.splitlines()[1:] and added == new.splitlines()[1:]
 
 
+@pytest.mark.workflows
 def test_an_entry_without_a_standalone_reproducer_or_an_unknown_id_is_one_line():
     inproc = _repro("--upstream", "split-equal-keep-tail-exceeds-ubatch")
     assert inproc.returncode == 2 and "no standalone upstream report" in inproc.stderr, inproc.stderr

@@ -25,6 +25,7 @@ def outputs(run) -> dict:
     return {(item_name(r), r["repeat"]): r["tokens"] for r in json.loads((run / "results.json").read_text())}
 
 
+@pytest.mark.workflows
 @pytest.mark.long
 def test_three_shards_merged_give_the_unsharded_verdicts(tmp_path, tiny_models, capsys):
     assert main(["run", *SMALL, "--out", str(tmp_path / "all")]) == 0
@@ -91,6 +92,7 @@ def test_bad_shard_is_a_one_line_error(text, capsys):
     assert f"--shard takes I/N with 1 <= I <= N (e.g. 2/3), not '{text}'" in capsys.readouterr().err
 
 
+@pytest.mark.workflows
 @pytest.mark.long
 def test_pytest_shards_split_the_suite_items_without_overlap():
     def collected(*extra):
