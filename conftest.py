@@ -108,14 +108,15 @@ job's tests, run where their builds are made)."""
 STATISTICAL = "SPECHARNESS_STATISTICAL"
 """Set to 1 by .ci/statistical: the `statistical` tests are collected (elsewhere deselected, not skipped)."""
 WORKFLOWS = "SPECHARNESS_WORKFLOWS"
-"""Set to 1 by .ci/run's workflows phase (and its stress pass): the `workflows` tests are collected. They are the
+"""Set to 1 by .ci/run's workflows phase (`--stress N` implies it, for the bisects of the stress pass): the
+`workflows` tests are collected. They are the
 tests of the maintainers' recipes end to end, which build llama.cpp histories and run whole commands (about 950 s
 of the 4,410 s of test time of a warm `pytest` on 2 cores, 2026-12-07): CI runs them right after the README's
 `pytest`, which stays within its 20 minutes without them (docs/guide/ci.md)."""
 STRESS = "SPECHARNESS_STRESS"
-"""Set to 1 by .ci/run's stress pass (as is `--stress N` with N > 0): the `stress` tests (signals, servers, bisect and
-reports) are collected. That pass runs them under a busy loop per core; the default `pytest` leaves them to it
-rather than run them twice (about 460 s of its 4,410 s of test time on 2 cores, 2026-12-07)."""
+"""Set to 1, or give `--stress N` with N > 0 as .ci/run's stress pass does: the `stress` tests (signals, servers,
+bisect and reports) are collected. That pass runs them under a busy loop per core; the default `pytest` leaves them
+to it rather than run them twice (about 460 s of its 4,410 s of test time on 2 cores, 2026-12-07)."""
 OTHER_JOBS = {"tag_builds": TAG_BUILDS, "statistical": STATISTICAL, "workflows": WORKFLOWS, "stress": STRESS}
 """marker -> the variable its CI job sets to 1: a test with the marker is that job's, deselected elsewhere."""
 
