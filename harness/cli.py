@@ -18,6 +18,7 @@ def build_parser() -> argparse.ArgumentParser:
     from harness.commands import kvscan as kvscan_cli
     from harness.commands import run as runner
     from harness.models import cli as models_cli
+    from harness.mutate import cli as mutate_cli
     from harness.report import cli as report_cli
     from harness.shrink import cli as shrink_cli
 
@@ -36,6 +37,7 @@ def build_parser() -> argparse.ArgumentParser:
         build_cli,
         bisect_cli,
         shrink_cli,
+        mutate_cli,
         selftest,
         calibrate,
         bench_cli,

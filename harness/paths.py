@@ -1,5 +1,6 @@
 """Where specharness keeps its cache (models, builds) and its generated reports."""
 
+import json
 import os
 import tempfile
 from collections.abc import Callable
@@ -32,3 +33,25 @@ def write_atomic(path: Path, write: Callable[[Path], object]) -> None:
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    """Every record of a JSON-lines log, oldest first: a missing file is none, a line cut short by a kill is
+    ignored (the bisect log, a mutation campaign's mutants)."""
+    try:
+        lines = Path(path).read_text().splitlines()
+    except FileNotFoundError:
+        return []
+    records = []
+    for line in lines:
+        try:
+            records.append(json.loads(line))
+        except ValueError:
+            continue
+    return records
+
+
+def append_jsonl(path: Path, record: dict) -> None:
+    """One record at the end of a JSON-lines log (values JSON cannot hold written as text)."""
+    with open(path, "a") as log:
+        log.write(json.dumps(record, default=str) + "\n")

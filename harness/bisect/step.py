@@ -27,6 +27,7 @@ from harness.bisect.git import Git
 from harness.bisect.judge import BAD, GOOD, SKIP, judge
 from harness.bisect.plan import Plan
 from harness.errors import HarnessError
+from harness.paths import append_jsonl, read_jsonl
 
 LOG_FILE = "bisect-log.jsonl"
 CURRENT = "current-step.json"
@@ -38,22 +39,11 @@ BUILD_ATTEMPTS = 2
 
 def read_log(run_dir: Path) -> list[dict]:
     """Every logged step, oldest first (a line cut short by a kill is ignored)."""
-    try:
-        lines = (Path(run_dir) / LOG_FILE).read_text().splitlines()
-    except FileNotFoundError:
-        return []
-    entries = []
-    for line in lines:
-        try:
-            entries.append(json.loads(line))
-        except ValueError:
-            continue
-    return entries
+    return read_jsonl(Path(run_dir) / LOG_FILE)
 
 
 def append_log(run_dir: Path, entry: dict) -> None:
-    with open(Path(run_dir) / LOG_FILE, "a") as log:
-        log.write(json.dumps(entry, default=str) + "\n")
+    append_jsonl(Path(run_dir) / LOG_FILE, entry)
 
 
 def _custom_build(plan: Plan, source: Path, log_path: Path) -> BuildInfo:

@@ -1,0 +1,171 @@
+"""A mutation campaign: its plan (campaign.json), one JSON line per judged mutant (mutants.jsonl), and the
+procedure for one mutant: write it into the tree, build, take it out, meet the battery.
+
+Statuses: `stillborn` (it does not compile), `killed` (a suite failed on it, confirmed by serving the failing cell
+again; a timeout is a kill), `survived` (every suite of both stages passed), `unconfirmed` is not a status but a
+kill that did not show twice (the mutant goes on to the next suite), `error` (the harness could not judge it: never
+a kill). A campaign is resumed from its directory: judged mutants are not judged again.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from harness import interrupt
+from harness.backends.build import BuildInfo, ensure_server
+from harness.errors import HarnessError
+from harness.mutate.battery import SuiteRun, require_clean_pass, run_suite, timeout_for
+from harness.mutate.generate import Mutant
+from harness.mutate.tree import MutationTree
+from harness.paths import append_jsonl, read_jsonl
+
+PLAN_FILE = "campaign.json"
+RESULTS_FILE = "mutants.jsonl"
+STILLBORN, KILLED, SURVIVED, ERROR = "stillborn", "killed", "survived", "error"
+
+
+@dataclass
+class Campaign:
+    source: str
+    identity: str
+    targets: list[str]
+    seed: int
+    sample: int | None
+    pool_size: int
+    mutants: list[dict]
+    stage1: list[str]
+    stage2: list[str]
+    tag: str = ""
+    clean: dict[str, dict] = field(default_factory=dict)
+    """suite -> the unmutated build's run of it (exit, seconds)."""
+    created: str = field(default_factory=lambda: time.strftime("%Y-%m-%dT%H:%M:%S%z"))
+
+    def save(self, run_dir: Path) -> None:
+        tmp = run_dir / (PLAN_FILE + ".tmp")
+        tmp.write_text(json.dumps(asdict(self), indent=1) + "\n")
+        tmp.replace(run_dir / PLAN_FILE)
+
+    @classmethod
+    def load(cls, run_dir: Path) -> Campaign:
+        path = Path(run_dir) / PLAN_FILE
+        try:
+            return cls(**json.loads(path.read_text()))
+        except FileNotFoundError:
+            raise HarnessError(f"{run_dir} holds no campaign ({PLAN_FILE}): give a directory `mutate` wrote") from None
+        except (OSError, ValueError, TypeError) as err:
+            raise HarnessError(f"{path} is not a campaign file ({' '.join(str(err).split())})") from None
+
+    def sampled(self) -> list[Mutant]:
+        return [Mutant.from_json(m) for m in self.mutants]
+
+
+def read_results(run_dir: Path) -> list[dict]:
+    """Every judged mutant, oldest first (a line cut short by a kill is ignored)."""
+    return read_jsonl(Path(run_dir) / RESULTS_FILE)
+
+
+def append_result(run_dir: Path, record: dict) -> None:
+    with interrupt.deferred():  # a judged mutant is logged whole (what --resume goes on from)
+        append_jsonl(Path(run_dir) / RESULTS_FILE, record)
+
+
+class Judge:
+    """Judges mutants of one campaign in one mutation tree; the unmutated build's runs are made once, when a suite
+    is first needed, and kept in the plan."""
+
+    def __init__(self, campaign: Campaign, run_dir: Path, tree: MutationTree, keep_builds: bool = False):
+        self.campaign, self.run_dir, self.tree, self.keep_builds = campaign, run_dir, tree, keep_builds
+        self.clean_build = ensure_server(source=tree.path)
+
+    def clean_run(self, suite: str) -> dict:
+        if suite not in self.campaign.clean:
+            print(f"mutate: the unmutated build on {suite} (once)", flush=True)
+            run = run_suite(suite, self.clean_build.server_bin, self.run_dir / "clean" / suite, None)
+            require_clean_pass(run)
+            self.campaign.clean[suite] = run.to_json()
+            self.campaign.save(self.run_dir)
+        return self.campaign.clean[suite]
+
+    def quickest_first(self, suites: list[str]) -> list[str]:
+        """`suites` by the unmutated build's time on each, quickest first (each measured once): a mutant that one
+        of them kills is killed sooner on average; the order changes no verdict."""
+        return sorted(suites, key=lambda s: (self.clean_run(s)["seconds"], s)) if suites else []
+
+    def judge(self, mutant: Mutant) -> dict:
+        """Build `mutant` and meet the battery; its record (also when it is stillborn)."""
+        text = (self.tree.source / mutant.file).read_text(errors="surrogateescape")
+        record = {**mutant.to_json(), "diff": mutant.diff(text), "runs": [], "unconfirmed": []}
+        started = time.monotonic()
+        build = self._build(mutant, record)
+        if build is not None:
+            try:
+                self._battery(mutant, build, record)
+            finally:
+                self._drop(build)
+        record["seconds"] = round(time.monotonic() - started, 1)
+        return record
+
+    def _build(self, mutant: Mutant, record: dict) -> BuildInfo | None:
+        started = time.monotonic()
+        with self.tree.applied(mutant):  # the tree is clean again before any suite runs
+            interrupt.phase("mutating")  # the mutant is in the tree (tests interrupt here)
+            try:
+                build = ensure_server(source=self.tree.path)
+            except HarnessError as err:
+                if not str(err).startswith("llama.cpp build failed"):  # configuring, a lock, the disk: not the mutant
+                    raise
+                build = None
+                record.update(status=STILLBORN, reason=_compile_error(str(err)))
+        record["build_s"] = round(time.monotonic() - started, 1)
+        return build
+
+    def _battery(self, mutant: Mutant, build: BuildInfo, record: dict) -> None:
+        for stage in (1, 2):
+            suites = self.campaign.stage1 if stage == 1 else self.quickest_first(self.campaign.stage2)
+            clean = {suite: self.clean_run(suite) for suite in suites}  # once per campaign, not the mutant's time
+            stage_started = time.monotonic()
+            for suite in suites:
+                out = self.run_dir / "runs" / mutant.id / suite
+                interrupt.phase("serving")
+                run = run_suite(suite, build.server_bin, out, timeout_for(clean[suite]["seconds"]))
+                record["runs"].append(run.to_json())
+                if run.error:
+                    record.update(status=ERROR, reason=f"{suite}: {run.error}", stage=stage)
+                    return
+                if run.kill and self._confirmed(run, build, out):
+                    record.update(status=KILLED, stage=stage, suite=suite, **run.kill)
+                    record[f"stage{stage}_s"] = round(time.monotonic() - stage_started, 1)
+                    return
+                if run.kill:
+                    record["unconfirmed"].append({"suite": suite, **run.kill})
+                shutil.rmtree(out, ignore_errors=True)  # a passed run's files say nothing the record does not
+            record[f"stage{stage}_s"] = round(time.monotonic() - stage_started, 1)
+        record["status"] = SURVIVED
+
+    def _confirmed(self, run: SuiteRun, build: BuildInfo, out: Path) -> bool:
+        """A kill holds when serving its cell again fails again (a timeout is not served twice)."""
+        if run.kill["cell"] is None:
+            return True
+        again = run_suite(
+            run.suite, build.server_bin, out.with_name(out.name + "-again"), run.seconds * 4 + 120, run.kill["cell"]
+        )
+        run.kill["confirmed_by"] = again.kill["signature"] if again.kill else None
+        return again.kill is not None
+
+    def _drop(self, build: BuildInfo) -> None:
+        """Remove a mutant's build from the cache (it is rebuilt from its diff in a minute if wanted)."""
+        root = build.server_bin.parent.parent
+        if self.keep_builds or root == self.clean_build.server_bin.parent.parent:
+            return
+        shutil.rmtree(root, ignore_errors=True)
+        Path(str(root) + ".lock").unlink(missing_ok=True)
+
+
+def _compile_error(message: str) -> str:
+    """The compiler's first error line of a failed build's message (else its first line)."""
+    lines = message.splitlines()
+    return next((line.strip() for line in lines if "error:" in line), lines[0] if lines else "build failed")[:300]

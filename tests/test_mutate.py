@@ -1,0 +1,250 @@
+"""`specharness mutate`: mutants of llama.cpp's speculative code made by universalmutator, written one at a time into
+the cache's copy of the tree and always taken out again, and the score with its exact interval.
+
+The quick tests here use a small stand-in tree (a CMakeLists.txt and one C++ file) and the vendored tree's own files;
+the campaign end to end (real builds of mutants, the default job's llama-server cells, Ctrl-C) is a `workflows` test
+at the end."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from harness.backends.build import vendored_source
+from harness.cli import main
+from harness.errors import HarnessError
+from harness.mutate.campaign import KILLED, STILLBORN, SURVIVED
+from harness.mutate.generate import Mutant, mutants_of, pool, sample
+from harness.mutate.score import load_judgements, score
+from harness.mutate.targets import DEFAULT_TARGETS, Target, function_lines, log_only_lines, parse_target
+from harness.mutate.tree import JOURNAL, MutationTree
+
+ROOT = Path(__file__).resolve().parents[1]
+
+CPP = """\
+#include "x.h"
+// a comment
+static int add(int a, int b) {
+    if (a > b) {
+        LOG_INF("%s: a = %d, b = %d\\n",
+                __func__, a, b);
+    }
+    return a + b;
+}
+
+int unrelated(int a) {
+    return a * 2;
+}
+"""
+
+
+@pytest.fixture
+def tree(tmp_path, monkeypatch) -> Path:
+    monkeypatch.setenv("SPECHARNESS_CACHE", str(tmp_path / "cache"))
+    src = tmp_path / "llama.cpp"
+    (src / "common").mkdir(parents=True)
+    (src / "CMakeLists.txt").write_text("project(x)\n")
+    (src / "common" / "x.cpp").write_text(CPP)
+    return src
+
+
+def test_log_only_statements_comments_and_includes_are_never_mutated(tree):
+    text = CPP.splitlines()
+    assert log_only_lines(text) == {5, 6}
+    lines = Target("common/x.cpp").lines(tree)
+    assert 1 not in lines and 2 not in lines and 5 not in lines and 6 not in lines
+    assert {3, 4, 8, 12} <= set(lines)
+    assert {m.line for m in mutants_of(tree, Target("common/x.cpp"))} <= set(lines)
+
+
+def test_a_function_target_is_its_body_only(tree):
+    assert function_lines(CPP.splitlines(), "add") == [4, 5, 6, 7, 8]
+    assert {m.line for m in mutants_of(tree, Target("common/x.cpp", "functions:unrelated"))} == {12}
+    with pytest.raises(HarnessError, match="defines no function nothere"):
+        function_lines(CPP.splitlines(), "nothere", "common/x.cpp")
+
+
+@pytest.mark.parametrize(
+    "text, error",
+    [("/abs/x.cpp", "relative"), ("../x.cpp", "relative"), ("common/x.cpp:9-3", "1 <= A <= B"), ("a.cpp:x", "A-B")],
+)
+def test_a_bad_target_is_one_line_naming_it(text, error):
+    with pytest.raises(HarnessError, match=error):
+        parse_target(text)
+
+
+def test_the_default_targets_are_the_speculative_path_of_the_vendored_tree():
+    source = vendored_source()
+    counts = {t.file: len(t.lines(source)) for t in DEFAULT_TARGETS}
+    assert counts["common/speculative.cpp"] > 1000
+    assert 50 < counts["common/sampling.cpp"] < 300  # five functions' bodies, not the file
+    assert 100 < counts["tools/server/server-context.cpp"] < 400  # its speculative lines, not its 5,559
+    assert parse_target("common/sampling.cpp:678-720").lines(source)[0] >= 678
+
+
+def test_a_mutant_is_one_line_with_a_stable_id_a_diff_git_applies_and_a_seeded_sample(tree):
+    made = pool(tree, (Target("common/x.cpp"),))
+    assert len({m.id for m in made}) == len(made) > 10
+    m = made[0]
+    assert Mutant.from_json(m.to_json()) == m and m.to_json()["id"] == m.id
+    mutated = m.apply(CPP)
+    assert sum(a != b for a, b in zip(CPP.splitlines(), mutated.splitlines(), strict=True)) == 1
+    subprocess.run(["git", "init", "-q", str(tree)], check=True)
+    patch = tree / "m.diff"
+    patch.write_text(m.diff(CPP))
+    subprocess.run(["git", "-C", str(tree), "apply", "m.diff"], check=True)
+    assert (tree / m.file).read_text() == mutated
+    assert sample(made, 3, 7) == sample(made, 3, 7) != sample(made, 3, 8)
+    assert sorted(sample(made, None, 1), key=lambda x: x.id) == sorted(made, key=lambda x: x.id)
+    with pytest.raises(HarnessError, match="is not the line mutant"):
+        m.apply(CPP.replace(m.original, "changed\n"))
+
+
+def test_the_tree_is_a_copy_that_a_mutant_leaves_clean_whatever_happens(tree):
+    m = pool(tree, (Target("common/x.cpp"),))[0]
+    mt = MutationTree(tree)
+    with mt.held():
+        assert mt.path != tree and mt.is_clean(["common/x.cpp"])
+        with pytest.raises(RuntimeError), mt.applied(m):
+            assert (mt.path / m.file).read_text() == m.apply(CPP) and (mt.path / JOURNAL).exists()
+            raise RuntimeError("a build failed")
+        assert mt.is_clean(["common/x.cpp"])
+        with pytest.raises(KeyboardInterrupt), mt.applied(m):
+            raise KeyboardInterrupt
+        assert mt.is_clean(["common/x.cpp"])
+    assert (tree / "common" / "x.cpp").read_text() == CPP  # the user's tree is never written
+
+
+def test_a_mutant_left_by_a_killed_process_is_taken_out_before_anything_else(tree):
+    m = pool(tree, (Target("common/x.cpp"),))[0]
+    mt = MutationTree(tree)
+    with mt.held():
+        pass
+    (mt.path / m.file).write_text(m.apply(CPP))  # as a SIGKILL inside `applied` leaves it
+    (mt.path / JOURNAL).write_text(json.dumps({"id": m.id, "file": m.file}))
+    with mt.held():
+        assert mt.is_clean(["common/x.cpp"])
+
+
+def test_one_campaign_at_a_time_holds_a_tree(tree):
+    first, second = MutationTree(tree), MutationTree(tree)
+    with first.held(), pytest.raises(HarnessError, match="another campaign"), second.held():
+        pass
+
+
+def record(status: str, id_: str) -> dict:
+    return {"id": id_, "status": status}
+
+
+def test_the_score_is_killed_over_compiled_non_equivalent_with_scipy_s_exact_interval(tmp_path):
+    records = [record(KILLED, f"k{i}") for i in range(9)] + [record(SURVIVED, "s1"), record(SURVIVED, "s2")]
+    records += [record(STILLBORN, "b1"), record("error", "e1")]
+    s = score(records, {"s2": {"verdict": "equivalent", "reason": "log only"}})
+    assert (s.killed, s.survived, s.equivalent, s.stillborn, s.errors, s.denominator) == (9, 2, 1, 1, 1, 10)
+    from scipy.stats import binomtest
+
+    ci = binomtest(9, 10).proportion_ci(0.95, "exact")
+    assert (s.low, s.high) == (ci.low, ci.high)
+    assert "score 9/10 = 90.0 % (95 % CI 55.5-99.7 %" in s.line()
+    assert score([record(STILLBORN, "b")], {}).value is None
+
+
+def test_a_judgement_without_a_reason_or_verdict_is_refused(tmp_path):
+    path = tmp_path / "survivors.yaml"
+    path.write_text("- {id: abc, verdict: equivalent}\n")
+    with pytest.raises(HarnessError, match="without a reason"):
+        load_judgements(path)
+    path.write_text("- {id: abc, verdict: maybe, reason: x}\n")
+    with pytest.raises(HarnessError, match="equivalent or gap"):
+        load_judgements(path)
+    path.write_text("- {id: abc, verdict: gap, reason: no cell reaches it, closed_by: suites/x.yaml}\n")
+    assert load_judgements(path)["abc"]["closed_by"] == "suites/x.yaml"
+    assert isinstance(load_judgements(), dict)  # the committed file parses
+
+
+def test_bad_input_is_one_line_and_exit_2(tmp_path, capsys):
+    assert main(["mutate", "--source", str(tmp_path), "--out", str(tmp_path / "o")]) == 2
+    assert "not a llama.cpp source tree" in capsys.readouterr().err
+    assert main(["mutate", "--stage1", "nosuchsuite", "--out", str(tmp_path / "o")]) == 2
+    assert "no llama-server suite named nosuchsuite" in capsys.readouterr().err
+    assert main(["mutate", "--resume", str(tmp_path)]) == 2
+    assert "holds no campaign" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------ end to end: real mutant builds, real suites
+
+SMALL = [
+    "--target",
+    "common/sampling.cpp:678-720",  # common_sampler_sample_and_accept_n: one small translation unit to rebuild
+    "--stage1",
+    "forced-rejection",  # llama-server cells whose drafts are rejected: what that function decides
+    "--stage2",
+    "none",
+]
+
+
+def _tree_is_clean() -> bool:
+    tree = MutationTree(vendored_source())
+    return not (tree.path / JOURNAL).exists() and tree.is_clean(["common/sampling.cpp"])
+
+
+@pytest.mark.workflows
+@pytest.mark.long
+def test_a_small_campaign_builds_each_mutant_judges_it_scores_reports_and_leaves_the_tree_clean(tmp_path):
+    out = tmp_path / "campaign"
+    proc = subprocess.run(
+        [sys.executable, "-m", "harness.cli", "mutate", *SMALL, "--sample", "3", "--seed", "3", "--out", str(out)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=3600,
+    )
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+    records = [json.loads(line) for line in (out / "mutants.jsonl").read_text().splitlines()]
+    assert len(records) == 3 and {r["status"] for r in records} <= {"stillborn", "killed", "survived"}
+    for r in records:
+        assert r["diff"].startswith("--- a/common/sampling.cpp") and r["build_s"] > 0
+        if r["status"] == "killed":
+            assert r["suite"] == "forced-rejection" and r["check"] and r["signature"] and r["stage"] == 1
+    assert "mutants judged" in proc.stdout and "report: " in proc.stdout
+    html = (out / "mutate.html").read_text()
+    assert all(r["id"] in html for r in records)
+    assert _tree_is_clean()
+    assert json.loads((out / "campaign.json").read_text())["clean"]["forced-rejection"]["exit"] == 0
+
+
+@pytest.mark.workflows
+@pytest.mark.long
+def test_ctrl_c_with_a_mutant_in_the_tree_takes_it_out_and_resume_finishes_the_campaign(tmp_path):
+    from interrupts import interrupt as send
+    from interrupts import spawn, wait_for_phase
+
+    out, phases = tmp_path / "campaign", tmp_path / "phases"
+    args = ["mutate", *SMALL, "--sample", "1", "--seed", "5", "--out", str(out)]
+    proc = spawn(args, phases, hold="mutating")
+    wait_for_phase(proc, phases, "mutating")
+    tree = MutationTree(vendored_source())
+    assert (tree.path / JOURNAL).exists() and not tree.is_clean(["common/sampling.cpp"])  # held with it written
+    status, output = send(proc, signal.SIGINT)
+    assert status == 130, output[-2000:]
+    assert "the llama.cpp tree is clean" in output and f"--resume {out}" in output
+    assert _tree_is_clean() and not (out / "mutants.jsonl").exists()
+    started = time.monotonic()
+    resumed = subprocess.run(
+        [sys.executable, "-m", "harness.cli", "mutate", "--resume", str(out)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=3600,
+        env={k: v for k, v in os.environ.items() if k != "SPECHARNESS_HOLD_PHASE"},
+    )
+    assert resumed.returncode == 0, (resumed.stdout + resumed.stderr)[-3000:]
+    assert len((out / "mutants.jsonl").read_text().splitlines()) == 1 and _tree_is_clean()
+    assert time.monotonic() - started < 3600
