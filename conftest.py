@@ -93,7 +93,8 @@ def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line(
         "markers",
         f"workflows: a maintainer's workflow end to end (bisect, shrink, the repro bundles and upstream reports, the "
-        f"nightly and fork-CI recipes, sharded runs merged, a new model's first baselines, the installed wheel): "
+        f"nightly and fork-CI recipes, sharded runs merged, a new model's first baselines and calibration, a small "
+        f"mutation campaign, the installed wheel): "
         f".ci/run's workflows phase (it sets {WORKFLOWS}=1); the default pytest deselects it",
     )
     if config.getoption("--stress") > 0 and not hasattr(config, "workerinput"):  # the controller only, once

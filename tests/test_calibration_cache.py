@@ -5,6 +5,8 @@ no calibration that measures it once, caches it and says so in its header; the n
 import json
 import shutil
 
+import pytest
+
 from harness.calibration import write_cache
 from harness.cli import main
 from harness.models import model_key, resolve
@@ -35,6 +37,7 @@ def test_lookup_takes_the_committed_file_then_the_user_cache_of_this_device_and_
     assert committed.read_text() == json.dumps(json.loads(committed.read_text()), indent=1) + "\n"  # untouched
 
 
+@pytest.mark.workflows  # a new model's first calibration, end to end (79 s of the default pytest's 2 cores)
 def test_run_calibrates_an_uncalibrated_model_once_then_uses_the_cache(tmp_path, monkeypatch, capsys, tiny_models):
     model = tmp_path / "my-dense.gguf"  # a model file no committed calibration covers (known by its content)
     shutil.copyfile(resolve("tiny-dense").path, model)

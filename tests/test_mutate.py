@@ -154,6 +154,10 @@ def test_the_score_is_killed_over_compiled_non_equivalent_with_scipy_s_exact_int
     assert (s.low, s.high) == (ci.low, ci.high)
     assert "score 9/10 = 90.0 % (95 % CI 55.5-99.7 %" in s.line()
     assert score([record(STILLBORN, "b")], {}).value is None
+    peered = [dict(r, peers={"killed": i < 3}) for i, r in enumerate(records[:10])]  # 9 killed, s1, s2 equivalent
+    s = score(peered, {"s2": {"verdict": "equivalent", "reason": "log only"}})
+    assert (s.peers_killed, s.peers_judged) == (3, 10)  # the equivalent one left out, as from ours
+    assert "llama.cpp's own server tests: 3/10 = 30.0 %" in s.line()
 
 
 def test_a_judgement_without_a_reason_or_verdict_is_refused(tmp_path):
@@ -188,6 +192,7 @@ SMALL = [
     "--stage2",
     "none",
 ]
+"""A small campaign's options (the interrupt test adds --no-peers: llama.cpp's own tests cost 76 s a build)."""
 
 
 def _tree_is_clean() -> bool:
@@ -217,7 +222,11 @@ def test_a_small_campaign_builds_each_mutant_judges_it_scores_reports_and_leaves
     html = (out / "mutate.html").read_text()
     assert all(r["id"] in html for r in records)
     assert _tree_is_clean()
-    assert json.loads((out / "campaign.json").read_text())["clean"]["forced-rejection"]["exit"] == 0
+    clean = json.loads((out / "campaign.json").read_text())["clean"]
+    assert clean["forced-rejection"]["exit"] == 0 and clean["peers"]["passed"]  # llama.cpp's own tests, offline
+    for r in records:
+        assert ("peers" in r) == (r["status"] != "stillborn")
+    assert "llama.cpp's own server tests" in proc.stdout or not any("peers" in r for r in records)
 
 
 @pytest.mark.workflows
@@ -227,7 +236,7 @@ def test_ctrl_c_with_a_mutant_in_the_tree_takes_it_out_and_resume_finishes_the_c
     from interrupts import spawn, wait_for_phase
 
     out, phases = tmp_path / "campaign", tmp_path / "phases"
-    args = ["mutate", *SMALL, "--sample", "1", "--seed", "5", "--out", str(out)]
+    args = ["mutate", *SMALL, "--no-peers", "--sample", "1", "--seed", "5", "--out", str(out)]
     proc = spawn(args, phases, hold="mutating")
     wait_for_phase(proc, phases, "mutating")
     tree = MutationTree(vendored_source())

@@ -18,6 +18,7 @@ from pathlib import Path
 from harness import interrupt
 from harness.backends.build import BuildInfo, ensure_server
 from harness.errors import HarnessError
+from harness.mutate import peers
 from harness.mutate.battery import SuiteRun, require_clean_pass, run_suite, timeout_for
 from harness.mutate.generate import Mutant
 from harness.mutate.tree import MutationTree
@@ -40,6 +41,8 @@ class Campaign:
     stage1: list[str]
     stage2: list[str]
     tag: str = ""
+    peers: bool = True
+    """Also run llama.cpp's own server tests of speculation on each compiled mutant (harness/mutate/peers.py)."""
     clean: dict[str, dict] = field(default_factory=dict)
     """suite -> the unmutated build's run of it (exit, seconds)."""
     created: str = field(default_factory=lambda: time.strftime("%Y-%m-%dT%H:%M:%S%z"))
@@ -80,6 +83,7 @@ class Judge:
     def __init__(self, campaign: Campaign, run_dir: Path, tree: MutationTree, keep_builds: bool = False):
         self.campaign, self.run_dir, self.tree, self.keep_builds = campaign, run_dir, tree, keep_builds
         self.clean_build = ensure_server(source=tree.path)
+        self.peer_tests = peers.stage(tree.path, run_dir) if campaign.peers else None
 
     def clean_run(self, suite: str) -> dict:
         if suite not in self.campaign.clean:
@@ -95,6 +99,19 @@ class Judge:
         of them kills is killed sooner on average; the order changes no verdict."""
         return sorted(suites, key=lambda s: (self.clean_run(s)["seconds"], s)) if suites else []
 
+    def clean_peers(self) -> dict:
+        if "peers" not in self.campaign.clean:
+            print("mutate: the unmutated build on llama.cpp's own server tests (once)", flush=True)
+            run = peers.run_peers(self.peer_tests, self.clean_build.server_bin, self.run_dir / "clean" / "peers", None)
+            if not run["passed"]:
+                raise HarnessError(
+                    f"llama.cpp's server tests pass nothing on the unmutated build (log: {self.run_dir}/clean/"
+                    "peers.log): run the campaign without them (--no-peers)"
+                )
+            self.campaign.clean["peers"] = run
+            self.campaign.save(self.run_dir)
+        return self.campaign.clean["peers"]
+
     def judge(self, mutant: Mutant) -> dict:
         """Build `mutant` and meet the battery; its record (also when it is stillborn)."""
         text = (self.tree.source / mutant.file).read_text(errors="surrogateescape")
@@ -104,6 +121,8 @@ class Judge:
         if build is not None:
             try:
                 self._battery(mutant, build, record)
+                if self.peer_tests is not None and record["status"] != ERROR:
+                    record["peers"] = self._peers(mutant, build)
             finally:
                 self._drop(build)
         record["seconds"] = round(time.monotonic() - started, 1)
@@ -145,6 +164,16 @@ class Judge:
                 shutil.rmtree(out, ignore_errors=True)  # a passed run's files say nothing the record does not
             record[f"stage{stage}_s"] = round(time.monotonic() - stage_started, 1)
         record["status"] = SURVIVED
+
+    def _peers(self, mutant: Mutant, build: BuildInfo) -> dict:
+        """llama.cpp's own tests on the mutant: the ones that pass on the unmutated build and fail here."""
+        clean = self.clean_peers()
+        interrupt.phase("serving")
+        run = peers.run_peers(
+            self.peer_tests, build.server_bin, self.run_dir / "runs" / mutant.id / "peers", peers.timeout_for(clean)
+        )
+        failed = peers.peer_kill(clean, run)
+        return {"killed": bool(failed), "failed": failed, "exit": run["exit"], "seconds": run["seconds"]}
 
     def _confirmed(self, run: SuiteRun, build: BuildInfo, out: Path) -> bool:
         """A kill holds when serving its cell again fails again (a timeout is not served twice)."""

@@ -75,6 +75,7 @@ def _new_campaign(args: argparse.Namespace) -> tuple[Campaign, Path]:
         stage1=stage1,
         stage2=stage2,
         tag=tag,
+        peers=not args.no_peers,
     )
     run_dir = prepare_out(Path(args.out) if args.out else new_run_dir(reports_dir())).resolve()
     if (run_dir / PLAN_FILE).exists():
@@ -146,6 +147,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--stage1", metavar="SUITE[,SUITE...]", help="stage 1 suites (default quicksort: the default job)")
     p.add_argument(
         "--stage2", metavar="SUITE[,SUITE...]|none", help="stage 2 suites (default: every other llama-server suite)"
+    )
+    p.add_argument(
+        "--no-peers",
+        action="store_true",
+        help="leave out llama.cpp's own server tests of speculation (run offline on each compiled mutant by default)",
     )
     p.add_argument("--list", action="store_true", help="only count the mutants of each target")
     p.add_argument("--keep-builds", action="store_true", help="keep each mutant's llama-server in the build cache")

@@ -59,6 +59,11 @@ class Score:
     equivalent: int
     low: float | None
     high: float | None
+    peers_killed: int = 0
+    peers_judged: int = 0
+    """Of the compiled, non-equivalent mutants that llama.cpp's own server tests met: how many they killed."""
+    peers_low: float | None = None
+    peers_high: float | None = None
 
     @property
     def denominator(self) -> int:
@@ -75,23 +80,48 @@ class Score:
         )
         if self.value is None:
             return f"{head}; no score (no compiled, non-equivalent mutant)"
-        return (
+        line = (
             f"{head}; score {self.killed}/{self.denominator} = {100 * self.value:.1f} % "
             f"(95 % CI {100 * self.low:.1f}-{100 * self.high:.1f} %, exact binomial)"
         )
+        if self.peers_judged:
+            line += (
+                f"; llama.cpp's own server tests: {self.peers_killed}/{self.peers_judged} = "
+                f"{100 * self.peers_killed / self.peers_judged:.1f} % "
+                f"(95 % CI {100 * self.peers_low:.1f}-{100 * self.peers_high:.1f} %)"
+            )
+        return line
+
+
+def _interval(k: int, n: int) -> tuple[float | None, float | None]:
+    """The exact (Clopper-Pearson) 95 % interval of k successes in n (None, None when n is 0)."""
+    if not n:
+        return None, None
+    ci = binomtest(k, n).proportion_ci(confidence_level=0.95, method="exact")
+    return ci.low, ci.high
 
 
 def score(records: list[dict], judgements: dict[str, dict]) -> Score:
     statuses = Counter(r.get("status") for r in records)
-    equivalent = sum(
-        1 for r in records if r.get("status") == SURVIVED and judgements.get(r["id"], {}).get("verdict") == EQUIVALENT
+
+    def equivalent(r: dict) -> bool:
+        return r.get("status") == SURVIVED and judgements.get(r["id"], {}).get("verdict") == EQUIVALENT
+
+    k, n = statuses[KILLED], statuses[KILLED] + statuses[SURVIVED] - sum(map(equivalent, records))
+    met = [r for r in records if r.get("status") in (KILLED, SURVIVED) and not equivalent(r) and "peers" in r]
+    peers_k = sum(1 for r in met if r["peers"]["killed"])
+    return Score(
+        len(records),
+        statuses[STILLBORN],
+        statuses[ERROR],
+        k,
+        statuses[SURVIVED],
+        sum(map(equivalent, records)),
+        *_interval(k, n),
+        peers_k,
+        len(met),
+        *_interval(peers_k, len(met)),
     )
-    k, n = statuses[KILLED], statuses[KILLED] + statuses[SURVIVED] - equivalent
-    low = high = None
-    if n:
-        ci = binomtest(k, n).proportion_ci(confidence_level=0.95, method="exact")
-        low, high = ci.low, ci.high
-    return Score(len(records), statuses[STILLBORN], statuses[ERROR], k, statuses[SURVIVED], equivalent, low, high)
 
 
 def kills_by_check(records: list[dict]) -> list[tuple[str, int]]:
