@@ -19,7 +19,7 @@ reproduces, that fails the run, and the entry is removed.
 
 import re
 from collections import Counter
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 
 import jsonschema
@@ -169,9 +169,12 @@ class KnownFailure:
         means all), on a CPU it shows on, whatever the suite. A cell has one of the listed specs when it was served
         as that spec would have been under the run's `--spec-*` `overrides` (matrix.served_as): the entry
         goes by what a cell was served with, not by its preset's name."""
+        return not self.missing_cpu_flags and self.configured_in(cell, overrides)
+
+    def configured_in(self, cell: Cell, overrides: dict | None = None) -> bool:
+        """True for the cells whose configuration the defect needs, whatever the CPU (see `shows_in`)."""
         return (
             cell.backend == self.backend
-            and not self.missing_cpu_flags
             and all(
                 not allowed or value in allowed
                 for value, allowed in ((cell.mode, self.modes), (cell.model, self.models))
@@ -342,9 +345,9 @@ def load(path: Path) -> list[KnownFailure]:
             if value not in known:
                 raise HarnessError(f"{path}: entry {i}: unknown {what} '{value}' (known: {', '.join(sorted(known))})")
         raw["limits"] = [Limit(**limit) for limit in raw.get("limits", [])]
-        entry = KnownFailure(**{k: tuple(v) if isinstance(v, list) else v for k, v in raw.items()})
+        entries.append(KnownFailure(**{k: tuple(v) if isinstance(v, list) else v for k, v in raw.items()}))
+    for i, entry in enumerate(entries):  # once all are read: each entry is made once, its cells after
         _check_strict_cell(entry, path, i)
-        entries.append(entry)
     return entries
 
 
@@ -355,8 +358,7 @@ def _check_strict_cell(entry: KnownFailure, path: Path, i: int) -> None:
     from harness.suites import load_suite
 
     suite = load_suite(entry.suite, path.parent)
-    gated = replace(entry, cpu_flags=(), without_cpu_flags=())
-    if not any(gated.covers(suite.name, cell) for cell in cells(suite.matrix, {})):
+    if not any(suite.name in entry.suites and entry.configured_in(cell) for cell in cells(suite.matrix, {})):
         raise HarnessError(
             f"{path}: entry {i} ({entry.id}): no cell of its home suite {entry.suite}'s default matrix has its "
             f"backend, modes, specs and models, so its strict expected failure never runs; add such a cell to the "
