@@ -227,6 +227,11 @@ def test_a_small_campaign_builds_each_mutant_judges_it_scores_reports_and_leaves
     for r in records:
         assert ("peers" in r) == (r["status"] != "stillborn")
     assert "llama.cpp's own server tests" in proc.stdout or not any("peers" in r for r in records)
+    reach = json.loads((out / "coverage.json").read_text())  # the battery's line coverage, measured first
+    for whose in ("ours", "peers"):
+        lines = reach[whose]["common/sampling.cpp"]
+        assert set(lines["covered"]) <= set(lines["executable"]) and 682 in lines["covered"]
+        assert 712 in set(lines["executable"]) - set(lines["covered"])  # the overload without idxs: no caller
 
 
 @pytest.mark.workflows
@@ -236,7 +241,7 @@ def test_ctrl_c_with_a_mutant_in_the_tree_takes_it_out_and_resume_finishes_the_c
     from interrupts import spawn, wait_for_phase
 
     out, phases = tmp_path / "campaign", tmp_path / "phases"
-    args = ["mutate", *SMALL, "--no-peers", "--sample", "1", "--seed", "5", "--out", str(out)]
+    args = ["mutate", *SMALL, "--no-peers", "--no-coverage", "--sample", "1", "--seed", "5", "--out", str(out)]
     proc = spawn(args, phases, hold="mutating")
     wait_for_phase(proc, phases, "mutating")
     tree = MutationTree(vendored_source())

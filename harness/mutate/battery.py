@@ -68,9 +68,12 @@ class SuiteRun:
         return {"suite": self.suite, "exit": self.exit, "seconds": self.seconds, "kill": self.kill, "error": self.error}
 
 
-def run_suite(suite: str, server_bin: Path, out: Path, timeout_s: float | None, cell: dict | None = None) -> SuiteRun:
+def run_suite(
+    suite: str, server_bin: Path, out: Path, timeout_s: float | None, cell: dict | None = None, env: dict | None = None
+) -> SuiteRun:
     """`specharness run --suite SUITE --backend server --server-bin SERVER_BIN --out OUT` (only `cell`'s mode, spec
-    and model when given), stopped after `timeout_s`; its outcome read from what it wrote."""
+    and model when given; `env` added to the environment), stopped after `timeout_s`; its outcome read from what it
+    wrote."""
     cmd = [sys.executable, "-m", "harness.cli", "run", "--suite", suite, "--backend", "server"]
     if cell:
         cmd += ["--mode", cell["mode"], "--spec", cell["spec"], "--model", cell["model"]]
@@ -78,7 +81,7 @@ def run_suite(suite: str, server_bin: Path, out: Path, timeout_s: float | None, 
     shutil.rmtree(out, ignore_errors=True)
     out.parent.mkdir(parents=True, exist_ok=True)
     started = time.monotonic()
-    code, tail = _child(cmd, out.with_suffix(".log"), timeout_s)
+    code, tail = _child(cmd, out.with_suffix(".log"), timeout_s, env)
     run = SuiteRun(suite, code, round(time.monotonic() - started, 1), out)
     if code == EXIT_FAIL:
         run.kill = first_failure(out)
@@ -91,10 +94,10 @@ def run_suite(suite: str, server_bin: Path, out: Path, timeout_s: float | None, 
     return run
 
 
-def _child(cmd: list[str], log_path: Path, timeout_s: float | None) -> tuple[int | str, str]:
+def _child(cmd: list[str], log_path: Path, timeout_s: float | None, extra: dict | None = None) -> tuple[int | str, str]:
     """Run `cmd` with its output in `log_path`; (exit status or "timeout", its last line). Ctrl-C or SIGTERM here
     stops it as a user would (SIGTERM, then SIGKILL after STOP_GRACE_S): its llama-servers stop with it."""
-    env = dict(os.environ)
+    env = {**os.environ, **(extra or {})}
     env.pop("SPECHARNESS_HOLD_PHASE", None)  # a test's hold is for this process, not for each suite's run
     with open(log_path, "w") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env)

@@ -18,7 +18,7 @@ from pathlib import Path
 from harness import interrupt
 from harness.backends.build import BuildInfo, ensure_server
 from harness.errors import HarnessError
-from harness.mutate import peers
+from harness.mutate import coverage, peers
 from harness.mutate.battery import SuiteRun, require_clean_pass, run_suite, timeout_for
 from harness.mutate.generate import Mutant
 from harness.mutate.tree import MutationTree
@@ -27,6 +27,7 @@ from harness.paths import append_jsonl, read_jsonl
 PLAN_FILE = "campaign.json"
 RESULTS_FILE = "mutants.jsonl"
 STILLBORN, KILLED, SURVIVED, ERROR = "stillborn", "killed", "survived", "error"
+UNREACHED = "no run of the battery executes its line (line coverage of the unmutated build): not built or served"
 
 
 @dataclass
@@ -42,6 +43,9 @@ class Campaign:
     stage2: list[str]
     tag: str = ""
     peers: bool = True
+    coverage: bool = True
+    """Measure which lines the battery executes first: a mutant on an executable line none executes survives
+    unbuilt (harness/mutate/coverage.py)."""
     """Also run llama.cpp's own server tests of speculation on each compiled mutant (harness/mutate/peers.py)."""
     clean: dict[str, dict] = field(default_factory=dict)
     """suite -> the unmutated build's run of it (exit, seconds)."""
@@ -84,6 +88,7 @@ class Judge:
         self.campaign, self.run_dir, self.tree, self.keep_builds = campaign, run_dir, tree, keep_builds
         self.clean_build = ensure_server(source=tree.path)
         self.peer_tests = peers.stage(tree.path, run_dir) if campaign.peers else None
+        self._reach: dict | None = None
 
     def clean_run(self, suite: str) -> dict:
         if suite not in self.campaign.clean:
@@ -99,6 +104,9 @@ class Judge:
         of them kills is killed sooner on average; the order changes no verdict."""
         return sorted(suites, key=lambda s: (self.clean_run(s)["seconds"], s)) if suites else []
 
+    def _peers_reach(self, mutant: Mutant) -> bool:
+        return self.peer_tests is not None and self.reached(mutant, "peers")
+
     def clean_peers(self) -> dict:
         if "peers" not in self.campaign.clean:
             print("mutate: the unmutated build on llama.cpp's own server tests (once)", flush=True)
@@ -112,15 +120,56 @@ class Judge:
             self.campaign.save(self.run_dir)
         return self.campaign.clean["peers"]
 
+    def reach(self) -> dict:
+        """{"ours": file -> {executable, covered}, "peers": ...}: measured once (coverage.json in the campaign)."""
+        if self._reach is None:
+            path = self.run_dir / coverage.FILE
+            if not path.is_file():
+                self._measure_coverage(path)
+            self._reach = json.loads(path.read_text())
+        return self._reach
+
+    def _measure_coverage(self, path: Path) -> None:
+        files = sorted({m["file"] for m in self.campaign.mutants})
+        print(f"mutate: line coverage of {', '.join(files)} over the battery (once)", flush=True)
+        interrupt.phase("building")
+        info, tree_dir = coverage.build(self.tree.path)
+        base = self.run_dir / "coverage"
+        shutil.rmtree(base, ignore_errors=True)
+        for suite in [*self.campaign.stage1, *self.campaign.stage2]:
+            interrupt.phase("serving")
+            env = coverage.counter_env(base / "ours")
+            run_suite(suite, info.server_bin, base / "runs" / suite, None, env=env)  # its verdicts do not matter
+        reach = {"ours": coverage.read(base / "ours", tree_dir, self.tree.path, files), "peers": {}}
+        if self.peer_tests is not None:
+            env = coverage.counter_env(base / "peers")
+            peers.run_peers(self.peer_tests, info.server_bin, base / "runs" / "peers", None, env)
+            reach["peers"] = coverage.read(base / "peers", tree_dir, self.tree.path, files)
+        with interrupt.deferred():
+            path.write_text(json.dumps(reach) + "\n")
+
+    def reached(self, mutant: Mutant, whose: str = "ours") -> bool:
+        """False only when `whose` runs never execute the mutant's line and gcov lists it as executable."""
+        lines = self.reach()[whose].get(mutant.file)
+        return lines is None or mutant.line not in lines["executable"] or mutant.line in lines["covered"]
+
     def judge(self, mutant: Mutant) -> dict:
         """Build `mutant` and meet the battery; its record (also when it is stillborn)."""
         text = (self.tree.source / mutant.file).read_text(errors="surrogateescape")
         record = {**mutant.to_json(), "diff": mutant.diff(text), "runs": [], "unconfirmed": []}
         started = time.monotonic()
+        if self.campaign.coverage and not self.reached(mutant) and not self._peers_reach(mutant):
+            record.update(status=SURVIVED, reached=False, build_s=0.0, seconds=0.0, reason=UNREACHED)
+            if self.peer_tests is not None:
+                record["peers"] = {"killed": False, "reached": False, "failed": [], "seconds": 0.0}
+            return record
         build = self._build(mutant, record)
         if build is not None:
             try:
-                self._battery(mutant, build, record)
+                if not self.campaign.coverage or self.reached(mutant):
+                    self._battery(mutant, build, record)
+                else:  # only llama.cpp's own tests reach its line
+                    record.update(status=SURVIVED, reached=False, reason=UNREACHED)
                 if self.peer_tests is not None and record["status"] != ERROR:
                     record["peers"] = self._peers(mutant, build)
             finally:

@@ -76,6 +76,7 @@ def _new_campaign(args: argparse.Namespace) -> tuple[Campaign, Path]:
         stage2=stage2,
         tag=tag,
         peers=not args.no_peers,
+        coverage=not args.no_coverage,
     )
     run_dir = prepare_out(Path(args.out) if args.out else new_run_dir(reports_dir())).resolve()
     if (run_dir / PLAN_FILE).exists():
@@ -127,6 +128,8 @@ def _outcome(record: dict) -> str:
         return f"killed in stage {record['stage']} by {by}: {record['signature']}"
     if status in ("stillborn", "error"):
         return f"{status}: {record.get('reason', '')}"
+    if record.get("reached") is False:
+        return f"survived: no run executes line {record['line']} (not built)"
     return f"survived ({record['seconds']:.0f} s)"
 
 
@@ -152,6 +155,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "--no-peers",
         action="store_true",
         help="leave out llama.cpp's own server tests of speculation (run offline on each compiled mutant by default)",
+    )
+    p.add_argument(
+        "--no-coverage",
+        action="store_true",
+        help="build and serve every mutant, also those on lines no run executes (measured once by default)",
     )
     p.add_argument("--list", action="store_true", help="only count the mutants of each target")
     p.add_argument("--keep-builds", action="store_true", help="keep each mutant's llama-server in the build cache")

@@ -66,7 +66,7 @@ def stage(tree: Path, run_dir: Path) -> Path:
     return target
 
 
-def run_peers(tests: Path, server_bin: Path, out: Path, timeout_s: float | None) -> dict:
+def run_peers(tests: Path, server_bin: Path, out: Path, timeout_s: float | None, extra: dict | None = None) -> dict:
     """PEER_TESTS against `server_bin`: {"passed": [...], "failed": [...], "seconds", "exit"} (test ids)."""
     out.parent.mkdir(parents=True, exist_ok=True)
     junit = out.with_suffix(".xml")
@@ -77,6 +77,7 @@ def run_peers(tests: Path, server_bin: Path, out: Path, timeout_s: float | None)
         "LLAMA_SERVER_BIN_PATH": str(server_bin),
         "SPECHARNESS_PEER_MODELS": json.dumps(models),
         "PYTHONPATH": str(tests),
+        **(extra or {}),
     }
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", PLUGIN_NAME, "-o", "addopts="]
     cmd += [f"--junitxml={junit}", *PEER_TESTS]

@@ -59,6 +59,8 @@ class Score:
     equivalent: int
     low: float | None
     high: float | None
+    unreached: int = 0
+    """Survivors on a line no run of the battery executes (not built: harness/mutate/coverage.py)."""
     peers_killed: int = 0
     peers_judged: int = 0
     """Of the compiled, non-equivalent mutants that llama.cpp's own server tests met: how many they killed."""
@@ -76,7 +78,8 @@ class Score:
     def line(self) -> str:
         head = (
             f"{self.judged} mutants judged: {self.stillborn} stillborn, {self.errors} not judged (harness error), "
-            f"{self.killed} killed, {self.survived} survived ({self.equivalent} of them equivalent)"
+            f"{self.killed} killed, {self.survived} survived ({self.unreached} on lines no run executes, "
+            f"{self.equivalent} judged equivalent)"
         )
         if self.value is None:
             return f"{head}; no score (no compiled, non-equivalent mutant)"
@@ -118,6 +121,7 @@ def score(records: list[dict], judgements: dict[str, dict]) -> Score:
         statuses[SURVIVED],
         sum(map(equivalent, records)),
         *_interval(k, n),
+        sum(1 for r in records if r.get("status") == SURVIVED and r.get("reached") is False),
         peers_k,
         len(met),
         *_interval(peers_k, len(met)),

@@ -1,0 +1,121 @@
+"""Which lines of the mutated files the battery executes: line coverage of the unmutated llama-server over every
+suite of the campaign (and, separately, over llama.cpp's own server tests), measured once per campaign.
+
+A mutant on a line that is executable and that no run executes cannot change what any cell returns: it survives
+without being built or served (status `survived`, `reached: false`), which is what running it would show, at no
+cost. A mutant on a line gcov does not list as executable (a declaration, the rest of a statement spanning lines) is
+built and served as any other.
+
+The coverage build is a second copy of the tree whose common/ and tools/server/ CMake files add `--coverage` to
+the targets that hold the mutated code (llama-common, server-context, llama-server): it is built through the build
+cache like any tree, linked against llama-cpp-python's libraries (their sources are untouched). llama-server writes
+its counters (.gcda) when it exits (the harness stops it with SIGTERM): GCOV_PREFIX sends them to the campaign, and
+`gcov --json-format` reads them with the build tree's notes (.gcno).
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import shutil
+import subprocess
+from pathlib import Path
+
+from harness.backends.build import build_tree_dir, cmake_options, ensure_server
+from harness.errors import HarnessError
+from harness.paths import cache_dir
+
+COVERAGE_CMAKE = {
+    "common/CMakeLists.txt": (
+        "\n# specharness mutate: line coverage (whatever links the library links gcov's runtime)\n"
+        "target_compile_options(llama-common PRIVATE --coverage)\n"
+        "target_link_options(llama-common INTERFACE --coverage)\n"
+    ),
+    "tools/server/CMakeLists.txt": (
+        "\n# specharness mutate: line coverage\n"
+        "target_compile_options(server-context PRIVATE --coverage)\n"
+        "target_link_options(server-context INTERFACE --coverage)\n"
+    ),
+}
+FILE = "coverage.json"
+
+
+def coverage_tree(tree: Path) -> Path:
+    """A copy of `tree` (the campaign's clean copy) with COVERAGE_CMAKE appended, kept beside it."""
+    target = tree.with_name(tree.name + "-coverage")
+    if (target / "CMakeLists.txt").is_file() and all(
+        (target / rel).read_text().endswith(text) for rel, text in COVERAGE_CMAKE.items()
+    ):
+        return target
+    shutil.rmtree(target, ignore_errors=True)
+    staging = target.with_name(target.name + ".tmp")
+    shutil.rmtree(staging, ignore_errors=True)
+    shutil.copytree(tree, staging, symlinks=True)
+    for rel, text in COVERAGE_CMAKE.items():
+        with open(staging / rel, "a") as f:
+            f.write(text)
+    staging.rename(target)
+    return target
+
+
+def build(tree: Path):
+    """The coverage build of `tree`'s copy and the directory its counters must go to (its persistent build tree)."""
+    cov = coverage_tree(tree)
+    info = ensure_server(source=cov)
+    return info, build_tree_dir(cov.resolve(), "cpu", cmake_options("cpu", []))
+
+
+def counter_env(out: Path) -> dict:
+    """The environment that sends llama-server's counters under `out` (the work path's prefix stripped: the build
+    runs at `<cache>/work`)."""
+    work = (cache_dir() / "work").resolve()
+    return {"GCOV_PREFIX": str(out), "GCOV_PREFIX_STRIP": str(len(work.parts) - 1)}
+
+
+def read(counters: Path, tree_dir: Path, source: Path, files: list[str]) -> dict[str, dict[str, list[int]]]:
+    """file -> {"executable": lines, "covered": lines} from the counters under `counters` (laid out as the build
+    tree: build/<dir>/CMakeFiles/<target>.dir/<file>.gcda) and the notes in `tree_dir`."""
+    out = {}
+    for rel in files:
+        name = Path(rel).name
+        notes = sorted(tree_dir.glob(f"build/**/{name}.gcno"))
+        if not notes:
+            raise HarnessError(
+                f"the coverage build has no notes for {rel} in {tree_dir}: was it built with --coverage?"
+            )
+        executable, covered = set(), set()
+        for gcno in notes:
+            gcda = counters / gcno.relative_to(tree_dir).with_suffix(".gcda")  # build/<dir>/<file>.cpp.gcda
+            work = counters / "gcov" / gcno.parent.name
+            work.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(gcno, work / gcno.name)
+            if gcda.is_file():
+                shutil.copy2(gcda, work / gcda.name)
+            for line, count in _gcov(work, source / rel, name):
+                executable.add(line)
+                if count:
+                    covered.add(line)
+        out[rel] = {"executable": sorted(executable), "covered": sorted(covered)}
+    return out
+
+
+def _gcov(objdir: Path, source: Path, name: str) -> list[tuple[int, int]]:
+    """(line, count) of every executable line of `source` in the counters of `objdir` (gcov's JSON)."""
+    proc = subprocess.run(
+        ["gcov", "--json-format", "--stdout", "-o", str(objdir / (name + ".o")), str(source)],
+        capture_output=True,
+        cwd=objdir,
+        timeout=300,
+    )
+    if proc.returncode != 0:
+        raise HarnessError(f"gcov failed on {source}: {proc.stderr.decode(errors='replace').strip()[:300]}")
+    lines = []
+    for chunk in proc.stdout.splitlines():
+        try:
+            data = json.loads(gzip.decompress(chunk) if chunk[:2] == b"\x1f\x8b" else chunk)
+        except ValueError:
+            continue
+        for f in data.get("files", []):
+            if Path(f["file"]).name == name:
+                lines += [(ln["line_number"], ln["count"]) for ln in f["lines"]]
+    return lines
