@@ -21,7 +21,7 @@ import shutil
 import subprocess
 from pathlib import Path
 
-from harness.backends.build import build_tree_dir, cmake_options, ensure_server
+from harness.backends.build import build_tree_dir, ensure_server
 from harness.errors import HarnessError
 from harness.paths import cache_dir
 
@@ -59,10 +59,10 @@ def coverage_tree(tree: Path) -> Path:
 
 
 def build(tree: Path):
-    """The coverage build of `tree`'s copy and the directory its counters must go to (its persistent build tree)."""
-    cov = coverage_tree(tree)
-    info = ensure_server(source=cov)
-    return info, build_tree_dir(cov.resolve(), "cpu", cmake_options("cpu", []))
+    """The coverage build of `tree`'s copy and the persistent build tree that holds its notes (.gcno): the tree of
+    the source the cached build was made from (a copy of another campaign's tree with the same bytes shares it)."""
+    info = ensure_server(source=coverage_tree(tree))
+    return info, build_tree_dir(Path(info.source), info.backend, list(info.cmake_args))
 
 
 def counter_env(out: Path) -> dict:
