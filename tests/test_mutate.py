@@ -139,6 +139,21 @@ def test_one_campaign_at_a_time_holds_a_tree(tree):
         pass
 
 
+def test_only_a_mutant_on_an_executable_line_no_run_executes_is_unreached():
+    from harness.mutate.campaign import Judge
+
+    judge = Judge.__new__(Judge)  # the coverage lookup alone: no build
+    judge._reach = {"ours": {"f.cpp": {"executable": [1, 2, 3], "covered": [1, 3]}}, "peers": {}}
+
+    def at(line: int, file: str = "f.cpp") -> Mutant:
+        return Mutant(file, line, "a\n", "b\n", "rule")
+
+    assert not judge.reached(at(2))  # executable, never executed
+    assert judge.reached(at(1)) and judge.reached(at(3))
+    assert judge.reached(at(7))  # gcov lists no code there (a declaration, a statement's continuation): served
+    assert judge.reached(at(2, "other.cpp"))  # a file the coverage build did not measure: served
+
+
 def record(status: str, id_: str) -> dict:
     return {"id": id_, "status": status}
 
