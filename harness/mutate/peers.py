@@ -77,6 +77,7 @@ def run_peers(tests: Path, server_bin: Path, out: Path, timeout_s: float | None,
         "LLAMA_SERVER_BIN_PATH": str(server_bin),
         "SPECHARNESS_PEER_MODELS": json.dumps(models),
         "PYTHONPATH": str(tests),
+        "PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1",  # their session as theirs: no plugin of this environment (ours included)
         **(extra or {}),
     }
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", PLUGIN_NAME, "-o", "addopts="]
