@@ -58,6 +58,7 @@ def tree(tmp_path, monkeypatch) -> Path:
 def test_log_only_statements_comments_and_includes_are_never_mutated(tree):
     text = CPP.splitlines()
     assert log_only_lines(text) == {5, 6}
+    assert log_only_lines(['    SPC_DBG("%d",', "            n);", "    n++;"]) == {1, 2}  # speculative.cpp's own
     lines = Target("common/x.cpp").lines(tree)
     assert 1 not in lines and 2 not in lines and 5 not in lines and 6 not in lines
     assert {3, 4, 8, 12} <= set(lines)

@@ -28,8 +28,9 @@ SERVER_SPECULATIVE = re.compile(r"spec|draft|ckpt|checkpoint|accept|seq_rm", re.
 """A line of tools/server/server-context.cpp that belongs to speculation: speculative state, drafts, checkpoints,
 acceptance, seq_rm (361 of its 5,559 lines at 0c1e570)."""
 
-LOG_START = re.compile(r"^\s*(SLT_|SRV_|QUE_|LOG_|LOG\(|GGML_LOG_|LLAMA_LOG_|fprintf\s*\(|printf\s*\(|std::cerr)")
-"""The first line of a statement that only logs (llama-server's SLT_* / SRV_* / QUE_* macros, common's LOG_*)."""
+LOG_START = re.compile(r"^\s*(SLT_|SRV_|QUE_|SPC_|LOG_|LOG\(|GGML_LOG_|LLAMA_LOG_|fprintf\s*\(|printf\s*\(|std::cerr)")
+"""The first line of a statement that only logs (llama-server's SLT_* / SRV_* / QUE_* macros, speculative.cpp's SPC_*,
+common's LOG_*)."""
 
 NOT_CODE = re.compile(r"^\s*(//|#|$)")
 
