@@ -27,7 +27,7 @@ from harness.paths import append_jsonl, read_jsonl
 PLAN_FILE = "campaign.json"
 RESULTS_FILE = "mutants.jsonl"
 STILLBORN, KILLED, SURVIVED, ERROR = "stillborn", "killed", "survived", "error"
-UNREACHED = "no run of the battery executes its line (line coverage of the unmutated build): not built or served"
+UNREACHED = "no run of the battery executes its line (line coverage of the unmutated build): built, not served"
 
 
 @dataclass
@@ -43,10 +43,10 @@ class Campaign:
     stage2: list[str]
     tag: str = ""
     peers: bool = True
+    """Also run llama.cpp's own server tests of speculation on each compiled mutant (harness/mutate/peers.py)."""
     coverage: bool = True
     """Measure which lines the battery executes first: a mutant on an executable line none executes survives
-    unbuilt (harness/mutate/coverage.py)."""
-    """Also run llama.cpp's own server tests of speculation on each compiled mutant (harness/mutate/peers.py)."""
+    unserved (built: it may not compile; harness/mutate/coverage.py)."""
     clean: dict[str, dict] = field(default_factory=dict)
     """suite -> the unmutated build's run of it (exit, seconds)."""
     created: str = field(default_factory=lambda: time.strftime("%Y-%m-%dT%H:%M:%S%z"))
@@ -158,20 +158,19 @@ class Judge:
         text = (self.tree.source / mutant.file).read_text(errors="surrogateescape")
         record = {**mutant.to_json(), "diff": mutant.diff(text), "runs": [], "unconfirmed": []}
         started = time.monotonic()
-        if self.campaign.coverage and not self.reached(mutant) and not self._peers_reach(mutant):
-            record.update(status=SURVIVED, reached=False, build_s=0.0, seconds=0.0, reason=UNREACHED)
-            if self.peer_tests is not None:
-                record["peers"] = {"killed": False, "reached": False, "failed": [], "seconds": 0.0}
-            return record
-        build = self._build(mutant, record)
+        build = self._build(mutant, record)  # also an unreached one: a mutant that does not compile is stillborn
         if build is not None:
             try:
                 if not self.campaign.coverage or self.reached(mutant):
                     self._battery(mutant, build, record)
-                else:  # only llama.cpp's own tests reach its line
+                else:  # no run executes its line: served, it would pass every suite
                     record.update(status=SURVIVED, reached=False, reason=UNREACHED)
-                if self.peer_tests is not None and record["status"] != ERROR:
+                if self.peer_tests is None or record["status"] == ERROR:
+                    pass
+                elif not self.campaign.coverage or self._peers_reach(mutant):
                     record["peers"] = self._peers(mutant, build)
+                else:
+                    record["peers"] = {"killed": False, "reached": False, "failed": [], "seconds": 0.0}
             finally:
                 self._drop(build)
         record["seconds"] = round(time.monotonic() - started, 1)

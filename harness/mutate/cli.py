@@ -129,7 +129,7 @@ def _outcome(record: dict) -> str:
     if status in ("stillborn", "error"):
         return f"{status}: {record.get('reason', '')}"
     if record.get("reached") is False:
-        return f"survived: no run executes line {record['line']} (not built)"
+        return f"survived: no run executes line {record['line']} (built, not served)"
     return f"survived ({record['seconds']:.0f} s)"
 
 

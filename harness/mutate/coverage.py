@@ -1,10 +1,10 @@
 """Which lines of the mutated files the battery executes: line coverage of the unmutated llama-server over every
 suite of the campaign (and, separately, over llama.cpp's own server tests), measured once per campaign.
 
-A mutant on a line that is executable and that no run executes cannot change what any cell returns: it survives
-without being built or served (status `survived`, `reached: false`), which is what running it would show, at no
-cost. A mutant on a line gcov does not list as executable (a declaration, the rest of a statement spanning lines) is
-built and served as any other.
+A mutant on a line that is executable and that no run executes cannot change what any cell returns: it is built
+(one that does not compile is stillborn, as any other) but not served, and survives (`reached: false`), which is
+what serving it would show. A mutant on a line gcov does not list as executable (a declaration, the rest of a
+statement spanning lines) is built and served as any other.
 
 The coverage build is a second copy of the tree whose common/ and tools/server/ CMake files add `--coverage` to
 the targets that hold the mutated code (llama-common, server-context, llama-server): it is built through the build

@@ -60,7 +60,7 @@ class Score:
     low: float | None
     high: float | None
     unreached: int = 0
-    """Survivors on a line no run of the battery executes (not built: harness/mutate/coverage.py)."""
+    """Survivors on a line no run of the battery executes (built, not served: harness/mutate/coverage.py)."""
     peers_killed: int = 0
     peers_judged: int = 0
     """Of the compiled, non-equivalent mutants that llama.cpp's own server tests met: how many they killed."""
