@@ -278,3 +278,27 @@ def test_ctrl_c_with_a_mutant_in_the_tree_takes_it_out_and_resume_finishes_the_c
     assert resumed.returncode == 0, (resumed.stdout + resumed.stderr)[-3000:]
     assert len((out / "mutants.jsonl").read_text().splitlines()) == 1 and _tree_is_clean()
     assert time.monotonic() - started < 3600
+
+
+def test_the_report_shows_every_mutant_its_judgement_and_the_score(tmp_path):
+    from harness.mutate.campaign import Campaign
+    from harness.mutate.score import write_report
+
+    m = Mutant("common/x.cpp", 4, "    if (a > b) {\n", "    if (a < b) {\n", "> ==> <  (universal.rules:40)")
+    campaign = Campaign("src", "0c1e570", ["common/x.cpp"], 1, 2, 10, [m.to_json()], ["quicksort"], [])
+    killed = {
+        **m.to_json(),
+        "id": "k1",
+        "status": KILLED,
+        "stage": 1,
+        "suite": "quicksort",
+        "check": "lossless",
+        "cell": None,
+        "signature": "lossless: hard divergence",
+        "build_s": 3.0,
+        "diff": "-a\n+b\n",
+    }
+    survived = {**m.to_json(), "status": SURVIVED, "build_s": 2.0, "diff": "-a\n+b\n", "peers": {"killed": False}}
+    html = write_report(tmp_path, campaign, [killed, survived], {m.id: {"verdict": "equivalent", "reason": "dead"}})
+    text = html.read_text()
+    assert "k1" in text and m.id in text and "equivalent" in text and "dead" in text and "score 1/1" in text
