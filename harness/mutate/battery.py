@@ -23,7 +23,7 @@ import signal
 import subprocess
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 from harness.errors import HarnessError
@@ -62,7 +62,6 @@ class SuiteRun:
     kill: dict | None = None
     """The first failure of a failed run: signature, check, cell, case (None when the run passed)."""
     error: str = ""
-    extra: dict = field(default_factory=dict)
 
     def to_json(self) -> dict:
         return {"suite": self.suite, "exit": self.exit, "seconds": self.seconds, "kill": self.kill, "error": self.error}

@@ -27,13 +27,16 @@ JOURNAL = ".specharness-mutant"
 """In the copy while a mutant is written into it: {"id", "file"}."""
 
 
-def _not_copied(directory: str, names: list[str]) -> set[str]:
-    """What the copy leaves out: VCS data anywhere, and build directories at the top of the tree."""
-    top = Path(directory) == _copying[-1] if _copying else False
-    return {n for n in names if n == ".git" or (top and n.startswith("build") and Path(directory, n).is_dir())}
+def _not_copied(top: Path):
+    """copytree's filter for a copy of `top`: VCS data anywhere, and build directories at the top of the tree."""
+
+    def ignore(directory: str, names: list[str]) -> set[str]:
+        at_top = Path(directory) == top
+        return {n for n in names if n == ".git" or (at_top and n.startswith("build") and Path(directory, n).is_dir())}
+
+    return ignore
 
 
-_copying: list[Path] = []
 COPY_MARKER = ".specharness-mutate-copy"
 COPY_FORMAT = 2
 """Bumped when what a copy holds changes: an older copy is made again."""
@@ -81,11 +84,7 @@ class MutationTree:
             pass
         staging = self.path.with_name(self.path.name + ".tmp")
         shutil.rmtree(staging, ignore_errors=True)
-        _copying.append(self.source)
-        try:
-            shutil.copytree(self.source, staging, symlinks=True, ignore=_not_copied)
-        finally:
-            _copying.pop()
+        shutil.copytree(self.source, staging, symlinks=True, ignore=_not_copied(self.source))
         if not (staging / SOURCE_MARKER).is_file():  # a git checkout: the copy says its commit
             commit = source_identity(self.source).commit
             (staging / SOURCE_MARKER).write_text(json.dumps({"commit": commit, "origin": "specharness mutate"}) + "\n")
