@@ -211,11 +211,16 @@ SMALL = [
 """A small campaign's options (the interrupt test adds --no-peers: llama.cpp's own tests cost 76 s a build)."""
 
 
+MUTATION_TREE = pytest.mark.xdist_group("mutation-tree")
+"""The campaigns below mutate the one copy of the vendored tree, one campaign at a time (its lock): one worker."""
+
+
 def _tree_is_clean() -> bool:
     tree = MutationTree(vendored_source())
     return not (tree.path / JOURNAL).exists() and tree.is_clean(["common/sampling.cpp"])
 
 
+@MUTATION_TREE
 @pytest.mark.workflows
 @pytest.mark.long
 def test_a_small_campaign_builds_each_mutant_judges_it_scores_reports_and_leaves_the_tree_clean(tmp_path):
@@ -250,6 +255,7 @@ def test_a_small_campaign_builds_each_mutant_judges_it_scores_reports_and_leaves
         assert 712 in set(lines["executable"]) - set(lines["covered"])  # the overload without idxs: no caller
 
 
+@MUTATION_TREE
 @pytest.mark.workflows
 @pytest.mark.long
 def test_ctrl_c_with_a_mutant_in_the_tree_takes_it_out_and_resume_finishes_the_campaign(tmp_path):
