@@ -51,10 +51,10 @@ def test_the_false_alarm_budget_of_a_run_is_the_union_over_its_cases_and_pools()
 
 
 def test_every_case_is_tested_and_the_critical_distances_are_kstwos():
-    """No sample is too small for the KS test to fail (D can approach 1): MIN_TOKENS is 1; the critical distances
+    """No sample is too small for the KS test to fail (D can approach 1): min_tokens() is 1; the critical distances
     quoted in the docstring are kstwo's at ALPHA / 12; a tail count needs 6 tokens (0.05^5 > 1e-6 / 12)."""
-    assert distribution.MIN_TOKENS == 1
-    assert distribution.TAIL_MIN_TOKENS == 6
+    assert distribution.min_tokens() == 1
+    assert distribution.tail_min_tokens() == 6
     assert stats.binomtest(5, 5, distribution.TAIL).pvalue > distribution.ALPHA / 12
     quoted = {1: 0.99999996, 10: 0.818, 16: 0.678, 32: 0.496, 512: 0.128, 1536: 0.0742}
     for n, d in quoted.items():

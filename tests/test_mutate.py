@@ -155,6 +155,36 @@ def test_only_a_mutant_on_an_executable_line_no_run_executes_is_unreached():
     assert judge.reached(at(2, "other.cpp"))  # a file the coverage build did not measure: served
 
 
+def test_a_reached_mutant_meets_only_the_suites_that_execute_its_line():
+    from types import SimpleNamespace
+
+    from harness.mutate.campaign import Judge
+    from harness.mutate.coverage import union
+
+    judge = Judge.__new__(Judge)
+    judge.campaign = SimpleNamespace(coverage=True)
+    per_suite = {
+        "a": {"f.cpp": {"executable": [1, 2, 3], "covered": [1]}},
+        "b": {"f.cpp": {"executable": [1, 2, 3], "covered": [1, 3]}},
+    }
+    judge._reach = {
+        "ours": union(per_suite.values()),
+        "peers": {},
+        "suites": {s: {f: r["covered"] for f, r in reach.items()} for s, reach in per_suite.items()},
+    }
+    assert judge._reach["ours"] == {"f.cpp": {"executable": [1, 2, 3], "covered": [1, 3]}}
+
+    def at(line: int, file: str = "f.cpp") -> Mutant:
+        return Mutant(file, line, "a\n", "b\n", "rule")
+
+    assert judge.suites_reaching(at(1), ["a", "b"]) == ["a", "b"]
+    assert judge.suites_reaching(at(3), ["a", "b", "c"]) == ["b", "c"]  # c was not measured: served
+    assert judge.suites_reaching(at(7), ["a", "b"]) == ["a", "b"]  # not an executable line: every suite
+    assert judge.suites_reaching(at(3, "other.cpp"), ["a"]) == ["a"]  # a file not measured: every suite
+    judge.campaign.coverage = False
+    assert judge.suites_reaching(at(3), ["a", "b"]) == ["a", "b"]
+
+
 def record(status: str, id_: str) -> dict:
     return {"id": id_, "status": status}
 
@@ -253,6 +283,10 @@ def test_a_small_campaign_builds_each_mutant_judges_it_scores_reports_and_leaves
         lines = reach[whose]["common/sampling.cpp"]
         assert set(lines["covered"]) <= set(lines["executable"]) and 682 in lines["covered"]
         assert 712 in set(lines["executable"]) - set(lines["covered"])  # the overload without idxs: no caller
+    assert set(reach["suites"]) == {"forced-rejection"}  # each suite's lines apart (which suites a mutant meets)
+    assert set(reach["suites"]["forced-rejection"]["common/sampling.cpp"]) == set(
+        reach["ours"]["common/sampling.cpp"]["covered"]
+    )
 
 
 @MUTATION_TREE

@@ -41,14 +41,14 @@ def checkout(tmp_path, monkeypatch):
 
 
 @pytest.mark.long
-def test_run_writes_every_language_and_mode_of_a_tiny_model(tmp_path, tiny_models, capsys):
+def test_run_writes_every_language_and_spec_of_a_tiny_model(tmp_path, tiny_models, capsys):
+    """The default job through the command line, one model and mode (quicksort's suite items serve every cell of it
+    in this session; the modes through `main` cost 31 s more of a warm pytest, 2026-12-07)."""
     out = tmp_path / "run"
-    assert main(["run", "--model", "tiny-dense", "--out", str(out)]) == 0  # the suites run the other models
+    assert main(["run", "--model", "tiny-dense", "--mode", "seq", "--out", str(out)]) == 0
     records = json.loads((out / "results.json").read_text())
     cells = {(r["model"], r["mode"], r["spec"]) for r in records}
-    assert cells == {
-        ("tiny-dense", mode, spec) for mode in ("seq", "par", "no-kv-unified") for spec in ("none", "draft-simple")
-    }
+    assert cells == {("tiny-dense", "seq", spec) for spec in ("none", "draft-simple")}
     assert {r["case"] for r in records} == {"C", "Java", "Python"}
     assert len(records) == len(cells) * 3 * 3  # three rounds: seq, seq, par
     for r in records:
@@ -57,7 +57,7 @@ def test_run_writes_every_language_and_mode_of_a_tiny_model(tmp_path, tiny_model
     assert len(pd.read_parquet(out / "results.parquet")) == len(records)
     checks = json.loads((out / "checks.json").read_text())
     assert checks and all(c["passed"] for c in checks)
-    assert {"lossless", "baseline", "mode-invariant", "repeat-identical", "spec-ran"} <= {c["check"] for c in checks}
+    assert {"lossless", "baseline", "repeat-identical", "spec-ran"} <= {c["check"] for c in checks}
     assert "specharness run" in capsys.readouterr().out
 
 

@@ -48,9 +48,9 @@ only near 0 or 1, the tail counts are not (`power`: at 1,536 tokens a shift of 3
 band is found with 80 % probability, by KS alone only one of 7.2 %). A case makes TESTS_PER_CASE = 4 strata × 3
 statistics tests and fails where the smallest p-value times TESTS_PER_CASE (Bonferroni) is below ALPHA: a clean case
 fails with probability at most ALPHA. The KS test can fail at any sample size (D approaches 1 as the u do 0 or 1):
-every scored case is tested (MIN_TOKENS = 1; its exact critical distance, kstwo at ALPHA / TESTS_PER_CASE, is
+every scored case is tested (`min_tokens()` = 1; its exact critical distance, kstwo at ALPHA / TESTS_PER_CASE, is
 0.99999996 at 1 token, 0.818 at 10, 0.678 at 16, 0.496 at 32, 0.128 at 512, 0.0742 at 1,536: the KS test of a few
-tokens finds only gross faults); a tail count only from TAIL_MIN_TOKENS (6) tokens on, below which even all n in one
+tokens finds only gross faults); a tail count only from `tail_min_tokens()` (6) tokens on, below which even all n in one
 band leave p above its level (0.05^n). Why tail counts and not Anderson-Darling: a test here must resolve p-values
 near 1e-7, and scipy has no Anderson-Darling test against a fully specified uniform that does (`anderson` fits
 normal, exponential, logistic, Gumbel or Weibull laws; `anderson_ksamp` compares samples and floors p at 0.001
@@ -104,7 +104,6 @@ from dataclasses import dataclass, replace
 from functools import cache
 
 import numpy as np
-from scipy import stats
 
 from harness.checks.base import NO_OUTPUT, NOT_SPECULATIVE, CheckContext, CheckResult, not_run
 from harness.errors import HarnessError
@@ -142,6 +141,8 @@ count, so that the Bonferroni bound does not depend on the data)."""
 
 def critical_distance(n: int, alpha: float = ALPHA) -> float:
     """The exact KS distance at which one of a case's tests fails at n tokens (scipy.stats.kstwo)."""
+    from scipy import stats
+
     return float(stats.kstwo.isf(alpha / TESTS_PER_CASE, n))
 
 
@@ -149,12 +150,24 @@ def _smallest_n(reachable) -> int:
     return next(n for n in range(1, 10_000) if reachable(n))
 
 
-MIN_TOKENS = _smallest_n(lambda n: stats.kstwo.sf(1.0 - 1e-12, n) < ALPHA / TESTS_PER_CASE)
-"""The fewest scored tokens a case is tested with: the smallest n at which the KS test's most extreme distance (D
-approaching 1) reaches its level, exactly (kstwo): 1. Fewer tokens only mean a larger critical distance
-(`critical_distance`), never a test that cannot fail."""
-TAIL_MIN_TOKENS = _smallest_n(lambda n: stats.binomtest(n, n, TAIL).pvalue < ALPHA / TESTS_PER_CASE)
-"""The fewest tokens a tail count is tested with: below it, all n in one band (p = TAIL^n) stay above its level."""
+@cache
+def min_tokens() -> int:
+    """The fewest scored tokens a case is tested with: the smallest n at which the KS test's most extreme distance
+    (D approaching 1) reaches its level, exactly (kstwo): 1. Fewer tokens only mean a larger critical distance
+    (`critical_distance`), never a test that cannot fail. (Functions, not constants: scipy.stats is imported when
+    a sampled case is judged, not by every run that loads the checks.)"""
+    from scipy import stats
+
+    return _smallest_n(lambda n: stats.kstwo.sf(1.0 - 1e-12, n) < ALPHA / TESTS_PER_CASE)
+
+
+@cache
+def tail_min_tokens() -> int:
+    """The fewest tokens a tail count is tested with: below it, all n in one band (p = TAIL^n) stay above its
+    level (6)."""
+    from scipy import stats
+
+    return _smallest_n(lambda n: stats.binomtest(n, n, TAIL).pvalue < ALPHA / TESTS_PER_CASE)
 
 
 def pit(scores: list[list[float]], seed: int) -> np.ndarray:
@@ -166,12 +179,16 @@ def pit(scores: list[list[float]], seed: int) -> np.ndarray:
 
 def uniformity(u: np.ndarray) -> tuple[float, float]:
     """(Kolmogorov-Smirnov statistic, p-value) of `u` against U(0, 1)."""
+    from scipy import stats
+
     test = stats.kstest(u, "uniform")
     return float(test.statistic), float(test.pvalue)
 
 
 def tail_test(u: np.ndarray, side: str) -> tuple[int, float]:
     """(count, exact two-sided binomial p-value) of the u in the low ([0, TAIL)) or high ([1 - TAIL, 1]) band."""
+    from scipy import stats
+
     k = int((u < TAIL).sum()) if side == "low" else int((u >= 1.0 - TAIL).sum())
     return k, float(stats.binomtest(k, len(u), TAIL).pvalue)
 
@@ -208,16 +225,16 @@ def strata_of(tokens: int, letters: str | None) -> list[str | None]:
 
 
 def tests(u: np.ndarray, strata: list[str | None]) -> list[Test]:
-    """Every stratum's tests of the transforms `u` (KS from 1 token on, the tail counts from TAIL_MIN_TOKENS)."""
+    """Every stratum's tests of the transforms `u` (KS from 1 token on, the tail counts from `tail_min_tokens()` on)."""
     labels = np.array([s or "" for s in strata], dtype=object)
     out = []
     for name in STRATA:
         x = u if name == "all" else u[labels == name]
-        if len(x) < MIN_TOKENS:
+        if len(x) < min_tokens():
             continue
         d, p = uniformity(x)
         out.append(Test(name, "ks", len(x), round(d, 6), p))
-        if len(x) >= TAIL_MIN_TOKENS:
+        if len(x) >= tail_min_tokens():
             for side in ("low", "high"):
                 k, p = tail_test(x, side)
                 out.append(Test(name, f"{side}-tail", len(x), k, p))
@@ -364,7 +381,7 @@ def _judge(ctx: CheckContext, outcomes: list, scored: list[dict]) -> CheckResult
         return CheckResult("distribution", False, message, evidence, failures=got.beyond)
     if got.excused:
         evidence["outside_support_lines"] = got.excused
-    if len(got.u) < MIN_TOKENS:
+    if len(got.u) < min_tokens():
         return not_run("distribution", f"{n_scored} scored tokens, none inside the chain's support to test")
     found = tests(got.u, got.strata)
     first, p_value = adjusted(found)
@@ -501,6 +518,8 @@ POWER_SAMPLES = 4000
 @cache
 def tail_rejects(n: int, alpha: float = ALPHA) -> np.ndarray:
     """Whether each count 0..n of one tail band fails its test at n tokens (scipy.stats.binomtest, as `tail_test`)."""
+    from scipy import stats
+
     level = alpha / TESTS_PER_CASE
     return np.array([stats.binomtest(k, n, TAIL).pvalue < level for k in range(n + 1)])
 
@@ -532,6 +551,8 @@ def power(n: int, shift: str, delta: float, alpha: float = ALPHA, samples: int =
 
 
 def _power(n: int, shift: str, delta: float, alpha: float, base) -> float:
+    from scipy import stats
+
     u = shifted(shift, delta, base)
     ks = ks_distances(u) >= stats.kstwo.isf(alpha / TESTS_PER_CASE, n)
     rejects = tail_rejects(n, alpha)

@@ -32,8 +32,6 @@ detects a divergence rate of 26.4 % with 80 % probability (the smallest such rat
 
 from dataclasses import dataclass, field
 
-from scipy import optimize, stats
-
 from harness.checks.base import CheckContext
 from harness.matrix import Cell, cells
 from harness.result.cellrun import CellRun
@@ -74,6 +72,8 @@ def noise_bound(backend: str, mode: str, measured: tuple[int, int] | None = None
     """The one-sided 95 % Clopper-Pearson upper bound of the seeded noise rate at (backend, mode), per distinct
     draw: from `measured` (diverged, distinct draws: a rate measured on the device and build being judged) when
     given, else the committed NOISE, else UNMEASURED. The one place a rate enters the count."""
+    from scipy import stats
+
     k, n = measured if measured is not None else NOISE.get((backend, mode), UNMEASURED)
     return float(stats.binomtest(k, n).proportion_ci(0.90, method="exact").high)
 
@@ -88,11 +88,15 @@ def measured_noise(ctx: CheckContext, cell: Cell) -> tuple[int, int] | None:
 
 def threshold(n: int, rate: float, alpha: float = ALPHA) -> int | None:
     """The smallest count of n draws the test fails (P(X ≥ k) < alpha, X ~ Binomial(n, rate)); None if none can."""
+    from scipy import stats
+
     return next((k for k in range(n + 1) if stats.binom.sf(k - 1, n, rate) < alpha), None)
 
 
 def false_alarm(n: int, rate: float, alpha: float = ALPHA) -> float:
     """The exact probability that a clean group of n draws, each diverging with probability `rate`, fails."""
+    from scipy import stats
+
     k = threshold(n, rate, alpha)
     return float(stats.binom.sf(k - 1, n, rate)) if k is not None else 0.0
 
@@ -109,6 +113,8 @@ def run_false_alarm(rate: float, max_draws: int = MAX_GROUP_DRAWS, groups: int =
 
 def detectable_rate(n: int, rate: float, power: float = POWER, alpha: float = ALPHA) -> float:
     """The smallest divergence rate per draw a group of n draws fails on with probability `power`."""
+    from scipy import optimize, stats
+
     k = threshold(n, rate, alpha)
     if k is None:
         return 1.0
@@ -220,6 +226,8 @@ def device_counts(backend: str, mode: str, measured: tuple[int, int] | None) -> 
     harness.calibration.seeded). Where it is consistent with the committed count (P(X >= k) >= REFUTED at the
     committed rate's upper bound) both are pooled: the same noise, measured more; where it refutes it (a GPU whose
     kernels flip seeded draws far more often), the device's count alone applies."""
+    from scipy import stats
+
     committed = NOISE.get((backend, mode), UNMEASURED)
     if measured is None:
         return committed, "committed (NOISE)"
@@ -246,6 +254,8 @@ def group_rate(ctx: CheckContext, group: list[Cell]) -> tuple[float, str]:
 
 def judge(ctx: CheckContext) -> tuple[bool, str, dict]:
     """The group's count against the noise rate: (passed, message, evidence)."""
+    from scipy import stats
+
     found, group = group_draws(ctx)
     lines = [d.line() for d in found if d.diverged]
     diverged, compared = len(lines), len(found)

@@ -57,8 +57,6 @@ drafts end early (`spec-draft-p-min` > 0: the lengths are then not known from th
 
 from collections import defaultdict
 
-from scipy import stats
-
 from harness.checks.base import NO_OUTPUT, CheckContext, CheckResult, not_run
 
 NAME = "synth-acceptance"
@@ -180,6 +178,8 @@ def judge_positions(drafted: list[int], accepted: list[int], rates: list[float],
     """Each draft position's accepted count against its configured unconditional rate (two-sided exact binomial
     test): {"passed", "positions": [{position, drafted, accepted, rate, observed, p_value}], "min_p"}; a position
     no step drafted is listed without a p-value."""
+    from scipy import stats
+
     rows = []
     for i, rate in enumerate(rates):
         n = drafted[i] if i < len(drafted) else 0

@@ -121,9 +121,13 @@ class Judge:
         return self.campaign.clean["peers"]
 
     def reach(self) -> dict:
-        """{"ours": file -> {executable, covered}, "peers": ...}: measured once (coverage.json in the campaign)."""
+        """{"ours": file -> {executable, covered}, "peers": ..., "suites": suite -> file -> covered}: measured once
+        (coverage.json in the campaign; one measured before coverage was kept per suite is measured again)."""
         if self._reach is None:
             path = self.run_dir / coverage.FILE
+            if path.is_file() and "suites" not in json.loads(path.read_text()):
+                print("mutate: the campaign's coverage has no per-suite lines; measuring it again", flush=True)
+                path.unlink()
             if not path.is_file():
                 self._measure_coverage(path)
             self._reach = json.loads(path.read_text())
@@ -136,11 +140,14 @@ class Judge:
         info, tree_dir = coverage.build(self.tree.path)
         base = self.run_dir / "coverage"
         shutil.rmtree(base, ignore_errors=True)
+        by_suite = {}
         for suite in [*self.campaign.stage1, *self.campaign.stage2]:
             interrupt.phase("serving")
-            env = coverage.counter_env(base / "ours")
+            env = coverage.counter_env(base / "suites" / suite)  # each suite's counters apart
             run_suite(suite, info.server_bin, base / "runs" / suite, None, env=env)  # its verdicts do not matter
-        reach = {"ours": coverage.read(base / "ours", tree_dir, self.tree.path, files), "peers": {}}
+            by_suite[suite] = coverage.read(base / "suites" / suite, tree_dir, self.tree.path, files)
+        reach = {"ours": coverage.union(by_suite.values()), "peers": {}}
+        reach["suites"] = {suite: {f: lines["covered"] for f, lines in r.items()} for suite, r in by_suite.items()}
         if self.peer_tests is not None:
             env = coverage.counter_env(base / "peers")
             peers.run_peers(self.peer_tests, info.server_bin, base / "runs" / "peers", None, env)
@@ -152,6 +159,18 @@ class Judge:
         """False only when `whose` runs never execute the mutant's line and gcov lists it as executable."""
         lines = self.reach()[whose].get(mutant.file)
         return lines is None or mutant.line not in lines["executable"] or mutant.line in lines["covered"]
+
+    def suites_reaching(self, mutant: Mutant, suites: list[str]) -> list[str]:
+        """Those of `suites` whose runs of the unmutated build execute the mutant's line: a suite that never
+        executes it serves what it served unmutated (every suite when coverage is off, the line is not one gcov
+        lists as executable, or a suite was not measured)."""
+        if not self.campaign.coverage:
+            return suites
+        lines = self.reach()["ours"].get(mutant.file)
+        if lines is None or mutant.line not in lines["executable"]:
+            return suites
+        per_suite = self.reach()["suites"]
+        return [s for s in suites if s not in per_suite or mutant.line in per_suite[s].get(mutant.file, [])]
 
     def judge(self, mutant: Mutant) -> dict:
         """Build `mutant` and meet the battery; its record (also when it is stillborn)."""
@@ -192,7 +211,10 @@ class Judge:
 
     def _battery(self, mutant: Mutant, build: BuildInfo, record: dict) -> None:
         for stage in (1, 2):
-            suites = self.campaign.stage1 if stage == 1 else self.quickest_first(self.campaign.stage2)
+            every = self.campaign.stage1 if stage == 1 else self.quickest_first(self.campaign.stage2)
+            suites = self.suites_reaching(mutant, every)
+            if len(suites) < len(every):
+                record.setdefault("unreached_suites", []).extend(s for s in every if s not in suites)
             clean = {suite: self.clean_run(suite) for suite in suites}  # once per campaign, not the mutant's time
             stage_started = time.monotonic()
             for suite in suites:

@@ -3,8 +3,11 @@ suite of the campaign (and, separately, over llama.cpp's own server tests), meas
 
 A mutant on a line that is executable and that no run executes cannot change what any cell returns: it is built
 (one that does not compile is stillborn, as any other) but not served, and survives (`reached: false`), which is
-what serving it would show. A mutant on a line gcov does not list as executable (a declaration, the rest of a
-statement spanning lines) is built and served as any other.
+what serving it would show. A reached mutant meets only the suites that execute its line (each suite's counters are
+kept apart): a suite that never executes it serves what it served unmutated. A mutant on a line gcov does not list
+as executable (a declaration, the rest of a statement spanning lines) is built and served as any other, by every
+suite. The argument is the one every coverage-based mutation tool makes (Stryker's per-test coverage, mutmut's
+--use-coverage); its one caveat is a line that only some timings execute (par batches), measured once.
 
 The coverage build is a second copy of the tree whose common/ and tools/server/ CMake files add `--coverage` to
 the targets that hold the mutated code (llama-common, server-context, llama-server): it is built through the build
@@ -97,6 +100,17 @@ def read(counters: Path, tree_dir: Path, source: Path, files: list[str]) -> dict
                     covered.add(line)
         out[rel] = {"executable": sorted(executable), "covered": sorted(covered)}
     return out
+
+
+def union(measured) -> dict[str, dict[str, list[int]]]:
+    """file -> {"executable", "covered"} over several of `read`'s results (the lines any of them executes)."""
+    out: dict[str, dict[str, set[int]]] = {}
+    for reach in measured:
+        for rel, lines in reach.items():
+            merged = out.setdefault(rel, {"executable": set(), "covered": set()})
+            merged["executable"].update(lines["executable"])
+            merged["covered"].update(lines["covered"])
+    return {rel: {key: sorted(v) for key, v in lines.items()} for rel, lines in out.items()}
 
 
 def _gcov(objdir: Path, source: Path, name: str) -> list[tuple[int, int]]:

@@ -7,19 +7,22 @@ converts to the same record (`from_server_probs`). Records go to Parquet (`save_
 compared position by position (`compare`, `check`).
 """
 
+from __future__ import annotations
+
 import math
 import os
 import threading
 import zlib
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
+from functools import cache
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
-import pandas as pd
-import pyarrow as pa
-import pyarrow.compute as pc
-import pyarrow.parquet as pq
+
+if TYPE_CHECKING:
+    import pandas as pd
 
 
 @dataclass
@@ -45,7 +48,7 @@ class PositionLogits:
     pending: Future | None = field(default=None, repr=False, compare=False)
     """`capture(..., deferred=True)`: the capture still being computed on the background thread (see `settle`)."""
 
-    def settle(self) -> "PositionLogits":
+    def settle(self) -> PositionLogits:
         """Wait for a deferred capture (a no-op otherwise); returns self."""
         if self.pending is not None:
             future, self.pending = self.pending, None
@@ -198,24 +201,33 @@ def from_server_probs(completion_probabilities: list[dict]) -> list[PositionLogi
 
 # --- Parquet --------------------------------------------------------------------------------------------
 
-SCHEMA = pa.schema(
-    [
-        ("case", pa.string()),
-        ("position", pa.int32()),
-        ("top_ids", pa.list_(pa.int32())),
-        ("top_logits", pa.list_(pa.float32())),
-        ("log_z", pa.float64()),
-        ("digest", pa.string()),
-        ("head", pa.list_(pa.float32())),
-        ("tail", pa.list_(pa.float32())),
-    ]
-)
-"""One row per generated position; `case` names the case (and request) the position belongs to."""
+
+@cache
+def parquet_schema():
+    """One row per generated position; `case` names the case (and request) the position belongs to. (pandas and
+    pyarrow are imported where a frame or a file is made, not by every process that records logits: the engine's
+    workers never do.)"""
+    import pyarrow as pa
+
+    return pa.schema(
+        [
+            ("case", pa.string()),
+            ("position", pa.int32()),
+            ("top_ids", pa.list_(pa.int32())),
+            ("top_logits", pa.list_(pa.float32())),
+            ("log_z", pa.float64()),
+            ("digest", pa.string()),
+            ("head", pa.list_(pa.float32())),
+            ("tail", pa.list_(pa.float32())),
+        ]
+    )
 
 
 def to_frame(logits: list[PositionLogits]) -> pd.DataFrame:
     """One row per position: `position`, list columns `top_ids` (int32) / `top_logits` (float32),
     `log_z`, `digest`, and `head` / `tail` (float32 lists)."""
+    import pandas as pd
+
     return pd.DataFrame(
         {
             "position": np.arange(len(logits), dtype=np.int32),
@@ -250,11 +262,16 @@ FLOAT_COLUMNS = ("top_logits.list.element", "log_z", "head.list.element", "tail.
 def save_parquet(path: Path, frames_by_case: dict[str, pd.DataFrame]) -> None:
     """Write the frames of a run into one Parquet file with a `case` column (zstd; floats byte-stream-split,
     which compresses them where dictionaries would grow them: about 16 kB per 128 positions at k = 10)."""
+    import pandas as pd
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    schema = parquet_schema()
     frames = [frame.assign(case=case) for case, frame in frames_by_case.items() if len(frame)]
     table = (
-        pa.Table.from_pandas(pd.concat(frames, ignore_index=True)[SCHEMA.names], schema=SCHEMA, preserve_index=False)
+        pa.Table.from_pandas(pd.concat(frames, ignore_index=True)[schema.names], schema=schema, preserve_index=False)
         if frames
-        else SCHEMA.empty_table()
+        else schema.empty_table()
     )
     pq.write_table(
         table.replace_schema_metadata(None),
@@ -268,7 +285,9 @@ def save_parquet(path: Path, frames_by_case: dict[str, pd.DataFrame]) -> None:
 def load_parquet(path: Path) -> dict[str, pd.DataFrame]:
     """case → frame (as `to_frame` made it) from a `save_parquet` file, cases in file order (a case
     without positions has no rows, so it is absent)."""
-    df = pq.read_table(Path(path), schema=SCHEMA).to_pandas()
+    import pyarrow.parquet as pq
+
+    df = pq.read_table(Path(path), schema=parquet_schema()).to_pandas()
     return {case: group.drop(columns="case").reset_index(drop=True) for case, group in df.groupby("case", sort=False)}
 
 
@@ -276,7 +295,10 @@ def load_case(path: Path, case: str) -> list[PositionLogits]:
     """One case's records from a `save_parquet` file, in position order ([] when the file has none): what
     `from_frame(load_parquet(path)[case])` gives, read with pyarrow alone (no pandas frames; a baseline's
     logits are read once per case and check run, about 2.5x faster so)."""
-    table = pq.read_table(Path(path), schema=SCHEMA)
+    import pyarrow.compute as pc
+    import pyarrow.parquet as pq
+
+    table = pq.read_table(Path(path), schema=parquet_schema())
     rows = table.filter(pc.equal(table["case"], case)).to_pydict()
     order = sorted(range(len(rows["position"])), key=rows["position"].__getitem__)
     return [
@@ -422,6 +444,8 @@ def compare(a: list[PositionLogits], b: list[PositionLogits], k: int = 10) -> Lo
             n_skipped += 1
             continue
         rows.append({"position": pos, **_position_diff(x, y, k)})
+    import pandas as pd
+
     columns = ["position", "a_top1", "b_top1", "top1_agree", "max_abs", "max_abs_id", "nmse", "kl"]
     df = pd.DataFrame(rows, columns=columns + ["_err", "_ref"])
     err, ref = float(df["_err"].sum()), float(df["_ref"].sum())
@@ -439,7 +463,7 @@ def compare(a: list[PositionLogits], b: list[PositionLogits], k: int = 10) -> Lo
     )
 
 
-def max_abs_quantile(comparison: "LogitsComparison", q: float) -> float:
+def max_abs_quantile(comparison: LogitsComparison, q: float) -> float:
     """The q-quantile of the per-position max |Δ| (0 without compared positions)."""
     df = comparison.per_position
     return 0.0 if df.empty else float(df["max_abs"].quantile(q, interpolation="higher"))
