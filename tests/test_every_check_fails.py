@@ -45,6 +45,7 @@ class Failing:
     scenario: str
     cell: Cell
     case: str
+    """The case judged; `a|b` where the fault shows in one of them, which one by chance (the slot a request gets)."""
     evidence: str
     proved_by: str
 
@@ -71,6 +72,9 @@ SCENARIOS = {
     "drafted token the target gives any probability",
     "llama-server metrics lost": "seeded fault in llama-server (tests/test_metrics_agree.py LOST_ACCEPTED): slots "
     "above 0 never add their accepted drafts to /metrics",
+    "llama-server short drafts kept": "seeded fault in llama-server (tests/test_draft_size.py N_MIN_BREAK, mutant "
+    "9905836fa1b6 of `specharness mutate`): draft-simple's loop over the slots stops at the first draft it drops "
+    "for being shorter than --spec-draft-n-min, and the later slots verify theirs",
     "llama-server synth rates": "real: llama-server served with --spec-synth-rates 0.5,0.3,0.2,0.1 and judged "
     "against the synth-rates preset's 0.9,0.7,0.5,0.3 (the executor that judges was not given the override)",
 }
@@ -184,6 +188,13 @@ FAILS = {
         "a",
         r"1 of 1 requests broke n_predict; round 0: 1[0-9] tokens returned for n_predict 9",
         "test_checks.py::test_within_n_predict",
+    ),
+    "draft-size": Failing(
+        "llama-server short drafts kept",
+        Cell("server", "par", "draft-p-min-0.2-n-min-2", "tiny-dense"),
+        "C|Python",
+        r"requests verified drafts outside \[2, 4\]; round \d: \d+ drafts of \[1\] tokens verified, below n_min 2",
+        "test_draft_size.py::test_a_server_that_keeps_short_drafts_of_later_slots_fails_draft_size_in_par_only",
     ),
     "distribution": Failing(
         "lenient-accept",
@@ -343,6 +354,17 @@ class Scenarios:
                 cell: served.run(narrowed("categories", ["code_python", "code_cpp", "explain_concept"]), cell)
                 for cell in cells
             }
+        if name == "llama-server short drafts kept":  # a one-edit speculative.cpp variant, built through the cache
+            from seeded import seeded_tree
+            from test_draft_size import N_MIN_BREAK, N_MIN_TREE
+
+            from harness.backends.build import ensure_server
+
+            build = ensure_server(source=seeded_tree(N_MIN_BREAK, *N_MIN_TREE))
+            served = Executor(ExecOptions(backends=backend_factories(build=build), kv_scan="request"))
+            suite = load_suite("forced-rejection")
+            suite.rounds = ["par"] * 5  # both requests at once: the slot after slot 0 verifies short drafts in 9 of 10
+            return served, {cell: served.run(suite, cell) for cell in cells}
         if name == "llama-server synth rates":  # served with other rates than the judging executor's (the preset's)
             served = executor(spec_overrides={"spec-synth-rates": "0.5,0.3,0.2,0.1"})
             return executor(), {cell: served.run(narrowed("quicksort", ["C"]), cell) for cell in cells}
@@ -387,8 +409,9 @@ def test_the_check_fails_on_real_output_or_a_seeded_fault(check, scenarios):
     )
     f = FAILS[check]
     cells, runs = scenarios.get(f.scenario)
-    results = evaluate_cell(runs[f.cell], cells, BaselineStore(default_root()), [check], "repro", keys=[f.case])
-    assert [key for key, _ in results] == [f.case]
-    (result,) = [r for _, r in results]
+    keys = f.case.split("|")
+    results = evaluate_cell(runs[f.cell], cells, BaselineStore(default_root()), [check], "repro", keys=keys)
+    assert [key for key, _ in results] == keys
+    result = next((r for _, r in results if r.status == "failed"), results[0][1])
     assert result.status == "failed", f"{check} on {f.cell.id} {f.case} ({SCENARIOS[f.scenario]}): {result.message}"
     assert re.search(f.evidence, result.message), result.message

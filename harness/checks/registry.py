@@ -11,6 +11,7 @@ from harness import interrupt
 from harness.checks.base import CellSource, CheckContext, CheckResult, harness_fault, not_run
 from harness.checks.budget import within_n_predict
 from harness.checks.distribution import output_distribution
+from harness.checks.draft_size import draft_size
 from harness.checks.health import grammar_valid, kv_healthy, logits_close
 from harness.checks.lossless import baseline, lossless, mode_invariant, no_crash, repeat_identical
 from harness.checks.metrics import metrics_agree
@@ -48,6 +49,7 @@ CHECKS: dict[str, Check] = {
     "restore-identical": restore_identical,
     "distribution": output_distribution,
     "synth-acceptance": synth_acceptance,
+    "draft-size": draft_size,
 }
 
 

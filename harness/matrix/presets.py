@@ -134,6 +134,11 @@ SPEC_PRESETS: dict[str, SpecPreset] = {
     # models' counterpart of upstream's `--spec-draft-p-min 0.99` (their drafts' top-10 probabilities lie in
     # 0.12-0.59, median 0.2: at 0.99 they never draft)
     "draft-p-min-0.2": SpecPreset({"spec-type": "draft-simple", "spec-draft-n-max": 4, "spec-draft-p-min": 0.2}),
+    # the same with drafts of one token dropped (`--spec-draft-n-min 2`): every verified draft holds 2 to 4 tokens
+    # (`draft-size`); in par the slots draft in one batch, where llama-server drops each slot's short draft
+    "draft-p-min-0.2-n-min-2": SpecPreset(
+        {"spec-type": "draft-simple", "spec-draft-n-max": 4, "spec-draft-p-min": 0.2, "spec-draft-n-min": 2}
+    ),
     "scripted-reject": SpecPreset({}, scripted="reject-all", expect_accepts=False, rejects_all=True),
     # rejection sampling (llama.cpp b11434 and newer; an older llama-server has no --spec-draft-sampling, and its
     # cells are not run): at temperature > 0 the draft samples at the target's temperature and the target accepts

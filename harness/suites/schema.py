@@ -187,6 +187,7 @@ CHECK_NAMES = (
     "restore-identical",
     "distribution",
     "synth-acceptance",
+    "draft-size",
 )
 """The checks a suite may name (their functions live in harness.checks, which must define exactly these)."""
 DEFAULT_CHECKS = [
