@@ -130,7 +130,9 @@ def _outcome(record: dict) -> str:
         return f"{status}: {record.get('reason', '')}"
     if record.get("reached") is False:
         return f"survived: no run executes line {record['line']} (built, not served)"
-    return f"survived ({record['seconds']:.0f} s)"
+    skipped = record.get("unreached_suites") or []
+    met = f", {len(record['runs'])} suites run, {len(skipped)} never execute its line" if skipped else ""
+    return f"survived ({record['seconds']:.0f} s{met})"
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
