@@ -18,6 +18,7 @@ from harness.engine.sampler import (
     Sampler,
     accept_or_redraw,
     mask_by_grammar,
+    over_accept_tv,
 )
 from harness.engine.spec_config import SpecConfig
 from harness.errors import HarnessError
@@ -103,6 +104,34 @@ def test_extra_draw_after_reject_spends_one_uniform_before_the_redraw():
     assert accept_or_redraw(P, Q, 3, 9, Stream(0.5, 0.3)) == (5, False)
     assert accept_or_redraw(P, Q, 3, 9, Stream(0.5, 0.3, 0.99), "extra-draw-after-reject") == (9, False)
     assert accept_or_redraw(P, Q, 3, 9, Stream(0.49), "extra-draw-after-reject") == (3, True)  # accepted: no extra
+
+
+def test_over_accept_accepts_with_probability_one_plus_eps_times_p_over_q():
+    # p/q of 3 is 0.5: at ε 0.2 the bound is 0.6 (u 0.55 accepted, 0.61 rejected), at ε 1 it is 1 (no draw)
+    assert accept_or_redraw(P, Q, 3, 9, Stream(0.55), "over-accept=0.2") == (3, True)
+    assert accept_or_redraw(P, Q, 3, 9, Stream(0.61, 0.3), "over-accept=0.2") == (5, False)
+    assert accept_or_redraw(P, Q, 3, 9, Stream(), "over-accept=1") == (3, True)
+    assert accept_or_redraw(P, Q, 3, 9, Stream(0.5, 0.3), "over-accept=0") == (5, False)  # ε 0: the exact rule
+
+
+def test_over_accepts_total_variation_is_zero_at_eps_0_and_grows_with_it():
+    """The law of a drafted position under over-accept=ε, by hand for P and Q: kept q·min(1, (1+ε) p/q) is 3: 0.6
+    min(1, 0.5 (1+ε)), 5: 0.4; the residual (5: 0.1, 9: 0.2, sum 0.3) takes the rest, 1 - kept. At ε 0.5: kept 3
+    0.45, 5 0.4, rest 0.15 → 5 0.05, 9 0.1: law 5 0.45, 3 0.45, 9 0.1 against p 0.5, 0.3, 0.2: TV 0.15."""
+    assert over_accept_tv(P, Q, 0.0) == pytest.approx(0.0, abs=1e-7)
+    assert over_accept_tv(P, Q, 0.5) == pytest.approx(0.15, abs=1e-6)
+    tvs = [over_accept_tv(P, Q, eps) for eps in (0.1, 0.3, 0.5, 1.0, 2.0)]
+    assert tvs == sorted(tvs) and tvs[-1] == pytest.approx(0.3, abs=1e-6)  # ε ≥ 1: 3 always kept, 0.6 vs 0.3
+
+
+def test_a_graded_fault_is_name_eq_strength_and_a_bad_one_is_a_one_line_error():
+    from harness.engine.faults import check_fault, strength
+
+    assert check_fault("over-accept=0.05") == "over-accept=0.05" and strength("over-accept=0.05", "over-accept") == 0.05
+    assert strength("lenient-accept", "over-accept") is None and strength(None, "over-accept") is None
+    for bad in ("over-accept", "over-accept=x", "over-accept=-0.1", "lenient-accept=0.1"):
+        with pytest.raises(HarnessError, match="over-accept=ε|unknown fault"):
+            check_fault(bad)
 
 
 def test_the_rejection_stream_is_std_mt19937_through_uniform_real_distribution_float():

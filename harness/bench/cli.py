@@ -17,6 +17,7 @@ from harness.bench.builds import bench_build_step
 from harness.bench.page import work_text, write_html, write_json
 from harness.bench.reportload import bench_report
 from harness.errors import HarnessError
+from harness.execute.run_options import fault_name
 from harness.paths import reports_dir
 
 DISTRIBUTION_SUITE = "suites/statistical/sampling-distribution.yaml"
@@ -237,10 +238,9 @@ def cmd_distribution(args: argparse.Namespace, console: Console) -> int:
 
     out = Path(args.out) if args.out else reports_dir() / time.strftime("bench-distribution-%Y%m%d-%H%M%S")
     out.mkdir(parents=True, exist_ok=True)
-    engine = {"fault": args.fault} if args.fault else {}
-    executor = Executor(
-        ExecOptions(backends=backend_factories(args.server_bin, args.source, out), engine=engine, kv_scan="off")
-    )
+    faults = args.fault or [None]
+    if len(faults) > 1 and args.what == "seeded":
+        raise HarnessError("bench seeded takes one --fault")
     only = {
         "backends": _opt(args.engine),
         "modes": _opt(args.mode),
@@ -251,15 +251,27 @@ def cmd_distribution(args: argparse.Namespace, console: Console) -> int:
     def show(cell: str, row: dict) -> None:
         console.print(f"{cell}: " + ", ".join(f"{k} {v}" for k, v in row.items() if k != "first_failure"))
 
+    def executor(fault: str | None) -> Executor:
+        engine = {"fault": fault} if fault else {}
+        backends = backend_factories(args.server_bin, args.source, out)
+        return Executor(ExecOptions(backends=backends, engine=engine, kv_scan="off"))
+
     if args.what == "seeded":
         suite = args.suite if args.suite != DISTRIBUTION_SUITE else "sampling"
-        rows = distribution.measure_seeded(suite, args.runs, executor, only, on_cell=show)
-        data = {"suite": suite, "runs": args.runs, "fault": args.fault, **rows}
+        rows = distribution.measure_seeded(suite, args.runs, executor(faults[0]), only, on_cell=show)
+        data = {"suite": suite, "runs": args.runs, "fault": faults[0], **rows}
     else:
         sampling = _sampling(args.sampling)
-        rows = distribution.measure(args.suite, args.runs, executor, only, on_cell=show, sampling=sampling)
-        data = {"suite": args.suite, "runs": args.runs, "fault": args.fault, "sampling": sampling}
-        data.update(cells=rows)
+        data = {"suite": args.suite, "runs": args.runs, "sampling": sampling, "sweep": []}
+        for fault in faults:  # a graded fault's strengths one after another: the check's power curve
+            if fault:
+                console.print(f"fault {fault}:")
+            rows = distribution.measure(args.suite, args.runs, executor(fault), only, on_cell=show, sampling=sampling)
+            data["sweep"].append({"fault": fault, "cells": rows})
+        if len(faults) == 1:
+            data.update(fault=faults[0], cells=data.pop("sweep")[0]["cells"])
+        else:
+            console.print(distribution.power_table(data["sweep"]))
     write_json(out / "bench.json", data)
     if args.json:
         write_json(Path(args.json), data)
@@ -380,7 +392,14 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--runs", type=int, default=200, help="distribution: fresh-seeded repetitions of the cases")
     p.add_argument("--mode", help="distribution: modes, comma-separated (default: the suite's)")
-    p.add_argument("--fault", help="distribution: an engine fault switch (in-process cells; power)")
+    p.add_argument(
+        "--fault",
+        type=lambda text: [fault_name(f) for f in text.split(",") if f],
+        metavar="FAULT[,FAULT...]",
+        help="distribution: an engine fault switch, or a graded one as NAME=ε, e.g. over-accept=0.2 (in-process "
+        "cells; power); several, comma-separated, are measured one after another (a power curve: "
+        "over-accept=0.05,over-accept=0.1)",
+    )
     p.add_argument(
         "--sampling",
         help="distribution: a JSON object of sampling fields given to every case, e.g. "

@@ -102,9 +102,49 @@ def measure(
                 if isinstance(r.evidence.get("pool"), dict)
             }
             out[cell.id]["pools"] = [json.loads(p) for p in sorted(pools)]  # the law's pooled test over the repetitions
+            out[cell.id].update(fault_bias(run))
         if on_cell:
             on_cell(cell.id, out[cell.id])
     return out
+
+
+def power_table(sweep: list[dict]) -> str:
+    """One line per (fault, cell) of a sweep: the share of tests that failed (the power at the cell's sample size,
+    with its exact 95 % interval), the pooled tests over the repetitions (one law's independent outputs together),
+    and the fault's mean total variation per drafted position and per token."""
+    lines = [
+        "fault | cell | tokens per test | failed / tests (power, 95 % CI) | pooled | TV per drafted | TV per token"
+    ]
+    for entry in sweep:
+        for cell, row in entry["cells"].items():
+            if "tests" not in row:
+                lines.append(f"{entry['fault']} | {cell} | not run: {row.get('not_run', '')}")
+                continue
+            n, k = row["tests"], row["failed"]
+            ci = stats.binomtest(k, n).proportion_ci(0.95, method="exact") if n else None
+            power = f"{k} / {n} ({k / n:.2f}, {ci.low:.2f}-{ci.high:.2f})" if n else "0 / 0"
+            pools = ", ".join(
+                f"{pool['tokens']} tokens p {pool['p_value']:.3g}{' failed' if pool['p_value'] < pool['alpha'] else ''}"
+                for pool in row.get("pools", [])
+            )
+            lines.append(
+                f"{entry['fault']} | {cell} | {row.get('tokens_per_test')} | {power} | {pools or '-'} | "
+                f"{row.get('tv_per_drafted', '-')} | {row.get('tv_per_token', '-')}"
+            )
+    return "\n".join(lines)
+
+
+def fault_bias(run) -> dict:
+    """Under the graded fault `over-accept=ε`: the mean total variation of a verified drafted position's law from
+    the target's (the engine's `fault_tv`, harness.engine.sampler.over_accept_tv) and per returned token (drafted
+    or not: the shift the pooled transforms see); {} without it."""
+    stats = [o.result.spec_stats for o in run.outcomes if o.result is not None]
+    positions = sum(s.get("fault_tv_n", 0) for s in stats)
+    if not positions:
+        return {}
+    total = sum(s.get("fault_tv", 0.0) for s in stats)
+    tokens = sum(len(o.result.tokens) for o in run.outcomes if o.result is not None)
+    return {"tv_per_drafted": round(total / positions, 5), "tv_per_token": round(total / max(tokens, 1), 5)}
 
 
 def measure_seeded(

@@ -4,7 +4,7 @@ from harness.docgen.common import _code, _header, _table, _text
 
 
 def faults_page() -> str:
-    from harness.engine.faults import FAULTS
+    from harness.engine.faults import FAULTS, GRADED
 
     out = [_header("Fault switches", "the fault registry (`harness.engine.faults.FAULTS`)")]
     out.append(
@@ -13,4 +13,10 @@ def faults_page() -> str:
         "off by default. Which checks catch each: [the catch matrix](../internals/selftest.md).\n"
     )
     out.append(_table(["fault", "what it does"], [[_code(n), _text(d)] for n, d in FAULTS.items()]))
+    out.append(
+        "\n## Graded faults\n\n`--fault NAME=ε` switches on a bias of strength ε, to measure a statistical check's "
+        "power against it (`specharness bench distribution --fault NAME=ε[,NAME=ε...]` prints the power and the "
+        "fault's mean total variation per token at each strength). Not in the selftest's catch matrix.\n"
+    )
+    out.append(_table(["fault", "what it does"], [[_code(f"{n}=ε"), _text(d)] for n, d in GRADED.items()]))
     return "\n".join(out)

@@ -32,6 +32,7 @@ import numpy as np
 from llama_cpp.llama_grammar import json_schema_to_gbnf
 
 from harness.engine.context import Context
+from harness.engine.faults import strength
 from harness.engine.model import Model
 from harness.suites.request import UINT32, Sampling
 
@@ -261,15 +262,35 @@ def accept_or_redraw(
     `common_sampler_sample_and_accept_n_rejection` at b11434, per drafted token; `uniform` is the sampler's
     own stream (`RejectionRng.uniform`). The faults of this rule (harness.engine.faults):
     `lenient-accept` accepts any token with p_x > 0; `extra-draw-after-reject` draws one more uniform after a
-    rejection; `residual-unnormalised` redraws without scaling by the residual's sum."""
+    rejection; `residual-unnormalised` redraws without scaling by the residual's sum; the graded `over-accept=ε`
+    accepts with probability min(1, (1 + ε) p_x / q_x) (the residual draw is left as it is)."""
     q_x, p_x = q.prob(draft_token), p.prob(draft_token)
     if fault == "lenient-accept" and p_x > 0:
         return draft_token, True
+    over = strength(fault, "over-accept")
+    if over is not None:  # the graded fault: accepted with probability min(1, (1 + ε) p/q)
+        p_x = np.float32(p_x * (1.0 + over))
     if q_x > 0 and (p_x >= q_x or np.float32(uniform()) < p_x / q_x):
         return draft_token, True
     if fault == "extra-draw-after-reject":
         uniform()
     return residual_draw(p, q, sampled, uniform, normalised=fault != "residual-unnormalised"), False
+
+
+def over_accept_tv(p: Dist, q: Dist, eps: float) -> float:
+    """The total variation between the target's law p and the law rejection sampling draws a drafted position from
+    under the graded fault `over-accept=eps` (a draft drawn from q, accepted with probability min(1, (1 + eps) p/q),
+    else redrawn from the residual max(0, p - q) renormalised), given the context: 0 at eps 0, where the draw
+    follows p exactly."""
+    ids = np.union1d(p.ids, q.ids)
+    px, qx = p.probs_of(ids).astype(np.float64), q.probs_of(ids).astype(np.float64)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        accept = np.where(qx > 0, np.minimum(1.0, (1.0 + eps) * px / qx), 0.0)
+    kept = qx * accept
+    residual = np.maximum(0.0, px - qx)
+    total = residual.sum()
+    law = kept + (1.0 - kept.sum()) * (residual / total if total > 0 else px)
+    return float(0.5 * np.abs(law - px).sum())
 
 
 _BELOW_ONE = np.nextafter(np.float32(1.0), np.float32(0.0))
@@ -357,6 +378,8 @@ class Sampler:
         """Set by the verifier before a drafted row: what the next `sample` does with it (then cleared)."""
         self.accepted: bool | None = None
         """After a `sample` with a check: whether it accepted the drafted token; None without a check."""
+        self.fault_tv: float | None = None
+        """Under the graded fault `over-accept=ε`: the total variation of the last verified draw's law from p."""
 
     @classmethod
     def for_request(cls, sampling: Sampling, default_seed: int, model: Model) -> "Sampler":
@@ -414,6 +437,8 @@ class Sampler:
         p = self.candidates.distribution()
         if self.grammar is not None:
             p = mask_by_grammar(p, _grammar_allows(self.grammar, p.ids))
+        eps = strength(check.fault, "over-accept")
+        self.fault_tv = None if eps is None else over_accept_tv(p, check.q, eps)  # the bias this draw carries
         return accept_or_redraw(p, check.q, check.token, sampled, self._uniform, check.fault)
 
     def _uniform(self) -> np.float32:

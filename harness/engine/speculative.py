@@ -313,6 +313,10 @@ class Speculation:
                 slot.sampler.check = DraftCheck(draft[i], None if replay else plan.q[i], self.fault)
             token, row_logits = slot.sample(self.ctx, row)
             accepted = slot.sampler.accepted
+            if slot.sampler.fault_tv is not None:  # the graded fault's bias at this drafted position (bench)
+                stats["fault_tv"] = stats.get("fault_tv", 0.0) + slot.sampler.fault_tv
+                stats["fault_tv_n"] = stats.get("fault_tv_n", 0) + 1
+                slot.sampler.fault_tv = None
             sampled.append(token)
             logits.append(row_logits)
             # an end-of-generation token ends the step as its sampled token, even where the draft has it too:

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from harness.argtypes import count, seconds
 from harness.backends.base import KV_SCAN, STALL_FLOOR_S
-from harness.engine.faults import FAULTS
+from harness.engine.faults import FAULTS, GRADED, check_fault
 from harness.engine.spec_config import SpecConfig
 from harness.errors import HarnessError
 from harness.execute.executor import ExecOptions
@@ -25,6 +25,14 @@ SPEC_PARAMS = [
     if f.name.startswith("spec_") and f.name not in ("spec_type", "spec_draft_model")
 ]
 """The `--spec-*` options (numbers, and the draft KV cache types), named exactly like llama-server's flags."""
+
+
+def fault_name(text: str) -> str:
+    """An argparse type: a fault switch's name, or a graded fault's NAME=ε (harness.engine.faults)."""
+    try:
+        return check_fault(text)
+    except HarnessError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
 
 
 def new_run_dir(parent: Path) -> Path:
@@ -101,7 +109,13 @@ def add_run_options(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--draft-model", metavar="NAME|PATH", help="draft model for draft-simple (default <model>-draft)")
     p.add_argument("--rollback", default="auto", choices=STRATEGIES, help="in-process rollback strategy (default auto)")
-    p.add_argument("--fault", choices=sorted(FAULTS), help="switch on one fault of the in-process speculative engine")
+    p.add_argument(
+        "--fault",
+        type=fault_name,
+        metavar="FAULT",
+        help=f"switch on one fault of the in-process speculative engine: one of {', '.join(sorted(FAULTS))}, or a "
+        f"graded one as NAME=ε ({', '.join(GRADED)})",
+    )
     p.add_argument(
         "--checkpoint-flags",
         default="partial",
