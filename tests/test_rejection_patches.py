@@ -1,6 +1,6 @@
 """Rejection sampling that does not keep the target's distribution is caught by `distribution` on llama-server
 itself, not only on the in-process engine's fault switches (harness/commands/selftest.py
-DISTRIBUTION_PART): each of three
+DISTRIBUTION_PART): each of four
 one-edit patches of llama.cpp b11434 (the first tag with `--spec-draft-sampling probabilistic`) makes the
 statistical suite's tiny-dense seq draft-simple-probabilistic server cell exit 1 by `distribution`, and the
 unpatched b11434 build passes the same run. And the one known defect of b11434's rejection sampling (its stream
@@ -9,8 +9,9 @@ the tiny-hybrid cell, while b11434 with the upstream report's one-line patch pas
 
 The sample is DISTRIBUTION_PART's: `sampling-distribution`'s two cases at temperature 0.5 (at temperature 1 the
 wrong-temperature q is the right one), 1536 tokens each, end-of-generation ignored. The patches mirror the engine's
-faults of the same names (harness/engine/faults.py), built from the tag's tree as `b11434-<name>` through the build
-cache (tests/seeded.py `seeded_tree` with `source`; the compiler cache serves every object but the edited file's).
+faults of the same names (harness/engine/faults.py; `over-accept-0.5` its graded fault at ε 0.5), built from the
+tag's tree as `b11434-<name>` through the build cache (tests/seeded.py `seeded_tree` with `source`; the compiler
+cache serves every object but the edited file's).
 
 The statistical job's (marker `statistical`: the default pytest deselects it); skipped there unless llama-server
 b11434 is in the build cache (`.ci/statistical` builds it with STATISTICAL_TAG=b11434)."""
@@ -69,6 +70,16 @@ PATCHES: dict[str, tuple[str, dict[str, str]]] = {
         {
             "        if (q_x > 0.0f && (p_x >= q_x || uni(gsmpl->rng) < p_x / q_x)) {\n": (
                 "        if (p_x > 0.0f) { // seeded bug: lenient acceptance\n"
+            )
+        },
+    ),
+    # the engine's graded fault over-accept=0.5 (harness/engine/faults.py GRADED): accept with probability
+    # min(1, 1.5 p/q), not min(1, p/q) (the bench measured 0.21 of total variation per token on tiny-dense at 512)
+    "over-accept-0.5": (
+        SAMPLING_CPP,
+        {
+            "        if (q_x > 0.0f && (p_x >= q_x || uni(gsmpl->rng) < p_x / q_x)) {\n": (
+                "        if (q_x > 0.0f && (1.5f * p_x >= q_x || uni(gsmpl->rng) < 1.5f * p_x / q_x)) { // seeded bug\n"
             )
         },
     ),
