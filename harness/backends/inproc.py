@@ -238,6 +238,14 @@ class InprocSession:
             raise HarnessError(f"scoring the outputs failed: {answer['error']}")
         return answer["scores"]
 
+    def joint_law(self, sampling, prompt: list[int], k: int, min_mass: float) -> dict:
+        """The exact law of the first k tokens after `prompt` under `sampling`'s chain, by this session's model
+        (harness.engine.joint); HarnessError when the worker cannot answer."""
+        answer = self._ask(("joint_law", sampling, prompt, k, min_mass))
+        if "error" in answer:
+            raise HarnessError(f"computing the exact law failed: {answer['error']}")
+        return answer
+
     def replay_row(self, decodes: list, row: int, top_k: int) -> PositionLogits:
         """Row `row` of the last of a llama-server request's replayed decodes, by this session's target
         (harness.engine.score.replay_row); HarnessError when the worker cannot answer."""

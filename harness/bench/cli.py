@@ -21,7 +21,7 @@ from harness.execute.run_options import fault_name
 from harness.paths import reports_dir
 
 DISTRIBUTION_SUITE = "suites/statistical/sampling-distribution.yaml"
-WHATS = ("speed", "costs", "scan", "overhead", "build-step", "report", "distribution", "seeded")
+WHATS = ("speed", "costs", "scan", "overhead", "build-step", "report", "distribution", "seeded", "exact")
 
 
 def _choose(given: list[str] | None, allowed: tuple[str, ...], default: list[str], what: str) -> list[str]:
@@ -254,9 +254,22 @@ def cmd_distribution(args: argparse.Namespace, console: Console) -> int:
     def executor(fault: str | None) -> Executor:
         engine = {"fault": fault} if fault else {}
         backends = backend_factories(args.server_bin, args.source, out)
-        return Executor(ExecOptions(backends=backends, engine=engine, kv_scan="off"))
+        top_k = 0 if args.what == "exact" else ExecOptions.logit_top_k  # exact scores no position's logits
+        return Executor(ExecOptions(backends=backends, engine=engine, kv_scan="off", logit_top_k=top_k))
 
-    if args.what == "seeded":
+    if args.what == "exact":
+        from harness.bench import exact
+
+        suite = args.suite if args.suite != DISTRIBUTION_SUITE else exact.SUITE
+        data = {"suite": suite, "draws": args.draws, "sweep": []}
+        for fault in faults:  # a graded fault's strengths one after another: the test's power curve
+            rows = exact.measure(
+                suite, args.draws, executor(fault), only, on_cell=_exact_line(console, fault), repeat=args.tests
+            )
+            data["sweep"].append({"fault": fault, "cells": rows})
+        failed = [r for e in data["sweep"] for r in e["cells"].values() if "passed" in r and not r["passed"]]
+        errors = [r for e in data["sweep"] for r in e["cells"].values() if "harness_error" in r]
+    elif args.what == "seeded":
         suite = args.suite if args.suite != DISTRIBUTION_SUITE else "sampling"
         rows = distribution.measure_seeded(suite, args.runs, executor(faults[0]), only, on_cell=show)
         data = {"suite": suite, "runs": args.runs, "fault": faults[0], **rows}
@@ -276,7 +289,20 @@ def cmd_distribution(args: argparse.Namespace, console: Console) -> int:
     if args.json:
         write_json(Path(args.json), data)
     console.print(f"bench: {out / 'bench.json'}")
+    if args.what == "exact":  # a verdict: 1 where a cell's sample is not the exact law, 3 where one was not judged
+        return 3 if errors else 1 if failed else 0
     return 0
+
+
+def _exact_line(console: Console, fault: str | None):
+    """The line `bench exact` prints per cell (and per test of a repeated one)."""
+
+    def show(cell: str, row: dict) -> None:
+        head = f"{fault}: " if fault else ""
+        body = row.get("message") or f"{cell}: {row.get('not_run') or row.get('harness_error')}"
+        console.print(f"{head}{cell}: {body}" if not body.startswith(cell) else f"{head}{body}")
+
+    return show
 
 
 def _sampling(text: str | None) -> dict | None:
@@ -306,7 +332,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     console = Console() if Console().is_terminal else Console(width=160)
     if args.what == "speed":
         return cmd_speed(args, console)
-    if args.what in ("distribution", "seeded"):
+    if args.what in ("distribution", "seeded", "exact"):
         return cmd_distribution(args, console)
     if args.what == "costs":
         rows = harness_costs(args.quick, console)
@@ -387,10 +413,21 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--suite",
         default=DISTRIBUTION_SUITE,
-        help="distribution, seeded: the suite whose cases are repeated, a name or a path (default: "
-        "distribution suites/statistical/sampling-distribution.yaml, seeded sampling)",
+        help="distribution, seeded, exact: the suite whose cases are repeated, a name or a path (default: "
+        "distribution suites/statistical/sampling-distribution.yaml, seeded sampling, exact "
+        "suites/statistical/exact/fixed-prefix.yaml)",
     )
     p.add_argument("--runs", type=int, default=200, help="distribution: fresh-seeded repetitions of the cases")
+    p.add_argument(
+        "--draws", type=int, default=20000, help="exact: requests per cell (independent samples of the sequence)"
+    )
+    p.add_argument(
+        "--tests",
+        type=int,
+        default=1,
+        help="exact: independent tests per cell (each on fresh seeds); more than one prints the share that failed "
+        "(the power under --fault, the false-alarm rate without)",
+    )
     p.add_argument("--mode", help="distribution: modes, comma-separated (default: the suite's)")
     p.add_argument(
         "--fault",

@@ -6,13 +6,14 @@ from pathlib import Path
 
 from harness.engine import slot_state
 from harness.engine.context import Context, ContextParams
+from harness.engine.joint import joint_law
 from harness.engine.model import Model
 from harness.engine.scheduler import Scheduler
 from harness.engine.score import replay_row, score
 from harness.engine.spec_config import SpecConfig
 from harness.result import Result
 from harness.result.logits import PositionLogits
-from harness.suites.request import Request
+from harness.suites.request import Request, Sampling
 
 
 class Engine:
@@ -57,6 +58,11 @@ class Engine:
         """Each result's tokens scored under its request's sampler chain (harness.engine.score.score), on this
         engine's context (its slots must be idle: the scorer opens an engine of its own)."""
         return [score(self.model, self.ctx, req.sampling, res.prompt_tokens, res.tokens) for req, res in results]
+
+    def joint_law(self, sampling: Sampling, prompt: list[int], k: int, min_mass: float) -> dict:
+        """The exact law of the first k tokens after `prompt` under `sampling`'s chain (harness.engine.joint), on
+        this engine's context (its slots must be idle)."""
+        return joint_law(self.model, self.ctx, sampling, prompt, k, min_mass)
 
     def replay_row(self, decodes: list, row: int, top_k: int) -> PositionLogits:
         """Row `row` of the last of a llama-server request's replayed decodes (harness.engine.score.replay_row) on

@@ -6,10 +6,11 @@ the backend turns it into a `crashed` Result naming the assert, like a crashed l
 
 Messages (tuples, pickled by multiprocessing):
   parent → worker: ("open", EngineArgs) · ("run", [Request, ...]) · ("save", slot) · ("restore", slot, state, erase)
-                   · ("score", [(Request, Result), ...]) · ("replay_row", decodes, row, top_k) · ("close",)
+                   · ("score", [(Request, Result), ...]) · ("replay_row", decodes, row, top_k)
+                   · ("joint_law", sampling, prompt, k, min_mass) · ("close",)
   worker → parent: ("ready",) · ("result", index, Result) per finished request, then ("done",) ·
-                   ("answer", dict) to a save, restore, score or replay_row (Engine.save_slot / restore_slot / score /
-                   replay_row) ·
+                   ("answer", dict) to a save, restore, score, replay_row or joint_law (Engine.save_slot /
+                   restore_slot / score / replay_row / joint_law) ·
                    ("refused", one-line reason) for bad input · ("bug", traceback) for a harness exception
 Progress goes through shared memory instead, read by the parent whenever it likes: `progress[STEPS]` counts
 the engine's steps, `progress[PROMPT]` holds the prompt tokens the current step may have to read first
@@ -84,6 +85,8 @@ def serve(conn, log_path: str, verbose: bool, progress) -> None:
                     conn.send(("done",))
                 elif kind == "score":
                     conn.send(("answer", {"scores": engine.score(message[1])}))
+                elif kind == "joint_law":
+                    conn.send(("answer", engine.joint_law(*message[1:])))
                 elif kind == "replay_row":
                     conn.send(("answer", {"row": engine.replay_row(*message[1:])}))
                 elif kind == "save":

@@ -121,22 +121,36 @@ class TokenScorer:
     def score(self, suite: Suite, cell: Cell, pairs: list[tuple[Request, Result]]) -> list[dict]:
         """Each (request, result)'s scores: {"scores": [[p, below], ...]} (and `impossible_at`), or
         {"unscorable": why}."""
-        plain = cell.reference(backend="inproc", spec="none", mode="seq")
-        config = self.executor._config(suite, plain)
-        engine = {k: v for k, v in config.engine.items() if k not in ("fault", "script", "slot_save")}
-        config = replace(config, parallel=1, spec={}, draft_model=None, kv_scan="off", logit_top_k=0, engine=engine)
+        config = self._plain_config(suite, cell)
         keys = [(config.model, tuple(r.prompt_tokens), tuple(r.tokens), repr(q.sampling)) for q, r in pairs]
         todo = [(k, pair) for k, pair in zip(keys, pairs, strict=True) if k not in self.cache]
         if todo:
-            if self.config != config:
-                self.close()
-                self.session, self.config = self.executor._backend("inproc").open(config), config
-                # the worker ignores SIGTERM (the harness stops it itself): multiprocessing's own exit handler
-                # would wait for it forever, so the session closes before that handler runs (atexit: LIFO)
-                atexit.register(self.close)
-            for (key, _), scored in zip(todo, self.session.score([pair for _, pair in todo]), strict=True):
+            session = self._open(config)
+            for (key, _), scored in zip(todo, session.score([pair for _, pair in todo]), strict=True):
                 self.cache[key] = scored
         return [self.cache[k] for k in keys]
+
+    def joint_law(self, suite: Suite, cell: Cell, sampling, prompt: list[int], k: int, min_mass: float) -> dict:
+        """The exact law of the first k tokens after `prompt` under `sampling`'s chain, by the cell's target
+        (harness.engine.joint): {"leaves": [[tokens, probability], ...]} or {"unscorable": why}."""
+        return self._open(self._plain_config(suite, cell)).joint_law(sampling, prompt, k, min_mass)
+
+    def _plain_config(self, suite: Suite, cell: Cell):
+        """The cell's target served without speculation, one slot, no fault switch, the cell's context size."""
+        plain = cell.reference(backend="inproc", spec="none", mode="seq")
+        config = self.executor._config(suite, plain)
+        engine = {k: v for k, v in config.engine.items() if k not in ("fault", "script", "slot_save")}
+        return replace(config, parallel=1, spec={}, draft_model=None, kv_scan="off", logit_top_k=0, engine=engine)
+
+    def _open(self, config):
+        """The scoring session for `config` (the open one when it serves the same)."""
+        if self.config != config:
+            self.close()
+            self.session, self.config = self.executor._backend("inproc").open(config), config
+            # the worker ignores SIGTERM (the harness stops it itself): multiprocessing's own exit handler
+            # would wait for it forever, so the session closes before that handler runs (atexit: LIFO)
+            atexit.register(self.close)
+        return self.session
 
     def close(self) -> None:
         if self.session is not None:
