@@ -299,7 +299,8 @@ def _exact_line(console: Console, fault: str | None):
 
     def show(cell: str, row: dict) -> None:
         head = f"{fault}: " if fault else ""
-        body = row.get("message") or f"{cell}: {row.get('not_run') or row.get('harness_error')}"
+        why = f"not run: {row['not_run']}" if "not_run" in row else f"harness error: {row.get('harness_error')}"
+        body = row.get("message") or f"{cell}: {why}"
         console.print(f"{head}{cell}: {body}" if not body.startswith(cell) else f"{head}{body}")
 
     return show

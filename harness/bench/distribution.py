@@ -27,18 +27,21 @@ from harness.suites import Suite, load_suite
 
 SEED_STRIDE = 7919
 """Seed step between repetitions (a prime: the repetitions' seeds never meet another case's)."""
+SEED_SPACE = 2**32
+"""Seeds are uint32: a repetition's seed wraps around (SEED_STRIDE is odd, so i -> seed + SEED_STRIDE·i mod 2^32 is
+one-to-one: no two of 2^32 repetitions share a seed)."""
 BINS = 10
 """Histogram bins of the p-values (equal width on [0, 1])."""
 
 
 def repeated(suite: Suite, runs: int, sampling: dict | None = None, rounds: list[str] | None = None) -> Suite:
-    """`suite` with every case repeated `runs` times, repetition i seeded case seed + SEED_STRIDE·i (named
+    """`suite` with every case repeated `runs` times, repetition i seeded case seed + SEED_STRIDE·i mod 2^32 (named
     `<case>-r<i>`), served in `rounds` (default: the suite's first round alone); `sampling` (Sampling fields)
     replaces those fields of every case."""
     cases = []
     for i in range(runs):
         for case in suite.cases:
-            seed = (case.sampling.seed if case.sampling.seed is not None else 42) + SEED_STRIDE * i
+            seed = ((case.sampling.seed if case.sampling.seed is not None else 42) + SEED_STRIDE * i) % SEED_SPACE
             fields = {**(sampling or {}), "seed": seed}
             cases.append(replace(case, name=f"{case.name}-r{i}", sampling=replace(case.sampling, **fields)))
     return replace(suite, cases=cases, rounds=list(rounds) if rounds else [suite.rounds[0]])

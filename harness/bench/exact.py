@@ -11,7 +11,7 @@ n_predict tokens, is a harness error of the cell (the sample would no longer be 
 from dataclasses import replace
 from pathlib import Path
 
-from harness.bench.distribution import SEED_STRIDE, fault_bias, repeated
+from harness.bench.distribution import SEED_SPACE, SEED_STRIDE, fault_bias, repeated
 from harness.checks import exact_law
 from harness.errors import HarnessError
 from harness.execute import Executor
@@ -48,9 +48,10 @@ def measure(
     out = {}
     for cell in plan:
         tests = []
+        case = base.cases[0]
+        first = case.sampling.seed if case.sampling.seed is not None else 42
         for r in range(repeat):
-            case = base.cases[0]
-            seed = (case.sampling.seed if case.sampling.seed is not None else 42) + SEED_STRIDE * draws * r
+            seed = (first + SEED_STRIDE * draws * r) % SEED_SPACE  # test r's draws follow test r-1's: no seed shared
             fresh = replace(base, cases=[replace(case, sampling=replace(case.sampling, seed=seed))])
             tests.append(judge(repeated(fresh, draws), cell, executor))
             if repeat > 1 and on_cell:
@@ -88,6 +89,10 @@ def power(tests: list[dict]) -> dict:
 def judge(suite: Suite, cell, executor: Executor) -> dict:
     """The exact test of one cell's run of the repeated case (or why it could not be made)."""
     run = executor.run(suite, cell)
+    if run.unservable:  # e.g. a llama-server without --spec-draft-sampling: the check does not apply
+        return {"not_run": run.unservable}
+    if run.crash:  # llama.cpp aborted: a finding, no sample to judge
+        return {"passed": False, "message": f"{cell.id}: llama.cpp aborted: {run.crash}"}
     if run.error:
         return {"harness_error": run.error}
     k = suite.cases[0].sampling.n_predict
