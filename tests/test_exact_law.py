@@ -193,3 +193,14 @@ def test_exact_law_holds_on_llama_server_rejection_sampling_at_b11434(tmp_path, 
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
     rows = data["sweep"][0]["cells"]
     assert len(rows) == 3 and all(r.get("passed") for r in rows.values()), proc.stdout[-3000:]
+
+
+def test_bench_exact_repeats_a_cells_test_on_fresh_seeds(tmp_path, tiny_models):
+    """`--tests 2`: two tests of one cell on disjoint seeds, so two different samples (not one run served twice),
+    and the share that failed with its interval."""
+    cell = ["--engine", "inproc", "--model", "tiny-dense", "--spec", "draft-simple-probabilistic"]
+    proc, data = _bench_exact(tmp_path, *cell, "--draws", "300", "--tests", "2")
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    (row,) = data["sweep"][0]["cells"].values()
+    assert row["tests"] == 2 and len(set(row["p_values"])) == 2, row
+    assert "tests failed" in row["message"]

@@ -52,7 +52,12 @@ def measure(
         first = case.sampling.seed if case.sampling.seed is not None else 42
         for r in range(repeat):
             seed = (first + SEED_STRIDE * draws * r) % SEED_SPACE  # test r's draws follow test r-1's: no seed shared
-            fresh = replace(base, cases=[replace(case, sampling=replace(case.sampling, seed=seed))])
+            # a suite of its own name per test: the executor keeps one run per (suite, cell)
+            fresh = replace(
+                base,
+                name=f"{base.name}-t{r}" if r else base.name,
+                cases=[replace(case, sampling=replace(case.sampling, seed=seed))],
+            )
             tests.append(judge(repeated(fresh, draws), cell, executor))
             if repeat > 1 and on_cell:
                 on_cell(f"{cell.id} test {r + 1}/{repeat}", tests[-1])
