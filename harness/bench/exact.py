@@ -35,8 +35,8 @@ def measure(
     repeat: int = 1,
 ) -> dict:
     """{cell id: the exact test's result} for every speculative cell of the suite the narrowing `only` keeps; with
-    `repeat` > 1, {cell id: {"tests": [result, ...], "power": ...}}: that many independent tests (each on fresh
-    seeds, none shared between tests), the share that failed with its exact 95 % interval."""
+    `repeat` > 1, {cell id: `power` of that many independent tests} (each on fresh seeds, none shared between
+    tests): the share that failed with its exact 95 % interval."""
     base = load_suite(suite_name, suites_dir)
     if len(base.cases) != 1:
         raise HarnessError(f"{suite_name}: the exact test takes a suite of one case, not {len(base.cases)}")
@@ -58,7 +58,9 @@ def measure(
                 name=f"{base.name}-t{r}" if r else base.name,
                 cases=[replace(case, sampling=replace(case.sampling, seed=seed))],
             )
-            tests.append(judge(repeated(fresh, draws), cell, executor))
+            sample = repeated(fresh, draws)
+            tests.append(judge(sample, cell, executor))
+            executor.forget(sample, cell)  # 20,000 results a test: only the verdict is kept
             if repeat > 1 and on_cell:
                 on_cell(f"{cell.id} test {r + 1}/{repeat}", tests[-1])
         out[cell.id] = tests[0] if repeat == 1 else power(tests)
@@ -80,7 +82,7 @@ def power(tests: list[dict]) -> dict:
         row.update(
             rejection_rate=round(failed / len(judged), 4),
             ci_95=[round(ci.low, 4), round(ci.high, 4)],
-            p_values=[t["p_value"] for t in judged],
+            p_values=[t.get("p_value") for t in judged],
             message=f"{failed} of {len(judged)} tests failed ({failed / len(judged):.2f}, 95 % CI "
             f"{ci.low:.2f}-{ci.high:.2f})",
         )

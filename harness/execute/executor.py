@@ -109,6 +109,10 @@ class Executor:
         """Every cell run so far, in execution order."""
         return list(self._runs.values())
 
+    def forget(self, suite: Suite, cell: Cell) -> None:
+        """Drop the kept run of `cell` of `suite` (a caller that judged it and needs the memory back)."""
+        self._runs.pop((suite.name, cell), None)
+
     def adopt(self, run: CellRun) -> None:
         """Take `run` as this executor's run of its suite and cell (served by another executor whose serving of
         that cell is the same as this one's would be): the cell is not served again."""
