@@ -204,3 +204,12 @@ def test_bench_exact_repeats_a_cells_test_on_fresh_seeds(tmp_path, tiny_models):
     (row,) = data["sweep"][0]["cells"].values()
     assert row["tests"] == 2 and len(set(row["p_values"])) == 2, row
     assert "tests failed" in row["message"]
+
+
+def test_bench_refuses_an_existing_result_before_it_measures(tmp_path):
+    """An `--out` that already holds bench.json is refused at once, in one line, and the file is kept."""
+    (tmp_path / "bench").mkdir()
+    (tmp_path / "bench" / "bench.json").write_text("{}\n")
+    proc, _ = _bench_exact(tmp_path, "--draws", "20000", timeout=60)
+    assert proc.returncode != 0 and "already exists" in proc.stderr + proc.stdout
+    assert "Traceback" not in proc.stderr and (tmp_path / "bench" / "bench.json").read_text() == "{}\n"

@@ -237,6 +237,9 @@ def cmd_distribution(args: argparse.Namespace, console: Console) -> int:
     from harness.execute import ExecOptions, Executor
 
     out = Path(args.out) if args.out else reports_dir() / time.strftime("bench-distribution-%Y%m%d-%H%M%S")
+    for target in (out / "bench.json", Path(args.json) if args.json else None):
+        if target is not None and target.exists():  # before the measuring, not after it
+            raise HarnessError(f"{target} already exists (choose another path; bench results are never overwritten)")
     out.mkdir(parents=True, exist_ok=True)
     faults = args.fault or [None]
     if len(faults) > 1 and args.what == "seeded":
