@@ -34,11 +34,13 @@ MAY_IMPORT = {
     "harness.checks.acceptance.Acceptance",
     "seeded",  # bench seeded counts draws with the check's own counting (harness.checks.seeded.draws): one place
     *SEEDED_COUNTING,
+    "exact_law",  # the exact fixed-prefix test's statistics: no check of a run's cells; bench exact is its one caller
 }
 """What a module outside harness/checks/ may take from it: the one evaluation, its harness errors, the check names
 (CHECKS: the selftest's columns, docgen's table), the verdict's type, and readings that are no verdict (a request
 that did not complete; the KV findings a repro bundle names; a request's acceptance arithmetic, which calibration
-measures its spread with; the seeded check's counting, SEEDED_COUNTING)."""
+measures its spread with; the seeded check's counting, SEEDED_COUNTING; the exact fixed-prefix test's statistics,
+which `bench exact` applies to samples no suite run makes)."""
 
 
 def _modules():
