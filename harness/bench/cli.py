@@ -264,10 +264,16 @@ def cmd_distribution(args: argparse.Namespace, console: Console) -> int:
         from harness.bench import exact
 
         suite = args.suite if args.suite != DISTRIBUTION_SUITE else exact.SUITE
-        data = {"suite": suite, "draws": args.draws, "sweep": []}
+        data = {"suite": suite, "draws": args.draws, "first_test": args.first_test, "sweep": []}
         for fault in faults:  # a graded fault's strengths one after another: the test's power curve
             rows = exact.measure(
-                suite, args.draws, executor(fault), only, on_cell=_exact_line(console, fault), repeat=args.tests
+                suite,
+                args.draws,
+                executor(fault),
+                only,
+                on_cell=_exact_line(console, fault),
+                repeat=args.tests,
+                first_test=args.first_test,
             )
             data["sweep"].append({"fault": fault, "cells": rows})
         failed = [r for e in data["sweep"] for r in e["cells"].values() if "passed" in r and not r["passed"]]
@@ -431,6 +437,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         default=1,
         help="exact: independent tests per cell (each on fresh seeds); more than one prints the share that failed "
         "(the power under --fault, the false-alarm rate without)",
+    )
+    p.add_argument(
+        "--first-test",
+        type=int,
+        default=0,
+        help="exact: the number of the first test (default 0); test r draws the r-th block of seeds, so processes "
+        "given --first-test 0 and --first-test 50 with --tests 50 split one campaign of 100 without sharing a seed",
     )
     p.add_argument("--mode", help="distribution: modes, comma-separated (default: the suite's)")
     p.add_argument(

@@ -33,10 +33,12 @@ def measure(
     on_cell=None,
     suites_dir: Path | None = None,
     repeat: int = 1,
+    first_test: int = 0,
 ) -> dict:
     """{cell id: the exact test's result} for every speculative cell of the suite the narrowing `only` keeps; with
     `repeat` > 1, {cell id: `power` of that many independent tests} (each on fresh seeds, none shared between
-    tests): the share that failed with its exact 95 % interval."""
+    tests): the share that failed with its exact 95 % interval. Tests are numbered from `first_test`, and test r's
+    seeds are the r-th block of `draws`: a campaign split between processes (tests 0-49 and 50-99) shares no seed."""
     base = load_suite(suite_name, suites_dir)
     if len(base.cases) != 1:
         raise HarnessError(f"{suite_name}: the exact test takes a suite of one case, not {len(base.cases)}")
@@ -50,7 +52,7 @@ def measure(
         tests = []
         case = base.cases[0]
         first = case.sampling.seed if case.sampling.seed is not None else 42
-        for r in range(repeat):
+        for r in range(first_test, first_test + repeat):
             seed = (first + SEED_STRIDE * draws * r) % SEED_SPACE  # test r's draws follow test r-1's: no seed shared
             # a suite of its own name per test: the executor keeps one run per (suite, cell)
             fresh = replace(
@@ -62,7 +64,7 @@ def measure(
             tests.append(judge(sample, cell, executor))
             executor.forget(sample, cell)  # 20,000 results a test: only the verdict is kept
             if repeat > 1 and on_cell:
-                on_cell(f"{cell.id} test {r + 1}/{repeat}", tests[-1])
+                on_cell(f"{cell.id} test {r + 1}/{first_test + repeat}", tests[-1])
         out[cell.id] = tests[0] if repeat == 1 else power(tests)
         if on_cell:
             on_cell(cell.id, out[cell.id])
