@@ -32,7 +32,7 @@ from harness.report.files import RunDir, now, reported_lines
 from harness.report.merge import merge
 from harness.running import known_failures
 from harness.signatures.text import known_lines, summary_lines
-from harness.suites import load_suite, user_suites_dir
+from harness.suites import Suite, load_suite, user_suites_dir
 from harness.verdict.baselines import BaselineStore, not_recorded_lines, uncalibrated_lines
 from harness.verdict.known_failures import FILE_NAME as KNOWN_FAILURES
 from harness.verdict.known_failures import KnownFailure, scope_line, tag
@@ -199,10 +199,14 @@ def pytest_configure_node(node) -> None:
     node.workerinput[LOADGROUP] = node.config.getoption("dist", "no") == "loadgroup"
 
 
-def worker_group(suite: str, cell) -> str:
+def worker_group(suite: Suite, cell) -> str:
     """The xdist group of a suite item (`--dist loadgroup`): a cell and the cells its checks compare it with
-    (the same model and backend: no speculation, `seq`) run on one worker, once."""
-    return f"{suite}:{cell.model}:{cell.backend}"
+    (the same model and backend: no speculation, `seq`) run on one worker, once; in a suite of `per-cell` seeds
+    every backend's cells of the model (the pooled `distribution` test adds up all of them: one pool per law,
+    whichever worker serves it)."""
+    if suite.seeds == "per-cell":
+        return f"{suite.name}:{cell.model}"
+    return f"{suite.name}:{cell.model}:{cell.backend}"
 
 
 def _only(config: pytest.Config) -> dict:
@@ -225,7 +229,7 @@ class SuiteFile(pytest.File):
                     item = SuiteItem.from_parent(
                         self, name=f"{suite.name}[{key}-{cell.id}]", suite=suite, cell=cell, key=key
                     )
-                    item.add_marker(pytest.mark.xdist_group(worker_group(suite.name, cell)))
+                    item.add_marker(pytest.mark.xdist_group(worker_group(suite, cell)))
                     if suite.slow:
                         item.add_marker(pytest.mark.slow)
                     yield item
@@ -382,7 +386,7 @@ class KnownFailuresFile(pytest.File):
                 item = KnownFailureItem.from_parent(
                     self, name=f"known-failures[{entry.id}]", entry=entry, suite=suite, cells=chosen
                 )
-                item.add_marker(pytest.mark.xdist_group(worker_group(suite.name, chosen[0])))
+                item.add_marker(pytest.mark.xdist_group(worker_group(suite, chosen[0])))
                 item.add_marker(
                     pytest.mark.xfail(
                         strict=True,

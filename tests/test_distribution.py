@@ -350,3 +350,30 @@ def test_the_pool_of_a_laws_independent_outputs_finds_what_no_case_alone_does():
     assert (
         clean[0].evidence["pool"]["outputs"] == 12 and clean[0].evidence["pool"]["p_value"] >= distribution.ALPHA_POOL
     )
+
+
+def test_per_cell_seeds_pool_a_models_cells_and_find_what_no_cell_alone_does():
+    """`sampling-pooled` (seeds: per-cell) on tiny-dense's 6 in-process cells with over-accept=0.5: every cell sends
+    its own seed, the pool holds their 6 outputs (960 tokens) and fails in the drafted stratum, where no cell's own
+    test does (measured 2026-12-07: the cells' smallest adjusted p 0.0028, the pool's 2.2e-7; the clean engine's
+    pool passes, p 0.17, as the suite does in every default run)."""
+    from harness.backends.choose import backend_factories
+    from harness.checks import evaluate_cell
+    from harness.execute import ExecOptions, Executor
+    from harness.matrix import cells
+    from harness.suites import load_suite
+
+    require_model("tiny-dense")
+    suite = load_suite("sampling-pooled")
+    mine = [c for c in cells(suite.matrix) if c.model == "tiny-dense" and c.backend == "inproc"]
+    assert len(mine) == 6 and len({suite.sent_case(suite.cases[0], c).sampling.seed for c in mine}) == 6
+    executor = Executor(ExecOptions(backends=backend_factories(), kv_scan="off", engine={"fault": "over-accept=0.5"}))
+    executor.expect([(suite, c) for c in mine])
+    results = [
+        r for cell in mine for _, r in evaluate_cell(executor.run(suite, cell), executor, None, ["distribution"], "")
+    ]
+    assert len(results) == 6 and all(not r.passed for r in results)
+    assert all(r.evidence["p_value"] >= distribution.ALPHA for r in results)  # no cell alone
+    pool = results[0].evidence["pool"]
+    assert pool["outputs"] == 6 and pool["tokens"] == 960 and pool["p_value"] < distribution.ALPHA_POOL
+    assert pool["caught_by"]["stratum"] == "drafted"

@@ -13,11 +13,13 @@ from harness.suites import case_keys, load_suite
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def default_judged() -> tuple[dict[str, int], dict[tuple, set]]:
+def default_judged() -> tuple[dict[str, int], dict[tuple, dict]]:
     """For every suite in suites/*.yaml that runs `distribution`: the case records it judges (speculative cells ×
-    sampled case records without stop strings), and each law's randomness sources (seeds; a random seed's request)."""
+    sampled case records without stop strings), and each law's randomness sources (seeds as each cell sends them; a
+    random seed's request) with the tokens each adds to its pool when the vendored llama-server serves the run (it
+    has no --spec-draft-sampling: its rejection-sampling cells are not run; the first cell of a source counts)."""
     judged: dict[str, int] = {}
-    laws: dict[tuple, set] = {}
+    laws: dict[tuple, dict] = {}
     for path in sorted((ROOT / "suites").glob("*.yaml")):
         if path.stem == "known-failures":
             continue
@@ -28,13 +30,20 @@ def default_judged() -> tuple[dict[str, int], dict[tuple, set]]:
             if not spec_preset(cell.spec).speculative:
                 continue
             for case in suite.cases:
-                sampling = suite.cell_case(case, cell.model).sampling
+                sampling = suite.sent_case(case, cell).sampling
                 if sampling.greedy or sampling.stop:
                     continue
                 judged[suite.name] = judged.get(suite.name, 0) + len(case_keys(case))
-                law = laws.setdefault((suite.name, cell.model, distribution.chainless(sampling)), set())
-                law.add(("request", cell.id, case.name) if sampling.random_seed else ("seed", sampling.seed))
+                law = laws.setdefault((suite.name, cell.model, distribution.chainless(sampling)), {})
+                source = ("request", cell.id, case.name) if sampling.random_seed else ("seed", sampling.seed)
+                served = not (cell.backend == "server" and "probabilistic" in cell.spec)
+                if source not in law or not law[source]:
+                    law[source] = sampling.n_predict if served else 0
     return judged, laws
+
+
+POOLED_SUITE = "sampling-pooled"
+"""The default suite whose seeds are per cell: its laws' pools are what the default job's pooled test adds up."""
 
 
 def test_the_false_alarm_budget_of_a_run_is_the_union_over_its_cases_and_pools():
@@ -42,12 +51,28 @@ def test_the_false_alarm_budget_of_a_run_is_the_union_over_its_cases_and_pools()
     assert distribution.ALPHA * distribution.MAX_TESTS_PER_RUN == pytest.approx(5e-4)
     assert distribution.ALPHA_POOL * distribution.MAX_POOLS_PER_RUN == pytest.approx(5e-4)
     assert distribution.RUN_FALSE_ALARM == pytest.approx(1e-3)
-    # the default suites: 96 cases, all in `sampling`; 8 laws of one seed each (no pool beyond a case's own)
+    # the default suites: 96 cases in `sampling`, whose 8 laws hold one seed each (no pool beyond a case's own), and
+    # 48 in `sampling-pooled`, whose 4 laws (one a model) hold 12 seeds each: 4 pools
     judged, laws = default_judged()
-    assert judged == {"sampling": 96} and len(laws) == 8
-    assert all(len(sources) == 1 for sources in laws.values())
+    assert judged == {"sampling": 96, POOLED_SUITE: 48} and len(laws) == 12
+    pools = [sources for (suite, *_), sources in laws.items() if len(sources) > 1]
+    assert all(len(sources) == 1 for (suite, *_), sources in laws.items() if suite != POOLED_SUITE)
+    assert len(pools) == 4 and all(len(sources) == 12 for sources in pools)
     assert sum(judged.values()) <= distribution.MAX_TESTS_PER_RUN and len(laws) <= distribution.MAX_POOLS_PER_RUN
-    assert sum(judged.values()) * distribution.ALPHA == pytest.approx(9.6e-5)
+    false_alarm = sum(judged.values()) * distribution.ALPHA + len(pools) * distribution.ALPHA_POOL
+    assert false_alarm == pytest.approx(1.84e-4)
+
+
+def test_the_default_jobs_pools_find_a_ten_per_cent_shift_with_power_95_per_cent():
+    """Every pool of the default job holds at least POOL_TOKENS tokens with the vendored llama-server (9 cells ×
+    160 a law), and at that size the pooled test (ALPHA_POOL) finds a 10 % total-variation shift of the transforms,
+    towards the likely tokens or into the top tail, with probability >= 95 % (simulated as the power table is)."""
+    _, laws = default_judged()
+    pooled = [sum(sources.values()) for (suite, *_), sources in laws.items() if suite == POOLED_SUITE]
+    assert pooled and min(pooled) == distribution.POOL_TOKENS == 1440
+    for shift in ("half", "tail"):
+        found = distribution.detectable_shift(distribution.POOL_TOKENS, shift, 0.95, alpha=distribution.ALPHA_POOL)
+        assert found is not None and found <= 0.10, (shift, found)
 
 
 def test_every_case_is_tested_and_the_critical_distances_are_kstwos():

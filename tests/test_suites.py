@@ -149,3 +149,36 @@ def test_the_fast_yaml_reader_gives_pyyaml_s_safe_data_and_its_error_wording():
         with pytest.raises(yaml.YAMLError) as ours:
             yamltext.load(bad)
         assert str(ours.value) == str(pyyaml.value)
+
+
+def test_per_cell_seeds_give_every_cell_its_own_seed_and_refuse_checks_that_compare_draws(tmp_path):
+    """`seeds: per-cell`: each cell sends the case's seed plus its id's CRC-32 (the same in every run; a random or
+    unset seed stays as it is), the default sends it as written; a per-cell suite with `lossless` (which compares a
+    cell's draw with the non-speculative cell's of the same seed) is refused in one line naming the field."""
+    base = (
+        "suite: demo\nsampling: {temperature: 0.7, seed: 5}\nmatrix: {specs: [draft-simple]}\n"
+        "checks: [no-crash, distribution]\ncases:\n"
+    )
+    per_cell = parse_suite(
+        base.replace("suite: demo\n", "suite: demo\nseeds: per-cell\n") + "  - {name: a, prompt: x}\n"
+    )
+    shared = parse_suite(base + "  - {name: a, prompt: x}\n")
+    mine = cells(per_cell.matrix)
+    seeds = [per_cell.sent_case(per_cell.cases[0], c).sampling.seed for c in mine]
+    assert len(mine) > 1 and len(set(seeds)) == len(mine) and 5 not in seeds
+    assert seeds == [per_cell.sent_case(per_cell.cases[0], c).sampling.seed for c in mine]  # reproducible
+    assert {shared.sent_case(shared.cases[0], c).sampling.seed for c in mine} == {5}
+    random = parse_suite(
+        base.replace("seed: 5", "seed: -1").replace("suite: demo\n", "suite: demo\nseeds: per-cell\n")
+        + "  - {name: a, prompt: x}\n"
+    )
+    assert random.sent_case(random.cases[0], mine[0]).sampling.seed == -1
+    path = tmp_path / "demo.yaml"
+    path.write_text(
+        base.replace("suite: demo\n", "suite: demo\nseeds: per-cell\n").replace("distribution]", "lossless]")
+        + "  - {name: a, prompt: x}\n"
+    )
+    with pytest.raises(HarnessError) as err:
+        load_suite(str(path))
+    assert str(err.value).startswith(f"{path}:2: seeds: per-cell") and "lossless" in str(err.value)
+    assert "\n" not in str(err.value)

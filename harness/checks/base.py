@@ -72,7 +72,7 @@ class CheckContext:
     def case_def(self) -> Case:
         """The suite case this record name belongs to (a chat's turns share one), as this cell ran it."""
         case = next(c for c in self.run.suite.cases if self.case in case_keys(c))
-        return self.run.suite.cell_case(case, self.cell.model)
+        return self.run.suite.sent_case(case, self.cell)
 
     @property
     def outcomes(self) -> list[Outcome]:

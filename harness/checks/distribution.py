@@ -70,14 +70,20 @@ Pooled tests. The independent outputs of every speculative cell of a run that sh
 sampler chain: every backend, mode and spec config) are pooled into one test per law (`pool`), the same 12 tests
 at ALPHA_POOL / TESTS_PER_CASE each (the first output of each seed in the matrix's order: a later cell's output of
 a seed already pooled stays out); a pooled failure fails the cases whose outputs it holds, naming the pool and its
-stratum. It runs only where the pool holds an independent output beyond the case's own. The default suites send
-one seed per case to every cell, so their pools hold no output beyond a case's (the default `sampling` job: one
-32-token output per law); the pool is what a run whose cells send distinct seeds (or random seeds) gains.
+stratum. It runs only where the pool holds an independent output beyond the case's own. A suite of shared seeds
+sends one seed per case to every cell (what lossless and the seeded comparisons need), so its pools hold no output
+beyond a case's (the default `sampling` job: one 32-token output per law). The default job's pools are
+`sampling-pooled`'s: `seeds: per-cell` gives each cell its own seed (harness.suites.suite.cell_seed), so each of a
+model's speculative cells adds an independent 160-token output: POOL_TOKENS = 9 × 160 = 1,440 tokens a law with the
+vendored llama-server (its rejection-sampling cells are not run), 12 × 160 = 1,920 with one that has
+`--spec-draft-sampling`. Under pytest-xdist a per-cell suite's model runs on one worker (its cells of both
+backends), so a pool is the whole law's whichever worker serves it.
 
 False alarms per run (the union bound over the tests a run makes): at most MAX_TESTS_PER_RUN cases at ALPHA and
 MAX_POOLS_PER_RUN pools at ALPHA_POOL: RUN_FALSE_ALARM = 500 × 1e-6 + 50 × 1e-5 = 1e-3. The default suites
-(suites/*.yaml) judge 96 cases with it, all in `sampling`, and their 8 laws (4 models × 2 chains) hold one seed each,
-so no pool is tested: 9.6e-5 per run (tests/test_distribution_power.py recounts them).
+(suites/*.yaml) judge 144 cases with it (96 in `sampling`, whose 8 laws hold one seed each, 48 in
+`sampling-pooled`) and test 4 pools (one a model): 144 × 1e-6 + 4 × 1e-5 = 1.84e-4 per run
+(tests/test_distribution_power.py recounts them).
 
 Power (`power`, `detectable_shift`; tests/test_distribution_power.py recomputes every number here). The
 alternatives (`SHIFTS`): the transform's law moved by total variation δ, mass δ moved from [1/2, 1) to [0, 1/2)
@@ -91,6 +97,13 @@ simulated with POWER_SAMPLES = 4,000 samples per δ from numpy seed 61, bisectio
 | 32 | 0.492 / 0.498 | 0.386 / 0.453 | the default job's cases; its pools hold one output |
 | 512 | 0.143 / 0.158 | 0.072 / 0.083 | the statistical suite, per case |
 | 1,536 | 0.084 / 0.092 | 0.039 / 0.046 | the selftest's statistical part, per case |
+
+A pool is tested at ALPHA_POOL = 1e-5 (not 1e-6), so it finds a shift at fewer tokens (same simulation, seed 61):
+
+| pooled tokens | half shift 80 % / 95 % | tail shift 80 % / 95 % | where |
+|---|---|---|---|
+| 1,440 | 0.080 / 0.090 | 0.037 / 0.045 | the default job's pools (`sampling-pooled`, vendored llama-server) |
+| 1,920 | 0.070 / 0.078 | 0.033 / 0.037 | the same with a llama-server that has rejection sampling |
 
 The KS test alone at 1e-6 (the check before the tail counts and the strata) found the half shift at 0.131 / 0.148
 (512 tokens) and 0.078 / 0.086 (1,536), the tail shift only at 0.128 / 0.143 and 0.072 / 0.080: the tail counts
@@ -118,6 +131,9 @@ MAX_TESTS_PER_RUN = 500
 """The most cases one run judges with this check (their share of the run's budget: ALPHA × this = 5e-4)."""
 ALPHA_POOL = 1e-5
 """The adjusted p-value below which a pooled law fails."""
+POOL_TOKENS = 1440
+"""The fewest tokens a pool of the default job holds (`sampling-pooled` with the vendored llama-server: 9 cells ×
+160): a 10 % shift of the transforms, either kind, is found there with probability >= 95 % (module docstring)."""
 MAX_POOLS_PER_RUN = 50
 """The most pooled laws one run tests (their share: ALPHA_POOL × this = 5e-4)."""
 RUN_FALSE_ALARM = ALPHA * MAX_TESTS_PER_RUN + ALPHA_POOL * MAX_POOLS_PER_RUN
@@ -455,7 +471,7 @@ def pool(ctx: CheckContext) -> dict:
         if run.unservable is not None:
             continue
         for case in suite.cases:
-            sampling = suite.cell_case(case, cell.model).sampling
+            sampling = suite.sent_case(case, cell).sampling
             if sampling.greedy or sampling.stop or chainless(sampling) != law[1]:
                 continue
             for record in case_keys(case):

@@ -77,11 +77,12 @@ class Executor:
     def expect(self, jobs) -> None:
         """The (suite, cell) pairs this executor will be asked for: the cells of one suite, backend, model and
         mode, with the one without speculation their speed-ups compare with, then run together, taking turns
-        round by round (A B, then B A). A scripted config runs alone (its script is the reference's output)."""
+        round by round (A B, then B A); the one without speculation only where a check of the suite reads it
+        (Suite.reads_none_cell). A scripted config runs alone (its script is the reference's output)."""
         for suite, cell in jobs:
             self._planned.add((suite.name, cell))
             group = self._expected.setdefault((suite.name, cell.backend, cell.model, cell.mode), [])
-            for c in (cell.reference(spec="none"), cell):
+            for c in (cell.reference(spec="none"), cell) if suite.reads_none_cell else (cell,):
                 if c not in group and not c.preset.scripted:
                     group.append(c)
 
@@ -211,7 +212,7 @@ class Executor:
         return runs
 
     def _round(self, session, suite: Suite, run: CellRun, r: int, how: str, on_request) -> None:
-        cases = [suite.cell_case(case, run.cell.model) for case in suite.cases]
+        cases = [suite.sent_case(case, run.cell) for case in suite.cases]
         histories = {case.name: [] for case in cases if case.is_chat}
         alive = {case.name for case in cases}
         restore = SlotRestore(session, how, suite.restore_after, lambda: self._open_fresh(suite, run.cell))

@@ -120,7 +120,7 @@ def batches(suite: Suite, run: CellRun, config: ServeConfig, prompts: dict[str, 
     (`par`: sent at once); a restore round's requests one at a time with its slot steps (see the module). A
     request's prompt is the one the backend evaluated, else `prompts[key]`."""
     out = []
-    cases = [suite.cell_case(c, run.cell.model) for c in suite.cases]
+    cases = [suite.sent_case(c, run.cell) for c in suite.cases]
     for r, how in enumerate(suite.rounds):
         restoring = how in RESTORE_ROUNDS and suite.restore_after is not None
         saved: dict[str, tuple[int, int]] = {}  # case → (slot, tokens of the saved turn)

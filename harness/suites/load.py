@@ -13,7 +13,15 @@ from harness.errors import HarnessError
 from harness.matrix import SPEC_PRESETS
 from harness.suites import yamltext
 from harness.suites.request import Sampling
-from harness.suites.schema import CHECK_NAMES, DEFAULT_CHECKS, DEFAULT_MATRIX, REGENERATE, RESTORE_ROUNDS, SUITE_SCHEMA
+from harness.suites.schema import (
+    CHECK_NAMES,
+    DEFAULT_CHECKS,
+    DEFAULT_MATRIX,
+    REGENERATE,
+    RESTORE_ROUNDS,
+    SHARED_SEED_CHECKS,
+    SUITE_SCHEMA,
+)
 from harness.suites.suite import Case, Suite
 
 
@@ -135,6 +143,12 @@ def parse_suite(text: str, path: Path | None = None) -> Suite:
                 f"unknown name '{value}' (known: {', '.join(known)})"
             )
     _check_restore(data, root, where, blocks, where_block)
+    shared = [c for c in data.get("checks", DEFAULT_CHECKS) if c in SHARED_SEED_CHECKS]
+    if data.get("seeds") == "per-cell" and shared:
+        raise HarnessError(
+            f"{where}:{_line_of(root, ['seeds'])}: seeds: per-cell gives every cell its own draw, and `{shared[0]}` "
+            "compares a cell's output with another cell's draw of the same seed (drop the check or the per-cell seeds)"
+        )
     names = [c["name"] for c in data["cases"]]
     dupes = sorted({n for n in names if names.count(n) > 1})
     if dupes:
@@ -170,6 +184,7 @@ def parse_suite(text: str, path: Path | None = None) -> Suite:
         slow=data.get("slow", False),
         deadline_s=data.get("deadline_s"),
         restore_after=data.get("restore", {}).get("after_turn"),
+        seeds=data.get("seeds", "shared"),
     )
 
 

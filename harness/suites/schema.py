@@ -90,6 +90,20 @@ _BLOCK = {
 }
 """One block of the matrix: its axes (missing ones take DEFAULT_MATRIX's) and sampling fields that override
 the suite's for the block's models (e.g. a shorter n_predict for a slower real model)."""
+SEEDS = ("shared", "per-cell")
+"""A suite's `seeds`: `shared` (the default) sends each case's seed as written to every cell, so cells can be
+compared draw for draw (lossless, mode-invariant); `per-cell` sends each cell its own seed derived from the case's
+and the cell's id (harness.suites.suite.cell_seed), so every speculative cell's output is an independent draw of the
+case's law: what the pooled `distribution` test adds up (harness.checks.distribution, "Pooled tests")."""
+NONE_REFERENCE_CHECKS = ("lossless", "probs-complete", "prompt-reuse", "kv-healthy", "baseline")
+"""Checks that read the cell without speculation of the same backend, model and mode (`Cell.reference(spec="none")`):
+a suite with one of them has that cell run beside each speculative one (harness.execute.Executor.expect); a
+suite without serves only its own cells (a check that asks for another cell anyway gets it served on demand)."""
+SHARED_SEED_CHECKS = ("lossless", "mode-invariant", "logits-close")
+"""Checks that compare one cell's output with another cell's draw of the same seed: a suite of `per-cell` seeds
+cannot have them."""
+
+
 SUITE_SCHEMA = {
     "type": "object",
     "additionalProperties": False,
@@ -127,6 +141,7 @@ SUITE_SCHEMA = {
             },
         },
         "repeats": {"type": "integer", "minimum": 1},
+        "seeds": {"enum": list(SEEDS)},
         "run_order": {"type": "array", "items": {"enum": ["seq", "par", FRESH, *RESTORE_ROUNDS]}, "minItems": 1},
         "restore": {
             "type": "object",

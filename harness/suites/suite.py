@@ -1,11 +1,13 @@
 """A loaded suite and its cases."""
 
+import zlib
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 from harness.matrix import block_of
 from harness.suites.request import Request, Sampling
+from harness.suites.schema import NONE_REFERENCE_CHECKS
 
 
 @dataclass
@@ -59,6 +61,8 @@ class Suite:
     measured speed (harness.backends.base.request_deadline)."""
     restore_after: int | None = None
     """`restore.after_turn`: the chat turn after which RESTORE_ROUNDS save the slot and restore it."""
+    seeds: str = "shared"
+    """`shared` or `per-cell` (harness.suites.schema.SEEDS): whether a cell sends a case's seed or its own."""
 
     def cell_case(self, case: Case, model: str) -> Case:
         """`case` as the cells of `model` run it: with its matrix block's sampling overrides applied."""
@@ -66,9 +70,31 @@ class Suite:
         return replace(case, sampling=replace(case.sampling, **overrides)) if overrides else case
 
     @property
+    def reads_none_cell(self) -> bool:
+        """Whether a check of the suite compares a speculative cell with its cell without speculation."""
+        return any(check in NONE_REFERENCE_CHECKS for check in self.checks)
+
+    def sent_case(self, case: Case, cell) -> Case:
+        """`case` as `cell` sends it: `cell_case`, and with `seeds: per-cell` the cell's own seed (`cell_seed`; an
+        unset or random seed stays as it is)."""
+        case = self.cell_case(case, cell.model)
+        seed = case.sampling.seed
+        if self.seeds != "per-cell" or seed is None or case.sampling.random_seed:
+            return case
+        return replace(case, sampling=replace(case.sampling, seed=cell_seed(seed, cell.id)))
+
+    @property
     def first_key(self) -> str:
         """The record name of the first case (where cell-level checks report)."""
         return case_keys(self.cases[0])[0]
+
+
+def cell_seed(seed: int, cell_id: str) -> int:
+    """The seed a `per-cell` suite's cell sends for a case seed: the case's plus the CRC-32 of the cell's id, modulo
+    2^32 less the random seed's value (0xFFFFFFFF, which would ask for a random draw). The same in every run, and
+    different between the cells of one suite (a collision of two ids' CRC-32 would be a shared draw: the pooled
+    test keeps one output per seed, so it would count it once)."""
+    return (seed + zlib.crc32(cell_id.encode())) % 0xFFFFFFFF
 
 
 def case_keys(case: Case) -> list[str]:
