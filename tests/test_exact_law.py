@@ -204,6 +204,12 @@ def test_bench_exact_repeats_a_cells_test_on_fresh_seeds(tmp_path, tiny_models):
     (row,) = data["sweep"][0]["cells"].values()
     assert row["tests"] == 2 and len(set(row["p_values"])) == 2, row
     assert "tests failed" in row["message"]
+    # `--first-test 1`: the second test's seeds, so two processes split one campaign without sharing a seed
+    (tmp_path / "bench" / "bench.json").unlink()
+    proc, data = _bench_exact(tmp_path, *cell, "--draws", "300", "--first-test", "1")
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    (second,) = data["sweep"][0]["cells"].values()
+    assert data["first_test"] == 1 and second["p_value"] == row["p_values"][1]
 
 
 def test_bench_refuses_an_existing_result_before_it_measures(tmp_path):
