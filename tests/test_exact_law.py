@@ -156,14 +156,16 @@ def test_exact_law_holds_on_every_clean_cell(tmp_path, tiny_models):
 
 @pytest.mark.statistical
 def test_exact_law_fails_on_the_graded_fault_where_the_curve_says(tmp_path, tiny_models):
-    """The engine's rejection sampling with `over-accept=0.05` (a drafted token kept with probability
-    min(1, 1.05 p/q)): on tiny-dense it moves the drafted position's law by 0.034 in total variation (0.011 per
-    returned token), which 20,000 draws find (measured 2026-12-07: G 96.2 over 17 categories, p 1.8e-13)."""
+    """The statistical job's 2 % shift: the engine's rejection sampling with `over-accept=0.09` (a drafted token kept
+    with probability min(1, 1.09 p/q)) moves tiny-dense's law of the 3 tokens by 0.060 in total variation at the
+    drafted position, 0.020 per returned token, and 5,000 draws find it with power 0.99: 99 of 100 such tests failed
+    (95 % CI 0.946-0.9997; `bench exact --fault over-accept=0.09 --draws 5000 --tests 100`, 2026-12-07,
+    docs/benchmarks.md), and 0 of 100 clean ones."""
     cell = ["--engine", "inproc", "--model", "tiny-dense", "--spec", "draft-simple-probabilistic"]
-    proc, data = _bench_exact(tmp_path, *cell, "--fault", "over-accept=0.05", timeout=1200)
+    proc, data = _bench_exact(tmp_path, *cell, "--fault", "over-accept=0.09", "--draws", "5000", timeout=1200)
     assert proc.returncode == 1, proc.stdout[-2000:] + proc.stderr[-2000:]
     (row,) = data["sweep"][0]["cells"].values()
-    assert not row["passed"] and row["tv_per_drafted"] > 0.02
+    assert not row["passed"] and row["tv_per_token"] > 0.019 and row["tv_per_drafted"] > 0.058
     assert "not draws from the target's exact law" in proc.stdout
 
 
