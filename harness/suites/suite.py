@@ -5,7 +5,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from harness.matrix import block_of
+from harness.matrix import Cell, block_of
 from harness.suites.request import Request, Sampling
 from harness.suites.schema import NONE_REFERENCE_CHECKS
 
@@ -74,7 +74,7 @@ class Suite:
         """Whether a check of the suite compares a speculative cell with its cell without speculation."""
         return any(check in NONE_REFERENCE_CHECKS for check in self.checks)
 
-    def sent_case(self, case: Case, cell) -> Case:
+    def sent_case(self, case: Case, cell: Cell) -> Case:
         """`case` as `cell` sends it: `cell_case`, and with `seeds: per-cell` the cell's own seed (`cell_seed`; an
         unset or random seed stays as it is)."""
         case = self.cell_case(case, cell.model)
