@@ -30,7 +30,7 @@ from harness.calibration.variants import IN_ORDER, UBATCH, Variant, prompts, spe
 from harness.errors import HarnessError
 from harness.matrix import Cell
 from harness.models import resolve
-from harness.result.logits import compare, max_abs_quantile
+from harness.result.logits import WINDOW_MAX, compare, larger_curves, max_abs_quantile, window_largest
 from harness.suites import Suite
 from harness.verdict.baselines import output_digest
 from harness.verdict.triage import at, gap
@@ -119,7 +119,7 @@ def _pair_stats(reference, run, variant: Variant | None = None) -> dict:
     """NMSE / KL / max |Δ| / margin change over the shared prefix of each case, and the flips (`logits: false` where
     a known defect moves them: then `largest_of` leaves them out), and each request's acceptance counters with its
     output (the requests `variant.acceptance` counts)."""
-    rows, runs, flips = [], [], []
+    rows, runs, flips, windows = [], [], [], {}
     for ref in reference.outcomes:
         other = next(o for o in run.outcomes if o.case == ref.case)
         a, b = ref.result, other.result
@@ -139,6 +139,7 @@ def _pair_stats(reference, run, variant: Variant | None = None) -> dict:
                     "max_abs": comparison.max_abs,
                 }
             )
+            windows = larger_curves(windows, window_largest(comparison))
         for pos in comparison.per_position["position"]:
             x, y = at(a.logits, pos), at(b.logits, pos)
             if x.margin is not None and y.margin is not None and x.top_ids[0] == y.top_ids[0]:
@@ -175,9 +176,16 @@ def _pair_stats(reference, run, variant: Variant | None = None) -> dict:
         "margin_delta_max": float(deltas.max()),
         "margin_delta_p99": float(np.quantile(deltas, 0.99)),
         "flips": flips,
+        "windows": windows,
         **({} if variant is None or variant.logits else {"logits": False}),
         **({"acceptance": acceptance, "outputs": outputs} if acceptance else {}),
     }
+
+
+def _without_windows(variant: dict) -> dict:
+    """A variant's statistics as the file keeps them: its window curves are in the file's `windows` (their largest
+    over every variant), not per variant (64 values × 3 statistics each)."""
+    return {k: v for k, v in variant.items() if k != "windows"}
 
 
 def _acceptance_counted(run, variant: Variant) -> list:
@@ -229,6 +237,7 @@ def calibrate(
     served = [v.name for v in every if (repeat_all or timing_dependent(v)) and not same_serving(v)]
     largest = [largest_of(m) for m in measurements]
     overall = {k: max(lg[k] for lg in largest) for k in ("nmse", "kl", "max_abs", "near_tie")}
+    windows = larger_curves(*(lg["windows"] for lg in largest))
     if any(lg["unbounded_flip"] for lg in largest):
         raise HarnessError(
             f"an equivalent run of {model} on {backend} flipped a token the reference ranks "
@@ -262,18 +271,21 @@ def calibrate(
             "timing; a one-slot variant's statistics carry over: bit-identical when served again; "
             "nmse: pooled NMSE of a run; kl: mean KL of a run; max_abs: p95 of "
             "the per-position max |dlogprob|; near_tie: the largest top1-top2 margin change or flipped "
-            "margin); acceptance: per spec, tolerance = "
+            f"margin; windows: for n = 1..{WINDOW_MAX} compared positions, the largest nmse / kl / max_abs over "
+            "any n consecutive compared positions of a case, which bound a comparison of n positions); "
+            "acceptance: per spec, tolerance = "
             f"{SAFETY:g} x the largest difference of a request's accepted/drafted or accepted/generated "
             "between runs of the same cell in the same request order (repeats and the n_ubatch split; for "
             "drafters that learn across requests, repeats with the requests sent one at a time), "
             "tolerance_concurrent the same with requests sent at once, tolerance_modes (drafters without "
             "state between requests) also between modes; a drop that one token undoes always passes"
         ),
-        "tolerances": tolerances_of(overall),
+        "tolerances": tolerances_of(overall, windows),
         "acceptance": acceptance_spread(measurements),
         "spread": spread,
         "largest": overall,
-        "measured": measurements[0],
+        "windows": windows,
+        "measured": {name: _without_windows(v) for name, v in measurements[0].items()},
         "repeats": [{k: lg[k] for k in overall} for lg in largest],
         **({"repeated": served} if repeats > 1 else {}),
         **({"seeded": noise} if noise is not None else {}),

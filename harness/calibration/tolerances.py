@@ -16,7 +16,7 @@ from harness.calibration.variants import IN_ORDER, UBATCH
 from harness.checks.acceptance import Acceptance
 from harness.checks.seeded import noise_bound
 from harness.matrix import spec_preset
-from harness.result.logits import Tolerances
+from harness.result.logits import Tolerances, larger_curves
 from harness.verdict.noise import MINIMUM_NEAR_TIE, RANGE, SAFETY, logits_count
 
 MINIMUM = {"nmse": 1e-9, "kl": 1e-9, "max_abs": 1e-5, "near_tie": MINIMUM_NEAR_TIE}
@@ -115,6 +115,7 @@ def largest_of(measured: dict) -> dict:
     flips = [f["reference_gap"] for v in counted for f in v["flips"]]
     unbounded = any(g is None for g in flips)
     return {
+        "windows": larger_curves(*(v.get("windows", {}) for v in counted)),
         "nmse": max((v["nmse_max"] for v in counted), default=0.0),
         "kl": max((v["kl_mean_max"] for v in counted), default=0.0),
         "max_abs": max((v["max_abs_p95_max"] for v in counted), default=0.0),
@@ -123,10 +124,16 @@ def largest_of(measured: dict) -> dict:
     }
 
 
-def tolerances_of(largest: dict) -> dict:
-    """The tolerances a measurement sets (SAFETY × largest, at least MINIMUM)."""
+def tolerances_of(largest: dict, windows: dict[str, list[float]] | None = None) -> dict:
+    """The tolerances a measurement sets (SAFETY × largest, at least MINIMUM), each window curve's too."""
     tol = {k: max(SAFETY * largest[k], MINIMUM[k]) for k in ("nmse", "kl", "max_abs", "near_tie")}
-    return {**asdict(Tolerances()), **{k: v for k, v in tol.items() if k != "near_tie"}, "near_tie": tol["near_tie"]}
+    curves = {k: [max(SAFETY * x, MINIMUM[k]) for x in v] for k, v in (windows or {}).items()}
+    return {
+        **asdict(Tolerances()),
+        **{k: v for k, v in tol.items() if k != "near_tie"},
+        "windows": curves,
+        "near_tie": tol["near_tie"],
+    }
 
 
 def within_spread(new: dict, committed: dict) -> list[str]:
@@ -149,9 +156,7 @@ def merged(new: dict, committed: dict) -> dict:
     if new.get("partial"):
         return _added(new, committed)
     out = json.loads(json.dumps(new))
-    for key, value in committed["tolerances"].items():
-        if isinstance(value, float) and key in out["tolerances"]:
-            out["tolerances"][key] = max(out["tolerances"][key], value)
+    _raise_tolerances(out, committed)
     for spec, old in committed.get("acceptance", {}).items():
         if spec in out.get("acceptance", {}):
             out["acceptance"][spec] = _larger_acceptance(out["acceptance"][spec], old)
@@ -166,6 +171,18 @@ def merged(new: dict, committed: dict) -> dict:
         f"({len(out['machines'])} machines, see `machines`)"
     )
     return out
+
+
+def _raise_tolerances(out: dict, other: dict) -> None:
+    """Raise each logits tolerance of `out` (a file's content) to `other`'s where that is larger, the window
+    curves element by element (and `windows`, the measured curves they are SAFETY × of)."""
+    for key, value in other["tolerances"].items():
+        if isinstance(value, float) and isinstance(out["tolerances"].get(key), float):
+            out["tolerances"][key] = max(out["tolerances"][key], value)
+    mine, theirs = out["tolerances"].get("windows", {}), other["tolerances"].get("windows", {})
+    if mine or theirs:
+        out["tolerances"]["windows"] = larger_curves(mine, theirs)
+        out["windows"] = larger_curves(out.get("windows", {}), other.get("windows", {}))
 
 
 def _noisier_seeded(mine: dict | None, old: dict, backend: str) -> dict:
@@ -200,9 +217,7 @@ def _added(part: dict, committed: dict) -> dict:
     specs' acceptance tolerances, each logits tolerance and largest value the larger of both, the addition named in
     `method` and listed under `added`; the rest (date, environment, spread, machines) as committed."""
     out = json.loads(json.dumps(committed))
-    for key, value in part["tolerances"].items():
-        if isinstance(value, float) and isinstance(out["tolerances"].get(key), float):
-            out["tolerances"][key] = max(out["tolerances"][key], value)
+    _raise_tolerances(out, part)
     for key, value in part["largest"].items():
         out["largest"][key] = max(out["largest"].get(key, 0.0), value)
     acceptance = out.setdefault("acceptance", {})

@@ -14,8 +14,9 @@ import os
 import threading
 import zlib
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import cache
+from itertools import zip_longest
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -338,6 +339,56 @@ class Tolerances:
     kl: float = 1e-4
     max_abs: float = 0.025
     max_abs_quantile: float = 0.95
+    windows: dict[str, tuple[float, ...]] = field(default_factory=dict)
+    """Statistic (`nmse`, `kl`, `max_abs`) → its bound over a comparison of n = 1, 2, … consecutive compared
+    positions (calibration: `window_largest`). The three values above bound a case's whole comparison as
+    calibration measured them, over cases of some tens to hundreds of positions; a comparison of few positions
+    (llama-server logs none of the tokens a verification step emits, and triage compares only the positions
+    before a divergence) is a mean of few terms, with a far wider spread: `for_positions` applies the bound
+    measured for that many. Empty: uncalibrated, or a file written before curves were measured."""
+
+    def for_positions(self, n: int) -> Tolerances:
+        """The tolerances of a comparison of `n` positions: each windowed statistic the larger of its
+        whole-case value and its curve's bound for n positions (the curve's last, longest window beyond its
+        length: `WINDOW_MAX`)."""
+        if not self.windows or n < 1:
+            return self
+        bound = {k: max(getattr(self, k), curve[min(n, len(curve)) - 1]) for k, curve in self.windows.items() if curve}
+        return replace(self, **bound, windows={})
+
+
+WINDOW_MAX = 64
+"""The longest window `window_largest` measures. A comparison of more positions is bounded by the 64-position
+value (or the whole-case one where larger); docs/reference/calibration.md shows the curves flatten long before."""
+
+
+def window_largest(comparison: LogitsComparison, q: float = 0.95, n_max: int = WINDOW_MAX) -> dict[str, list[float]]:
+    """Per statistic, for n = 1 … min(n_max, positions compared): its largest value over every window of n
+    consecutive compared positions, computed as `check` computes it over a whole comparison (NMSE pooled over the
+    window, KL its mean, max |Δ| its `q`-quantile)."""
+    df = comparison.per_position
+    kl, mx = df["kl"].to_numpy(float), df["max_abs"].to_numpy(float)
+    ce = np.concatenate([[0.0], np.cumsum(df["sq_err"].to_numpy(float))])
+    cr = np.concatenate([[0.0], np.cumsum(df["sq_ref"].to_numpy(float))])
+    ck = np.concatenate([[0.0], np.cumsum(kl)])
+    out: dict[str, list[float]] = {"nmse": [], "kl": [], "max_abs": []}
+    for n in range(1, min(n_max, len(df)) + 1):
+        err, ref = ce[n:] - ce[:-n], cr[n:] - cr[:-n]
+        pooled = np.divide(err, ref, out=np.where(err > 0, np.inf, 0.0), where=ref > 0)
+        out["nmse"].append(float(pooled.max()))
+        out["kl"].append(float(max(0.0, ((ck[n:] - ck[:-n]) / n).max())))
+        out["max_abs"].append(float(np.quantile(np.lib.stride_tricks.sliding_window_view(mx, n), q, axis=1).max()))
+    return out
+
+
+def larger_curves(*curves: dict[str, list[float]]) -> dict[str, list[float]]:
+    """Each statistic's curve, element by element the largest of `curves` (as long as the longest)."""
+    out: dict[str, list[float]] = {}
+    for curve in curves:
+        for key, values in curve.items():
+            mine = out.setdefault(key, [])
+            out[key] = [max(x) for x in zip_longest(mine, values, fillvalue=0.0)]
+    return out
 
 
 @dataclass
@@ -346,7 +397,8 @@ class LogitsComparison:
 
     per_position: pd.DataFrame
     """One row per compared position: `position`, `a_top1`, `b_top1`, `top1_agree`, `max_abs`,
-    `max_abs_id` (the token id behind `max_abs`), `nmse`, `kl`."""
+    `max_abs_id` (the token id behind `max_abs`), `nmse`, `kl`, and NMSE's sums `sq_err` Σ(a−b)² and `sq_ref`
+    Σa² (which pool over positions)."""
     n_a: int
     n_b: int
     n_skipped: int
@@ -391,8 +443,8 @@ def _position_diff(a: PositionLogits, b: PositionLogits, k: int) -> dict:
         "max_abs_id": int(worst),
         "nmse": err / ref if ref > 0 else (0.0 if err == 0 else math.inf),
         "kl": max(kl, 0.0),
-        "_err": err,
-        "_ref": ref,
+        "sq_err": err,
+        "sq_ref": ref,
     }
 
 
@@ -419,8 +471,8 @@ def _same_position(a: PositionLogits, k: int) -> dict:
         "max_abs_id": int(ia.min()),
         "nmse": 0.0,
         "kl": 0.0,
-        "_err": 0.0,
-        "_ref": float(np.sum(la**2)),
+        "sq_err": 0.0,
+        "sq_ref": float(np.sum(la**2)),
     }
 
 
@@ -446,9 +498,9 @@ def compare(a: list[PositionLogits], b: list[PositionLogits], k: int = 10) -> Lo
         rows.append({"position": pos, **_position_diff(x, y, k)})
     import pandas as pd
 
-    columns = ["position", "a_top1", "b_top1", "top1_agree", "max_abs", "max_abs_id", "nmse", "kl"]
-    df = pd.DataFrame(rows, columns=columns + ["_err", "_ref"])
-    err, ref = float(df["_err"].sum()), float(df["_ref"].sum())
+    columns = ["position", "a_top1", "b_top1", "top1_agree", "max_abs", "max_abs_id", "nmse", "kl", "sq_err", "sq_ref"]
+    df = pd.DataFrame(rows, columns=columns)
+    err, ref = float(df["sq_err"].sum()), float(df["sq_ref"].sum())
     empty = df.empty
     return LogitsComparison(
         per_position=df[columns].reset_index(drop=True),
@@ -470,9 +522,10 @@ def max_abs_quantile(comparison: LogitsComparison, q: float) -> float:
 
 
 def check(comparison: LogitsComparison, tol: Tolerances) -> tuple[bool, str]:
-    """Whether the comparison is within `tol`, and a one-line message with the aggregates (and the worst
-    position, to look at)."""
+    """Whether the comparison is within `tol` (its bounds for as many positions as it compares:
+    `Tolerances.for_positions`), and a one-line message with the aggregates (and the worst position, to look at)."""
     c, df = comparison, comparison.per_position
+    tol = tol.for_positions(c.n_compared)
     scope = f"{c.n_compared} positions ({c.n_skipped} skipped; lengths {c.n_a}/{c.n_b})"
     if df.empty:
         return False, f"no position has logits on both sides: {scope}"

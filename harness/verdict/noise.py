@@ -106,8 +106,10 @@ class NoiseFloor:
         if not declared:
             return self
         near_tie = declared.pop("near_tie", self.near_tie)
-        names = {f.name for f in fields(Tolerances)}
-        tol = replace(self.tolerances, **{k: v for k, v in declared.items() if k in names})
+        names = {f.name for f in fields(Tolerances)} - {"windows"}
+        mine = {k: v for k, v in declared.items() if k in names}
+        windows = {k: v for k, v in self.tolerances.windows.items() if k not in mine}  # a declared bound is the bound
+        tol = replace(self.tolerances, **mine, windows=windows)
         return replace(self, tolerances=tol, near_tie=near_tie, source=f"suite {suite} tolerances over {self.source}")
 
 
@@ -244,8 +246,9 @@ def from_data(data: dict, source: str) -> NoiseFloor:
     """A NoiseFloor from a calibration file's content (HarnessError naming `source` when malformed)."""
     try:
         raw = data["tolerances"]
-        names = {f.name for f in fields(Tolerances)}
-        tol = Tolerances(**{k: float(v) for k, v in raw.items() if k in names})
+        names = {f.name for f in fields(Tolerances)} - {"windows"}
+        windows = {k: tuple(float(x) for x in v) for k, v in raw.get("windows", {}).items()}
+        tol = Tolerances(**{k: float(v) for k, v in raw.items() if k in names}, windows=windows)
         acceptance = {spec: acceptance_of(v) for spec, v in data.get("acceptance", {}).items()}
         measured = data.get("measured", {})
         near_tie = float(raw["near_tie"])
