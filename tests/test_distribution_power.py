@@ -42,8 +42,8 @@ def default_judged() -> tuple[dict[str, int], dict[tuple, dict]]:
     return judged, laws
 
 
-POOLED_SUITE = "sampling-pooled"
-"""The default suite whose seeds are per cell: its laws' pools are what the default job's pooled test adds up."""
+POOLED_SUITES = ("sampling-pooled", "sampling-close")
+"""The default suites whose seeds are per cell: their laws' pools are what the default job's pooled test adds up."""
 
 
 def test_the_false_alarm_budget_of_a_run_is_the_union_over_its_cases_and_pools():
@@ -51,16 +51,16 @@ def test_the_false_alarm_budget_of_a_run_is_the_union_over_its_cases_and_pools()
     assert distribution.ALPHA * distribution.MAX_TESTS_PER_RUN == pytest.approx(5e-4)
     assert distribution.ALPHA_POOL * distribution.MAX_POOLS_PER_RUN == pytest.approx(5e-4)
     assert distribution.RUN_FALSE_ALARM == pytest.approx(1e-3)
-    # the default suites: 96 cases in `sampling`, whose 8 laws hold one seed each (no pool beyond a case's own), and
-    # 48 in `sampling-pooled`, whose 4 laws (one a model) hold 12 seeds each: 4 pools
+    # the default suites: 96 cases in `sampling`, whose 8 laws hold one seed each (no pool beyond a case's own), 48
+    # in `sampling-pooled`, whose 4 laws (one a model) hold 12 seeds each, 24 in `sampling-close`, 2 laws of 12: 6 pools
     judged, laws = default_judged()
-    assert judged == {"sampling": 96, POOLED_SUITE: 48} and len(laws) == 12
+    assert judged == {"sampling": 96, "sampling-pooled": 48, "sampling-close": 24} and len(laws) == 14
     pools = [sources for (suite, *_), sources in laws.items() if len(sources) > 1]
-    assert all(len(sources) == 1 for (suite, *_), sources in laws.items() if suite != POOLED_SUITE)
-    assert len(pools) == 4 and all(len(sources) == 12 for sources in pools)
+    assert all(len(sources) == 1 for (suite, *_), sources in laws.items() if suite not in POOLED_SUITES)
+    assert len(pools) == 6 and all(len(sources) == 12 for sources in pools)
     assert sum(judged.values()) <= distribution.MAX_TESTS_PER_RUN and len(laws) <= distribution.MAX_POOLS_PER_RUN
     false_alarm = sum(judged.values()) * distribution.ALPHA + len(pools) * distribution.ALPHA_POOL
-    assert false_alarm == pytest.approx(1.84e-4)
+    assert false_alarm == pytest.approx(2.28e-4)
 
 
 def test_the_default_jobs_pools_find_a_ten_per_cent_shift_with_power_95_per_cent():
@@ -68,7 +68,7 @@ def test_the_default_jobs_pools_find_a_ten_per_cent_shift_with_power_95_per_cent
     160 a law), and at that size the pooled test (ALPHA_POOL) finds a 10 % total-variation shift of the transforms,
     towards the likely tokens or into the top tail, with probability >= 95 % (simulated as the power table is)."""
     _, laws = default_judged()
-    pooled = [sum(sources.values()) for (suite, *_), sources in laws.items() if suite == POOLED_SUITE]
+    pooled = [sum(sources.values()) for (suite, *_), sources in laws.items() if suite in POOLED_SUITES]
     assert pooled and min(pooled) == distribution.POOL_TOKENS == 1440
     for shift in ("half", "tail"):
         found = distribution.detectable_shift(distribution.POOL_TOKENS, shift, 0.95, alpha=distribution.ALPHA_POOL)

@@ -19,10 +19,12 @@ from harness.result.logits import (
     compare,
     from_frame,
     from_server_probs,
+    larger_curves,
     load_case,
     load_parquet,
     save_parquet,
     to_frame,
+    window_largest,
 )
 from harness.suites.request import Request, Sampling
 from harness.verdict.noise import NEAR_TIE, NoiseFloor
@@ -186,6 +188,50 @@ def test_check_judges_aggregates_names_the_worst_position_and_fails_without_posi
     assert not ok and "top-1 agreement 0.8000" in message and "position 0: id 1 vs 2" in message
     ok, message = check(compare(a, [lp([], [])] * 5), Tolerances())
     assert not ok and "no position has logits on both sides" in message
+
+
+def _drifting(kls: list[float]) -> tuple[list[PositionLogits], list[PositionLogits]]:
+    """Two runs whose positions differ by a shifted top-1 log-probability, one shift per position."""
+    a = same(len(kls), ids=(1, 2), values=(math.log(0.5), math.log(0.25)))
+    b = [lp([1, 2], [math.log(0.5) - d, math.log(0.25)]) for d in kls]
+    return a, b
+
+
+def test_window_curves_are_the_largest_statistic_over_n_consecutive_positions():
+    a, b = _drifting([0.0, 0.02, 0.0, 0.0, 0.01, 0.01])
+    c = compare(a, b)
+    curves = window_largest(c)
+    kl = c.per_position["kl"].to_numpy()
+    assert len(curves["kl"]) == 6
+    assert curves["kl"][0] == pytest.approx(kl.max())  # one position: the largest single KL
+    assert curves["kl"][1] == pytest.approx(max(kl[i : i + 2].mean() for i in range(5)))
+    assert curves["kl"][-1] == pytest.approx(c.kl_mean)  # the whole comparison: check's own mean
+    assert curves["nmse"][-1] == pytest.approx(c.nmse) and curves["nmse"][0] >= c.nmse
+    assert curves["max_abs"][0] == pytest.approx(0.02, abs=1e-6)
+    assert len(window_largest(c, n_max=3)["kl"]) == 3
+    assert larger_curves({"kl": [3.0, 1.0]}, {"kl": [2.0, 2.0, 1.0]}) == {"kl": [3.0, 2.0, 1.0]}
+
+
+def test_a_comparison_of_few_positions_is_judged_by_the_bound_calibrated_for_that_many():
+    """The false alarm of the statistical job (2026-12-07: numerics-shared, tiny-hybrid-mtp-wide-q4_k on llama-server,
+    1 compared position, mean KL 1.3e-05 > 1.3e-05, the largest mean KL of a whole case): a mean of one KL spreads
+    far wider than a case's. The bound for one position is the largest single position's; a drift beyond it fails."""
+    windows = {"kl": (4e-5, 2e-5, 1.5e-5), "nmse": (1e-3,), "max_abs": (0.05, 0.04)}
+    tol = Tolerances(kl=1.3e-5, nmse=1e-5, max_abs=0.03, windows=windows)
+    assert tol.for_positions(1).kl == 4e-5 and tol.for_positions(2).kl == 2e-5
+    assert tol.for_positions(3).kl == 1.5e-5 and tol.for_positions(500).kl == 1.5e-5  # the longest window beyond
+    assert tol.for_positions(9).nmse == 1e-3 and tol.for_positions(9).max_abs == 0.04
+    low = Tolerances(kl=1e-4, windows={"kl": (2e-5,)})
+    assert low.for_positions(1).kl == 1e-4  # never below the whole-case bound
+    assert Tolerances().for_positions(1) == Tolerances()  # uncalibrated: unchanged
+    a, b = _drifting([0.0015])  # one position, a small KL
+    one = compare(a, b)
+    ok, message = check(one, Tolerances(kl=one.kl_mean * 0.99, nmse=1, max_abs=1))
+    assert not ok and "mean KL" in message  # a case-level bound alone: the false alarm
+    ok, message = check(one, Tolerances(kl=one.kl_mean * 0.99, nmse=1, max_abs=1, windows={"kl": (one.kl_mean * 3,)}))
+    assert ok, message
+    ok, message = check(one, Tolerances(kl=one.kl_mean / 9, nmse=1, max_abs=1, windows={"kl": (one.kl_mean / 3,)}))
+    assert not ok and f"> {one.kl_mean / 3:.3g}" in message  # a drift beyond the one-position bound still fails
 
 
 # --- triage -----------------------------------------------------------------------------------------------

@@ -41,7 +41,7 @@ def built():
 @pytest.mark.parametrize("name", sorted(RECIPES))
 def test_generated_model_loads_as_its_kind(built, name):
     info = built[name]
-    assert info.kind == KIND[name.removesuffix("-draft").removesuffix("-loop")]
+    assert info.kind == KIND[name.removesuffix("-draft").removesuffix("-close").removesuffix("-loop")]
     model = llama_cpp.llama_model_load_from_file(str(info.path).encode(), llama_cpp.llama_model_default_params())
     assert model, f"llama.cpp could not load {info.path}"
     try:

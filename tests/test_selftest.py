@@ -76,6 +76,17 @@ DISTINCT = {  # the failure signatures each fault shows on the plan (harness.sig
     "residual-unnormalised": [TAIL_NOT_DRAWS],
     "q-wrong-temperature": [NOT_DRAWS],
     "rejection-rng-rewound": [NOT_DRAWS],
+    # a whole draft's bonus token from the row before, in every draft-simple cell of the plan: greedy outputs leave the
+    # non-speculative ones (hard where the logits before agree; drift or unexplained after earlier wrong tokens), the
+    # JSON grammar's output breaks, and sampling-close's close drafts emit tokens outside the chain's support
+    "bonus-wrong-row": [
+        "lossless: hard divergence",
+        "lossless: unexplained divergence",
+        "lossless: drift divergence",
+        "distribution: N of N returned tokens are outside the chain's support beyond what numerics moves (a logit "
+        "raise above the near-tie floor N nats, calibrated (calibration/tiny-…",
+        "grammar-valid: invalid output",
+    ],
     # one draw too many after a mismatch: every seeded sampled request of tiny-dense's sample-and-match cells diverges;
     # the logits there differ in the last bits (a verification batch against a one-token decode), so no single
     # divergence is proven (`unexplained`) and the group's count fails (harness.checks.seeded)

@@ -67,22 +67,23 @@ that numerics lowering several tokens before it could also move). Such a token i
 the transforms (its u would be 1); any other fails the case. A token the grammar forbids fails outright too.
 
 Pooled tests. The independent outputs of every speculative cell of a run that share one law (suite, model and
-sampler chain: every backend, mode and spec config) are pooled into one test per law (`pool`), the same 12 tests
-at ALPHA_POOL / TESTS_PER_CASE each (the first output of each seed in the matrix's order: a later cell's output of
-a seed already pooled stays out); a pooled failure fails the cases whose outputs it holds, naming the pool and its
+sampler chain: every backend, mode and spec config) are pooled into one test per law (`pool`), the same 12 tests at
+ALPHA_POOL / TESTS_PER_CASE each (the first output of each seed in the matrix's order: a later cell's output of a
+seed already pooled stays out); a pooled failure fails the cases whose outputs it holds, naming the pool and its
 stratum. It runs only where the pool holds an independent output beyond the case's own. A suite of shared seeds
 sends one seed per case to every cell (what lossless and the seeded comparisons need), so its pools hold no output
 beyond a case's (the default `sampling` job: one 32-token output per law). The default job's pools are
-`sampling-pooled`'s: `seeds: per-cell` gives each cell its own seed (harness.suites.suite.cell_seed), so each of a
-model's speculative cells adds an independent 160-token output: POOL_TOKENS = 9 × 160 = 1,440 tokens a law with the
-vendored llama-server (its rejection-sampling cells are not run), 12 × 160 = 1,920 with one that has
-`--spec-draft-sampling`. Under pytest-xdist a per-cell suite's model runs on one worker (its cells of both
-backends), so a pool is the whole law's whichever worker serves it.
+`sampling-pooled`'s and `sampling-close`'s (the same sizes): `seeds: per-cell` gives each cell its own seed
+(harness.suites.suite.cell_seed), so each of a model's speculative cells adds an independent 160-token output:
+POOL_TOKENS = 9 × 160 = 1,440 tokens a law with the vendored llama-server (its rejection-sampling cells are not
+run), 12 × 160 = 1,920 with one that has `--spec-draft-sampling`. Under pytest-xdist a per-cell suite's model runs
+on one worker (its cells of both backends), so a pool is the whole law's whichever worker serves it.
 
 False alarms per run (the union bound over the tests a run makes): at most MAX_TESTS_PER_RUN cases at ALPHA and
 MAX_POOLS_PER_RUN pools at ALPHA_POOL: RUN_FALSE_ALARM = 500 × 1e-6 + 50 × 1e-5 = 1e-3. The default suites
-(suites/*.yaml) judge 144 cases with it (96 in `sampling`, whose 8 laws hold one seed each, 48 in
-`sampling-pooled`) and test 4 pools (one a model): 144 × 1e-6 + 4 × 1e-5 = 1.84e-4 per run
+(suites/*.yaml) judge 168 cases with it (96 in `sampling`, whose 8 laws hold one seed each, 48 in
+`sampling-pooled` and 24 in `sampling-close`, per-cell seeds) and test 6 pools (one a model and suite):
+168 × 1e-6 + 6 × 1e-5 = 2.28e-4 per run
 (tests/test_distribution_power.py recounts them).
 
 Power (`power`, `detectable_shift`; tests/test_distribution_power.py recomputes every number here). The

@@ -135,6 +135,19 @@ FAULT_PLAN = {
     # the same sample on tiny-hybrid, which rolls back through a checkpoint restore (the fault is llama-server b11434's
     # defect, known failure server-rejection-rng-rewound-on-checkpoint-restore)
     "rejection-rng-rewound": [(DISTRIBUTION_PART[0], {**DISTRIBUTION_PART[1], "models": ["tiny-hybrid"]})],
+    # a whole draft's bonus token drawn from the row before: only a draft accepted most of the time reaches it
+    # (sampling-close's close draft on tiny-dense, both verification kinds, one slot)
+    "bonus-wrong-row": [
+        (
+            "sampling-close",
+            {
+                "models": ["tiny-dense"],
+                "modes": ["seq"],
+                "specs": ["draft-simple-close", "draft-simple-close-probabilistic"],
+                "backends": ["inproc"],
+            },
+        )
+    ],
     # sample-and-match on tiny-dense (rolled back by seq_rm: a checkpoint restore would put the sampler back) in
     # every mode: no committed model's verification logits are bit-identical to a single-token decode's, so the
     # shifted draws are proven by the seeded count of the group (harness.checks.seeded), which needs more than
@@ -205,6 +218,9 @@ EXPECTED: dict[str, list[tuple[str, str]]] = {
     "residual-unnormalised": [("distribution", r"not draws from the target's distribution")],
     "q-wrong-temperature": [("distribution", r"not draws from the target's distribution")],
     "rejection-rng-rewound": [("distribution", r"not draws from the target's distribution")],
+    "bonus-wrong-row": [
+        ("distribution", r"not draws from the target's distribution|outside the chain's support beyond what numerics"),
+    ],
     "extra-draw-after-reject": [("lossless", r"diverged from the non-speculative output: the measured noise rate")],
 }
 """Per fault, the (check, evidence) pairs that count as catching it (any one): the check must fail and its
@@ -336,6 +352,8 @@ def catch_matrix(clean_runs: int = 0, faults: list[str] | None = None) -> Iterat
             for name, n in row.failures.items():
                 clean.failures[name] += n
             clean.harness_errors += row.harness_errors
+            clean.failing_cells |= row.failing_cells
+            clean.distinct += [d for d in row.distinct if d not in clean.distinct]  # a false positive names itself
         yield clean
 
 
@@ -389,6 +407,9 @@ def cmd_selftest(args: argparse.Namespace) -> int:
                     markup=False,
                     highlight=False,
                 )
+                if row.fault == "none":
+                    cells = ", ".join(sorted(row.failing_cells))
+                    console.print(f"{row.label}: failing cells: {cells}", markup=False, highlight=False)
             for error in row.harness_errors:
                 console.print(f"harness error with fault {row.fault}: {error}", markup=False, highlight=False)
         if interrupt.received():

@@ -108,6 +108,7 @@ def calibration_page() -> str:
             rows,
         )
     )
+    out.extend(_windows_section(data))
     out.extend(_acceptance_section(data))
     out.extend(_near_tie_section(data))
     out.extend(_refused_section(data))
@@ -122,6 +123,39 @@ def calibration_page() -> str:
         )
     )
     return "\n".join(out)
+
+
+WINDOW_SIZES = (1, 2, 4, 8, 16, 32, 64)
+
+
+def _windows_section(data: list[dict]) -> list[str]:
+    """Each file's tolerance curves over n compared positions (`tolerances.windows`) beside its whole-case bound."""
+    from harness.result.logits import WINDOW_MAX
+
+    out = ["## Bounds over n positions\n"]
+    out.append(
+        "The tolerances above bound a case's whole comparison, a mean or pooled value over tens of positions. A "
+        "comparison of few positions (llama-server logs no logits for the tokens a verification step emits; triage "
+        "compares the positions before a divergence) spreads far wider: its bound is measured for its size. "
+        "Calibration records, for n = 1 to "
+        f"{WINDOW_MAX}, the largest NMSE (pooled), mean KL and p95 of max |Δ| over any n consecutive compared "
+        "positions of a case, over every variant; the tolerance is 2 × that (merged over machines), and a "
+        "comparison of n positions is judged by it or by the whole-case tolerance where that is larger "
+        "(`harness.result.logits.Tolerances.for_positions`; beyond the curve, its last value). A file without "
+        "curves judges every comparison by the whole-case values.\n"
+    )
+    rows = []
+    for d in data:
+        curves = d["tolerances"].get("windows", {})
+        for stat in ("kl", "nmse", "max_abs"):
+            curve = curves.get(stat)
+            if not curve:
+                continue
+            at = [_num(curve[n - 1]) if n <= len(curve) else "—" for n in WINDOW_SIZES]
+            rows.append([_code(d["model"]), d["backend"], stat, _num(d["tolerances"][stat]), *at])
+    head = ["model", "backend", "statistic", "whole case", *(f"n={n}" for n in WINDOW_SIZES)]
+    out.append(_table(head, rows) if rows else "No committed file holds curves yet.\n")
+    return out
 
 
 def _acceptance_section(data: list[dict]) -> list[str]:

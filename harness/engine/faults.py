@@ -59,6 +59,10 @@ FAULTS = {
     "accepting (the distribution is kept; the seeded tokens change, so sample-and-match output leaves the "
     "non-speculative output where the logits are identical: on targets rolled back by seq_rm or recurrent "
     "snapshots, a checkpoint restore puts the sampler back)",
+    "bonus-wrong-row": "after a draft accepted whole, the bonus token is sampled from the last drafted token's row "
+    "(one row early: an off-by-one in the verification batch's output indices) instead of the row after it (sample-"
+    "and-match and rejection sampling alike: the output leaves the target's distribution at the bonus token of a "
+    "whole accepted draft, which a close draft reaches at most steps: suites/sampling-close.yaml)",
     "rejection-rng-rewound": "after a checkpoint restore, the rejection-sampling stream is rewound with the rest of "
     "the sampler, as llama-server b11434 does (common_sampler_copy copies `rng`; the replay draws none): the next "
     "verification reuses the uniforms that decided the rolled-back step (hybrid and recurrent targets; the "

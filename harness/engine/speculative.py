@@ -311,6 +311,8 @@ class Speculation:
         for i, row in enumerate(rows):
             if i < k and (replay or plan.q):
                 slot.sampler.check = DraftCheck(draft[i], None if replay else plan.q[i], self.fault)
+            if i == k and k > 0 and self.fault == "bonus-wrong-row":
+                row = rows[i - 1]  # the bonus drawn from the last drafted token's row
             token, row_logits = slot.sample(self.ctx, row)
             accepted = slot.sampler.accepted
             if slot.sampler.fault_tv is not None:  # the graded fault's bias at this drafted position (bench)

@@ -219,7 +219,7 @@ class Executor:
         try:
             for step in range(max(len(case.turns) or 1 for case in cases)):
                 todo = [
-                    (case, self._request(case, step, histories, suite.deadline_s, how))
+                    (case, self._request(case, step, histories, suite.deadline_s, how, suite.prompt_cache))
                     for case in cases
                     if case.name in alive and step < (len(case.turns) or 1)
                 ]
@@ -263,10 +263,16 @@ class Executor:
 
     @staticmethod
     def _request(
-        case: Case, step: int, histories: dict[str, list[dict]], deadline_s: float | None, how: str = "seq"
+        case: Case,
+        step: int,
+        histories: dict[str, list[dict]],
+        deadline_s: float | None,
+        how: str = "seq",
+        prompt_cache: bool = True,
     ) -> Request:
-        """The case's request at chat step `step` (a `fresh` round's without the prompt cache)."""
-        cache_prompt = how != FRESH
+        """The case's request at chat step `step` (a `fresh` round's, or any without `prompt_cache`, without the
+        prompt cache)."""
+        cache_prompt = how != FRESH and prompt_cache
         if not case.is_chat:
             return replace(case.request(deadline_s), cache_prompt=cache_prompt)
         history = histories[case.name]

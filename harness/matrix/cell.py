@@ -49,10 +49,11 @@ class Cell:
         draft = None
         types = str(options.get("spec-type", "")).split(",")
         if "draft-simple" in types:
-            name = chosen or draft_for(self.model)
+            kind = self.preset.draft
+            name = chosen or draft_for(self.model, kind)
             if name is None:
                 raise Unservable(
-                    f"draft-simple needs a draft model: {self.model} has no registered draft (--draft-model)"
+                    f"{self.spec} needs a draft model: {self.model} has no registered {kind} (--draft-model)"
                 )
             draft = resolve(name).path
         elif heads := [t for t in types if t in HEAD_TYPES]:  # draft-eagle3 / -dflash / -dspark: a generated head

@@ -22,6 +22,9 @@ class SpecPreset:
     request (vLLM's forced-rejection test asserts the same)."""
     server_only: bool = False
     """llama-server only: options the in-process engine does not have (synthetic acceptance)."""
+    draft: str = "draft"
+    """Which registered draft of the target draft-simple serves (harness.models.draft_for): `draft`, its usual one,
+    or `close-draft`, a closer copy of the target (accepted most of the time)."""
 
     @property
     def speculative(self) -> bool:
@@ -62,9 +65,9 @@ def canonical(options: dict) -> tuple:
 def served_as(spec: str, overrides: dict) -> tuple:
     """What a spec config is served as under a run's `--spec-*` overrides: its options and its script. Two configs
     with the same value are served alike (`draft-simple-probabilistic` with `--spec-draft-sampling greedy` is
-    `draft-simple`)."""
+    `draft-simple`); the draft they serve is part of it (`draft-simple-close` is not `draft-simple`)."""
     preset = spec_preset(spec)
-    return canonical(served_options(preset, overrides)), preset.scripted
+    return canonical(served_options(preset, overrides)), preset.scripted, preset.draft
 
 
 def keeps_seeded_tokens(options: dict) -> bool:
@@ -145,6 +148,14 @@ SPEC_PRESETS: dict[str, SpecPreset] = {
     # a drafted token with probability min(1, p/q); greedy requests verify as draft-simple does
     "draft-simple-probabilistic": SpecPreset(
         {"spec-type": "draft-simple", "spec-draft-n-max": 4, "spec-draft-sampling": "probabilistic"},
+    ),
+    # a draft that agrees with the target most of the time (`<model>-close-draft`, noise 0.01: expected acceptance
+    # per drafted token at temperature 0.1 0.96 under rejection sampling, 0.87 under sample-and-match on tiny-dense;
+    # harness.models.generator.RECIPES), where a wrong acceptance rule or residual draw moves the output most
+    "draft-simple-close": SpecPreset({"spec-type": "draft-simple", "spec-draft-n-max": 4}, draft="close-draft"),
+    "draft-simple-close-probabilistic": SpecPreset(
+        {"spec-type": "draft-simple", "spec-draft-n-max": 4, "spec-draft-sampling": "probabilistic"},
+        draft="close-draft",
     ),
     "draft-mtp-probabilistic": SpecPreset(
         {"spec-type": "draft-mtp", "spec-draft-n-max": 3, "spec-draft-sampling": "probabilistic"},

@@ -9,7 +9,8 @@ def run_models(executor, planned: list) -> dict:
     """run.json's `models`: file, sha256, size, arch and kind of every model the run used or planned, draft models
     included (`{"error": ...}` for one that cannot be resolved)."""
     used = {c.model for _, c in planned} | {r.cell.model for r in executor.runs()}
-    drafts = {executor.options.draft_model or draft_for(c.model) for _, c in planned if "draft-simple" in c.spec}
+    chosen = executor.options.draft_model
+    drafts = {chosen or draft_for(c.model, c.preset.draft) for _, c in planned if "draft-simple" in c.spec}
     models = {}
     for name in sorted(used | (drafts - {None})):
         try:

@@ -101,15 +101,18 @@ class ModelInfo:
         }
 
 
-def draft_for(name: str) -> str | None:
-    """The registry name of the draft paired with target `name`, if there is one. A quantized model's draft is its
-    own source, unquantized: its drafts are mostly right, so verification batches are long (the shape whose
-    numerics the `numerics` suite tests)."""
+def draft_for(name: str, kind: str = "draft") -> str | None:
+    """The registry name of the draft paired with target `name`, if there is one: its `draft`, or the draft of
+    another `kind` (`close-draft`: harness.matrix.presets.SpecPreset.draft). A quantized model's draft is its own
+    source, unquantized: its drafts are mostly right, so verification batches are long (the shape whose numerics
+    the `numerics` suite tests)."""
+    if kind != "draft":
+        return next((r.name for r in generator.RECIPES.values() if r.name == f"{name}-{kind}" and r.draft_of), None)
     if name in QUANTIZED:
         return QUANTIZED[name].source
     if name == GEMMA:
         return GEMMA_DRAFT
-    return next((r.name for r in generator.RECIPES.values() if r.draft_of == name), None)
+    return next((r.name for r in generator.RECIPES.values() if r.draft_of == name and r.name == f"{name}-draft"), None)
 
 
 HEAD_TYPES = {"draft-eagle3": "eagle3", "draft-dflash": "dflash", "draft-dspark": "dspark"}

@@ -125,7 +125,7 @@ def write_bundle(
         legs.insert(0, leg(REFERENCE, executor, suite, ref, key, prompts, server_bin, False))
     for one in legs:
         one["cell_id"] = Cell(**one["cell"]).id
-    draft = (draft_model or draft_for(cell.model)) if "draft-simple" in cell.spec else None
+    draft = (draft_model or draft_for(cell.model, cell.preset.draft)) if "draft-simple" in cell.spec else None
     target = next(r["payload"] for b in legs[-1]["batches"] for r in b["requests"] if r["key"] == key)
     detok = detokenizers.for_model(cell.model) or str
     case = {

@@ -63,6 +63,10 @@ class Suite:
     """`restore.after_turn`: the chat turn after which RESTORE_ROUNDS save the slot and restore it."""
     seeds: str = "shared"
     """`shared` or `per-cell` (harness.suites.schema.SEEDS): whether a cell sends a case's seed or its own."""
+    prompt_cache: bool = True
+    """False: every request of every round reads its prompt whole (llama-server's `cache_prompt` off), as a `fresh`
+    round's do. Not a suite field: calibration's servings (harness.calibration.measure), whose prompts come from
+    many suites and must not go on from each other's cached state."""
 
     def cell_case(self, case: Case, model: str) -> Case:
         """`case` as the cells of `model` run it: with its matrix block's sampling overrides applied."""
