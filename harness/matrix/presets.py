@@ -150,7 +150,7 @@ SPEC_PRESETS: dict[str, SpecPreset] = {
         {"spec-type": "draft-simple", "spec-draft-n-max": 4, "spec-draft-sampling": "probabilistic"},
     ),
     # a draft that agrees with the target most of the time (`<model>-close-draft`, noise 0.005; at temperature 0.05
-    # accepted 76-98 % of its drafted tokens: suites/sampling-close.yaml), so whole drafts are accepted at most steps
+    # accepted 75-98 % of its drafted tokens: suites/sampling-close.yaml), so whole drafts are accepted at most steps
     "draft-simple-close": SpecPreset({"spec-type": "draft-simple", "spec-draft-n-max": 4}, draft="close-draft"),
     "draft-simple-close-probabilistic": SpecPreset(
         {"spec-type": "draft-simple", "spec-draft-n-max": 4, "spec-draft-sampling": "probabilistic"},
