@@ -233,3 +233,17 @@ def test_triage_reads_the_models_logits_not_post_sampling_probabilities(executor
     assert not lossy.passed and first["index"] == 5
     # the logged lists hold the pick alone at probability 1 (no margin): the reference is re-scored instead
     assert "reference at 5" in first["rescored"] and first["margin"] is not None and first["margin"] > 0
+
+
+def test_a_token_llama_server_gives_no_entry_keeps_no_probabilities_and_later_entries_stay_on_their_tokens():
+    """llama-server leaves out the entry of a token after which the text ends inside a UTF-8 character
+    (process_token adds it only when the text is complete): matched by id, that token gets an empty record and the
+    next entry stays on its own token; tokens after the last entry (a stop string's) keep none."""
+    from harness.result.logits import from_server_probs
+
+    def entry(token: int) -> dict:
+        return {"id": token, "logprob": -0.1, "top_logprobs": [{"id": token, "logprob": -0.1}]}
+
+    records = from_server_probs([entry(5), entry(7), entry(8)], [5, 236, 7, 8, 9, 10])
+    assert [r.top_ids.tolist() for r in records] == [[5], [], [7], [8]]
+    assert [r.top_ids.tolist() for r in from_server_probs([entry(5), entry(7)])] == [[5], [7]]  # no tokens: as listed

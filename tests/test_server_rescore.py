@@ -15,7 +15,7 @@ from dataclasses import replace
 
 import numpy as np
 import pytest
-from helpers import quicksort
+from helpers import numerics_stand_in, quicksort
 
 from harness.backends.base import ServeConfig
 from harness.backends.build import ensure_server
@@ -123,15 +123,7 @@ def test_the_replayed_batches_pick_what_the_server_emitted_where_its_prompt_cach
     from harness.backends.server_rescore import replay_of
 
     build = ensure_server(None, "cpu", [], jobs=None)
-    model = resolve("tiny-dense-wide-q4_k")
-    config = ServeConfig(
-        model=model.path,
-        mode="seq",
-        flash_attn="off",
-        draft_model=resolve("tiny-dense-wide").path,
-        spec={"spec-type": "draft-simple", "spec-draft-n-max": 4},
-        logit_top_k=TOP_K,
-    )
+    config = numerics_stand_in(TOP_K)
     requests = [quicksort(lang, n_predict=40) for lang in ("C", "Rust", "Java", "Python")]
     with ServerBackend(build, run_dir=tmp_path).open(config) as session:
         results = session.run(requests)

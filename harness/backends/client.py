@@ -226,7 +226,7 @@ def _result(prompt_tokens: list[int], data: dict) -> Result:
     """A Result from a final /completion response object."""
     timings = data.get("timings", {})
     tokens = list(data.get("tokens", []))
-    logits = from_server_probs(data.get("completion_probabilities", []))
+    logits = from_server_probs(data.get("completion_probabilities", []), tokens)
     if data.get("stop_type") == "eos" and tokens:
         # llama-server lists the end-of-generation token it stopped on; Results (as the in-process engine's)
         # hold the generated tokens without it (its text is empty either way)

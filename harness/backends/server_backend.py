@@ -54,7 +54,8 @@ from harness.backends.client import (
 from harness.backends.flags import server_version
 from harness.backends.process import LogDir, free_log_name, invalid_batch_in_log
 from harness.backends.server import LlamaServer
-from harness.backends.server_checkpoints import Ledger
+from harness.backends.server_checkpoints import ELSEWHERE, Ledger
+from harness.backends.server_rescore import PrefixHistory
 from harness.backends.server_slots import SlotPool, lost_cells, slot_ownership
 from harness.backends.slots_watch import SlotsWatch
 from harness.errors import HarnessError
@@ -195,6 +196,7 @@ class ServerSession:
         options.setdefault("metrics", True)  # the counters `metrics-agree` compares with the answers
         options.setdefault("gpu_layers", gpu_layers(self.build))  # every layer on the GPU of a GPU build
         self.checkpoints = Ledger()  # a new process: no checkpoint of it seen made yet
+        self.prefixes = PrefixHistory()  # ... and no slot holding anything
         try:
             self.server = LlamaServer.from_config(self.config, self.build.server_bin, log_path=log, **options).start()
         except BaseException:
@@ -286,6 +288,7 @@ class ServerSession:
                         result.stale_checkpoint = self.checkpoints.follow(
                             result.slot_id, result.prompt_tokens, logged.messages, logged.lines
                         )
+                        self.prefixes.record(result, any(ELSEWHERE.search(m) for m in logged.messages))
                 self.speed.record(len(result.tokens), time.monotonic() - started)
                 self.stall.record(result)
                 held = result.prompt_tokens + result.tokens
@@ -352,6 +355,7 @@ class ServerSession:
         client = LlamaClient(self.server.url, self.request_timeout)
         action = "erase" if erase else "restore"
         self.checkpoints.forget(slot_id)  # the slot's checkpoints now come from the state file
+        self.prefixes.forget(slot_id)
         try:
             if erase:
                 client.erase_slot(slot_id)

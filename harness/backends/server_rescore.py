@@ -69,8 +69,8 @@ class Replay:
     shared: bool
     """Whether any replayed decode had other slots' rows in it (par, no-kv-unified)."""
 
-    def describe(self) -> str:
-        """How the replay computed the row, against how the run did."""
+    def describe(self, by: str = "the libllama this llama-server build runs") -> str:
+        """How the replay computed the row (`by` what), against how the run did."""
         steps = len(self.decodes) - 1
         padded = (
             " (the rows after it padded: the run's rejected drafts are not logged)"
@@ -83,7 +83,7 @@ class Replay:
             else ""
         )
         return (
-            f"re-scored through the libllama this llama-server build runs, with the cell's context options: the "
+            f"re-scored through {by}, with the cell's context options: the "
             f"request's {steps} earlier batches replayed as its log lists them (the prompt's batches, each step's "
             f"rows with the rejected ones cut back{shared}), then the {self.shape.rows}-row batch at position "
             f"{self.shape.start} with logits on every row, row {self.row}{padded}"
@@ -122,37 +122,115 @@ def replay_of(result: Result, pos: int) -> Replay | None:
     the log: harness.backends.server_batches.places); None where its steps are not known. A restored verification
     is left out (its checkpoint restore undoes it; the replay batch after it is kept); a rejected draft's row is
     padded with the sequence's next token (the log does not name it; it enters no earlier row, causal attention).
-    Positions a cached prompt reused (an earlier request's) are decoded as one batch first."""
+    Positions a cached prompt reused are replayed first: in the batches of the earlier request that computed them
+    (`Work.steps["reused"]`, recorded by the session: PrefixHistory), else, where that is not known, as one batch."""
     shape = shape_of(result, pos)
     steps = result.work.steps if result.work is not None else None
     if shape is None or steps is None:
         return None
+    reused, prompt, generation = _decodes(result, steps)
+    if shape.kind == "prompt":  # the first output token: the prompt's batches up to its last, no step
+        prompt, generation = [d for d in prompt if d["start"] <= shape.start], []
+    else:
+        target = next(
+            (i for i, d in enumerate(generation) if d["start"] == shape.start and d["emits"][0] <= pos < d["emits"][1]),
+            None,
+        )
+        if target is None:
+            return None
+        generation = generation[: target + 1]
+    decodes = [*reused, *prompt, *(_public(d) for d in generation if not d["restored"])]
+    shared = any(d["before"] or d["after"] for d in decodes)
+    return Replay(decodes, shape.row, shape, shared)
+
+
+def history_of(result: Result) -> list[dict] | None:
+    """Every decode of a request, in order, as replay_of lists them (the reused prefix's, the prompt's, each step's
+    not restored): what its sequence holds afterwards was computed in these. None where its steps are not known."""
+    steps = result.work.steps if result.work is not None else None
+    if steps is None or any(n is None for _, n in steps.get("batches") or []):
+        return None
+    reused, prompt, generation = _decodes(result, steps)
+    return [*reused, *prompt, *(_public(d) for d in generation if not d["restored"])]
+
+
+def reused_prefix(history: list[dict], n: int) -> list[dict] | None:
+    """The decodes of `history` that computed positions 0..n-1, the last cut back to `n` (a later request reused
+    them from the cache); None where they do not hold n positions."""
+    kept = [dict(d) for d in history if d["start"] < n]
+    if not kept or kept[-1]["start"] + len(kept[-1]["tokens"]) < n or kept[-1]["keep"] < n:
+        return None
+    kept[-1]["keep"] = n
+    return kept
+
+
+class PrefixHistory:
+    """Per slot of one llama-server process, the sequence its last request left and the decodes that computed it,
+    so that the next request that reuses part of it from the prompt cache records those batches
+    (`Work.steps["reused"]`): a reused position's cache entries were computed in the earlier request's batches, and
+    a batch's shape moves the numbers (a row decoded among 22 is not the same row decoded among 7)."""
+
+    def __init__(self):
+        self.slots: dict[int, tuple[list[int], list[dict]]] = {}
+
+    def record(self, result: Result, loaded_elsewhere: bool) -> None:
+        """Attach the reused prefix's batches to `result` where its slot's last request computed them, then keep
+        `result`'s own. `loaded_elsewhere`: its log says the prompt cache loaded another state into the slot."""
+        steps = result.work.steps if result.work is not None else None
+        if steps is None or result.slot_id < 0:
+            return
+        sequence = [*result.prompt_tokens, *result.tokens]
+        n = _reused_n(steps, len(result.prompt_tokens))
+        held = None if loaded_elsewhere else self.slots.get(result.slot_id)
+        if n > 0 and held is not None and held[0][:n] == sequence[:n]:
+            prefix = reused_prefix(held[1], n)
+            if prefix is not None:
+                steps["reused"] = prefix
+        history = history_of(result)
+        if history is None:
+            self.slots.pop(result.slot_id, None)
+        else:
+            self.slots[result.slot_id] = (sequence, history)
+
+    def forget(self, slot: int) -> None:
+        """The slot now holds a state the harness did not see computed (a slot restore)."""
+        self.slots.pop(slot, None)
+
+
+def _reused_n(steps: dict, n_prompt: int) -> int:
+    """How many positions the prompt cache gave the request: where its first prompt batch started."""
+    starts = sorted({s for s in steps.get("prompt_batches", []) if 0 <= s < n_prompt})
+    return starts[0] if starts else 0
+
+
+def _decodes(result: Result, steps: dict) -> tuple[list[dict], list[dict], list[dict]]:
+    """(the reused prefix's decodes, the prompt's, every generation batch's): the last carry `restored` and
+    `emits` (the output tokens it emitted, [first, end))."""
     sequence = [*result.prompt_tokens, *result.tokens]
     n_prompt = len(result.prompt_tokens)
     seq = max(result.slot_id, 0)
     starts = sorted({s for s in steps.get("prompt_batches", []) if 0 <= s < n_prompt})
-    reused = [_decode(seq, 0, sequence[: starts[0]], False, starts[0])] if starts and starts[0] > 0 else []
+    reused = []
+    if starts and starts[0] > 0:
+        given = steps.get("reused")
+        reused = [dict(d) for d in given] if given else [_decode(seq, 0, sequence[: starts[0]], False, starts[0])]
     starts = starts or [0]
     bounds = [*starts[1:], n_prompt]
     prompt = [_decode(seq, a, sequence[a:b], False, b) for a, b in zip(starts, bounds, strict=True)]
     generation = []
-    emitted, target = 1, None
-    for rows, n in steps["batches"]:
+    emitted = 1  # the first output token comes from the prompt
+    for rows, n in steps.get("batches") or []:
         start = n_prompt + emitted - 1
         generation.append(_decode(seq, start, _padded(sequence[start:], rows), rows > 1, start + (n or 0)))
-        generation[-1]["restored"] = not n
-        if start == shape.start and n and emitted <= pos < emitted + n:
-            target = len(generation) - 1
-            break
+        generation[-1] |= {"restored": not n, "emits": (emitted, emitted + (n or 0))}
         emitted += n or 0
-    if shape.kind == "prompt":
-        prompt = [d for d in prompt if d["start"] <= shape.start]
-    elif target is None:
-        return None
     _place(prompt, generation, steps.get("places"))
-    decodes = [*reused, *prompt, *(d for d in generation if not d["restored"])]
-    shared = any(d["before"] or d["after"] for d in decodes)
-    return Replay(decodes, shape.row, shape, shared)
+    return reused, prompt, generation
+
+
+def _public(decode: dict) -> dict:
+    """A decode as Replay and the replayers take it (without the bookkeeping of `_decodes`)."""
+    return {k: v for k, v in decode.items() if k not in ("restored", "emits")}
 
 
 def _decode(seq: int, start: int, tokens: list[int], every_row: bool, keep: int) -> dict:

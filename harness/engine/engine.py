@@ -16,6 +16,16 @@ from harness.result.logits import PositionLogits
 from harness.suites.request import Request, Sampling
 
 
+def target_params(params: ContextParams, spec: SpecConfig | None) -> ContextParams:
+    """The target context's options under `spec`: the recurrent snapshots per sequence (`n_rs_seq`) a partial
+    rollback needs, sized as llama-server's `need_n_rs_seq()` sizes them."""
+    if spec is not None and spec.enabled and spec.rollback == "partial":
+        return replace(params, n_rs_seq=spec.max_draft())
+    if spec is not None and spec.rollback == "auto" and spec.rs_rollback:
+        return replace(params, n_rs_seq=spec.spec_draft_n_max)
+    return params
+
+
 class Engine:
     """Loads `model_path`, creates a context with `params` and serves requests on its slots,
     speculating when `spec` enables a drafter, logging top-k logits when `logit_top_k` > 0 and scanning
@@ -30,10 +40,7 @@ class Engine:
         kv_scan: str = "off",
         keep_slot_states: bool = False,
     ):
-        if spec is not None and spec.enabled and spec.rollback == "partial":
-            params = replace(params, n_rs_seq=spec.max_draft())
-        elif spec is not None and spec.rollback == "auto" and spec.rs_rollback:  # llama-server's need_n_rs_seq()
-            params = replace(params, n_rs_seq=spec.spec_draft_n_max)
+        params = target_params(params, spec)
         self.model = Model(model_path, params.repack)
         self.ctx = None
         try:

@@ -175,16 +175,24 @@ def capture(row: np.ndarray, k: int, deferred: bool = False) -> PositionLogits:
 # --- llama-server -------------------------------------------------------------------------------------
 
 
-def from_server_probs(completion_probabilities: list[dict]) -> list[PositionLogits]:
+def from_server_probs(completion_probabilities: list[dict], tokens: list[int] | None = None) -> list[PositionLogits]:
     """llama-server's `completion_probabilities` (request field `n_probs`) → one record per token.
 
     Reads `top_logprobs`/`logprob`, or `top_probs`/`prob` (with `post_sampling_probs`, converted to logs;
     a zero probability becomes float32's lowest value, as the server reports a zero logprob). Tokens a
     speculative step emitted carry an empty top list: they become records with empty arrays, which
     `compare` skips and the `probs-complete` check counts.
-    """
+
+    With `tokens` (the response's), entries are matched to tokens by their `id`: llama-server leaves out the
+    entry of a token after which the text ends inside a UTF-8 character (server-context.cpp `process_token`
+    adds it only when the text is complete), and every later entry would land on the token before its own. Such
+    a token gets an empty record, as a withheld one."""
+    entries = completion_probabilities if tokens is None else _matched(completion_probabilities, tokens)
     out = []
-    for entry in completion_probabilities:
+    for entry in entries:
+        if entry is None:
+            out.append(PositionLogits(np.empty(0, np.int32), np.empty(0, np.float32)))
+            continue
         if "top_logprobs" in entry:
             top = [(c["id"], c["logprob"]) for c in entry["top_logprobs"]]
         else:
@@ -198,6 +206,22 @@ def from_server_probs(completion_probabilities: list[dict]) -> list[PositionLogi
             )
         )
     return out
+
+
+def _matched(entries: list[dict], tokens: list[int]) -> list[dict | None]:
+    """Each token's entry (None where the server left it out), in order, up to the last entry: tokens after it keep
+    no record (the entries llama-server drops for the tokens that spell a stop string), entries past the tokens
+    are kept. An entry without an `id` matches any token."""
+    out, j = [], 0
+    for token in tokens:
+        if j < len(entries) and entries[j].get("id", token) == token:
+            out.append(entries[j])
+            j += 1
+        else:
+            out.append(None)
+    while out and out[-1] is None:
+        out.pop()
+    return out + entries[j:]
 
 
 # --- Parquet --------------------------------------------------------------------------------------------

@@ -20,10 +20,12 @@ from contextlib import contextmanager, suppress
 from pathlib import Path
 
 from harness.backends.build.entry import BuildInfo, _locked
+from harness.backends.build.replay_build import REPLAY, build_replay, probe
 from harness.backends.build.sources import SourceIdentity, tag_of
 from harness.backends.build.wheel_link import (
     WheelLibraries,
     copy_libraries,
+    link_command,
     link_plan,
     relinked,
 )
@@ -109,6 +111,7 @@ def _build_into(
             _step(root, log_path, log, "build", build, env)
             for target in TARGETS:
                 shutil.copy2(build_dir / "bin" / target, tmp / "bin" / target)
+        replay = _replay(work, tmp, root, linked, log, env)
         compiler = _compiler(build_dir)
     hits = compiler_cache_hits(stats_log)
     stats_log.unlink(missing_ok=True)
@@ -126,11 +129,32 @@ def _build_into(
         build_seconds=round(time.monotonic() - started, 1),
         linked_libraries=libraries.describe() if linked else "",
         tag=tag_of(source) or "",
+        replay_bin=root / "bin" / REPLAY if replay else None,
     )
     with open(log_path, "a") as log:
         log.write(f"# compiler cache: {hits}\n" if hits else "# compiler cache: not used\n")
     (tmp / "build-info.json").write_text(json.dumps(info.to_json(), indent=2) + "\n")
     return info
+
+
+def _replay(work: Path, tmp: Path, root: Path, linked: bool, log, env: dict) -> bool:
+    """Build `llama-replay` into `tmp/bin` with llama-server's link (against the entry's `lib/` when `linked`);
+    False, said in the log, when it could not be built or does not run (the build goes on without it)."""
+    build_dir = work / "build"
+    try:
+        server = link_command(build_dir, "llama-server")
+    except HarnessError as err:
+        log.write(f"# {REPLAY} not built: {err}\n")
+        return False
+    if linked:
+        server = relinked(server, tmp / "lib", tmp / "bin" / "llama-server", root / "lib")
+    output = tmp / "bin" / REPLAY
+    why = build_replay(server, build_dir, work / "src", output, log, lambda argv, cwd: _run_logged(argv, log, env, cwd))
+    why = why or probe(output)
+    if why:
+        log.write(f"# {why}\n")
+        output.unlink(missing_ok=True)
+    return not why
 
 
 def _step(root: Path, log_path: Path, log, step: str, cmd: list[str], env: dict) -> None:

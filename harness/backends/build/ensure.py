@@ -24,6 +24,7 @@ from harness.backends.build.entry import (
     mark_used,
     require_executable,
 )
+from harness.backends.build.replay_build import replay_digest
 from harness.backends.build.sources import (
     SourceIdentity,
     extracted_source,
@@ -42,9 +43,10 @@ from harness.paths import cache_dir
 
 
 def build_key(identity: SourceIdentity, backend: str, args: list[str], libraries: WheelLibraries | None = None) -> str:
-    """The cache directory name of a build: backend, short commit and a hash of everything that matters (with
-    the shared libraries it links, when it links llama-cpp-python's)."""
-    data = {"source": [identity.commit, identity.digest], "backend": backend, "cmake": args}
+    """The cache directory name of a build: backend, short commit and a hash of everything that matters (the
+    source of the `llama-replay` built beside it, and the shared libraries it links, when it links
+    llama-cpp-python's)."""
+    data = {"source": [identity.commit, identity.digest], "backend": backend, "cmake": args, "replay": replay_digest()}
     if libraries is not None:
         data["link"] = [LINK_FORMAT, libraries.digest]
     blob = json.dumps(data)
@@ -135,6 +137,7 @@ def prebuilt_server(server_bin: Path) -> BuildInfo:
     return BuildInfo(
         server_bin=server_bin,
         quantize_bin=quantize if quantize.is_file() else None,
+        replay_bin=replay if (replay := server_bin.with_name("llama-replay")).is_file() else None,
         commit=commit.group(1) if commit else "unknown",
         dirty=False,
         backend=_device_kind(server_bin),

@@ -39,6 +39,9 @@ class BuildInfo:
     """The llama-cpp-python libraries the binaries link (in the entry's lib/), or '' when compiled in."""
     tag: str = ""
     """The upstream build tag (bN) of the tree, when it is a tag's tree (`specharness build --tag`), else ''."""
+    replay_bin: Path | None = None
+    """`llama-replay` linked with the same libraries (harness/backends/build/replay_build.py), or None where the
+    tree's llama.h does not compile it (or a binary not built here)."""
     cached: bool = False
     """True when this call reused an existing build (not stored in build-info.json)."""
 
@@ -48,6 +51,7 @@ class BuildInfo:
         data.pop("cached")
         data["server_bin"] = str(self.server_bin)
         data["quantize_bin"] = str(self.quantize_bin) if self.quantize_bin else None
+        data["replay_bin"] = str(self.replay_bin) if self.replay_bin else None
         return data
 
     @classmethod
@@ -56,6 +60,8 @@ class BuildInfo:
         data = dict(data, cached=True)
         data["server_bin"] = root / "bin" / "llama-server"
         data["quantize_bin"] = root / "bin" / "llama-quantize"
+        replay = root / "bin" / "llama-replay"
+        data["replay_bin"] = replay if data.get("replay_bin") and replay.is_file() else None
         return cls(**data)
 
 

@@ -106,7 +106,7 @@ class LinkPlan:
 def link_plan(build_dir: Path, targets: tuple[str, ...]) -> LinkPlan:
     """The LinkPlan of `targets` in the Ninja tree `build_dir`; HarnessError when a link command is not one plain
     compiler call that links libllama (and, for llama-server, every archive of ARCHIVES)."""
-    links = {target: _link_command(build_dir, target) for target in targets}
+    links = {target: link_command(build_dir, target) for target in targets}
     inputs = sorted({i for argv in links.values() for i in link_inputs(argv)})
     objects = [i for i in inputs if i.endswith(".o")]
     archives = {}
@@ -116,7 +116,7 @@ def link_plan(build_dir: Path, targets: tuple[str, ...]) -> LinkPlan:
     return LinkPlan(objects=sorted(set(objects)), archives=archives, links=links)
 
 
-def _link_command(build_dir: Path, target: str) -> list[str]:
+def link_command(build_dir: Path, target: str) -> list[str]:
     argv = shlex.split(_ninja_tool(build_dir, "commands", "-s", f"bin/{target}"))
     if argv[:2] == [":", "&&"] and argv[-2:] == ["&&", ":"]:
         argv = argv[2:-2]
