@@ -12,6 +12,8 @@ sampled-verification bug below is in common/sampling.cpp."""
 import hashlib
 import json
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 from filelock import FileLock
@@ -23,6 +25,20 @@ SEEDED = {
     "                        slot.mem.seq_rm(slot.id, ckpt.pos_max + 1, -1);\n": "                        // seeded bug: no seq_rm after the checkpoint restore\n",
     "            slot.mem.seq_rm(slot.id, slot.prompt.tokens.pos_next(), -1);\n": "            // seeded bug: no seq_rm of the rejected drafts\n",
 }
+
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def server_suite_run(server_bin: Path, suite: str, out: Path, *extra: str, timeout: float = 900) -> tuple:
+    """`specharness run --suite SUITE --backend server --server-bin BIN --out OUT EXTRA...` from the checkout:
+    (the finished process, its checks.json records; [] where it wrote none)."""
+    argv = ["run", "--suite", suite, "--backend", "server", "--server-bin", str(server_bin), *extra, "--out", str(out)]
+    proc = subprocess.run(
+        [sys.executable, "-m", "harness.cli", *argv], cwd=ROOT, capture_output=True, text=True, timeout=timeout
+    )
+    checks = json.loads((out / "checks.json").read_text()) if (out / "checks.json").is_file() else []
+    return proc, checks
 
 
 SERVER_CONTEXT = "tools/server/server-context.cpp"

@@ -11,19 +11,15 @@ build cache (the faulty one compiles common/sampling.cpp alone when the compiler
 
 from __future__ import annotations
 
-import json
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-from seeded import extra_draw_server, sampled_verify_server
+from seeded import extra_draw_server, sampled_verify_server, server_suite_run
 
 from harness.backends.build import BuildInfo
 from harness.checks import seeded
 
-ROOT = Path(__file__).resolve().parents[1]
 COUNT = re.compile(
     r"(\d+) of (\d+) seeded sampled draws \(distinct cell, case and seed; rounds replaying a seed count once\) of "
     r"sampling's \d+ speculative server cells diverged from the non-speculative output: the measured noise rate "
@@ -42,15 +38,7 @@ def faulty_build() -> BuildInfo:
 
 def sampling_run(build: BuildInfo, out: Path) -> tuple[int, list[dict], str]:
     """`specharness run --suite sampling --backend server --server-bin BUILD`: (exit code, checks.json, console)."""
-    argv = ["run", "--suite", "sampling", "--backend", "server", "--server-bin", str(build.server_bin)]
-    proc = subprocess.run(
-        [sys.executable, "-m", "harness.cli", *argv, "--out", str(out)],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=1200,
-    )
-    checks = json.loads((out / "checks.json").read_text()) if (out / "checks.json").is_file() else []
+    proc, checks = server_suite_run(build.server_bin, "sampling", out, timeout=1200)
     return proc.returncode, checks, proc.stdout + proc.stderr
 
 

@@ -14,17 +14,12 @@ the build cache like tests/seeded.py's."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
-from seeded import seeded_tree
+from seeded import seeded_tree, server_suite_run
 
 from harness.backends.build import ensure_server
 from harness.backends.server_checkpoints import Ledger
-
-ROOT = Path(__file__).resolve().parents[1]
 
 ERASE_FROM_RESTART = {
     (
@@ -79,15 +74,7 @@ def test_the_checkpoints_suite_passes_once_llama_server_erases_from_where_a_rest
         source=seeded_tree(ERASE_FROM_RESTART, "patched-erase-from-restart", "tests/test_stale_checkpoint.py")
     )
     out = tmp_path / "run"
-    argv = ["run", "--suite", "checkpoints", "--backend", "server", "--server-bin", str(patched.server_bin)]
-    proc = subprocess.run(
-        [sys.executable, "-m", "harness.cli", *argv, "--out", str(out)],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
-    checks = json.loads((out / "checks.json").read_text())
+    proc, checks = server_suite_run(patched.server_bin, "checkpoints", out)
     failed = [(c["model"], c["spec"], c["case"], c["check"], c["message"]) for c in checks if c["passed"] is False]
     assert not failed, (failed, proc.stdout[-2000:])
     # the patched build is the vendored commit's: the run says the known failure did not reproduce, and exits 1 so

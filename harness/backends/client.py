@@ -15,7 +15,7 @@ from typing import Any
 import requests
 
 from harness.result import Result, Timings
-from harness.result.logits import from_server_probs
+from harness.result.logits import absent_entries, from_server_probs
 from harness.suites.request import Request, Sampling
 
 CONNECT_TIMEOUT_S = 10.0
@@ -226,12 +226,15 @@ def _result(prompt_tokens: list[int], data: dict) -> Result:
     """A Result from a final /completion response object."""
     timings = data.get("timings", {})
     tokens = list(data.get("tokens", []))
-    logits = from_server_probs(data.get("completion_probabilities", []), tokens)
+    entries = data.get("completion_probabilities", [])
+    logits = from_server_probs(entries, tokens)
+    absent = absent_entries(entries, tokens)
     if data.get("stop_type") == "eos" and tokens:
         # llama-server lists the end-of-generation token it stopped on; Results (as the in-process engine's)
         # hold the generated tokens without it (its text is empty either way)
         tokens.pop()
         logits = logits[: len(tokens)]
+        absent = [p for p in absent if p < len(tokens)]
     spec_stats: dict[str, Any] = {"draft_n": 0, "draft_n_accepted": 0}  # the server omits them when nothing was drafted
     spec_stats.update({k: v for k, v in timings.items() if k.startswith("draft_")})
     spec_stats["types"] = data.get("generation_settings", {}).get("speculative.types", "")
@@ -251,4 +254,5 @@ def _result(prompt_tokens: list[int], data: dict) -> Result:
         ),
         spec_stats=spec_stats,
         logits=logits,
+        probs_absent=absent,
     )

@@ -48,6 +48,18 @@ def gaps(outcome: Outcome, sampling: Sampling) -> tuple[list[int], list[tuple[in
     )
 
 
+def _no_entry(outcome: Outcome, missing: list[int]) -> str:
+    """' (k of them with no entry at all, ...)' for the missing tokens llama-server gave no entry (Result.probs_absent:
+    not an empty list, no entry), else ''."""
+    none = [p for p in missing if p in set(outcome.result.probs_absent)]
+    if not none:
+        return ""
+    return (
+        f" ({len(none)} of them with no entry at all, first at token {none[0]}: llama-server adds a token's entry "
+        "only when the text after it does not end inside a UTF-8 character)"
+    )
+
+
 def probs_complete(ctx: CheckContext) -> CheckResult | None:
     """With `n_probs` > 0, every generated token carries its top-n probabilities (n entries of the model's
     log-probabilities; with `post_sampling_probs` 1 to n of the sampler chain's, exactly 1 when greedy) in
@@ -72,7 +84,7 @@ def probs_complete(ctx: CheckContext) -> CheckResult | None:
             first = first or (o.round, missing[0])
             absent.append(
                 f"round {o.round}: {len(missing)} of {len(o.result.tokens)} tokens without "
-                f"probabilities, first at token {missing[0]}"
+                f"probabilities, first at token {missing[0]}" + _no_entry(o, missing)
             )
         if wrong:
             others.append(

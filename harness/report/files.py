@@ -69,6 +69,7 @@ def records(runs: list) -> list[dict]:
                     "work": r.work.to_dict(),
                     "metrics": r.metrics,
                     **({"stale_checkpoint": r.stale_checkpoint} if r.stale_checkpoint else {}),
+                    **({"probs_absent": r.probs_absent} if r.probs_absent else {}),
                 }
             )
     return out

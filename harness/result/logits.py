@@ -208,6 +208,11 @@ def from_server_probs(completion_probabilities: list[dict], tokens: list[int] | 
     return out
 
 
+def absent_entries(entries: list[dict], tokens: list[int]) -> list[int]:
+    """The tokens llama-server gave no entry at all (see `from_server_probs`), before its last entry."""
+    return [i for i, entry in enumerate(_matched(entries, tokens)[: len(tokens)]) if entry is None]
+
+
 def _matched(entries: list[dict], tokens: list[int]) -> list[dict | None]:
     """Each token's entry (None where the server left it out), in order, up to the last entry: tokens after it keep
     no record (the entries llama-server drops for the tokens that spell a stop string), entries past the tokens

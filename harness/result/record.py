@@ -75,6 +75,9 @@ class Result:
     stale_checkpoint: str | None = None
     """llama-server only: the request's prompt went on from a context checkpoint made from other tokens than its own
     (harness.backends.server_checkpoints), in words; None where none was seen."""
+    probs_absent: list[int] = field(default_factory=list)
+    """llama-server only: the generated tokens that have no `completion_probabilities` entry at all (not an empty
+    list: no entry; harness.result.logits.absent_entries), in order; empty elsewhere."""
 
     def split_rollback_before(self, index: int) -> str:
         """`; after a partial rollback in micro-batch ...`: the last such step whose rolled-back state made token
