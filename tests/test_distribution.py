@@ -379,26 +379,27 @@ def test_per_cell_seeds_pool_a_models_cells_and_find_what_no_cell_alone_does():
     assert pool["caught_by"]["stratum"] == "drafted"
 
 
-def test_the_close_drafts_of_sampling_close_are_accepted_at_least_70_percent_of_the_time():
-    """`sampling-close`'s premise on tiny-dense, both backends: every cell's close draft (`tiny-dense-close-draft`,
-    noise 0.005) at temperature 0.05 is accepted in >= 70 % of its drafted tokens (measured 2026-12-07: in-process
-    sample-and-match 0.76-0.90, rejection sampling 0.91-0.98; llama-server sample-and-match 0.76-0.86; tiny-hybrid
-    0.75-0.96), and the cells' outputs are draws of the target's law. At temperature 0.1 sample-and-match fell to
-    0.64-0.74 (it is capped by the target's top probability), at 0.7 every cell to about 0.18 (the draft offers its
-    top 10 candidates, which hold little of a flat tiny model's mass)."""
+@pytest.mark.parametrize("model", ["tiny-dense", "tiny-hybrid-mtp-close"])
+def test_the_close_drafts_of_sampling_close_are_accepted_at_least_70_percent_of_the_time(model):
+    """`sampling-close`'s premise on tiny-dense and the MTP target, both backends: every cell's close draft
+    (`tiny-dense-close-draft`, noise 0.005; tiny-hybrid-mtp-close's own head, draft-mtp) at temperature 0.05 is
+    accepted in >= 70 % of its drafted tokens (measured 2026-12-07: tiny-dense in-process sample-and-match 0.76-0.90,
+    rejection sampling 0.91-0.98, llama-server sample-and-match 0.76-0.86; tiny-hybrid 0.75-0.96; tiny-hybrid-mtp-close
+    0.75-0.93 in-process, 0.88-0.95 on llama-server), and the cells' outputs are draws of the target's law. At
+    temperature 0.1 tiny-dense's sample-and-match fell to 0.64-0.74 (it is capped by the target's top probability),
+    at 0.7 every cell to about 0.18 (the draft offers its top 10 candidates, which hold little of a flat tiny model's
+    mass)."""
     from harness.backends.choose import backend_factories
     from harness.checks import evaluate_cell
     from harness.execute import ExecOptions, Executor
     from harness.matrix import cells
     from harness.suites import load_suite
 
-    require_model("tiny-dense")
+    require_model(model)
     suite = load_suite("sampling-close")
     assert suite.cases[0].sampling.temperature == 0.05
     mine = [
-        c
-        for c in cells(suite.matrix)
-        if c.model == "tiny-dense" and (c.backend == "inproc" or c.preset.keeps_seeded_tokens)
+        c for c in cells(suite.matrix) if c.model == model and (c.backend == "inproc" or c.preset.keeps_seeded_tokens)
     ]
     assert len(mine) == 9
     executor = Executor(ExecOptions(backends=backend_factories(), kv_scan="off"))

@@ -316,6 +316,10 @@ SEQ_SPECULATION_MAX_ABS = {  # the largest max |Δ| of a seq speculative variant
     "tiny-dense-wide-q4_k--server": 0.0,
     "tiny-hybrid-mtp-wide-q4_k--inproc": 0.0239,
     "tiny-hybrid-mtp-wide-q4_k--server": 0.0,
+    # sampling-close's MTP target (trunk and head at 0.01), specharness calibrate --model tiny-hybrid-mtp-close
+    # --write, 2026-12-07, Intel AMX VM
+    "tiny-hybrid-mtp-close--inproc": 1.87e-6,
+    "tiny-hybrid-mtp-close--server": 9.54e-7,
 }
 SEQ_FLOOR = {  # the near-tie floor a seq divergence is judged with (docs/near-tie-policy.md)
     "gemma3-270m--inproc": 1.36,  # re-measured 2026-12-07, as above
@@ -334,6 +338,8 @@ SEQ_FLOOR = {  # the near-tie floor a seq divergence is judged with (docs/near-t
     "tiny-dense-wide-q4_k--server": 0.0651,  # 2 x its seq flip's margin, re-measured with --repeats 6
     "tiny-hybrid-mtp-wide-q4_k--inproc": 0.0960,
     "tiny-hybrid-mtp-wide-q4_k--server": 0.0960,
+    "tiny-hybrid-mtp-close--inproc": 1e-4,
+    "tiny-hybrid-mtp-close--server": 1e-4,
 }
 
 

@@ -81,9 +81,9 @@ on one worker (its cells of both backends), so a pool is the whole law's whichev
 
 False alarms per run (the union bound over the tests a run makes): at most MAX_TESTS_PER_RUN cases at ALPHA and
 MAX_POOLS_PER_RUN pools at ALPHA_POOL: RUN_FALSE_ALARM = 500 × 1e-6 + 50 × 1e-5 = 1e-3. The default suites
-(suites/*.yaml) judge 168 cases with it (96 in `sampling`, whose 8 laws hold one seed each, 48 in
-`sampling-pooled` and 24 in `sampling-close`, per-cell seeds) and test 6 pools (one a model and suite):
-168 × 1e-6 + 6 × 1e-5 = 2.28e-4 per run
+(suites/*.yaml) judge 180 cases with it (96 in `sampling`, whose 8 laws hold one seed each, 48 in
+`sampling-pooled` and 36 in `sampling-close`, per-cell seeds) and test 7 pools (one a model and suite):
+180 × 1e-6 + 7 × 1e-5 = 2.5e-4 per run
 (tests/test_distribution_power.py recounts them).
 
 Power (`power`, `detectable_shift`; tests/test_distribution_power.py recomputes every number here). The
