@@ -19,6 +19,8 @@ from pathlib import Path
 import llama_cpp
 import numpy as np
 
+from harness.llama.defaults import default_repack
+
 PROMPTS = (
     *(
         f"Write a quicksort demo in {lang}. Please, write just code. Do not write any extra comments."
@@ -95,18 +97,19 @@ def batch_vs_single(
     ns: Sequence[int] = (2, 3, 4, 5),
     *,
     threads: int = 1,
-    repack: bool = True,
+    repack: bool | None = None,
     prompts: Sequence[str] = PROMPTS,
     n_gen: int = 48,
     stride: int = 1,
 ) -> dict[int, BatchShift]:
     """For each n in `ns`: every `stride`-th position of each prompt's greedy continuation (`n_gen` tokens decoded
     one at a time), the next n tokens of that continuation decoded as one batch with logits on every row, against
-    the single-token decodes of the same tokens after the same state (saved and restored)."""
+    the single-token decodes of the same tokens after the same state (saved and restored). `repack` None: as the
+    suites serve (harness.llama.defaults.default_repack: off on a CPU whose AMX path crashes llama.cpp)."""
     llama_cpp.llama_backend_init()
     llama_cpp.llama_log_set(_quiet, None)
     mparams = llama_cpp.llama_model_default_params()
-    mparams.use_extra_bufts = repack
+    mparams.use_extra_bufts = default_repack() if repack is None else repack
     model = llama_cpp.llama_model_load_from_file(str(path).encode(), mparams)
     if not model:
         raise RuntimeError(f"llama.cpp could not load {path}")
@@ -186,7 +189,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("models", nargs="+", help="registry names or .gguf paths")
     parser.add_argument("--n", default="2,3,4,5", help="batch sizes (default 2,3,4,5)")
     parser.add_argument("--threads", type=int, default=1, help="llama.cpp threads (default 1)")
-    parser.add_argument("--no-repack", action="store_true", help="load the weights without repacking them")
+    parser.add_argument(
+        "--no-repack",
+        action="store_true",
+        help="load the weights without repacking them (default: repacked, but on a CPU with AMX)",
+    )
     parser.add_argument("--json", action="store_true", help="a JSON line per model instead of the table")
     args = parser.parse_args(argv)
     from harness.models.registry import resolve
@@ -198,13 +205,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             resolve(name).path,
             [int(n) for n in args.n.split(",")],
             threads=args.threads,
-            repack=not args.no_repack,
+            repack=False if args.no_repack else None,
         )
         rows = [summary(s) for s in shifts.values()]
         if args.json:
-            print(json.dumps({"model": name, "threads": args.threads, "repack": not args.no_repack, "shifts": rows}))
+            repack = not args.no_repack and default_repack()
+            print(json.dumps({"model": name, "threads": args.threads, "repack": repack, "shifts": rows}))
             continue
-        repack = "off" if args.no_repack else "on"
+        repack = "on" if not args.no_repack and default_repack() else "off"
         for r in rows:
             print(
                 f"{name}  {args.threads}  {repack}  {r['n']}  {r['rows']}  {r['moved']}  "
