@@ -15,7 +15,7 @@ from typing import Any
 import requests
 
 from harness.result import Result, Timings
-from harness.result.logits import absent_entries, from_server_probs
+from harness.result.logits import from_server_probs, matched_entries
 from harness.suites.request import Request, Sampling
 
 CONNECT_TIMEOUT_S = 10.0
@@ -226,9 +226,9 @@ def _result(prompt_tokens: list[int], data: dict) -> Result:
     """A Result from a final /completion response object."""
     timings = data.get("timings", {})
     tokens = list(data.get("tokens", []))
-    entries = data.get("completion_probabilities", [])
-    logits = from_server_probs(entries, tokens)
-    absent = absent_entries(entries, tokens)
+    entries = matched_entries(data.get("completion_probabilities", []), tokens)
+    logits = from_server_probs(entries)
+    absent = [i for i, entry in enumerate(entries[: len(tokens)]) if entry is None]
     if data.get("stop_type") == "eos" and tokens:
         # llama-server lists the end-of-generation token it stopped on; Results (as the in-process engine's)
         # hold the generated tokens without it (its text is empty either way)

@@ -187,7 +187,7 @@ def from_server_probs(completion_probabilities: list[dict], tokens: list[int] | 
     entry of a token after which the text ends inside a UTF-8 character (server-context.cpp `process_token`
     adds it only when the text is complete), and every later entry would land on the token before its own. Such
     a token gets an empty record, as a withheld one."""
-    entries = completion_probabilities if tokens is None else _matched(completion_probabilities, tokens)
+    entries = completion_probabilities if tokens is None else matched_entries(completion_probabilities, tokens)
     out = []
     for entry in entries:
         if entry is None:
@@ -208,13 +208,9 @@ def from_server_probs(completion_probabilities: list[dict], tokens: list[int] | 
     return out
 
 
-def absent_entries(entries: list[dict], tokens: list[int]) -> list[int]:
-    """The tokens llama-server gave no entry at all (see `from_server_probs`), before its last entry."""
-    return [i for i, entry in enumerate(_matched(entries, tokens)[: len(tokens)]) if entry is None]
-
-
-def _matched(entries: list[dict], tokens: list[int]) -> list[dict | None]:
-    """Each token's entry (None where the server left it out), in order, up to the last entry: tokens after it keep
+def matched_entries(entries: list[dict], tokens: list[int]) -> list[dict | None]:
+    """Each token's `completion_probabilities` entry (None where llama-server left it out: see `from_server_probs`,
+    which takes the result), in order, up to the last entry: tokens after it keep
     no record (the entries llama-server drops for the tokens that spell a stop string), entries past the tokens
     are kept. An entry without an `id` matches any token."""
     out, j = [], 0

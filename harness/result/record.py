@@ -77,7 +77,7 @@ class Result:
     (harness.backends.server_checkpoints), in words; None where none was seen."""
     probs_absent: list[int] = field(default_factory=list)
     """llama-server only: the generated tokens that have no `completion_probabilities` entry at all (not an empty
-    list: no entry; harness.result.logits.absent_entries), in order; empty elsewhere."""
+    list: no entry; harness.result.logits.matched_entries), in order; empty elsewhere."""
 
     def split_rollback_before(self, index: int) -> str:
         """`; after a partial rollback in micro-batch ...`: the last such step whose rolled-back state made token
