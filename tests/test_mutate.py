@@ -20,6 +20,7 @@ import pytest
 from harness.backends.build import vendored_source
 from harness.cli import main
 from harness.errors import HarnessError
+from harness.mutate.battery import server_cells
 from harness.mutate.campaign import KILLED, STILLBORN, SURVIVED
 from harness.mutate.generate import Mutant, mutants_of, pool, sample
 from harness.mutate.score import load_judgements, score
@@ -155,34 +156,64 @@ def test_only_a_mutant_on_an_executable_line_no_run_executes_is_unreached():
     assert judge.reached(at(2, "other.cpp"))  # a file the coverage build did not measure: served
 
 
-def test_a_reached_mutant_meets_only_the_suites_that_execute_its_line():
+def test_a_reached_mutant_meets_only_the_cells_that_execute_its_line_and_those_that_compare_with_them(monkeypatch):
     from types import SimpleNamespace
 
+    from harness.matrix import Cell
+    from harness.mutate import campaign as campaign_module
     from harness.mutate.campaign import Judge
     from harness.mutate.coverage import union
 
+    suite_cells = [Cell("server", mode, spec, "m") for mode in ("seq", "par") for spec in ("none", "draft-simple")]
+    ids = [c.id for c in suite_cells]
+    seq_none, seq_draft, par_none, par_draft = ids
+    monkeypatch.setattr(campaign_module, "server_cells", lambda suite: suite_cells)
     judge = Judge.__new__(Judge)
     judge.campaign = SimpleNamespace(coverage=True)
-    per_suite = {
-        "a": {"f.cpp": {"executable": [1, 2, 3], "covered": [1]}},
-        "b": {"f.cpp": {"executable": [1, 2, 3], "covered": [1, 3]}},
+    per_cell = {  # the counters each cell's llama-server wrote: line -> cells
+        seq_none: {"f.cpp": [1]},
+        seq_draft: {"f.cpp": [1, 4]},
+        par_none: {"f.cpp": [1]},
+        par_draft: {"f.cpp": [1, 3, 4]},
     }
     judge._reach = {
-        "ours": union(per_suite.values()),
+        "ours": union([{"f.cpp": {"executable": [1, 2, 3, 4], "covered": [1, 3, 4]}}]),
         "peers": {},
-        "suites": {s: {f: r["covered"] for f, r in reach.items()} for s, reach in per_suite.items()},
+        "cells": {"quick": per_cell, "part": {seq_none: {"f.cpp": [1]}}},  # part: one cell wrote no counters
     }
-    assert judge._reach["ours"] == {"f.cpp": {"executable": [1, 2, 3], "covered": [1, 3]}}
 
     def at(line: int, file: str = "f.cpp") -> Mutant:
         return Mutant(file, line, "a\n", "b\n", "rule")
 
-    assert judge.suites_reaching(at(1), ["a", "b"]) == ["a", "b"]
-    assert judge.suites_reaching(at(3), ["a", "b", "c"]) == ["b", "c"]  # c was not measured: served
-    assert judge.suites_reaching(at(7), ["a", "b"]) == ["a", "b"]  # not an executable line: every suite
-    assert judge.suites_reaching(at(3, "other.cpp"), ["a"]) == ["a"]  # a file not measured: every suite
+    assert judge.cells_to_serve(at(3), "quick") == [par_draft]  # no other cell compares with it
+    assert judge.cells_to_serve(at(4), "quick") == [seq_draft, par_draft]
+    assert judge.cells_to_serve(at(1), "quick") is None  # every cell (seq-none is everyone's reference)
+    assert judge.cells_to_serve(at(2), "quick") == []  # executable, no cell executes it: the suite is not run
+    assert judge.cells_to_serve(at(3), "part") == [seq_draft, par_none, par_draft]  # unmeasured cells are served
+    assert judge.cells_to_serve(at(3), "other") is None  # a suite not measured: every cell
+    assert judge.cells_to_serve(at(7), "quick") is None  # not an executable line: every cell
+    assert judge.cells_to_serve(at(3, "other.cpp"), "quick") is None  # a file not measured: every cell
     judge.campaign.coverage = False
-    assert judge.suites_reaching(at(3), ["a", "b"]) == ["a", "b"]
+    assert judge.cells_to_serve(at(3), "quick") is None
+
+
+def test_a_campaign_names_no_path_of_this_machine_and_finds_its_tree_again_by_identity(tree, tmp_path, monkeypatch):
+    from harness.backends.build import source_identity
+    from harness.mutate import campaign as campaign_module
+    from harness.mutate.campaign import VENDORED, Campaign, _compile_error
+
+    monkeypatch.setattr(campaign_module, "vendored_source", lambda: tree)  # the vendored tree, wherever it lies
+    plan = Campaign(VENDORED, str(source_identity(tree)), ["common/x.cpp"], 1, 1, 9, [], ["quicksort"], [])
+    out = tmp_path / "campaign"
+    out.mkdir()
+    plan.save(out)
+    assert str(tree) not in (out / "campaign.json").read_text()
+    assert Campaign.load(out).tree_source() == tree
+    (tree / "common" / "x.cpp").write_text(CPP + "// changed\n")
+    with pytest.raises(HarnessError, match="is not the one it sampled"):
+        Campaign.load(out).tree_source()
+    error = f"llama.cpp build failed (log)\n{tree}/common/x.cpp:3:1: error: expected ';'\n"
+    assert _compile_error(error, tree) == "common/x.cpp:3:1: error: expected ';'"
 
 
 def record(status: str, id_: str) -> dict:
@@ -287,6 +318,15 @@ def test_a_small_campaign_builds_each_mutant_judges_it_scores_reports_and_leaves
     assert set(reach["suites"]["forced-rejection"]["common/sampling.cpp"]) == set(
         reach["ours"]["common/sampling.cpp"]["covered"]
     )
+    per_cell = reach["cells"]["forced-rejection"]  # ... and each cell's (which cells of a suite a mutant meets)
+    assert set(per_cell) <= {c.id for c in server_cells("forced-rejection")} | {
+        c.reference(spec="none").id for c in server_cells("forced-rejection")
+    }
+    assert set().union(*(f["common/sampling.cpp"] for f in per_cell.values())) == set(
+        reach["ours"]["common/sampling.cpp"]["covered"]
+    )
+    verifying = {cell for cell, f in per_cell.items() if 682 in f["common/sampling.cpp"]}
+    assert verifying and not any("-none-" in cell for cell in verifying)  # only speculative cells verify drafts
 
 
 @MUTATION_TREE

@@ -166,6 +166,8 @@ def test_out_that_is_a_file_is_refused_before_running(tmp_path, capsys):
         (["run", "--suite", "nope"], "unknown suite 'nope'"),
         (["run", "--spec", "magic"], "unknown spec config 'magic'"),
         (["run", "--backend", "gpu"], "unknown backend 'gpu'"),
+        (["run", "--cell", "seq-magic-tiny-dense-server"], "--cell seq-magic-tiny-dense-server: no such cell"),
+        (["run", "--cell", "par-none-tiny-dense-server", "--mode", "seq"], "no such cell in quicksort"),
         (["run", "--suite", "forced-rejection", "--backend", "inproc", "--spec", "synth-reject"], "nothing to run"),
         (["run", "--suite", "grammar-json", "--backend", "server", "--spec", "scripted-reject"], "nothing to run"),
     ],
@@ -174,6 +176,16 @@ def test_bad_options_are_one_line_errors(argv, message, capsys):
     assert main(argv) == 2
     err = capsys.readouterr().err.strip()
     assert message in err and len(err.splitlines()) == 1
+
+
+def test_cell_runs_only_the_cells_it_names_and_judges_them_against_their_references(tmp_path, tiny_models):
+    out = tmp_path / "run"
+    cell = "par-draft-simple-tiny-dense-inproc"
+    assert main(["run", "--cell", cell, "--out", str(out)]) == 0
+    checks = json.loads((out / "checks.json").read_text())
+    judged = {"-".join(c[k] for k in ("mode", "spec", "model", "backend")) for c in checks}
+    assert judged == {cell}
+    assert {"lossless", "mode-invariant"} <= {c["check"] for c in checks if c["passed"]}  # against none and seq
 
 
 @pytest.mark.parametrize("option", ["--repeat", "--parallel"])

@@ -183,6 +183,9 @@ class ServeConfig:
     `checkpoint_flags`, `checkpoint_attempts`, `fault`, `drafters`: drafter objects tried first, and
     `script`: {"kind": a scripted preset's script, "outputs": prompt tokens → expected output}, the data the
     in-process backend builds the scripted drafter from)."""
+    env: dict = field(default_factory=dict)
+    """llama-server only: variables added to its process's environment (e.g. GCOV_PREFIX: where a `--coverage`
+    build writes the cell's line counters, `harness.execute.executor.CELL_COUNTERS`)."""
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:

@@ -62,6 +62,7 @@ class LlamaServer:
     log_path: Path | None = None  # stdout + stderr; None = a file in a temp dir that stop() removes (LogDir)
     verbosity: int | None = None  # -lv (None: llama-server's default)
     start_timeout: float = 60.0  # seconds for /health to answer 200
+    env: dict = field(default_factory=dict)  # added to the process's environment (not a flag)
 
     process: subprocess.Popen | None = field(default=None, init=False, repr=False)
     _logs: LogDir | None = field(default=None, init=False, repr=False)
@@ -88,6 +89,7 @@ class LlamaServer:
             context_shift=config.context_shift,
             server_only=config.server_only,
             spec=dict(config.spec),
+            env=dict(config.env),
             **options,
         )
 
@@ -175,6 +177,7 @@ class LlamaServer:
         cmd = self.command()
         env = {k: v for k, v in os.environ.items() if not k.startswith("LLAMA_ARG_")}  # flags only
         env.setdefault(NO_BACKTRACE, "1")
+        env.update(self.env)
         with open(self.log_path, "w") as log:
             log.write("$ " + " ".join(cmd) + "\n")
             log.flush()

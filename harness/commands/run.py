@@ -132,6 +132,18 @@ def available_models(models: list[str], asked: list[str] | None) -> dict[str, st
     return skipped
 
 
+def require_cells(ids: list[str], suites: list[Suite], only: dict) -> None:
+    """Every `--cell` id names a cell of the chosen suites (after the other choices): else a one-line error."""
+    known = {cell.id for suite in suites for cell in cells(suite.matrix, only)}
+    unknown = [i for i in ids if i not in known]
+    if unknown:
+        names = ", ".join(s.name for s in suites)
+        raise HarnessError(
+            f"--cell {unknown[0]}: no such cell in {names} with the other choices (an id is MODE-SPEC-MODEL-BACKEND "
+            "as the report names it, e.g. seq-draft-simple-tiny-dense-server)"
+        )
+
+
 @dataclass
 class RunPlan:
     """What `run` serves: the suites, each with the narrowing of its cells, the shard, a `--suites-dir`, and
@@ -149,13 +161,15 @@ class RunPlan:
 def plan_run(args: argparse.Namespace) -> RunPlan:
     """The suites and cells `run` serves (nothing to run, or a model that is missing, is a one-line error; a model
     whose optional package is missing is skipped), and its run directory."""
-    only = narrowing(csv(args.backend), csv(args.mode), csv(args.spec), args.model)
+    only = narrowing(csv(args.backend), csv(args.mode), csv(args.spec), args.model, args.cell)
     part = Shard.parse(args.shard) if args.shard else None
     if args.server_bin is not None:  # bad input, said before anything is served (not a cell's harness error)
         require_executable(Path(args.server_bin).expanduser())
     extra = user_suites_dir(args.suites_dir)
     names = args.suite or ([path.stem for path in suite_files(extra)] if extra else [DEFAULT_SUITE])
     suites = [find_suite(name, extra) for name in names]
+    if args.cell:
+        require_cells(args.cell, suites, {**only, "cells": None})
     if not any(cells(suite.matrix, only) for suite in suites):
         raise HarnessError(
             "nothing to run: the chosen backends, modes, spec configs and models leave no cell "

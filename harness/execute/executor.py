@@ -9,6 +9,7 @@ asked for (`expect`): their sessions open side by side and take turns round by r
 speculation included, so each speculative request's speed-up over the same request without speculation
 (report.files.speedups) compares requests made moments apart, on an equally busy machine."""
 
+import os
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
@@ -42,6 +43,18 @@ class ExecOptions:
     """The stall window's floor (ServeConfig.stall_s) where a suite's `serve` does not set one."""
 
 
+CELL_COUNTERS = "SPECHARNESS_CELL_COUNTERS"
+"""Set to a directory: each cell's llama-server writes the line counters of a `--coverage` build under DIR/<cell id>
+(GCOV_PREFIX), so `specharness mutate` knows which cells execute a line (harness/mutate/coverage.py)."""
+
+
+def counters_env(cell: Cell) -> dict:
+    """The environment a cell's llama-server gets beyond the harness's own: its coverage counters' directory when
+    CELL_COUNTERS is set (nothing otherwise)."""
+    where = os.environ.get(CELL_COUNTERS)
+    return {"GCOV_PREFIX": os.path.join(where, cell.id)} if where else {}
+
+
 def serve_config(
     cell: Cell, options: ExecOptions, serve: dict | None = None, engine: dict | None = None
 ) -> ServeConfig:
@@ -60,6 +73,7 @@ def serve_config(
         engine=dict(options.engine if engine is None else engine),
         logit_top_k=options.logit_top_k,
         kv_scan=options.kv_scan,
+        env=counters_env(cell),
         **serve,
     )
 

@@ -107,6 +107,13 @@ def add_run_options(p: argparse.ArgumentParser) -> None:
         metavar="CONFIG[,CONFIG...]",
         help=f"speculative configs, each one of {', '.join(SPEC_PRESETS)} or `a+b` chained (default: the suite's)",
     )
+    p.add_argument(
+        "--cell",
+        action="append",
+        metavar="ID",
+        help="only this cell, by its id as the report names it (MODE-SPEC-MODEL-BACKEND, e.g. "
+        "par-draft-simple-tiny-dense-server), repeatable; with the other choices, the cells both keep",
+    )
     p.add_argument("--draft-model", metavar="NAME|PATH", help="draft model for draft-simple (default <model>-draft)")
     p.add_argument("--rollback", default="auto", choices=STRATEGIES, help="in-process rollback strategy (default auto)")
     p.add_argument(

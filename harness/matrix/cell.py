@@ -80,7 +80,8 @@ def cells(matrix: dict | list[dict], only: dict[str, list[str] | None] | None = 
     models' configs on Gemma); a model no block names (one of your own) runs in the generic blocks, those of the
     default tiny models: a block made for one model's gifts (Gemma's prompt-repeating replies for ngram-cache,
     tiny-hybrid-mtp's MTP block and heads, the -loop model's repetition) would ask of it what it may not have. A
-    spec config is left out of the cells of a backend that does not have it (`SpecPreset.runs_on`)."""
+    spec config is left out of the cells of a backend that does not have it (`SpecPreset.runs_on`). `only["cells"]`,
+    when given, keeps only the cells with those ids (`--cell`)."""
     blocks = matrix if isinstance(matrix, list) else [matrix]
     chosen = (only or {}).get("models")
     out: list[Cell] = []
@@ -102,7 +103,8 @@ def cells(matrix: dict | list[dict], only: dict[str, list[str] | None] | None = 
         ):
             if cell not in out and cell.preset.runs_on(cell.backend):
                 out.append(cell)
-    return out
+    ids = (only or {}).get("cells")
+    return [cell for cell in out if cell.id in ids] if ids else out
 
 
 def block_of(matrix: dict | list[dict], model: str) -> dict:
@@ -117,12 +119,14 @@ def narrowing(
     modes: list[str] | None = None,
     specs: list[str] | None = None,
     models: list[str] | None = None,
+    ids: list[str] | None = None,
 ) -> dict:
-    """Validated explicit choices for `cells(..., only=)` (None keeps a suite's own axis)."""
+    """Validated explicit choices for `cells(..., only=)` (None keeps a suite's own axis; `ids` keeps only the
+    cells of those ids, `--cell`)."""
     for values, allowed, what in ((backends, BACKEND_NAMES, "backend"), (modes, MODES, "mode")):
         bad = [v for v in values or () if v not in allowed]
         if bad:
             raise HarnessError(f"unknown {what} '{bad[0]}' (use: {', '.join(allowed)})")
     for spec in specs or ():
         spec_preset(spec)
-    return {"backends": backends, "modes": modes, "specs": specs, "models": models}
+    return {"backends": backends, "modes": modes, "specs": specs, "models": models, "cells": ids}

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from harness.errors import HarnessError
+from harness.matrix import Cell, cells
 from harness.report.files import status
 from harness.signatures import group
 from harness.suites import load_suite, suite_files
@@ -51,6 +52,15 @@ def server_suites() -> list[str]:
     return names
 
 
+def server_cells(suite: str) -> list[Cell]:
+    """The llama-server cells of the installed suite named `suite`, as `specharness run --backend server` plans
+    them."""
+    path = next((p for p in suite_files() if load_suite(str(p)).name == suite), None)
+    if path is None:
+        raise HarnessError(f"no installed suite named {suite}")
+    return [c for c in cells(load_suite(str(path)).matrix) if c.backend == "server"]
+
+
 @dataclass
 class SuiteRun:
     """One `specharness run` of one suite on one build."""
@@ -68,14 +78,22 @@ class SuiteRun:
 
 
 def run_suite(
-    suite: str, server_bin: Path, out: Path, timeout_s: float | None, cell: dict | None = None, env: dict | None = None
+    suite: str,
+    server_bin: Path,
+    out: Path,
+    timeout_s: float | None,
+    cell: dict | None = None,
+    env: dict | None = None,
+    cell_ids: list[str] | None = None,
 ) -> SuiteRun:
     """`specharness run --suite SUITE --backend server --server-bin SERVER_BIN --out OUT` (only `cell`'s mode, spec
-    and model when given; `env` added to the environment), stopped after `timeout_s`; its outcome read from what it
-    wrote."""
+    and model when given, only the cells `cell_ids` names when given; `env` added to the environment), stopped after
+    `timeout_s`; its outcome read from what it wrote."""
     cmd = [sys.executable, "-m", "harness.cli", "run", "--suite", suite, "--backend", "server"]
     if cell:
         cmd += ["--mode", cell["mode"], "--spec", cell["spec"], "--model", cell["model"]]
+    for cell_id in cell_ids or ():
+        cmd += ["--cell", cell_id]
     cmd += ["--server-bin", str(server_bin), "--out", str(out), "--no-auto-calibrate"]
     shutil.rmtree(out, ignore_errors=True)
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -10,19 +10,21 @@ a kill). A campaign is resumed from its directory: judged mutants are not judged
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from harness import interrupt
-from harness.backends.build import BuildInfo, ensure_server
+from harness.backends.build import BuildInfo, ensure_server, source_identity, vendored_source
 from harness.errors import HarnessError
 from harness.mutate import coverage, peers
-from harness.mutate.battery import SuiteRun, require_clean_pass, run_suite, timeout_for
+from harness.mutate.battery import SuiteRun, require_clean_pass, run_suite, server_cells, timeout_for
 from harness.mutate.generate import Mutant
 from harness.mutate.tree import MutationTree
 from harness.paths import append_jsonl, read_jsonl
+from harness.verdict.noise import hardware
 
 PLAN_FILE = "campaign.json"
 RESULTS_FILE = "mutants.jsonl"
@@ -30,9 +32,16 @@ STILLBORN, KILLED, SURVIVED, ERROR = "stillborn", "killed", "survived", "error"
 UNREACHED = "no run of the battery executes its line (line coverage of the unmutated build): built, not served"
 
 
+VENDORED = "vendored"
+"""`Campaign.source` of a campaign of the vendored tree (and "tag" of one of `tag`'s): found again on whatever machine
+resumes it, so a campaign's files carry no path of this machine and a campaign can go on elsewhere."""
+TAGGED = "tag"
+
+
 @dataclass
 class Campaign:
     source: str
+    """VENDORED, TAGGED (the tree of `tag`) or the path of a tree given with --source."""
     identity: str
     targets: list[str]
     seed: int
@@ -48,7 +57,10 @@ class Campaign:
     """Measure which lines the battery executes first: a mutant on an executable line none executes survives
     unserved (built: it may not compile; harness/mutate/coverage.py)."""
     clean: dict[str, dict] = field(default_factory=dict)
-    """suite -> the unmutated build's run of it (exit, seconds)."""
+    """suite -> the unmutated build's run of it (exit, seconds): on this machine and build (`clean_on`)."""
+    clean_on: str = ""
+    """The machine and unmutated build `clean` was measured on (`Judge.machine`): a campaign resumed on another
+    machine, or after the unmutated build was rebuilt, serves the unmutated build again before any mutant."""
     created: str = field(default_factory=lambda: time.strftime("%Y-%m-%dT%H:%M:%S%z"))
 
     def save(self, run_dir: Path) -> None:
@@ -69,6 +81,23 @@ class Campaign:
     def sampled(self) -> list[Mutant]:
         return [Mutant.from_json(m) for m in self.mutants]
 
+    def tree_source(self) -> Path:
+        """The tree the campaign mutates on this machine; a HarnessError when its bytes are not the campaign's."""
+        if self.source == TAGGED:
+            from harness.backends.build.tags import resolve_tag, tag_source
+
+            source = tag_source(resolve_tag(self.tag))
+        else:
+            source = vendored_source() if self.source == VENDORED else Path(self.source)
+        if not (source / "CMakeLists.txt").is_file():
+            raise HarnessError(f"the campaign's llama.cpp tree {source} is gone: a campaign judges one tree")
+        if str(source_identity(source)) != self.identity:
+            raise HarnessError(
+                f"the campaign's llama.cpp tree {source} is not the one it sampled ({self.identity}): a campaign "
+                "judges one tree; start another"
+            )
+        return source
+
 
 def read_results(run_dir: Path) -> list[dict]:
     """Every judged mutant, oldest first (a line cut short by a kill is ignored)."""
@@ -87,8 +116,16 @@ class Judge:
     def __init__(self, campaign: Campaign, run_dir: Path, tree: MutationTree, keep_builds: bool = False):
         self.campaign, self.run_dir, self.tree, self.keep_builds = campaign, run_dir, tree, keep_builds
         self.clean_build = ensure_server(source=tree.path)
+        if campaign.clean_on != self.machine():  # another machine or a rebuilt build: measured again here
+            campaign.clean, campaign.clean_on = {}, self.machine()
+            campaign.save(run_dir)
         self.peer_tests = peers.stage(tree.path, run_dir) if campaign.peers else None
         self._reach: dict | None = None
+
+    def machine(self) -> str:
+        """This machine's processor and cores, and when the unmutated build was made."""
+        made = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(self.clean_build.server_bin.stat().st_mtime))
+        return f"{hardware(self.clean_build.backend)} x{os.cpu_count()}, unmutated llama-server built {made}"
 
     def clean_run(self, suite: str) -> dict:
         if suite not in self.campaign.clean:
@@ -121,12 +158,13 @@ class Judge:
         return self.campaign.clean["peers"]
 
     def reach(self) -> dict:
-        """{"ours": file -> {executable, covered}, "peers": ..., "suites": suite -> file -> covered}: measured once
-        (coverage.json in the campaign; one measured before coverage was kept per suite is measured again)."""
+        """{"ours": file -> {executable, covered}, "peers": ..., "suites": suite -> file -> covered, "cells":
+        suite -> cell id -> file -> covered}: measured once (coverage.json in the campaign; one measured before
+        coverage was kept per cell is measured again)."""
         if self._reach is None:
             path = self.run_dir / coverage.FILE
-            if path.is_file() and "suites" not in json.loads(path.read_text()):
-                print("mutate: the campaign's coverage has no per-suite lines; measuring it again", flush=True)
+            if path.is_file() and "cells" not in json.loads(path.read_text()):
+                print("mutate: the campaign's coverage has no per-cell lines; measuring it again", flush=True)
                 path.unlink()
             if not path.is_file():
                 self._measure_coverage(path)
@@ -140,13 +178,15 @@ class Judge:
         info, tree_dir = coverage.build(self.tree.path)
         base = self.run_dir / "coverage"
         shutil.rmtree(base, ignore_errors=True)
-        by_suite = {}
+        by_suite, by_cell = {}, {}
         for suite in [*self.campaign.stage1, *self.campaign.stage2]:
             interrupt.phase("serving")
-            env = coverage.counter_env(base / "suites" / suite)  # each suite's counters apart
+            env = coverage.cell_counter_env(base / "suites" / suite)  # each suite's and each cell's counters apart
             run_suite(suite, info.server_bin, base / "runs" / suite, None, env=env)  # its verdicts do not matter
-            by_suite[suite] = coverage.read(base / "suites" / suite, tree_dir, self.tree.path, files)
-        reach = {"ours": coverage.union(by_suite.values()), "peers": {}}
+            measured = coverage.read_cells(base / "suites" / suite, tree_dir, self.tree.path, files)
+            by_suite[suite] = coverage.union(measured.values())
+            by_cell[suite] = {cell: {f: r["covered"] for f, r in lines.items()} for cell, lines in measured.items()}
+        reach = {"ours": coverage.union(by_suite.values()), "peers": {}, "cells": by_cell}
         reach["suites"] = {suite: {f: lines["covered"] for f, lines in r.items()} for suite, r in by_suite.items()}
         if self.peer_tests is not None:
             env = coverage.counter_env(base / "peers")
@@ -160,17 +200,20 @@ class Judge:
         lines = self.reach()[whose].get(mutant.file)
         return lines is None or mutant.line not in lines["executable"] or mutant.line in lines["covered"]
 
-    def suites_reaching(self, mutant: Mutant, suites: list[str]) -> list[str]:
-        """Those of `suites` whose runs of the unmutated build execute the mutant's line: a suite that never
-        executes it serves what it served unmutated (every suite when coverage is off, the line is not one gcov
-        lists as executable, or a suite was not measured)."""
+    def cells_to_serve(self, mutant: Mutant, suite: str) -> list[str] | None:
+        """The cells of `suite` the mutant must meet (harness.mutate.coverage.cells_to_serve): None for every
+        cell (coverage off, a line gcov does not list as executable, a suite not measured), [] when no cell of the
+        suite executes its line (the suite serves what it served unmutated)."""
         if not self.campaign.coverage:
-            return suites
+            return None
         lines = self.reach()["ours"].get(mutant.file)
-        if lines is None or mutant.line not in lines["executable"]:
-            return suites
-        per_suite = self.reach()["suites"]
-        return [s for s in suites if s not in per_suite or mutant.line in per_suite[s].get(mutant.file, [])]
+        per_cell = self.reach()["cells"].get(suite)
+        if lines is None or mutant.line not in lines["executable"] or per_cell is None:
+            return None
+        executing = {cell for cell, files in per_cell.items() if mutant.line in files.get(mutant.file, [])}
+        every = server_cells(suite)
+        chosen = coverage.cells_to_serve(executing, every, set(per_cell))
+        return None if len(chosen) == len(every) else chosen
 
     def judge(self, mutant: Mutant) -> dict:
         """Build `mutant` and meet the battery; its record (also when it is stillborn)."""
@@ -205,14 +248,15 @@ class Judge:
                 if not str(err).startswith("llama.cpp build failed"):  # configuring, a lock, the disk: not the mutant
                     raise
                 build = None
-                record.update(status=STILLBORN, reason=_compile_error(str(err)))
+                record.update(status=STILLBORN, reason=_compile_error(str(err), self.tree.path))
         record["build_s"] = round(time.monotonic() - started, 1)
         return build
 
     def _battery(self, mutant: Mutant, build: BuildInfo, record: dict) -> None:
         for stage in (1, 2):
             every = self.campaign.stage1 if stage == 1 else self.quickest_first(self.campaign.stage2)
-            suites = self.suites_reaching(mutant, every)
+            plan = {suite: self.cells_to_serve(mutant, suite) for suite in every}
+            suites = [suite for suite in every if plan[suite] != []]
             if len(suites) < len(every):
                 record.setdefault("unreached_suites", []).extend(s for s in every if s not in suites)
             clean = {suite: self.clean_run(suite) for suite in suites}  # once per campaign, not the mutant's time
@@ -220,8 +264,10 @@ class Judge:
             for suite in suites:
                 out = self.run_dir / "runs" / mutant.id / suite
                 interrupt.phase("serving")
-                run = run_suite(suite, build.server_bin, out, timeout_for(clean[suite]["seconds"]))
-                record["runs"].append(run.to_json())
+                run = run_suite(
+                    suite, build.server_bin, out, timeout_for(clean[suite]["seconds"]), cell_ids=plan[suite]
+                )
+                record["runs"].append({**run.to_json(), **({"cells": plan[suite]} if plan[suite] else {})})
                 if run.error:
                     record.update(status=ERROR, reason=f"{suite}: {run.error}", stage=stage)
                     return
@@ -264,7 +310,8 @@ class Judge:
         Path(str(root) + ".lock").unlink(missing_ok=True)
 
 
-def _compile_error(message: str) -> str:
-    """The compiler's first error line of a failed build's message (else its first line)."""
-    lines = message.splitlines()
+def _compile_error(message: str, tree: Path) -> str:
+    """The compiler's first error line of a failed build's message (else its first line), with paths relative to
+    the tree (a campaign's files name no path of this machine)."""
+    lines = [line.replace(f"{tree}/", "") for line in message.splitlines()]
     return next((line.strip() for line in lines if "error:" in line), lines[0] if lines else "build failed")[:300]

@@ -16,7 +16,7 @@ from harness.backends.build import source_identity, vendored_source
 from harness.errors import HarnessError
 from harness.execute.run_options import new_run_dir, prepare_out
 from harness.mutate.battery import STAGE1, server_suites
-from harness.mutate.campaign import PLAN_FILE, Campaign, Judge, append_result, read_results
+from harness.mutate.campaign import PLAN_FILE, TAGGED, VENDORED, Campaign, Judge, append_result, read_results
 from harness.mutate.generate import pool, sample
 from harness.mutate.score import load_judgements, score, write_report
 from harness.mutate.targets import DEFAULT_TARGETS, parse_target
@@ -65,7 +65,7 @@ def _new_campaign(args: argparse.Namespace) -> tuple[Campaign, Path]:
         raise SystemExit(0)
     chosen = sample(mutants, args.sample, args.seed)
     campaign = Campaign(
-        source=str(source.resolve()),
+        source=TAGGED if tag else VENDORED if args.source is None else str(source.resolve()),
         identity=str(source_identity(source)),
         targets=[t.describe() for t in targets],
         seed=args.seed,
@@ -92,7 +92,7 @@ def cmd_mutate(args: argparse.Namespace) -> int:
     else:
         campaign, run_dir = _new_campaign(args)
     judgements = load_judgements()
-    tree = MutationTree(Path(campaign.source))
+    tree = MutationTree(campaign.tree_source())
     print(f"mutate: {len(campaign.mutants)} of {campaign.pool_size} mutants (seed {campaign.seed}); {run_dir}")
     try:
         with tree.held():

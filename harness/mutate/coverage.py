@@ -3,8 +3,10 @@ suite of the campaign (and, separately, over llama.cpp's own server tests), meas
 
 A mutant on a line that is executable and that no run executes cannot change what any cell returns: it is built
 (one that does not compile is stillborn, as any other) but not served, and survives (`reached: false`), which is
-what serving it would show. A reached mutant meets only the suites that execute its line (each suite's counters are
-kept apart): a suite that never executes it serves what it served unmutated. A mutant on a line gcov does not list
+what serving it would show. A reached mutant meets only the cells that execute its line and the cells that compare
+with one of them (`cells_to_serve`): each cell's llama-server writes its counters apart
+(harness.execute.executor.CELL_COUNTERS), and a cell none of whose runs or references execute the line serves what
+it served unmutated. A suite none of whose cells execute it is not run at all. A mutant on a line gcov does not list
 as executable (a declaration, the rest of a statement spanning lines) is built and served as any other, by every
 suite. The argument is the one every coverage-based mutation tool makes (Stryker's per-test coverage, mutmut's
 --use-coverage); its one caveat is a line that only some timings execute (par batches), measured once.
@@ -26,6 +28,8 @@ from pathlib import Path
 
 from harness.backends.build import build_tree_dir, ensure_server
 from harness.errors import HarnessError
+from harness.execute.executor import CELL_COUNTERS
+from harness.matrix import Cell
 from harness.paths import cache_dir
 
 COVERAGE_CMAKE = {
@@ -68,11 +72,41 @@ def build(tree: Path):
     return info, build_tree_dir(Path(info.source), info.backend, list(info.cmake_args))
 
 
+def _strip() -> str:
+    """GCOV_PREFIX_STRIP: the work path's prefix stripped from the counters' paths (the build runs at
+    `<cache>/work`)."""
+    return str(len((cache_dir() / "work").resolve().parts) - 1)
+
+
 def counter_env(out: Path) -> dict:
-    """The environment that sends llama-server's counters under `out` (the work path's prefix stripped: the build
-    runs at `<cache>/work`)."""
-    work = (cache_dir() / "work").resolve()
-    return {"GCOV_PREFIX": str(out), "GCOV_PREFIX_STRIP": str(len(work.parts) - 1)}
+    """The environment that sends every llama-server's counters under `out` (llama.cpp's own tests' servers)."""
+    return {"GCOV_PREFIX": str(out), "GCOV_PREFIX_STRIP": _strip()}
+
+
+def cell_counter_env(out: Path) -> dict:
+    """The environment of a `specharness run` whose cells' llama-servers write their counters under
+    `out/<cell id>`, each apart."""
+    return {CELL_COUNTERS: str(out), "GCOV_PREFIX_STRIP": _strip()}
+
+
+def read_cells(counters: Path, tree_dir: Path, source: Path, files: list[str]) -> dict[str, dict[str, dict]]:
+    """cell id -> `read`'s result, for every cell whose llama-server wrote counters under `counters/<cell id>`."""
+    cells = sorted(p for p in counters.iterdir() if p.is_dir()) if counters.is_dir() else []
+    return {cell.name: read(cell, tree_dir, source, files) for cell in cells}
+
+
+def cells_to_serve(line_cells: set[str], suite_cells: list[Cell], measured: set[str]) -> list[str]:
+    """The ids of those of `suite_cells` a mutant must meet: each cell whose own runs execute its line
+    (`line_cells`) or wrote no counters at all (`measured` lacks it: not known, so served), and each cell that
+    compares with one of them (lossless with spec none, mode-invariant with seq, logits-close with both;
+    harness.matrix.shard's references): a verdict of any other cell reads only outputs the mutant cannot change."""
+    reaching = set(line_cells) | {c.id for c in suite_cells if c.id not in measured}
+
+    def compares_with_reaching(cell: Cell) -> bool:
+        refs = (cell, cell.reference(spec="none"), cell.reference(mode="seq"), cell.reference(mode="seq", spec="none"))
+        return any(ref.id in reaching for ref in refs)
+
+    return [c.id for c in suite_cells if compares_with_reaching(c)]
 
 
 def read(counters: Path, tree_dir: Path, source: Path, files: list[str]) -> dict[str, dict[str, list[int]]]:

@@ -78,10 +78,10 @@ def tokenize(model: Path, text: str) -> list[int]:
 
 
 def serve_fields(config: ServeConfig) -> dict:
-    """A ServeConfig as JSON (paths left out: they are the reproducer's variables; a scripted drafter's outputs
-    as [prompt, output] pairs)."""
+    """A ServeConfig as JSON (paths left out: they are the reproducer's variables, and so is the process's extra
+    environment; a scripted drafter's outputs as [prompt, output] pairs)."""
     data = asdict(config)
-    for name in ("model", "draft_model"):
+    for name in ("model", "draft_model", "env"):
         data.pop(name)
     engine = dict(config.engine)
     script = engine.pop("script", None)
