@@ -212,8 +212,11 @@ def test_a_campaign_names_no_path_of_this_machine_and_finds_its_tree_again_by_id
     (tree / "common" / "x.cpp").write_text(CPP + "// changed\n")
     with pytest.raises(HarnessError, match="is not the one it sampled"):
         Campaign.load(out).tree_source()
-    error = f"llama.cpp build failed (log)\n{tree}/common/x.cpp:3:1: error: expected ';'\n"
-    assert _compile_error(error, tree) == "common/x.cpp:3:1: error: expected ';'"
+    from harness.backends.build import work_dir
+
+    for where in (tree, work_dir() / "src"):  # the tree, or the work path the build links it at
+        error = f"llama.cpp build failed (log)\n{where}/common/x.cpp:3:1: error: expected ';'\n"
+        assert _compile_error(error, tree) == "common/x.cpp:3:1: error: expected ';'"
 
 
 def record(status: str, id_: str) -> dict:

@@ -9,6 +9,7 @@ a kill). A campaign is resumed from its directory: judged mutants are not judged
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import shutil
@@ -17,7 +18,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from harness import interrupt
-from harness.backends.build import BuildInfo, ensure_server, source_identity, vendored_source
+from harness.backends.build import BuildInfo, ensure_server, source_identity, vendored_source, work_dir
 from harness.errors import HarnessError
 from harness.mutate import coverage, peers
 from harness.mutate.battery import SuiteRun, require_clean_pass, run_suite, server_cells, timeout_for
@@ -312,6 +313,8 @@ class Judge:
 
 def _compile_error(message: str, tree: Path) -> str:
     """The compiler's first error line of a failed build's message (else its first line), with paths relative to
-    the tree (a campaign's files name no path of this machine)."""
-    lines = [line.replace(f"{tree}/", "") for line in message.splitlines()]
+    the tree (the compiler sees it linked at the build's work path: a campaign's files name no path of this
+    machine)."""
+    prefixes = [f"{tree}/", f"{work_dir() / 'src'}/", f"{work_dir().resolve() / 'src'}/"]
+    lines = [functools.reduce(lambda line, p: line.replace(p, ""), prefixes, line) for line in message.splitlines()]
     return next((line.strip() for line in lines if "error:" in line), lines[0] if lines else "build failed")[:300]

@@ -26,11 +26,10 @@ import shutil
 import subprocess
 from pathlib import Path
 
-from harness.backends.build import build_tree_dir, ensure_server
+from harness.backends.build import build_tree_dir, ensure_server, work_dir
 from harness.errors import HarnessError
 from harness.execute.executor import CELL_COUNTERS
 from harness.matrix import Cell
-from harness.paths import cache_dir
 
 COVERAGE_CMAKE = {
     "common/CMakeLists.txt": (
@@ -75,7 +74,7 @@ def build(tree: Path):
 def _strip() -> str:
     """GCOV_PREFIX_STRIP: the work path's prefix stripped from the counters' paths (the build runs at
     `<cache>/work`)."""
-    return str(len((cache_dir() / "work").resolve().parts) - 1)
+    return str(len(work_dir().resolve().parts) - 1)
 
 
 def counter_env(out: Path) -> dict:

@@ -8,7 +8,7 @@
 - `ensure`: a build by key, built once (`ensure_server`); `cli`: `specharness build`.
 """
 
-from harness.backends.build.cmake import BACKENDS, build_tree_dir, cmake_options
+from harness.backends.build.cmake import BACKENDS, build_tree_dir, cmake_options, work_dir
 from harness.backends.build.ensure import cached_server, ensure_server, prebuilt_server
 from harness.backends.build.entry import BuildInfo, load_build, require_executable
 from harness.backends.build.sources import SOURCE_MARKER, read_marker, source_identity, vendored_source
@@ -27,4 +27,5 @@ __all__ = [
     "require_executable",
     "source_identity",
     "vendored_source",
+    "work_dir",
 ]

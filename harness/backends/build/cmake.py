@@ -224,10 +224,16 @@ def build_tree_dir(source: Path, backend: str, args: list[str]) -> Path:
     return cache_dir() / "trees" / f"{backend}-{hashlib.sha256(blob.encode()).hexdigest()[:16]}"
 
 
+def work_dir() -> Path:
+    """The work path every build runs at (its tree mounted there, the source linked at `src`): the paths a compiler
+    and gcov name start with it."""
+    return cache_dir() / "work"
+
+
 @contextmanager
 def _mounted_tree(source: Path, backend: str, args: list[str]):
     """The tree of (source, backend, args) at the work path, under the work lock; put back afterwards."""
-    work = cache_dir() / "work"
+    work = work_dir()
     home = build_tree_dir(source, backend, args)
     with _locked(work, "the build work tree (one build at a time)"):
         _unmount(work)
