@@ -66,6 +66,15 @@ def test_log_only_statements_comments_and_includes_are_never_mutated(tree):
     assert {m.line for m in mutants_of(tree, Target("common/x.cpp"))} <= set(lines)
 
 
+def test_a_compile_time_assertion_is_never_mutated(tree):
+    """A mutant of a static_assert does not compile or emits the same code (campaign vendored-400-seed1's
+    2fbbed56f4b1, `== 11` made `>= 11`, was served by every cell of every suite for 15 minutes to survive)."""
+    (tree / "common" / "x.cpp").write_text(CPP + 'static_assert(N == 11,\n              "msg");\nint k = 1;\n')
+    lines = Target("common/x.cpp").lines(tree)
+    n = len(CPP.splitlines())
+    assert n + 1 not in lines and n + 2 not in lines and n + 3 in lines
+
+
 def test_a_function_target_is_its_body_only(tree):
     assert function_lines(CPP.splitlines(), "add") == [4, 5, 6, 7, 8]
     assert {m.line for m in mutants_of(tree, Target("common/x.cpp", "functions:unrelated"))} == {12}

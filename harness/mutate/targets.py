@@ -3,7 +3,8 @@
 The default (`DEFAULT_TARGETS`) is llama.cpp's speculative path: all of common/speculative.cpp, the functions of
 common/sampling.cpp that speculation calls (accept, clone, copy, sample, sample_and_accept_n), and the lines of
 tools/server/server-context.cpp that mention drafts, checkpoints, acceptance or `seq_rm`. Lines that only log are
-never mutated (a changed log line cannot change what a request returns), nor are comments and preprocessor lines.
+never mutated (a changed log line cannot change what a request returns), nor are compile-time assertions (a mutant
+there does not compile or emits the same code), comments and preprocessor lines.
 """
 
 from __future__ import annotations
@@ -32,6 +33,9 @@ LOG_START = re.compile(r"^\s*(SLT_|SRV_|QUE_|SPC_|LOG_|LOG\(|GGML_LOG_|LLAMA_LOG
 """The first line of a statement that only logs (llama-server's SLT_* / SRV_* / QUE_* macros, speculative.cpp's SPC_*,
 common's LOG_*)."""
 
+COMPILE_TIME = re.compile(r"^\s*static_assert\s*\(")
+"""The first line of a compile-time assertion: a mutant there does not compile, or emits the same object code."""
+
 NOT_CODE = re.compile(r"^\s*(//|#|$)")
 
 
@@ -51,8 +55,8 @@ class Target:
         except OSError:
             raise HarnessError(f"{path} cannot be read: is {tree} a llama.cpp tree with {self.file}?") from None
         chosen = self._chosen(text)
-        logging = log_only_lines(text)
-        return [n for n in chosen if n not in logging and not NOT_CODE.match(text[n - 1])]
+        left_out = log_only_lines(text) | statement_lines(text, COMPILE_TIME)
+        return [n for n in chosen if n not in left_out and not NOT_CODE.match(text[n - 1])]
 
     def _chosen(self, text: list[str]) -> list[int]:
         kind, _, arg = self.select.partition(":")
@@ -125,10 +129,15 @@ def function_lines(text: list[str], name: str, file: str = "") -> list[int]:
 
 def log_only_lines(text: list[str]) -> set[int]:
     """The 1-based lines of statements that only log: from a LOG_START line to the line ending its statement."""
+    return statement_lines(text, LOG_START)
+
+
+def statement_lines(text: list[str], start: re.Pattern) -> set[int]:
+    """The 1-based lines of the statements whose first line `start` matches, to the line ending each (`;`)."""
     lines: set[int] = set()
     n = 0
     while n < len(text):
-        if LOG_START.match(text[n]):
+        if start.match(text[n]):
             end = n
             while end < len(text) - 1 and not text[end].rstrip().endswith(";"):
                 end += 1
