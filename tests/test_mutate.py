@@ -209,7 +209,7 @@ def test_a_reached_mutant_meets_only_the_cells_that_execute_its_line_and_those_t
 def test_a_campaign_names_no_path_of_this_machine_and_finds_its_tree_again_by_identity(tree, tmp_path, monkeypatch):
     from harness.backends.build import source_identity
     from harness.mutate import campaign as campaign_module
-    from harness.mutate.campaign import VENDORED, Campaign, _compile_error
+    from harness.mutate.campaign import VENDORED, Campaign, _compile_error, portable
 
     monkeypatch.setattr(campaign_module, "vendored_source", lambda: tree)  # the vendored tree, wherever it lies
     plan = Campaign(VENDORED, str(source_identity(tree)), ["common/x.cpp"], 1, 1, 9, [], ["quicksort"], [])
@@ -222,10 +222,22 @@ def test_a_campaign_names_no_path_of_this_machine_and_finds_its_tree_again_by_id
     with pytest.raises(HarnessError, match="is not the one it sampled"):
         Campaign.load(out).tree_source()
     from harness.backends.build import work_dir
+    from harness.paths import cache_dir
 
     for where in (tree, work_dir() / "src"):  # the tree, or the work path the build links it at
         error = f"llama.cpp build failed (log)\n{where}/common/x.cpp:3:1: error: expected ';'\n"
-        assert _compile_error(error, tree) == "common/x.cpp:3:1: error: expected ';'"
+        record = {
+            "status": "stillborn",
+            "reason": _compile_error(error),
+            "runs": [{"message": f"log {out}/runs/a.log"}],
+            "note": f"full log: {cache_dir()}/builds/x.failed.log",
+        }
+        assert portable(record, tree, out) == {
+            "status": "stillborn",
+            "reason": "common/x.cpp:3:1: error: expected ';'",
+            "runs": [{"message": "log runs/a.log"}],
+            "note": "full log: <cache>/builds/x.failed.log",
+        }
 
 
 def record(status: str, id_: str) -> dict:

@@ -24,7 +24,7 @@ from harness.mutate import coverage, peers
 from harness.mutate.battery import SuiteRun, require_clean_pass, run_suite, server_cells, timeout_for
 from harness.mutate.generate import Mutant
 from harness.mutate.tree import MutationTree
-from harness.paths import append_jsonl, read_jsonl
+from harness.paths import append_jsonl, cache_dir, read_jsonl
 from harness.verdict.noise import hardware
 
 PLAN_FILE = "campaign.json"
@@ -237,7 +237,7 @@ class Judge:
             finally:
                 self._drop(build)
         record["seconds"] = round(time.monotonic() - started, 1)
-        return record
+        return portable(record, self.tree.path, self.run_dir)
 
     def _build(self, mutant: Mutant, record: dict) -> BuildInfo | None:
         started = time.monotonic()
@@ -249,7 +249,7 @@ class Judge:
                 if not str(err).startswith("llama.cpp build failed"):  # configuring, a lock, the disk: not the mutant
                     raise
                 build = None
-                record.update(status=STILLBORN, reason=_compile_error(str(err), self.tree.path))
+                record.update(status=STILLBORN, reason=_compile_error(str(err)))
         record["build_s"] = round(time.monotonic() - started, 1)
         return build
 
@@ -311,10 +311,26 @@ class Judge:
         Path(str(root) + ".lock").unlink(missing_ok=True)
 
 
-def _compile_error(message: str, tree: Path) -> str:
-    """The compiler's first error line of a failed build's message (else its first line), with paths relative to
-    the tree (the compiler sees it linked at the build's work path: a campaign's files name no path of this
-    machine)."""
-    prefixes = [f"{tree}/", f"{work_dir() / 'src'}/", f"{work_dir().resolve() / 'src'}/"]
-    lines = [functools.reduce(lambda line, p: line.replace(p, ""), prefixes, line) for line in message.splitlines()]
+def _compile_error(message: str) -> str:
+    """The compiler's first error line of a failed build's message (else its first line)."""
+    lines = message.splitlines()
     return next((line.strip() for line in lines if "error:" in line), lines[0] if lines else "build failed")[:300]
+
+
+def portable(record, tree: Path, run_dir: Path):
+    """`record` with the paths of this machine made relative: a file of the tree (as the compiler and llama-server
+    name it: the tree, or its link at the build's work path) by its path in the tree, a file of the campaign by its
+    path in the campaign's directory, any other file of the cache (a failed build's log) as `<cache>/...`. A
+    campaign's files name no path of the machine that wrote them."""
+    work = (work_dir() / "src", work_dir().resolve() / "src", tree, tree.resolve(), run_dir)
+    prefixes = [(f"{p}/", "") for p in work] + [
+        (f"{cache_dir()}/", "<cache>/"),
+        (f"{cache_dir().resolve()}/", "<cache>/"),
+    ]
+    if isinstance(record, dict):
+        return {k: portable(v, tree, run_dir) for k, v in record.items()}
+    if isinstance(record, list):
+        return [portable(v, tree, run_dir) for v in record]
+    if isinstance(record, str):
+        return functools.reduce(lambda text, p: text.replace(*p), prefixes, record)
+    return record
