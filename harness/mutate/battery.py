@@ -16,6 +16,7 @@ A harness error (exit 3) is the campaign's fault, not the mutant's: recorded as 
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import shutil
@@ -52,13 +53,14 @@ def server_suites() -> list[str]:
     return names
 
 
-def server_cells(suite: str) -> list[Cell]:
+@functools.cache
+def server_cells(suite: str) -> tuple[Cell, ...]:
     """The llama-server cells of the installed suite named `suite`, as `specharness run --backend server` plans
-    them."""
+    them (read once per process: a campaign asks for every suite's at every reached mutant)."""
     path = next((p for p in suite_files() if load_suite(str(p)).name == suite), None)
     if path is None:
         raise HarnessError(f"no installed suite named {suite}")
-    return [c for c in cells(load_suite(str(path)).matrix) if c.backend == "server"]
+    return tuple(c for c in cells(load_suite(str(path)).matrix) if c.backend == "server")
 
 
 @dataclass

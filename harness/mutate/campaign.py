@@ -117,8 +117,9 @@ class Judge:
     def __init__(self, campaign: Campaign, run_dir: Path, tree: MutationTree, keep_builds: bool = False):
         self.campaign, self.run_dir, self.tree, self.keep_builds = campaign, run_dir, tree, keep_builds
         self.clean_build = ensure_server(source=tree.path)
-        if campaign.clean_on != self.machine():  # another machine or a rebuilt build: measured again here
-            campaign.clean, campaign.clean_on = {}, self.machine()
+        machine = self.machine()
+        if campaign.clean_on != machine:  # another machine or a rebuilt build: measured again here
+            campaign.clean, campaign.clean_on = {}, machine
             campaign.save(run_dir)
         self.peer_tests = peers.stage(tree.path, run_dir) if campaign.peers else None
         self._reach: dict | None = None

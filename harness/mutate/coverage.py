@@ -24,6 +24,7 @@ import gzip
 import json
 import shutil
 import subprocess
+from collections.abc import Sequence
 from pathlib import Path
 
 from harness.backends.build import build_tree_dir, ensure_server, work_dir
@@ -94,7 +95,7 @@ def read_cells(counters: Path, tree_dir: Path, source: Path, files: list[str]) -
     return {cell.name: read(cell, tree_dir, source, files) for cell in cells}
 
 
-def cells_to_serve(line_cells: set[str], suite_cells: list[Cell], measured: set[str]) -> list[str]:
+def cells_to_serve(line_cells: set[str], suite_cells: Sequence[Cell], measured: set[str]) -> list[str]:
     """The ids of those of `suite_cells` a mutant must meet: each cell whose own runs execute its line
     (`line_cells`) or wrote no counters at all (`measured` lacks it: not known, so served), and each cell that
     compares with one of them (lossless with spec none, mode-invariant with seq, logits-close with both;
